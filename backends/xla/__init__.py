@@ -1,0 +1,1 @@
+"""The xla backend: a portable grouped GEMM from plain XLA ops."""

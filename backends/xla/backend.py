@@ -1,0 +1,56 @@
+"""XlaBackend: no custom kernels; tile loops on CPU, ragged_dot elsewhere."""
+
+from __future__ import annotations
+
+import jax
+
+from backends.xla import grouped_gemm as gmm
+from moe_core import backend
+
+
+class XlaBackend(backend.Backend):
+  """Portable grouped GEMM built from XLA ops.
+
+  Args:
+    levels: tile heights of the group-aligned tile loop, largest first.
+    use_ragged_dot: None picks by platform: `jax.lax.ragged_dot` off the CPU
+      (GPU and TPU have native lowerings), the tile loop on the CPU, where
+      ragged_dot becomes a dense masked product.
+  """
+
+  name = "xla"
+
+  def __init__(self, *, levels: tuple[int, ...] = gmm.DEFAULT_LEVELS,
+               use_ragged_dot: bool | None = None):
+    levels = tuple(levels)
+    if not levels or any(not isinstance(h, int) or h < 1 for h in levels):
+      raise ValueError(f"levels must be positive ints, got {levels}.")
+    if list(levels) != sorted(set(levels), reverse=True):
+      raise ValueError(f"levels must be strictly decreasing, got {levels}.")
+    self.levels = levels
+    self.use_ragged_dot = use_ragged_dot
+
+  def _ragged(self) -> bool:
+    if self.use_ragged_dot is None:
+      return jax.default_backend() != "cpu"
+    return self.use_ragged_dot
+
+  def _grouped_gemm(self, rows, weights, group_sizes, *, transpose_rhs,
+                    out_dtype):
+    if self._ragged():
+      return _ragged_dot(rows, weights, group_sizes, transpose_rhs, out_dtype)
+    return gmm.grouped_gemm(rows, weights, group_sizes, transpose_rhs,
+                            out_dtype, self.levels)
+
+
+def _ragged_dot(rows, weights, group_sizes, transpose_rhs, out_dtype):
+  """jax.lax.ragged_dot, with rows past sum(group_sizes) forced to zero."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  if transpose_rhs:
+    weights = jnp.swapaxes(weights, 1, 2)
+  valid = jnp.arange(rows.shape[0])[:, None] < jnp.sum(group_sizes)
+  # Zeroing the rows first keeps NaN in unused rows out of the gradients.
+  rows = jnp.where(valid, rows, jnp.zeros((), rows.dtype))
+  out = jax.lax.ragged_dot(rows, weights, group_sizes,
+                           preferred_element_type=jnp.float32)
+  return jnp.where(valid, out, 0.0).astype(out_dtype)

@@ -1,0 +1,27 @@
+"""dropless: Mixture-of-Experts layers for JAX that never drop a token."""
+
+from moe_core.api import moe_layer
+from moe_core.backend import Backend
+from moe_core.config import MoEConfig
+from moe_core.dispatch import combine
+from moe_core.dispatch import dispatch
+from moe_core.dispatch import Dispatched
+from moe_core.ffn import shared_expert
+from moe_core.params import init_params
+from moe_core.params import param_shapes
+from moe_core.registry import auto_order
+from moe_core.registry import available_backends
+from moe_core.registry import get_backend
+from moe_core.registry import register_backend
+from moe_core.registry import registered_backends
+from moe_core.routing import MoEAux
+from moe_core.routing import route
+from moe_core.routing import update_correction_bias
+
+__all__ = [
+    "Backend", "Dispatched", "MoEAux", "MoEConfig", "auto_order",
+    "available_backends", "combine", "dispatch", "get_backend",
+    "init_params", "moe_layer", "param_shapes", "register_backend",
+    "registered_backends", "route", "shared_expert",
+    "update_correction_bias",
+]

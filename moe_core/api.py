@@ -1,0 +1,80 @@
+"""The MoE layer: route -> dispatch -> expert compute -> combine.
+
+    x [..., D]
+      | flatten to [T, D]
+      v
+    route        x @ router (float32) -> scores -> (biased, group-limited)
+      |          top-k -> expert_ids [T, K], combine_weights [T, K], aux
+      v
+    dispatch     T*K token copies sorted by expert -> rows [T*K, D],
+      |          group_sizes [E] (no padding to capacity)
+      v
+    expert FFN   act(rows @ w_gate[e]) * (rows @ w_up[e]) @ w_down[e], one
+      |          grouped GEMM per projection over the ragged groups
+      v
+    combine      un-permute, weight and sum each token's K outputs -> [T, D]
+      |
+      + shared expert (optional, optionally sigmoid-gated)
+      v
+    y [..., D]
+
+Every stage is a public function or Backend method and can be used alone; a
+backend overrides any of them. Out of scope here: attention, the residual and
+norms around the block, and optimiser state (see `train/`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_core import backend as backend_lib
+from moe_core import config as config_lib
+from moe_core import ffn
+from moe_core import registry
+from moe_core import routing
+from moe_core import validation
+
+
+def moe_layer(params: dict, x: jax.Array, cfg: config_lib.MoEConfig,
+              backend: str | backend_lib.Backend = "auto",
+              ) -> tuple[jax.Array, routing.MoEAux]:
+  """Applies one MoE block.
+
+  Args:
+    params: the dict of `moe_core.param_shapes(cfg)`. Expert and shared
+      weights are cast to x's dtype for compute; routing runs in float32.
+    x: [..., D] activations (float32 or bfloat16).
+    cfg: the block's `MoEConfig`.
+    backend: a registered name ("auto", "reference", "xla", ...) or a
+      `Backend` instance. "auto" tries `registry.auto_order()` and falls
+      through a backend that raises NotImplementedError.
+
+  Returns:
+    y [..., D] in x's dtype, and the `MoEAux` of the routing.
+  """
+  validation.check_config(cfg)
+  validation.check_params(params, cfg)
+  validation.check_tokens(x, cfg)
+  tokens = x.reshape(-1, cfg.hidden_size)
+  aux = routing.route(tokens, params["router"], cfg,
+                      params.get("correction_bias"))
+  y = _routed_experts(backend, params, tokens, aux, cfg)
+  if cfg.shared_ffn_size:
+    shared = ffn.shared_expert(params, tokens, cfg)
+    y = (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(x.dtype)
+  return y.reshape(x.shape), aux
+
+
+def _routed_experts(backend, params, tokens, aux, cfg):
+  if backend != "auto":
+    return registry.get_backend(backend).routed_experts(params, tokens, aux,
+                                                        cfg)
+  unsupported = []
+  for candidate in registry.auto_candidates():
+    try:
+      return candidate.routed_experts(params, tokens, aux, cfg)
+    except NotImplementedError as e:
+      unsupported.append(f"{candidate.name}: {e}")
+  raise NotImplementedError("no available backend supports this call: "
+                            + "; ".join(unsupported))

@@ -1,0 +1,144 @@
+"""MoEConfig: the static description of one Mixture-of-Experts block."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "sum_top2")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Every knob of a routed-expert block, validated on construction.
+
+  The routing fields express the routers of Mixtral, Qwen2-MoE, Qwen3-MoE,
+  OLMoE, DeepSeek-V2 and DeepSeek-V3 exactly (see `moe_core/presets.py`).
+
+  Attributes:
+    num_experts: E, routed experts.
+    top_k: K, experts chosen per token.
+    hidden_size: D, model width.
+    expert_ffn_size: F, hidden width of one routed expert.
+    score_func: "softmax" over all E logits, or "sigmoid" per expert.
+    norm_topk_prob: renormalise the K chosen weights to sum to 1.
+    norm_epsilon: added to that denominator (DeepSeek-V3 uses 1e-20).
+    routed_scaling_factor: multiplies the routed weights after the optional
+      normalisation; never the shared expert.
+    correction_bias: DeepSeek-V3's aux-loss-free bias [E], added to the scores
+      for choosing experts only; combine weights use the unbiased scores.
+    n_group: experts split into this many contiguous groups (1 = no groups).
+    topk_group: only experts of the `topk_group` best groups may be chosen.
+    group_score: a group's score: "max" of its (biased) scores (DeepSeek-V2)
+      or "sum_top2", the sum of its two best (DeepSeek-V3).
+    shared_ffn_size: Fs, hidden width of the always-on shared expert
+      (0 = none).
+    shared_expert_gate: scale the shared expert's output per token by
+      sigmoid(x @ shared_gate) (Qwen2-MoE).
+    activation: "silu" (SwiGLU), "gelu" (GeGLU, exact erf) or "gelu_tanh".
+    capacity_factor: None means dropless. A number gives each expert
+      ceil(capacity_factor * T * K / E) slots; assignments beyond them are
+      dropped (top-1 choices first, then by token order) and counted.
+  """
+
+  num_experts: int
+  top_k: int
+  hidden_size: int
+  expert_ffn_size: int
+  score_func: str = "softmax"
+  norm_topk_prob: bool = False
+  norm_epsilon: float = 0.0
+  routed_scaling_factor: float = 1.0
+  correction_bias: bool = False
+  n_group: int = 1
+  topk_group: int = 1
+  group_score: str = "max"
+  shared_ffn_size: int = 0
+  shared_expert_gate: bool = False
+  activation: str = "silu"
+  capacity_factor: float | None = None
+
+  def __post_init__(self):
+    for name in ("num_experts", "top_k", "hidden_size", "expert_ffn_size",
+                 "n_group", "topk_group"):
+      _check_positive_int(name, getattr(self, name))
+    _check_int(self, "shared_ffn_size", minimum=0)
+    if self.top_k > self.num_experts:
+      raise ValueError(
+          f"top_k must be <= num_experts, got top_k={self.top_k}, "
+          f"num_experts={self.num_experts}.")
+    _check_choice("score_func", self.score_func, SCORE_FUNCS)
+    _check_choice("group_score", self.group_score, GROUP_SCORES)
+    _check_choice("activation", self.activation, ACTIVATIONS)
+    if self.num_experts % self.n_group:
+      raise ValueError(
+          f"n_group must divide num_experts, got n_group={self.n_group}, "
+          f"num_experts={self.num_experts}.")
+    if self.topk_group > self.n_group:
+      raise ValueError(
+          f"topk_group must be <= n_group, got topk_group={self.topk_group}, "
+          f"n_group={self.n_group}.")
+    if self.n_group > 1:
+      per_group = self.num_experts // self.n_group
+      if self.group_score == "sum_top2" and per_group < 2:
+        raise ValueError(
+            "group_score='sum_top2' needs at least 2 experts per group, got "
+            f"num_experts={self.num_experts} / n_group={self.n_group} = "
+            f"{per_group}.")
+      if self.top_k > self.topk_group * per_group:
+        raise ValueError(
+            "top_k must be <= topk_group * experts per group (the experts "
+            f"that may be chosen), got top_k={self.top_k}, topk_group="
+            f"{self.topk_group}, experts per group={per_group}.")
+    if self.shared_expert_gate and not self.shared_ffn_size:
+      raise ValueError("shared_expert_gate=True needs shared_ffn_size > 0, "
+                       f"got shared_ffn_size={self.shared_ffn_size}.")
+    if not (isinstance(self.norm_epsilon, (int, float))
+            and self.norm_epsilon >= 0):
+      raise ValueError(
+          f"norm_epsilon must be a float >= 0, got {self.norm_epsilon!r}.")
+    if not (isinstance(self.routed_scaling_factor, (int, float))
+            and math.isfinite(self.routed_scaling_factor)):
+      raise ValueError("routed_scaling_factor must be a finite number, got "
+                       f"{self.routed_scaling_factor!r}.")
+    if self.capacity_factor is not None and not (
+        isinstance(self.capacity_factor, (int, float))
+        and self.capacity_factor > 0):
+      raise ValueError("capacity_factor must be None (dropless) or a number "
+                       f"> 0, got {self.capacity_factor!r}.")
+
+  @property
+  def dropless(self) -> bool:
+    return self.capacity_factor is None
+
+  @property
+  def experts_per_group(self) -> int:
+    return self.num_experts // self.n_group
+
+  def expert_capacity(self, num_tokens: int) -> int | None:
+    """Slots per expert for `num_tokens` tokens, or None when dropless."""
+    if self.capacity_factor is None:
+      return None
+    return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k
+                            / self.num_experts))
+
+  def replace(self, **changes) -> MoEConfig:
+    return dataclasses.replace(self, **changes)
+
+
+def _check_positive_int(name, value):
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}.")
+
+
+def _check_int(cfg, name, *, minimum):
+  value = getattr(cfg, name)
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+def _check_choice(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")

@@ -1,0 +1,76 @@
+"""Stages 2 and 4: sort token copies by expert (dispatch) and undo it (combine)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+  """Token copies grouped by expert, and what `combine` needs to undo it.
+
+  With T tokens and K choices, there are M = T*K copies, one per
+  (token, choice) assignment, numbered a = t*K + k.
+
+  Attributes:
+    rows: [M, D] copies sorted by expert (stable, so by token within an
+      expert). Copies dropped by capacity come last, past sum(group_sizes).
+    group_sizes: [E] int32, rows per expert; sum(group_sizes) <= M.
+    assignment: [M] int32, the assignment a held by each sorted row.
+    position: [M] int32, the inverse: the sorted row of assignment a.
+  """
+
+  rows: jax.Array
+  group_sizes: jax.Array
+  assignment: jax.Array
+  position: jax.Array
+
+
+def dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int,
+             kept: jax.Array | None = None) -> Dispatched:
+  """Groups token copies by expert so each expert's rows are contiguous.
+
+  Args:
+    x: [T, D] activations.
+    expert_ids: [T, K] int32 chosen experts.
+    num_experts: E, the length of `group_sizes`.
+    kept: optional [T, K] bool; False copies are sorted past every group.
+
+  Returns:
+    `Dispatched` with rows [T*K, D].
+  """
+  t, k = expert_ids.shape
+  flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
+  if kept is not None:
+    # Dropped copies get the key E, which sorts after every real expert.
+    flat_ids = jnp.where(kept.reshape(-1), flat_ids, num_experts)
+  assignment = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)
+  position = jnp.zeros(t * k, jnp.int32).at[assignment].set(
+      jnp.arange(t * k, dtype=jnp.int32))
+  group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+  rows = x[assignment // k]
+  return Dispatched(rows=rows, group_sizes=group_sizes, assignment=assignment,
+                    position=position)
+
+
+def combine(expert_out: jax.Array, dispatched: Dispatched,
+            combine_weights: jax.Array,
+            kept: jax.Array | None = None) -> jax.Array:
+  """Weighted un-permute: expert_out [M, D] rows -> [T, D] in token order.
+
+  y[t] = sum_k combine_weights[t, k] * expert_out[position[t*K + k]],
+  summed in float32 and returned in expert_out's dtype. Dropped copies
+  (kept False) contribute exactly zero, even if their rows hold NaN.
+  """
+  t, k = combine_weights.shape
+  per_copy = expert_out[dispatched.position].reshape(t, k, -1)
+  per_copy = per_copy.astype(jnp.float32)
+  if kept is not None:
+    per_copy = jnp.where(kept[..., None], per_copy, 0.0)
+  y = jnp.einsum("tk,tkd->td", combine_weights.astype(jnp.float32), per_copy,
+                 precision=jax.lax.Precision.HIGHEST)
+  return y.astype(expert_out.dtype)

@@ -1,0 +1,51 @@
+"""The parameter layout of an MoE block and its initialiser."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_core import config as config_lib
+
+
+def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
+  """Name -> shape of every parameter `cfg` needs; each matrix is used x @ W.
+
+  router [D, E]; correction_bias [E] (if enabled); w_gate, w_up [E, D, F];
+  w_down [E, F, D]; shared_w_gate, shared_w_up [D, Fs], shared_w_down [Fs, D]
+  (if shared_ffn_size); shared_gate [D, 1] (if shared_expert_gate).
+  """
+  d, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_ffn_size
+  shapes = {"router": (d, e)}
+  if cfg.correction_bias:
+    shapes["correction_bias"] = (e,)
+  shapes.update(w_gate=(e, d, f), w_up=(e, d, f), w_down=(e, f, d))
+  if cfg.shared_ffn_size:
+    fs = cfg.shared_ffn_size
+    shapes.update(shared_w_gate=(d, fs), shared_w_up=(d, fs),
+                  shared_w_down=(fs, d))
+    if cfg.shared_expert_gate:
+      shapes["shared_gate"] = (d, 1)
+  return shapes
+
+
+def init_params(key: jax.Array, cfg: config_lib.MoEConfig,
+                dtype=jnp.float32) -> dict[str, jax.Array]:
+  """Random parameters for `cfg` in the layout of `param_shapes`.
+
+  Matrices are drawn from a truncated normal with std 1/sqrt(fan_in), fan_in
+  being the contracted dimension; the correction bias starts at zero and stays
+  float32 whatever `dtype` is (it is routing state, updated by a sign rule).
+  """
+  shapes = param_shapes(cfg)
+  keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
+  params = {}
+  for name, shape in shapes.items():
+    if name == "correction_bias":
+      params[name] = jnp.zeros(shape, jnp.float32)
+      continue
+    fan_in = shape[-2]
+    std = fan_in ** -0.5
+    params[name] = (std * jax.random.truncated_normal(
+        keys[name], -2.0, 2.0, shape, jnp.float32)).astype(dtype)
+  return params

@@ -1,0 +1,131 @@
+"""Backend registry: names -> lazily imported Backend classes, and "auto"."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import jax
+
+from moe_core import backend as backend_lib
+
+# name -> "module:ClassName". Modules are imported on first use only, so
+# importing moe_core never imports a backend's hardware-only dependencies.
+_REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
+    "reference": "reference.backend:ReferenceBackend",
+    "xla": "backends.xla.backend:XlaBackend",
+}
+
+# What "auto" tries, per platform, first to last. Every order ends at
+# "reference", which runs everywhere. Names not registered are skipped.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "gpu": ("pallas", "xla", "reference"),
+    "cpu": ("xla", "pallas", "reference"),
+}
+_DEFAULT_AUTO_ORDER = ("xla", "reference")
+
+_instances: dict[tuple, backend_lib.Backend] = {}
+
+
+def register_backend(name: str,
+                     target: str | Callable[..., backend_lib.Backend], *,
+                     overwrite: bool = False) -> None:
+  """Registers a backend under `name`.
+
+  Args:
+    name: what users pass as `backend=` or `--moe_backend`.
+    target: "package.module:ClassName" (imported lazily) or a callable that
+      returns a `Backend` given the options of `get_backend`.
+    overwrite: allow replacing an existing registration.
+  """
+  if not isinstance(name, str) or not name or name == "auto":
+    raise ValueError(f"backend name must be a non-empty string other than "
+                     f"'auto', got {name!r}.")
+  if name in _REGISTRY and not overwrite:
+    raise ValueError(f"backend {name!r} is already registered; pass "
+                     "overwrite=True to replace it.")
+  _REGISTRY[name] = target
+  for key in [k for k in _instances if k[0] == name]:
+    del _instances[key]
+
+
+def registered_backends() -> list[str]:
+  """Every registered name, usable here or not."""
+  return list(_REGISTRY)
+
+
+def _check_name(name) -> None:
+  if name != "auto" and name not in _REGISTRY:
+    raise ValueError(f"unknown MoE backend {name!r}; valid names: "
+                     f"{['auto'] + registered_backends()}.")
+
+
+def _construct(name: str, options: dict) -> backend_lib.Backend:
+  target = _REGISTRY[name]
+  if isinstance(target, str):
+    module_name, _, attr = target.partition(":")
+    target = getattr(importlib.import_module(module_name), attr)
+  instance = target(**options)
+  if not isinstance(instance, backend_lib.Backend):
+    raise TypeError(f"backend {name!r} built {type(instance)}, not a "
+                    "moe_core Backend.")
+  return instance
+
+
+def get_backend(name: str = "auto", **options) -> backend_lib.Backend:
+  """The backend called `name`, built with `options` (cached per options).
+
+  "auto" gives the first available backend of `auto_order()`. A named
+  backend is returned even if it cannot run here: ask its `availability()`.
+
+  Raises:
+    ValueError: unknown name (the message lists the valid ones).
+    ImportError: the backend's module needs a package that is absent.
+  """
+  if isinstance(name, backend_lib.Backend):
+    return name
+  _check_name(name)
+  if name == "auto":
+    if options:
+      raise ValueError("backend 'auto' takes no options, got "
+                       f"{sorted(options)}; name a backend to configure it.")
+    return auto_candidates()[0]
+  key = (name, tuple(sorted(options.items())))
+  try:
+    hash(key)
+  except TypeError:
+    return _construct(name, options)
+  if key not in _instances:
+    _instances[key] = _construct(name, options)
+  return _instances[key]
+
+
+def availability(name: str) -> tuple[bool, str]:
+  """(usable here, why not) for a registered name, without raising."""
+  _check_name(name)
+  if name == "auto":
+    return True, ""
+  try:
+    return get_backend(name).availability()
+  except ImportError as e:
+    return False, str(e)
+
+
+def available_backends() -> list[str]:
+  """The registered names usable on this machine now."""
+  return [n for n in registered_backends() if availability(n)[0]]
+
+
+def auto_order(platform: str | None = None) -> tuple[str, ...]:
+  """The documented "auto" order for `platform` (default: JAX's default)."""
+  platform = platform or jax.default_backend()
+  order = AUTO_ORDER.get(platform, _DEFAULT_AUTO_ORDER)
+  return tuple(n for n in order if n in _REGISTRY)
+
+
+def auto_candidates() -> list[backend_lib.Backend]:
+  """The available backends "auto" would try, in order (never empty)."""
+  found = [get_backend(n) for n in auto_order() if availability(n)[0]]
+  if not found:
+    found = [get_backend("reference")]
+  return found

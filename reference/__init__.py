@@ -1,0 +1,1 @@
+"""The reference backend: slow, obviously correct pure JAX; the oracle."""

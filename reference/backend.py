@@ -1,0 +1,78 @@
+"""ReferenceBackend: one expert at a time, masks instead of sorting, float32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_core import backend
+from moe_core import ffn
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def group_row_mask(num_rows: int, group_sizes: jax.Array) -> jax.Array:
+  """[E, M] bool: mask[e, r] iff row r belongs to group e."""
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  row = jnp.arange(num_rows)[None, :]
+  return (row >= starts[:, None]) & (row < ends[:, None])
+
+
+def grouped_gemm(rows, weights, group_sizes, *, transpose_rhs=False,
+                 out_dtype=None):
+  """[M, K] x [E, K, N] -> [M, N]; rows past sum(group_sizes) are zero.
+
+  Every row is multiplied by every expert and the masks keep the right
+  product. Masking the rows before the product (not only after) keeps NaN in
+  unused rows out of the weight gradient.
+  """
+  masks = group_row_mask(rows.shape[0], group_sizes)
+  n = weights.shape[1] if transpose_rhs else weights.shape[2]
+  out = jnp.zeros((rows.shape[0], n), jnp.float32)
+  for e in range(weights.shape[0]):  # One expert at a time, for clarity.
+    mine = masks[e][:, None]
+    w = weights[e].T if transpose_rhs else weights[e]
+    prod = jnp.dot(jnp.where(mine, rows, 0).astype(jnp.float32),
+                   w.astype(jnp.float32), precision=_HIGHEST)
+    out += jnp.where(mine, prod, 0.0)
+  return out.astype(out_dtype or rows.dtype)
+
+
+def expert_ffn_dense(x, params, expert, activation):
+  """Expert `expert`'s gated FFN on every token, in float32: [T, D] -> [T, D]."""
+  x = x.astype(jnp.float32)
+  w = {n: params[n][expert].astype(jnp.float32)
+       for n in ("w_gate", "w_up", "w_down")}
+  gate = jnp.dot(x, w["w_gate"], precision=_HIGHEST)
+  up = jnp.dot(x, w["w_up"], precision=_HIGHEST)
+  h = ffn.activation(activation)(gate) * up
+  return jnp.dot(h, w["w_down"], precision=_HIGHEST)
+
+
+class ReferenceBackend(backend.Backend):
+  """The oracle. Runs anywhere, supports everything the API allows."""
+
+  name = "reference"
+
+  def _grouped_gemm(self, rows, weights, group_sizes, *, transpose_rhs,
+                    out_dtype):
+    return grouped_gemm(rows, weights, group_sizes,
+                        transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+
+  def routed_experts(self, params, x, aux, cfg):
+    """y[t] = sum_e w[t, e] * FFN_e(x[t]) with no dispatch at all.
+
+    w[t, e] is the combine weight of the (kept) choices of token t that name
+    expert e; every expert runs on every token and the weights pick.
+    """
+    chosen = jax.nn.one_hot(aux.expert_ids, cfg.num_experts,
+                            dtype=jnp.float32)  # [T, K, E]
+    kept_weights = jnp.where(aux.kept, aux.combine_weights, 0.0)
+    token_expert_weight = jnp.einsum("tk,tke->te", kept_weights, chosen,
+                                     precision=_HIGHEST)
+    y = jnp.zeros(x.shape, jnp.float32)
+    for e in range(cfg.num_experts):
+      y += token_expert_weight[:, e:e + 1] * expert_ffn_dense(
+          x, params, e, cfg.activation)
+    return y.astype(x.dtype)
