@@ -6,6 +6,7 @@ import abc
 from typing import ClassVar
 
 import jax
+from jax import ad_checkpoint
 import jax.numpy as jnp
 
 from moe_core import config as config_lib
@@ -13,6 +14,14 @@ from moe_core import dispatch as dispatch_lib
 from moe_core import ffn
 from moe_core import routing
 from moe_core import validation
+
+
+# Names of the expert GEMM outputs, for jax.checkpoint policies
+# (save_only_these_names, save_and_offload_only_these_names, ...).
+GATE_NAME = "moe_gate"
+UP_NAME = "moe_up"
+DOWN_NAME = "moe_down"
+CHECKPOINT_NAMES = (GATE_NAME, UP_NAME, DOWN_NAME)
 
 
 class Backend(abc.ABC):
@@ -72,14 +81,18 @@ class Backend(abc.ABC):
                  cfg: config_lib.MoEConfig) -> jax.Array:
     """Each row through its expert's gated FFN: [M, D] -> [M, D].
 
-    Rows past sum(group_sizes) come out as zeros.
+    Rows past sum(group_sizes) come out as zeros. The GEMM outputs carry
+    the checkpoint names in `CHECKPOINT_NAMES`; an override keeps them.
     """
     w_gate, w_up, w_down = (params[n].astype(rows.dtype)
                             for n in ("w_gate", "w_up", "w_down"))
-    gate = self.grouped_gemm(rows, w_gate, group_sizes)
-    up = self.grouped_gemm(rows, w_up, group_sizes)
-    return self.grouped_gemm(ffn.gated(gate, up, cfg.activation), w_down,
-                             group_sizes)
+    gate = ad_checkpoint.checkpoint_name(
+        self.grouped_gemm(rows, w_gate, group_sizes), GATE_NAME)
+    up = ad_checkpoint.checkpoint_name(
+        self.grouped_gemm(rows, w_up, group_sizes), UP_NAME)
+    out = self.grouped_gemm(ffn.gated(gate, up, cfg.activation), w_down,
+                            group_sizes)
+    return ad_checkpoint.checkpoint_name(out, DOWN_NAME)
 
   # --- Dispatch and combine -------------------------------------------------
 

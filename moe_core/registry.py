@@ -14,6 +14,7 @@ from moe_core import backend as backend_lib
 _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
     "reference": "reference.backend:ReferenceBackend",
     "xla": "backends.xla.backend:XlaBackend",
+    "pallas": "backends.pallas.backend:PallasBackend",
 }
 
 # What "auto" tries, per platform, first to last. Every order ends at
