@@ -10,7 +10,7 @@ from jax import ad_checkpoint
 import jax.numpy as jnp
 
 from moe_core import config as config_lib
-from moe_core import dispatch as dispatch_lib
+from moe_core import permute
 from moe_core import ffn
 from moe_core import routing
 from moe_core import validation
@@ -97,15 +97,15 @@ class Backend(abc.ABC):
   # --- Dispatch and combine -------------------------------------------------
 
   def dispatch(self, x: jax.Array, aux: routing.MoEAux,
-               cfg: config_lib.MoEConfig) -> dispatch_lib.Dispatched:
+               cfg: config_lib.MoEConfig) -> permute.Dispatched:
     kept = None if cfg.dropless else aux.kept
-    return dispatch_lib.dispatch(x, aux.expert_ids, cfg.num_experts, kept)
+    return permute.dispatch(x, aux.expert_ids, cfg.num_experts, kept)
 
   def combine(self, expert_out: jax.Array,
-              dispatched: dispatch_lib.Dispatched, aux: routing.MoEAux,
+              dispatched: permute.Dispatched, aux: routing.MoEAux,
               cfg: config_lib.MoEConfig) -> jax.Array:
     kept = None if cfg.dropless else aux.kept
-    return dispatch_lib.combine(expert_out, dispatched, aux.combine_weights,
+    return permute.combine(expert_out, dispatched, aux.combine_weights,
                                 kept)
 
   # --- The routed block -----------------------------------------------------
