@@ -1,0 +1,220 @@
+"""Bazel macros for dropless: Python libraries, tests and backend conformance.
+
+Every macro wraps a built-in Python rule of Bazel 4.2.3 (no rules_python).
+Third-party packages (jax, absl, numpy, ...) are not Bazel targets: they come
+from the interpreter of the registered toolchain (bazel/python_toolchain.bzl),
+normally the project's .venv.
+"""
+
+# Tags that keep a target out of CPU runs (.bazelrc filters them).
+_DEVICE_TAGS = {
+    "cpu": [],
+    "gpu": ["requires-gpu"],
+    "tpu": ["requires-tpu"],
+}
+
+def _workspace_root_import():
+    """The `imports` entry that puts the workspace root on sys.path."""
+    package = native.package_name()
+    if not package:
+        return "."
+    return "/".join([".."] * len(package.split("/")))
+
+def moe_py_library(
+        name,
+        srcs,
+        deps = [],
+        data = [],
+        visibility = ["//visibility:public"]):
+    """A py_library importable by its path from the workspace root.
+
+    `import moe_core`, `from backends.xla import backend`,
+    `from conformance import cases`, `import train...` then work from any test
+    or binary that depends on the library.
+
+    Args:
+      name: target name; by convention the module or package name.
+      srcs: the library's .py files.
+      deps: other moe_py_library targets it imports. Third-party packages
+        come from the toolchain's interpreter and are not listed.
+      data: files read at run time.
+      visibility: Bazel visibility; public by default.
+    """
+    native.py_library(
+        name = name,
+        srcs = srcs,
+        deps = deps,
+        data = data,
+        imports = [_workspace_root_import()],
+        srcs_version = "PY3",
+        visibility = visibility,
+    )
+
+def moe_py_test(
+        name,
+        srcs,
+        deps = [],
+        data = [],
+        size = "medium",
+        shard_count = None,
+        args = [],
+        env = {},
+        tags = [],
+        devices = None,
+        main = None,
+        timeout = None,
+        flaky = False):
+    """A py_test that runs JAX on the CPU unless it is tagged requires-gpu.
+
+    The environment is set by Bazel before Python starts, hence before JAX is
+    imported: `JAX_PLATFORMS=cpu` (omitted for tests tagged `requires-gpu`)
+    and, for `devices = N`, `XLA_FLAGS=--xla_force_host_platform_device_count=N`
+    so that N CPU devices exist for sharding tests.
+
+    Args:
+      name: target name; `<name>.py` is the main file unless `main` is given.
+      srcs: the test's .py files.
+      deps: moe_py_library targets it imports.
+      data: files read at run time.
+      size: Bazel test size ("small", "medium", "large", "enormous"); it sets
+        the default timeout. JAX compiles slowly on two cores: heavy tests
+        should be "large" or sharded.
+      shard_count: number of shards (absltest honours Bazel's sharding).
+      args: command-line arguments (Bazel splits them like a Bourne shell).
+      env: extra environment variables. An `XLA_FLAGS` entry is appended to
+        the one `devices` sets; any other entry overrides the defaults.
+      tags: Bazel tags; `requires-gpu` / `requires-tpu` keep the test out of
+        CPU runs (see .bazelrc) and drop `JAX_PLATFORMS=cpu`.
+      devices: number of simulated CPU devices, or None for JAX's default.
+      main: the main file, if not `<name>.py`.
+      timeout: Bazel timeout ("short", ..., "eternal"); None follows `size`.
+      flaky: let Bazel retry a failing run up to three times.
+    """
+    test_env = {}
+    if "requires-gpu" not in tags:
+        test_env["JAX_PLATFORMS"] = "cpu"
+    if devices != None:
+        if type(devices) != "int" or devices < 1:
+            fail("moe_py_test %r: devices must be a positive int or None, " %
+                 name + "got %r." % (devices,))
+        test_env["XLA_FLAGS"] = (
+            "--xla_force_host_platform_device_count=%d" % devices
+        )
+    for key, value in env.items():
+        if key == "XLA_FLAGS" and key in test_env:
+            test_env[key] = test_env[key] + " " + value
+        else:
+            test_env[key] = value
+
+    optional = {}
+    if shard_count != None:
+        optional["shard_count"] = shard_count
+    if main != None:
+        optional["main"] = main
+    if timeout != None:
+        optional["timeout"] = timeout
+
+    native.py_test(
+        name = name,
+        srcs = srcs,
+        deps = deps,
+        data = data,
+        size = size,
+        args = args,
+        env = test_env,
+        tags = tags,
+        flaky = flaky,
+        imports = [_workspace_root_import()],
+        python_version = "PY3",
+        srcs_version = "PY3",
+        **optional
+    )
+
+def _shell_quote(text):
+    """`text` as one Bourne-shell word, with `$` escaped from Make expansion.
+
+    Bazel expands "Make" variables (`$(...)`, `$$`) in test `args` and genrule
+    `cmd`, then splits `args` like a Bourne shell: JSON must survive both.
+    """
+    quoted = "'" + text.replace("'", "'\\''") + "'"
+    return quoted.replace("$", "$$")
+
+def _conformance_main(name):
+    """Generates `<name>_main.py`, which runs //conformance:conformance_main."""
+    out = name + "_main.py"
+    lines = [
+        '"""Generated by moe_conformance_test: runs the conformance suite."""',
+        "from conformance import conformance_main",
+        "conformance_main.main()",
+    ]
+    native.genrule(
+        name = name + "_main_gen",
+        outs = [out],
+        cmd = "printf '%%s\\n' %s > $@" % " ".join(
+            [_shell_quote(line) for line in lines],
+        ),
+        visibility = ["//visibility:private"],
+    )
+    return out
+
+def moe_conformance_test(
+        name = "conformance_test",
+        backend = None,
+        options = {},
+        shard_count = 4,
+        size = "large",
+        tags = [],
+        device = "cpu",
+        deps = []):
+    """Runs the whole shared conformance suite against one backend.
+
+    One BUILD line per backend, e.g. in backends/xla/BUILD:
+
+        moe_conformance_test(backend = "xla", deps = [":xla"])
+
+    The test's main is generated here; it calls `conformance_main.main()`,
+    which runs absltest on the suite for `--backend=<backend>` with
+    `--backend_options=<options as JSON>`.
+
+    Args:
+      name: target name.
+      backend: the registered backend name (moe_core.registered_backends()),
+        e.g. "xla"; not a label.
+      options: keyword options for `moe_core.get_backend(backend, **options)`,
+        a dict of JSON-encodable values, e.g. {"interpret": True}.
+      shard_count: number of shards; the suite is split across them.
+      size: Bazel test size; "large" gives each shard 15 minutes.
+      tags: extra Bazel tags.
+      device: "cpu", "gpu" (adds tag requires-gpu) or "tpu" (requires-tpu).
+      deps: the library that defines the backend's module (the registry
+        imports it by name at run time), e.g. [":xla"].
+    """
+    if not backend or type(backend) != "string":
+        fail("moe_conformance_test %r: backend must be a registered " % name +
+             "backend name such as \"xla\", got %r." % (backend,))
+    if device not in _DEVICE_TAGS:
+        fail("moe_conformance_test %r: device must be one of %s, got %r." %
+             (name, sorted(_DEVICE_TAGS.keys()), device))
+
+    main = _conformance_main(name)
+    suite_deps = ["//conformance:conformance_main"] + deps
+    suite_args = [
+        "--backend=" + backend,
+        "--backend_options=" + _shell_quote(json.encode(options)),
+    ]
+    device_tags = [t for t in _DEVICE_TAGS[device] if t not in tags]
+
+    moe_py_test(
+        name = name,
+        srcs = [main],
+        main = main,
+        deps = suite_deps,
+        size = size,
+        shard_count = shard_count,
+        args = suite_args,
+        tags = tags + device_tags,
+    )
+
+    # Expert parallelism: the `<name>_ep` target (the same suite on 8
+    # simulated devices) goes here, as a second moe_py_test reusing `main`,
+    # `suite_deps` and `suite_args`, with `devices = 8` and the EP flag.
