@@ -51,6 +51,9 @@ def _ragged_dot(rows, weights, group_sizes, transpose_rhs, out_dtype):
   valid = jnp.arange(rows.shape[0])[:, None] < jnp.sum(group_sizes)
   # Zeroing the rows first keeps NaN in unused rows out of the gradients.
   rows = jnp.where(valid, rows, jnp.zeros((), rows.dtype))
-  out = jax.lax.ragged_dot(rows, weights, group_sizes,
+  # float32 inputs ask for full float32 products (no TF32 on GPUs).
+  precision = (jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32
+               else None)
+  out = jax.lax.ragged_dot(rows, weights, group_sizes, precision=precision,
                            preferred_element_type=jnp.float32)
   return jnp.where(valid, out, 0.0).astype(out_dtype)

@@ -1,0 +1,310 @@
+"""moe_core.routing against a per-token numpy router written with loops."""
+
+import math
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_core import config as config_lib
+from moe_core import routing
+
+_T, _D = 24, 16
+
+
+def _route_token(logits, cfg, bias):
+  """One token, float64: (ids best first, combine weights, probs [E])."""
+  logits = [float(v) for v in logits]
+  if cfg.score_func == "softmax":
+    m = max(logits)
+    exps = [math.exp(v - m) for v in logits]
+    scores = [v / sum(exps) for v in exps]
+    probs = scores
+  else:
+    scores = [1 / (1 + math.exp(-v)) for v in logits]
+    probs = [s / sum(scores) for s in scores]
+  shift = [0.0] * cfg.num_experts if bias is None else [float(b) for b in bias]
+  choice = [s + b for s, b in zip(scores, shift)]
+  eligible = list(range(cfg.num_experts))
+  if cfg.n_group > 1:
+    size = cfg.num_experts // cfg.n_group
+    group_score = {}
+    for g in range(cfg.n_group):
+      members = sorted(choice[g * size:(g + 1) * size], reverse=True)
+      group_score[g] = (members[0] if cfg.group_score == "max"
+                        else members[0] + members[1])
+    best = sorted(group_score, key=lambda g: -group_score[g])[:cfg.topk_group]
+    eligible = [e for e in eligible if e // size in best]
+  ids = sorted(eligible, key=lambda e: -choice[e])[:cfg.top_k]
+  weights = [scores[e] for e in ids]
+  if cfg.norm_topk_prob:
+    total = sum(weights) + cfg.norm_epsilon
+    weights = [w / total for w in weights]
+  weights = [w * cfg.routed_scaling_factor for w in weights]
+  return ids, weights, probs
+
+
+def _keep_mask(ids, num_experts, capacity):
+  """GShard priority: all first choices (token order), then all second..."""
+  t, k = ids.shape
+  used = [0] * num_experts
+  kept = np.zeros((t, k), bool)
+  for choice in range(k):
+    for token in range(t):
+      e = ids[token, choice]
+      if used[e] < capacity:
+        kept[token, choice] = True
+        used[e] += 1
+  return kept
+
+
+def _inputs(cfg, seed=0, bias_scale=0.0, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((_T, cfg.hidden_size)).astype(np.float32)
+  router = (0.4 * rng.standard_normal(
+      (cfg.hidden_size, cfg.num_experts))).astype(np.float32)
+  bias = None
+  if cfg.correction_bias:
+    bias = (bias_scale * rng.standard_normal(cfg.num_experts)).astype(
+        np.float32)
+  return jnp.asarray(x, dtype), jnp.asarray(router, dtype), bias
+
+
+def _cfg(**kw):
+  fields = dict(num_experts=8, top_k=2, hidden_size=_D, expert_ffn_size=8)
+  fields.update(kw)
+  return config_lib.MoEConfig(**fields)
+
+
+class RouteTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("softmax", dict()),
+      ("softmax_norm", dict(norm_topk_prob=True)),
+      ("softmax_norm_epsilon", dict(norm_topk_prob=True, norm_epsilon=0.5)),
+      ("softmax_scaled", dict(top_k=3, routed_scaling_factor=16.0)),
+      ("softmax_top1", dict(top_k=1)),
+      ("sigmoid", dict(score_func="sigmoid")),
+      ("sigmoid_norm_scaled", dict(score_func="sigmoid", norm_topk_prob=True,
+                                   routed_scaling_factor=2.5)),
+      ("sigmoid_bias", dict(score_func="sigmoid", correction_bias=True,
+                            norm_topk_prob=True, norm_epsilon=1e-20)),
+      ("groups_max", dict(num_experts=16, top_k=3, n_group=4, topk_group=2,
+                          group_score="max", routed_scaling_factor=16.0)),
+      ("groups_sum_top2_bias", dict(
+          num_experts=16, top_k=4, n_group=4, topk_group=2,
+          group_score="sum_top2", score_func="sigmoid", correction_bias=True,
+          norm_topk_prob=True, routed_scaling_factor=2.5)),
+      ("groups_sum_top2_softmax", dict(num_experts=12, top_k=2, n_group=3,
+                                       topk_group=1, group_score="sum_top2")),
+      ("groups_top_k_fills_groups", dict(num_experts=8, top_k=4, n_group=4,
+                                         topk_group=2)),
+  )
+  def test_matches_per_token_numpy(self, fields):
+    cfg = _cfg(**fields)
+    x, router, bias = _inputs(cfg, bias_scale=0.3)
+    aux = routing.route(x, router, cfg,
+                        None if bias is None else jnp.asarray(bias))
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+    np.testing.assert_allclose(aux.router_logits, logits, rtol=1e-5,
+                               atol=1e-5)
+    for t in range(_T):
+      ids, weights, probs = _route_token(logits[t], cfg, bias)
+      np.testing.assert_array_equal(aux.expert_ids[t], ids, f"token {t}")
+      np.testing.assert_allclose(aux.combine_weights[t], weights, rtol=1e-5,
+                                 atol=1e-7, err_msg=f"token {t}")
+      np.testing.assert_allclose(aux.router_probs[t], probs, rtol=1e-5,
+                                 atol=1e-7, err_msg=f"token {t}")
+    self.assertTrue(aux.kept.all())
+    self.assertEqual(aux.dropped_tokens, 0)
+    np.testing.assert_array_equal(
+        aux.tokens_per_expert,
+        np.bincount(np.asarray(aux.expert_ids).ravel(),
+                    minlength=cfg.num_experts))
+
+  def test_norm_epsilon_shrinks_weight_sum(self):
+    cfg = _cfg(norm_topk_prob=True, norm_epsilon=0.5)
+    x, router, _ = _inputs(cfg)
+    aux = routing.route(x, router, cfg)
+    chosen = np.take_along_axis(np.asarray(aux.router_probs),
+                                np.asarray(aux.expert_ids), -1).sum(-1)
+    np.testing.assert_allclose(aux.combine_weights.sum(-1),
+                               chosen / (chosen + 0.5), rtol=1e-5)
+
+  def test_correction_bias_moves_choice_not_weights(self):
+    cfg = _cfg(score_func="sigmoid", correction_bias=True)
+    x, router, _ = _inputs(cfg)
+    bias = jnp.zeros(cfg.num_experts).at[5].set(10.0)  # Expert 5 always wins.
+    aux = routing.route(x, router, cfg, bias)
+    np.testing.assert_array_equal(aux.expert_ids[:, 0], 5)
+    scores = jax.nn.sigmoid(np.asarray(x, np.float64) @ np.asarray(router))
+    np.testing.assert_allclose(
+        aux.combine_weights,
+        np.take_along_axis(scores, np.asarray(aux.expert_ids), -1),
+        rtol=1e-5)
+    plain = routing.route(x, router, cfg.replace(correction_bias=False))
+    self.assertFalse((np.asarray(plain.expert_ids)[:, 0] == 5).all())
+
+  def test_correction_bias_gets_no_gradient(self):
+    cfg = _cfg(score_func="sigmoid", correction_bias=True)
+    x, router, bias = _inputs(cfg, bias_scale=0.3)
+    def loss(b):
+      return routing.route(x, router, cfg, b).combine_weights.sum()
+    np.testing.assert_array_equal(jax.grad(loss)(jnp.asarray(bias)), 0.0)
+
+  def test_groups_never_choose_outside_best_groups_negative_scores(self):
+    # Biased scores all negative: masking excluded groups with 0.0 would
+    # let them win; -inf never does. The numpy router only ever looks at
+    # the eligible experts.
+    cfg = _cfg(num_experts=16, top_k=4, n_group=4, topk_group=2,
+               group_score="sum_top2", score_func="sigmoid",
+               correction_bias=True)
+    x, router, _ = _inputs(cfg)
+    bias = -2.0 * jnp.ones(cfg.num_experts)
+    aux = routing.route(x, router, cfg, bias)
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+    for t in range(_T):
+      ids, _, _ = _route_token(logits[t], cfg, np.asarray(bias))
+      np.testing.assert_array_equal(aux.expert_ids[t], ids, f"token {t}")
+
+  def test_requires_bias_iff_config_says_so(self):
+    cfg = _cfg(correction_bias=True)
+    x, router, _ = _inputs(cfg)
+    with self.assertRaisesRegex(
+        ValueError, r"correction_bias must be given iff cfg.correction_bias "
+        r"is True, got cfg.correction_bias=True, correction_bias=None"):
+      routing.route(x, router, cfg)
+    with self.assertRaisesRegex(ValueError,
+                                r"cfg.correction_bias=False, correction_bias"
+                                r"=an array"):
+      routing.route(x, router, _cfg(), jnp.zeros(8))
+
+  @parameterized.parameters(jnp.bfloat16, jnp.float16)
+  def test_low_precision_inputs_route_in_float32(self, dtype):
+    cfg = _cfg(norm_topk_prob=True)
+    x, router, _ = _inputs(cfg, dtype=dtype)
+    aux = routing.route(x, router, cfg)
+    for name in ("router_logits", "router_probs", "combine_weights",
+                 "load_balancing_loss", "router_z_loss"):
+      self.assertEqual(getattr(aux, name).dtype, jnp.float32, name)
+    # Exactly the float32 routing of the rounded inputs: no bf16 products.
+    want = routing.route(x.astype(jnp.float32), router.astype(jnp.float32),
+                         cfg)
+    np.testing.assert_array_equal(aux.expert_ids, want.expert_ids)
+    np.testing.assert_allclose(aux.router_logits, want.router_logits,
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(aux.combine_weights, want.combine_weights,
+                               rtol=1e-6)
+
+
+class CapacityTest(parameterized.TestCase):
+
+  @parameterized.parameters((1, 1), (2, 3), (3, 2), (4, 5))
+  def test_keep_mask_matches_gshard_loop(self, top_k, capacity):
+    rng = np.random.default_rng(top_k * 10 + capacity)
+    # Distinct experts per token, skewed toward low ids so slots overflow.
+    ids = np.stack([rng.choice(6, top_k, replace=False,
+                               p=[.4, .2, .15, .1, .1, .05])
+                    for _ in range(20)]).astype(np.int32)
+    kept = routing.capacity_keep_mask(jnp.asarray(ids), 6, capacity)
+    np.testing.assert_array_equal(kept, _keep_mask(ids, 6, capacity))
+
+  def test_first_choices_beat_earlier_tokens_second_choices(self):
+    ids = jnp.asarray([[0, 1], [1, 0]], jnp.int32)
+    kept = routing.capacity_keep_mask(ids, 2, capacity=1)
+    # Both first choices fit; both second choices find their expert full.
+    np.testing.assert_array_equal(kept, [[True, False], [True, False]])
+
+  def test_route_with_capacity_drops_and_counts(self):
+    cfg = _cfg(top_k=2, capacity_factor=0.5)
+    x, router, _ = _inputs(cfg, seed=3)
+    aux = routing.route(x, router, cfg)
+    capacity = cfg.expert_capacity(_T)
+    self.assertEqual(capacity, math.ceil(0.5 * _T * 2 / 8))
+    ids = np.asarray(aux.expert_ids)
+    want_kept = _keep_mask(ids, 8, capacity)
+    np.testing.assert_array_equal(aux.kept, want_kept)
+    self.assertEqual(int(aux.dropped_tokens), (~want_kept).sum())
+    self.assertGreater(int(aux.dropped_tokens), 0)
+    np.testing.assert_array_equal(
+        np.asarray(aux.combine_weights)[~want_kept], 0.0)
+    dropless = routing.route(x, router, cfg.replace(capacity_factor=None))
+    np.testing.assert_array_equal(
+        np.asarray(aux.combine_weights)[want_kept],
+        np.asarray(dropless.combine_weights)[want_kept])
+    # Counts are of the router's choices, before the drop.
+    np.testing.assert_array_equal(aux.tokens_per_expert,
+                                  np.bincount(ids.ravel(), minlength=8))
+
+
+class AuxLossTest(parameterized.TestCase):
+
+  @parameterized.parameters("softmax", "sigmoid")
+  def test_losses_match_numpy(self, score_func):
+    cfg = _cfg(top_k=3, score_func=score_func)
+    x, router, _ = _inputs(cfg, seed=7)
+    aux = routing.route(x, router, cfg)
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+    ids, probs = [], []
+    for t in range(_T):
+      token_ids, _, token_probs = _route_token(logits[t], cfg, None)
+      ids += token_ids
+      probs.append(token_probs)
+    f = np.bincount(ids, minlength=8) / (_T * cfg.top_k)
+    p = np.mean(probs, axis=0)
+    np.testing.assert_allclose(aux.load_balancing_loss, 8 * np.sum(f * p),
+                               rtol=1e-5)
+    lse = np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(aux.router_z_loss, np.mean(lse ** 2),
+                               rtol=1e-5)
+
+  @parameterized.parameters(1, 2)
+  def test_load_balancing_loss_is_one_at_perfect_balance(self, top_k):
+    # Token t prefers expert t, then t+1 (cyclically): every expert gets the
+    # same count and, by symmetry, the same mean probability.
+    e = 8
+    cfg = _cfg(num_experts=e, top_k=top_k, hidden_size=e)
+    x = 3.0 * np.eye(e) + 1.5 * np.roll(np.eye(e), 1, axis=1)
+    aux = routing.route(jnp.asarray(x, jnp.float32),
+                        jnp.eye(e, dtype=jnp.float32), cfg)
+    np.testing.assert_array_equal(aux.tokens_per_expert, top_k)
+    np.testing.assert_allclose(aux.load_balancing_loss, 1.0, rtol=1e-6)
+
+  def test_load_balancing_loss_is_e_when_collapsed(self):
+    e = 8
+    cfg = _cfg(num_experts=e, top_k=1, hidden_size=e)
+    x = np.zeros((_T, e), np.float32)
+    x[:, 0] = 50.0  # Every token sends all its probability to expert 0.
+    aux = routing.route(jnp.asarray(x), jnp.eye(e, dtype=jnp.float32), cfg)
+    np.testing.assert_allclose(aux.load_balancing_loss, e, rtol=1e-5)
+
+
+class UpdateCorrectionBiasTest(absltest.TestCase):
+
+  def test_underloaded_up_overloaded_down(self):
+    bias = jnp.asarray([0.0, 0.5, -0.5, 0.1])
+    load = jnp.asarray([1, 10, 5, 4])  # mean 5
+    new = routing.update_correction_bias(bias, load, rate=0.01)
+    np.testing.assert_allclose(new, [0.01, 0.49, -0.5, 0.11], atol=1e-7)
+
+  def test_sums_leading_axes(self):
+    bias = jnp.zeros(3)
+    load = jnp.asarray([[3, 0, 0], [0, 0, 3]])  # totals 3, 0, 3; mean 2.
+    new = routing.update_correction_bias(bias, load, rate=1.0)
+    np.testing.assert_array_equal(new, [-1.0, 1.0, -1.0])
+
+  def test_errors_name_shapes(self):
+    with self.assertRaisesRegex(ValueError,
+                                r"correction_bias must be 1-D \[E\], got "
+                                r"shape \(2, 2\)"):
+      routing.update_correction_bias(jnp.zeros((2, 2)), jnp.zeros(2))
+    with self.assertRaisesRegex(ValueError,
+                                r"tokens_per_expert must end in E=4, got "
+                                r"shape \(3,\)"):
+      routing.update_correction_bias(jnp.zeros(4), jnp.zeros(3))
+
+
+if __name__ == "__main__":
+  absltest.main()
