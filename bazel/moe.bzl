@@ -174,7 +174,9 @@ def moe_conformance_test(
 
     The test's main is generated here; it calls `conformance_main.main()`,
     which runs absltest on the suite for `--backend=<backend>` with
-    `--backend_options=<options as JSON>`.
+    `--backend_options=<options as JSON>`. Two targets come out: `<name>`
+    (the single-device suites) and `<name>_ep` (the expert-parallel suites
+    on 8 simulated devices).
 
     Args:
       name: target name.
@@ -215,6 +217,17 @@ def moe_conformance_test(
         tags = tags + device_tags,
     )
 
-    # Expert parallelism: the `<name>_ep` target (the same suite on 8
-    # simulated devices) goes here, as a second moe_py_test reusing `main`,
-    # `suite_deps` and `suite_args`, with `devices = 8` and the EP flag.
+    # Expert parallelism: the expert-parallel suites (conformance/suite.py
+    # EP_SUITES) on 8 simulated devices, in a target of their own because
+    # the device count is fixed when jax starts.
+    moe_py_test(
+        name = name + "_ep",
+        srcs = [main],
+        main = main,
+        deps = suite_deps,
+        size = size,
+        shard_count = shard_count,
+        args = suite_args + ["--ep"],
+        devices = 8,
+        tags = tags + device_tags,
+    )

@@ -19,11 +19,16 @@
     y [..., D]
 
 Every stage is a public function or Backend method and can be used alone; a
-backend overrides any of them. Out of scope here: attention, the residual and
-norms around the block, and optimiser state (see `train/`).
+backend overrides any of them. With `mesh=`, the same pipeline runs with
+expert parallelism (`moe_core/parallel.py`: each device routes its tokens,
+sends each copy to the device holding its expert and gets the output back).
+Out of scope here: attention, the residual and norms around the block, and
+optimiser state (see `train/`).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +36,18 @@ import jax.numpy as jnp
 from moe_core import backend as backend_lib
 from moe_core import config as config_lib
 from moe_core import ffn
+from moe_core import parallel
 from moe_core import registry
 from moe_core import routing
 from moe_core import validation
 
 
 def moe_layer(params: dict, x: jax.Array, cfg: config_lib.MoEConfig,
-              backend: str | backend_lib.Backend = "auto",
+              backend: str | backend_lib.Backend = "auto", *,
+              mesh: jax.sharding.Mesh | None = None,
+              expert_axis: str = "expert",
+              data_axes: Sequence[str] = ("data",),
+              ep_options: parallel.EPOptions | None = None,
               ) -> tuple[jax.Array, routing.MoEAux]:
   """Applies one MoE block.
 
@@ -49,6 +59,13 @@ def moe_layer(params: dict, x: jax.Array, cfg: config_lib.MoEConfig,
     backend: a registered name ("auto", "reference", "xla", ...) or a
       `Backend` instance. "auto" tries `registry.auto_order()` and falls
       through a backend that raises NotImplementedError.
+    mesh: None for one device (or plain jit sharding). A `Mesh` runs the
+      block with expert parallelism inside `shard_map`: tokens split over
+      data_axes x expert_axis, each device holding E / ep experts (see
+      `parallel.moe_layer`). Dropless configs only.
+    expert_axis: the mesh axis the experts are split over.
+    data_axes: further mesh axes the tokens are split over (() for none).
+    ep_options: `parallel.EPOptions` (exchange, bounded buffers, chunks).
 
   Returns:
     y [..., D] in x's dtype, and the `MoEAux` of the routing.
@@ -56,6 +73,12 @@ def moe_layer(params: dict, x: jax.Array, cfg: config_lib.MoEConfig,
   validation.check_config(cfg)
   validation.check_params(params, cfg)
   validation.check_tokens(x, cfg)
+  if mesh is not None:
+    return parallel.moe_layer(params, x, cfg, backend, mesh=mesh,
+                              expert_axis=expert_axis, data_axes=data_axes,
+                              options=ep_options)
+  if ep_options is not None:
+    raise ValueError("ep_options needs a mesh, got mesh=None.")
   tokens = x.reshape(-1, cfg.hidden_size)
   aux = routing.route(tokens, params["router"], cfg,
                       params.get("correction_bias"))

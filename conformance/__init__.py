@@ -1,0 +1,1 @@
+"""The conformance suite every MoE backend runs (see `suite.py`)."""

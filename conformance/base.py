@@ -1,0 +1,266 @@
+"""BackendTestCase: what every conformance suite shares (setup, comparisons)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable, ClassVar
+
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import moe_core
+from conformance import cases
+from conformance import oracles
+from conformance import tolerances
+
+
+@dataclasses.dataclass
+class LayerResult:
+  """One moe_layer call (and its gradients, when the case asks for them).
+
+  y and the arrays of aux and grads are numpy copies; `rerun()` calls the
+  same (compiled) function again and returns (y, grads) as jax arrays.
+  """
+
+  y: np.ndarray
+  aux: dict[str, np.ndarray]
+  grads: dict[str, np.ndarray] | None
+  rerun: Callable[[], tuple[Any, Any]]
+
+
+@dataclasses.dataclass
+class GemmResult:
+  """grouped_gemm's output and (d_rows, d_weights) for the case cotangent."""
+
+  out: np.ndarray
+  d_rows: np.ndarray
+  d_weights: np.ndarray
+  rerun: Callable[[], tuple[Any, Any, Any]]
+
+
+# Results of the expensive calls (a jitted layer and its gradients, a grouped
+# GEMM and its vjp), per process and per (backend, options, case): the several
+# properties checked on one case compile it once, and the reference runs once
+# for all the backends a process tests.
+_CACHE: dict[tuple, Any] = {}
+
+
+def cached(key, compute):
+  """compute(), memoised per process under `key` (if hashable)."""
+  try:
+    hash(key)
+  except TypeError:  # Unhashable backend options: no caching.
+    return compute()
+  if key not in _CACHE:
+    _CACHE[key] = compute()
+  return _CACHE[key]
+
+
+def _options_key(options: dict) -> str:
+  return json.dumps(options, sort_keys=True, default=repr)
+
+
+def _aux_to_numpy(aux) -> dict[str, np.ndarray]:
+  return {f.name: np.asarray(getattr(aux, f.name))
+          for f in dataclasses.fields(aux)}
+
+
+def _layer_fn(backend, case: cases.LayerCase, grads: bool):
+  """f(params, x) -> (y, aux, grads or None) for the case."""
+  cfg = case.cfg
+  _, _, cotangent = cases.layer_inputs(case)
+  if not grads:
+    def forward(params, x):
+      y, aux = moe_core.moe_layer(params, x, cfg, backend=backend)
+      return y, aux, None
+    return forward
+
+  def loss(params, x):
+    y, aux = moe_core.moe_layer(params, x, cfg, backend=backend)
+    return jnp.sum(y.astype(jnp.float32) * cotangent), (y, aux)
+
+  def forward_and_grads(params, x):
+    (_, (y, aux)), (d_params, d_x) = jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True)(params, x)
+    return y, aux, dict(d_params, x=d_x)
+  return forward_and_grads
+
+
+def compute_layer(backend, case: cases.LayerCase, jit: bool,
+                  grads: bool | None = None) -> LayerResult:
+  """Runs `case` on `backend`; with gradients if `grads` (default: if the
+  case asks for them)."""
+  params, x, _ = cases.layer_inputs(case)
+  fn = _layer_fn(backend, case, case.grads if grads is None else grads)
+  if jit:
+    fn = jax.jit(fn)
+  y, aux, grads = fn(params, x)
+
+  def rerun():
+    y, _, grads = fn(params, x)
+    return y, grads
+
+  return LayerResult(
+      y=np.asarray(y), aux=_aux_to_numpy(aux),
+      grads=None if grads is None else {n: np.asarray(g)
+                                        for n, g in grads.items()},
+      rerun=rerun)
+
+
+def reference_layer(case: cases.LayerCase) -> LayerResult:
+  """The oracle: the reference backend on `case`, jitted unless the case
+  says not. A reference backend under test shares this result."""
+  return cached(("reference", _options_key({}), "layer", case, case.jit,
+                 case.grads),
+                lambda: compute_layer(moe_core.get_backend("reference"),
+                                      case, case.jit))
+
+
+def reference_gemm(case: cases.GemmCase) -> GemmResult:
+  """The reference backend's grouped GEMM on `case` (jitted), cached."""
+  return cached(("reference", _options_key({}), "gemm", case, True),
+                lambda: compute_gemm(moe_core.get_backend("reference"),
+                                     case, True))
+
+
+def compute_gemm(backend, case: cases.GemmCase, jit: bool) -> GemmResult:
+  rows, weights, group_sizes, cotangent = cases.gemm_inputs(case)
+
+  def fn(rows, weights):
+    def gemm(r, w):
+      return backend.grouped_gemm(r, w, group_sizes,
+                                  transpose_rhs=case.transpose_rhs,
+                                  out_dtype=case.out_dtype)
+    out, vjp = jax.vjp(gemm, rows, weights)
+    d_rows, d_weights = vjp(cotangent)
+    return out, d_rows, d_weights
+
+  if jit:
+    fn = jax.jit(fn)
+  out, d_rows, d_weights = fn(rows, weights)
+  return GemmResult(np.asarray(out), np.asarray(d_rows),
+                    np.asarray(d_weights), rerun=lambda: fn(rows, weights))
+
+
+class BackendTestCase(parameterized.TestCase):
+  """Base of every suite: builds the backend or skips, and compares.
+
+  Subclasses set BACKEND (a registered name), optionally BACKEND_OPTIONS
+  (keyword arguments of moe_core.get_backend) and TOLERANCE_OVERRIDES (see
+  `tolerances.lookup`; loosen only with a reason in a comment).
+  """
+
+  BACKEND: ClassVar[str]
+  BACKEND_OPTIONS: ClassVar[dict] = {}
+  TOLERANCE_OVERRIDES: ClassVar[dict] = {}
+
+  def setUp(self):
+    super().setUp()
+    try:
+      self.backend = moe_core.get_backend(self.BACKEND,
+                                          **self.BACKEND_OPTIONS)
+    except ImportError as e:
+      self.skipTest(f"backend {self.BACKEND!r} cannot be imported here: {e}")
+    ok, reason = self.backend.availability()
+    if not ok:
+      self.skipTest(f"backend {self.BACKEND!r} cannot run here: {reason}")
+
+  # --- Running, with the per-process cache ----------------------------------
+
+  def _key(self, *parts):
+    return (self.BACKEND, _options_key(self.BACKEND_OPTIONS)) + parts
+
+  def run_layer(self, case: cases.LayerCase, jit: bool | None = None,
+                grads: bool | None = None) -> LayerResult:
+    """The backend under test on `case`, cached. By default jitted and with
+    gradients as the case says."""
+    jit = case.jit if jit is None else jit
+    grads = case.grads if grads is None else grads
+    return cached(self._key("layer", case, jit, grads),
+                  lambda: compute_layer(self.backend, case, jit, grads))
+
+  def run_gemm(self, case: cases.GemmCase, jit: bool = True) -> GemmResult:
+    """The backend under test on `case` (by default jitted), cached."""
+    return cached(self._key("gemm", case, jit),
+                  lambda: compute_gemm(self.backend, case, jit))
+
+  # --- Comparisons ----------------------------------------------------------
+
+  def tolerance(self, dtype, kind: str = "forward") -> tolerances.Tolerance:
+    return tolerances.lookup(dtype, kind, self.TOLERANCE_OVERRIDES)
+
+  def assertClose(self, actual, expected, dtype, kind: str = "forward",
+                  msg: str = ""):
+    """`actual` within the table tolerance for `dtype` of `expected`."""
+    problem = tolerances.violation(actual, expected,
+                                   self.tolerance(dtype, kind))
+    if problem:
+      self.fail(f"{self.BACKEND}: {msg}: {problem}")
+
+  def assertAllZero(self, x, msg: str = ""):
+    """Exactly zero everywhere (NaN fails too)."""
+    x = np.asarray(x).astype(np.float64)
+    bad = np.argwhere(x != 0)
+    if bad.size:
+      self.fail(f"{self.BACKEND}: {msg}: {len(bad)} nonzero values, first "
+                f"at {tuple(bad[0])} = {x[tuple(bad[0])]}")
+
+  def assertBitwiseEqual(self, a, b, msg: str = ""):
+    a, b = np.asarray(a), np.asarray(b)
+    self.assertEqual(a.dtype, b.dtype, msg)
+    self.assertEqual(a.shape, b.shape, msg)
+    self.assertTrue(a.tobytes() == b.tobytes(),
+                    f"{self.BACKEND}: {msg}: results differ bit for bit")
+
+  # --- Layer properties shared by the layer and routing suites -------------
+
+  def assertMatchesPerTokenMath(self, case: cases.LayerCase,
+                                result: LayerResult):
+    """y[t] = sum_k w[t, k] FFN_{ids[t, k]}(x[t]) (+ shared), in numpy.
+
+    Uses the layer's own routing decision (expert_ids, combine_weights, with
+    dropped copies at weight 0); the routing itself is checked separately.
+    """
+    params, x, _ = cases.layer_inputs(case)
+    cfg = case.cfg
+    tokens = np.asarray(x).reshape(-1, cfg.hidden_size)
+    weights = np.where(result.aux["kept"], result.aux["combine_weights"], 0)
+    want = oracles.layer_from_routing(params, tokens, result.aux["expert_ids"],
+                                      weights, cfg)
+    self.assertClose(result.y.reshape(tokens.shape), want, case.dtype,
+                     msg="y vs per-token float64 recomputation")
+
+  def assertAuxMatchesReference(self, case: cases.LayerCase,
+                                result: LayerResult):
+    """Every aux field has its contract shape and dtype and equals the
+    reference's: integers and masks exactly, floats to float32 rounding."""
+    t, e, k = case.num_tokens, case.cfg.num_experts, case.cfg.top_k
+    contract = {
+        "router_logits": ((t, e), np.float32),
+        "router_probs": ((t, e), np.float32),
+        "expert_ids": ((t, k), np.int32),
+        "combine_weights": ((t, k), np.float32),
+        "kept": ((t, k), np.bool_),
+        "tokens_per_expert": ((e,), np.int32),
+        "load_balancing_loss": ((), np.float32),
+        "router_z_loss": ((), np.float32),
+        "dropped_tokens": ((), np.int32),
+    }
+    self.assertEqual(sorted(result.aux), sorted(contract))
+    want = reference_layer(case).aux
+    # Routing is float32 at HIGHEST precision on every platform.
+    routing_tol = tolerances.TABLE["float32"]["forward"]
+    for name, (shape, dtype) in contract.items():
+      with self.subTest(f"aux.{name}"):
+        got = result.aux[name]
+        self.assertEqual(got.shape, shape, f"aux.{name} shape")
+        self.assertEqual(got.dtype, np.dtype(dtype), f"aux.{name} dtype")
+        if np.issubdtype(got.dtype, np.floating):
+          problem = tolerances.violation(got, want[name], routing_tol)
+          self.assertIsNone(problem, f"aux.{name} vs reference: {problem}")
+        else:
+          np.testing.assert_array_equal(got, want[name],
+                                        f"aux.{name} vs reference")

@@ -1,0 +1,307 @@
+"""Inputs of the conformance suite, built from fixed numpy seeds."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+import moe_core
+
+# --- Grouped GEMM -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCase:
+  """rows [m, k] x weights [E, k, n] ([E, n, k] if transposed) -> [m, n].
+
+  E is len(group_sizes); rows at or past sum(group_sizes) are padding.
+  """
+
+  name: str
+  m: int
+  k: int
+  n: int
+  group_sizes: tuple[int, ...]
+  dtype: str = "float32"
+  transpose_rhs: bool = False
+  out_dtype: str | None = None
+  seed: int = 0
+
+  @property
+  def num_groups(self) -> int:
+    return len(self.group_sizes)
+
+  @property
+  def used_rows(self) -> int:
+    return sum(self.group_sizes)
+
+  @property
+  def result_dtype(self) -> str:
+    return self.out_dtype or self.dtype
+
+  def __post_init__(self):
+    if self.used_rows > self.m:
+      raise ValueError(f"case {self.name}: sum(group_sizes)={self.used_rows}"
+                       f" > m={self.m}.")
+
+
+GEMM_CASES = (
+    # sum(group_sizes) == M, with an empty group in the middle.
+    GemmCase("f32_full", 64, 32, 48, (10, 0, 23, 31)),
+    GemmCase("bf16_full", 64, 32, 48, (10, 0, 23, 31), dtype="bfloat16"),
+    # sum(group_sizes) < M: the last rows are padding.
+    GemmCase("bf16_padded", 64, 32, 48, (5, 17, 0, 20), dtype="bfloat16",
+             seed=1),
+    GemmCase("f32_transposed", 40, 24, 40, (7, 13, 0, 20),
+             transpose_rhs=True, seed=2),
+    GemmCase("bf16_transposed_padded", 40, 24, 40, (7, 13, 0, 9),
+             dtype="bfloat16", transpose_rhs=True, seed=3),
+    GemmCase("one_row", 1, 16, 24, (0, 1, 0), seed=4),
+    # K and N not multiples of any tile; odd M.
+    GemmCase("odd_37_k48_n80", 37, 48, 80, (3, 0, 34), seed=5),
+    # M just past a 128-row tile, groups straddling it.
+    GemmCase("rows_129", 129, 16, 24, (64, 1, 0, 60), seed=6),
+    GemmCase("one_group", 20, 16, 24, (17,), seed=7),
+    GemmCase("large_group", 300, 16, 16, (0, 290, 3), seed=8),
+    GemmCase("all_groups_empty", 24, 16, 24, (0, 0, 0), seed=9),
+    GemmCase("bf16_rows_f32_out", 48, 32, 40, (20, 0, 28),
+             dtype="bfloat16", out_dtype="float32", seed=10),
+)
+GEMM_BY_NAME = {c.name: c for c in GEMM_CASES}
+
+# Gradients are checked on a subset to keep compile time down.
+GEMM_GRAD_CASES = tuple(GEMM_BY_NAME[n] for n in (
+    "f32_full", "bf16_full", "bf16_padded", "bf16_transposed_padded",
+    "f32_transposed", "odd_37_k48_n80", "rows_129", "all_groups_empty"))
+# Cases with padding rows (sum(group_sizes) < M), which hold NaN.
+GEMM_PADDED_CASES = tuple(c for c in GEMM_CASES if c.used_rows < c.m)
+
+
+# numpy's generators rather than jax.random: every case holds the same numbers
+# on every jax version and platform.
+def _normal(rng, shape, scale=1.0):
+  return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_inputs(case: GemmCase):
+  """(rows, weights, group_sizes, cotangent) as jax arrays.
+
+  Rows past sum(group_sizes) hold NaN ("poisoned padding"): a correct
+  grouped GEMM reads them as zeros, so no NaN reaches its output or its
+  gradients. The cotangent is finite everywhere.
+  """
+  rng = np.random.default_rng(1000 + case.seed)
+  rows = _normal(rng, (case.m, case.k))
+  rows[case.used_rows:] = np.nan
+  w_shape = ((case.num_groups, case.n, case.k) if case.transpose_rhs
+             else (case.num_groups, case.k, case.n))
+  weights = _normal(rng, w_shape, case.k ** -0.5)
+  cotangent = _normal(rng, (case.m, case.n))
+  dtype = jnp.dtype(case.dtype)
+  return (jnp.asarray(rows, dtype), jnp.asarray(weights, dtype),
+          jnp.asarray(case.group_sizes, jnp.int32),
+          jnp.asarray(cotangent, jnp.dtype(case.result_dtype)))
+
+
+# --- The MoE layer ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCase:
+  """One `moe_layer` call: x [*batch_shape, D] of `dtype` through `cfg`.
+
+  Attributes:
+    grads: also differentiate (x and every parameter) in this case.
+    jit: run the backend under jax.jit (False: op by op).
+    hot_expert: make every token's best score this expert's (a huge router
+      weight on a feature that is positive for every token).
+    cold_experts: make these experts every token's worst (none is chosen
+      when top_k leaves enough others).
+  """
+
+  name: str
+  cfg: moe_core.MoEConfig
+  batch_shape: tuple[int, ...]
+  dtype: str = "float32"
+  grads: bool = False
+  jit: bool = True
+  hot_expert: int | None = None
+  cold_experts: tuple[int, ...] = ()
+  seed: int = 0
+
+  @property
+  def num_tokens(self) -> int:
+    return math.prod(self.batch_shape)
+
+
+def _cfg(**changes) -> moe_core.MoEConfig:
+  base = dict(num_experts=8, top_k=2, hidden_size=32, expert_ffn_size=48)
+  base.update(changes)
+  return moe_core.MoEConfig(**base)
+
+
+_SHARED_GATED = dict(shared_ffn_size=24, shared_expert_gate=True)
+
+# Shapes that break kernels: odd and tiny T, T past a tile, empty and
+# overfull experts, E = 1, K = E, many experts for few tokens, D and F that
+# are not multiples of 128.
+LAYER_CASES = (
+    LayerCase("base_f32", _cfg(**_SHARED_GATED), (16,), grads=True),
+    LayerCase("base_bf16", _cfg(**_SHARED_GATED), (16,), dtype="bfloat16",
+              grads=True, seed=1),
+    LayerCase("one_token", _cfg(), (1,), seed=2),
+    LayerCase("odd_37_tokens_d48_f80",
+              _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4),
+              (37,), grads=True, seed=3),
+    LayerCase("tokens_129", _cfg(hidden_size=16, expert_ffn_size=24),
+              (129,), seed=4),
+    LayerCase("batch_2x5", _cfg(), (2, 5), seed=5),
+    LayerCase("experts_without_tokens", _cfg(), (16,), grads=True,
+              cold_experts=(1, 4, 6), seed=6),
+    LayerCase("one_expert_takes_all", _cfg(top_k=1), (16,), grads=True,
+              hot_expert=3, seed=7),
+    LayerCase("single_expert", _cfg(num_experts=1, top_k=1), (12,), seed=8),
+    LayerCase("top_k_equals_experts", _cfg(num_experts=4, top_k=4), (10,),
+              seed=9),
+    # The reference runs every expert on every token: jit of 256 experts
+    # takes ~15 s to compile on 2 cores, op by op ~3 s.
+    LayerCase("experts_256_tokens_12",
+              _cfg(num_experts=256, top_k=8, hidden_size=16,
+                   expert_ffn_size=24), (12,), jit=False, seed=10),
+    LayerCase("d48_f80_bf16",
+              _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4),
+              (24,), dtype="bfloat16", seed=11),
+)
+
+# Every routing option of the config, each in at least one case: softmax /
+# sigmoid scores; norm_topk_prob off, on with epsilon 0 and 1e-20; a nonzero
+# correction bias with softmax and with sigmoid; groups scored by "max" and
+# "sum_top2"; routed_scaling_factor != 1; shared expert gated and ungated;
+# activations silu (the LAYER_CASES), gelu and gelu_tanh.
+ROUTING_VARIANTS = (
+    LayerCase("softmax_norm_eps0_scaled",
+              _cfg(norm_topk_prob=True, routed_scaling_factor=2.5), (16,),
+              seed=20),
+    LayerCase("softmax_bias_norm_eps1e-20",
+              _cfg(correction_bias=True, norm_topk_prob=True,
+                   norm_epsilon=1e-20), (16,), seed=21),
+    LayerCase("sigmoid", _cfg(score_func="sigmoid"), (16,), seed=22),
+    LayerCase("sigmoid_bias_norm_eps0",
+              _cfg(score_func="sigmoid", correction_bias=True,
+                   norm_topk_prob=True), (16,), seed=23),
+    LayerCase("groups_max",
+              _cfg(num_experts=16, top_k=3, n_group=4, topk_group=2,
+                   group_score="max"), (16,), seed=24),
+    # DeepSeek-V3's router.
+    LayerCase("groups_sum_top2_sigmoid_bias_scaled",
+              _cfg(num_experts=16, top_k=3, n_group=4, topk_group=2,
+                   group_score="sum_top2", score_func="sigmoid",
+                   correction_bias=True, norm_topk_prob=True,
+                   norm_epsilon=1e-20, routed_scaling_factor=2.5),
+              (16,), grads=True, seed=25),
+    LayerCase("shared_gated_gelu",
+              _cfg(activation="gelu", **_SHARED_GATED), (16,), grads=True,
+              seed=26),
+    LayerCase("shared_ungated_gelu_tanh",
+              _cfg(activation="gelu_tanh", shared_ffn_size=24), (16,),
+              seed=27),
+)
+
+# capacity = ceil(capacity_factor * T * K / E) = 4 and 2 slots per expert.
+CAPACITY_CASES = (
+    LayerCase("capacity_1.0", _cfg(capacity_factor=1.0), (16,), seed=40),
+    LayerCase("capacity_0.5_sigmoid",
+              _cfg(capacity_factor=0.5, score_func="sigmoid",
+                   norm_topk_prob=True), (16,), seed=41),
+)
+
+LAYER_BY_NAME = {c.name: c for c in LAYER_CASES}
+LAYER_GRAD_CASES = tuple(c for c in LAYER_CASES + ROUTING_VARIANTS
+                         if c.grads)
+
+
+def named(cases) -> list[tuple]:
+  """(name, case) pairs for parameterized.named_parameters."""
+  return [(c.name, c) for c in cases]
+
+
+@functools.lru_cache(maxsize=None)
+def layer_inputs(case: LayerCase):
+  """(params, x, cotangent): params and x of the case's dtype, the
+  cotangent for y in float32, all jax arrays.
+
+  Matrices have std 1/sqrt(fan_in), so router logits are about N(0, 1); the
+  correction bias (when enabled) is nonzero, on the scale of the spread of
+  the scores, so that it changes which experts are chosen.
+  """
+  cfg = case.cfg
+  rng = np.random.default_rng(2000 + case.seed)
+  x = _normal(rng, case.batch_shape + (cfg.hidden_size,))
+  params = {}
+  for name, shape in moe_core.param_shapes(cfg).items():
+    if name == "correction_bias":
+      params[name] = _normal(rng, shape, 0.1)
+    else:
+      params[name] = _normal(rng, shape, shape[-2] ** -0.5)
+  if case.hot_expert is not None or case.cold_experts:
+    # Feature 0 is >= 1 for every token, so router row 0 decides.
+    x[..., 0] = 1.0 + np.abs(x[..., 0])
+    if case.hot_expert is not None:
+      params["router"][0, case.hot_expert] = 40.0
+    for e in case.cold_experts:
+      params["router"][0, e] = -40.0
+  cotangent = _normal(rng, x.shape)
+  dtype = jnp.dtype(case.dtype)
+  params = {n: jnp.asarray(v, jnp.float32 if n == "correction_bias" else dtype)
+            for n, v in params.items()}
+  return params, jnp.asarray(x, dtype), jnp.asarray(cotangent)
+
+
+# --- Single stages -----------------------------------------------------------
+
+# Dispatch / combine: E = 6, K = 3, T = 13; with capacity_factor 0.5 each
+# expert keeps ceil(0.5 * 13 * 3 / 6) = 4 copies and some are dropped.
+PERMUTE_CFG = _cfg(num_experts=6, top_k=3, hidden_size=16,
+                   expert_ffn_size=16)
+PERMUTE_CAPACITY_CFG = PERMUTE_CFG.replace(capacity_factor=0.5)
+PERMUTE_TOKENS = 13
+
+
+@functools.lru_cache(maxsize=None)
+def permute_inputs(cfg: moe_core.MoEConfig):
+  """(x [T, D], router [D, E], expert_out [T*K, D], weights [T, K],
+  cotangent [T, D]), float32 jax arrays for the dispatch/combine stage."""
+  rng = np.random.default_rng(3000)
+  t, d, e, k = PERMUTE_TOKENS, cfg.hidden_size, cfg.num_experts, cfg.top_k
+  arrays = (_normal(rng, (t, d)), _normal(rng, (d, e), d ** -0.5),
+            _normal(rng, (t * k, d)), rng.uniform(0.1, 1.0, (t, k)),
+            _normal(rng, (t, d)))
+  return tuple(jnp.asarray(a, jnp.float32) for a in arrays)
+
+
+# Expert FFN on an already dispatched buffer: groups (5, 0, 9, 7) of 29 rows,
+# so rows 21..28 are padding (and expert 1 is empty).
+FFN_CFG = _cfg(num_experts=4, top_k=2, hidden_size=32, expert_ffn_size=48)
+FFN_GROUP_SIZES = (5, 0, 9, 7)
+FFN_ROWS = 29
+
+
+@functools.lru_cache(maxsize=None)
+def ffn_inputs(dtype: str):
+  """(rows [29, D], group_sizes [4], params, cotangent [29, D]) as jax
+  arrays; the padding rows hold NaN."""
+  cfg = FFN_CFG
+  rng = np.random.default_rng(3001)
+  rows = _normal(rng, (FFN_ROWS, cfg.hidden_size))
+  rows[sum(FFN_GROUP_SIZES):] = np.nan
+  params = {n: jnp.asarray(_normal(rng, s, s[-2] ** -0.5), dtype)
+            for n, s in moe_core.param_shapes(cfg).items()
+            if n.startswith("w_")}
+  cotangent = _normal(rng, (FFN_ROWS, cfg.hidden_size))
+  return (jnp.asarray(rows, dtype), jnp.asarray(FFN_GROUP_SIZES, jnp.int32),
+          params, jnp.asarray(cotangent, dtype))

@@ -1,0 +1,192 @@
+"""ExpertParallelSuite: the layer on a device mesh equals the layer on one.
+
+Needs 8 devices (`--xla_force_host_platform_device_count=8` on CPU, set
+before jax is imported); skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import moe_core
+from conformance import base
+from conformance import cases
+from conformance import tolerances
+from moe_core import parallel
+
+NUM_DEVICES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshCase:
+  """A mesh over the first prod(shape) devices, tokens over data x expert."""
+
+  name: str
+  shape: tuple[int, ...]
+  axis_names: tuple[str, ...]
+
+  @property
+  def data_axes(self) -> tuple[str, ...]:
+    return tuple(a for a in self.axis_names if a != "expert")
+
+  def build(self) -> jax.sharding.Mesh:
+    devices = jax.devices()[:math.prod(self.shape)]
+    return jax.sharding.Mesh(np.array(devices).reshape(self.shape),
+                             self.axis_names)
+
+
+MESHES = (
+    MeshCase("ep2", (2,), ("expert",)),
+    MeshCase("ep4", (4,), ("expert",)),
+    MeshCase("ep8", (8,), ("expert",)),
+    MeshCase("data2_ep4", (2, 4), ("data", "expert")),
+)
+_MESH = {m.name: m for m in MESHES}
+
+def _pick(what: str, predicate) -> cases.LayerCase:
+  """The first layer case with `predicate`; picked by property, not name.
+
+  Every EP case must differentiate, split over 8 token shards and (for
+  ep = 8) over 8 expert shards.
+  """
+  for case in cases.LAYER_CASES + cases.ROUTING_VARIANTS:
+    if (case.grads and case.num_tokens % NUM_DEVICES == 0
+        and case.cfg.num_experts % NUM_DEVICES == 0 and predicate(case)):
+      return case
+  raise LookupError(f"conformance/cases.py has no layer case for the EP "
+                    f"suite's {what} (grads, tokens and experts divisible by "
+                    f"{NUM_DEVICES}).")
+
+
+_BASE = _pick("float32 case with a gated shared expert", lambda c: (
+    c.dtype == "float32" and c.cfg.shared_expert_gate
+    and c.hot_expert is None and not c.cold_experts))
+_BF16 = _pick("bfloat16 case", lambda c: (
+    c.dtype == "bfloat16" and c.hot_expert is None and not c.cold_experts))
+_COLD = _pick("experts without tokens", lambda c: bool(c.cold_experts))
+# Every token's best expert is the hot one: with top_k=1 every copy goes to
+# the device holding it (the worst imbalance), which must take them all.
+_HOT = _pick("one expert takes all", lambda c: (
+    c.hot_expert is not None and c.cfg.top_k == 1))
+_DEEPSEEK = _pick("DeepSeek-V3 router", lambda c: (
+    c.cfg.group_score == "sum_top2" and c.cfg.correction_bias
+    and c.cfg.n_group > 1))
+
+
+def _product(case_list, mesh_names, exchange="padded"):
+  return [(f"{c.name}_{m}" + ("" if exchange == "padded" else f"_{exchange}"),
+           c, _MESH[m], exchange) for c in case_list for m in mesh_names]
+
+
+_ALL_MESHES = [m.name for m in MESHES]
+# Kept small: each entry is one compile of the layer and its gradients.
+EP_CASES = (
+    _product((_BASE, _COLD, _HOT), _ALL_MESHES)
+    + _product((_BF16, _DEEPSEEK), ("ep8", "data2_ep4"))
+    # The ragged layout (ragged_all_to_all on GPU/TPU) through its all_gather
+    # emulation, which runs anywhere.
+    + _product((_BASE,), ("ep8",), "ragged_emulated")
+    + _product((_HOT,), ("data2_ep4",), "ragged_emulated"))
+
+
+def _layer_fn(backend, case: cases.LayerCase, **layer_kwargs):
+  """f(params, x) -> (y, aux, grads) of sum(y * cotangent), like base's."""
+  cfg = case.cfg
+  _, _, cotangent = cases.layer_inputs(case)
+
+  def loss(params, x):
+    y, aux = moe_core.moe_layer(params, x, cfg, backend=backend,
+                                **layer_kwargs)
+    return jnp.sum(y.astype(jnp.float32) * cotangent), (y, aux)
+
+  def forward_and_grads(params, x):
+    (_, (y, aux)), (d_params, d_x) = jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True)(params, x)
+    return y, aux, dict(d_params, x=d_x)
+  return forward_and_grads
+
+
+class ExpertParallelSuite(base.BackendTestCase):
+  """moe_layer(..., mesh=...) against the same backend on one device."""
+
+  BACKEND: ClassVar[str]
+  BACKEND_OPTIONS: ClassVar[dict] = {}
+
+  def setUp(self):
+    super().setUp()
+    if jax.device_count() < NUM_DEVICES:
+      self.skipTest(
+          f"expert-parallel suite needs {NUM_DEVICES} devices, found "
+          f"{jax.device_count()}: set XLA_FLAGS=--xla_force_host_platform_"
+          f"device_count={NUM_DEVICES} before jax is imported.")
+
+  def run_ep(self, case: cases.LayerCase, mesh_case: MeshCase,
+             exchange: str) -> base.LayerResult:
+    params, x, _ = cases.layer_inputs(case)
+    fn = jax.jit(_layer_fn(
+        self.backend, case, mesh=mesh_case.build(),
+        data_axes=mesh_case.data_axes,
+        ep_options=parallel.EPOptions(exchange=exchange)))
+    y, aux, grads = fn(params, x)
+    return base.LayerResult(
+        y=np.asarray(y),
+        aux={f.name: np.asarray(getattr(aux, f.name))
+             for f in dataclasses.fields(aux)},
+        grads={n: np.asarray(g) for n, g in grads.items()},
+        rerun=lambda: fn(params, x)[::2])
+
+  @parameterized.named_parameters(*EP_CASES)
+  def test_matches_single_device(self, case, mesh_case, exchange):
+    got = self.run_ep(case, mesh_case, exchange)
+    want = self.run_layer(case, jit=True)  # Same backend, one device.
+    msg = f"{mesh_case.name} vs one device"
+    with self.subTest("y"):
+      self.assertEqual(got.y.shape, want.y.shape)
+      self.assertEqual(got.y.dtype, want.y.dtype)
+      self.assertClose(got.y, want.y, case.dtype, msg=f"y, {msg}")
+    # Routing runs in float32 whatever the activations' dtype.
+    routing_tol = tolerances.TABLE["float32"]["forward"]
+    for name, value in want.aux.items():
+      with self.subTest(f"aux.{name}"):
+        self.assertEqual(got.aux[name].shape, value.shape, f"aux.{name}")
+        self.assertEqual(got.aux[name].dtype, value.dtype, f"aux.{name}")
+        if np.issubdtype(value.dtype, np.floating):
+          problem = tolerances.violation(got.aux[name], value, routing_tol)
+          self.assertIsNone(problem, f"aux.{name}, {msg}: {problem}")
+        else:
+          np.testing.assert_array_equal(got.aux[name], value,
+                                        f"aux.{name}, {msg}")
+    for name in sorted(want.grads):
+      with self.subTest(f"d {name}"):
+        self.assertEqual(got.grads[name].dtype, want.grads[name].dtype)
+        self.assertClose(got.grads[name], want.grads[name], case.dtype,
+                         "gradient", msg=f"d {name}, {msg}")
+    self.assertEqual(int(got.aux["dropped_tokens"]), 0, "dropless")
+    self.assertEqual(int(got.aux["tokens_per_expert"].sum()),
+                     case.num_tokens * case.cfg.top_k)
+
+  @parameterized.named_parameters(("ep8", "ep8"), ("data2_ep4", "data2_ep4"))
+  def test_experts_without_tokens_get_exactly_zero_gradient(self, mesh_name):
+    got = self.run_ep(_COLD, _MESH[mesh_name], "padded")
+    self.assertAllZero(got.aux["tokens_per_expert"][list(_COLD.cold_experts)],
+                       msg="tokens of the cold experts")
+    for name in ("w_gate", "w_up", "w_down"):
+      for e in _COLD.cold_experts:
+        self.assertAllZero(got.grads[name][e],
+                           msg=f"d {name} of expert {e} (no tokens)")
+
+  def test_all_tokens_on_one_device_are_all_computed(self):
+    # One device of 8 holds the hot expert and receives every copy; none is
+    # lost.
+    got = self.run_ep(_HOT, _MESH["ep8"], "padded")
+    self.assertEqual(int(got.aux["tokens_per_expert"][_HOT.hot_expert]),
+                     _HOT.num_tokens)
+    self.assertTrue(np.all(got.aux["kept"]))
+    self.assertMatchesPerTokenMath(_HOT, got)

@@ -1,0 +1,103 @@
+"""LayerSuite: moe_core.moe_layer on shapes that break kernels."""
+
+from __future__ import annotations
+
+from absl.testing import parameterized
+import numpy as np
+
+from conformance import base
+from conformance import cases
+from conformance import oracles
+
+
+def _named(case_list):
+  return parameterized.named_parameters(cases.named(case_list))
+
+
+class LayerSuite(base.BackendTestCase):
+  """The whole layer, forward and backward, against the reference and math."""
+
+  @_named(cases.LAYER_CASES)
+  def test_forward_matches_reference(self, case):
+    _, x, _ = cases.layer_inputs(case)
+    got = self.run_layer(case)
+    self.assertEqual(got.y.shape, x.shape)
+    self.assertEqual(got.y.dtype, x.dtype)
+    self.assertClose(got.y, base.reference_layer(case).y, case.dtype,
+                     msg="y vs reference")
+
+  @_named(cases.LAYER_CASES)
+  def test_dropless_output_is_weighted_sum_of_chosen_experts(self, case):
+    got = self.run_layer(case)
+    t, k = case.num_tokens, case.cfg.top_k
+    self.assertEqual(int(got.aux["tokens_per_expert"].sum()), t * k)
+    self.assertEqual(int(got.aux["dropped_tokens"]), 0)
+    self.assertTrue(got.aux["kept"].all())
+    self.assertMatchesPerTokenMath(case, got)
+
+  @_named(cases.LAYER_CASES)
+  def test_aux_fields_match_contract_and_reference(self, case):
+    self.assertAuxMatchesReference(case, self.run_layer(case))
+
+  @_named(cases.LAYER_GRAD_CASES)
+  def test_gradients_match_reference(self, case):
+    params, _, _ = cases.layer_inputs(case)
+    got = self.run_layer(case).grads
+    want = base.reference_layer(case).grads
+    self.assertEqual(sorted(got), sorted(list(params) + ["x"]))
+    for name in sorted(got):
+      with self.subTest(name):
+        self.assertEqual(got[name].dtype, want[name].dtype)
+        if name == "correction_bias":  # Steers selection only.
+          self.assertAllZero(got[name], msg="d correction_bias")
+        else:
+          self.assertClose(got[name], want[name], case.dtype, "gradient",
+                           msg=f"d {name} vs reference")
+
+  def test_experts_without_tokens_get_exactly_zero_gradient(self):
+    case = cases.LAYER_BY_NAME["experts_without_tokens"]
+    got = self.run_layer(case)
+    np.testing.assert_array_equal(
+        got.aux["tokens_per_expert"][list(case.cold_experts)], 0,
+        "the case should leave its cold experts without tokens")
+    for name in ("w_gate", "w_up", "w_down"):
+      with self.subTest(name):
+        self.assertAllZero(got.grads[name][list(case.cold_experts)],
+                           msg=f"d {name} of experts without tokens")
+
+  @_named(cases.CAPACITY_CASES)
+  def test_capacity_drops_follow_gshard_priority(self, case):
+    got = self.run_layer(case)
+    capacity = case.cfg.expert_capacity(case.num_tokens)
+    want_kept = oracles.gshard_keep(got.aux["expert_ids"],
+                                    case.cfg.num_experts, capacity)
+    self.assertGreater(int((~want_kept).sum()), 0,
+                       "the case should overflow some expert")
+    self.assertEqual(int(got.aux["dropped_tokens"]), int((~want_kept).sum()))
+    np.testing.assert_array_equal(got.aux["kept"], want_kept)
+    self.assertEqual(int(got.aux["tokens_per_expert"].sum()),
+                     case.num_tokens * case.cfg.top_k)
+    self.assertAllZero(got.aux["combine_weights"][~want_kept],
+                       msg="combine weights of dropped copies")
+    self.assertClose(got.y, base.reference_layer(case).y, case.dtype,
+                     msg="y vs reference")
+    self.assertMatchesPerTokenMath(case, got)
+
+  def test_jit_and_eager_agree(self):
+    case = cases.LAYER_BY_NAME["base_f32"]
+    # Forward only: op-by-op gradients would cost more than the rest.
+    eager = self.run_layer(case, jit=False, grads=False)
+    jitted = self.run_layer(case, jit=True)
+    self.assertClose(eager.y, jitted.y, case.dtype, msg="y, eager vs jit")
+    self.assertClose(eager.y, base.reference_layer(case).y, case.dtype,
+                     msg="y, eager vs reference")
+
+  def test_results_are_bitwise_deterministic(self):
+    case = cases.LAYER_BY_NAME["base_bf16"]
+    first = self.run_layer(case)
+    y, grads = first.rerun()
+    self.assertBitwiseEqual(y, first.y, msg="y")
+    for name in sorted(grads):
+      with self.subTest(name):
+        self.assertBitwiseEqual(grads[name], first.grads[name],
+                                msg=f"d {name}")

@@ -1,0 +1,200 @@
+"""Independent float64 numpy versions of the MoE math, written from the spec."""
+
+# Nothing here calls moe_core or a backend, so the checks built on these also
+# test the reference backend.
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def f64(x) -> np.ndarray:
+  return np.asarray(x).astype(np.float64)
+
+
+# --- Grouped GEMM -----------------------------------------------------------
+
+
+def group_of_rows(group_sizes, num_rows: int) -> np.ndarray:
+  """[num_rows] int: each row's group, or -1 for rows past the last group."""
+  owner = np.full(num_rows, -1)
+  start = 0
+  for g, size in enumerate(np.asarray(group_sizes).tolist()):
+    owner[start:start + size] = g
+    start += size
+  return owner
+
+
+def grouped_gemm(rows, weights, group_sizes, transpose_rhs=False):
+  """out[r] = rows[r] @ W[g(r)] (W[g].T if transposed); 0 for padding rows."""
+  rows, weights = f64(rows), f64(weights)
+  if transpose_rhs:
+    weights = weights.transpose(0, 2, 1)
+  owner = group_of_rows(group_sizes, rows.shape[0])
+  out = np.zeros((rows.shape[0], weights.shape[2]))
+  for r, g in enumerate(owner):
+    if g >= 0:
+      out[r] = rows[r] @ weights[g]
+  return out
+
+
+def grouped_gemm_grads(rows, weights, group_sizes, cotangent,
+                       transpose_rhs=False):
+  """(d_rows, d_weights) of sum(cotangent * grouped_gemm(...)).
+
+  d_rows[r] = cotangent[r] @ W[g]^T; dW[g] = sum over g's rows of
+  rows[r]^T cotangent[r] (transposed for the [E, N, K] layout). Padding rows
+  take no part: their d_rows is 0 and they add nothing to dW.
+  """
+  rows, weights, cotangent = f64(rows), f64(weights), f64(cotangent)
+  w = weights.transpose(0, 2, 1) if transpose_rhs else weights  # [E, K, N]
+  owner = group_of_rows(group_sizes, rows.shape[0])
+  d_rows = np.zeros_like(rows)
+  d_w = np.zeros_like(w)
+  for r, g in enumerate(owner):
+    if g >= 0:
+      d_rows[r] = w[g] @ cotangent[r]
+      d_w[g] += np.outer(rows[r], cotangent[r])
+  if transpose_rhs:
+    d_w = d_w.transpose(0, 2, 1)
+  return d_rows, d_w
+
+
+# --- Routing ----------------------------------------------------------------
+
+
+def _softmax(logits):
+  z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+  return z / z.sum(axis=-1, keepdims=True)
+
+
+def _sigmoid(z):
+  return 1.0 / (1.0 + np.exp(-z))
+
+
+def route(logits, cfg, correction_bias=None) -> dict:
+  """The router of `cfg`, from float32 logits [T, E], one token at a time.
+
+  Returns a dict with expert_ids [T, K] (best first, lower index on ties),
+  combine_weights [T, K] (0 where dropped), kept [T, K], router_probs,
+  tokens_per_expert [E], dropped_tokens, load_balancing_loss and
+  router_z_loss.
+  """
+  logits = f64(logits)
+  t, e = logits.shape
+  if cfg.score_func == "softmax":
+    scores = _softmax(logits)
+    probs = scores
+  else:
+    scores = _sigmoid(logits)
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+  bias = np.zeros(e) if correction_bias is None else f64(correction_bias)
+  size = e // cfg.n_group
+  ids = np.zeros((t, cfg.top_k), np.int64)
+  for i in range(t):
+    choice = scores[i] + bias
+    eligible = np.ones(e, bool)
+    if cfg.n_group > 1:
+      groups = choice.reshape(cfg.n_group, size)
+      if cfg.group_score == "max":
+        group_score = groups.max(axis=1)
+      else:
+        group_score = np.sort(groups, axis=1)[:, -2:].sum(axis=1)
+      best = np.argsort(-group_score, kind="stable")[:cfg.topk_group]
+      eligible = np.repeat(np.isin(np.arange(cfg.n_group), best), size)
+    candidates = [j for j in range(e) if eligible[j]]
+    candidates.sort(key=lambda j: (-choice[j], j))
+    ids[i] = candidates[:cfg.top_k]
+  weights = np.take_along_axis(scores, ids, axis=1)
+  if cfg.norm_topk_prob:
+    weights = weights / (weights.sum(axis=1, keepdims=True) + cfg.norm_epsilon)
+  weights = weights * cfg.routed_scaling_factor
+  kept = np.ones(ids.shape, bool)
+  capacity = None
+  if cfg.capacity_factor is not None:
+    capacity = max(1, math.ceil(cfg.capacity_factor * t * cfg.top_k / e))
+    kept = gshard_keep(ids, e, capacity)
+  weights = np.where(kept, weights, 0.0)
+  tokens_per_expert = np.bincount(ids.reshape(-1), minlength=e)
+  fraction = tokens_per_expert / (t * cfg.top_k)
+  lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + (
+      logits.max(1))
+  return dict(
+      expert_ids=ids, combine_weights=weights, kept=kept, router_probs=probs,
+      tokens_per_expert=tokens_per_expert,
+      dropped_tokens=int((~kept).sum()), capacity=capacity,
+      load_balancing_loss=e * np.sum(fraction * probs.mean(axis=0)),
+      router_z_loss=np.mean(lse ** 2))
+
+
+def gshard_keep(expert_ids, num_experts: int, capacity: int) -> np.ndarray:
+  """[T, K] bool: kept assignments, filling slots by GShard priority.
+
+  Every token's first choice is served before any second choice, and within
+  one choice rank tokens go in order; an expert refuses once it holds
+  `capacity` assignments.
+  """
+  t, k = expert_ids.shape
+  load = np.zeros(num_experts, np.int64)
+  kept = np.zeros((t, k), bool)
+  for choice in range(k):
+    for token in range(t):
+      e = expert_ids[token, choice]
+      if load[e] < capacity:
+        load[e] += 1
+        kept[token, choice] = True
+  return kept
+
+
+# --- Expert FFNs -------------------------------------------------------------
+
+
+def activation(name: str, z):
+  if name == "silu":
+    return z * _sigmoid(z)
+  if name == "gelu":  # Exact, erf-based.
+    return 0.5 * z * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))
+  if name == "gelu_tanh":
+    return 0.5 * z * (1.0 + np.tanh(math.sqrt(2.0 / math.pi)
+                                    * (z + 0.044715 * z ** 3)))
+  raise ValueError(f"unknown activation {name!r}")
+
+
+def expert_ffn(x, params, expert: int, act: str):
+  """Expert `expert`'s gated FFN on rows x [N, D] -> [N, D]."""
+  x = f64(x)
+  gate = x @ f64(params["w_gate"][expert])
+  up = x @ f64(params["w_up"][expert])
+  return (activation(act, gate) * up) @ f64(params["w_down"][expert])
+
+
+def shared_expert(x, params, cfg):
+  x = f64(x)
+  h = (activation(cfg.activation, x @ f64(params["shared_w_gate"]))
+       * (x @ f64(params["shared_w_up"])))
+  y = h @ f64(params["shared_w_down"])
+  if cfg.shared_expert_gate:
+    y = _sigmoid(x @ f64(params["shared_gate"])) * y
+  return y
+
+
+def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
+  """y[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t]) (+ shared expert(x[t])).
+
+  Each token and each of its choices is computed on its own: no sorting,
+  no grouping, no padding. x: [T, D]; returns [T, D] float64.
+  """
+  x = f64(x)
+  ids = np.asarray(expert_ids)
+  w = f64(combine_weights)
+  y = np.zeros_like(x)
+  for t in range(x.shape[0]):
+    for k in range(ids.shape[1]):
+      if w[t, k] != 0.0:  # A dropped copy has weight 0 and adds nothing.
+        y[t] += w[t, k] * expert_ffn(x[t:t + 1], params, ids[t, k],
+                                     cfg.activation)[0]
+  if cfg.shared_ffn_size:
+    y += shared_expert(x, params, cfg)
+  return y

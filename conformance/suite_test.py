@@ -1,0 +1,126 @@
+"""Tests of the suite's own machinery: class building, skips, tolerances."""
+
+from unittest import mock
+
+from absl.testing import absltest
+import ml_dtypes
+import numpy as np
+
+import moe_core
+from conformance import oracles
+from conformance import suite
+from conformance import tolerances
+
+
+class MakeTestClassesTest(absltest.TestCase):
+
+  def test_one_class_per_suite_with_the_backend_settings(self):
+    classes = suite.make_test_classes(
+        "xla", {"levels": (64, 8)}, {"bfloat16": (0.1, 0.1)})
+    self.assertLen(classes, len(suite.SUITES))
+    self.assertIn("XlaGroupedGemmTest", classes)
+    for name, cls in classes.items():
+      self.assertEqual(cls.__name__, name)
+      self.assertEqual(cls.BACKEND, "xla")
+      self.assertEqual(cls.BACKEND_OPTIONS, {"levels": (64, 8)})
+      self.assertEqual(cls.TOLERANCE_OVERRIDES, {"bfloat16": (0.1, 0.1)})
+      self.assertTrue(any(issubclass(cls, s) for s in suite.SUITES))
+
+  def test_backend_whose_module_is_missing_skips_with_the_reason(self):
+    registry = moe_core.registry._REGISTRY  # pylint: disable=protected-access
+    with mock.patch.dict(registry,
+                         {"absent": "no_such_package.backend:Absent"}):
+      classes = suite.make_test_classes("absent")
+      test = classes["AbsentValidationTest"](
+          "test_layer_rejects_missing_parameter")
+      result = test.defaultTestResult()
+      test.run(result)
+    self.assertEmpty(result.errors)
+    self.assertEmpty(result.failures)
+    self.assertLen(result.skipped, 1)
+    self.assertRegex(result.skipped[0][1],
+                     "backend 'absent' cannot be imported here: .*"
+                     "no_such_package")
+
+
+class TolerancesTest(absltest.TestCase):
+
+  def test_bfloat16_rounding_of_the_result_passes(self):
+    expected = np.random.default_rng(0).standard_normal((64, 64))
+    rounded = expected.astype(ml_dtypes.bfloat16)
+    tol = tolerances.lookup("bfloat16", "forward", platform="cpu")
+    self.assertIsNone(tolerances.violation(rounded, expected, tol))
+
+  def test_one_wrong_value_fails(self):
+    expected = np.random.default_rng(1).standard_normal((64, 64))
+    actual = expected.copy()
+    actual[3, 5] += 0.05 * np.abs(expected).max()  # A 5% error.
+    for dtype in ("float32", "bfloat16"):
+      with self.subTest(dtype):
+        tol = tolerances.lookup(dtype, "gradient", platform="cpu")
+        self.assertRegex(tolerances.violation(actual, expected, tol),
+                         r"1 of 4096 values off; worst at \(3, 5\)")
+
+  def test_nan_and_shape_mismatch_fail(self):
+    tol = tolerances.lookup("float32", "forward", platform="cpu")
+    self.assertRegex(
+        tolerances.violation(np.array([1.0, np.nan]), np.ones(2), tol),
+        "non-finite")
+    self.assertRegex(tolerances.violation(np.ones(3), np.ones(2), tol),
+                     "shape")
+
+  def test_all_zero_expected_needs_exact_zeros(self):
+    tol = tolerances.lookup("bfloat16", "forward", platform="cpu")
+    self.assertIsNone(tolerances.violation(np.zeros(4), np.zeros(4), tol))
+    self.assertIsNotNone(
+        tolerances.violation(np.array([0, 0, 1e-30, 0]), np.zeros(4), tol))
+
+  def test_float32_row_follows_the_platform(self):
+    self.assertEqual(tolerances.row_for("float32", "cpu"), "float32")
+    self.assertEqual(tolerances.row_for("float32", "gpu"), "tfloat32")
+    self.assertEqual(tolerances.row_for("bfloat16", "gpu"), "bfloat16")
+
+  def test_overrides_loosen_one_dtype_and_kind(self):
+    both = {"bfloat16": (0.5, 0.25)}
+    one = {"bfloat16": {"gradient": (0.5, 0.25)}}
+    self.assertEqual(tolerances.lookup("bfloat16", "forward", both, "cpu"),
+                     (0.5, 0.25))
+    self.assertEqual(tolerances.lookup("bfloat16", "forward", one, "cpu"),
+                     tolerances.TABLE["bfloat16"]["forward"])
+    self.assertEqual(tolerances.lookup("bfloat16", "gradient", one, "cpu"),
+                     (0.5, 0.25))
+    self.assertEqual(tolerances.lookup("float32", "forward", both, "cpu"),
+                     tolerances.TABLE["float32"]["forward"])
+
+
+class OraclesTest(absltest.TestCase):
+  """The numpy oracles on examples worked out by hand."""
+
+  def test_gshard_keep_serves_first_choices_first(self):
+    # Capacity 1. First choices in token order: token 0 takes expert 0,
+    # token 1 finds it full, token 2 takes expert 1. Then second choices:
+    # experts 1 and 1 are full for tokens 0 and 1, token 2 takes expert 2.
+    expert_ids = np.array([[0, 1], [0, 1], [1, 2]])
+    want = np.array([[True, False], [False, False], [True, True]])
+    np.testing.assert_array_equal(oracles.gshard_keep(expert_ids, 3, 1),
+                                  want)
+
+  def test_grouped_gemm_on_a_hand_example(self):
+    rows = np.array([[1.0, 2.0], [3.0, 4.0], [np.nan, np.nan]])
+    weights = np.array([[[1.0], [0.0]], [[0.0], [1.0]]])  # [2, 2, 1]
+    out = oracles.grouped_gemm(rows, weights, [1, 1])
+    np.testing.assert_array_equal(out, [[1.0], [4.0], [0.0]])
+
+  def test_route_on_a_hand_example(self):
+    cfg = moe_core.MoEConfig(num_experts=4, top_k=2, hidden_size=1,
+                             expert_ffn_size=1, norm_topk_prob=True,
+                             routed_scaling_factor=2.0)
+    logits = np.log(np.array([[0.1, 0.4, 0.2, 0.3]]))
+    got = oracles.route(logits, cfg)
+    np.testing.assert_array_equal(got["expert_ids"], [[1, 3]])
+    np.testing.assert_allclose(got["combine_weights"],
+                               [[2.0 * 4 / 7, 2.0 * 3 / 7]])
+
+
+if __name__ == "__main__":
+  absltest.main()

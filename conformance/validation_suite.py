@@ -1,0 +1,156 @@
+"""ValidationSuite: bad input fails early, naming the argument and its value."""
+
+from __future__ import annotations
+
+import re
+
+from absl.testing import parameterized
+import jax.numpy as jnp
+import numpy as np
+
+import moe_core
+from conformance import base
+
+# Every optional parameter enabled, so that each name can be broken.
+_FULL_CFG = moe_core.MoEConfig(
+    num_experts=4, top_k=2, hidden_size=16, expert_ffn_size=24,
+    correction_bias=True, shared_ffn_size=8, shared_expert_gate=True)
+_PARAM_NAMES = tuple(moe_core.param_shapes(_FULL_CFG))
+
+
+def _params(cfg):
+  return {n: jnp.zeros(s, jnp.float32)
+          for n, s in moe_core.param_shapes(cfg).items()}
+
+
+def _tokens(cfg, num_tokens=5):
+  return jnp.ones((num_tokens, cfg.hidden_size), jnp.float32)
+
+
+class ValidationSuite(base.BackendTestCase):
+  """Each check pinned by its message, through this backend's entry points."""
+
+  def _layer(self, params, x, cfg, backend=None):
+    return moe_core.moe_layer(params, x, cfg,
+                              backend=backend or self.backend)
+
+  # --- The layer ---------------------------------------------------------
+
+  def test_layer_rejects_wrong_hidden_size(self):
+    x = jnp.ones((5, 12), jnp.float32)
+    with self.assertRaisesRegex(
+        ValueError, re.escape("x must have shape [..., hidden_size=16], got "
+                              "x.shape=(5, 12)")):
+      self._layer(_params(_FULL_CFG), x, _FULL_CFG)
+
+  def test_layer_rejects_integer_tokens(self):
+    x = jnp.ones((5, 16), jnp.int32)
+    with self.assertRaisesRegex(
+        TypeError, "x must be floating point, got dtype int32"):
+      self._layer(_params(_FULL_CFG), x, _FULL_CFG)
+
+  @parameterized.named_parameters([(n, n) for n in _PARAM_NAMES])
+  def test_layer_rejects_wrong_parameter_shape(self, name):
+    params = _params(_FULL_CFG)
+    shape = moe_core.param_shapes(_FULL_CFG)[name]
+    bad = shape[:-1] + (shape[-1] + 1,)
+    params[name] = jnp.zeros(bad, jnp.float32)
+    with self.assertRaisesRegex(
+        ValueError, re.escape(f"params[{name!r}] must have shape {shape}, "
+                              f"got {bad}")):
+      self._layer(params, _tokens(_FULL_CFG), _FULL_CFG)
+
+  def test_layer_rejects_missing_parameter(self):
+    params = _params(_FULL_CFG)
+    del params["w_down"]
+    with self.assertRaisesRegex(
+        ValueError, re.escape("params is missing ['w_down'] for this config")):
+      self._layer(params, _tokens(_FULL_CFG), _FULL_CFG)
+
+  def test_layer_rejects_extra_parameter(self):
+    cfg = _FULL_CFG.replace(correction_bias=False)
+    params = _params(_FULL_CFG)  # Still holds a correction_bias.
+    with self.assertRaisesRegex(
+        ValueError, re.escape("params has keys ['correction_bias'] that this "
+                              "config does not use")):
+      self._layer(params, _tokens(cfg), cfg)
+
+  def test_unknown_backend_lists_valid_names(self):
+    names = ["auto"] + moe_core.registered_backends()
+    message = re.escape(f"unknown MoE backend 'no_such_backend'; valid names: "
+                        f"{names}")
+    with self.assertRaisesRegex(ValueError, message):
+      moe_core.get_backend("no_such_backend")
+    with self.assertRaisesRegex(ValueError, message):
+      self._layer(_params(_FULL_CFG), _tokens(_FULL_CFG), _FULL_CFG,
+                  backend="no_such_backend")
+
+  # --- The config ----------------------------------------------------------
+
+  def test_config_rejects_top_k_above_num_experts(self):
+    with self.assertRaisesRegex(
+        ValueError, "top_k must be <= num_experts, got top_k=5, "
+        "num_experts=4"):
+      _FULL_CFG.replace(top_k=5)
+
+  def test_config_rejects_n_group_not_dividing_experts(self):
+    with self.assertRaisesRegex(
+        ValueError, "n_group must divide num_experts, got n_group=3, "
+        "num_experts=4"):
+      _FULL_CFG.replace(n_group=3)
+
+  def test_config_rejects_topk_group_above_n_group(self):
+    with self.assertRaisesRegex(
+        ValueError, "topk_group must be <= n_group, got topk_group=3, "
+        "n_group=2"):
+      _FULL_CFG.replace(n_group=2, topk_group=3)
+
+  def test_config_rejects_sum_top2_with_one_expert_per_group(self):
+    with self.assertRaisesRegex(
+        ValueError, re.escape("group_score='sum_top2' needs at least 2 "
+                              "experts per group, got num_experts=4 / "
+                              "n_group=4 = 1")):
+      _FULL_CFG.replace(n_group=4, topk_group=2, group_score="sum_top2")
+
+  # --- The grouped GEMM ------------------------------------------------------
+
+  def _gemm(self, rows=None, weights=None, group_sizes=None, **kwargs):
+    rows = jnp.ones((6, 8), jnp.float32) if rows is None else rows
+    weights = (jnp.ones((4, 8, 3), jnp.float32) if weights is None
+               else weights)
+    group_sizes = (jnp.array([1, 2, 0, 3], jnp.int32) if group_sizes is None
+                   else group_sizes)
+    return self.backend.grouped_gemm(rows, weights, group_sizes, **kwargs)
+
+  def test_grouped_gemm_accepts_the_defaults_of_these_tests(self):
+    out = self._gemm()  # So that each rejection below has one cause.
+    np.testing.assert_array_equal(out, np.full((6, 3), 8.0, np.float32))
+
+  def test_grouped_gemm_rejects_float_group_sizes(self):
+    with self.assertRaisesRegex(
+        TypeError, re.escape("group_sizes must be an integer (int32) array, "
+                             "got dtype float32")):
+      self._gemm(group_sizes=jnp.array([1.0, 2.0, 0.0, 3.0], jnp.float32))
+
+  def test_grouped_gemm_rejects_group_sizes_of_wrong_length(self):
+    with self.assertRaisesRegex(
+        ValueError, re.escape("group_sizes must have shape (4,) (one size per "
+                              "group), got group_sizes.shape=(3,)")):
+      self._gemm(group_sizes=jnp.array([1, 2, 3], jnp.int32))
+
+  def test_grouped_gemm_rejects_mixed_dtypes(self):
+    with self.assertRaisesRegex(
+        TypeError, "grouped_gemm needs rows and weights of one dtype, got "
+        "rows float32, weights bfloat16"):
+      self._gemm(weights=jnp.ones((4, 8, 3), jnp.bfloat16))
+
+  def test_grouped_gemm_rejects_mismatched_contraction(self):
+    with self.assertRaisesRegex(
+        ValueError, re.escape("weights [E, K, N] must contract over rows' "
+                              "K=8, got rows.shape=(6, 8), "
+                              "weights.shape=(4, 7, 3)")):
+      self._gemm(weights=jnp.ones((4, 7, 3), jnp.float32))
+    with self.assertRaisesRegex(
+        ValueError, re.escape("weights [E, N, K] must contract over rows' "
+                              "K=8")):
+      self._gemm(transpose_rhs=True)

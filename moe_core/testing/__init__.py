@@ -1,0 +1,1 @@
+"""Helpers for moe_core's own tests (multi-process workers)."""
