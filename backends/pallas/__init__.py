@@ -1,0 +1,1 @@
+"""The pallas backend: grouped-GEMM kernels; Triton on GPU, interpret on CPU."""

@@ -1,0 +1,102 @@
+"""The kernels under the bounds-checking interpreter, on small shapes.
+
+JAX's default interpreter clamps an out-of-bounds `ref[pl.ds(...)]` read (the
+dynamic_slice rule), which hides a read past the end of a buffer; on a GPU it
+would read garbage. `pltpu.InterpretParams()` checks every read and write
+against the buffer's shape and raises instead. It is about 30x slower: small
+shapes only.
+"""
+
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+import numpy as np
+
+from backends.pallas import backend as pallas_backend
+from backends.pallas import kernels
+from backends.pallas import metadata
+from backends.pallas import tiling
+from reference import backend as reference
+
+_TILES = tiling.Tiles(bm=16, bk=16, bn=16)
+_SIZES = (10, 0, 23, 9)  # Shared tiles, an empty group, 22 padding rows.
+
+
+def _inputs(m=64, k=32, n=48, seed=0):
+  rng = np.random.default_rng(seed)
+  used = sum(_SIZES)
+  rows = rng.standard_normal((m, k)).astype(np.float32)
+  rows[used:] = np.nan
+  dy = rng.standard_normal((m, n)).astype(np.float32)
+  dy[used:] = np.nan
+  weights = rng.standard_normal((len(_SIZES), k, n)).astype(np.float32)
+  return (jnp.asarray(rows), jnp.asarray(weights),
+          jnp.asarray(_SIZES, jnp.int32), jnp.asarray(dy))
+
+
+class DebugInterpretTest(parameterized.TestCase):
+
+  def tearDown(self):
+    pltpu.reset_tpu_interpret_mode_state()
+    super().tearDown()
+
+  def test_gmm_forward_and_transposed_stay_in_bounds(self):
+    rows, weights, sizes, dy = _inputs()
+    used = sum(_SIZES)
+    clean_rows = rows.at[used:].set(0)
+    clean_dy = dy.at[used:].set(0)
+    debug = pltpu.InterpretParams()
+    (out,) = kernels.gmm([rows], [weights], sizes, tiles=_TILES,
+                         interpret=debug)
+    np.testing.assert_allclose(
+        out, reference.grouped_gemm(clean_rows, weights, sizes),
+        atol=1e-4, rtol=1e-5)
+    (d_rows,) = kernels.gmm([dy], [weights], sizes, tiles=_TILES,
+                            interpret=debug, transpose_rhs=True)
+    np.testing.assert_allclose(
+        d_rows, reference.grouped_gemm(clean_dy, weights, sizes,
+                                       transpose_rhs=True),
+        atol=1e-4, rtol=1e-5)
+
+  def test_tgmm_stays_in_bounds(self):
+    rows, weights, sizes, dy = _inputs()
+    used = sum(_SIZES)
+    (d_weights,) = kernels.tgmm(rows, [dy], sizes, tiles=_TILES,
+                                interpret=pltpu.InterpretParams())
+    _, vjp = jax.vjp(lambda w: reference.grouped_gemm(
+        rows.at[used:].set(0), w, sizes), weights)
+    np.testing.assert_allclose(d_weights, vjp(dy.at[used:].set(0))[0],
+                               atol=1e-4, rtol=1e-5)
+
+  def test_backend_debug_mode_runs_grouped_gemm(self):
+    be = pallas_backend.PallasBackend(tiles=_TILES, interpret="debug")
+    rows, weights, sizes, _ = _inputs(m=32, k=16, n=16, seed=1)
+    sizes = jnp.array([5, 0, 11, 16], jnp.int32)
+    rows = rows[:32]
+    weights = weights[:, :16, :16]
+    np.testing.assert_allclose(
+        be.grouped_gemm(rows, weights, sizes),
+        reference.grouped_gemm(rows, weights, sizes), atol=1e-4, rtol=1e-5)
+
+  def test_catches_a_read_past_the_rows(self):
+    """A tile list one tile off reads past the rows: the interpreter raises."""
+    rows, weights, sizes, _ = _inputs()
+    real_build = metadata.build
+
+    def off_by_one_tile(group_sizes, num_rows, bm):
+      meta = real_build(group_sizes, num_rows, bm)
+      return meta._replace(tile_ids=meta.tile_ids + 1)
+
+    with mock.patch.object(metadata, "build", off_by_one_tile):
+      with self.assertRaisesRegex(Exception, r"Out-of-bounds"):
+        jax.block_until_ready(kernels.gmm(
+            [rows], [weights], sizes, tiles=_TILES,
+            interpret=pltpu.InterpretParams()))
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,270 @@
+"""Pallas kernels of the grouped GEMM: gmm (forward, dX) and tgmm (dW).
+
+Both are written for the Triton lowering (GPU) and run unchanged in
+interpret mode (CPU). The Triton lowering shapes them:
+  * index maps may not depend on data (no scalar prefetch), so the metadata
+    are int32 inputs read inside the kernel, and operands whose block depends
+    on the group (weights, and gmm's rows and output) are whole-array refs
+    sliced with `pl.ds`;
+  * there is no scratch memory: accumulators are float32 carries of a
+    `lax.fori_loop`;
+  * every block is a power of two >= 16 (tiling.Tiles enforces it); the
+    wrappers pad an axis that no such block divides;
+  * a row tile shared by two groups is written by two programs, each with a
+    masked store of its own rows, never a read-modify-write (which would race
+    on a GPU).
+
+`interpret` is False (lower for the GPU), True (JAX's HLO interpreter, the
+CPU path) or a `pltpu.InterpretParams` (the debug interpreter, which raises
+on out-of-bounds reads and writes). The masked store has two spellings,
+both a masked Triton store when lowered: slices (GPU, debug interpreter) and
+index arrays (HLO interpreter, where the slice form would pad the whole
+output on every step; about 10x slower).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+import jax.numpy as jnp
+
+from backends.pallas import metadata as metadata_lib
+from backends.pallas import tiling
+
+Epilogue = Callable[[Sequence[jax.Array]], Sequence[jax.Array]]
+
+# An operand passed whole (its block depends on data, so no index map).
+_WHOLE_ARRAY = getattr(pl, "no_block_spec", None) or pl.BlockSpec()
+
+
+def identity(accs):
+  """The epilogue that writes each accumulator as it is."""
+  return tuple(accs)
+
+
+def _precision(dtype):
+  # Triton reads DEFAULT as TF32 for float32 operands; HIGHEST keeps IEEE.
+  if jnp.dtype(dtype) == jnp.float32:
+    return lax.Precision.HIGHEST
+  return lax.Precision.DEFAULT
+
+
+def _compiler_params(tiles: tiling.Tiles, interpret):
+  if interpret is False or interpret is True:
+    return plt.CompilerParams(num_warps=tiles.num_warps,
+                              num_stages=tiles.num_stages)
+  return None  # The debug (TPU) interpreter takes no Triton parameters.
+
+
+def _pad2(x, rows, cols):
+  if x.shape == (rows, cols):
+    return x
+  return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
+
+
+def _pad3(w, d1, d2):
+  if w.shape[1:] == (d1, d2):
+    return w
+  return jnp.pad(w, ((0, 0), (0, d1 - w.shape[1]), (0, d2 - w.shape[2])))
+
+
+def _store_owned_rows(o_ref, value, r0, n0, row_start, row_end, indexed):
+  """Stores the rows [row_start, row_end) of value into o_ref[r0:, n0:]."""
+  bm, bn = value.shape
+  rows = r0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+  mask = (rows >= row_start) & (rows < row_end)
+  if indexed:
+    cols = n0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+    plt.store(o_ref.at[rows, cols], value, mask=mask)
+  else:
+    plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], value, mask=mask)
+
+
+def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, *refs, num_lhs,
+                num_rhs, products, num_accs, epilogue, tiles, k_steps,
+                num_groups, transpose_rhs, precision, indexed):
+  """One visit of the tile list x one column block.
+
+  refs: num_lhs row refs [Mp, Kp], num_rhs weight refs [E, Kp, Np] ([E, Np,
+  Kp] if transpose_rhs), then the output refs [Mp, Np]. products: static
+  (lhs, rhs, acc) index triples; acc[a] += lhs[l] @ rhs[r].
+  """
+  lhs_refs = refs[:num_lhs]
+  rhs_refs = refs[num_lhs:num_lhs + num_rhs]
+  out_refs = refs[num_lhs + num_rhs:]
+  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  visit = pl.program_id(0)
+  group = group_ref[visit]
+  row_start = start_ref[visit]
+  row_end = end_ref[visit]
+  r0 = pl.multiple_of(tile_ref[visit] * bm, bm)
+  n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+  # Unused visits and the padding group (E) skip the K loop: zeros.
+  computes = (group < num_groups) & (row_end > row_start)
+  weight = jnp.minimum(group, num_groups - 1)
+
+  def k_step(step, accs):
+    k0 = pl.multiple_of(step * bk, bk)
+    lhs = [ref[pl.ds(r0, bm), pl.ds(k0, bk)] for ref in lhs_refs]
+    if transpose_rhs:
+      rhs = [ref[weight, pl.ds(n0, bn), pl.ds(k0, bk)] for ref in rhs_refs]
+      dims = (((1,), (1,)), ((), ()))
+    else:
+      rhs = [ref[weight, pl.ds(k0, bk), pl.ds(n0, bn)] for ref in rhs_refs]
+      dims = (((1,), (0,)), ((), ()))
+    accs = list(accs)
+    for l, r, a in products:
+      accs[a] += lax.dot_general(lhs[l], rhs[r], dims, precision=precision,
+                                 preferred_element_type=jnp.float32)
+    return tuple(accs)
+
+  zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(num_accs))
+  accs = lax.fori_loop(0, jnp.where(computes, k_steps, 0), k_step, zeros)
+  for o_ref, value in zip(out_refs, epilogue(accs)):
+    _store_owned_rows(o_ref, value.astype(o_ref.dtype), r0, n0, row_start,
+                      row_end, indexed)
+
+
+def gmm(lhs: Sequence[jax.Array], rhs: Sequence[jax.Array],
+        group_sizes: jax.Array, *, tiles: tiling.Tiles, interpret,
+        transpose_rhs: bool = False,
+        products: Sequence[tuple[int, int, int]] = ((0, 0, 0),),
+        epilogue: Epilogue = identity, num_outputs: int = 1,
+        out_dtype=None) -> tuple[jax.Array, ...]:
+  """Grouped GEMMs over one tile list: acc[a] += lhs[l] @ rhs[r][group].
+
+  Args:
+    lhs: row operands, each [M, K] sorted by group.
+    rhs: weight operands, each [E, K, N] ([E, N, K] if `transpose_rhs`).
+    group_sizes: [E] int32, sum <= M.
+    tiles: block sizes and launch settings.
+    interpret: False (GPU), True (HLO interpreter) or InterpretParams.
+    transpose_rhs: contract with rhs[g].T.
+    products: static (lhs index, rhs index, accumulator index) triples; the
+      number of accumulators is one more than the largest index.
+    epilogue: float32 accumulators [bm, bn] -> `num_outputs` output blocks.
+    num_outputs: number of outputs.
+    out_dtype: output dtype (lhs[0]'s by default).
+
+  Returns:
+    `num_outputs` arrays [M, N]; rows past sum(group_sizes) are zero.
+  """
+  m, k = lhs[0].shape
+  num_groups = rhs[0].shape[0]
+  n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
+  out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
+  if m == 0 or n == 0:
+    return tuple(jnp.zeros((m, n), out_dtype) for _ in range(num_outputs))
+  mp, kp, np_ = (tiling.padded(d, b)
+                 for d, b in ((m, tiles.bm), (max(k, 1), tiles.bk),
+                              (n, tiles.bn)))
+  lhs = [_pad2(x, mp, kp) for x in lhs]
+  rhs = [_pad3(w, np_, kp) if transpose_rhs else _pad3(w, kp, np_)
+         for w in rhs]
+  meta = metadata_lib.build(group_sizes, mp, tiles.bm)
+  num_visits = meta.group_ids.shape[0]
+  kernel = functools.partial(
+      _gmm_kernel, num_lhs=len(lhs), num_rhs=len(rhs),
+      products=tuple(products),
+      num_accs=1 + max(a for _, _, a in products), epilogue=epilogue,
+      tiles=tiles, k_steps=kp // tiles.bk, num_groups=num_groups,
+      transpose_rhs=transpose_rhs, precision=_precision(lhs[0].dtype),
+      indexed=interpret is True)
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=[jax.ShapeDtypeStruct((mp, np_), out_dtype)
+                 for _ in range(num_outputs)],
+      grid=(num_visits, np_ // tiles.bn),
+      interpret=interpret,
+      compiler_params=_compiler_params(tiles, interpret),
+      name="dropless_gmm",
+  )(meta.group_ids, meta.tile_ids, meta.row_starts, meta.row_ends, *lhs,
+    *rhs)
+  return tuple(o[:m, :n] for o in outs)
+
+
+def _tgmm_kernel(group_visits_ref, tile_ref, start_ref, end_ref, lhs_ref,
+                 *refs, num_rhs, tiles, precision):
+  """dW[g][k block, n block] = sum over g's row tiles of lhs^T @ rhs."""
+  rhs_refs = refs[:num_rhs]
+  out_refs = refs[num_rhs:]
+  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  group = pl.program_id(0)
+  k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
+  n0 = pl.multiple_of(pl.program_id(2) * bn, bn)
+
+  def visit_step(visit, accs):
+    r0 = pl.multiple_of(tile_ref[visit] * bm, bm)
+    rows = r0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+    # Rows of other groups, or past sum(group_sizes), may hold anything (NaN
+    # included): select zeros rather than multiply by a mask.
+    mine = (rows >= start_ref[visit]) & (rows < end_ref[visit])
+    lhs = lhs_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
+    lhs = jnp.where(mine, lhs, jnp.zeros((), lhs.dtype))
+    accs = list(accs)
+    for i, ref in enumerate(rhs_refs):
+      rhs = ref[pl.ds(r0, bm), pl.ds(n0, bn)]
+      rhs = jnp.where(mine, rhs, jnp.zeros((), rhs.dtype))
+      accs[i] += lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())),
+                                 precision=precision,
+                                 preferred_element_type=jnp.float32)
+    return tuple(accs)
+
+  zeros = tuple(jnp.zeros((bk, bn), jnp.float32) for _ in range(num_rhs))
+  # An empty group has no visits: its dW is the zeros it starts from.
+  accs = lax.fori_loop(group_visits_ref[group], group_visits_ref[group + 1],
+                       visit_step, zeros)
+  for o_ref, acc in zip(out_refs, accs):
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def tgmm(lhs: jax.Array, rhs: Sequence[jax.Array], group_sizes: jax.Array, *,
+         tiles: tiling.Tiles, interpret, out_dtype=None
+         ) -> tuple[jax.Array, ...]:
+  """Per-group lhs_g^T @ rhs_g for each rhs: [M, K], [M, N] -> [E, K, N].
+
+  Args:
+    lhs: [M, K] rows sorted by group.
+    rhs: operands [M, N] with the same rows.
+    group_sizes: [E] int32, sum <= M.
+    tiles: bm is the reduction step over rows; bk x bn the output block.
+    interpret: False (GPU), True (HLO interpreter) or InterpretParams.
+    out_dtype: output dtype (lhs's by default).
+
+  Returns:
+    one [E, K, N] per rhs; rows past sum(group_sizes) contribute nothing and
+    an empty group's block is exactly zero.
+  """
+  m, k = lhs.shape
+  n = rhs[0].shape[1]
+  num_groups = group_sizes.shape[0]
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  if m == 0 or k == 0 or n == 0:
+    return tuple(jnp.zeros((num_groups, k, n), out_dtype) for _ in rhs)
+  mp, kp, np_ = (tiling.padded(d, b)
+                 for d, b in ((m, tiles.bm), (k, tiles.bk), (n, tiles.bn)))
+  lhs = _pad2(lhs, mp, kp)
+  rhs = [_pad2(r, mp, np_) for r in rhs]
+  meta = metadata_lib.build(group_sizes, mp, tiles.bm)
+  kernel = functools.partial(_tgmm_kernel, num_rhs=len(rhs), tiles=tiles,
+                             precision=_precision(lhs.dtype))
+  whole = _WHOLE_ARRAY
+  block = pl.BlockSpec((None, tiles.bk, tiles.bn), lambda g, i, j: (g, i, j))
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=[jax.ShapeDtypeStruct((num_groups, kp, np_), out_dtype)
+                 for _ in rhs],
+      grid=(num_groups, kp // tiles.bk, np_ // tiles.bn),
+      in_specs=[whole] * (5 + len(rhs)),
+      out_specs=[block] * len(rhs),
+      interpret=interpret,
+      compiler_params=_compiler_params(tiles, interpret),
+      name="dropless_tgmm",
+  )(meta.group_visits, meta.tile_ids, meta.row_starts, meta.row_ends, lhs,
+    *rhs)
+  return tuple(o[:, :k, :n] for o in outs)

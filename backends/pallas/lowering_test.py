@@ -1,0 +1,174 @@
+"""Lowers every kernel for CUDA on this (CPU) machine through jax.export.
+
+The Pallas -> Triton lowering runs entirely in Python, so a kernel that would
+not lower for the GPU (a block that is not a power of two, an unsupported
+primitive, scratch memory, a data-dependent index map) fails here. PTX-level
+limits (registers, shared memory) are not checked; tiling_test bounds the
+shared memory of the shipped configurations.
+"""
+
+import re
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+from jax import export
+from jax.experimental.pallas import triton as plt
+import jax.numpy as jnp
+
+import moe_core
+from backends.pallas import backend as pallas_backend
+from backends.pallas import kernels
+from backends.pallas import ops
+from backends.pallas import tiling
+
+# The custom call of a Pallas Triton kernel (named in the API since jax 0.11).
+_TRITON_CALL = getattr(plt, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+_S = jax.ShapeDtypeStruct
+
+
+def _export_for_cuda(fn, *args) -> str:
+  exported = export.export(
+      jax.jit(fn), platforms=["cuda"],
+      disabled_checks=[export.DisabledSafetyCheck.custom_call(_TRITON_CALL)],
+  )(*args)
+  return exported.mlir_module()
+
+
+def _custom_calls(module_text: str) -> list[str]:
+  return re.findall(r"custom_call @([\w$.]+)", module_text)
+
+
+def _shipped(prefix):
+  return [(name, tiles) for name, tiles in tiling.GPU_TILES.items()
+          if name.startswith(prefix)]
+
+
+def _dtype_of(name):
+  return jnp.float32 if "f32" in name else jnp.bfloat16
+
+
+class ShippedTilesLowerTest(parameterized.TestCase):
+  """Each shipped GPU configuration, for each kernel that uses it."""
+
+  M, K, N, E = 512, 256, 384, 8
+
+  def assertTritonCalls(self, text, count):
+    self.assertEqual(_custom_calls(text), [_TRITON_CALL] * count)
+
+  @parameterized.named_parameters(*_shipped("gmm"))
+  def test_gmm_forward_and_dgrad_lower(self, tiles):
+    dtype = _dtype_of(self._testMethodName)
+    m, k, n, e = self.M, self.K, self.N, self.E
+    sizes = _S((e,), jnp.int32)
+    for transpose_rhs in (False, True):
+      with self.subTest(transpose_rhs=transpose_rhs):
+        w = _S((e, n, k) if transpose_rhs else (e, k, n), dtype)
+        text = _export_for_cuda(
+            lambda x, w, g, t=transpose_rhs: kernels.gmm(
+                [x], [w], g, tiles=tiles, interpret=False,
+                transpose_rhs=t)[0],
+            _S((m, k), dtype), w, sizes)
+        self.assertTritonCalls(text, 1)
+
+  @parameterized.named_parameters(*_shipped("gmm"))
+  def test_gmm_fused_pairs_lower(self, tiles):
+    dtype = _dtype_of(self._testMethodName)
+    m, k, n, e = self.M, self.K, self.N, self.E
+    tiles = tiling.fit_smem(tiles, "fwd", dtype, num_operands=2)
+    sizes = _S((e,), jnp.int32)
+    w = _S((e, k, n), dtype)
+    with self.subTest("gate_up"):
+      text = _export_for_cuda(
+          lambda x, a, b, g: kernels.gmm(
+              [x], [a, b], g, tiles=tiles, interpret=False,
+              products=((0, 0, 0), (0, 1, 1)), num_outputs=2),
+          _S((m, k), dtype), w, w, sizes)
+      self.assertTritonCalls(text, 1)
+    with self.subTest("dgrad_sum"):
+      text = _export_for_cuda(
+          lambda x, y, a, b, g: kernels.gmm(
+              [x, y], [a, b], g, tiles=tiles, interpret=False,
+              transpose_rhs=True, products=((0, 0, 0), (1, 1, 0)))[0],
+          _S((m, n), dtype), _S((m, n), dtype), w, w, sizes)
+      self.assertTritonCalls(text, 1)
+
+  @parameterized.named_parameters(*_shipped("tgmm"))
+  def test_tgmm_lowers(self, tiles):
+    dtype = _dtype_of(self._testMethodName)
+    m, k, n, e = self.M, self.K, self.N, self.E
+    for num_rhs in (1, 2):
+      with self.subTest(num_rhs=num_rhs):
+        text = _export_for_cuda(
+            lambda x, g, *ys: kernels.tgmm(x, list(ys), g, tiles=tiles,
+                                           interpret=False),
+            _S((m, k), dtype), _S((e,), jnp.int32),
+            *[_S((m, n), dtype)] * num_rhs)
+        self.assertTritonCalls(text, num_rhs and 1)
+
+
+class OpsLowerTest(parameterized.TestCase):
+  """Forward and backward of each op, heuristic GPU tiles, DeepSeek shapes.
+
+  Every custom call in the program is a Triton kernel: no host callback,
+  no device-to-host copy of group_sizes.
+  """
+
+  # DeepSeek-V3 expert shapes on a 32-expert slice: D=7168, F=2048.
+  M, D, F, E = 2048, 7168, 2048, 32
+  LAUNCH = ops.Launch(tiling.TileConfig(), interpret=False)
+
+  @parameterized.product(dtype=["bfloat16", "float32"],
+                         transpose_rhs=[False, True])
+  def test_grouped_gemm_value_and_grad(self, dtype, transpose_rhs):
+    m, d, f, e = self.M, self.D, self.F, self.E
+    w_shape = (e, f, d) if transpose_rhs else (e, d, f)
+
+    def loss(x, w, g):
+      y = ops.grouped_gemm(x, w, g, transpose_rhs, jnp.dtype(dtype),
+                           self.LAUNCH)
+      return jnp.sum(jnp.square(y.astype(jnp.float32)))
+    text = _export_for_cuda(
+        jax.value_and_grad(loss, argnums=(0, 1)),
+        _S((m, d), dtype), _S(w_shape, dtype), _S((e,), jnp.int32))
+    # Forward, dX, dW.
+    self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 3)
+
+  @parameterized.product(fuse_activation=[False, True],
+                         activation=["silu", "gelu", "gelu_tanh"])
+  def test_expert_ffn_value_and_grad(self, fuse_activation, activation):
+    cfg = moe_core.MoEConfig(num_experts=self.E, top_k=8,
+                             hidden_size=self.D, expert_ffn_size=self.F,
+                             activation=activation)
+    be = pallas_backend.PallasBackend(interpret=False,
+                                      fuse_activation=fuse_activation)
+    params = {n: _S(s, jnp.bfloat16)
+              for n, s in moe_core.param_shapes(cfg).items()
+              if n in ("w_gate", "w_up", "w_down")}
+
+    def loss(rows, p, g):
+      out = be.expert_ffn(rows, g, p, cfg)
+      return jnp.sum(jnp.square(out.astype(jnp.float32)))
+    text = _export_for_cuda(
+        jax.value_and_grad(loss, argnums=(0, 1)),
+        _S((self.M, self.D), jnp.bfloat16), params, _S((self.E,), jnp.int32))
+    # gate/up forward, down forward, down dX and dW, gate/up dX and dW.
+    self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
+
+  def test_moe_layer_value_and_grad(self):
+    cfg = moe_core.MoEConfig(num_experts=8, top_k=2, hidden_size=256,
+                             expert_ffn_size=512, shared_ffn_size=256)
+    be = pallas_backend.PallasBackend(interpret=False)
+    params = {n: _S(s, jnp.bfloat16)
+              for n, s in moe_core.param_shapes(cfg).items()}
+
+    def loss(p, x):
+      y, _ = moe_core.moe_layer(p, x, cfg, backend=be)
+      return jnp.sum(jnp.square(y.astype(jnp.float32)))
+    text = _export_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)),
+                            params, _S((4, 128, 256), jnp.bfloat16))
+    self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,227 @@
+"""The pallas kernels tied into differentiable ops with jax.custom_vjp.
+
+    grouped_gemm   y = x @ w[g]              dX: gmm(dy, w^T)   dW: tgmm(x, dy)
+    gate_up        gate, up = x @ wg[g], x @ wu[g] in one pass over x
+                                              dX: one gmm summing both products
+                                              dW: one tgmm, two outputs
+    gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), the activation in the
+                   epilogue; the same backward after the activation's VJP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from backends.pallas import kernels
+from backends.pallas import tiling
+from moe_core import ffn
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """What every op needs besides its arrays (static, hashable).
+
+  Attributes:
+    tiles: per-kernel tiles; unset kernels use `tiling.heuristic`.
+    interpret: False (GPU), True (HLO interpreter) or InterpretParams.
+  """
+
+  tiles: tiling.TileConfig = tiling.TileConfig()
+  interpret: Any = False
+
+  @property
+  def interpreting(self) -> bool:
+    return self.interpret is not False
+
+  def choose(self, kind, m, k, n, num_groups, dtype, num_operands=1):
+    return tiling.choose(self.tiles, kind, m, k, n, num_groups, dtype,
+                         interpret=self.interpreting,
+                         num_operands=num_operands)
+
+
+# --- grouped_gemm -------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def grouped_gemm(rows, weights, group_sizes, transpose_rhs: bool, out_dtype,
+                 launch: Launch):
+  """rows [M, K] x weights [E, K, N] ([E, N, K] transposed) -> [M, N].
+
+  Rows past sum(group_sizes) come out as zeros and get zero gradient.
+  """
+  return _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype,
+                  launch)
+
+
+def _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, launch):
+  m, k = rows.shape
+  n = weights.shape[1] if transpose_rhs else weights.shape[2]
+  tiles = launch.choose("fwd", m, k, n, weights.shape[0], rows.dtype)
+  (out,) = kernels.gmm([rows], [weights], group_sizes, tiles=tiles,
+                       interpret=launch.interpret,
+                       transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+  return out
+
+
+def _grouped_gemm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype,
+                      launch):
+  out = _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, launch)
+  return out, (rows, weights, group_sizes)
+
+
+def _grouped_gemm_bwd(transpose_rhs, out_dtype, launch, residuals, dy):
+  del out_dtype
+  rows, weights, group_sizes = residuals
+  dy = dy.astype(rows.dtype)
+  m, k = rows.shape
+  n = dy.shape[1]
+  num_groups = weights.shape[0]
+  # dX: the forward kernel reading the weights the other way round.
+  tiles = launch.choose("dgrad", m, n, k, num_groups, rows.dtype)
+  (d_rows,) = kernels.gmm([dy], [weights], group_sizes, tiles=tiles,
+                          interpret=launch.interpret,
+                          transpose_rhs=not transpose_rhs,
+                          out_dtype=rows.dtype)
+  if transpose_rhs:  # weights[g] is [N, K]: dW[g] = dy_g^T x_g.
+    tiles = launch.choose("wgrad", m, n, k, num_groups, rows.dtype)
+    (d_weights,) = kernels.tgmm(dy, [rows], group_sizes, tiles=tiles,
+                                interpret=launch.interpret,
+                                out_dtype=weights.dtype)
+  else:  # weights[g] is [K, N]: dW[g] = x_g^T dy_g.
+    tiles = launch.choose("wgrad", m, k, n, num_groups, rows.dtype)
+    (d_weights,) = kernels.tgmm(rows, [dy], group_sizes, tiles=tiles,
+                                interpret=launch.interpret,
+                                out_dtype=weights.dtype)
+  return d_rows, d_weights, None
+
+
+grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)
+
+
+# --- gate and up projections in one pass ------------------------------------
+
+
+def _gate_up_kernel(rows, w_gate, w_up, group_sizes, launch, epilogue,
+                    num_outputs):
+  m, d = rows.shape
+  f = w_gate.shape[2]
+  tiles = launch.choose("fwd", m, d, f, w_gate.shape[0], rows.dtype,
+                        num_operands=2)
+  return kernels.gmm([rows], [w_gate, w_up], group_sizes, tiles=tiles,
+                     interpret=launch.interpret,
+                     products=((0, 0, 0), (0, 1, 1)), epilogue=epilogue,
+                     num_outputs=num_outputs, out_dtype=rows.dtype)
+
+
+def _gate_up_bwd_from(rows, w_gate, w_up, group_sizes, launch, d_gate, d_up):
+  """Cotangents of (rows, w_gate, w_up, group_sizes) given dgate and dup."""
+  m, d = rows.shape
+  f = w_gate.shape[2]
+  num_groups = w_gate.shape[0]
+  d_gate = d_gate.astype(rows.dtype)
+  d_up = d_up.astype(rows.dtype)
+  # dX = dgate @ wg[g]^T + dup @ wu[g]^T, both products in one accumulator.
+  tiles = launch.choose("dgrad", m, f, d, num_groups, rows.dtype,
+                        num_operands=2)
+  (d_rows,) = kernels.gmm([d_gate, d_up], [w_gate, w_up], group_sizes,
+                          tiles=tiles, interpret=launch.interpret,
+                          transpose_rhs=True,
+                          products=((0, 0, 0), (1, 1, 0)),
+                          out_dtype=rows.dtype)
+  tiles = launch.choose("wgrad", m, d, f, num_groups, rows.dtype,
+                        num_operands=2)
+  d_w_gate, d_w_up = kernels.tgmm(rows, [d_gate, d_up], group_sizes,
+                                  tiles=tiles, interpret=launch.interpret,
+                                  out_dtype=w_gate.dtype)
+  return d_rows, d_w_gate, d_w_up, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def gate_up(rows, w_gate, w_up, group_sizes, launch: Launch):
+  """(rows @ w_gate[g], rows @ w_up[g]), each [M, F], in one pass over rows.
+
+  Args:
+    rows: [M, D] sorted by group.
+    w_gate, w_up: [E, D, F] of rows' dtype.
+    group_sizes: [E] int32.
+    launch: tiles and interpret mode.
+  """
+  return _gate_up_kernel(rows, w_gate, w_up, group_sizes, launch,
+                         kernels.identity, 2)
+
+
+def _gate_up_fwd(rows, w_gate, w_up, group_sizes, launch):
+  out = gate_up(rows, w_gate, w_up, group_sizes, launch)
+  return out, (rows, w_gate, w_up, group_sizes)
+
+
+def _gate_up_bwd(launch, residuals, cotangents):
+  rows, w_gate, w_up, group_sizes = residuals
+  d_gate, d_up = cotangents
+  return _gate_up_bwd_from(rows, w_gate, w_up, group_sizes, launch, d_gate,
+                           d_up)
+
+
+gate_up.defvjp(_gate_up_fwd, _gate_up_bwd)
+
+
+# --- the activation fused in the epilogue -----------------------------------
+
+# Activations the Triton lowering can compute in the epilogue. The exact
+# "gelu" needs erf, which the Triton lowering of jax 0.10 lacks.
+EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _gated_epilogue(activation, with_inputs):
+  act = ffn.activation(activation)
+
+  def epilogue(accs):
+    gate, up = accs
+    h = act(gate) * up  # On the float32 accumulators.
+    return (h, gate, up) if with_inputs else (h,)
+
+  return epilogue
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def gated_gate_up(rows, w_gate, w_up, group_sizes, activation: str,
+                  launch: Launch):
+  """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> [M, F], one pass.
+
+  The activation runs on the float32 accumulators in the kernel's epilogue;
+  only h is written. Under differentiation the kernel also writes gate and
+  up, the residuals of the activation's gradient.
+
+  Args:
+    rows, w_gate, w_up, group_sizes, launch: as for `gate_up`.
+    activation: one of EPILOGUE_ACTIVATIONS.
+  """
+  if activation not in EPILOGUE_ACTIVATIONS:
+    raise ValueError(f"activation must be one of {EPILOGUE_ACTIVATIONS} to "
+                     f"run in the kernel epilogue, got {activation!r}.")
+  (h,) = _gate_up_kernel(rows, w_gate, w_up, group_sizes, launch,
+                         _gated_epilogue(activation, False), 1)
+  return h
+
+
+def _gated_fwd(rows, w_gate, w_up, group_sizes, activation, launch):
+  h, gate, up = _gate_up_kernel(rows, w_gate, w_up, group_sizes, launch,
+                                _gated_epilogue(activation, True), 3)
+  return h, (rows, w_gate, w_up, group_sizes, gate, up)
+
+
+def _gated_bwd(activation, launch, residuals, d_h):
+  rows, w_gate, w_up, group_sizes, gate, up = residuals
+  _, act_vjp = jax.vjp(
+      lambda g, u: ffn.gated(g.astype(jnp.float32), u, activation), gate, up)
+  d_gate, d_up = act_vjp(d_h.astype(jnp.float32))
+  return _gate_up_bwd_from(rows, w_gate, w_up, group_sizes, launch, d_gate,
+                           d_up)
+
+
+gated_gate_up.defvjp(_gated_fwd, _gated_bwd)

@@ -1,0 +1,268 @@
+"""Block sizes and Triton settings of the pallas kernels, and a heuristic.
+
+Every number a kernel uses comes from a `Tiles`; `TileConfig` holds one per
+kernel (forward, dX, dW) and `choose` fills in whatever the caller left to
+the heuristic.
+
+    gmm  (forward, dX)  grid (tile-list visits, N / bn); each program loops
+                        over K in steps of bk: [bm, bk] @ [bk, bn].
+    tgmm (dW)           grid (E, K / bk, N / bn); each program loops over
+                        its group's row tiles: [bk, bm] @ [bm, bn].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+# Triton's tl.dot needs every block dimension to be a power of two >= 16.
+MIN_BLOCK = 16
+# Shared memory per thread block on Hopper (sm_90): 227 KiB.
+HOPPER_SMEM_BYTES = 227 * 1024
+KINDS = ("fwd", "dgrad", "wgrad")
+
+
+def _is_pow2(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) and x > 0 and (
+      x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """Block sizes and launch settings of one kernel.
+
+  Attributes:
+    bm: rows per tile. For gmm, the granularity of the tile list; for tgmm,
+      the reduction step over a group's rows.
+    bk: for gmm, the contraction step; for tgmm, dW rows per program.
+    bn: output columns per program.
+    num_warps: Triton warps per program (ignored when interpreting).
+    num_stages: Triton software-pipelining stages (ignored when
+      interpreting).
+  """
+
+  bm: int = 128
+  bk: int = 64
+  bn: int = 128
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("bm", "bk", "bn"):
+      value = getattr(self, name)
+      if not _is_pow2(value) or value < MIN_BLOCK:
+        raise ValueError(f"Tiles.{name} must be a power of two >= {MIN_BLOCK} "
+                         f"(a Triton block), got {name}={value!r}.")
+    if not _is_pow2(self.num_warps) or self.num_warps > 32:
+      raise ValueError("Tiles.num_warps must be a power of two <= 32, got "
+                       f"num_warps={self.num_warps!r}.")
+    stages = self.num_stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+      raise ValueError("Tiles.num_stages must be an int >= 1, got "
+                       f"num_stages={self.num_stages!r}.")
+
+  def smem_bytes(self, kind: str, dtype, num_operands: int = 1) -> int:
+    """Shared memory Triton's pipeliner needs for the operand blocks.
+
+    Args:
+      kind: "fwd", "dgrad" or "wgrad".
+      dtype: the operands' dtype.
+      num_operands: products per step (2 for the fused gate/up pass).
+    """
+    _check_kind(kind)
+    if kind == "wgrad":
+      per_stage = self.bm * self.bk + num_operands * self.bm * self.bn
+    else:
+      per_stage = num_operands * (self.bm * self.bk + self.bk * self.bn)
+    return per_stage * jnp.dtype(dtype).itemsize * self.num_stages
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Tiles per kernel; None leaves that kernel to the heuristic.
+
+  Attributes:
+    fwd: the forward gmm (and the fused gate/up pass).
+    dgrad: the dX gmm (the forward kernel reading the weights transposed).
+    wgrad: the dW tgmm.
+  """
+
+  fwd: Tiles | None = None
+  dgrad: Tiles | None = None
+  wgrad: Tiles | None = None
+
+  def __post_init__(self):
+    for kind in KINDS:
+      value = getattr(self, kind)
+      if value is not None and not isinstance(value, Tiles):
+        raise TypeError(f"TileConfig.{kind} must be a Tiles or None, got "
+                        f"{type(value).__name__}.")
+
+  @classmethod
+  def parse(cls, tiles) -> TileConfig:
+    """A TileConfig from None, a Tiles (all kernels), a TileConfig or a dict.
+
+    A dict (the JSON form, e.g. from a Bazel target's backend options) holds
+    either Tiles fields ({"bm": 16, "bk": 16, "bn": 32}, for every kernel)
+    or per-kernel dicts ({"fwd": {...}, "wgrad": {...}}).
+    """
+    if tiles is None:
+      return cls()
+    if isinstance(tiles, TileConfig):
+      return tiles
+    if isinstance(tiles, Tiles):
+      return cls(fwd=tiles, dgrad=tiles, wgrad=tiles)
+    if isinstance(tiles, dict):
+      if set(tiles) <= set(KINDS):
+        return cls(**{k: None if v is None else Tiles(**v)
+                      for k, v in tiles.items()})
+      fields = {f.name for f in dataclasses.fields(Tiles)}
+      if set(tiles) <= fields:
+        return cls.parse(Tiles(**tiles))
+      raise ValueError(f"tiles dict must have keys from {sorted(fields)} or "
+                       f"from {list(KINDS)}, got {sorted(tiles)}.")
+    raise TypeError("tiles must be None, a Tiles, a TileConfig or a dict, "
+                    f"got {type(tiles).__name__}.")
+
+  def get(self, kind: str) -> Tiles | None:
+    _check_kind(kind)
+    return getattr(self, kind)
+
+
+def _check_kind(kind):
+  if kind not in KINDS:
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
+
+
+# Configurations shipped for the GPU (Triton lowering). `choose` returns one of
+# these on the GPU, and a test lowers every one of them for CUDA. Shared memory
+# stays under Hopper's 227 KiB (checked by tiling_test).
+GPU_TILES: dict[str, Tiles] = {
+    # Large groups, bf16: wide tiles, 8 warps for the 128x256 accumulator.
+    "gmm_bf16_large": Tiles(bm=128, bk=64, bn=256, num_warps=8, num_stages=3),
+    "gmm_bf16": Tiles(bm=128, bk=64, bn=128, num_warps=4, num_stages=4),
+    # Small groups: shorter row tiles waste fewer rows per group boundary.
+    "gmm_bf16_small": Tiles(bm=64, bk=64, bn=128, num_warps=4, num_stages=4),
+    "gmm_f32": Tiles(bm=64, bk=32, bn=128, num_warps=4, num_stages=3),
+    "tgmm_bf16": Tiles(bm=64, bk=128, bn=128, num_warps=8, num_stages=3),
+    "tgmm_f32": Tiles(bm=32, bk=64, bn=128, num_warps=4, num_stages=3),
+}
+
+# Interpret mode (CPU) pays a fixed cost per grid step and per loop step plus
+# the math, which XLA:CPU does best in large dots: few, large blocks. Row
+# tiles follow the average group, since each group boundary costs up to one
+# extra tile of rows (measured on 2 cores: the forward runs at about
+# dense time x rows visited / rows).
+_INTERPRET_MAX_BK = 512
+_INTERPRET_MAX_BN = 1024
+_INTERPRET_MAX_BM = 128
+_INTERPRET_MAX_WGRAD_BM = 256
+
+
+def _pow2_floor(x: int) -> int:
+  return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+def _pow2_ceil(x: int) -> int:
+  return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def fit_block(dim: int, target: int) -> int:
+  """A block for an axis of length `dim`, at most `target` if possible.
+
+  The largest power of two in [MIN_BLOCK, target] that divides `dim` (no
+  padding needed); if none divides it, the smallest power of two covering
+  `dim`, capped at `target` (the caller pads the axis).
+  """
+  target = max(_pow2_floor(target), MIN_BLOCK)
+  block = target
+  while block >= MIN_BLOCK:
+    if dim % block == 0:
+      return block
+    block //= 2
+  return max(MIN_BLOCK, min(target, _pow2_ceil(dim)))
+
+
+def padded(dim: int, block: int) -> int:
+  """`dim` rounded up to a multiple of `block`."""
+  return -(-dim // block) * block
+
+
+def _row_block(m: int, num_groups: int, cap: int) -> int:
+  """Row tile: at most the average group size, so boundaries waste little."""
+  average = max(m // max(num_groups, 1), 1)
+  bm = min(cap, max(MIN_BLOCK, _pow2_floor(average)))
+  return min(bm, max(MIN_BLOCK, _pow2_ceil(m)))
+
+
+def heuristic(kind: str, m: int, k: int, n: int, num_groups: int, dtype, *,
+              interpret: bool, num_operands: int = 1) -> Tiles:
+  """Tiles for one kernel call by shape.
+
+  Args:
+    kind: "fwd" or "dgrad" (gmm: [m, k] x [E, k, n]) or "wgrad" (tgmm:
+      [m, k]^T x [m, n] per group -> [E, k, n]).
+    m, k, n: the problem's dimensions as above.
+    num_groups: E.
+    dtype: operand dtype.
+    interpret: the kernels run in interpret mode (CPU), not on a GPU.
+    num_operands: products per step (2 for the fused gate/up pass), which
+      multiplies the shared memory a GPU program needs.
+  """
+  _check_kind(kind)
+  if interpret:
+    if kind == "wgrad":
+      return Tiles(bm=_row_block(m, num_groups, _INTERPRET_MAX_WGRAD_BM),
+                   bk=fit_block(k, _INTERPRET_MAX_BK),
+                   bn=fit_block(n, _INTERPRET_MAX_BN))
+    return Tiles(bm=_row_block(m, num_groups, _INTERPRET_MAX_BM),
+                 bk=fit_block(k, _INTERPRET_MAX_BK),
+                 bn=fit_block(n, _INTERPRET_MAX_BN))
+  f32 = jnp.dtype(dtype) == jnp.float32
+  if kind == "wgrad":
+    base = GPU_TILES["tgmm_f32" if f32 else "tgmm_bf16"]
+    return fit_smem(dataclasses.replace(base, bk=fit_block(k, base.bk),
+                                        bn=fit_block(n, base.bn)),
+                    kind, dtype, num_operands)
+  if f32:
+    base = GPU_TILES["gmm_f32"]
+  elif m // max(num_groups, 1) < 256:
+    base = GPU_TILES["gmm_bf16_small"]
+  elif n >= 2048 and n % 256 == 0:
+    base = GPU_TILES["gmm_bf16_large"]
+  else:
+    base = GPU_TILES["gmm_bf16"]
+  return fit_smem(dataclasses.replace(
+      base, bm=min(base.bm, max(MIN_BLOCK, _pow2_ceil(m))),
+      bk=fit_block(k, base.bk), bn=fit_block(n, base.bn)),
+                  kind, dtype, num_operands)
+
+
+def fit_smem(tiles: Tiles, kind: str, dtype, num_operands: int = 1) -> Tiles:
+  """`tiles` with fewer stages, then narrower bn, until it fits on Hopper."""
+  while tiles.smem_bytes(kind, dtype, num_operands) > HOPPER_SMEM_BYTES:
+    if tiles.num_stages > 2:
+      tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
+    elif tiles.bn > MIN_BLOCK:
+      tiles = dataclasses.replace(tiles, bn=tiles.bn // 2)
+    else:
+      break
+  return tiles
+
+
+def choose(config: TileConfig, kind: str, m: int, k: int, n: int,
+           num_groups: int, dtype, *, interpret: bool,
+           num_operands: int = 1) -> Tiles:
+  """The caller's tiles for `kind` if set, else the heuristic's."""
+  tiles = config.get(kind)
+  if tiles is not None:
+    return tiles
+  return heuristic(kind, m, k, n, num_groups, dtype, interpret=interpret,
+                   num_operands=num_operands)
+
+
+def num_visits(m: int, bm: int, num_groups: int) -> int:
+  """Static length of the gmm tile list: row tiles + one per group boundary."""
+  return math.ceil(m / bm) + num_groups

@@ -1,0 +1,117 @@
+"""Tiles validation, the dict form, block fitting and the shape heuristic."""
+
+import itertools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax.numpy as jnp
+
+from backends.pallas import tiling
+
+
+def _is_pow2(x):
+  return x > 0 and x & (x - 1) == 0
+
+
+class TilesTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("not_pow2", {"bm": 48}, r"Tiles.bm must be a power of two >= 16 "
+       r"\(a Triton block\), got bm=48"),
+      ("too_small", {"bk": 8}, r"Tiles.bk must be a power of two >= 16 "
+       r"\(a Triton block\), got bk=8"),
+      ("bool", {"bn": True}, r"Tiles.bn must be .*, got bn=True"),
+      ("warps", {"num_warps": 3}, r"num_warps must be a power of two <= 32, "
+       r"got num_warps=3"),
+      ("stages", {"num_stages": 0}, r"num_stages must be an int >= 1, got "
+       r"num_stages=0"),
+  )
+  def test_invalid_tiles_raise(self, kwargs, message):
+    with self.assertRaisesRegex(ValueError, message):
+      tiling.Tiles(**kwargs)
+
+  def test_parse_forms(self):
+    small = tiling.Tiles(bm=16, bk=16, bn=32)
+    self.assertEqual(tiling.TileConfig.parse(None), tiling.TileConfig())
+    self.assertEqual(tiling.TileConfig.parse(small),
+                     tiling.TileConfig(small, small, small))
+    self.assertEqual(tiling.TileConfig.parse({"bm": 16, "bk": 16, "bn": 32}),
+                     tiling.TileConfig(small, small, small))
+    self.assertEqual(
+        tiling.TileConfig.parse({"wgrad": {"bm": 16, "bk": 16, "bn": 32}}),
+        tiling.TileConfig(wgrad=small))
+
+  def test_parse_rejects_unknown_keys_and_types(self):
+    with self.assertRaisesRegex(ValueError, r"tiles dict must have keys from "
+                                r".*, got \['block_m'\]"):
+      tiling.TileConfig.parse({"block_m": 16})
+    with self.assertRaisesRegex(TypeError, r"tiles must be None, a Tiles, a "
+                                r"TileConfig or a dict, got int"):
+      tiling.TileConfig.parse(16)
+    with self.assertRaisesRegex(TypeError, r"TileConfig.fwd must be a Tiles "
+                                r"or None, got dict"):
+      tiling.TileConfig(fwd={"bm": 16})
+
+
+class FitBlockTest(parameterized.TestCase):
+
+  def test_divides_when_a_power_of_two_divides(self):
+    for dim, target in itertools.product(range(1, 300), (16, 64, 512)):
+      block = tiling.fit_block(dim, target)
+      self.assertTrue(_is_pow2(block) and block >= tiling.MIN_BLOCK)
+      self.assertLessEqual(block, max(target, tiling.MIN_BLOCK))
+      if dim % tiling.MIN_BLOCK == 0:
+        self.assertEqual(dim % block, 0, f"{dim=}, {target=}, {block=}")
+      self.assertGreaterEqual(tiling.padded(dim, block), dim)
+      self.assertEqual(tiling.padded(dim, block) % block, 0)
+
+  def test_deepseek_dims_need_no_padding(self):
+    for dim in (7168, 2048, 1536):
+      self.assertEqual(dim % tiling.fit_block(dim, 256), 0)
+
+
+class HeuristicTest(parameterized.TestCase):
+
+  @parameterized.product(kind=tiling.KINDS, interpret=[False, True],
+                         dtype=["float32", "bfloat16"])
+  def test_heuristic_gives_valid_tiles_that_fit_hopper(self, kind, interpret,
+                                                       dtype):
+    shapes = [(1, 16, 24, 3), (37, 48, 80, 3), (4096, 512, 1024, 64),
+              (65536, 7168, 2048, 32), (65536, 2048, 7168, 32)]
+    for (m, k, n, e), operands in itertools.product(shapes, (1, 2)):
+      tiles = tiling.heuristic(kind, m, k, n, e, dtype, interpret=interpret,
+                               num_operands=operands)
+      self.assertIsInstance(tiles, tiling.Tiles)  # Validated on creation.
+      if not interpret:
+        self.assertLessEqual(tiles.smem_bytes(kind, dtype, operands),
+                             tiling.HOPPER_SMEM_BYTES,
+                             f"{kind} {(m, k, n, e)} x{operands}: {tiles}")
+
+  def test_shipped_gpu_tiles_fit_hopper_shared_memory(self):
+    for name, tiles in tiling.GPU_TILES.items():
+      kind = "wgrad" if name.startswith("tgmm") else "fwd"
+      dtype = jnp.float32 if "f32" in name else jnp.bfloat16
+      self.assertLessEqual(tiles.smem_bytes(kind, dtype),
+                           tiling.HOPPER_SMEM_BYTES, name)
+
+  def test_caller_tiles_override_the_heuristic(self):
+    mine = tiling.Tiles(bm=16, bk=32, bn=64)
+    config = tiling.TileConfig(dgrad=mine)
+    self.assertEqual(
+        tiling.choose(config, "dgrad", 4096, 512, 1024, 8, "float32",
+                      interpret=True), mine)
+    self.assertNotEqual(
+        tiling.choose(config, "fwd", 4096, 512, 1024, 8, "float32",
+                      interpret=True), mine)
+
+  def test_row_tile_shrinks_with_the_average_group(self):
+    few = tiling.heuristic("fwd", 4096, 512, 1024, 8, "float32",
+                           interpret=True)
+    many = tiling.heuristic("fwd", 4096, 512, 1024, 256, "float32",
+                            interpret=True)
+    self.assertLess(many.bm, few.bm)
+    self.assertLessEqual(many.bm, 4096 // 256)
+
+
+if __name__ == "__main__":
+  absltest.main()
