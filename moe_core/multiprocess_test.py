@@ -8,6 +8,7 @@ run with a clear error within a bounded time instead of a hang. Every
 subprocess runs under a timeout and is killed (its process group) past it.
 """
 
+import functools
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ from absl.testing import parameterized
 import jax
 import numpy as np
 
+import moe_core
 from conformance import tolerances
 from moe_core.testing import multiprocess_worker as worker
 
@@ -92,11 +94,12 @@ def _launch(num_processes, *, process_ids=None, timeout_s, **flags):
   return results
 
 
-def _single_device_result():
+@functools.cache
+def _single_device_result(backend):
   cfg = worker.config()
   params, x, cotangent = worker.inputs(cfg)
-  y, stats, grads = jax.jit(worker.make_step(cfg, "xla"))(params, x,
-                                                          cotangent)
+  y, stats, grads = jax.jit(worker.make_step(cfg, backend))(params, x,
+                                                            cotangent)
   return {"y": np.asarray(y),
           **{f"aux_{k}": np.asarray(v) for k, v in stats.items()},
           **{f"grad_{k}": np.asarray(v) for k, v in grads.items()}}
@@ -104,31 +107,32 @@ def _single_device_result():
 
 class MultiProcessTest(parameterized.TestCase):
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.want = _single_device_result()
-
-  @parameterized.named_parameters(
-      ("2_processes_ep4", 2, "1x4", "padded"),
-      ("4_processes_data2_ep4", 4, "2x4", "padded"),
-      ("4_processes_ep8_ragged_layout", 4, "1x8", "ragged_emulated"),
-  )
-  def test_matches_one_process(self, num_processes, mesh, exchange):
+  @parameterized.parameters(
+      # Every registered backend, at 2 and 4 processes (padded exchange,
+      # which XLA:CPU runs); the ragged layout once, on xla.
+      [(b, 2, "1x4", "padded") for b in moe_core.registered_backends()]
+      + [(b, 4, "2x4", "padded") for b in moe_core.registered_backends()]
+      + [("xla", 4, "1x8", "ragged_emulated")])
+  def test_matches_one_process(self, backend, num_processes, mesh, exchange):
+    ok, why = moe_core.registry.availability(backend)
+    if not ok:
+      self.skipTest(f"backend {backend!r} cannot run here: {why}")
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "result.npz")
       results = _launch(num_processes, timeout_s=_RUN_TIMEOUT_S, mesh=mesh,
-                        exchange=exchange, local_devices=2, out=out)
+                        exchange=exchange, local_devices=2, out=out,
+                        backend=backend)
       for i, (code, output, _) in enumerate(results):
         self.assertEqual(code, 0, f"process {i} failed:\n{output[-4000:]}")
         self.assertIn(f"joined: {num_processes} processes, "
                       f"{2 * num_processes} devices (2 local)", output)
       with np.load(out) as got:
         got = dict(got)
-    self.assertEqual(sorted(got), sorted(self.want))
+    one_process = _single_device_result(backend)
+    self.assertEqual(sorted(got), sorted(one_process))
     forward = tolerances.TABLE["float32"]["forward"]
     gradient = tolerances.TABLE["float32"]["gradient"]
-    for name, want in self.want.items():
+    for name, want in one_process.items():
       with self.subTest(name):
         self.assertEqual(got[name].shape, want.shape, name)
         if np.issubdtype(want.dtype, np.floating):
