@@ -1,0 +1,1 @@
+"""The training program: a decoder-only MoE language model and its tools."""

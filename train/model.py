@@ -1,0 +1,286 @@
+"""A decoder-only transformer language model whose MLPs are dropless MoE blocks.
+
+    tokens [B, T]
+      -> embed -> blocks: x += attn(norm(x)); x += mlp(norm(x))
+      -> norm -> head -> logits [B, T, V] (float32)
+
+Each block's MLP is a dense SwiGLU (the first `first_dense_layers`) or a
+`train.nnx_moe.MoE` (the rest). Attention is grouped-query attention with
+RoPE (optionally QK-normed) or DeepSeek's multi-head latent attention.
+Mixed precision: parameters are stored in float32 and cast to the compute
+dtype (bfloat16 by default) where used; norms, softmax and logits are
+computed in float32; routing is float32 inside `moe_core`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import moe_core
+from train import nnx_moe
+from train import presets
+from train import remat as remat_lib
+
+
+def _weight(key, shape, fan_in=None):
+  """Truncated normal, std 1/sqrt(fan_in) (fan_in: shape[-2] by default)."""
+  std = (fan_in or shape[-2]) ** -0.5
+  return nnx.Param(std * jax.random.truncated_normal(key, -2.0, 2.0, shape,
+                                                     jnp.float32))
+
+
+def _matmul(x, w):
+  """x @ w in x's dtype (w is cast), accumulated in float32."""
+  return jnp.dot(x, w.astype(x.dtype),
+                 preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * scale over the last axis, computed in float32."""
+
+  def __init__(self, dim: int, eps: float):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    norm = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
+                         + self.eps)
+    return (x32 * norm * self.scale[...]).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding of x [B, T, H, d] (d even) at positions [T].
+
+  Rotates the pairs (i, i + d/2), the layout of Llama, Qwen, Mixtral and
+  the Hugging Face DeepSeek-V3 code.
+  """
+  half = x.shape[-1] // 2
+  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle = positions.astype(jnp.float32)[:, None] * freq  # [T, d/2]
+  cos = jnp.cos(angle)[None, :, None, :]
+  sin = jnp.sin(angle)[None, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal softmax attention with grouped key/value heads.
+
+  Args:
+    q: [B, T, H, dq].
+    k: [B, T, Hkv, dq], Hkv dividing H (query head h reads kv head
+      h // (H / Hkv)).
+    v: [B, T, Hkv, dv].
+
+  Returns:
+    [B, T, H, dv] in v's dtype; scores and softmax in float32.
+  """
+  b, t, h, dq = q.shape
+  hkv = k.shape[2]
+  q = q.reshape(b, t, hkv, h // hkv, dq)
+  logits = jnp.einsum("btkgd,bskd->bkgts", q, k,
+                      preferred_element_type=jnp.float32) * dq ** -0.5
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, v.shape[-1]).astype(v.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with RoPE and optional QK-norm: [B,T,D] -> same."""
+
+  def __init__(self, cfg: presets.ModelConfig, *, rngs: nnx.Rngs):
+    d, h, hkv, hd = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.head_dim)
+    self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
+    self.rope_theta = cfg.rope_theta
+    self.qk_norm = cfg.qk_norm
+    self.wq = _weight(rngs.params(), (d, h * hd))
+    self.wk = _weight(rngs.params(), (d, hkv * hd))
+    self.wv = _weight(rngs.params(), (d, hkv * hd))
+    self.wo = _weight(rngs.params(), (h * hd, d))
+    if cfg.qk_norm == "head":  # Qwen3: one scale per head dimension.
+      self.q_norm = RMSNorm(hd, cfg.norm_eps)
+      self.k_norm = RMSNorm(hd, cfg.norm_eps)
+    elif cfg.qk_norm == "full":  # OLMoE: over the whole projection.
+      self.q_norm = RMSNorm(h * hd, cfg.norm_eps)
+      self.k_norm = RMSNorm(hkv * hd, cfg.norm_eps)
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    b, t, _ = x.shape
+    q, k, v = (_matmul(x, w[...]) for w in (self.wq, self.wk, self.wv))
+    if self.qk_norm == "full":
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = q.reshape(b, t, self.num_heads, self.head_dim)
+    k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.qk_norm == "head":
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = rope(q, positions, self.rope_theta)
+    k = rope(k, positions, self.rope_theta)
+    out = causal_attention(q, k, v).reshape(b, t, -1)
+    return _matmul(out, self.wo[...])
+
+
+class LatentAttention(nnx.Module):
+  """DeepSeek-V2/V3 multi-head latent attention (MLA): [B,T,D] -> same.
+
+  Queries go through an optional low-rank bottleneck; keys and values are
+  rebuilt from a normalised kv_lora_rank-wide latent, plus one RoPE key part
+  shared by every head. Computed in the expanded (training) form.
+  """
+
+  def __init__(self, cfg: presets.ModelConfig, *, rngs: nnx.Rngs):
+    d, h = cfg.hidden_size, cfg.num_heads
+    self.num_heads = h
+    self.nope, self.rope_dim, self.v_dim = (cfg.qk_nope_head_dim,
+                                            cfg.qk_rope_head_dim,
+                                            cfg.v_head_dim)
+    self.kv_rank = cfg.kv_lora_rank
+    self.rope_theta = cfg.rope_theta
+    qk = self.nope + self.rope_dim
+    self.q_lora = bool(cfg.q_lora_rank)
+    if self.q_lora:
+      self.wq_a = _weight(rngs.params(), (d, cfg.q_lora_rank))
+      self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+      self.wq_b = _weight(rngs.params(), (cfg.q_lora_rank, h * qk))
+    else:
+      self.wq = _weight(rngs.params(), (d, h * qk))
+    self.wkv_a = _weight(rngs.params(), (d, self.kv_rank + self.rope_dim))
+    self.kv_a_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
+    self.wkv_b = _weight(rngs.params(),
+                         (self.kv_rank, h * (self.nope + self.v_dim)))
+    self.wo = _weight(rngs.params(), (h * self.v_dim, d))
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    b, t, _ = x.shape
+    h = self.num_heads
+    if self.q_lora:
+      q = _matmul(self.q_a_norm(_matmul(x, self.wq_a[...])), self.wq_b[...])
+    else:
+      q = _matmul(x, self.wq[...])
+    q = q.reshape(b, t, h, self.nope + self.rope_dim)
+    q_nope, q_rope = jnp.split(q, [self.nope], axis=-1)
+    latent, k_rope = jnp.split(_matmul(x, self.wkv_a[...]), [self.kv_rank],
+                               axis=-1)
+    kv = _matmul(self.kv_a_norm(latent), self.wkv_b[...])
+    k_nope, v = jnp.split(kv.reshape(b, t, h, self.nope + self.v_dim),
+                          [self.nope], axis=-1)
+    k_rope = rope(k_rope[:, :, None, :], positions, self.rope_theta)
+    q = jnp.concatenate([q_nope, rope(q_rope, positions, self.rope_theta)],
+                        axis=-1)
+    k = jnp.concatenate(
+        [k_nope, jnp.broadcast_to(k_rope, (b, t, h, self.rope_dim))], axis=-1)
+    out = causal_attention(q, k, v).reshape(b, t, -1)
+    return _matmul(out, self.wo[...])
+
+
+class DenseMLP(nnx.Module):
+  """SwiGLU: silu(x @ w_gate) * (x @ w_up) @ w_down, [B,T,D] -> same."""
+
+  def __init__(self, hidden: int, ffn: int, *, rngs: nnx.Rngs):
+    self.w_gate = _weight(rngs.params(), (hidden, ffn))
+    self.w_up = _weight(rngs.params(), (hidden, ffn))
+    self.w_down = _weight(rngs.params(), (ffn, hidden))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    gate = _matmul(x, self.w_gate[...]).astype(jnp.float32)
+    up = _matmul(x, self.w_up[...]).astype(jnp.float32)
+    return _matmul((jax.nn.silu(gate) * up).astype(x.dtype),
+                   self.w_down[...])
+
+
+def moe_stats(aux: moe_core.MoEAux) -> dict[str, jax.Array]:
+  """The parts of `MoEAux` the training loop needs (small, per layer)."""
+  return {"tokens_per_expert": aux.tokens_per_expert,
+          "load_balancing_loss": aux.load_balancing_loss,
+          "router_z_loss": aux.router_z_loss,
+          "dropped_tokens": aux.dropped_tokens}
+
+
+class Block(nnx.Module):
+  """Pre-norm block; returns (x, MoE stats or None for a dense MLP)."""
+
+  def __init__(self, cfg: presets.ModelConfig, layer: int, *, backend: str,
+               rngs: nnx.Rngs):
+    self.is_moe = cfg.is_moe_layer(layer)
+    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    attention = LatentAttention if cfg.attention == "mla" else Attention
+    self.attn = attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    if self.is_moe:
+      self.mlp = nnx_moe.MoE(cfg.moe, backend=backend, rngs=rngs)
+    else:
+      self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_ffn_size, rngs=rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array):
+    x = x + self.attn(self.attn_norm(x), positions)
+    h = self.mlp_norm(x)
+    if self.is_moe:
+      y, aux = self.mlp(h)
+      return x + y, moe_stats(aux)
+    return x + self.mlp(h), None
+
+
+class Transformer(nnx.Module):
+  """The language model: tokens [B, T] int32 -> (logits [B, T, V], stats).
+
+  `stats` maps each MoE layer's index to its `moe_stats`.
+
+  Args:
+    cfg: the model config.
+    backend: the MoE backend name for every MoE block.
+    compute_dtype: activation dtype (bfloat16 for mixed precision).
+    remat: a `train.remat` policy name applied to every block.
+    rngs: `nnx.Rngs` with a "params" stream.
+  """
+
+  def __init__(self, cfg: presets.ModelConfig, *, backend: str = "auto",
+               compute_dtype=jnp.bfloat16, remat: str = "none",
+               rngs: nnx.Rngs):
+    remat_lib.check_policy_name(remat)
+    self.cfg = cfg
+    self.compute_dtype = compute_dtype
+    self.remat = remat
+    self.embed = nnx.Param(jax.random.normal(
+        rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32))
+    # nnx.List (flax >= 0.12) marks a list of sub-modules as graph nodes;
+    # older flax takes a plain list.
+    module_list = getattr(nnx, "List", list)
+    self.blocks = module_list([Block(cfg, i, backend=backend, rngs=rngs)
+                               for i in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    if not cfg.tie_embeddings:
+      self.head = _weight(rngs.params(), (cfg.hidden_size, cfg.vocab_size))
+
+  def __call__(self, tokens: jax.Array):
+    x = self.embed[...][tokens].astype(self.compute_dtype)
+    positions = jnp.arange(tokens.shape[1])
+    stats = {}
+    for i, block in enumerate(self.blocks):
+      x, block_stats = remat_lib.call_block(block, x, positions, self.remat)
+      if block_stats is not None:
+        stats[i] = block_stats
+    x = self.final_norm(x)
+    if self.cfg.tie_embeddings:
+      head = self.embed[...].T * self.cfg.hidden_size ** -0.5
+    else:
+      head = self.head[...]
+    logits = jnp.dot(x, head.astype(x.dtype),
+                     preferred_element_type=jnp.float32)
+    return logits, stats
+
+  def moe_blocks(self) -> dict[int, nnx_moe.MoE]:
+    return {i: b.mlp for i, b in enumerate(self.blocks) if b.is_moe}
+
+
+def set_backend(model: Transformer, backend: str) -> None:
+  """Points every MoE block of `model` at `backend` (parameters unchanged)."""
+  for block in model.moe_blocks().values():
+    block.backend = backend

@@ -1,0 +1,122 @@
+"""The Flax wrappers compute exactly what moe_core.moe_layer computes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+from absl.testing import parameterized
+from flax import nnx
+
+import moe_core
+from train import nnx_moe
+
+# DeepSeek-V3 routing (bias, groups, scaling) plus a gated shared expert, so
+# every parameter of the layout is exercised.
+CFG = moe_core.MoEConfig(
+    num_experts=8, top_k=2, hidden_size=16, expert_ffn_size=24,
+    score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+    correction_bias=True, n_group=4, topk_group=2, group_score="sum_top2",
+    shared_ffn_size=16, shared_expert_gate=True)
+
+
+def _tokens(dtype, shape=(3, 5, 16)):
+  return jax.random.normal(jax.random.key(7), shape, jnp.float32).astype(dtype)
+
+
+class NnxMoETest(parameterized.TestCase):
+
+  def test_owns_the_library_layout(self):
+    layer = nnx_moe.MoE(CFG, rngs=nnx.Rngs(0))
+    shapes = {k: tuple(v.shape) for k, v in layer.params_dict().items()}
+    self.assertEqual(shapes, moe_core.param_shapes(CFG))
+    self.assertIsInstance(layer.correction_bias, nnx_moe.CorrectionBias)
+    self.assertEqual(layer.correction_bias[...].dtype, jnp.float32)
+    trainable = nnx.state(layer, nnx.Param)
+    self.assertNotIn("correction_bias", trainable)
+
+  @parameterized.parameters("float32", "bfloat16")
+  def test_output_equals_moe_layer(self, dtype):
+    layer = nnx_moe.MoE(CFG, backend="xla", rngs=nnx.Rngs(0))
+    # A non-zero bias, so it visibly takes part in routing.
+    nnx_moe.set_value(layer.correction_bias, jnp.linspace(-0.3, 0.3, 8))
+    x = _tokens(dtype)
+    y, aux = layer(x)
+    y_ref, aux_ref = moe_core.moe_layer(layer.params_dict(), x, CFG,
+                                        backend="xla")
+    self.assertEqual(y.dtype, jnp.dtype(dtype))
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray(y_ref, np.float32))
+    np.testing.assert_array_equal(aux.expert_ids, aux_ref.expert_ids)
+
+  def test_matches_reference_backend(self):
+    layer = nnx_moe.MoE(CFG, backend="xla", rngs=nnx.Rngs(1))
+    x = _tokens(jnp.float32)
+    y, _ = layer(x)
+    y_ref, _ = moe_core.moe_layer(layer.params_dict(), x, CFG,
+                                  backend="reference")
+    np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5)
+
+  def test_gradients_equal_moe_layer_and_skip_bias(self):
+    layer = nnx_moe.MoE(CFG, backend="xla", rngs=nnx.Rngs(2))
+    x = _tokens(jnp.float32)
+
+    def module_loss(m):
+      return jnp.sum(m(x)[0] ** 2)
+
+    grads = nnx.grad(module_loss)(layer)  # Differentiates nnx.Param only.
+    params = layer.params_dict()
+    ref = jax.grad(lambda p: jnp.sum(
+        moe_core.moe_layer(p, x, CFG, backend="xla")[0] ** 2))(params)
+    self.assertNotIn("correction_bias", grads)
+    np.testing.assert_array_equal(ref["correction_bias"], 0.0)
+    for name in moe_core.param_shapes(CFG):
+      if name == "correction_bias":
+        continue
+      with self.subTest(name):
+        np.testing.assert_allclose(grads[name][...], ref[name], rtol=1e-5,
+                                   atol=1e-6)
+
+  def test_bias_update_follows_the_rule(self):
+    layer = nnx_moe.MoE(CFG, rngs=nnx.Rngs(3))
+    load = jnp.array([9, 1, 4, 4, 0, 12, 2, 0], jnp.int32)
+    layer.update_correction_bias(load, 0.25)
+    # mean load 4: above -> -rate, below -> +rate, equal -> 0.
+    want = 0.25 * np.array([-1, 1, 0, 0, 1, -1, 1, 1], np.float32)
+    np.testing.assert_array_equal(layer.correction_bias[...], want)
+    self.assertEqual(layer.correction_bias[...].dtype, jnp.float32)
+
+  def test_update_without_bias_is_a_noop(self):
+    cfg = CFG.replace(correction_bias=False)
+    layer = nnx_moe.MoE(cfg, rngs=nnx.Rngs(3))
+    layer.update_correction_bias(jnp.ones(8, jnp.int32), 0.1)
+    self.assertFalse(hasattr(layer, "correction_bias"))
+
+
+class LinenMoETest(absltest.TestCase):
+
+  def test_linen_equals_moe_layer_with_the_same_params(self):
+    module = nnx_moe.LinenMoE(CFG, backend="xla")
+    x = _tokens(jnp.float32)
+    variables = module.init(jax.random.key(0), x)
+    params = dict(variables["params"])
+    params["correction_bias"] = variables["moe_state"]["correction_bias"]
+    self.assertEqual({k: tuple(v.shape) for k, v in params.items()},
+                     moe_core.param_shapes(CFG))
+    y, _ = module.apply(variables, x)
+    y_ref, _ = moe_core.moe_layer(params, x, CFG, backend="xla")
+    np.testing.assert_array_equal(y, y_ref)
+
+  def test_linen_updates_bias_when_mutable(self):
+    module = nnx_moe.LinenMoE(CFG, backend="xla")
+    x = _tokens(jnp.float32)
+    variables = module.init(jax.random.key(0), x)
+    (_, aux), updated = module.apply(variables, x, update_bias_rate=0.5,
+                                     mutable=["moe_state"])
+    want = moe_core.update_correction_bias(
+        jnp.zeros(8, jnp.float32), aux.tokens_per_expert, 0.5)
+    np.testing.assert_array_equal(updated["moe_state"]["correction_bias"],
+                                  want)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,146 @@
+"""Presets: published parameter counts, FLOPs, memory, --dry_run."""
+
+import io
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+from absl.testing import absltest
+from absl.testing import flagsaver
+from absl.testing import parameterized
+from flax import nnx
+
+from train import main
+from train import model as model_lib
+from train import presets
+from train import testing
+
+
+def setUpModule():
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()  # Under pytest nobody parses absl flags.
+
+
+class PublishedCountsTest(parameterized.TestCase):
+
+  @parameterized.parameters(*presets.FULL_SIZE)
+  def test_counts_match_the_published_figures(self, name):
+    published = presets.PUBLISHED[name]
+    total, active = presets.counts_as_published(name)
+    for what, got, want in (("total", total, published.total),
+                            ("active", active, published.active)):
+      with self.subTest(what):
+        tolerance = presets.published_tolerance(want)
+        self.assertLessEqual(
+            abs(got - want), tolerance,
+            f"{name} {what}: computed {got / 1e9:.3f}B, published "
+            f"{want / 1e9:g}B (tolerance {tolerance / 1e9:.3f}B; source: "
+            f"{published.source})")
+
+  def test_deepseek_v3_model_cards_37b_leaves_out_the_embedding(self):
+    counts = presets.param_counts(presets.DEEPSEEK_V3.model)
+    # 36.6B rounds to the card's 37B; with the 0.9B embedding it would not.
+    self.assertEqual(round(counts.active_without_embedding / 1e9), 37)
+    self.assertEqual(round(counts.active_without_embedding / 1e9, 1), 36.6)
+    self.assertEqual(round(counts.active / 1e9), 38)
+
+  def test_tolerance_is_half_a_unit_of_the_last_digit_plus_one_percent(self):
+    self.assertAlmostEqual(presets.published_tolerance(46.7e9),
+                           0.05e9 + 0.467e9)
+    self.assertAlmostEqual(presets.published_tolerance(671e9),
+                           0.5e9 + 6.71e9)
+
+
+class FlopsTest(absltest.TestCase):
+
+  def test_forward_flops_match_xla_cost_analysis_for_a_dense_model(self):
+    """XLA's own count of the compiled forward, for an independent check.
+
+    XLA counts the masked half of causal attention too, and elementwise
+    work (norms, softmax, RoPE), which the formula leaves out: a few %.
+    """
+    cfg = testing.SMALL_DSV3.replace(moe=None, dense_ffn_size=64)
+    batch, seq = 2, 64
+    model = model_lib.Transformer(cfg, compute_dtype=jnp.float32,
+                                  rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
+    cost = forward.lower(state, jnp.zeros((batch, seq), jnp.int32)
+                         ).compile().cost_analysis()
+    if isinstance(cost, (list, tuple)):  # Older jax: one dict per device.
+      cost = cost[0]
+    if not cost or "flops" not in cost:
+      self.skipTest(f"no XLA cost analysis in jax {jax.__version__}.")
+    f = presets.flops_per_token(cfg, seq)
+    unmasked_attention = f["attention_forward"] * 2 * seq / (seq + 1)
+    want = (f["forward"] - f["attention_forward"] + unmasked_attention)
+    got = cost["flops"] / (batch * seq)
+    self.assertBetween(got / want, 0.99, 1.10)
+
+  def test_training_is_three_forwards(self):
+    f = presets.flops_per_token(presets.MIXTRAL_8X7B.model, 4096)
+    self.assertEqual(f["train"], 3 * f["forward"])
+
+
+class MemoryTest(absltest.TestCase):
+
+  def test_expert_axis_divides_only_routed_expert_weights(self):
+    cfg = presets.QWEN3_30B_A3B.model
+    one = presets.memory_per_device(cfg, presets.parse_mesh("data=1"), 8,
+                                    128)
+    ep = presets.memory_per_device(cfg, presets.parse_mesh("expert=8"), 8,
+                                   128)
+    routed = cfg.num_moe_layers * 3 * (cfg.moe.num_experts * cfg.hidden_size
+                                       * cfg.moe.expert_ffn_size)
+    counts = presets.param_counts(cfg)
+    self.assertEqual(one["weights"], 4.0 * counts.total)
+    self.assertAlmostEqual(ep["weights"],
+                           4.0 * (counts.total - routed + routed / 8))
+    self.assertEqual(ep["tokens_per_device"], one["tokens_per_device"] / 8)
+
+  def test_remat_orders_activation_memory(self):
+    cfg = presets.TINY_DSV3.model
+    mesh = presets.parse_mesh("data=1")
+    act = {r: presets.memory_per_device(cfg, mesh, 16, 128, r)
+           for r in presets.REMAT_CHOICES}
+    self.assertLess(act["full"]["activations"],
+                    act["save_moe"]["activations"])
+    self.assertLess(act["save_moe"]["activations"],
+                    act["none"]["activations"])
+    self.assertEqual(act["offload_moe"]["activations"],
+                     act["full"]["activations"])
+    self.assertAlmostEqual(
+        act["offload_moe"]["activations_offloaded_to_host"],
+        act["save_moe"]["activations"] - act["full"]["activations"])
+
+  def test_bad_mesh_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "AXIS=SIZE with AXIS in"):
+      presets.parse_mesh("pipeline=2")
+    with self.assertRaisesRegex(ValueError, "positive int size"):
+      presets.parse_mesh("data=0")
+
+
+class DryRunTest(absltest.TestCase):
+
+  @flagsaver.flagsaver(model="deepseek_v3", dry_run=True,
+                       mesh="fsdp=4,expert=64")
+  def test_dry_run_prints_counts_without_allocating(self):
+    before = len(jax.live_arrays())
+    out = io.StringIO()
+    text = main.dry_run(out)
+    self.assertEqual(len(jax.live_arrays()), before)
+    self.assertEqual(out.getvalue().strip(), text)
+    self.assertIn("total 671,026,419,200", text)
+    self.assertIn("without the input embedding 36.6G", text)
+    self.assertIn("FLOPs per token", text)
+    self.assertIn("256 devices", text)
+    self.assertIn("AdamW state", text)
+
+  @flagsaver.flagsaver(model="mixtral_8x7b", dry_run=False)
+  def test_training_a_full_size_preset_is_refused(self):
+    with self.assertRaisesRegex(Exception, "Use --dry_run"):
+      main.train(io.StringIO())
+
+
+if __name__ == "__main__":
+  absltest.main()
