@@ -7,6 +7,7 @@ from moe_core.permute import combine
 from moe_core.permute import dispatch
 from moe_core.permute import Dispatched
 from moe_core.ffn import shared_expert
+from moe_core.parallel import EPOptions
 from moe_core.params import init_params
 from moe_core.params import param_shapes
 from moe_core.registry import auto_order
@@ -19,7 +20,7 @@ from moe_core.routing import route
 from moe_core.routing import update_correction_bias
 
 __all__ = [
-    "Backend", "Dispatched", "MoEAux", "MoEConfig", "auto_order",
+    "Backend", "Dispatched", "EPOptions", "MoEAux", "MoEConfig", "auto_order",
     "available_backends", "combine", "dispatch", "get_backend",
     "init_params", "moe_layer", "param_shapes", "register_backend",
     "registered_backends", "route", "shared_expert",

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Sets up the machine (tools/setup.sh), then runs the main job,
-# `python -m bench.demo`, with .venv's python. Arguments go to the demo.
+# Sets up the machine (tools/setup.sh), then runs the main job with .venv's
+# python: the training program, `python -m train.main`, on the CPU, offline.
+# Arguments go to it (e.g. --moe_backend=reference, --steps=50, --help).
+# `tools/main.sh demo [...]` runs the one-layer backend demo
+# (`python -m bench.demo`) instead.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 tools/setup.sh
 
 PY="$PWD/.venv/bin/python"
-if [[ ! -f bench/demo.py ]]; then
-  echo "main: bench/demo.py does not exist yet, so there is no main job to" \
-    "run; run the tests with tools/test.sh." >&2
-  exit 1
+if [[ "${1:-}" == "demo" ]]; then
+  shift
+  exec "$PY" -m bench.demo "$@"
 fi
-exec "$PY" -m bench.demo "$@"
+exec "$PY" -m train.main "$@"
