@@ -10,8 +10,6 @@ against the reference, relative to the reference's largest magnitude.
 
 from __future__ import annotations
 
-import statistics
-import time
 
 from absl import app
 from absl import flags
@@ -19,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import moe_core
+from bench import timing
 
 _TOKENS = flags.DEFINE_integer("tokens", 1024, "Tokens per call (T).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
@@ -34,16 +33,6 @@ DEMO_CONFIG = moe_core.MoEConfig(
     score_func="sigmoid", norm_topk_prob=True, norm_epsilon=1e-20,
     routed_scaling_factor=2.5, correction_bias=True, n_group=4,
     topk_group=2, group_score="sum_top2", shared_ffn_size=384)
-
-
-def _median_seconds(fn, *args, repeats):
-  jax.block_until_ready(fn(*args))  # Compile and warm up.
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def _relative_error(got, want):
@@ -62,8 +51,8 @@ def _measure(backend, params, x, cfg, repeats):
                                                     backend=backend)[0])
   grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
   return {
-      "forward_s": _median_seconds(forward, params, x, repeats=repeats),
-      "train_s": _median_seconds(grad, params, x, repeats=repeats),
+      "forward_s": timing.median_seconds(forward, (params, x), repeats),
+      "train_s": timing.median_seconds(grad, (params, x), repeats),
       "y": forward(params, x),
       "grads": grad(params, x),
   }

@@ -29,7 +29,6 @@ import functools
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -47,6 +46,7 @@ import numpy as np
 
 import moe_core
 from backends.pallas import backend as pallas_backend
+from bench import timing
 from moe_core import ffn
 from reference import backend as reference_backend
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -150,17 +150,6 @@ def _one_expert(weights):
   return jax.tree.map(first, weights)
 
 
-def _with_grad(fn):
-  """f(a, b, g, cotangent) -> (loss, (d a, d b)): forward, dX and dW.
-
-  The loss is returned so that the forward is not dead code (the gradients
-  of a linear map do not need its output).
-  """
-  def loss(a, b, g, cotangent):
-    return jnp.vdot(fn(a, b, g).astype(jnp.float32), cotangent)
-  return jax.value_and_grad(loss, argnums=(0, 1))
-
-
 def group_sizes_for(skew, rows, experts, seed=0):
   rng = np.random.default_rng(seed)
   if skew == "zipf":
@@ -252,16 +241,6 @@ def check_correctness(pallas, fused):
 # --- Timing -------------------------------------------------------------------
 
 
-def _median_seconds(fn, args, repeats):
-  jax.block_until_ready(fn(*args))  # Compile and warm up.
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def _problems(shape, dtype, skew):
   """(name, methods kind, args builder, forward FLOPs) of each timed problem."""
   m = shape["tokens"] * shape["top_k"]
@@ -301,10 +280,10 @@ def run_timing(shape, repeats, skew, pallas, fused, xla):
       entry = {}
       weights = _one_expert(operand) if method == "dense" else operand
       try:
-        entry["fwd_s"] = _median_seconds(
+        entry["fwd_s"] = timing.median_seconds(
             jax.jit(fn), (rows, weights, group_sizes), repeats)
-        entry["fwd_bwd_s"] = _median_seconds(
-            jax.jit(_with_grad(fn)), (rows, weights, group_sizes, cot),
+        entry["fwd_bwd_s"] = timing.median_seconds(
+            jax.jit(timing.with_grad(fn)), (rows, weights, group_sizes, cot),
             repeats)
         entry["fwd_tflops"] = flops / entry["fwd_s"] / 1e12
         entry["fwd_bwd_tflops"] = 3 * flops / entry["fwd_bwd_s"] / 1e12
@@ -376,7 +355,7 @@ def lower_only(shape):
       weights = _one_expert(operand) if method == "dense" else operand
       for mode, program, args in (
           ("fwd", fn, (s(a_shape, jnp.bfloat16), weights, group_sizes)),
-          ("fwd+bwd", _with_grad(fn),
+          ("fwd+bwd", timing.with_grad(fn),
            (s(a_shape, jnp.bfloat16), weights, group_sizes,
             s(out_shape, jnp.float32)))):
         label = f"{name} {method} {mode}"

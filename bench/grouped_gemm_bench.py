@@ -17,8 +17,6 @@ import datetime
 import json
 import os
 import platform as platform_lib
-import statistics
-import time
 
 from absl import app
 from absl import flags
@@ -27,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_core
+from bench import timing
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "One repeat and one warm-up call: proves the script runs.")
@@ -66,16 +65,6 @@ def group_sizes_for(skew: str, rows: int, experts: int,
   return sizes.astype(np.int32)
 
 
-def _median_seconds(fn, args, repeats):
-  jax.block_until_ready(fn(*args))  # Compile and warm up.
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def _gemm_fn(name):
   """f(rows, weights, group_sizes) -> [M, F] for one measured method."""
   if name == "dense":
@@ -90,24 +79,14 @@ def _gemm_fn(name):
   return be.grouped_gemm
 
 
-def _fwd_bwd(gemm):
-  """f(x, w, g, cotangent) -> (loss, (dX, dW)): forward, dX and dW.
-
-  The loss is returned so that the forward is not dead code (the gradients
-  of a linear map do not need its output).
-  """
-  def loss(x, w, g, cotangent):
-    return jnp.vdot(gemm(x, w, g).astype(jnp.float32), cotangent)
-  return jax.value_and_grad(loss, argnums=(0, 1))
-
-
 def _measure(name, rows, weights, group_sizes, cotangent, repeats):
   gemm = _gemm_fn(name)
   fwd = jax.jit(gemm)
-  train = jax.jit(_fwd_bwd(gemm))
+  train = jax.jit(timing.with_grad(gemm))
   return {
-      "fwd_s": _median_seconds(fwd, (rows, weights, group_sizes), repeats),
-      "fwd_bwd_s": _median_seconds(
+      "fwd_s": timing.median_seconds(fwd, (rows, weights, group_sizes),
+                                     repeats),
+      "fwd_bwd_s": timing.median_seconds(
           train, (rows, weights, group_sizes, cotangent), repeats),
   }
 

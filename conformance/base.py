@@ -68,18 +68,24 @@ def _aux_to_numpy(aux) -> dict[str, np.ndarray]:
           for f in dataclasses.fields(aux)}
 
 
-def _layer_fn(backend, case: cases.LayerCase, grads: bool):
-  """f(params, x) -> (y, aux, grads or None) for the case."""
+def layer_fn(backend, case: cases.LayerCase, grads: bool, **layer_kwargs):
+  """f(params, x) -> (y, aux, grads or None) for the case.
+
+  grads are those of sum(y * cotangent) with respect to every parameter and
+  x (under the key "x"); layer_kwargs go to moe_layer (mesh=..., ...).
+  """
   cfg = case.cfg
   _, _, cotangent = cases.layer_inputs(case)
   if not grads:
     def forward(params, x):
-      y, aux = moe_core.moe_layer(params, x, cfg, backend=backend)
+      y, aux = moe_core.moe_layer(params, x, cfg, backend=backend,
+                                  **layer_kwargs)
       return y, aux, None
     return forward
 
   def loss(params, x):
-    y, aux = moe_core.moe_layer(params, x, cfg, backend=backend)
+    y, aux = moe_core.moe_layer(params, x, cfg, backend=backend,
+                                **layer_kwargs)
     return jnp.sum(y.astype(jnp.float32) * cotangent), (y, aux)
 
   def forward_and_grads(params, x):
@@ -94,7 +100,7 @@ def compute_layer(backend, case: cases.LayerCase, jit: bool,
   """Runs `case` on `backend`; with gradients if `grads` (default: if the
   case asks for them)."""
   params, x, _ = cases.layer_inputs(case)
-  fn = _layer_fn(backend, case, case.grads if grads is None else grads)
+  fn = layer_fn(backend, case, case.grads if grads is None else grads)
   if jit:
     fn = jax.jit(fn)
   y, aux, grads = fn(params, x)

@@ -12,10 +12,8 @@ from typing import ClassVar
 
 from absl.testing import parameterized
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-import moe_core
 from conformance import base
 from conformance import cases
 from conformance import tolerances
@@ -96,23 +94,6 @@ EP_CASES = (
     + _product((_HOT,), ("data2_ep4",), "ragged_emulated"))
 
 
-def _layer_fn(backend, case: cases.LayerCase, **layer_kwargs):
-  """f(params, x) -> (y, aux, grads) of sum(y * cotangent), like base's."""
-  cfg = case.cfg
-  _, _, cotangent = cases.layer_inputs(case)
-
-  def loss(params, x):
-    y, aux = moe_core.moe_layer(params, x, cfg, backend=backend,
-                                **layer_kwargs)
-    return jnp.sum(y.astype(jnp.float32) * cotangent), (y, aux)
-
-  def forward_and_grads(params, x):
-    (_, (y, aux)), (d_params, d_x) = jax.value_and_grad(
-        loss, argnums=(0, 1), has_aux=True)(params, x)
-    return y, aux, dict(d_params, x=d_x)
-  return forward_and_grads
-
-
 class ExpertParallelSuite(base.BackendTestCase):
   """moe_layer(..., mesh=...) against the same backend on one device."""
 
@@ -130,8 +111,8 @@ class ExpertParallelSuite(base.BackendTestCase):
   def run_ep(self, case: cases.LayerCase, mesh_case: MeshCase,
              exchange: str) -> base.LayerResult:
     params, x, _ = cases.layer_inputs(case)
-    fn = jax.jit(_layer_fn(
-        self.backend, case, mesh=mesh_case.build(),
+    fn = jax.jit(base.layer_fn(
+        self.backend, case, grads=True, mesh=mesh_case.build(),
         data_axes=mesh_case.data_axes,
         ep_options=parallel.EPOptions(exchange=exchange)))
     y, aux, grads = fn(params, x)

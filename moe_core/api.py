@@ -82,22 +82,9 @@ def moe_layer(params: dict, x: jax.Array, cfg: config_lib.MoEConfig,
   tokens = x.reshape(-1, cfg.hidden_size)
   aux = routing.route(tokens, params["router"], cfg,
                       params.get("correction_bias"))
-  y = _routed_experts(backend, params, tokens, aux, cfg)
+  y = registry.call_backend(
+      backend, lambda b: b.routed_experts(params, tokens, aux, cfg))
   if cfg.shared_ffn_size:
     shared = ffn.shared_expert(params, tokens, cfg)
     y = (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(x.dtype)
   return y.reshape(x.shape), aux
-
-
-def _routed_experts(backend, params, tokens, aux, cfg):
-  if backend != "auto":
-    return registry.get_backend(backend).routed_experts(params, tokens, aux,
-                                                        cfg)
-  unsupported = []
-  for candidate in registry.auto_candidates():
-    try:
-      return candidate.routed_experts(params, tokens, aux, cfg)
-    except NotImplementedError as e:
-      unsupported.append(f"{candidate.name}: {e}")
-  raise NotImplementedError("no available backend supports this call: "
-                            + "; ".join(unsupported))

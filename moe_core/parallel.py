@@ -450,7 +450,9 @@ def routed_experts(backend: str | backend_lib.Backend, params: dict,
     d = dispatch(x[part], aux.expert_ids[part], cfg, expert_axis=expert_axis,
                  exchange=exchange, buffer_factor=options.buffer_factor,
                  overflow=options.overflow)
-    out = _expert_ffn(backend, d.rows, d.group_sizes, params, cfg)
+    out = registry.call_backend(
+        backend, lambda b, d=d: b.expert_ffn(d.rows, d.group_sizes, params,
+                                             cfg))
     ys.append(combine(out, d, aux.combine_weights[part],
                       expert_axis=expert_axis))
     kept.append(d.sent[d.local.position].reshape(size, cfg.top_k))
@@ -463,20 +465,6 @@ def routed_experts(backend: str | backend_lib.Backend, params: dict,
         combine_weights=jnp.where(kept, aux.combine_weights, 0.0),
         dropped_tokens=aux.dropped_tokens + _psum(dropped, tuple(token_axes)))
   return y.astype(x.dtype), aux
-
-
-def _expert_ffn(backend, rows, group_sizes, params, cfg):
-  if backend != "auto":
-    return registry.get_backend(backend).expert_ffn(rows, group_sizes, params,
-                                                    cfg)
-  unsupported = []
-  for candidate in registry.auto_candidates():
-    try:
-      return candidate.expert_ffn(rows, group_sizes, params, cfg)
-    except NotImplementedError as e:
-      unsupported.append(f"{candidate.name}: {e}")
-  raise NotImplementedError("no available backend supports this call: "
-                            + "; ".join(unsupported))
 
 
 # --- The whole layer under a mesh -------------------------------------------

@@ -1,4 +1,4 @@
-"""Stages 2 and 4: sort token copies by expert (dispatch) and undo it (combine)."""
+"""Stages 2 and 4: sort token copies by expert (dispatch), undo it (combine)."""
 
 from __future__ import annotations
 

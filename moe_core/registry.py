@@ -124,6 +124,24 @@ def auto_order(platform: str | None = None) -> tuple[str, ...]:
   return tuple(n for n in order if n in _REGISTRY)
 
 
+def call_backend(name, fn):
+  """fn(backend) for the backend called `name` (or a Backend instance).
+
+  For "auto", fn runs on each of `auto_candidates()` in turn until one does
+  not raise NotImplementedError (valid input that backend cannot handle).
+  """
+  if not (isinstance(name, str) and name == "auto"):
+    return fn(get_backend(name))
+  unsupported = []
+  for candidate in auto_candidates():
+    try:
+      return fn(candidate)
+    except NotImplementedError as e:
+      unsupported.append(f"{candidate.name}: {e}")
+  raise NotImplementedError("no available backend supports this call: "
+                            + "; ".join(unsupported))
+
+
 def auto_candidates() -> list[backend_lib.Backend]:
   """The available backends "auto" would try, in order (never empty)."""
   found = [get_backend(n) for n in auto_order() if availability(n)[0]]

@@ -40,7 +40,7 @@ def grouped_gemm(rows, weights, group_sizes, *, transpose_rhs=False,
 
 
 def expert_ffn_dense(x, params, expert, activation):
-  """Expert `expert`'s gated FFN on every token, in float32: [T, D] -> [T, D]."""
+  """One expert's gated FFN on every token, in float32: [T, D] -> [T, D]."""
   x = x.astype(jnp.float32)
   w = {n: params[n][expert].astype(jnp.float32)
        for n in ("w_gate", "w_up", "w_down")}

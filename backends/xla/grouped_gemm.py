@@ -17,16 +17,16 @@ useful work). This module splits the ragged product in two:
     group g: [ bulk: rows 0..H-1 | largest tiles | ... | smallest tiles ]
 
 The bulk runs only when the routing is balanced enough for it to pay (a
-`lax.cond` on the group sizes); otherwise H is 0 and every row takes the
-tile loop. The forward assembles the output with one gather from the bulk result (no
-zero-filled buffer, no scatter); overflow tiles are then written in place:
-full tiles whole, the partial ones merged (read-modify-write; the loop runs
-in sequence, so this is race-free). The weight gradient is one batched
-x^T dy over the bulk plus per-group sums over the overflow tiles, whose
-foreign rows are zeroed with `where` (so NaN in unused rows stays out). A
-tile that would run past row M is read at M - height instead (dynamic_slice
-clamps) and masked, so no operand is padded. Rows past sum(group_sizes) come
-out zero. Loop buffers stay float32: XLA:CPU updates a bfloat16 buffer by
+`lax.cond` on the group sizes); otherwise H is 0 and every row takes the tile
+loop. The forward assembles the output with one gather from the bulk result
+(no zero-filled buffer, no scatter); overflow tiles are then written in place:
+full tiles whole, the partial ones merged (read-modify-write; the loop runs in
+sequence, so this is race-free). The weight gradient is one batched x^T dy
+over the bulk plus per-group sums over the overflow tiles, whose foreign rows
+are zeroed with `where` (so NaN in unused rows stays out). A tile that would
+run past row M is read at M - height instead (dynamic_slice clamps) and
+masked, so no operand is padded. Rows past sum(group_sizes) come out zero.
+Loop buffers stay float32: XLA:CPU updates a bfloat16 buffer by
 converting all of it to float32 and back, every iteration.
 """
 
