@@ -154,3 +154,104 @@ class ValidationSuite(base.BackendTestCase):
         ValueError, re.escape("weights [E, N, K] must contract over rows' "
                               "K=8")):
       self._gemm(transpose_rhs=True)
+
+  def test_grouped_gemm_rejects_group_sizes_past_the_rows(self):
+    with self.assertRaisesRegex(
+        ValueError, re.escape("sum(group_sizes) must be <= the 6 rows, got "
+                              "sum=7 (group_sizes=[1, 2, 1, 3])")):
+      self._gemm(group_sizes=jnp.array([1, 2, 1, 3], jnp.int32))
+
+  def test_grouped_gemm_rejects_negative_group_sizes(self):
+    with self.assertRaisesRegex(
+        ValueError, re.escape("group_sizes must be >= 0, got [2, -1, 2, 3]")):
+      self._gemm(group_sizes=jnp.array([2, -1, 2, 3], jnp.int32))
+
+  # --- The stages ----------------------------------------------------------
+  # Public on their own, so each checks what it is given: an expert id out of
+  # range, say, would fall outside every group and lose its token silently.
+
+  def test_route_rejects_router_of_wrong_shape(self):
+    cfg = _FULL_CFG.replace(correction_bias=False)
+    with self.assertRaisesRegex(
+        ValueError, re.escape("router must have shape (16, 4), got "
+                              "router.shape=(16, 5)")):
+      moe_core.route(_tokens(cfg), jnp.zeros((16, 5), jnp.float32), cfg)
+
+  def test_route_rejects_correction_bias_of_wrong_shape(self):
+    with self.assertRaisesRegex(
+        ValueError, re.escape("correction_bias must have shape (4,), got "
+                              "correction_bias.shape=(1,)")):
+      moe_core.route(_tokens(_FULL_CFG), jnp.zeros((16, 4), jnp.float32),
+                     _FULL_CFG, jnp.zeros((1,), jnp.float32))
+
+  def test_route_rejects_unflattened_tokens(self):
+    cfg = _FULL_CFG.replace(correction_bias=False)
+    with self.assertRaisesRegex(
+        ValueError, re.escape("route needs tokens of shape [T, D], got "
+                              "x.shape=(2, 5, 16)")):
+      moe_core.route(jnp.ones((2, 5, 16), jnp.float32),
+                     jnp.zeros((16, 4), jnp.float32), cfg)
+
+  def test_dispatch_rejects_expert_ids_out_of_range(self):
+    ids = jnp.array([[0, 1], [2, 4], [3, 0]], jnp.int32)
+    with self.assertRaisesRegex(
+        ValueError, re.escape("expert_ids must lie in [0, num_experts=4), "
+                              "got values in [0, 4]")):
+      moe_core.dispatch(_tokens(_FULL_CFG, 3), ids, 4)
+    with self.assertRaisesRegex(ValueError, r"got values in \[-1, 3\]"):
+      moe_core.dispatch(_tokens(_FULL_CFG, 3), ids.at[1, 1].set(-1), 4)
+
+  def test_dispatch_rejects_a_token_count_mismatch(self):
+    ids = jnp.zeros((4, 2), jnp.int32)
+    with self.assertRaisesRegex(
+        ValueError, re.escape("dispatch needs one expert_ids row per token, "
+                              "got x.shape=(3, 16), expert_ids.shape=(4, 2)")):
+      moe_core.dispatch(_tokens(_FULL_CFG, 3), ids, 4)
+
+  def test_dispatch_rejects_float_expert_ids(self):
+    with self.assertRaisesRegex(
+        TypeError, re.escape("expert_ids must be an integer (int32) array, "
+                             "got dtype float32")):
+      moe_core.dispatch(_tokens(_FULL_CFG, 3), jnp.zeros((3, 2)), 4)
+
+  def test_combine_rejects_rows_that_were_not_dispatched(self):
+    x = _tokens(_FULL_CFG, 3)
+    d = moe_core.dispatch(x, jnp.array([[0, 1], [2, 3], [3, 0]], jnp.int32),
+                          4)
+    weights = jnp.ones((3, 2), jnp.float32)
+    with self.assertRaisesRegex(
+        ValueError, re.escape("expert_out must have the dispatched M=6 rows, "
+                              "got expert_out.shape=(5, 16)")):
+      moe_core.combine(jnp.ones((5, 16), jnp.float32), d, weights)
+    with self.assertRaisesRegex(
+        ValueError, re.escape("combine_weights [T, K] must have T*K = the "
+                              "dispatched M=6, got "
+                              "combine_weights.shape=(3, 3)")):
+      moe_core.combine(d.rows, d, jnp.ones((3, 3), jnp.float32))
+
+  def test_expert_ffn_rejects_rows_of_wrong_width(self):
+    cfg = _FULL_CFG
+    with self.assertRaisesRegex(
+        ValueError, re.escape("rows must have shape [M, hidden_size=16], got "
+                              "rows.shape=(6, 12)")):
+      self.backend.expert_ffn(jnp.ones((6, 12), jnp.float32),
+                              jnp.array([1, 2, 0, 3], jnp.int32),
+                              _params(cfg), cfg)
+
+  def test_expert_ffn_rejects_group_sizes_past_the_rows(self):
+    cfg = _FULL_CFG
+    with self.assertRaisesRegex(
+        ValueError, re.escape("sum(group_sizes) must be <= the 6 rows, got "
+                              "sum=9")):
+      self.backend.expert_ffn(jnp.ones((6, 16), jnp.float32),
+                              jnp.array([4, 2, 0, 3], jnp.int32),
+                              _params(cfg), cfg)
+
+  def test_routed_experts_rejects_routing_of_other_tokens(self):
+    cfg = _FULL_CFG.replace(correction_bias=False)
+    params = _params(cfg)
+    aux = moe_core.route(_tokens(cfg, 5), params["router"], cfg)
+    with self.assertRaisesRegex(
+        ValueError, re.escape("expert_ids must have shape [T, K]=(4, 2), got "
+                              "(5, 2)")):
+      self.backend.routed_experts(params, _tokens(cfg, 4), aux, cfg)

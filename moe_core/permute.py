@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from moe_core import validation
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,7 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int,
   Returns:
     `Dispatched` with rows [T*K, D].
   """
+  validation.check_dispatch(x, expert_ids, num_experts, kept)
   t, k = expert_ids.shape
   flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
   if kept is not None:
@@ -66,6 +69,8 @@ def combine(expert_out: jax.Array, dispatched: Dispatched,
   summed in float32 and returned in expert_out's dtype. Dropped copies
   (kept False) contribute exactly zero, even if their rows hold NaN.
   """
+  validation.check_combine(expert_out, dispatched.position.shape[0],
+                           combine_weights, kept)
   t, k = combine_weights.shape
   per_copy = expert_out[dispatched.position].reshape(t, k, -1)
   per_copy = per_copy.astype(jnp.float32)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_core import config as config_lib
+from moe_core import validation
 
 
 @jax.tree_util.register_dataclass
@@ -104,6 +105,7 @@ def route(x: jax.Array, router: jax.Array, cfg: config_lib.MoEConfig,
     cfg: the block's config.
     correction_bias: [E] float32, required iff `cfg.correction_bias`.
   """
+  validation.check_route(x, router, cfg, correction_bias)
   if cfg.correction_bias != (correction_bias is not None):
     raise ValueError(
         "correction_bias must be given iff cfg.correction_bias is True, got "

@@ -94,10 +94,12 @@ def check_grouped_gemm(rows, weights, group_sizes, *,
         f"weights {layout} must contract over rows' K={rows.shape[1]}, got "
         f"rows.shape={rows.shape}, weights.shape={weights.shape}.")
   check_group_sizes(group_sizes, weights.shape[0])
+  check_group_sizes_fit(group_sizes, rows.shape[0])
 
 
 def check_routing(expert_ids, combine_weights, num_tokens: int,
                   cfg: config_lib.MoEConfig) -> None:
+  """expert_ids and combine_weights [T, K] for `num_tokens` tokens."""
   want = (num_tokens, cfg.top_k)
   if tuple(expert_ids.shape) != want:
     raise ValueError(f"expert_ids must have shape [T, K]={want}, got "
@@ -107,7 +109,121 @@ def check_routing(expert_ids, combine_weights, num_tokens: int,
   if tuple(combine_weights.shape) != want:
     raise ValueError(f"combine_weights must have shape [T, K]={want}, got "
                      f"{tuple(combine_weights.shape)}.")
+  check_expert_ids_in_range(expert_ids, cfg.num_experts)
 
 
-def is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
+def concrete_value(x) -> np.ndarray | None:
+  """x as numpy if its value is known now (not traced under jit), else None.
+
+  Value checks run only on concrete arrays: under jit they would need a
+  device-to-host copy (or checkify), which a training step must not pay.
+  """
+  try:
+    return np.asarray(x)
+  except (jax.errors.ConcretizationTypeError,
+          jax.errors.TracerArrayConversionError):
+    return None
+
+
+def check_array(x, name: str, shape: tuple[int, ...], *,
+                floating: bool = True) -> None:
+  """x is an array of exactly `shape` (floating point if `floating`)."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(x)}.")
+  if tuple(x.shape) != tuple(shape):
+    raise ValueError(f"{name} must have shape {tuple(shape)}, got "
+                     f"{name}.shape={tuple(x.shape)}.")
+  if floating and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must be floating point, got dtype "
+                    f"{_dtype_name(x)}.")
+
+
+def check_route(x, router, cfg: config_lib.MoEConfig,
+                correction_bias) -> None:
+  """route's x [T, D], router [D, E] and correction_bias [E] (or None)."""
+  check_config(cfg)
+  check_tokens(x, cfg)
+  if x.ndim != 2:
+    raise ValueError("route needs tokens of shape [T, D], got "
+                     f"x.shape={tuple(x.shape)}; flatten the batch first.")
+  check_array(router, "router", (cfg.hidden_size, cfg.num_experts))
+  if correction_bias is not None:
+    check_array(correction_bias, "correction_bias", (cfg.num_experts,))
+
+
+def check_expert_ids_in_range(expert_ids, num_experts: int) -> None:
+  """Every id in [0, num_experts), when the ids are concrete.
+
+  An id out of range would fall outside every group: its token would be
+  lost without a trace. Traced ids (under jit) come from `route`, which
+  only makes valid ones.
+  """
+  ids = concrete_value(expert_ids)
+  if ids is None or ids.size == 0:
+    return
+  low, high = int(ids.min()), int(ids.max())
+  if low < 0 or high >= num_experts:
+    raise ValueError(f"expert_ids must lie in [0, num_experts={num_experts})"
+                     f", got values in [{low}, {high}].")
+
+
+def check_dispatch(x, expert_ids, num_experts, kept) -> None:
+  """dispatch's x [T, D], expert_ids [T, K] int, kept [T, K] bool or None."""
+  if not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
+    raise ValueError(f"num_experts must be a positive int, got "
+                     f"{num_experts!r}.")
+  for name, arr in (("x", x), ("expert_ids", expert_ids)):
+    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(arr)}.")
+    if arr.ndim != 2:
+      raise ValueError(f"{name} must be 2-D, got {name}.shape="
+                       f"{tuple(arr.shape)}.")
+  if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+    raise TypeError("expert_ids must be an integer (int32) array, got dtype "
+                    f"{_dtype_name(expert_ids)}.")
+  if expert_ids.shape[0] != x.shape[0]:
+    raise ValueError("dispatch needs one expert_ids row per token, got "
+                     f"x.shape={tuple(x.shape)}, "
+                     f"expert_ids.shape={tuple(expert_ids.shape)}.")
+  if kept is not None and (tuple(kept.shape) != tuple(expert_ids.shape)
+                           or kept.dtype != jnp.bool_):
+    raise ValueError(f"kept must be bool of expert_ids' shape "
+                     f"{tuple(expert_ids.shape)}, got {_dtype_name(kept)}"
+                     f"{list(kept.shape)}.")
+  check_expert_ids_in_range(expert_ids, num_experts)
+
+
+def check_combine(expert_out, num_rows: int, combine_weights, kept) -> None:
+  """combine's expert_out [M, D] and combine_weights [T, K], T*K == M."""
+  if not hasattr(expert_out, "shape") or expert_out.ndim != 2:
+    raise ValueError("expert_out must be 2-D [M, D], got "
+                     f"{getattr(expert_out, 'shape', type(expert_out))}.")
+  if expert_out.shape[0] != num_rows:
+    raise ValueError(f"expert_out must have the dispatched M={num_rows} rows,"
+                     f" got expert_out.shape={tuple(expert_out.shape)}.")
+  if not hasattr(combine_weights, "shape") or combine_weights.ndim != 2:
+    raise ValueError("combine_weights must be 2-D [T, K], got "
+                     f"{getattr(combine_weights, 'shape', None)}.")
+  t, k = combine_weights.shape
+  if t * k != num_rows:
+    raise ValueError(f"combine_weights [T, K] must have T*K = the dispatched "
+                     f"M={num_rows}, got combine_weights.shape={(t, k)}.")
+  if kept is not None and tuple(kept.shape) != (t, k):
+    raise ValueError(f"kept must have combine_weights' shape {(t, k)}, got "
+                     f"{tuple(kept.shape)}.")
+
+
+def check_group_sizes_fit(group_sizes, num_rows: int) -> None:
+  """0 <= group_sizes and sum(group_sizes) <= num_rows, when concrete.
+
+  Past that a kernel would read rows that do not exist (or a negative
+  count would shift every later group); under jit the caller vouches.
+  """
+  sizes = concrete_value(group_sizes)
+  if sizes is None:
+    return
+  if (sizes < 0).any():
+    raise ValueError(f"group_sizes must be >= 0, got {sizes.tolist()}.")
+  if int(sizes.sum()) > num_rows:
+    raise ValueError(f"sum(group_sizes) must be <= the {num_rows} rows, got "
+                     f"sum={int(sizes.sum())} (group_sizes={sizes.tolist()}).")

@@ -66,6 +66,7 @@ class ReferenceBackend(backend.Backend):
     w[t, e] is the combine weight of the (kept) choices of token t that name
     expert e; every expert runs on every token and the weights pick.
     """
+    backend.check_routed_experts(x, aux, cfg)
     chosen = jax.nn.one_hot(aux.expert_ids, cfg.num_experts,
                             dtype=jnp.float32)  # [T, K, E]
     kept_weights = jnp.where(aux.kept, aux.combine_weights, 0.0)
