@@ -12,11 +12,14 @@ MOE_BACKEND = flags.DEFINE_string(
     "moe_core.registered_backends(): reference, xla, pallas, ...).")
 
 
-def _is_registered(name: str) -> bool:
-  return name == "auto" or name in registry.registered_backends()
+def _check_registered(name: str) -> bool:
+  # Read at parse time, so backends registered by the program count too.
+  valid = ["auto"] + registry.registered_backends()
+  if name not in valid:
+    raise flags.ValidationError(
+        f"--moe_backend must be 'auto' or a registered backend name, one of "
+        f"{valid}; got {name!r}.")
+  return True
 
 
-flags.register_validator(
-    "moe_backend", _is_registered,
-    message="--moe_backend must be 'auto' or a registered backend name "
-    "(moe_core.registered_backends()).")
+flags.register_validator("moe_backend", _check_registered)

@@ -228,7 +228,9 @@ class FlagTest(absltest.TestCase):
   def test_rejects_unknown_name(self):
     with self.assertRaisesRegex(flags.IllegalFlagValueError,
                                 r"--moe_backend must be 'auto' or a "
-                                r"registered backend name"):
+                                r"registered backend name, one of "
+                                r"\['auto', .*'reference'.*\]; got "
+                                r"'nope'"):
       flags.FLAGS(["prog", "--moe_backend=nope"])
 
   def test_accepts_names_registered_later(self):
