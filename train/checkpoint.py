@@ -128,10 +128,16 @@ def save(directory: str, step: int, state, *, fingerprint: dict,
       json.dump(meta, f)
       f.flush()
       os.fsync(f.fileno())
+    replaced = None
     if os.path.exists(final):
-      shutil.rmtree(final)
+      # Move the old copy aside rather than delete it first: a crash between
+      # the two renames leaves it whole (rename it back to restore it).
+      replaced = tmp + ".replaced"
+      os.rename(final, replaced)
     os.rename(tmp, final)
     _fsync_dir(directory)
+    if replaced:
+      shutil.rmtree(replaced, ignore_errors=True)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

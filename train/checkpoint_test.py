@@ -1,9 +1,12 @@
 """Checkpoints: exact resume, and clear refusals of bad checkpoints."""
 
+import copy
 import dataclasses
+import io
 import json
 import os
 import shutil
+import signal
 import tempfile
 
 import jax
@@ -76,6 +79,43 @@ class ResumeTest(absltest.TestCase):
       records = [json.loads(line) for line in f]
     self.assertEqual([r["step"] for r in records], list(range(1, steps + 1)))
     self.assertEqual([r["loss"] for r in records], straight.history["loss"])
+
+  def test_ctrl_c_finishes_the_step_then_checkpoints_and_resumes_exactly(self):
+    steps = 5
+    straight, _ = _fit(testing.small_run(testing.temp_dir(self), steps=steps,
+                                         eval_every=3))
+    out = testing.temp_dir(self)
+    run = testing.small_run(out, steps=steps, eval_every=3)
+    tr = trainer.Trainer(run, testing.corpus(), out=None)
+    tr.prepare_output_dir()
+    # A real SIGINT, delivered while step 3 is in flight (dispatched, its
+    # metrics not yet on the host). The program is shared between trainers
+    # of equal runs: patch a copy.
+    tr.program = copy.copy(tr.program)
+    real_step, calls = tr.program.train_step, []
+
+    def step_hit_by_ctrl_c(state, batch):
+      calls.append(None)
+      result = real_step(state, batch)
+      if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+      return result
+
+    tr.program.train_step = step_hit_by_ctrl_c
+    before = signal.getsignal(signal.SIGINT)
+    summary = tr.fit(handle_signals=True)
+    self.assertIs(signal.getsignal(signal.SIGINT), before)
+    self.assertEqual(summary["interrupted"], "SIGINT")
+    self.assertEqual(tr.step, 3)
+    self.assertEqual(tr.history["loss"], straight.history["loss"][:3])
+    self.assertEqual(checkpoint.latest(os.path.join(out, "checkpoints")),
+                     os.path.join(out, "checkpoints", "step_00000003"))
+
+    resumed, _ = _fit(dataclasses.replace(run, resume=True))
+    self.assertEqual(resumed.history["loss"], straight.history["loss"])
+    for a, b in zip(jax.tree.leaves(resumed.state),
+                    jax.tree.leaves(straight.state)):
+      np.testing.assert_array_equal(a, b)
 
   def test_resume_without_a_checkpoint_is_an_error(self):
     run = testing.small_run(testing.temp_dir(self), resume=True)
@@ -188,6 +228,19 @@ class RefusalTest(absltest.TestCase):
       checkpoint.restore(
           self._copy(), jax.tree.unflatten(treedef, leaves),
           fingerprint=self.run_config.fingerprint(self.trainer.corpus.name))
+
+  def test_resume_with_changed_hyperparameters_says_so(self):
+    out = io.StringIO()
+    run = dataclasses.replace(self.run_config, weight_decay=0.5,
+                              grad_clip=2.0)
+    tr = trainer.Trainer(run, testing.corpus(), out=out)
+    tr.restore_checkpoint(self._copy())
+    self.assertEqual(tr.step, 1)
+    note = out.getvalue()
+    self.assertIn("will not match an uninterrupted one", note)
+    self.assertIn("'weight_decay': (0.1, 0.5)", note)
+    self.assertIn("'grad_clip': (1.0, 2.0)", note)
+    self.assertNotIn("learning_rate", note)
 
   def test_resume_refuses_a_corrupt_latest_checkpoint(self):
     out = testing.temp_dir(self)

@@ -295,12 +295,14 @@ FULL_SIZE = ("deepseek_v3", "mixtral_8x7b", "qwen3_30b_a3b", "olmoe_1b_7b")
 # configs themselves are those of the models' Hugging Face config.json).
 PUBLISHED: dict[str, Published] = {
     "deepseek_v3": Published(
-        total=671e9, active=36.6e9, active_counts_embedding=False,
+        total=671e9, active=37e9, active_counts_embedding=True,
         source=("huggingface.co/deepseek-ai/DeepSeek-V3, README.md ('671B "
-                "total parameters with 37B activated for each token') and "
-                "README_WEIGHTS.md (main model: 671B total, 36.6B activated; "
-                "the MTP module is counted apart). The card's 37B is 36.6B "
-                "rounded (with the 0.9B input embedding it would be 37.6B)")),
+                "total parameters with 37B activated for each token'); the "
+                "MTP module is counted apart. README_WEIGHTS.md's finer "
+                "'36.7B activated, including 0.9B for Embedding and 0.9B for "
+                "the output Head' disagrees with the config by about 0.9B "
+                "(the config gives 37.5B with both, 36.6B without the input "
+                "embedding); both conventions fall within the card's 37B")),
     "mixtral_8x7b": Published(
         total=46.7e9, active=12.9e9, active_counts_embedding=True,
         source=("mistral.ai/news/mixtral-of-experts ('46.7B total parameters "

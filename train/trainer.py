@@ -236,11 +236,16 @@ class Trainer:
     return name
 
   def train_step(self, batch: np.ndarray) -> dict:
-    """One optimiser step on `batch` [B, T+1]; returns host metrics."""
-    self.state, metrics = self.program.train_step(self.state,
-                                                   jnp.asarray(batch))
-    self.step += 1
-    return jax.device_get(metrics)
+    """One optimiser step on `batch` [B, T+1]; returns host metrics.
+
+    The step is committed (state and step counter) only once its metrics
+    are on the host: dispatch is asynchronous, so a Ctrl-C most likely lands
+    in the wait, and then neither the state nor the step may have moved.
+    """
+    state, metrics = self.program.train_step(self.state, jnp.asarray(batch))
+    metrics = jax.device_get(metrics)
+    self.state, self.step = state, self.step + 1
+    return metrics
 
   def evaluate(self) -> float:
     """Mean held-out next-byte loss (nats) over the fixed eval batches."""
@@ -256,10 +261,14 @@ class Trainer:
   def checkpoint_dir(self) -> str:
     return os.path.join(self.run.output_dir, "checkpoints")
 
+  # Settings a run may be resumed with changed (with a note): they change
+  # the trajectory but not the shapes of the state.
+  _SOFT_SETTINGS = ("steps", "learning_rate", "warmup_steps", "weight_decay",
+                    "grad_clip", "bias_update_rate", "aux_loss_weight",
+                    "z_loss_weight", "backend", "remat")
+
   def _soft_settings(self) -> dict:
-    run = self.run
-    return {"steps": run.steps, "learning_rate": run.learning_rate,
-            "warmup_steps": run.warmup_steps}
+    return {k: getattr(self.run, k) for k in self._SOFT_SETTINGS}
 
   def save_checkpoint(self) -> str:
     return checkpoint.save(
@@ -312,8 +321,14 @@ class Trainer:
       print(text, file=self.out, flush=True)
 
   def _on_signal(self, signum, frame):
+    """Asks the loop to stop after the current step (then it checkpoints).
+
+    A second Ctrl-C is not deferred: it raises KeyboardInterrupt at once.
+    """
     del frame
     self._stop_signal = signum
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
 
   def _progress(self, step: int, loss: float, tps: float, start: float):
     if not self.run.progress or not sys.stderr.isatty():
@@ -393,8 +408,10 @@ class Trainer:
     metrics_path = os.path.join(run.output_dir, "metrics.jsonl")
     previous = {}
     if handle_signals:
-      previous[signal.SIGTERM] = signal.signal(signal.SIGTERM,
-                                               self._on_signal)
+      # Ctrl-C and SIGTERM finish the step in flight, then checkpoint: an
+      # exception inside the step could leave a half-logged step behind.
+      for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, self._on_signal)
     self._first_step = self.step
     interrupted = None
     start = time.perf_counter()
@@ -427,7 +444,7 @@ class Trainer:
               and self.step < run.steps):
             self.save_checkpoint()
           if self._stop_signal is not None:
-            interrupted = f"signal {self._stop_signal}"
+            interrupted = signal.Signals(self._stop_signal).name
             break
     except KeyboardInterrupt:
       interrupted = "KeyboardInterrupt"
