@@ -88,11 +88,11 @@ class Cluster:
 CLUSTERS = {
     # H100 SXM: 989 dense BF16 TFLOP/s, 1979 FP8 (NVIDIA H100 datasheet); we
     # assume 45% of peak for the layer's GEMMs, as tokamax's H100 grouped
-    # GEMMs reach 390-470 TFLOP/s on DeepSeek-V3 shapes (shared/notes/
-    # kernels.md). NVLink 4: 900 GB/s both directions, 450 GB/s each way; an
-    # all-to-all is assumed to reach 80% (360 GB/s). InfiniBand NDR 400 Gb/s
-    # = 50 GB/s per GPU; DeepEP measured 43-58 GB/s bottleneck bandwidth on
-    # CX7 (DeepEP docs/legacy.md): 45 GB/s.
+    # GEMMs reach 390-470 TFLOP/s on DeepSeek-V3 shapes (openxla/tokamax,
+    # ragged_dot autotuning data). NVLink 4: 900 GB/s both directions, 450
+    # GB/s each way; an all-to-all is assumed to reach 80% (360 GB/s).
+    # InfiniBand NDR 400 Gb/s = 50 GB/s per GPU; DeepEP measured 43-58 GB/s
+    # bottleneck bandwidth on CX7 (DeepEP docs/legacy.md): 45 GB/s.
     "h100": Cluster("H100 SXM, NDR IB", 445.0, 890.0, 360.0, 45.0, 20 / 132),
     # H800 (DeepSeek's cluster): same compute; NVLink 160 GB/s and IB 50 GB/s
     # (DeepSeek-V3 report, section 3.2.2); DeepEP measured 153-158 GB/s on

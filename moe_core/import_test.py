@@ -9,7 +9,7 @@ from absl.testing import absltest
 
 # Module prefixes that `import moe_core` must leave unimported: backends are
 # imported by the registry on first use, and hardware-only packages stay
-# inside their backend (STYLE.md section 4).
+# inside their backend (the team's style guide, ../shared/STYLE.md, section 4).
 _FORBIDDEN = (
     "backends",
     "reference",
