@@ -1,4 +1,4 @@
-"""pytest: list why conformance tests were skipped, even without -rs."""
+"""pytest: list why tests were skipped, even without -rs."""
 
 import collections
 

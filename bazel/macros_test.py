@@ -16,6 +16,10 @@ def _runfile(path):
   return os.path.join(os.environ["TEST_SRCDIR"], path)
 
 
+@absltest.skipUnless(
+    "TEST_SRCDIR" in os.environ,
+    "checks the environment that Bazel's moe_py_test sets up (runfiles, "
+    "JAX_PLATFORMS, device-count flags); run it with bazel test.")
 class MoePyTestEnvTest(absltest.TestCase):
 
   def test_runs_under_the_toolchain_interpreter(self):

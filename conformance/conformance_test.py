@@ -2,9 +2,9 @@
 
 # python -m pytest conformance/ -q
 # A backend that cannot be imported or run here is reported as skipped, with
-# the reason (conftest.py lists the reasons). Bazel does not run this file:
-# it runs one target per backend, `moe_conformance_test(backend = ...)`,
-# built on conformance_main.py.
+# the reason (the root conftest.py lists the reasons). Bazel does not run
+# this file: it runs one target per backend, `moe_conformance_test(backend =
+# ...)`, built on conformance_main.py.
 
 from absl.testing import absltest
 

@@ -2,7 +2,8 @@
 # Sets up the machine (tools/setup.sh), then runs every Bazel test under
 # .venv/bin/python. Extra arguments go to `bazel test`, e.g.
 #   tools/test.sh --test_output=all //moe_core/...
-# (targets given after the flags are added to //...). Exits with bazel's code.
+# (targets given after the flags are added to //...), then lists skipped
+# tests with their reasons. Exits with bazel's code.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,4 +16,9 @@ DROPLESS_VENV_STAMP="$(cat .venv/.requirements.sha256)"
 export DROPLESS_VENV_STAMP
 
 echo "test: PYTHON_BIN_PATH=$PYTHON_BIN_PATH bazel test //... $*" >&2
-exec bazel test //... "$@"
+rc=0
+bazel test //... "$@" || rc=$?
+# Bazel reports a target whose tests all skipped as PASSED: say what did not
+# run, and why.
+tools/skipped_tests.sh || true
+exit "$rc"
