@@ -1,6 +1,14 @@
 """pytest: list why tests were skipped, even without -rs."""
 
 import collections
+import os
+
+# Before any test module imports JAX: 8 CPU devices, so the expert-parallel
+# tests run under plain pytest too (Bazel sets this per target instead).
+if "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8")
 
 
 def pytest_terminal_summary(terminalreporter):
