@@ -4,7 +4,9 @@ The Pallas -> Triton lowering runs entirely in Python, so a kernel that would
 not lower for the GPU (a block that is not a power of two, an unsupported
 primitive, scratch memory, a data-dependent index map) fails here. PTX-level
 limits (registers, shared memory) are not checked; tiling_test bounds the
-shared memory of the shipped configurations.
+shared memory and accumulator registers of the shipped configurations. Each
+config is lowered as the backend runs it: after `tiling.fit_gpu` for the
+kernel kind and number of operands.
 """
 
 import re
@@ -75,20 +77,22 @@ class ShippedTilesLowerTest(parameterized.TestCase):
   def test_gmm_fused_pairs_lower(self, tiles):
     dtype = _dtype_of(self._testMethodName)
     m, k, n, e = self.M, self.K, self.N, self.E
-    tiles = tiling.fit_smem(tiles, "fwd", dtype, num_operands=2)
+    # What the heuristic makes of this config for the two-operand kernels.
+    fwd_tiles = tiling.fit_gpu(tiles, "fwd", dtype, num_operands=2)
+    dgrad_tiles = tiling.fit_gpu(tiles, "dgrad", dtype, num_operands=2)
     sizes = _S((e,), jnp.int32)
     w = _S((e, k, n), dtype)
     with self.subTest("gate_up"):
       text = _export_for_cuda(
           lambda x, a, b, g: kernels.gmm(
-              [x], [a, b], g, tiles=tiles, interpret=False,
+              [x], [a, b], g, tiles=fwd_tiles, interpret=False,
               products=((0, 0, 0), (0, 1, 1)), num_outputs=2),
           _S((m, k), dtype), w, w, sizes)
       self.assertTritonCalls(text, 1)
     with self.subTest("dgrad_sum"):
       text = _export_for_cuda(
           lambda x, y, a, b, g: kernels.gmm(
-              [x, y], [a, b], g, tiles=tiles, interpret=False,
+              [x, y], [a, b], g, tiles=dgrad_tiles, interpret=False,
               transpose_rhs=True, products=((0, 0, 0), (1, 1, 0)))[0],
           _S((m, n), dtype), _S((m, n), dtype), w, w, sizes)
       self.assertTritonCalls(text, 1)
@@ -99,9 +103,10 @@ class ShippedTilesLowerTest(parameterized.TestCase):
     m, k, n, e = self.M, self.K, self.N, self.E
     for num_rhs in (1, 2):
       with self.subTest(num_rhs=num_rhs):
+        fitted = tiling.fit_gpu(tiles, "wgrad", dtype, num_operands=num_rhs)
         text = _export_for_cuda(
-            lambda x, g, *ys: kernels.tgmm(x, list(ys), g, tiles=tiles,
-                                           interpret=False),
+            lambda x, g, *ys, t=fitted: kernels.tgmm(x, list(ys), g, tiles=t,
+                                                     interpret=False),
             _S((m, k), dtype), _S((e,), jnp.int32),
             *[_S((m, n), dtype)] * num_rhs)
         self.assertTritonCalls(text, num_rhs and 1)
@@ -153,6 +158,28 @@ class OpsLowerTest(parameterized.TestCase):
         jax.value_and_grad(loss, argnums=(0, 1)),
         _S((self.M, self.D), jnp.bfloat16), params, _S((self.E,), jnp.int32))
     # gate/up forward, down forward, down dX and dW, gate/up dX and dW.
+    self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
+
+  def test_expert_ffn_at_timed_rows_uses_the_large_tiles(self):
+    """bench/gpu_check's M = 32768 rows: 1024 per expert, the large config."""
+    m = 32768
+    self.assertEqual(
+        tiling.heuristic("fwd", m, self.F, self.D, self.E, jnp.bfloat16,
+                         interpret=False),
+        tiling.GPU_TILES["gmm_bf16_large"])
+    cfg = moe_core.MoEConfig(num_experts=self.E, top_k=8,
+                             hidden_size=self.D, expert_ffn_size=self.F)
+    be = pallas_backend.PallasBackend(interpret=False, fuse_activation=True)
+    params = {n: _S(s, jnp.bfloat16)
+              for n, s in moe_core.param_shapes(cfg).items()
+              if n in ("w_gate", "w_up", "w_down")}
+
+    def loss(rows, p, g):
+      out = be.expert_ffn(rows, g, p, cfg)
+      return jnp.sum(jnp.square(out.astype(jnp.float32)))
+    text = _export_for_cuda(
+        jax.value_and_grad(loss, argnums=(0, 1)),
+        _S((m, self.D), jnp.bfloat16), params, _S((self.E,), jnp.int32))
     self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
 
   def test_moe_layer_value_and_grad(self):

@@ -21,6 +21,16 @@ import jax.numpy as jnp
 MIN_BLOCK = 16
 # Shared memory per thread block on Hopper (sm_90): 227 KiB.
 HOPPER_SMEM_BYTES = 227 * 1024
+# Registers: a Hopper thread has at most 255 32-bit registers (64K per SM).
+# Every float32 accumulator element of a program lives in a register of one
+# of its 32 * num_warps threads, for the whole K loop. The operand fragments,
+# addresses, masks and loop state need registers too, so past about half the
+# limit ptxas spills to local memory, which costs far more than a smaller
+# tile: keep the accumulators at most this many registers per thread.
+ACC_REGS_PER_THREAD = 128
+# The most warps `fit_registers` raises a program to: two warpgroups, the
+# largest count Triton's Hopper matmul configurations use.
+MAX_FIT_WARPS = 8
 KINDS = ("fwd", "dgrad", "wgrad")
 
 
@@ -77,6 +87,18 @@ class Tiles:
     else:
       per_stage = num_operands * (self.bm * self.bk + self.bk * self.bn)
     return per_stage * jnp.dtype(dtype).itemsize * self.num_stages
+
+  def acc_regs_per_thread(self, kind: str, num_accumulators: int = 1) -> int:
+    """float32 accumulator elements each of the program's threads holds.
+
+    Args:
+      kind: "fwd", "dgrad" (accumulators [bm, bn]) or "wgrad" ([bk, bn]).
+      num_accumulators: accumulators carried through the loop (2 for the
+        fused gate/up forward and its dW).
+    """
+    _check_kind(kind)
+    rows = self.bk if kind == "wgrad" else self.bm
+    return -(-num_accumulators * rows * self.bn // (32 * self.num_warps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +158,11 @@ def _check_kind(kind):
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
 
 
-# Configurations shipped for the GPU (Triton lowering). `choose` returns one of
-# these on the GPU, and a test lowers every one of them for CUDA. Shared memory
-# stays under Hopper's 227 KiB (checked by tiling_test).
+# Configurations shipped for the GPU (Triton lowering). On the GPU `choose`
+# starts from one of these and `fit_gpu` shrinks it for the fused kernels; a
+# test lowers every one of them, and their fused variants, for CUDA. Shared
+# memory stays under Hopper's 227 KiB and accumulators within
+# ACC_REGS_PER_THREAD (checked by tiling_test).
 GPU_TILES: dict[str, Tiles] = {
     # Large groups, bf16: wide tiles, 8 warps for the 128x256 accumulator.
     "gmm_bf16_large": Tiles(bm=128, bk=64, bn=256, num_warps=8, num_stages=3),
@@ -209,7 +233,8 @@ def heuristic(kind: str, m: int, k: int, n: int, num_groups: int, dtype, *,
     dtype: operand dtype.
     interpret: the kernels run in interpret mode (CPU), not on a GPU.
     num_operands: products per step (2 for the fused gate/up pass), which
-      multiplies the shared memory a GPU program needs.
+      multiplies the shared memory a GPU program needs and, for "fwd" and
+      "wgrad" (one output per product), the accumulators (`fit_gpu`).
   """
   _check_kind(kind)
   if interpret:
@@ -223,9 +248,9 @@ def heuristic(kind: str, m: int, k: int, n: int, num_groups: int, dtype, *,
   f32 = jnp.dtype(dtype) == jnp.float32
   if kind == "wgrad":
     base = GPU_TILES["tgmm_f32" if f32 else "tgmm_bf16"]
-    return fit_smem(dataclasses.replace(base, bk=fit_block(k, base.bk),
-                                        bn=fit_block(n, base.bn)),
-                    kind, dtype, num_operands)
+    return fit_gpu(dataclasses.replace(base, bk=fit_block(k, base.bk),
+                                       bn=fit_block(n, base.bn)),
+                   kind, dtype, num_operands)
   if f32:
     base = GPU_TILES["gmm_f32"]
   elif m // max(num_groups, 1) < 256:
@@ -234,10 +259,51 @@ def heuristic(kind: str, m: int, k: int, n: int, num_groups: int, dtype, *,
     base = GPU_TILES["gmm_bf16_large"]
   else:
     base = GPU_TILES["gmm_bf16"]
-  return fit_smem(dataclasses.replace(
+  return fit_gpu(dataclasses.replace(
       base, bm=min(base.bm, max(MIN_BLOCK, _pow2_ceil(m))),
       bk=fit_block(k, base.bk), bn=fit_block(n, base.bn)),
-                  kind, dtype, num_operands)
+                 kind, dtype, num_operands)
+
+
+def num_accumulators(kind: str, num_operands: int = 1) -> int:
+  """Accumulators of a kernel with `num_operands` products per step.
+
+  The forward (gate and up) and dW (dW_gate and dW_up) write one output per
+  product; dX sums its products into one output, hence one accumulator.
+  """
+  _check_kind(kind)
+  return 1 if kind == "dgrad" else num_operands
+
+
+def fit_gpu(tiles: Tiles, kind: str, dtype, num_operands: int = 1) -> Tiles:
+  """The tiles a GPU program runs with: within registers, then shared memory.
+
+  Registers first: narrowing the tile also shrinks its shared memory, which
+  may then keep more pipeline stages.
+  """
+  tiles = fit_registers(tiles, kind, num_accumulators(kind, num_operands))
+  return fit_smem(tiles, kind, dtype, num_operands)
+
+
+def fit_registers(tiles: Tiles, kind: str, num_accumulators: int = 1
+                  ) -> Tiles:
+  """`tiles` with more warps, then narrower bn, then fewer accumulator rows.
+
+  It stops once the accumulators take at most ACC_REGS_PER_THREAD registers
+  per thread. The rows are bm for gmm and bk for tgmm (dW blocks [bk, bn]).
+  """
+  rows = "bk" if kind == "wgrad" else "bm"
+  while tiles.acc_regs_per_thread(kind, num_accumulators) > (
+      ACC_REGS_PER_THREAD):
+    if tiles.num_warps < MAX_FIT_WARPS:
+      tiles = dataclasses.replace(tiles, num_warps=tiles.num_warps * 2)
+    elif tiles.bn > MIN_BLOCK:
+      tiles = dataclasses.replace(tiles, bn=tiles.bn // 2)
+    elif getattr(tiles, rows) > MIN_BLOCK:
+      tiles = dataclasses.replace(tiles, **{rows: getattr(tiles, rows) // 2})
+    else:
+      break
+  return tiles
 
 
 def fit_smem(tiles: Tiles, kind: str, dtype, num_operands: int = 1) -> Tiles:

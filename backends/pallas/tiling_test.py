@@ -13,6 +13,33 @@ def _is_pow2(x):
   return x > 0 and x & (x - 1) == 0
 
 
+# A Hopper thread has 255 registers; the accumulators may take half of them
+# (the rest hold operands, addresses and loop state), or ptxas spills.
+_ACC_REG_BUDGET = 128
+# DeepSeek-V3 expert shapes as timed by bench/gpu_check (T=4096, top-8, a
+# 32-expert slice): (kind, m, k, n, E, products per step) of every kernel of
+# the expert FFN's forward and backward: gate+up fused, then down.
+_DEEPSEEK_KERNELS = [
+    ("fwd", 32768, 7168, 2048, 32, 2),  # gate and up: two accumulators.
+    ("dgrad", 32768, 2048, 7168, 32, 2),  # dX = dgate wg^T + dup wu^T.
+    ("wgrad", 32768, 7168, 2048, 32, 2),  # dW_gate and dW_up.
+    ("fwd", 32768, 2048, 7168, 32, 1),  # down.
+    ("dgrad", 32768, 7168, 2048, 32, 1),
+    ("wgrad", 32768, 2048, 7168, 32, 1),
+]
+
+
+def _acc_regs_per_thread(tiles, kind, num_operands):
+  """float32 accumulator registers per thread, from the kernels' shapes.
+
+  gmm carries one [bm, bn] accumulator per output (the fused forward has
+  two, its dX sums both products into one); tgmm one [bk, bn] per rhs.
+  """
+  accs = 1 if kind == "dgrad" else num_operands
+  rows = tiles.bk if kind == "wgrad" else tiles.bm
+  return accs * rows * tiles.bn / (32 * tiles.num_warps)
+
+
 class TilesTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -86,6 +113,9 @@ class HeuristicTest(parameterized.TestCase):
         self.assertLessEqual(tiles.smem_bytes(kind, dtype, operands),
                              tiling.HOPPER_SMEM_BYTES,
                              f"{kind} {(m, k, n, e)} x{operands}: {tiles}")
+        self.assertLessEqual(_acc_regs_per_thread(tiles, kind, operands),
+                             _ACC_REG_BUDGET,
+                             f"{kind} {(m, k, n, e)} x{operands}: {tiles}")
 
   def test_shipped_gpu_tiles_fit_hopper_shared_memory(self):
     for name, tiles in tiling.GPU_TILES.items():
@@ -93,6 +123,44 @@ class HeuristicTest(parameterized.TestCase):
       dtype = jnp.float32 if "f32" in name else jnp.bfloat16
       self.assertLessEqual(tiles.smem_bytes(kind, dtype),
                            tiling.HOPPER_SMEM_BYTES, name)
+
+  def test_shipped_gpu_tiles_fit_the_register_budget(self):
+    self.assertLessEqual(tiling.ACC_REGS_PER_THREAD, _ACC_REG_BUDGET)
+    for name, tiles in tiling.GPU_TILES.items():
+      # A gmm config serves the unfused kernels as shipped (the fused ones
+      # go through fit_gpu); a tgmm config serves the fused dW as shipped.
+      kind, operands = (("wgrad", 2) if name.startswith("tgmm")
+                        else ("fwd", 1))
+      dtype = jnp.float32 if "f32" in name else jnp.bfloat16
+      self.assertLessEqual(_acc_regs_per_thread(tiles, kind, operands),
+                           _ACC_REG_BUDGET, name)
+      self.assertEqual(tiling.fit_gpu(tiles, kind, dtype, operands),
+                       tiles, f"{name} is not final as shipped")
+
+  def test_deepseek_kernels_fit_registers_and_shared_memory(self):
+    for kind, m, k, n, e, operands in _DEEPSEEK_KERNELS:
+      tiles = tiling.heuristic(kind, m, k, n, e, jnp.bfloat16,
+                               interpret=False, num_operands=operands)
+      label = f"{kind} {(m, k, n, e)} x{operands}: {tiles}"
+      self.assertLessEqual(_acc_regs_per_thread(tiles, kind, operands),
+                           _ACC_REG_BUDGET, label)
+      self.assertLessEqual(tiles.smem_bytes(kind, jnp.bfloat16, operands),
+                           tiling.HOPPER_SMEM_BYTES, label)
+    # The fused gate+up forward starts from the large config and keeps its
+    # rows and warps, narrowing only bn (two 128x256 accumulators would be
+    # 256 registers per thread).
+    fused = tiling.heuristic("fwd", 32768, 7168, 2048, 32, jnp.bfloat16,
+                             interpret=False, num_operands=2)
+    large = tiling.GPU_TILES["gmm_bf16_large"]
+    self.assertEqual((fused.bm, fused.bn, fused.num_warps),
+                     (large.bm, large.bn // 2, large.num_warps))
+
+  def test_fit_registers_adds_warps_then_narrows(self):
+    tiles = tiling.Tiles(bm=128, bk=64, bn=256, num_warps=4)
+    fitted = tiling.fit_registers(tiles, "fwd", num_accumulators=2)
+    self.assertEqual((fitted.num_warps, fitted.bn, fitted.bm), (8, 128, 128))
+    # Already within budget: unchanged.
+    self.assertEqual(tiling.fit_registers(fitted, "fwd", 2), fitted)
 
   def test_caller_tiles_override_the_heuristic(self):
     mine = tiling.Tiles(bm=16, bk=32, bn=64)
