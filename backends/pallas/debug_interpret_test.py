@@ -19,7 +19,9 @@ import numpy as np
 from backends.pallas import backend as pallas_backend
 from backends.pallas import kernels
 from backends.pallas import metadata
+from backends.pallas import ops
 from backends.pallas import tiling
+from moe_core import ffn
 from reference import backend as reference
 
 _TILES = tiling.Tiles(bm=16, bk=16, bn=16)
@@ -71,6 +73,41 @@ class DebugInterpretTest(parameterized.TestCase):
         rows.at[used:].set(0), w, sizes), weights)
     np.testing.assert_allclose(d_weights, vjp(dy.at[used:].set(0))[0],
                                atol=1e-4, rtol=1e-5)
+
+  def test_gate_up_pair_stays_in_bounds(self):
+    """Two weight operands, two accumulators, two outputs in one pass."""
+    rows, w_gate, sizes, _ = _inputs()
+    _, w_up, _, _ = _inputs(seed=1)
+    clean_rows = rows.at[sum(_SIZES):].set(0)
+    gate, up = kernels.gmm([rows], [w_gate, w_up], sizes, tiles=_TILES,
+                           interpret=pltpu.InterpretParams(),
+                           products=((0, 0, 0), (0, 1, 1)), num_outputs=2)
+    for got, w in ((gate, w_gate), (up, w_up)):
+      np.testing.assert_allclose(
+          got, reference.grouped_gemm(clean_rows, w, sizes),
+          atol=1e-4, rtol=1e-5)
+
+  def test_fused_swiglu_and_its_backward_stay_in_bounds(self):
+    """The SiLU epilogue forward, then the two-product dX and two-rhs dW."""
+    rows, w_gate, sizes, dy = _inputs()
+    _, w_up, _, _ = _inputs(seed=1)
+    used = sum(_SIZES)
+    launch = ops.Launch(tiles=tiling.TileConfig.parse(_TILES),
+                        interpret=pltpu.InterpretParams())
+
+    def fused(x, wg, wu):
+      return ops.gated_gate_up(x, wg, wu, sizes, "silu", launch)
+
+    def want(x, wg, wu):
+      return ffn.gated(reference.grouped_gemm(x, wg, sizes),
+                       reference.grouped_gemm(x, wu, sizes), "silu")
+    out, vjp = jax.vjp(fused, rows, w_gate, w_up)
+    want_out, want_vjp = jax.vjp(want, rows.at[used:].set(0), w_gate, w_up)
+    np.testing.assert_allclose(out, want_out, atol=1e-4, rtol=1e-4)
+    for name, got, expected in zip(("d_rows", "d_w_gate", "d_w_up"),
+                                   vjp(dy), want_vjp(dy.at[used:].set(0))):
+      np.testing.assert_allclose(got, expected, atol=1e-3, rtol=1e-4,
+                                 err_msg=name)
 
   def test_backend_debug_mode_runs_grouped_gemm(self):
     be = pallas_backend.PallasBackend(tiles=_TILES, interpret="debug")
