@@ -284,13 +284,14 @@ class ExpertParallelLayerTest(_DevicesTestCase):
     params, x = _inputs(cfg, 32, seed=6, hot_expert=3)
     # All 32 copies go to device 3; each of the 8 sources may send it
     # ceil(2 * 4 tokens * 1 / 8) = 1 of its 4, so 8 * 3 = 24 do not fit.
-    with self.assertRaisesRegex(
-        Exception, r"expert-parallel receive buffer overflow: 24 token "
-        r"copies did not fit"):
-      y, _, _ = self._run(
-          cfg, params, x, mesh=_mesh((8,), ("expert",)), data_axes=(),
-          ep_options=parallel.EPOptions(buffer_factor=2.0))
-      jax.block_until_ready(y)
+    for grads in (False, True):  # The check must survive differentiation.
+      with self.subTest(grads=grads), self.assertRaisesRegex(
+          Exception, r"expert-parallel receive buffer overflow: 24 token "
+          r"copies did not fit"):
+        y, _, g = self._run(
+            cfg, params, x, grads=grads, mesh=_mesh((8,), ("expert",)),
+            data_axes=(), ep_options=parallel.EPOptions(buffer_factor=2.0))
+        jax.block_until_ready((y, g))
     # With room for all 4 copies per source (ceil(8 * 4 / 8) = 4 slots), the
     # same bounded layer runs and matches one device.
     got = self._run(cfg, params, x, mesh=_mesh((8,), ("expert",)),

@@ -100,7 +100,7 @@ class PallasBackend(backend.Backend):
     activation runs in that kernel's epilogue; otherwise gate and up come
     out, named for checkpoint policies, and the activation runs in XLA.
     """
-    backend.check_expert_ffn(rows, group_sizes, cfg)
+    backend.check_expert_ffn(rows, group_sizes, params, cfg)
     self._check_dtype(rows.dtype)
     w_gate, w_up, w_down = (params[n].astype(rows.dtype)
                             for n in ("w_gate", "w_up", "w_down"))
