@@ -90,7 +90,8 @@ def capacity_keep_mask(expert_ids: jax.Array, num_experts: int,
   order = jnp.argsort(by_choice, stable=True)
   counts = jnp.bincount(by_choice, length=num_experts)
   starts = jnp.cumsum(counts) - counts
-  rank_sorted = jnp.arange(t * k) - starts[by_choice[order]]
+  rank_sorted = (jnp.arange(t * k) - starts[by_choice[order]]).astype(
+      jnp.int32)
   rank = jnp.zeros(t * k, jnp.int32).at[order].set(rank_sorted)
   return (rank < capacity).reshape(k, t).T
 
