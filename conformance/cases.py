@@ -70,13 +70,22 @@ GEMM_CASES = (
     GemmCase("all_groups_empty", 24, 16, 24, (0, 0, 0), seed=9),
     GemmCase("bf16_rows_f32_out", 48, 32, 40, (20, 0, 28),
              dtype="bfloat16", out_dtype="float32", seed=10),
+    # Balanced routing with M >= ~64 E: the xla backend's batched bulk
+    # (backends/xla/grouped_gemm.py: bulk_rows(512, 4) = 152 rows per group,
+    # and `_balanced` holds), which the small cases above never reach.
+    GemmCase("balanced_512", 512, 16, 24, (128, 128, 128, 128), seed=11),
+    # The bulk again, with group 0 overflowing it by 8 rows into the tile
+    # loop, and 16 padding rows (padding 120 <= M/4, overflow 8 <= M/10).
+    GemmCase("balanced_512_overflow_padded", 512, 16, 24,
+             (160, 96, 120, 120), transpose_rhs=True, seed=12),
 )
 GEMM_BY_NAME = {c.name: c for c in GEMM_CASES}
 
 # Gradients are checked on a subset to keep compile time down.
 GEMM_GRAD_CASES = tuple(GEMM_BY_NAME[n] for n in (
     "f32_full", "bf16_full", "bf16_padded", "bf16_transposed_padded",
-    "f32_transposed", "odd_37_k48_n80", "rows_129", "all_groups_empty"))
+    "f32_transposed", "odd_37_k48_n80", "rows_129", "all_groups_empty",
+    "balanced_512", "balanced_512_overflow_padded"))
 # Cases with padding rows (sum(group_sizes) < M), which hold NaN.
 GEMM_PADDED_CASES = tuple(c for c in GEMM_CASES if c.used_rows < c.m)
 
@@ -154,28 +163,33 @@ LAYER_CASES = (
     LayerCase("base_f32", _cfg(**_SHARED_GATED), (16,), grads=True),
     LayerCase("base_bf16", _cfg(**_SHARED_GATED), (16,), dtype="bfloat16",
               grads=True, seed=1),
-    LayerCase("one_token", _cfg(), (1,), seed=2),
+    LayerCase("one_token", _cfg(), (1,), grads=True, seed=2),
     LayerCase("odd_37_tokens_d48_f80",
               _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4),
               (37,), grads=True, seed=3),
     LayerCase("tokens_129", _cfg(hidden_size=16, expert_ffn_size=24),
-              (129,), seed=4),
+              (129,), grads=True, seed=4),
     LayerCase("batch_2x5", _cfg(), (2, 5), seed=5),
     LayerCase("experts_without_tokens", _cfg(), (16,), grads=True,
               cold_experts=(1, 4, 6), seed=6),
     LayerCase("one_expert_takes_all", _cfg(top_k=1), (16,), grads=True,
               hot_expert=3, seed=7),
-    LayerCase("single_expert", _cfg(num_experts=1, top_k=1), (12,), seed=8),
+    LayerCase("single_expert", _cfg(num_experts=1, top_k=1), (12,),
+              grads=True, seed=8),
     LayerCase("top_k_equals_experts", _cfg(num_experts=4, top_k=4), (10,),
-              seed=9),
+              grads=True, seed=9),
     # The reference runs every expert on every token: jit of 256 experts
-    # takes ~15 s to compile on 2 cores, op by op ~3 s.
+    # takes ~15 s to compile on 2 cores, op by op ~3 s. Forward only: the
+    # reference's gradients take ~50 s here, jitted or not, in every
+    # backend's run (the xla backend's take 4-10 s); the 256 experts' many
+    # empty groups get gradients in GEMM_CASES' empty groups and in
+    # experts_without_tokens.
     LayerCase("experts_256_tokens_12",
               _cfg(num_experts=256, top_k=8, hidden_size=16,
                    expert_ffn_size=24), (12,), jit=False, seed=10),
     LayerCase("d48_f80_bf16",
               _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4),
-              (24,), dtype="bfloat16", seed=11),
+              (24,), dtype="bfloat16", grads=True, seed=11),
 )
 
 # Every routing option of the config, each in at least one case: softmax /
@@ -186,17 +200,18 @@ LAYER_CASES = (
 ROUTING_VARIANTS = (
     LayerCase("softmax_norm_eps0_scaled",
               _cfg(norm_topk_prob=True, routed_scaling_factor=2.5), (16,),
-              seed=20),
+              grads=True, seed=20),
     LayerCase("softmax_bias_norm_eps1e-20",
               _cfg(correction_bias=True, norm_topk_prob=True,
-                   norm_epsilon=1e-20), (16,), seed=21),
-    LayerCase("sigmoid", _cfg(score_func="sigmoid"), (16,), seed=22),
+                   norm_epsilon=1e-20), (16,), grads=True, seed=21),
+    LayerCase("sigmoid", _cfg(score_func="sigmoid"), (16,), grads=True,
+              seed=22),
     LayerCase("sigmoid_bias_norm_eps0",
               _cfg(score_func="sigmoid", correction_bias=True,
-                   norm_topk_prob=True), (16,), seed=23),
+                   norm_topk_prob=True), (16,), grads=True, seed=23),
     LayerCase("groups_max",
               _cfg(num_experts=16, top_k=3, n_group=4, topk_group=2,
-                   group_score="max"), (16,), seed=24),
+                   group_score="max"), (16,), grads=True, seed=24),
     # DeepSeek-V3's router.
     LayerCase("groups_sum_top2_sigmoid_bias_scaled",
               _cfg(num_experts=16, top_k=3, n_group=4, topk_group=2,
@@ -209,7 +224,7 @@ ROUTING_VARIANTS = (
               seed=26),
     LayerCase("shared_ungated_gelu_tanh",
               _cfg(activation="gelu_tanh", shared_ffn_size=24), (16,),
-              seed=27),
+              grads=True, seed=27),
 )
 
 # capacity = ceil(capacity_factor * T * K / E) = 4 and 2 slots per expert.

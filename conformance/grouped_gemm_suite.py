@@ -26,8 +26,9 @@ class GroupedGemmSuite(base.BackendTestCase):
     want = oracles.grouped_gemm(rows, weights, group_sizes,
                                 case.transpose_rhs)
     self.assertClose(got, want, case.dtype, msg="vs float64 numpy")
-    self.assertClose(got, base.reference_gemm(case).out, case.dtype,
-                     msg="vs reference backend")
+    if not self.is_oracle():  # The oracle's reference_gemm is itself.
+      self.assertClose(got, base.reference_gemm(case).out, case.dtype,
+                       msg="vs reference backend")
 
   @_named(cases.GEMM_GRAD_CASES)
   def test_gradients_match_numpy(self, case):

@@ -122,9 +122,14 @@ class StagesSuite(base.BackendTestCase):
     out, d_rows, d_params = base.cached(
         self._key("expert_ffn", dtype), lambda: _ffn_and_grads(self.backend,
                                                                dtype))
-    ref_out, ref_d_rows, ref_d_params = base.cached(
-        ("reference", "{}", "expert_ffn", dtype),
-        lambda: _ffn_and_grads(moe_core.get_backend("reference"), dtype))
+    # The oracle would be compared with itself (the same cache key): for it
+    # only the numpy forward and the exact zeros are checked here, and its
+    # gradients by finite differences in reference/gradient_check_test.py.
+    oracle = self.is_oracle()
+    if not oracle:
+      ref_out, ref_d_rows, ref_d_params = base.cached(
+          ("reference", "{}", "expert_ffn", dtype),
+          lambda: _ffn_and_grads(moe_core.get_backend("reference"), dtype))
 
     owner = oracles.group_of_rows(cases.FFN_GROUP_SIZES, cases.FFN_ROWS)
     want = np.zeros((cases.FFN_ROWS, cfg.hidden_size))
@@ -134,16 +139,20 @@ class StagesSuite(base.BackendTestCase):
     with self.subTest("forward"):
       self.assertEqual(out.dtype, rows.dtype)
       self.assertClose(out, want, dtype, msg="expert_ffn vs numpy")
-      self.assertClose(out, ref_out, dtype, msg="expert_ffn vs reference")
+      if not oracle:
+        self.assertClose(out, ref_out, dtype, msg="expert_ffn vs reference")
       self.assertAllZero(out[used:], msg="NaN padding rows")
     with self.subTest("d_rows"):
-      self.assertClose(d_rows, ref_d_rows, dtype, "gradient",
-                       msg="d rows vs reference")
+      self.assertEqual(d_rows.dtype, rows.dtype)
+      if not oracle:
+        self.assertClose(d_rows, ref_d_rows, dtype, "gradient",
+                         msg="d rows vs reference")
       self.assertAllZero(d_rows[used:], msg="d NaN padding rows")
     for name in sorted(params):
       with self.subTest(name):
-        self.assertClose(d_params[name], ref_d_params[name], dtype,
-                         "gradient", msg=f"d {name} vs reference")
+        if not oracle:
+          self.assertClose(d_params[name], ref_d_params[name], dtype,
+                           "gradient", msg=f"d {name} vs reference")
         self.assertAllZero(d_params[name][1],
                            msg=f"d {name} of the empty expert 1")
 
