@@ -122,6 +122,21 @@ class GroupedGemmPathsTest(parameterized.TestCase):
     self.assertTrue(bool(grouped_gemm._balanced(even, bulk, 4096)))
     self.assertFalse(bool(grouped_gemm._balanced(skewed, bulk, 4096)))
 
+  def test_balanced_rule_takes_the_bulk_for_multinomial_routing(self):
+    # At E=64 the bulk holds 64 * 80 = 5120 rows for 4096 by design (mean
+    # + 2 sigma each); multinomial sizes must not fall to the tile loop.
+    bulk = grouped_gemm.bulk_rows(4096, 64)
+    self.assertEqual(bulk, 80)  # 64 + 2 * sqrt(64) = 80.
+    for seed in range(5):
+      sizes = np.random.default_rng(seed).multinomial(4096, [1 / 64] * 64)
+      with self.subTest(seed=seed):
+        self.assertTrue(bool(grouped_gemm._balanced(
+            jnp.asarray(sizes, jnp.int32), bulk, 4096)))
+    # Few real rows in a large buffer (EP receive buffers) stay in the loop:
+    # the bulk would be mostly padding.
+    sparse = jnp.full((64,), 16, jnp.int32)
+    self.assertFalse(bool(grouped_gemm._balanced(sparse, bulk, 4096)))
+
   def test_no_bulk_when_it_would_be_mostly_padding(self):
     self.assertEqual(grouped_gemm.bulk_rows(16, 256), 0)
 
