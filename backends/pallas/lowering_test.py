@@ -145,6 +145,12 @@ class OpsLowerTest(parameterized.TestCase):
     cfg = moe_core.MoEConfig(num_experts=self.E, top_k=8,
                              hidden_size=self.D, expert_ffn_size=self.F,
                              activation=activation)
+    text = self._export_expert_ffn_grad(cfg, fuse_activation, self.M)
+    # gate/up forward, down forward, down dX and dW, gate/up dX and dW.
+    self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
+
+  def _export_expert_ffn_grad(self, cfg, fuse_activation, num_rows):
+    """The CUDA export of value_and_grad of a pallas expert FFN, as text."""
     be = pallas_backend.PallasBackend(interpret=False,
                                       fuse_activation=fuse_activation)
     params = {n: _S(s, jnp.bfloat16)
@@ -154,11 +160,10 @@ class OpsLowerTest(parameterized.TestCase):
     def loss(rows, p, g):
       out = be.expert_ffn(rows, g, p, cfg)
       return jnp.sum(jnp.square(out.astype(jnp.float32)))
-    text = _export_for_cuda(
+    return _export_for_cuda(
         jax.value_and_grad(loss, argnums=(0, 1)),
-        _S((self.M, self.D), jnp.bfloat16), params, _S((self.E,), jnp.int32))
-    # gate/up forward, down forward, down dX and dW, gate/up dX and dW.
-    self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
+        _S((num_rows, self.D), jnp.bfloat16), params,
+        _S((self.E,), jnp.int32))
 
   def test_expert_ffn_at_timed_rows_uses_the_large_tiles(self):
     """bench/gpu_check's M = 32768 rows: 1024 per expert, the large config."""
@@ -169,17 +174,7 @@ class OpsLowerTest(parameterized.TestCase):
         tiling.GPU_TILES["gmm_bf16_large"])
     cfg = moe_core.MoEConfig(num_experts=self.E, top_k=8,
                              hidden_size=self.D, expert_ffn_size=self.F)
-    be = pallas_backend.PallasBackend(interpret=False, fuse_activation=True)
-    params = {n: _S(s, jnp.bfloat16)
-              for n, s in moe_core.param_shapes(cfg).items()
-              if n in ("w_gate", "w_up", "w_down")}
-
-    def loss(rows, p, g):
-      out = be.expert_ffn(rows, g, p, cfg)
-      return jnp.sum(jnp.square(out.astype(jnp.float32)))
-    text = _export_for_cuda(
-        jax.value_and_grad(loss, argnums=(0, 1)),
-        _S((m, self.D), jnp.bfloat16), params, _S((self.E,), jnp.int32))
+    text = self._export_expert_ffn_grad(cfg, True, m)
     self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
 
   def test_moe_layer_value_and_grad(self):
