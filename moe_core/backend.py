@@ -84,7 +84,7 @@ class Backend(abc.ABC):
     Rows past sum(group_sizes) come out as zeros. The GEMM outputs carry
     the checkpoint names in `CHECKPOINT_NAMES`; an override keeps them.
     """
-    check_expert_ffn(rows, group_sizes, params, cfg)
+    validation.check_expert_ffn(rows, group_sizes, params, cfg)
     w_gate, w_up, w_down = (params[n].astype(rows.dtype)
                             for n in ("w_gate", "w_up", "w_down"))
     gate = ad_checkpoint.checkpoint_name(
@@ -114,35 +114,8 @@ class Backend(abc.ABC):
   def routed_experts(self, params: dict, x: jax.Array, aux: routing.MoEAux,
                      cfg: config_lib.MoEConfig) -> jax.Array:
     """The routed experts' weighted output: x [T, D] -> [T, D]."""
-    check_routed_experts(x, aux, cfg)
+    validation.check_routed_experts(x, aux, cfg)
     dispatched = self.dispatch(x, aux, cfg)
     out = self.expert_ffn(dispatched.rows, dispatched.group_sizes, params, cfg)
     return self.combine(out, dispatched, aux, cfg)
 
-
-def check_expert_ffn(rows, group_sizes, params: dict,
-                     cfg: config_lib.MoEConfig) -> None:
-  """expert_ffn's rows [M, D] and group_sizes [E_local]; overrides call it.
-
-  E_local is the experts params holds: all of cfg.num_experts on one
-  device, this device's slice under expert parallelism.
-  """
-  validation.check_config(cfg)
-  if not hasattr(rows, "shape") or rows.ndim != 2 or (
-      rows.shape[1] != cfg.hidden_size):
-    raise ValueError(
-        f"rows must have shape [M, hidden_size={cfg.hidden_size}], got "
-        f"rows.shape={tuple(getattr(rows, 'shape', ()))}.")
-  validation.check_group_sizes(group_sizes, params["w_gate"].shape[0])
-  validation.check_group_sizes_fit(group_sizes, rows.shape[0])
-
-
-def check_routed_experts(x, aux: routing.MoEAux,
-                         cfg: config_lib.MoEConfig) -> None:
-  """routed_experts' tokens [T, D] and the routing decision [T, K]."""
-  validation.check_tokens(x, cfg)
-  if x.ndim != 2:
-    raise ValueError("routed_experts needs tokens of shape [T, D], got "
-                     f"x.shape={tuple(x.shape)}.")
-  validation.check_routing(aux.expert_ids, aux.combine_weights, x.shape[0],
-                           cfg)

@@ -109,7 +109,6 @@ def check_routing(expert_ids, combine_weights, num_tokens: int,
   if tuple(combine_weights.shape) != want:
     raise ValueError(f"combine_weights must have shape [T, K]={want}, got "
                      f"{tuple(combine_weights.shape)}.")
-  check_expert_ids_in_range(expert_ids, cfg.num_experts)
 
 
 def concrete_value(x) -> np.ndarray | None:
@@ -138,14 +137,19 @@ def check_array(x, name: str, shape: tuple[int, ...], *,
                     f"{_dtype_name(x)}.")
 
 
+def check_token_matrix(x, cfg: config_lib.MoEConfig, caller: str) -> None:
+  """x: [T, D] tokens, as the stages after the layer's flattening take them."""
+  check_tokens(x, cfg)
+  if x.ndim != 2:
+    raise ValueError(f"{caller} needs tokens of shape [T, D], got "
+                     f"x.shape={tuple(x.shape)}; flatten the batch first.")
+
+
 def check_route(x, router, cfg: config_lib.MoEConfig,
                 correction_bias) -> None:
   """route's x [T, D], router [D, E] and correction_bias [E] (or None)."""
   check_config(cfg)
-  check_tokens(x, cfg)
-  if x.ndim != 2:
-    raise ValueError("route needs tokens of shape [T, D], got "
-                     f"x.shape={tuple(x.shape)}; flatten the batch first.")
+  check_token_matrix(x, cfg, "route")
   check_array(router, "router", (cfg.hidden_size, cfg.num_experts))
   if correction_bias is not None:
     check_array(correction_bias, "correction_bias", (cfg.num_experts,))
@@ -227,3 +231,27 @@ def check_group_sizes_fit(group_sizes, num_rows: int) -> None:
   if int(sizes.sum()) > num_rows:
     raise ValueError(f"sum(group_sizes) must be <= the {num_rows} rows, got "
                      f"sum={int(sizes.sum())} (group_sizes={sizes.tolist()}).")
+
+
+def check_expert_ffn(rows, group_sizes, params: dict,
+                     cfg: config_lib.MoEConfig) -> None:
+  """expert_ffn's rows [M, D] and group_sizes [E_local]; overrides call it.
+
+  E_local is the experts params holds: all of cfg.num_experts on one
+  device, this device's slice under expert parallelism.
+  """
+  check_config(cfg)
+  if not hasattr(rows, "shape") or rows.ndim != 2 or (
+      rows.shape[1] != cfg.hidden_size):
+    raise ValueError(
+        f"rows must have shape [M, hidden_size={cfg.hidden_size}], got "
+        f"rows.shape={tuple(getattr(rows, 'shape', ()))}.")
+  check_group_sizes(group_sizes, params["w_gate"].shape[0])
+  check_group_sizes_fit(group_sizes, rows.shape[0])
+
+
+def check_routed_experts(x, aux, cfg: config_lib.MoEConfig) -> None:
+  """routed_experts' tokens [T, D] and the routing decision [T, K] (shapes;
+  the ids' values are checked where they are consumed, by dispatch)."""
+  check_token_matrix(x, cfg, "routed_experts")
+  check_routing(aux.expert_ids, aux.combine_weights, x.shape[0], cfg)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from moe_core import backend
 from moe_core import ffn
+from moe_core import validation
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -66,7 +67,10 @@ class ReferenceBackend(backend.Backend):
     w[t, e] is the combine weight of the (kept) choices of token t that name
     expert e; every expert runs on every token and the weights pick.
     """
-    backend.check_routed_experts(x, aux, cfg)
+    validation.check_routed_experts(x, aux, cfg)
+    # No dispatch here to check the ids: one_hot would turn an id out of
+    # range into a zero row, dropping its token silently.
+    validation.check_expert_ids_in_range(aux.expert_ids, cfg.num_experts)
     chosen = jax.nn.one_hot(aux.expert_ids, cfg.num_experts,
                             dtype=jnp.float32)  # [T, K, E]
     kept_weights = jnp.where(aux.kept, aux.combine_weights, 0.0)

@@ -12,6 +12,7 @@ from backends.pallas import ops
 from backends.pallas import tiling
 from moe_core import backend
 from moe_core import ffn
+from moe_core import validation
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -100,7 +101,7 @@ class PallasBackend(backend.Backend):
     activation runs in that kernel's epilogue; otherwise gate and up come
     out, named for checkpoint policies, and the activation runs in XLA.
     """
-    backend.check_expert_ffn(rows, group_sizes, params, cfg)
+    validation.check_expert_ffn(rows, group_sizes, params, cfg)
     self._check_dtype(rows.dtype)
     w_gate, w_up, w_down = (params[n].astype(rows.dtype)
                             for n in ("w_gate", "w_up", "w_down"))
