@@ -244,6 +244,15 @@ class BackendTestCase(parameterized.TestCase):
 
   # --- Layer properties shared by the layer and routing suites -------------
 
+  def assertYMatchesReference(self, case: cases.LayerCase,
+                              result: LayerResult):
+    """y equals the reference's y; a no-op for the oracle itself, whose y
+    the per-token float64 recomputation checks instead."""
+    if self.is_oracle():
+      return
+    self.assertClose(result.y, reference_layer(case).y, case.dtype,
+                     msg="y vs reference")
+
   def assertMatchesPerTokenMath(self, case: cases.LayerCase,
                                 result: LayerResult):
     """y[t] = sum_k w[t, k] FFN_{ids[t, k]}(x[t]) (+ shared), in numpy.

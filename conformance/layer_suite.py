@@ -21,9 +21,7 @@ class LayerSuite(base.BackendTestCase):
   def test_forward_matches_reference(self, case):
     # y's shape and dtype: assertMatchesPerTokenMath, which every backend runs.
     self.skip_if_oracle()
-    got = self.run_layer(case)
-    self.assertClose(got.y, base.reference_layer(case).y, case.dtype,
-                     msg="y vs reference")
+    self.assertYMatchesReference(case, self.run_layer(case))
 
   @_named(cases.LAYER_CASES)
   def test_dropless_output_is_weighted_sum_of_chosen_experts(self, case):
@@ -100,9 +98,7 @@ class LayerSuite(base.BackendTestCase):
                      case.num_tokens * case.cfg.top_k)
     self.assertAllZero(got.aux["combine_weights"][~want_kept],
                        msg="combine weights of dropped copies")
-    if not self.is_oracle():  # Itself; the next line checks it vs numpy.
-      self.assertClose(got.y, base.reference_layer(case).y, case.dtype,
-                       msg="y vs reference")
+    self.assertYMatchesReference(case, got)
     self.assertMatchesPerTokenMath(case, got)
 
   def test_jit_and_eager_agree(self):

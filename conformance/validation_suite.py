@@ -229,23 +229,28 @@ class ValidationSuite(base.BackendTestCase):
                               "combine_weights.shape=(3, 3)")):
       moe_core.combine(d.rows, d, jnp.ones((3, 3), jnp.float32))
 
+  def _expert_ffn(self, rows=None, group_sizes=None):
+    rows = jnp.ones((6, 16), jnp.float32) if rows is None else rows
+    group_sizes = (jnp.array([1, 2, 0, 3], jnp.int32) if group_sizes is None
+                   else group_sizes)
+    return self.backend.expert_ffn(rows, group_sizes, _params(_FULL_CFG),
+                                   _FULL_CFG)
+
+  def test_expert_ffn_accepts_the_defaults_of_these_tests(self):
+    out = self._expert_ffn()  # Zero weights: zero output, one cause below.
+    np.testing.assert_array_equal(out, np.zeros((6, 16), np.float32))
+
   def test_expert_ffn_rejects_rows_of_wrong_width(self):
-    cfg = _FULL_CFG
     with self.assertRaisesRegex(
         ValueError, re.escape("rows must have shape [M, hidden_size=16], got "
                               "rows.shape=(6, 12)")):
-      self.backend.expert_ffn(jnp.ones((6, 12), jnp.float32),
-                              jnp.array([1, 2, 0, 3], jnp.int32),
-                              _params(cfg), cfg)
+      self._expert_ffn(rows=jnp.ones((6, 12), jnp.float32))
 
   def test_expert_ffn_rejects_group_sizes_past_the_rows(self):
-    cfg = _FULL_CFG
     with self.assertRaisesRegex(
         ValueError, re.escape("sum(group_sizes) must be <= the 6 rows, got "
                               "sum=9")):
-      self.backend.expert_ffn(jnp.ones((6, 16), jnp.float32),
-                              jnp.array([4, 2, 0, 3], jnp.int32),
-                              _params(cfg), cfg)
+      self._expert_ffn(group_sizes=jnp.array([4, 2, 0, 3], jnp.int32))
 
   def test_routed_experts_rejects_routing_of_other_tokens(self):
     cfg = _FULL_CFG.replace(correction_bias=False)
