@@ -200,6 +200,10 @@ def moe_conformance_test(
 
     main = _conformance_main(name)
     suite_deps = ["//conformance:conformance_main"] + deps
+    # Every backend's suite runs on every (Python, JAX) leg: `tools/test.sh
+    # --matrix` selects the targets tagged `matrix`.
+    if "matrix" not in tags:
+        tags = tags + ["matrix"]
     suite_args = [
         "--backend=" + backend,
         "--backend_options=" + _shell_quote(json.encode(options)),

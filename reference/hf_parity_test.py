@@ -92,6 +92,13 @@ except ImportError as e:  # Skipped in setUp, with this reason.
   torch = transformers = None
   _IMPORT_ERROR = e
 
+# torch's CPU wheel exists for Python 3.11 only (on 3.12 and 3.13 the
+# registry's torch is a multi-GB CUDA build), so only the py311-jax0.10 leg
+# (requirements/py311-jax0.10.in) installs torch and transformers.
+_SKIP_REASON = (
+    f"needs torch and transformers, which only the py311-jax0.10 leg "
+    f"installs (tools/test.sh --leg=py311-jax0.10): {_IMPORT_ERROR}")
+
 _D = 32  # hidden_size
 _F = 48  # expert ffn size
 _BACKENDS = ("reference", "xla")
@@ -201,8 +208,7 @@ class HfParityTest(parameterized.TestCase):
   def setUp(self):
     super().setUp()
     if _IMPORT_ERROR is not None:
-      self.skipTest(f"needs torch and transformers (pip install -r "
-                    f"requirements-dev.txt): {_IMPORT_ERROR}")
+      self.skipTest(_SKIP_REASON)
 
   def _assert_parity(self, family, backends=_BACKENDS, **overrides):
     hf_cfg, block = _hf_block(family, **overrides)
@@ -333,8 +339,7 @@ class HfConvertTest(parameterized.TestCase):
   def setUp(self):
     super().setUp()
     if _IMPORT_ERROR is not None:
-      self.skipTest(f"needs torch and transformers (pip install -r "
-                    f"requirements-dev.txt): {_IMPORT_ERROR}")
+      self.skipTest(_SKIP_REASON)
 
   # Expected fields written from reading each HF router, not from hf_convert.
   @parameterized.named_parameters(

@@ -1,23 +1,48 @@
 #!/usr/bin/env bash
-# Sets up the machine (tools/setup.sh), then runs every Bazel test under
-# .venv/bin/python. Extra arguments go to `bazel test`, e.g.
+# Sets up the machine (tools/setup.sh), then runs every Bazel test under one
+# leg's Python (default: the newest leg this machine has, see tools/legs.sh),
+# then lists skipped tests with their reasons. Exits with bazel's code.
+#
+#   tools/test.sh [--leg=LEG] [--matrix] [bazel test arguments...]
+#
+#   --leg=LEG  run under requirements/LEG.txt's environment, e.g.
+#              --leg=py311-jax0.10 (tools/setup.sh lists the legs).
+#   --matrix   only the targets tagged `matrix`: what must pass on every leg
+#              (conformance, kernels, CUDA lowering, the bounds-checking
+#              interpreter, EP, gpu_check's rehearsals, HF parity, the
+#              source checks). .ci/run runs the whole suite on the default
+#              leg and this subset on the others.
+# Other arguments go to `bazel test`, e.g.
 #   tools/test.sh --test_output=all //moe_core/...
-# (targets given after the flags are added to //...), then lists skipped
-# tests with their reasons. Exits with bazel's code.
+# (targets given after the flags are added to //...).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-tools/setup.sh
 
-export PYTHON_BIN_PATH="$PWD/.venv/bin/python"
-# Changes whenever the requirements are reinstalled, so test results cached
-# under the old packages are not reused (.bazelrc passes it to actions).
-DROPLESS_VENV_STAMP="$(cat .venv/.requirements.sha256)"
+setup_args=()
+bazel_args=()
+for arg in "$@"; do
+  case "$arg" in
+    --leg=*) setup_args+=("$arg") ;;
+    --matrix)
+      # Replaces .bazelrc's filter: tagged `matrix`, and still not GPU/TPU.
+      bazel_args+=(--build_tests_only
+        --test_tag_filters=matrix,-requires-gpu,-requires-tpu) ;;
+    *) bazel_args+=("$arg") ;;
+  esac
+done
+
+venv="$(tools/setup.sh "${setup_args[@]}")"
+
+export PYTHON_BIN_PATH="$venv/bin/python"
+# Changes whenever the pins are reinstalled, so test results cached under
+# other packages are not reused (.bazelrc passes it to actions).
+DROPLESS_VENV_STAMP="$(cat "$venv/.requirements.sha256")"
 export DROPLESS_VENV_STAMP
 
-echo "test: PYTHON_BIN_PATH=$PYTHON_BIN_PATH bazel test //... $*" >&2
+echo "test: PYTHON_BIN_PATH=$PYTHON_BIN_PATH bazel test //... ${bazel_args[*]}" >&2
 rc=0
-bazel test //... "$@" || rc=$?
+bazel test //... "${bazel_args[@]}" || rc=$?
 # Bazel reports a target whose tests all skipped as PASSED: say what did not
 # run, and why.
 tools/skipped_tests.sh || true
