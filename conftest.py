@@ -1,7 +1,8 @@
-"""pytest: list why tests were skipped, even without -rs."""
+"""pytest: list why tests were skipped (even without -rs); count warnings."""
 
 import collections
 import os
+import sys
 
 # Before any test module imports JAX: 8 CPU devices, so the expert-parallel
 # tests run under plain pytest too (Bazel sets this per target instead).
@@ -21,3 +22,10 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("-", "skip reasons")
     for reason, count in reasons.most_common():
       terminalreporter.write_line(f"{count} tests: {reason}")
+  # jax >= 0.11 warns at every Pallas Triton lowering; the CUDA-lowering tests
+  # swallow and count those warnings (moe_core/compat.py).
+  compat = sys.modules.get("moe_core.compat")
+  if compat is not None and compat.triton_deprecations_filtered():
+    terminalreporter.write_line(
+        "Pallas Triton deprecation warnings filtered: "
+        f"{compat.triton_deprecations_filtered()}")

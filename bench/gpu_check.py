@@ -29,13 +29,15 @@ Elsewhere:
    method).
 
 Every case and method is guarded: a failure (a Triton compile error, say)
-is recorded with its error and the run goes on. The JSON (date, jax
-version, device, correctness, timing, failures) is rewritten after every
-phase and once more at the end, whatever happened, as
-<out_dir>/gpu_<date>.json (gpu_dryrun_<date>.json with --dry_run; out_dir
-defaults to bench/results/ in this repository). The exit status is 1 if
-anything failed, decided after the last write. Needs only jax (with its
-CUDA plugin) and this repository: no absl, no network.
+is recorded with its error and the run goes on. The JSON (date; versions of
+python, jax, jaxlib, triton and jax-triton, also printed first; device;
+correctness; timing; how many of JAX's Pallas Triton deprecation warnings
+were filtered; failures) is rewritten after every phase and once more at
+the end, whatever happened, as <out_dir>/gpu_<date>.json
+(gpu_dryrun_<date>.json with --dry_run; out_dir defaults to bench/results/
+in this repository). The exit status is 1 if anything failed, decided after
+the last write. Needs only jax (with its CUDA plugin) and this repository:
+no absl, no network.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib.metadata
 import json
 import os
 import platform
@@ -56,8 +59,6 @@ if _REPO not in sys.path:
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
-from jax import export
-from jax.experimental.pallas import triton as plt
 import jax.numpy as jnp
 import numpy as np
 
@@ -65,12 +66,11 @@ import moe_core
 from backends.pallas import backend as pallas_backend
 from backends.pallas import tiling
 from bench import timing
+from moe_core import compat
 from moe_core import ffn
+from moe_core.testing import cuda_export
 from reference import backend as reference_backend
 # pylint: enable=g-import-not-at-top,wrong-import-position
-
-# The custom call of a Pallas Triton kernel (named in the API since jax 0.11).
-_TRITON_CALL = getattr(plt, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 
 # Shapes: DeepSeek-V3 experts on the GPU; tiny ones for --dry_run on a CPU.
 FULL = {"tokens": 4096, "top_k": 8, "hidden": 7168, "ffn": 2048,
@@ -674,13 +674,12 @@ def lower_only(shape):
             s(out_shape, jnp.float32)))):
         label = f"{name} {method} {mode}"
         try:
-          text = export.export(
-              jax.jit(program), platforms=["cuda"],
-              disabled_checks=[
-                  export.DisabledSafetyCheck.custom_call(_TRITON_CALL)],
-          )(*args).mlir_module()
+          text = cuda_export.export_for_cuda(program, *args).mlir_module()
+          calls = cuda_export.custom_calls(text)
+          others = sorted(set(calls) - {cuda_export.TRITON_CALL})
           out.append((label, True,
-                      f"{text.count(_TRITON_CALL)} triton kernels"))
+                      f"{calls.count(cuda_export.TRITON_CALL)} triton kernels"
+                      + (f", other custom calls {others}" if others else "")))
         except Exception as e:  # pylint: disable=broad-except
           out.append((label, False, f"{type(e).__name__}: {e}"[:300]))
   del m
@@ -688,6 +687,18 @@ def lower_only(shape):
 
 
 # --- Main ---------------------------------------------------------------------
+
+
+def _installed_version(distribution):
+  """The installed version of a pip distribution, None if it is absent.
+
+  Read from its metadata, not imported: jax-triton 0.3.1 raises at import
+  without a GPU build of jax, and the Pallas Triton lowering needs neither.
+  """
+  try:
+    return importlib.metadata.version(distribution)
+  except importlib.metadata.PackageNotFoundError:
+    return None
 
 
 def _versions():
@@ -703,6 +714,8 @@ def _versions():
     device = _error_text(e)
   return {"jax": jax.__version__, "jaxlib": jaxlib,
           "python": platform.python_version(),
+          "triton": _installed_version("triton"),
+          "jax_triton": _installed_version("jax-triton"),
           "platform": jax.default_backend(), "device": device}
 
 
@@ -741,16 +754,20 @@ def main(argv=None):
   if hasattr(sys.stdout, "reconfigure"):  # Lines survive a hard crash.
     sys.stdout.reconfigure(line_buffering=True)
   versions = _versions()
-  print(f"jax {versions['jax']}, python {versions['python']}, "
-        f"default backend {versions['platform']}, device "
-        f"{versions['device']}")
+  print(f"python {versions['python']}, jax {versions['jax']}, jaxlib "
+        f"{versions['jaxlib']}, triton {versions['triton']}, jax-triton "
+        f"{versions['jax_triton']}; default backend {versions['platform']}, "
+        f"device {versions['device']}")
 
   if args.lower_only:
+    filtered = compat.triton_deprecations_filtered()
     results = lower_only(shape)
     for label, ok, detail in results:
       print(f"{'ok  ' if ok else 'FAIL'} {label}: {detail}")
     failed = sum(not ok for _, ok, _ in results)
     print(f"lowered {len(results) - failed}/{len(results)} programs for CUDA")
+    print(f"Pallas Triton deprecation warnings filtered: "
+          f"{compat.triton_deprecations_filtered() - filtered}")
     return 1 if failed else 0
 
   on_gpu = jax.default_backend() == "gpu"
@@ -767,29 +784,38 @@ def main(argv=None):
   report = {"date": now.isoformat(), **versions, "dry_run": args.dry_run,
             "shape": shape, "rows": m, "group_sizes": sizes.tolist(),
             "skew": args.skew, "repeats": repeats, "seconds": None,
-            "correctness": [], "timing": []}
+            "triton_deprecation_warnings": None, "correctness": [],
+            "timing": []}
   start = time.perf_counter()
+  filtered = compat.triton_deprecations_filtered()
   try:
-    pallas, fused, xla = _backends(on_gpu=on_gpu if on_gpu else None)
-    print(f"pallas: {pallas!r}, available: {pallas.availability()}")
-    if not args.skip_correctness:
-      check_correctness(pallas, fused, report["correctness"])
-      _write(path, report)
-      _print_correctness(report["correctness"])
-    print(f"T={shape['tokens']} top-{shape['top_k']} -> M={m} rows, "
-          f"D={shape['hidden']} F={shape['ffn']} E={shape['experts']}, "
-          f"bf16, {args.skew} group sizes (min {sizes.min()}, max "
-          f"{sizes.max()}), median of {repeats}")
-    run_timing(shape, repeats, args.skew, pallas, fused, xla,
-               report["timing"], on_row=lambda: _write(path, report))
-    _print_timing(report["timing"])
+    # jax >= 0.11 warns once per Triton kernel compiled: counted in the
+    # JSON, not printed.
+    with compat.filter_triton_deprecation():
+      pallas, fused, xla = _backends(on_gpu=on_gpu if on_gpu else None)
+      print(f"pallas: {pallas!r}, available: {pallas.availability()}")
+      if not args.skip_correctness:
+        check_correctness(pallas, fused, report["correctness"])
+        _write(path, report)
+        _print_correctness(report["correctness"])
+      print(f"T={shape['tokens']} top-{shape['top_k']} -> M={m} rows, "
+            f"D={shape['hidden']} F={shape['ffn']} E={shape['experts']}, "
+            f"bf16, {args.skew} group sizes (min {sizes.min()}, max "
+            f"{sizes.max()}), median of {repeats}")
+      run_timing(shape, repeats, args.skew, pallas, fused, xla,
+                 report["timing"], on_row=lambda: _write(path, report))
+      _print_timing(report["timing"])
   except Exception as e:  # pylint: disable=broad-except
     report["fatal_error"] = _error_text(e)
     traceback.print_exc()
   finally:  # Whatever happened (even an interrupt): write what there is.
     report["seconds"] = time.perf_counter() - start
+    report["triton_deprecation_warnings"] = (
+        compat.triton_deprecations_filtered() - filtered)
     report["failures"] = failures(report)
     _write(path, report)
+    print(f"Pallas Triton deprecation warnings filtered: "
+          f"{report['triton_deprecation_warnings']}")
     print(f"wrote {path} ({report['seconds']:.0f} s)")
   for line in report["failures"]:
     print(f"FAILED {line}")

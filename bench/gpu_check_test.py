@@ -8,9 +8,12 @@ Shapes and cases are cut down (in-process, by patching the module's
 tables) so that each run compiles little.
 """
 
+import contextlib
 import glob
+import io
 import json
 import os
+import platform
 import shutil
 import tempfile
 from unittest import mock
@@ -25,8 +28,9 @@ from bench import gpu_check
 _TINY = {"tokens": 16, "top_k": 2, "hidden": 64, "ffn": 32, "experts": 4}
 _TINY_LAYER = {"num_experts": 4, "top_k": 2, "hidden_size": 32,
                "expert_ffn_size": 64, "shared_ffn_size": 32}
-_KEYS = {"date", "jax", "jaxlib", "python", "platform", "device", "dry_run",
-         "shape", "rows", "group_sizes", "skew", "repeats", "seconds",
+_KEYS = {"date", "jax", "jaxlib", "python", "triton", "jax_triton",
+         "platform", "device", "dry_run", "shape", "rows", "group_sizes",
+         "skew", "repeats", "seconds", "triton_deprecation_warnings",
          "correctness", "timing", "failures"}
 
 
@@ -148,6 +152,27 @@ class GpuCheckDryRunTest(absltest.TestCase):
                   failed)
     self.assertIn("check expert_ffn pallas", failed)
     self.assertIn("correctness expert_ffn pallas", failed)
+
+
+class VersionsAndLoweringTest(absltest.TestCase):
+
+  def test_versions_are_recorded(self):
+    versions = gpu_check._versions()
+    self.assertEqual(versions["python"], platform.python_version())
+    self.assertEqual(versions["jax"], jax.__version__)
+    self.assertIsNotNone(versions["jaxlib"])
+    self.assertContainsSubset({"triton", "jax_triton"}, versions)
+
+  def test_lower_only_lowers_every_program_for_cuda(self):
+    """--lower_only at the full D and F, fewer rows: no GPU needed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      code = gpu_check.main(["--lower_only", "--tokens", "256"])
+    log = out.getvalue()
+    print(log)
+    self.assertEqual(code, 0, log)
+    self.assertRegex(log, r"lowered (\d+)/\1 programs for CUDA")
+    self.assertIn("Pallas Triton deprecation warnings filtered:", log)
 
 
 class TablesTest(absltest.TestCase):

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_core import backend as backend_lib
+from moe_core import compat
 from moe_core import config as config_lib
 from moe_core import ffn
 from moe_core import params as params_lib
@@ -58,6 +59,11 @@ OVERFLOW_POLICIES = ("error", "drop")
 # Platforms whose XLA implements ragged_all_to_all. XLA:CPU does not
 # (jax 0.10.2: UNIMPLEMENTED in its thunk emitter).
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+# Version shims, moved to moe_core.compat; the old names stay importable.
+_axis_size = compat.axis_size
+_is_explicit = compat.is_explicit
+_reshard = compat.reshard
 
 # Per-token MoEAux fields: sharded like the tokens. The rest are global.
 _PER_TOKEN_AUX = ("router_logits", "router_probs", "expert_ids",
@@ -651,12 +657,6 @@ def _exclusive_cumsum(a, axis):
   return (jnp.cumsum(a, axis=axis) - a).astype(jnp.int32)
 
 
-def _axis_size(axis_name) -> int:
-  if hasattr(jax.lax, "axis_size"):
-    return jax.lax.axis_size(axis_name)
-  return jax.lax.psum(1, axis_name)
-
-
 def _axes_size(axes) -> int:
   return math.prod(_axis_size(a) for a in axes)
 
@@ -665,23 +665,10 @@ def _psum(value, axes):
   return jax.lax.psum(value, tuple(axes)) if axes else value
 
 
-def _is_explicit(mesh) -> bool:
-  types = getattr(mesh, "axis_types", None) or ()
-  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit",
-                     None)
-  return explicit is not None and any(t == explicit for t in types)
-
-
-def _reshard(x, sharding):
-  reshard = getattr(jax, "reshard", None) or jax.sharding.reshard
-  return reshard(x, sharding)
-
-
 def _output_sharding(x, mesh, token_spec, shards):
   """y's sharding on an explicit mesh: x's own if x has one there, else the
   tokens' split on the leading dim where it divides, else replicated."""
-  typeof = getattr(jax, "typeof", None)
-  sharding = getattr(typeof(x), "sharding", None) if typeof else None
+  sharding = compat.sharding_of(x)
   if sharding is not None and not sharding.mesh.empty and any(sharding.spec):
     return NamedSharding(mesh, sharding.spec)
   if x.shape[0] % shards == 0:

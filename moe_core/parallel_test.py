@@ -27,6 +27,7 @@ import numpy as np
 import moe_core
 from moe_core import parallel
 from moe_core import xla_flags
+from moe_core.testing import cuda_export
 
 P = jax.sharding.PartitionSpec
 
@@ -238,6 +239,37 @@ class ExpertParallelLayerTest(_DevicesTestCase):
 
   @parameterized.named_parameters(("padded", "padded"),
                                   ("ragged", "ragged_emulated"))
+  def test_dispatched_rows_past_the_groups_are_zero(self, exchange):
+    """The receive rows no peer fills come out as zeros, not buffer garbage.
+
+    Drop-free buffers hold the worst case, so every device has such rows.
+    (jnp.zeros and jnp.empty are both zeros on the CPU;
+    test_ragged_exchange_lowers_for_gpu rules out uninitialised buffers.)
+    """
+    cfg = _cfg()
+    params, x = _inputs(cfg, 32, seed=8)
+    x = x + jnp.sign(x)  # Every real entry is non-zero; routing as random.
+    mesh = _mesh((8,), ("expert",))
+
+    def body(params, x):
+      aux = parallel.route(x, params["router"], cfg, token_axes=("expert",))
+      d = parallel.dispatch(x, aux.expert_ids, cfg, expert_axis="expert",
+                            exchange=exchange)
+      return d.rows[None], d.group_sizes[None]
+
+    rows, sizes = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(parallel.param_specs(cfg), P("expert")),
+        out_specs=(P("expert"), P("expert")), check_vma=False))(params, x)
+    rows, sizes = np.asarray(rows), np.asarray(sizes)  # [8, R, D], [8, E_l]
+    for device in range(_DEVICES):
+      used = int(sizes[device].sum())
+      with self.subTest(device=device):
+        self.assertLess(used, rows.shape[1], "no rows past the groups")
+        self.assertTrue(np.all(rows[device, :used] != 0))
+        np.testing.assert_array_equal(rows[device, used:], 0.0)
+
+  @parameterized.named_parameters(("padded", "padded"),
+                                  ("ragged", "ragged_emulated"))
   def test_bounded_buffer_drops_are_counted_and_zeroed(self, exchange):
     # Every token picks expert 3 (device 3 of 8): with buffer_factor=2 the
     # bound is 2x the average, far below what device 3 receives.
@@ -300,9 +332,6 @@ class ExpertParallelLayerTest(_DevicesTestCase):
     self.assertLayerMatches(got, self._single(cfg, params, x))
 
   def test_ragged_exchange_lowers_for_gpu(self):
-    export = getattr(jax, "export", None)
-    if export is None:
-      self.skipTest("this jax has no jax.export.")
     cfg = _cfg()
     params, x = _inputs(cfg, 32, seed=7)
     mesh = _mesh((8,), ("expert",))
@@ -313,13 +342,18 @@ class ExpertParallelLayerTest(_DevicesTestCase):
           ep_options=parallel.EPOptions(exchange="ragged"))
       return jnp.sum(y)
 
-    exported = export.export(
-        jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(
-            "ragged_all_to_all")])(params, x)
-    # Forward dispatch and combine, and their transposes in the backward.
-    self.assertEqual(exported.mlir_module().count(
-        "custom_call @ragged_all_to_all"), 4)
+    # No abstract GPU device: the shard_map's concrete mesh must match the
+    # context mesh, and this program has no Pallas kernel that needs one.
+    exported = cuda_export.export_for_cuda(
+        jax.grad(loss, argnums=(0, 1)), params, x,
+        disabled_custom_calls=("ragged_all_to_all",), device_kind=None)
+    # Forward dispatch and combine, and their transposes in the backward;
+    # nothing else. In particular no AllocateBuffer, which is what
+    # jnp.empty lowers to on GPU since jax 0.11 (uninitialised memory):
+    # ragged_all_to_all leaves the rows it does not write as the output
+    # buffer had them, and dispatch relies on those being zeros.
+    self.assertEqual(cuda_export.custom_calls(exported.mlir_module()),
+                     ["ragged_all_to_all"] * 4)
 
 
 class ErrorTest(_DevicesTestCase):

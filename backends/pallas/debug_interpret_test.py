@@ -4,7 +4,9 @@ JAX's default interpreter clamps an out-of-bounds `ref[pl.ds(...)]` read (the
 dynamic_slice rule), which hides a read past the end of a buffer; on a GPU it
 would read garbage. `pltpu.InterpretParams()` checks every read and write
 against the buffer's shape and raises instead. It is about 30x slower: small
-shapes only.
+shapes only. It loads only from refs in the default memory space (since jax
+0.11 it refuses ANY/HBM refs, what `pl.no_block_spec` now gives), so the
+kernels pass whole-array operands as `pl.BlockSpec()`.
 """
 
 from unittest import mock
@@ -119,19 +121,35 @@ class DebugInterpretTest(parameterized.TestCase):
         be.grouped_gemm(rows, weights, sizes),
         reference.grouped_gemm(rows, weights, sizes), atol=1e-4, rtol=1e-5)
 
+  def _tiles_off_by(self, shift):
+    """Patches metadata.build: every tile id `shift` tiles too far."""
+    real_build = metadata.build
+
+    def off_by(group_sizes, num_rows, bm):
+      meta = real_build(group_sizes, num_rows, bm)
+      return meta._replace(tile_ids=meta.tile_ids + shift)
+    return mock.patch.object(metadata, "build", off_by)
+
   def test_catches_a_read_past_the_rows(self):
     """A tile list one tile off reads past the rows: the interpreter raises."""
     rows, weights, sizes, _ = _inputs()
-    real_build = metadata.build
-
-    def off_by_one_tile(group_sizes, num_rows, bm):
-      meta = real_build(group_sizes, num_rows, bm)
-      return meta._replace(tile_ids=meta.tile_ids + 1)
-
-    with mock.patch.object(metadata, "build", off_by_one_tile):
+    with self._tiles_off_by(1):
       with self.assertRaisesRegex(Exception, r"Out-of-bounds"):
         jax.block_until_ready(kernels.gmm(
             [rows], [weights], sizes, tiles=_TILES,
+            interpret=pltpu.InterpretParams()))
+
+  def test_catches_a_read_past_the_rows_in_tgmm(self):
+    """The same in dW, whose row operands are whole-array inputs.
+
+    dW visits only the groups' own tiles, the last of them tile 2 of 4 (row
+    41 is the last used): two tiles off reads past the 64 rows.
+    """
+    rows, _, sizes, dy = _inputs()
+    with self._tiles_off_by(2):
+      with self.assertRaisesRegex(Exception, r"Out-of-bounds"):
+        jax.block_until_ready(kernels.tgmm(
+            rows, [dy], sizes, tiles=_TILES,
             interpret=pltpu.InterpretParams()))
 
 

@@ -35,11 +35,16 @@ import jax.numpy as jnp
 
 from backends.pallas import metadata as metadata_lib
 from backends.pallas import tiling
+from moe_core import compat
 
 Epilogue = Callable[[Sequence[jax.Array]], Sequence[jax.Array]]
 
-# An operand passed whole (its block depends on data, so no index map).
-_WHOLE_ARRAY = getattr(pl, "no_block_spec", None) or pl.BlockSpec()
+# An operand passed whole (its block depends on data, so no index map), in
+# the default memory space. Not `pl.no_block_spec`: since jax 0.11 that
+# means memory space ANY (a raw HBM ref that a TPU kernel must copy from),
+# which the debug interpreter refuses to load from directly; the Triton
+# lowering ignores memory spaces (both give byte-identical CUDA exports).
+_WHOLE_ARRAY = pl.BlockSpec()
 
 
 def identity(accs):
@@ -59,6 +64,19 @@ def _compiler_params(tiles: tiling.Tiles, interpret):
     return plt.CompilerParams(num_warps=tiles.num_warps,
                               num_stages=tiles.num_stages)
   return None  # The debug (TPU) interpreter takes no Triton parameters.
+
+
+def _pallas_call(kernel, *operands, interpret, **options):
+  """`pl.pallas_call(kernel, interpret=interpret, **options)(*operands)`."""
+  call = pl.pallas_call(kernel, interpret=interpret, **options)
+  if interpret is not False:
+    return call(*operands)
+  # Outside jit the call lowers the kernel right here, and jax >= 0.11 warns
+  # at each Triton lowering that the backend is deprecated: dropless uses it
+  # on purpose. Under jit the kernel lowers later, with the caller's
+  # program; compat.filter_triton_deprecation() can wrap that lowering.
+  with compat.filter_triton_deprecation():
+    return call(*operands)
 
 
 def _pad2(x, rows, cols):
@@ -175,16 +193,16 @@ def gmm(lhs: Sequence[jax.Array], rhs: Sequence[jax.Array],
       tiles=tiles, k_steps=kp // tiles.bk, num_groups=num_groups,
       transpose_rhs=transpose_rhs, precision=_precision(lhs[0].dtype),
       indexed=interpret is True)
-  outs = pl.pallas_call(
-      kernel,
+  outs = _pallas_call(
+      kernel, meta.group_ids, meta.tile_ids, meta.row_starts, meta.row_ends,
+      *lhs, *rhs,
       out_shape=[jax.ShapeDtypeStruct((mp, np_), out_dtype)
                  for _ in range(num_outputs)],
       grid=(num_visits, np_ // tiles.bn),
       interpret=interpret,
       compiler_params=_compiler_params(tiles, interpret),
       name="dropless_gmm",
-  )(meta.group_ids, meta.tile_ids, meta.row_starts, meta.row_ends, *lhs,
-    *rhs)
+  )
   return tuple(o[:m, :n] for o in outs)
 
 
@@ -255,8 +273,9 @@ def tgmm(lhs: jax.Array, rhs: Sequence[jax.Array], group_sizes: jax.Array, *,
                              precision=_precision(lhs.dtype))
   whole = _WHOLE_ARRAY
   block = pl.BlockSpec((None, tiles.bk, tiles.bn), lambda g, i, j: (g, i, j))
-  outs = pl.pallas_call(
-      kernel,
+  outs = _pallas_call(
+      kernel, meta.group_visits, meta.tile_ids, meta.row_starts,
+      meta.row_ends, lhs, *rhs,
       out_shape=[jax.ShapeDtypeStruct((num_groups, kp, np_), out_dtype)
                  for _ in rhs],
       grid=(num_groups, kp // tiles.bk, np_ // tiles.bn),
@@ -265,6 +284,5 @@ def tgmm(lhs: jax.Array, rhs: Sequence[jax.Array], group_sizes: jax.Array, *,
       interpret=interpret,
       compiler_params=_compiler_params(tiles, interpret),
       name="dropless_tgmm",
-  )(meta.group_visits, meta.tile_ids, meta.row_starts, meta.row_ends, lhs,
-    *rhs)
+  )
   return tuple(o[:, :k, :n] for o in outs)

@@ -1,1 +1,1 @@
-"""Helpers for moe_core's own tests (multi-process workers)."""
+"""Helpers for tests: multi-process workers, CUDA export on a CPU."""
