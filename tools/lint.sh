@@ -1,66 +1,51 @@
 #!/usr/bin/env bash
-# Lint and format check with the pinned ruff (configuration: [tool.ruff] in
-# pyproject.toml; the pin: the `lint` extra there).
+# Lint and format check with the pinned tools (the `lint` extra and the
+# [tool.ruff] / [tool.pyink] settings in pyproject.toml):
+#   ruff check      pycodestyle errors and warnings, pyflakes;
+#   pyink --check   the formatter (Google's black: 2-space indents, 4-space
+#                   continuation lines, 80 columns).
 #
 #   tools/lint.sh [PATH...]      # default: the whole repository
 #
-# Runs `ruff check` and `ruff format --check` (both, even when the first
-# fails) and exits non-zero on any violation. Bazel's output links
-# (bazel-*), .venv* and .venvs are excluded by the configuration, also when
-# named on the command line. `ruff format --check` lists the files it would
-# change; `ruff format --diff PATH` shows how, `ruff format PATH` applies it.
-#
-# Environment:
-#   RUFF    a ruff executable to use instead (warns when its version is not
-#           the pinned one: versions format differently).
-#   PYTHON  interpreter that creates .venvs/lint (default python3), where
-#           the pinned ruff is installed on first use.
+# Runs both (the second even when the first fails) and exits non-zero on any
+# violation. `pyink PATH` applies the formatting. Bazel's output links,
+# .venv and .venvs are excluded by the configuration. The pinned tools are
+# installed into .venvs/lint on first use (PYTHON: the interpreter that
+# creates it, default python3).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-WANT="$(sed -n 's/.*"ruff==\([0-9][0-9.]*\)".*/\1/p' pyproject.toml | head -n 1)"
-if [[ -z "$WANT" ]]; then
-  echo "lint: no ruff==VERSION pin in pyproject.toml's lint extra" >&2
+pins=($(sed -n 's/^lint = \[\(.*\)\]/\1/p' pyproject.toml | tr -d '",'))
+if [[ ${#pins[@]} -eq 0 ]]; then
+  echo "lint: no lint extra in pyproject.toml" >&2
   exit 2
 fi
 
-version_of() { "$1" --version 2>/dev/null | awk '{print $2}'; }
-
-if [[ -n "${RUFF:-}" ]]; then
-  have="$(version_of "$RUFF")"
-  if [[ -z "$have" ]]; then
-    echo "lint: RUFF=$RUFF does not run" >&2
-    exit 2
+LINT_VENV=.venvs/lint
+installed="$("$LINT_VENV/bin/python" -m pip freeze 2>/dev/null \
+  | grep -cxF -f <(printf '%s\n' "${pins[@]}") || true)"
+if [[ "$installed" != "${#pins[@]}" ]]; then
+  echo "lint: installing ${pins[*]} into $LINT_VENV" >&2
+  if [[ ! -x "$LINT_VENV/bin/python" ]]; then
+    rm -rf "$LINT_VENV"
+    "${PYTHON:-python3}" -m venv "$LINT_VENV" || exit 2
   fi
-  if [[ "$have" != "$WANT" ]]; then
-    echo "lint: warning: RUFF is ruff $have, the pin is $WANT" >&2
-  fi
-else
-  RUFF=.venvs/lint/bin/ruff
-  if [[ "$(version_of "$RUFF")" != "$WANT" ]]; then
-    echo "lint: installing ruff $WANT into .venvs/lint" >&2
-    python="${PYTHON:-python3}"
-    if [[ ! -x .venvs/lint/bin/python ]]; then
-      rm -rf .venvs/lint
-      "$python" -m venv .venvs/lint || exit 2
-    fi
-    .venvs/lint/bin/python -m pip install -qq --progress-bar off \
-      --disable-pip-version-check "ruff==$WANT" || exit 2
-  fi
+  "$LINT_VENV/bin/python" -m pip install -qq --progress-bar off \
+    --disable-pip-version-check "${pins[@]}" || exit 2
 fi
 
 paths=("$@")
 [[ ${#paths[@]} -gt 0 ]] || paths=(.)
 
 rc=0
-echo "lint: ruff $(version_of "$RUFF") check ${paths[*]}" >&2
-"$RUFF" check --force-exclude --output-format concise "${paths[@]}" || rc=1
-echo "lint: ruff $(version_of "$RUFF") format --check ${paths[*]}" >&2
-"$RUFF" format --check --force-exclude --output-format concise \
+echo "lint: ruff check ${paths[*]}" >&2
+"$LINT_VENV/bin/ruff" check --force-exclude --output-format concise \
   "${paths[@]}" || rc=1
+echo "lint: pyink --check ${paths[*]}" >&2
+"$LINT_VENV/bin/pyink" --check "${paths[@]}" || rc=1
 if [[ "$rc" != 0 ]]; then
-  echo "lint: FAILED" >&2
+  echo "lint: FAILED (pyink PATH fixes the formatting)" >&2
 else
   echo "lint: OK" >&2
 fi
