@@ -7,9 +7,12 @@ import sys
 # Before any test module imports JAX: 8 CPU devices, so the expert-parallel
 # tests run under plain pytest too (Bazel sets this per target instead).
 if "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8")
+    "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "")
+      + " --xla_force_host_platform_device_count=8"
+  )
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -28,4 +31,5 @@ def pytest_terminal_summary(terminalreporter):
   if compat is not None and compat.triton_deprecations_filtered():
     terminalreporter.write_line(
         "Pallas Triton deprecation warnings filtered: "
-        f"{compat.triton_deprecations_filtered()}")
+        f"{compat.triton_deprecations_filtered()}"
+    )

@@ -7,9 +7,11 @@ from absl import flags
 from absl.testing import absltest
 
 _EXPECTED_DEVICES = flags.DEFINE_integer(
-    "expected_devices", 1, "How many CPU devices the target asked for.")
+    "expected_devices", 1, "How many CPU devices the target asked for."
+)
 _EXTRA_XLA_FLAG = flags.DEFINE_string(
-    "extra_xla_flag", "", "An XLA flag the target's env adds, if any.")
+    "extra_xla_flag", "", "An XLA flag the target's env adds, if any."
+)
 
 
 def _runfile(path):
@@ -19,7 +21,8 @@ def _runfile(path):
 @absltest.skipUnless(
     "TEST_SRCDIR" in os.environ,
     "checks the environment that Bazel's moe_py_test sets up (runfiles, "
-    "JAX_PLATFORMS, device-count flags); run it with bazel test.")
+    "JAX_PLATFORMS, device-count flags); run it with bazel test.",
+)
 class MoePyTestEnvTest(absltest.TestCase):
 
   def test_runs_under_the_toolchain_interpreter(self):
@@ -31,10 +34,12 @@ class MoePyTestEnvTest(absltest.TestCase):
     # JAX_PLATFORMS must be in the environment before JAX starts.
     self.assertEqual(os.environ.get("JAX_PLATFORMS"), "cpu")
     import jax  # pylint: disable=g-import-not-at-top
+
     self.assertEqual(jax.default_backend(), "cpu")
 
   def test_device_count(self):
     import jax  # pylint: disable=g-import-not-at-top
+
     self.assertLen(jax.devices("cpu"), _EXPECTED_DEVICES.value)
 
   def test_env_xla_flags_are_kept(self):
@@ -42,13 +47,17 @@ class MoePyTestEnvTest(absltest.TestCase):
       self.skipTest("this target adds no XLA flag of its own.")
     xla_flags = os.environ.get("XLA_FLAGS", "").split()
     self.assertIn(_EXTRA_XLA_FLAG.value, xla_flags)
-    self.assertIn("--xla_force_host_platform_device_count=%d"
-                  % _EXPECTED_DEVICES.value, xla_flags)
+    self.assertIn(
+        "--xla_force_host_platform_device_count=%d" % _EXPECTED_DEVICES.value,
+        xla_flags,
+    )
 
   def test_workspace_root_is_importable(self):
     import moe_core  # pylint: disable=g-import-not-at-top
+
     self.assertEqual(
-        os.path.basename(os.path.dirname(moe_core.__file__)), "moe_core")
+        os.path.basename(os.path.dirname(moe_core.__file__)), "moe_core"
+    )
 
 
 if __name__ == "__main__":

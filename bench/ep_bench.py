@@ -45,14 +45,21 @@ from moe_core import parallel
 _TOKENS = flags.DEFINE_integer("tokens_per_device", 256, "T_l.")
 _EP = flags.DEFINE_list("ep", ["2", "4", "8"], "Expert-parallel sizes.")
 _OUT = flags.DEFINE_string(
-    "out", os.path.join(os.path.dirname(__file__), "results",
-                        "ep_bench.json"), "Where to write the JSON.")
+    "out",
+    os.path.join(os.path.dirname(__file__), "results", "ep_bench.json"),
+    "Where to write the JSON.",
+)
 
 # DeepSeek-V3's routing shape (E=256 would make XLA:CPU compile slowly;
 # what matters here is K and E/ep), with a small D.
-CONFIG = moe_core.MoEConfig(num_experts=64, top_k=8, hidden_size=256,
-                            expert_ffn_size=128, score_func="sigmoid",
-                            norm_topk_prob=True)
+CONFIG = moe_core.MoEConfig(
+    num_experts=64,
+    top_k=8,
+    hidden_size=256,
+    expert_ffn_size=128,
+    score_func="sigmoid",
+    norm_topk_prob=True,
+)
 DTYPE = jnp.bfloat16
 
 _SHAPE = re.compile(r"(bf16|f32|f16|s32|u32|pred)\[([\d,]*)\]")
@@ -67,28 +74,31 @@ def _shape_bytes(text: str) -> int:
 
 
 def _shape_elements(text: str) -> int:
-  return sum(math.prod(int(d) for d in dims.split(",") if d)
-             for _, dims in _SHAPE.findall(text))
+  return sum(
+      math.prod(int(d) for d in dims.split(",") if d)
+      for _, dims in _SHAPE.findall(text)
+  )
 
 
 def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
   """(bytes, elements) of each collective kind's results in the entry."""
-  entry = hlo[hlo.index("ENTRY"):]
+  entry = hlo[hlo.index("ENTRY") :]
   out = {}
   for line in entry.splitlines():
-    for op in ("all-to-all", "all-gather", "all-reduce",
-               "ragged-all-to-all"):
+    for op in ("all-to-all", "all-gather", "all-reduce", "ragged-all-to-all"):
       m = re.search(rf"= (.*?) {op}\(", line)
       if m:
         nbytes, elems = out.get(op, (0, 0))
-        out[op] = (nbytes + _shape_bytes(m.group(1)),
-                   elems + _shape_elements(m.group(1)))
+        out[op] = (
+            nbytes + _shape_bytes(m.group(1)),
+            elems + _shape_elements(m.group(1)),
+        )
   return out
 
 
 def schedule(hlo: str) -> list[str]:
   """The compiled entry's collectives and expert loops, in program order."""
-  entry = hlo[hlo.index("ENTRY"):]
+  entry = hlo[hlo.index("ENTRY") :]
   events = []
   for line in entry.splitlines():
     if " all-to-all(" in line:
@@ -106,14 +116,18 @@ def _inputs(ep: int, skewed: bool):
   params = {}
   for name, shape in moe_core.param_shapes(cfg).items():
     params[name] = (shape[-2] ** -0.5 * rng.standard_normal(shape)).astype(
-        np.float32)
+        np.float32
+    )
   x = rng.standard_normal((ep * _TOKENS.value, cfg.hidden_size)).astype(
-      np.float32)
+      np.float32
+  )
   if skewed:  # Every token's first choice is expert 0 (on device 0).
     x[:, 0] = 1.0 + np.abs(x[:, 0])
     params["router"][0, 0] = 40.0
-  return ({k: jnp.asarray(v, DTYPE) for k, v in params.items()},
-          jnp.asarray(x, DTYPE))
+  return (
+      {k: jnp.asarray(v, DTYPE) for k, v in params.items()},
+      jnp.asarray(x, DTYPE),
+  )
 
 
 def ragged_bytes(expert_ids: np.ndarray, ep: int) -> dict[str, float]:
@@ -127,15 +141,18 @@ def ragged_bytes(expert_ids: np.ndarray, ep: int) -> dict[str, float]:
   row = cfg.hidden_size * jnp.dtype(DTYPE).itemsize
   t_l = _TOKENS.value
   dest = expert_ids.reshape(ep, t_l * cfg.top_k) // (cfg.num_experts // ep)
-  rows = np.array([[np.sum(dest[i] == j) for j in range(ep)]
-                   for i in range(ep)])  # [src, dst].
+  rows = np.array(
+      [[np.sum(dest[i] == j) for j in range(ep)] for i in range(ep)]
+  )  # [src, dst].
   off = rows * (1 - np.eye(ep, dtype=int))
   sent = off.sum(axis=1) + off.sum(axis=0)  # Per device, both phases.
   busiest = max(off.sum(axis=0).max(), off.sum(axis=1).max())
-  return {"mean_sent_bytes": float(np.mean(sent) * row),
-          "max_sent_bytes": float(np.max(sent) * row),
-          "busiest_link_bytes": float(2 * busiest * row),
-          "max_received_rows": int(rows.sum(axis=0).max())}
+  return {
+      "mean_sent_bytes": float(np.mean(sent) * row),
+      "max_sent_bytes": float(np.max(sent) * row),
+      "busiest_link_bytes": float(2 * busiest * row),
+      "max_received_rows": int(rows.sum(axis=0).max()),
+  }
 
 
 def run(ep: int, skewed: bool) -> dict:
@@ -148,9 +165,14 @@ def run(ep: int, skewed: bool) -> dict:
 
   def layer(params, x, chunks=1):
     return moe_core.moe_layer(
-        params, x, cfg, backend="xla", mesh=mesh, data_axes=(),
-        ep_options=parallel.EPOptions(exchange="padded",
-                                      num_chunks=chunks))
+        params,
+        x,
+        cfg,
+        backend="xla",
+        mesh=mesh,
+        data_axes=(),
+        ep_options=parallel.EPOptions(exchange="padded", num_chunks=chunks),
+    )
 
   compiled = jax.jit(layer).lower(params, x).compile().as_text()
   coll = collective_bytes(compiled)
@@ -161,12 +183,14 @@ def run(ep: int, skewed: bool) -> dict:
   padded_cpu = a2a_bytes * (ep - 1) / ep
   _, aux = jax.jit(layer)(params, x)
   ragged = ragged_bytes(np.asarray(aux.expert_ids), ep)
-  slots, rows = parallel.buffer_sizes(t_l, cfg.top_k, cfg.num_experts, ep,
-                                      None)
+  slots, rows = parallel.buffer_sizes(t_l, cfg.top_k, cfg.num_experts, ep, None)
   result = {
-      "ep": ep, "routing": "skewed" if skewed else "even",
-      "tokens_per_device": t_l, "top_k": cfg.top_k,
-      "num_experts": cfg.num_experts, "hidden_size": cfg.hidden_size,
+      "ep": ep,
+      "routing": "skewed" if skewed else "even",
+      "tokens_per_device": t_l,
+      "top_k": cfg.top_k,
+      "num_experts": cfg.num_experts,
+      "hidden_size": cfg.hidden_size,
       "dtype": jnp.dtype(DTYPE).name,
       "ideal_bytes": ideal,
       "padded_bytes": padded,
@@ -185,8 +209,12 @@ def run(ep: int, skewed: bool) -> dict:
       "padded_slots_per_peer": slots,
   }
   if not skewed:
-    chunked = jax.jit(lambda p, x: layer(p, x, chunks=2)).lower(
-        params, x).compile().as_text()
+    chunked = (
+        jax.jit(lambda p, x: layer(p, x, chunks=2))
+        .lower(params, x)
+        .compile()
+        .as_text()
+    )
     result["cpu_schedule_num_chunks_2"] = schedule(chunked)
   return result
 
@@ -197,25 +225,37 @@ def main(argv):
   if jax.device_count() < max(eps):
     raise app.UsageError(
         f"needs {max(eps)} devices, found {jax.device_count()}: set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={max(eps)}.")
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={max(eps)}."
+    )
   results = []
   for ep in eps:
     for skewed in (False, True):
       r = run(ep, skewed)
       results.append(r)
-      print(f"ep={ep} {r['routing']:6s} padded/ideal="
-            f"{r['padded_over_ideal']:.2f} ragged mean/ideal="
-            f"{r['ragged_mean_sent_over_ideal']:.2f} ragged busiest link/"
-            f"ideal={r['ragged_busiest_link_over_ideal']:.2f} receive buffer="
-            f"{r['receive_buffer_over_average']:.1f}x average "
-            f"({r['receive_buffer_bytes'] / 2**20:.1f} MiB)")
+      print(
+          f"ep={ep} {r['routing']:6s} padded/ideal="
+          f"{r['padded_over_ideal']:.2f} ragged mean/ideal="
+          f"{r['ragged_mean_sent_over_ideal']:.2f} ragged busiest link/"
+          f"ideal={r['ragged_busiest_link_over_ideal']:.2f} receive buffer="
+          f"{r['receive_buffer_over_average']:.1f}x average "
+          f"({r['receive_buffer_bytes'] / 2**20:.1f} MiB)"
+      )
       if "cpu_schedule_num_chunks_2" in r:
-        print("  compiled CPU schedule, num_chunks=2: "
-              + " -> ".join(r["cpu_schedule_num_chunks_2"]))
+        print(
+            "  compiled CPU schedule, num_chunks=2: "
+            + " -> ".join(r["cpu_schedule_num_chunks_2"])
+        )
   os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   with open(_OUT.value, "w") as f:
-    json.dump({"jax": jax.__version__, "platform": jax.default_backend(),
-               "results": results}, f, indent=1)
+    json.dump(
+        {
+            "jax": jax.__version__,
+            "platform": jax.default_backend(),
+            "results": results,
+        },
+        f,
+        indent=1,
+    )
   print(f"wrote {_OUT.value}")
 
 

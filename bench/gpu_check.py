@@ -70,11 +70,11 @@ from moe_core import compat
 from moe_core import ffn
 from moe_core.testing import cuda_export
 from reference import backend as reference_backend
+
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 # Shapes: DeepSeek-V3 experts on the GPU; tiny ones for --dry_run on a CPU.
-FULL = {"tokens": 4096, "top_k": 8, "hidden": 7168, "ffn": 2048,
-        "experts": 32}
+FULL = {"tokens": 4096, "top_k": 8, "hidden": 7168, "ffn": 2048, "experts": 32}
 DRY = {"tokens": 64, "top_k": 8, "hidden": 256, "ffn": 128, "experts": 8}
 
 # Correctness cases: (M, K, N, group sizes, transpose_rhs). Every case leaves
@@ -96,8 +96,13 @@ FFN_CASES = [
     (1152, 128, 2048, (300, 0, 517, 211)),
 ]
 # The MoE layer case: its config and the [batch, sequence] of its input.
-LAYER_CONFIG = {"num_experts": 8, "top_k": 2, "hidden_size": 256,
-                "expert_ffn_size": 512, "shared_ffn_size": 256}
+LAYER_CONFIG = {
+    "num_experts": 8,
+    "top_k": 2,
+    "hidden_size": 256,
+    "expert_ffn_size": 512,
+    "shared_ffn_size": 256,
+}
 LAYER_BATCH = (2, 256)
 # Errors allowed, relative to the largest expected magnitude: bf16 keeps 8
 # significant bits; float32 runs in IEEE float32 (Precision.HIGHEST).
@@ -109,22 +114,35 @@ _MAX_ERROR_CHARS = 500
 def _parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   mode = parser.add_mutually_exclusive_group()
-  mode.add_argument("--dry_run", action="store_true",
-                    help="run everything on the CPU at tiny shapes, with the "
-                    "kernels interpreted")
-  mode.add_argument("--lower_only", action="store_true",
-                    help="only lower every GPU program for CUDA (works on a "
-                    "CPU-only machine)")
+  mode.add_argument(
+      "--dry_run",
+      action="store_true",
+      help="run everything on the CPU at tiny shapes, with the "
+      "kernels interpreted",
+  )
+  mode.add_argument(
+      "--lower_only",
+      action="store_true",
+      help="only lower every GPU program for CUDA (works on a "
+      "CPU-only machine)",
+  )
   parser.add_argument("--repeats", type=int, default=10)
-  parser.add_argument("--tokens", type=int, default=None,
-                      help="T (default 4096; 64 with --dry_run)")
-  parser.add_argument("--experts", type=int, default=None,
-                      help="E on this device (default 32)")
+  parser.add_argument(
+      "--tokens",
+      type=int,
+      default=None,
+      help="T (default 4096; 64 with --dry_run)",
+  )
+  parser.add_argument(
+      "--experts", type=int, default=None, help="E on this device (default 32)"
+  )
   parser.add_argument("--skew", default="random", choices=["random", "zipf"])
-  parser.add_argument("--out_dir", default=os.path.join(_REPO, "bench",
-                                                        "results"),
-                      help="where the JSON goes (on the device machine: "
-                      "\"$OUT\", the only folder that comes back)")
+  parser.add_argument(
+      "--out_dir",
+      default=os.path.join(_REPO, "bench", "results"),
+      help="where the JSON goes (on the device machine: "
+      '"$OUT", the only folder that comes back)',
+  )
   parser.add_argument("--skip_correctness", action="store_true")
   return parser.parse_args(argv)
 
@@ -136,8 +154,9 @@ def _backends(on_gpu):
   """(pallas, pallas with the activation epilogue, xla) backends."""
   interpret = None if on_gpu is None else (not on_gpu)
   pallas = pallas_backend.PallasBackend(interpret=interpret)
-  fused = pallas_backend.PallasBackend(interpret=interpret,
-                                       fuse_activation=True)
+  fused = pallas_backend.PallasBackend(
+      interpret=interpret, fuse_activation=True
+  )
   # On a GPU the xla backend is ragged_dot (with zeroed padding rows).
   xla = moe_core.get_backend("xla", use_ragged_dot=bool(on_gpu))
   return pallas, fused, xla
@@ -145,20 +164,27 @@ def _backends(on_gpu):
 
 def _gemm_methods(pallas, xla):
   """name -> f(rows, weights, group_sizes) -> [M, N]."""
+
   def dense(x, w, g):
     del g  # Same useful FLOPs: every row times one [K, N] matrix.
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
   def ragged(x, w, g):
-    return jax.lax.ragged_dot(x, w, g,
-                              preferred_element_type=jnp.float32).astype(
-                                  x.dtype)
-  return {"dense": dense, "ragged_dot": ragged, "xla": xla.grouped_gemm,
-          "pallas": pallas.grouped_gemm}
+    return jax.lax.ragged_dot(
+        x, w, g, preferred_element_type=jnp.float32
+    ).astype(x.dtype)
+
+  return {
+      "dense": dense,
+      "ragged_dot": ragged,
+      "xla": xla.grouped_gemm,
+      "pallas": pallas.grouped_gemm,
+  }
 
 
 def _ffn_methods(pallas, fused, xla, cfg):
   """name -> f(rows, params, group_sizes) -> [M, D]."""
+
   def dense(x, p, g):
     del g  # Every row through one expert's [D, F], [D, F], [F, D].
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
@@ -166,6 +192,7 @@ def _ffn_methods(pallas, fused, xla, cfg):
     up = dot(x, p["w_up"]).astype(x.dtype)
     h = ffn.gated(gate, up, cfg.activation)
     return dot(h, p["w_down"]).astype(x.dtype)
+
   return {
       "dense": dense,
       "xla": lambda x, p, g: xla.expert_ffn(x, g, p, cfg),
@@ -180,10 +207,12 @@ def _one_expert(weights):
   Dense then has a [K, N] dW like a real dense layer, not a mostly-zero
   [E, K, N] one.
   """
+
   def first(a):
     if isinstance(a, jax.ShapeDtypeStruct):
       return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
     return a[0]
+
   return jax.tree.map(first, weights)
 
 
@@ -217,15 +246,31 @@ def _rel_err(got, want):
 def _gpu_fwd_tiles(m, k, n, num_groups, dtype, num_operands=1):
   """The forward's tiles on a GPU, whatever runs here: for the record."""
   try:
-    return repr(tiling.heuristic("fwd", m, k, n, num_groups, dtype,
-                                 interpret=False, num_operands=num_operands))
+    return repr(
+        tiling.heuristic(
+            "fwd",
+            m,
+            k,
+            n,
+            num_groups,
+            dtype,
+            interpret=False,
+            num_operands=num_operands,
+        )
+    )
   except Exception as e:  # pylint: disable=broad-except
     return _error_text(e)
 
 
 def _entry(case, dtype, quantity, err, tol, **extra):
-  return {"case": case, "dtype": dtype, "quantity": quantity,
-          "rel_err": err, "ok": bool(err <= tol), **extra}
+  return {
+      "case": case,
+      "dtype": dtype,
+      "quantity": quantity,
+      "rel_err": err,
+      "ok": bool(err <= tol),
+      **extra,
+  }
 
 
 def _guarded(results, case, dtype, run_case):
@@ -234,8 +279,16 @@ def _guarded(results, case, dtype, run_case):
     results.extend(run_case())
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
-    results.append({"case": case, "dtype": dtype, "quantity": "error",
-                    "rel_err": None, "ok": False, "error": _error_text(e)})
+    results.append(
+        {
+            "case": case,
+            "dtype": dtype,
+            "quantity": "error",
+            "rel_err": None,
+            "ok": False,
+            "error": _error_text(e),
+        }
+    )
     print(f"  FAIL {case} {dtype}: {_error_text(e)[:200]}", flush=True)
 
 
@@ -261,23 +314,28 @@ def _gemm_case(pallas, ref, m, k, n, sizes, transpose_rhs, dtype, seed):
   def run(be, x, w, c):
     def f(x, w):
       return be.grouped_gemm(x, w, gs, transpose_rhs=transpose_rhs)
+
     out, vjp = jax.vjp(f, x, w)
     return (out,) + vjp(c)
+
   as_dtype = functools.partial(jnp.asarray, dtype=dtype)
   got = jax.jit(functools.partial(run, pallas))(
-      as_dtype(np.where(valid, rows, np.nan)), as_dtype(weights),
-      as_dtype(np.where(valid, cot, np.nan)))
+      as_dtype(np.where(valid, rows, np.nan)),
+      as_dtype(weights),
+      as_dtype(np.where(valid, cot, np.nan)),
+  )
   want = jax.jit(functools.partial(run, ref))(
-      as_dtype(rows * valid), as_dtype(weights), as_dtype(cot * valid))
+      as_dtype(rows * valid), as_dtype(weights), as_dtype(cot * valid)
+  )
   case = _gemm_name(m, k, n, sizes, transpose_rhs)
   tiles = _gpu_fwd_tiles(m, k, n, len(sizes), dtype)
   out = []
   for name, g, w in zip(("out", "d_rows", "d_weights"), got, want):
-    entry = _entry(case, dtype, name, _rel_err(g, w), TOLERANCE[dtype],
-                   gpu_fwd_tiles=tiles)
+    entry = _entry(
+        case, dtype, name, _rel_err(g, w), TOLERANCE[dtype], gpu_fwd_tiles=tiles
+    )
     if name in ("out", "d_rows"):  # Padding rows come out as zeros.
-      entry["ok"] = entry["ok"] and not np.any(np.asarray(g[used:],
-                                                          np.float32))
+      entry["ok"] = entry["ok"] and not np.any(np.asarray(g[used:], np.float32))
     out.append(entry)
   return out
 
@@ -286,10 +344,10 @@ def _ffn_case(be, label, m, d, f, sizes, seed):
   """Output and gradients of expert_ffn (bf16) with NaN padding rows."""
   e = len(sizes)
   used = sum(sizes)
-  cfg = moe_core.MoEConfig(num_experts=e, top_k=min(2, e), hidden_size=d,
-                           expert_ffn_size=f)
-  params = moe_core.init_params(jax.random.key(seed), cfg,
-                                dtype=jnp.bfloat16)
+  cfg = moe_core.MoEConfig(
+      num_experts=e, top_k=min(2, e), hidden_size=d, expert_ffn_size=f
+  )
+  params = moe_core.init_params(jax.random.key(seed), cfg, dtype=jnp.bfloat16)
   params = {k: params[k] for k in ("w_gate", "w_up", "w_down")}
   rng = np.random.default_rng(seed)
   valid = np.arange(m)[:, None] < used
@@ -300,24 +358,30 @@ def _ffn_case(be, label, m, d, f, sizes, seed):
   def run(be, x, p, c):
     out, vjp = jax.vjp(lambda x, p: be.expert_ffn(x, gs, p, cfg), x, p)
     return out, vjp(c)
+
   bf16 = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
   got, (got_dx, got_dp) = jax.jit(functools.partial(run, be))(
-      bf16(np.where(valid, rows, np.nan)), params,
-      bf16(np.where(valid, cot, np.nan)))
-  want, (want_dx, want_dp) = jax.jit(functools.partial(
-      run, reference_backend.ReferenceBackend()))(
-          bf16(rows * valid), params, bf16(cot * valid))
+      bf16(np.where(valid, rows, np.nan)),
+      params,
+      bf16(np.where(valid, cot, np.nan)),
+  )
+  want, (want_dx, want_dp) = jax.jit(
+      functools.partial(run, reference_backend.ReferenceBackend())
+  )(bf16(rows * valid), params, bf16(cot * valid))
   case = _ffn_name(label, m, d, f, sizes)
   tiles = _gpu_fwd_tiles(m, d, f, e, "bfloat16", num_operands=2)
   tol = 2 * TOLERANCE["bfloat16"]  # Three GEMMs and the activation in bf16.
   out = []
-  for name, g, w in (("out", got, want), ("d_rows", got_dx, want_dx),
-                     *((f"d {k}", got_dp[k], want_dp[k]) for k in params)):
-    entry = _entry(case, "bfloat16", name, _rel_err(g, w), tol,
-                   gpu_fwd_tiles=tiles)
+  for name, g, w in (
+      ("out", got, want),
+      ("d_rows", got_dx, want_dx),
+      *((f"d {k}", got_dp[k], want_dp[k]) for k in params),
+  ):
+    entry = _entry(
+        case, "bfloat16", name, _rel_err(g, w), tol, gpu_fwd_tiles=tiles
+    )
     if name in ("out", "d_rows"):
-      entry["ok"] = entry["ok"] and not np.any(np.asarray(g[used:],
-                                                          np.float32))
+      entry["ok"] = entry["ok"] and not np.any(np.asarray(g[used:], np.float32))
     out.append(entry)
   return out
 
@@ -331,35 +395,49 @@ def _layer_cases(pallas, fused, ref, results):
     def loss(p, x):
       y, _ = moe_core.moe_layer(p, x, cfg, backend=be)
       return jnp.sum(jnp.square(y.astype(jnp.float32))), y
-    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1),
-                                       has_aux=True)(p, x)
+
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x)
     return y, grads
 
   def run_case(label, be):
     if not memo:  # Shared by both cases; a failure fails each of them.
-      memo["params"] = moe_core.init_params(jax.random.key(1), cfg,
-                                            dtype=jnp.bfloat16)
+      memo["params"] = moe_core.init_params(
+          jax.random.key(1), cfg, dtype=jnp.bfloat16
+      )
       memo["x"] = jax.random.normal(
-          jax.random.key(2), LAYER_BATCH + (cfg.hidden_size,), jnp.bfloat16)
+          jax.random.key(2), LAYER_BATCH + (cfg.hidden_size,), jnp.bfloat16
+      )
       memo["want"] = jax.jit(functools.partial(layer_grads, ref))(
-          memo["params"], memo["x"])
+          memo["params"], memo["x"]
+      )
     want_y, want_g = memo["want"]
-    y, grads = jax.jit(functools.partial(layer_grads, be))(memo["params"],
-                                                           memo["x"])
-    out = [_entry(label, "bfloat16", "y", _rel_err(y, want_y),
-                  TOLERANCE["bfloat16"])]
+    y, grads = jax.jit(functools.partial(layer_grads, be))(
+        memo["params"], memo["x"]
+    )
+    out = [
+        _entry(
+            label, "bfloat16", "y", _rel_err(y, want_y), TOLERANCE["bfloat16"]
+        )
+    ]
     flat = {**{f"d {k}": v for k, v in grads[0].items()}, "d x": grads[1]}
-    flat_want = {**{f"d {k}": v for k, v in want_g[0].items()},
-                 "d x": want_g[1]}
+    flat_want = {
+        **{f"d {k}": v for k, v in want_g[0].items()},
+        "d x": want_g[1],
+    }
     for name in flat:
-      out.append(_entry(label, "bfloat16", name,
-                        _rel_err(flat[name], flat_want[name]),
-                        2 * TOLERANCE["bfloat16"]))
+      out.append(
+          _entry(
+              label,
+              "bfloat16",
+              name,
+              _rel_err(flat[name], flat_want[name]),
+              2 * TOLERANCE["bfloat16"],
+          )
+      )
     return out
 
   for label, be in (("moe_layer", pallas), ("moe_layer fused_act", fused)):
-    _guarded(results, label, "bfloat16",
-             functools.partial(run_case, label, be))
+    _guarded(results, label, "bfloat16", functools.partial(run_case, label, be))
 
 
 def check_correctness(pallas, fused, results=None):
@@ -372,14 +450,31 @@ def check_correctness(pallas, fused, results=None):
   ref = reference_backend.ReferenceBackend()
   for seed, (m, k, n, sizes, transpose_rhs) in enumerate(GEMM_CASES):
     for dtype in ("bfloat16", "float32"):
-      _guarded(results, _gemm_name(m, k, n, sizes, transpose_rhs), dtype,
-               functools.partial(_gemm_case, pallas, ref, m, k, n, sizes,
-                                 transpose_rhs, dtype, seed))
+      _guarded(
+          results,
+          _gemm_name(m, k, n, sizes, transpose_rhs),
+          dtype,
+          functools.partial(
+              _gemm_case,
+              pallas,
+              ref,
+              m,
+              k,
+              n,
+              sizes,
+              transpose_rhs,
+              dtype,
+              seed,
+          ),
+      )
   for seed, (m, d, f, sizes) in enumerate(FFN_CASES):
     for label, be in (("pallas", pallas), ("fused_act", fused)):
-      _guarded(results, _ffn_name(label, m, d, f, sizes), "bfloat16",
-               functools.partial(_ffn_case, be, label, m, d, f, sizes,
-                                 10 + seed))
+      _guarded(
+          results,
+          _ffn_name(label, m, d, f, sizes),
+          "bfloat16",
+          functools.partial(_ffn_case, be, label, m, d, f, sizes, 10 + seed),
+      )
   _layer_cases(pallas, fused, ref, results)
   return results
 
@@ -387,9 +482,11 @@ def check_correctness(pallas, fused, results=None):
 def _print_correctness(correctness):
   bad = [r for r in correctness if not r["ok"]]
   errs = [r["rel_err"] for r in correctness if r["rel_err"] is not None]
-  print(f"correctness vs reference: {len(correctness) - len(bad)}/"
-        f"{len(correctness)} ok (worst relative error "
-        f"{max(errs, default=0.0):.2e})")
+  print(
+      f"correctness vs reference: {len(correctness) - len(bad)}/"
+      f"{len(correctness)} ok (worst relative error "
+      f"{max(errs, default=0.0):.2e})"
+  )
   for r in bad:
     detail = r.get("error") or f"{r['rel_err']:.3e}"
     print(f"  FAIL {r['case']} {r['dtype']} {r['quantity']}: {detail}")
@@ -403,22 +500,40 @@ def _problems(shape, dtype, skew):
   m = shape["tokens"] * shape["top_k"]
   d, f, e = shape["hidden"], shape["ffn"], shape["experts"]
   sizes = group_sizes_for(skew, m, e)
-  return m, sizes, [
-      ("gemm_up [M,D]x[E,D,F]", "gemm", (m, d), (e, d, f), (m, f),
-       2 * m * d * f),
-      ("gemm_down [M,F]x[E,F,D]", "gemm", (m, f), (e, f, d), (m, d),
-       2 * m * f * d),
-      ("expert_ffn", "ffn", (m, d), None, (m, d), 3 * 2 * m * d * f),
-  ]
+  return (
+      m,
+      sizes,
+      [
+          (
+              "gemm_up [M,D]x[E,D,F]",
+              "gemm",
+              (m, d),
+              (e, d, f),
+              (m, f),
+              2 * m * d * f,
+          ),
+          (
+              "gemm_down [M,F]x[E,F,D]",
+              "gemm",
+              (m, f),
+              (e, f, d),
+              (m, d),
+              2 * m * f * d,
+          ),
+          ("expert_ffn", "ffn", (m, d), None, (m, d), 3 * 2 * m * d * f),
+      ],
+  )
 
 
 def _ffn_config(shape):
   # The expert FFN reads only its sizes and activation; top_k only has to be
   # valid (<= E) when --experts is small.
   return moe_core.MoEConfig(
-      num_experts=shape["experts"], top_k=min(shape["top_k"],
-                                              shape["experts"]),
-      hidden_size=shape["hidden"], expert_ffn_size=shape["ffn"])
+      num_experts=shape["experts"],
+      top_k=min(shape["top_k"], shape["experts"]),
+      hidden_size=shape["hidden"],
+      expert_ffn_size=shape["ffn"],
+  )
 
 
 def _sample_groups(sizes):
@@ -426,8 +541,7 @@ def _sample_groups(sizes):
   nonempty = np.flatnonzero(sizes)
   if not nonempty.size:
     return []
-  return sorted({int(nonempty[0]), int(np.argmax(sizes)),
-                 int(nonempty[-1])})
+  return sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])})
 
 
 def _group_oracle(kind, activation):
@@ -439,6 +553,7 @@ def _group_oracle(kind, activation):
   def expert(x, p):
     h = ffn.gated(dot(x, p["w_gate"]), dot(x, p["w_up"]), activation)
     return dot(h, p["w_down"])
+
   return expert
 
 
@@ -455,13 +570,19 @@ def _oracle_values(kind, activation, rows, weights, cot, sizes):
   def values(x, w, c):
     out, vjp = jax.vjp(oracle, x, w)
     return (out,) + vjp(c)
+
   f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
   found = []
   for g in _sample_groups(sizes):
     lo, hi = int(offsets[g]), int(offsets[g + 1])
-    found.append((g, lo, hi) + values(
-        f32(rows[lo:hi]), jax.tree.map(lambda a, g=g: f32(a[g]), weights),
-        f32(cot[lo:hi].astype(rows.dtype))))
+    found.append(
+        (g, lo, hi)
+        + values(
+            f32(rows[lo:hi]),
+            jax.tree.map(lambda a, g=g: f32(a[g]), weights),
+            f32(cot[lo:hi].astype(rows.dtype)),
+        )
+    )
   return found
 
 
@@ -484,8 +605,13 @@ def _check_timed(oracle, out, grads, tol):
     for got, want_w in zip(got_dw, jax.tree.leaves(want_dw)):
       errs["d_weights"] = max(errs["d_weights"], _rel_err(got, want_w))
   worst = max(errs.values())
-  return {"groups": [g for g, *_ in oracle], **errs, "max_rel_err": worst,
-          "tolerance": tol, "ok": bool(oracle) and worst <= tol}
+  return {
+      "groups": [g for g, *_ in oracle],
+      **errs,
+      "max_rel_err": worst,
+      "tolerance": tol,
+      "ok": bool(oracle) and worst <= tol,
+  }
 
 
 def _time_method(fn, args, cot, repeats, flops, oracle, tol):
@@ -498,7 +624,9 @@ def _time_method(fn, args, cot, repeats, flops, oracle, tol):
   fwd = jax.jit(fn)
   fwd_bwd = jax.jit(timing.with_grad(fn))
   for phase, program, phase_args, passes in (
-      ("fwd", fwd, args, 1), ("fwd_bwd", fwd_bwd, args + (cot,), 3)):
+      ("fwd", fwd, args, 1),
+      ("fwd_bwd", fwd_bwd, args + (cot,), 3),
+  ):
     try:
       seconds = timing.median_seconds(program, phase_args, repeats)
       entry[f"{phase}_s"] = seconds
@@ -510,8 +638,11 @@ def _time_method(fn, args, cot, repeats, flops, oracle, tol):
   if oracle is None or "fwd_s" not in entry:
     return entry
   if not oracle:
-    entry["check"] = {"ok": False, "error": "no group to check against (the "
-                      "row's check_error says why)"}
+    entry["check"] = {
+        "ok": False,
+        "error": "no group to check against (the "
+        "row's check_error says why)",
+    }
     return entry
   try:  # The programs are compiled: one more call of each.
     out = fwd(*args)
@@ -524,8 +655,9 @@ def _time_method(fn, args, cot, repeats, flops, oracle, tol):
   return entry
 
 
-def run_timing(shape, repeats, skew, pallas, fused, xla, results=None,
-               on_row=None):
+def run_timing(
+    shape, repeats, skew, pallas, fused, xla, results=None, on_row=None
+):
   """Times every method of every problem; appends one row per problem.
 
   Every method is guarded (its entry then holds "error"); on_row() runs
@@ -544,8 +676,10 @@ def run_timing(shape, repeats, skew, pallas, fused, xla, results=None,
       rows = jax.random.normal(next(keys), a_shape, dtype)
       cot = jax.random.normal(next(keys), out_shape, jnp.float32)
       if kind == "gemm":
-        operand = (jax.random.normal(next(keys), w_shape, jnp.float32)
-                   / np.sqrt(w_shape[1])).astype(dtype)
+        operand = (
+            jax.random.normal(next(keys), w_shape, jnp.float32)
+            / np.sqrt(w_shape[1])
+        ).astype(dtype)
         methods = _gemm_methods(pallas, xla)
         tol = TOLERANCE["bfloat16"]
       else:
@@ -560,8 +694,7 @@ def run_timing(shape, repeats, skew, pallas, fused, xla, results=None,
         on_row()
       continue
     try:
-      oracle = _oracle_values(kind, cfg.activation, rows, operand, cot,
-                              sizes)
+      oracle = _oracle_values(kind, cfg.activation, rows, operand, cot, sizes)
     except Exception as e:  # pylint: disable=broad-except
       oracle = []  # Every method's check then fails, saying why.
       row["check_error"] = _error_text(e)
@@ -569,8 +702,15 @@ def run_timing(shape, repeats, skew, pallas, fused, xla, results=None,
     for method, fn in methods.items():
       dense = method == "dense"  # Not a grouped product: nothing to check.
       weights = _one_expert(operand) if dense else operand
-      entry = _time_method(fn, (rows, weights, group_sizes), cot, repeats,
-                           flops, None if dense else oracle, tol)
+      entry = _time_method(
+          fn,
+          (rows, weights, group_sizes),
+          cot,
+          repeats,
+          flops,
+          None if dense else oracle,
+          tol,
+      )
       row["methods"][method] = entry
       print(f"  {name} {method}: {_summary(entry)}", flush=True)
     _add_ratios(row)
@@ -581,13 +721,18 @@ def run_timing(shape, repeats, skew, pallas, fused, xla, results=None,
 
 
 def _summary(entry):
-  parts = [f"{k} {1e3 * entry[k + '_s']:.3f} ms" for k in ("fwd", "fwd_bwd")
-           if k + "_s" in entry]
+  parts = [
+      f"{k} {1e3 * entry[k + '_s']:.3f} ms"
+      for k in ("fwd", "fwd_bwd")
+      if k + "_s" in entry
+  ]
   check = entry.get("check")
   if check is not None:
-    parts.append(f"max rel err {check['max_rel_err']:.2e}"
-                 if "max_rel_err" in check
-                 else f"check FAILED: {check.get('error', '')[:80]}")
+    parts.append(
+        f"max rel err {check['max_rel_err']:.2e}"
+        if "max_rel_err" in check
+        else f"check FAILED: {check.get('error', '')[:80]}"
+    )
   if "error" in entry:
     parts.append(f"FAILED {entry['error'][:120]}")
   return ", ".join(parts)
@@ -606,7 +751,9 @@ def _add_ratios(row):
         key = f"{phase}_s"
         entry[f"{phase}_vs_{base}"] = (
             base_entry[key] / entry[key]
-            if key in base_entry and key in entry else None)
+            if key in base_entry and key in entry
+            else None
+        )
 
 
 def _cell(value, width, spec):
@@ -614,35 +761,43 @@ def _cell(value, width, spec):
 
 
 def _print_timing(results):
-  header = (f"{'problem':<24} {'method':<17} {'fwd ms':>8} {'TFLOP/s':>7} "
-            f"{'/dense':>6} {'/ragged':>7} {'f+b ms':>8} {'TFLOP/s':>7} "
-            f"{'/dense':>6} {'/ragged':>7} {'max err':>8}")
+  header = (
+      f"{'problem':<24} {'method':<17} {'fwd ms':>8} {'TFLOP/s':>7} "
+      f"{'/dense':>6} {'/ragged':>7} {'f+b ms':>8} {'TFLOP/s':>7} "
+      f"{'/dense':>6} {'/ragged':>7} {'max err':>8}"
+  )
   print(header)
   print("-" * len(header))
   for row in results:
     if "error" in row:
       print(f"{row['problem']:<24} FAILED: {row['error'][:100]}")
     for method, e in row["methods"].items():
-      ms = {k: None if f"{k}_s" not in e else 1e3 * e[f"{k}_s"]
-            for k in ("fwd", "fwd_bwd")}
-      line = (f"{row['problem']:<24} {method:<17} "
-              f"{_cell(ms['fwd'], 8, '.3f')} "
-              f"{_cell(e.get('fwd_tflops'), 7, '.1f')} "
-              f"{_cell(e.get('fwd_vs_dense'), 6, '.2f')} "
-              f"{_cell(e.get('fwd_vs_ragged_dot'), 7, '.2f')} "
-              f"{_cell(ms['fwd_bwd'], 8, '.3f')} "
-              f"{_cell(e.get('fwd_bwd_tflops'), 7, '.1f')} "
-              f"{_cell(e.get('fwd_bwd_vs_dense'), 6, '.2f')} "
-              f"{_cell(e.get('fwd_bwd_vs_ragged_dot'), 7, '.2f')} "
-              f"{_cell(e.get('max_rel_err'), 8, '.1e')}")
+      ms = {
+          k: None if f"{k}_s" not in e else 1e3 * e[f"{k}_s"]
+          for k in ("fwd", "fwd_bwd")
+      }
+      line = (
+          f"{row['problem']:<24} {method:<17} "
+          f"{_cell(ms['fwd'], 8, '.3f')} "
+          f"{_cell(e.get('fwd_tflops'), 7, '.1f')} "
+          f"{_cell(e.get('fwd_vs_dense'), 6, '.2f')} "
+          f"{_cell(e.get('fwd_vs_ragged_dot'), 7, '.2f')} "
+          f"{_cell(ms['fwd_bwd'], 8, '.3f')} "
+          f"{_cell(e.get('fwd_bwd_tflops'), 7, '.1f')} "
+          f"{_cell(e.get('fwd_bwd_vs_dense'), 6, '.2f')} "
+          f"{_cell(e.get('fwd_bwd_vs_ragged_dot'), 7, '.2f')} "
+          f"{_cell(e.get('max_rel_err'), 8, '.1e')}"
+      )
       if not e.get("check", {"ok": True})["ok"]:
         line += "  CHECK FAILED"
       if "error" in e:
         line += f"  FAILED {e['error'][:80]}"
       print(line)
-  print("'/dense', '/ragged': throughput relative to a dense jnp.dot of the "
-        "same FLOPs and to ragged_dot (> 1 is faster); 'max err': of the "
-        "timed output and gradients on sampled groups vs float32 jnp.dot.")
+  print(
+      "'/dense', '/ragged': throughput relative to a dense jnp.dot of the "
+      "same FLOPs and to ragged_dot (> 1 is faster); 'max err': of the "
+      "timed output and gradients on sampled groups vs float32 jnp.dot."
+  )
 
 
 # --- Lowering only ------------------------------------------------------------
@@ -661,25 +816,40 @@ def lower_only(shape):
       operand = s(w_shape, jnp.bfloat16)
       methods = _gemm_methods(pallas, xla)
     else:
-      operand = {k: s(v, jnp.bfloat16)
-                 for k, v in moe_core.param_shapes(cfg).items()
-                 if k in ("w_gate", "w_up", "w_down")}
+      operand = {
+          k: s(v, jnp.bfloat16)
+          for k, v in moe_core.param_shapes(cfg).items()
+          if k in ("w_gate", "w_up", "w_down")
+      }
       methods = _ffn_methods(pallas, fused, xla, cfg)
     for method, fn in methods.items():
       weights = _one_expert(operand) if method == "dense" else operand
       for mode, program, args in (
           ("fwd", fn, (s(a_shape, jnp.bfloat16), weights, group_sizes)),
-          ("fwd+bwd", timing.with_grad(fn),
-           (s(a_shape, jnp.bfloat16), weights, group_sizes,
-            s(out_shape, jnp.float32)))):
+          (
+              "fwd+bwd",
+              timing.with_grad(fn),
+              (
+                  s(a_shape, jnp.bfloat16),
+                  weights,
+                  group_sizes,
+                  s(out_shape, jnp.float32),
+              ),
+          ),
+      ):
         label = f"{name} {method} {mode}"
         try:
           text = cuda_export.export_for_cuda(program, *args).mlir_module()
           calls = cuda_export.custom_calls(text)
           others = sorted(set(calls) - {cuda_export.TRITON_CALL})
-          out.append((label, True,
-                      f"{calls.count(cuda_export.TRITON_CALL)} triton kernels"
-                      + (f", other custom calls {others}" if others else "")))
+          out.append(
+              (
+                  label,
+                  True,
+                  f"{calls.count(cuda_export.TRITON_CALL)} triton kernels"
+                  + (f", other custom calls {others}" if others else ""),
+              )
+          )
         except Exception as e:  # pylint: disable=broad-except
           out.append((label, False, f"{type(e).__name__}: {e}"[:300]))
   del m
@@ -712,11 +882,15 @@ def _versions():
     device = jax.devices()[0].device_kind
   except Exception as e:  # pylint: disable=broad-except
     device = _error_text(e)
-  return {"jax": jax.__version__, "jaxlib": jaxlib,
-          "python": platform.python_version(),
-          "triton": _installed_version("triton"),
-          "jax_triton": _installed_version("jax-triton"),
-          "platform": jax.default_backend(), "device": device}
+  return {
+      "jax": jax.__version__,
+      "jaxlib": jaxlib,
+      "python": platform.python_version(),
+      "triton": _installed_version("triton"),
+      "jax_triton": _installed_version("jax-triton"),
+      "platform": jax.default_backend(),
+      "device": device,
+  }
 
 
 def _write(path, report):
@@ -729,8 +903,11 @@ def _write(path, report):
 
 def failures(report):
   """What failed, one line each: checks, timed methods, whole phases."""
-  out = [f"correctness {r['case']} {r['dtype']} {r['quantity']}"
-         for r in report.get("correctness", []) if not r["ok"]]
+  out = [
+      f"correctness {r['case']} {r['dtype']} {r['quantity']}"
+      for r in report.get("correctness", [])
+      if not r["ok"]
+  ]
   for row in report.get("timing", []):
     if "error" in row:
       out.append(f"timing {row['problem']}: {row['error']}")
@@ -754,10 +931,12 @@ def main(argv=None):
   if hasattr(sys.stdout, "reconfigure"):  # Lines survive a hard crash.
     sys.stdout.reconfigure(line_buffering=True)
   versions = _versions()
-  print(f"python {versions['python']}, jax {versions['jax']}, jaxlib "
-        f"{versions['jaxlib']}, triton {versions['triton']}, jax-triton "
-        f"{versions['jax_triton']}; default backend {versions['platform']}, "
-        f"device {versions['device']}")
+  print(
+      f"python {versions['python']}, jax {versions['jax']}, jaxlib "
+      f"{versions['jaxlib']}, triton {versions['triton']}, jax-triton "
+      f"{versions['jax_triton']}; default backend {versions['platform']}, "
+      f"device {versions['device']}"
+  )
 
   if args.lower_only:
     filtered = compat.triton_deprecations_filtered()
@@ -766,14 +945,18 @@ def main(argv=None):
       print(f"{'ok  ' if ok else 'FAIL'} {label}: {detail}")
     failed = sum(not ok for _, ok, _ in results)
     print(f"lowered {len(results) - failed}/{len(results)} programs for CUDA")
-    print(f"Pallas Triton deprecation warnings filtered: "
-          f"{compat.triton_deprecations_filtered() - filtered}")
+    print(
+        f"Pallas Triton deprecation warnings filtered: "
+        f"{compat.triton_deprecations_filtered() - filtered}"
+    )
     return 1 if failed else 0
 
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not args.dry_run:
-    print("no GPU here: run with --dry_run (CPU, tiny shapes, interpreted "
-          "kernels) or --lower_only (CUDA lowering).")
+    print(
+        "no GPU here: run with --dry_run (CPU, tiny shapes, interpreted "
+        "kernels) or --lower_only (CUDA lowering)."
+    )
     return 2
   now = datetime.datetime.now(datetime.timezone.utc)
   os.makedirs(args.out_dir, exist_ok=True)
@@ -781,11 +964,20 @@ def main(argv=None):
   path = os.path.join(args.out_dir, f"{stem}_{now:%Y%m%d_%H%M%S}.json")
   repeats = 1 if args.dry_run else args.repeats
   m, sizes, _ = _problems(shape, jnp.bfloat16, args.skew)
-  report = {"date": now.isoformat(), **versions, "dry_run": args.dry_run,
-            "shape": shape, "rows": m, "group_sizes": sizes.tolist(),
-            "skew": args.skew, "repeats": repeats, "seconds": None,
-            "triton_deprecation_warnings": None, "correctness": [],
-            "timing": []}
+  report = {
+      "date": now.isoformat(),
+      **versions,
+      "dry_run": args.dry_run,
+      "shape": shape,
+      "rows": m,
+      "group_sizes": sizes.tolist(),
+      "skew": args.skew,
+      "repeats": repeats,
+      "seconds": None,
+      "triton_deprecation_warnings": None,
+      "correctness": [],
+      "timing": [],
+  }
   start = time.perf_counter()
   filtered = compat.triton_deprecations_filtered()
   try:
@@ -798,12 +990,22 @@ def main(argv=None):
         check_correctness(pallas, fused, report["correctness"])
         _write(path, report)
         _print_correctness(report["correctness"])
-      print(f"T={shape['tokens']} top-{shape['top_k']} -> M={m} rows, "
-            f"D={shape['hidden']} F={shape['ffn']} E={shape['experts']}, "
-            f"bf16, {args.skew} group sizes (min {sizes.min()}, max "
-            f"{sizes.max()}), median of {repeats}")
-      run_timing(shape, repeats, args.skew, pallas, fused, xla,
-                 report["timing"], on_row=lambda: _write(path, report))
+      print(
+          f"T={shape['tokens']} top-{shape['top_k']} -> M={m} rows, "
+          f"D={shape['hidden']} F={shape['ffn']} E={shape['experts']}, "
+          f"bf16, {args.skew} group sizes (min {sizes.min()}, max "
+          f"{sizes.max()}), median of {repeats}"
+      )
+      run_timing(
+          shape,
+          repeats,
+          args.skew,
+          pallas,
+          fused,
+          xla,
+          report["timing"],
+          on_row=lambda: _write(path, report),
+      )
       _print_timing(report["timing"])
   except Exception as e:  # pylint: disable=broad-except
     report["fatal_error"] = _error_text(e)
@@ -811,11 +1013,14 @@ def main(argv=None):
   finally:  # Whatever happened (even an interrupt): write what there is.
     report["seconds"] = time.perf_counter() - start
     report["triton_deprecation_warnings"] = (
-        compat.triton_deprecations_filtered() - filtered)
+        compat.triton_deprecations_filtered() - filtered
+    )
     report["failures"] = failures(report)
     _write(path, report)
-    print(f"Pallas Triton deprecation warnings filtered: "
-          f"{report['triton_deprecation_warnings']}")
+    print(
+        f"Pallas Triton deprecation warnings filtered: "
+        f"{report['triton_deprecation_warnings']}"
+    )
     print(f"wrote {path} ({report['seconds']:.0f} s)")
   for line in report["failures"]:
     print(f"FAILED {line}")

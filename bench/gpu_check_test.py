@@ -26,12 +26,34 @@ from backends.pallas import tiling
 from bench import gpu_check
 
 _TINY = {"tokens": 16, "top_k": 2, "hidden": 64, "ffn": 32, "experts": 4}
-_TINY_LAYER = {"num_experts": 4, "top_k": 2, "hidden_size": 32,
-               "expert_ffn_size": 64, "shared_ffn_size": 32}
-_KEYS = {"date", "jax", "jaxlib", "python", "triton", "jax_triton",
-         "platform", "device", "dry_run", "shape", "rows", "group_sizes",
-         "skew", "repeats", "seconds", "triton_deprecation_warnings",
-         "correctness", "timing", "failures"}
+_TINY_LAYER = {
+    "num_experts": 4,
+    "top_k": 2,
+    "hidden_size": 32,
+    "expert_ffn_size": 64,
+    "shared_ffn_size": 32,
+}
+_KEYS = {
+    "date",
+    "jax",
+    "jaxlib",
+    "python",
+    "triton",
+    "jax_triton",
+    "platform",
+    "device",
+    "dry_run",
+    "shape",
+    "rows",
+    "group_sizes",
+    "skew",
+    "repeats",
+    "seconds",
+    "triton_deprecation_warnings",
+    "correctness",
+    "timing",
+    "failures",
+}
 
 
 @jax.custom_vjp
@@ -55,13 +77,15 @@ def _run_dry(test, *extra):
   """Runs gpu_check --dry_run at tiny shapes; returns (exit code, JSON)."""
   out_dir = tempfile.mkdtemp()
   test.addCleanup(shutil.rmtree, out_dir, ignore_errors=True)
-  with mock.patch.object(gpu_check, "DRY", _TINY), \
-      mock.patch.object(gpu_check, "GEMM_CASES",
-                        [(64, 32, 48, (10, 0, 23, 21), False)]), \
-      mock.patch.object(gpu_check, "FFN_CASES",
-                        [(48, 32, 64, (20, 0, 19))]), \
-      mock.patch.object(gpu_check, "LAYER_CONFIG", _TINY_LAYER), \
-      mock.patch.object(gpu_check, "LAYER_BATCH", (2, 16)):
+  with (
+      mock.patch.object(gpu_check, "DRY", _TINY),
+      mock.patch.object(
+          gpu_check, "GEMM_CASES", [(64, 32, 48, (10, 0, 23, 21), False)]
+      ),
+      mock.patch.object(gpu_check, "FFN_CASES", [(48, 32, 64, (20, 0, 19))]),
+      mock.patch.object(gpu_check, "LAYER_CONFIG", _TINY_LAYER),
+      mock.patch.object(gpu_check, "LAYER_BATCH", (2, 16)),
+  ):
     code = gpu_check.main(["--dry_run", "--out_dir", out_dir, *extra])
   paths = glob.glob(os.path.join(out_dir, "gpu_dryrun_*.json"))
   test.assertLen(paths, 1)
@@ -80,19 +104,28 @@ class GpuCheckDryRunTest(absltest.TestCase):
     self.assertEqual(cases, {"gemm", "expert_ffn", "moe_layer"})
     for r in report["correctness"]:
       self.assertTrue(r["ok"], r)
-    self.assertEqual([row["problem"].split()[0] for row in report["timing"]],
-                     ["gemm_up", "gemm_down", "expert_ffn"])
+    self.assertEqual(
+        [row["problem"].split()[0] for row in report["timing"]],
+        ["gemm_up", "gemm_down", "expert_ffn"],
+    )
     for row in report["timing"]:
       for method, entry in row["methods"].items():
         label = f"{row['problem']} {method}"
         self.assertNotIn("error", entry, label)
-        for key in ("fwd_s", "fwd_bwd_s", "fwd_vs_dense", "fwd_bwd_vs_dense",
-                    "fwd_vs_ragged_dot", "fwd_bwd_vs_ragged_dot"):
+        for key in (
+            "fwd_s",
+            "fwd_bwd_s",
+            "fwd_vs_dense",
+            "fwd_bwd_vs_dense",
+            "fwd_vs_ragged_dot",
+            "fwd_bwd_vs_ragged_dot",
+        ):
           self.assertIn(key, entry, label)
         if method != "dense":  # The timed outputs, on sampled groups.
           self.assertTrue(entry["check"]["ok"], (label, entry["check"]))
-          self.assertLessEqual(entry["max_rel_err"], entry["check"]
-                               ["tolerance"])
+          self.assertLessEqual(
+              entry["max_rel_err"], entry["check"]["tolerance"]
+          )
 
   def test_failures_are_recorded_and_the_rest_still_runs(self):
     real_gemm = gpu_check._gemm_methods
@@ -113,10 +146,12 @@ class GpuCheckDryRunTest(absltest.TestCase):
     def ffn_case(*args, **kwargs):
       raise RuntimeError("simulated Triton compile failure")
 
-    with mock.patch.object(gpu_check, "_gemm_methods", gemm_methods), \
-        mock.patch.object(gpu_check, "_ffn_methods", ffn_methods), \
-        mock.patch.object(gpu_check, "_ffn_case", ffn_case), \
-        mock.patch.object(gpu_check, "_layer_cases", lambda *args: None):
+    with (
+        mock.patch.object(gpu_check, "_gemm_methods", gemm_methods),
+        mock.patch.object(gpu_check, "_ffn_methods", ffn_methods),
+        mock.patch.object(gpu_check, "_ffn_case", ffn_case),
+        mock.patch.object(gpu_check, "_layer_cases", lambda *args: None),
+    ):
       code, report = _run_dry(self)
     self.assertEqual(code, 1)
     self.assertEqual(set(report), _KEYS)
@@ -125,10 +160,16 @@ class GpuCheckDryRunTest(absltest.TestCase):
     self.assertLen(errors, 2)  # expert_ffn, plain and fused.
     for r in errors:
       self.assertFalse(r["ok"])
-      self.assertIn("RuntimeError: simulated Triton compile failure",
-                    r["error"])
-    self.assertTrue(all(r["ok"] for r in report["correctness"]
-                        if r["case"].startswith("gemm")))
+      self.assertIn(
+          "RuntimeError: simulated Triton compile failure", r["error"]
+      )
+    self.assertTrue(
+        all(
+            r["ok"]
+            for r in report["correctness"]
+            if r["case"].startswith("gemm")
+        )
+    )
 
     gemm_up = report["timing"][0]["methods"]
     self.assertIn("fwd_s", gemm_up["pallas"])
@@ -148,8 +189,7 @@ class GpuCheckDryRunTest(absltest.TestCase):
     self.assertTrue(ffn["pallas_fused_act"]["check"]["ok"])
 
     failed = "\n".join(report["failures"])
-    self.assertIn("gemm_up [M,D]x[E,D,F] pallas: fwd_bwd: RuntimeError",
-                  failed)
+    self.assertIn("gemm_up [M,D]x[E,D,F] pallas: fwd_bwd: RuntimeError", failed)
     self.assertIn("check expert_ffn pallas", failed)
     self.assertIn("correctness expert_ffn pallas", failed)
 
@@ -185,24 +225,41 @@ class TablesTest(absltest.TestCase):
 
   def test_correctness_covers_the_timed_gpu_tiles(self):
     """A GEMM and an FFN case run the tiles the timed shapes run on a GPU."""
+
     def gpu_fwd(m, k, n, e, operands=1):
-      return tiling.heuristic("fwd", m, k, n, e, jnp.bfloat16,
-                              interpret=False, num_operands=operands)
+      return tiling.heuristic(
+          "fwd",
+          m,
+          k,
+          n,
+          e,
+          jnp.bfloat16,
+          interpret=False,
+          num_operands=operands,
+      )
+
     full = gpu_check.FULL
     rows = full["tokens"] * full["top_k"]
     timed = gpu_fwd(rows, full["hidden"], full["ffn"], full["experts"])
-    timed_fused = gpu_fwd(rows, full["hidden"], full["ffn"],
-                          full["experts"], 2)
+    timed_fused = gpu_fwd(rows, full["hidden"], full["ffn"], full["experts"], 2)
     self.assertEqual(timed, tiling.GPU_TILES["gmm_bf16_large"])
-    self.assertIn(timed, [gpu_fwd(m, k, n, len(s))
-                          for m, k, n, s, _ in gpu_check.GEMM_CASES])
-    self.assertIn(timed_fused, [gpu_fwd(m, d, f, len(s), 2)
-                                for m, d, f, s in gpu_check.FFN_CASES])
+    self.assertIn(
+        timed,
+        [gpu_fwd(m, k, n, len(s)) for m, k, n, s, _ in gpu_check.GEMM_CASES],
+    )
+    self.assertIn(
+        timed_fused,
+        [gpu_fwd(m, d, f, len(s), 2) for m, d, f, s in gpu_check.FFN_CASES],
+    )
 
   def test_ratios_tolerate_failed_methods(self):
-    row = {"methods": {"dense": {"fwd_s": 1.0, "fwd_bwd_s": 3.0},
-                       "ragged_dot": {"error": "fwd: boom"},
-                       "pallas": {"fwd_s": 2.0, "error": "fwd_bwd: boom"}}}
+    row = {
+        "methods": {
+            "dense": {"fwd_s": 1.0, "fwd_bwd_s": 3.0},
+            "ragged_dot": {"error": "fwd: boom"},
+            "pallas": {"fwd_s": 2.0, "error": "fwd_bwd: boom"},
+        }
+    }
     gpu_check._add_ratios(row)
     pallas = row["methods"]["pallas"]
     self.assertEqual(pallas["fwd_vs_dense"], 0.5)

@@ -22,8 +22,9 @@ import dataclasses
 from absl import app
 from absl import flags
 
-_GPU = flags.DEFINE_enum("gpu", "h100", ["h100", "h800"],
-                         "Link bandwidths of which cluster.")
+_GPU = flags.DEFINE_enum(
+    "gpu", "h100", ["h100", "h800"], "Link bandwidths of which cluster."
+)
 _MARKDOWN = flags.DEFINE_bool("markdown", False, "Print markdown tables.")
 
 GPUS_PER_NODE = 8
@@ -50,24 +51,31 @@ class Model:
   def attention_params(self) -> int:
     """MLA projection weights of one layer (about 187M)."""
     qk = self.qk_nope_dim + self.qk_rope_dim
-    return (self.hidden * self.q_lora_rank
-            + self.q_lora_rank * self.heads * qk
-            + self.hidden * (self.kv_lora_rank + self.qk_rope_dim)
-            + self.kv_lora_rank * self.heads * (self.qk_nope_dim + self.v_dim)
-            + self.heads * self.v_dim * self.hidden)
+    return (
+        self.hidden * self.q_lora_rank
+        + self.q_lora_rank * self.heads * qk
+        + self.hidden * (self.kv_lora_rank + self.qk_rope_dim)
+        + self.kv_lora_rank * self.heads * (self.qk_nope_dim + self.v_dim)
+        + self.heads * self.v_dim * self.hidden
+    )
 
   def expert_params_per_token(self) -> int:
     """Routed (K) and shared expert weights each token multiplies."""
-    return ((self.top_k + self.shared_experts) * 3 * self.hidden
-            * self.expert_ffn)
+    return (
+        (self.top_k + self.shared_experts) * 3 * self.hidden * self.expert_ffn
+    )
 
   def train_flops_per_token(self) -> float:
     """Forward + backward (3x forward) FLOPs of one MoE layer per token."""
     matmul = 2 * (self.attention_params() + self.expert_params_per_token())
     # Causal attention scores: each token attends to seq_len / 2 on average.
     context = self.seq_len / 2
-    scores = 2 * self.heads * context * (self.qk_nope_dim + self.qk_rope_dim
-                                         + self.v_dim)
+    scores = (
+        2
+        * self.heads
+        * context
+        * (self.qk_nope_dim + self.qk_rope_dim + self.v_dim)
+    )
     return 3 * (matmul + scores)
 
 
@@ -122,8 +130,9 @@ SCHEMES = (
 )
 
 
-def remote_copies(ep: int, model: Model, node_dedup: bool) -> tuple[float,
-                                                                    float]:
+def remote_copies(
+    ep: int, model: Model, node_dedup: bool
+) -> tuple[float, float]:
   """(NVLink, IB) transfers per token per exchange, with even routing.
 
   Copies go to the K chosen experts' devices, uniform over the ep devices
@@ -147,11 +156,19 @@ def remote_copies(ep: int, model: Model, node_dedup: bool) -> tuple[float,
   return nvlink, ib
 
 
-def layer_times(n_gpus: int, ep_max: int, cluster: Cluster, scheme: Scheme,
-                tokens: int, chunks: int, model: Model = Model()) -> dict:
+def layer_times(
+    n_gpus: int,
+    ep_max: int,
+    cluster: Cluster,
+    scheme: Scheme,
+    tokens: int,
+    chunks: int,
+    model: Model = Model(),
+) -> dict:
   ep = min(n_gpus, ep_max)
-  rate = (cluster.gemm_tflops_fp8 if scheme.fp8_gemm
-          else cluster.gemm_tflops_bf16) * 1e12
+  rate = (
+      cluster.gemm_tflops_fp8 if scheme.fp8_gemm else cluster.gemm_tflops_bf16
+  ) * 1e12
   compute = tokens * model.train_flops_per_token() / rate
   nvl, ib = remote_copies(ep, model, scheme.node_dedup)
   row = model.hidden
@@ -160,10 +177,16 @@ def layer_times(n_gpus: int, ep_max: int, cluster: Cluster, scheme: Scheme,
   per_elem = scheme.dispatch_bytes + 3 * scheme.other_bytes
   nvl_bytes = tokens * nvl * row * per_elem
   ib_bytes = tokens * ib * row * per_elem
-  latency = 4 * ((cluster.latency_us_ib if ib else cluster.latency_us_nvlink)
-                 * 1e-6)
-  comm = max(nvl_bytes / (cluster.nvlink_gbps * 1e9),
-             ib_bytes / (cluster.ib_gbps * 1e9)) + latency
+  latency = 4 * (
+      (cluster.latency_us_ib if ib else cluster.latency_us_nvlink) * 1e-6
+  )
+  comm = (
+      max(
+          nvl_bytes / (cluster.nvlink_gbps * 1e9),
+          ib_bytes / (cluster.ib_gbps * 1e9),
+      )
+      + latency
+  )
   serial = compute + comm
   # Overlap: comm kernels take SMs, so compute slows; with c chunks the
   # pipeline still exposes about 1/c of the shorter side.
@@ -173,17 +196,30 @@ def layer_times(n_gpus: int, ep_max: int, cluster: Cluster, scheme: Scheme,
   # Full overlap (DualPipe: one micro-batch's exchange under another's
   # compute, forward and backward interleaved): only the longer side shows.
   full = min(serial, max(slowed, comm))
-  return {"n_gpus": n_gpus, "ep": ep, "compute_ms": compute * 1e3,
-          "comm_ms": comm * 1e3, "ib_MB": ib_bytes / 1e6,
-          "nvlink_MB": nvl_bytes / 1e6, "serial_ms": serial * 1e3,
-          "chunked_ms": chunked * 1e3, "full_overlap_ms": full * 1e3}
+  return {
+      "n_gpus": n_gpus,
+      "ep": ep,
+      "compute_ms": compute * 1e3,
+      "comm_ms": comm * 1e3,
+      "ib_MB": ib_bytes / 1e6,
+      "nvlink_MB": nvl_bytes / 1e6,
+      "serial_ms": serial * 1e3,
+      "chunked_ms": chunked * 1e3,
+      "full_overlap_ms": full * 1e3,
+  }
 
 
-def table(cluster: Cluster, scheme: Scheme, ep_max: int, tokens: int = 4096,
-          chunks: int = 4,
-          sizes=(8, 16, 32, 64, 128, 256, 512, 1024)) -> list[dict]:
-  rows = [layer_times(n, ep_max, cluster, scheme, tokens, chunks)
-          for n in sizes]
+def table(
+    cluster: Cluster,
+    scheme: Scheme,
+    ep_max: int,
+    tokens: int = 4096,
+    chunks: int = 4,
+    sizes=(8, 16, 32, 64, 128, 256, 512, 1024),
+) -> list[dict]:
+  rows = [
+      layer_times(n, ep_max, cluster, scheme, tokens, chunks) for n in sizes
+  ]
   base = rows[0]
   for r in rows:
     for mode in ("serial", "chunked", "full_overlap"):
@@ -195,25 +231,40 @@ def table(cluster: Cluster, scheme: Scheme, ep_max: int, tokens: int = 4096,
 
 
 def _print(rows, markdown):
-  cols = ("n_gpus", "ep", "compute_ms", "comm_ms", "ib_MB", "eff_serial",
-          "eff_chunked", "eff_full_overlap", "compute_share_full_overlap")
+  cols = (
+      "n_gpus",
+      "ep",
+      "compute_ms",
+      "comm_ms",
+      "ib_MB",
+      "eff_serial",
+      "eff_chunked",
+      "eff_full_overlap",
+      "compute_share_full_overlap",
+  )
   if markdown:
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
   for r in rows:
-    vals = [f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])
-            for c in cols]
-    print(("| " + " | ".join(vals) + " |") if markdown
-          else "  ".join(f"{c}={v}" for c, v in zip(cols, vals)))
+    vals = [
+        f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols
+    ]
+    print(
+        ("| " + " | ".join(vals) + " |")
+        if markdown
+        else "  ".join(f"{c}={v}" for c, v in zip(cols, vals))
+    )
 
 
 def main(argv):
   del argv
   cluster = CLUSTERS[_GPU.value]
   model = Model()
-  print(f"{cluster.name}; one MoE layer, T=4096 tokens per GPU; "
-        f"{model.train_flops_per_token() / 1e9:.2f} GFLOP per token "
-        "(forward + backward)")
+  print(
+      f"{cluster.name}; one MoE layer, T=4096 tokens per GPU; "
+      f"{model.train_flops_per_token() / 1e9:.2f} GFLOP per token "
+      "(forward + backward)"
+  )
   for scheme in SCHEMES:
     for ep_max in (64, 256):
       print(f"\n{scheme.name}, EP = min(N, {ep_max}); chunked = 4 chunks")

@@ -30,6 +30,8 @@ def with_grad(fn):
   The loss vdot(fn(a, b, g), cotangent) is returned so that the forward is
   not dead code (the gradients of a linear map do not need its output).
   """
+
   def loss(a, b, g, cotangent):
     return jnp.vdot(fn(a, b, g).astype(jnp.float32), cotangent)
+
   return jax.value_and_grad(loss, argnums=(0, 1))

@@ -64,8 +64,9 @@ def _options_key(options: dict) -> str:
 
 
 def _aux_to_numpy(aux) -> dict[str, np.ndarray]:
-  return {f.name: np.asarray(getattr(aux, f.name))
-          for f in dataclasses.fields(aux)}
+  return {
+      f.name: np.asarray(getattr(aux, f.name)) for f in dataclasses.fields(aux)
+  }
 
 
 def layer_fn(backend, case: cases.LayerCase, grads: bool, **layer_kwargs):
@@ -77,26 +78,31 @@ def layer_fn(backend, case: cases.LayerCase, grads: bool, **layer_kwargs):
   cfg = case.cfg
   _, _, cotangent = cases.layer_inputs(case)
   if not grads:
+
     def forward(params, x):
-      y, aux = moe_core.moe_layer(params, x, cfg, backend=backend,
-                                  **layer_kwargs)
+      y, aux = moe_core.moe_layer(
+          params, x, cfg, backend=backend, **layer_kwargs
+      )
       return y, aux, None
+
     return forward
 
   def loss(params, x):
-    y, aux = moe_core.moe_layer(params, x, cfg, backend=backend,
-                                **layer_kwargs)
+    y, aux = moe_core.moe_layer(params, x, cfg, backend=backend, **layer_kwargs)
     return jnp.sum(y.astype(jnp.float32) * cotangent), (y, aux)
 
   def forward_and_grads(params, x):
     (_, (y, aux)), (d_params, d_x) = jax.value_and_grad(
-        loss, argnums=(0, 1), has_aux=True)(params, x)
+        loss, argnums=(0, 1), has_aux=True
+    )(params, x)
     return y, aux, dict(d_params, x=d_x)
+
   return forward_and_grads
 
 
-def compute_layer(backend, case: cases.LayerCase, jit: bool,
-                  grads: bool | None = None) -> LayerResult:
+def compute_layer(
+    backend, case: cases.LayerCase, jit: bool, grads: bool | None = None
+) -> LayerResult:
   """Runs `case` on `backend`; with gradients if `grads` (default: if the
   case asks for them)."""
   params, x, _ = cases.layer_inputs(case)
@@ -110,26 +116,30 @@ def compute_layer(backend, case: cases.LayerCase, jit: bool,
     return y, grads
 
   return LayerResult(
-      y=np.asarray(y), aux=_aux_to_numpy(aux),
-      grads=None if grads is None else {n: np.asarray(g)
-                                        for n, g in grads.items()},
-      rerun=rerun)
+      y=np.asarray(y),
+      aux=_aux_to_numpy(aux),
+      grads=None
+      if grads is None
+      else {n: np.asarray(g) for n, g in grads.items()},
+      rerun=rerun,
+  )
 
 
 def reference_layer(case: cases.LayerCase) -> LayerResult:
   """The oracle: the reference backend on `case`, jitted unless the case
   says not. A reference backend under test shares this result."""
-  return cached(("reference", _options_key({}), "layer", case, case.jit,
-                 case.grads),
-                lambda: compute_layer(moe_core.get_backend("reference"),
-                                      case, case.jit))
+  return cached(
+      ("reference", _options_key({}), "layer", case, case.jit, case.grads),
+      lambda: compute_layer(moe_core.get_backend("reference"), case, case.jit),
+  )
 
 
 def reference_gemm(case: cases.GemmCase) -> GemmResult:
   """The reference backend's grouped GEMM on `case` (jitted), cached."""
-  return cached(("reference", _options_key({}), "gemm", case, True),
-                lambda: compute_gemm(moe_core.get_backend("reference"),
-                                     case, True))
+  return cached(
+      ("reference", _options_key({}), "gemm", case, True),
+      lambda: compute_gemm(moe_core.get_backend("reference"), case, True),
+  )
 
 
 def compute_gemm(backend, case: cases.GemmCase, jit: bool) -> GemmResult:
@@ -137,9 +147,14 @@ def compute_gemm(backend, case: cases.GemmCase, jit: bool) -> GemmResult:
 
   def fn(rows, weights):
     def gemm(r, w):
-      return backend.grouped_gemm(r, w, group_sizes,
-                                  transpose_rhs=case.transpose_rhs,
-                                  out_dtype=case.out_dtype)
+      return backend.grouped_gemm(
+          r,
+          w,
+          group_sizes,
+          transpose_rhs=case.transpose_rhs,
+          out_dtype=case.out_dtype,
+      )
+
     out, vjp = jax.vjp(gemm, rows, weights)
     d_rows, d_weights = vjp(cotangent)
     return out, d_rows, d_weights
@@ -147,8 +162,12 @@ def compute_gemm(backend, case: cases.GemmCase, jit: bool) -> GemmResult:
   if jit:
     fn = jax.jit(fn)
   out, d_rows, d_weights = fn(rows, weights)
-  return GemmResult(np.asarray(out), np.asarray(d_rows),
-                    np.asarray(d_weights), rerun=lambda: fn(rows, weights))
+  return GemmResult(
+      np.asarray(out),
+      np.asarray(d_rows),
+      np.asarray(d_weights),
+      rerun=lambda: fn(rows, weights),
+  )
 
 
 class BackendTestCase(parameterized.TestCase):
@@ -166,8 +185,7 @@ class BackendTestCase(parameterized.TestCase):
   def setUp(self):
     super().setUp()
     try:
-      self.backend = moe_core.get_backend(self.BACKEND,
-                                          **self.BACKEND_OPTIONS)
+      self.backend = moe_core.get_backend(self.BACKEND, **self.BACKEND_OPTIONS)
     except ImportError as e:
       self.skipTest(f"backend {self.BACKEND!r} cannot be imported here: {e}")
     ok, reason = self.backend.availability()
@@ -179,7 +197,8 @@ class BackendTestCase(parameterized.TestCase):
   ORACLE_SKIP_REASON: ClassVar[str] = (
       "reference is the oracle: comparing it with itself cannot fail; its "
       "forward is checked against float64 numpy oracles in this suite and "
-      "its gradients by finite differences in reference/gradient_check_test.py")
+      "its gradients by finite differences in reference/gradient_check_test.py"
+  )
 
   def is_oracle(self) -> bool:
     """True when the backend under test is the oracle itself.
@@ -200,30 +219,40 @@ class BackendTestCase(parameterized.TestCase):
   def _key(self, *parts):
     return (self.BACKEND, _options_key(self.BACKEND_OPTIONS)) + parts
 
-  def run_layer(self, case: cases.LayerCase, jit: bool | None = None,
-                grads: bool | None = None) -> LayerResult:
+  def run_layer(
+      self,
+      case: cases.LayerCase,
+      jit: bool | None = None,
+      grads: bool | None = None,
+  ) -> LayerResult:
     """The backend under test on `case`, cached. By default jitted and with
     gradients as the case says."""
     jit = case.jit if jit is None else jit
     grads = case.grads if grads is None else grads
-    return cached(self._key("layer", case, jit, grads),
-                  lambda: compute_layer(self.backend, case, jit, grads))
+    return cached(
+        self._key("layer", case, jit, grads),
+        lambda: compute_layer(self.backend, case, jit, grads),
+    )
 
   def run_gemm(self, case: cases.GemmCase, jit: bool = True) -> GemmResult:
     """The backend under test on `case` (by default jitted), cached."""
-    return cached(self._key("gemm", case, jit),
-                  lambda: compute_gemm(self.backend, case, jit))
+    return cached(
+        self._key("gemm", case, jit),
+        lambda: compute_gemm(self.backend, case, jit),
+    )
 
   # --- Comparisons ----------------------------------------------------------
 
   def tolerance(self, dtype, kind: str = "forward") -> tolerances.Tolerance:
     return tolerances.lookup(dtype, kind, self.TOLERANCE_OVERRIDES)
 
-  def assertClose(self, actual, expected, dtype, kind: str = "forward",
-                  msg: str = ""):
+  def assertClose(
+      self, actual, expected, dtype, kind: str = "forward", msg: str = ""
+  ):
     """`actual` within the table tolerance for `dtype` of `expected`."""
-    problem = tolerances.violation(actual, expected,
-                                   self.tolerance(dtype, kind))
+    problem = tolerances.violation(
+        actual, expected, self.tolerance(dtype, kind)
+    )
     if problem:
       self.fail(f"{self.BACKEND}: {msg}: {problem}")
 
@@ -232,29 +261,34 @@ class BackendTestCase(parameterized.TestCase):
     x = np.asarray(x).astype(np.float64)
     bad = np.argwhere(x != 0)
     if bad.size:
-      self.fail(f"{self.BACKEND}: {msg}: {len(bad)} nonzero values, first "
-                f"at {tuple(bad[0])} = {x[tuple(bad[0])]}")
+      self.fail(
+          f"{self.BACKEND}: {msg}: {len(bad)} nonzero values, first "
+          f"at {tuple(bad[0])} = {x[tuple(bad[0])]}"
+      )
 
   def assertBitwiseEqual(self, a, b, msg: str = ""):
     a, b = np.asarray(a), np.asarray(b)
     self.assertEqual(a.dtype, b.dtype, msg)
     self.assertEqual(a.shape, b.shape, msg)
-    self.assertTrue(a.tobytes() == b.tobytes(),
-                    f"{self.BACKEND}: {msg}: results differ bit for bit")
+    self.assertTrue(
+        a.tobytes() == b.tobytes(),
+        f"{self.BACKEND}: {msg}: results differ bit for bit",
+    )
 
   # --- Layer properties shared by the layer and routing suites -------------
 
-  def assertYMatchesReference(self, case: cases.LayerCase,
-                              result: LayerResult):
+  def assertYMatchesReference(self, case: cases.LayerCase, result: LayerResult):
     """y equals the reference's y; a no-op for the oracle itself, whose y
     the per-token float64 recomputation checks instead."""
     if self.is_oracle():
       return
-    self.assertClose(result.y, reference_layer(case).y, case.dtype,
-                     msg="y vs reference")
+    self.assertClose(
+        result.y, reference_layer(case).y, case.dtype, msg="y vs reference"
+    )
 
-  def assertMatchesPerTokenMath(self, case: cases.LayerCase,
-                                result: LayerResult):
+  def assertMatchesPerTokenMath(
+      self, case: cases.LayerCase, result: LayerResult
+  ):
     """y[t] = sum_k w[t, k] FFN_{ids[t, k]}(x[t]) (+ shared), in numpy.
 
     Uses the layer's own routing decision (expert_ids, combine_weights, with
@@ -266,13 +300,19 @@ class BackendTestCase(parameterized.TestCase):
     self.assertEqual(result.y.dtype, x.dtype, "y dtype")
     tokens = np.asarray(x).reshape(-1, cfg.hidden_size)
     weights = np.where(result.aux["kept"], result.aux["combine_weights"], 0)
-    want = oracles.layer_from_routing(params, tokens, result.aux["expert_ids"],
-                                      weights, cfg)
-    self.assertClose(result.y.reshape(tokens.shape), want, case.dtype,
-                     msg="y vs per-token float64 recomputation")
+    want = oracles.layer_from_routing(
+        params, tokens, result.aux["expert_ids"], weights, cfg
+    )
+    self.assertClose(
+        result.y.reshape(tokens.shape),
+        want,
+        case.dtype,
+        msg="y vs per-token float64 recomputation",
+    )
 
-  def assertAuxMatchesReference(self, case: cases.LayerCase,
-                                result: LayerResult):
+  def assertAuxMatchesReference(
+      self, case: cases.LayerCase, result: LayerResult
+  ):
     """Every aux field has its contract shape and dtype and equals the
     reference's: integers and masks exactly, floats to float32 rounding
     (the contract only, for the oracle itself)."""
@@ -305,5 +345,6 @@ class BackendTestCase(parameterized.TestCase):
           problem = tolerances.violation(got, want[name], routing_tol)
           self.assertIsNone(problem, f"aux.{name} vs reference: {problem}")
         else:
-          np.testing.assert_array_equal(got, want[name],
-                                        f"aux.{name} vs reference")
+          np.testing.assert_array_equal(
+              got, want[name], f"aux.{name} vs reference"
+          )

@@ -45,8 +45,10 @@ class GemmCase:
 
   def __post_init__(self):
     if self.used_rows > self.m:
-      raise ValueError(f"case {self.name}: sum(group_sizes)={self.used_rows}"
-                       f" > m={self.m}.")
+      raise ValueError(
+          f"case {self.name}: sum(group_sizes)={self.used_rows}"
+          f" > m={self.m}."
+      )
 
 
 GEMM_CASES = (
@@ -54,12 +56,22 @@ GEMM_CASES = (
     GemmCase("f32_full", 64, 32, 48, (10, 0, 23, 31)),
     GemmCase("bf16_full", 64, 32, 48, (10, 0, 23, 31), dtype="bfloat16"),
     # sum(group_sizes) < M: the last rows are padding.
-    GemmCase("bf16_padded", 64, 32, 48, (5, 17, 0, 20), dtype="bfloat16",
-             seed=1),
-    GemmCase("f32_transposed", 40, 24, 40, (7, 13, 0, 20),
-             transpose_rhs=True, seed=2),
-    GemmCase("bf16_transposed_padded", 40, 24, 40, (7, 13, 0, 9),
-             dtype="bfloat16", transpose_rhs=True, seed=3),
+    GemmCase(
+        "bf16_padded", 64, 32, 48, (5, 17, 0, 20), dtype="bfloat16", seed=1
+    ),
+    GemmCase(
+        "f32_transposed", 40, 24, 40, (7, 13, 0, 20), transpose_rhs=True, seed=2
+    ),
+    GemmCase(
+        "bf16_transposed_padded",
+        40,
+        24,
+        40,
+        (7, 13, 0, 9),
+        dtype="bfloat16",
+        transpose_rhs=True,
+        seed=3,
+    ),
     GemmCase("one_row", 1, 16, 24, (0, 1, 0), seed=4),
     # K and N not multiples of any tile; odd M.
     GemmCase("odd_37_k48_n80", 37, 48, 80, (3, 0, 34), seed=5),
@@ -68,24 +80,50 @@ GEMM_CASES = (
     GemmCase("one_group", 20, 16, 24, (17,), seed=7),
     GemmCase("large_group", 300, 16, 16, (0, 290, 3), seed=8),
     GemmCase("all_groups_empty", 24, 16, 24, (0, 0, 0), seed=9),
-    GemmCase("bf16_rows_f32_out", 48, 32, 40, (20, 0, 28),
-             dtype="bfloat16", out_dtype="float32", seed=10),
+    GemmCase(
+        "bf16_rows_f32_out",
+        48,
+        32,
+        40,
+        (20, 0, 28),
+        dtype="bfloat16",
+        out_dtype="float32",
+        seed=10,
+    ),
     # Balanced routing with M >= ~64 E: the xla backend's batched bulk
     # (backends/xla/grouped_gemm.py: bulk_rows(512, 4) = 152 rows per group,
     # and `_balanced` holds), which the small cases above never reach.
     GemmCase("balanced_512", 512, 16, 24, (128, 128, 128, 128), seed=11),
     # The bulk again, with group 0 overflowing it by 8 rows into the tile
     # loop, and 16 padding rows (padding 120 <= M/4, overflow 8 <= M/10).
-    GemmCase("balanced_512_overflow_padded", 512, 16, 24,
-             (160, 96, 120, 120), transpose_rhs=True, seed=12),
+    GemmCase(
+        "balanced_512_overflow_padded",
+        512,
+        16,
+        24,
+        (160, 96, 120, 120),
+        transpose_rhs=True,
+        seed=12,
+    ),
 )
 GEMM_BY_NAME = {c.name: c for c in GEMM_CASES}
 
 # Gradients are checked on a subset to keep compile time down.
-GEMM_GRAD_CASES = tuple(GEMM_BY_NAME[n] for n in (
-    "f32_full", "bf16_full", "bf16_padded", "bf16_transposed_padded",
-    "f32_transposed", "odd_37_k48_n80", "rows_129", "all_groups_empty",
-    "balanced_512", "balanced_512_overflow_padded"))
+GEMM_GRAD_CASES = tuple(
+    GEMM_BY_NAME[n]
+    for n in (
+        "f32_full",
+        "bf16_full",
+        "bf16_padded",
+        "bf16_transposed_padded",
+        "f32_transposed",
+        "odd_37_k48_n80",
+        "rows_129",
+        "all_groups_empty",
+        "balanced_512",
+        "balanced_512_overflow_padded",
+    )
+)
 # Cases with padding rows (sum(group_sizes) < M), which hold NaN.
 GEMM_PADDED_CASES = tuple(c for c in GEMM_CASES if c.used_rows < c.m)
 
@@ -106,15 +144,21 @@ def gemm_inputs(case: GemmCase):
   """
   rng = np.random.default_rng(1000 + case.seed)
   rows = _normal(rng, (case.m, case.k))
-  rows[case.used_rows:] = np.nan
-  w_shape = ((case.num_groups, case.n, case.k) if case.transpose_rhs
-             else (case.num_groups, case.k, case.n))
-  weights = _normal(rng, w_shape, case.k ** -0.5)
+  rows[case.used_rows :] = np.nan
+  w_shape = (
+      (case.num_groups, case.n, case.k)
+      if case.transpose_rhs
+      else (case.num_groups, case.k, case.n)
+  )
+  weights = _normal(rng, w_shape, case.k**-0.5)
   cotangent = _normal(rng, (case.m, case.n))
   dtype = jnp.dtype(case.dtype)
-  return (jnp.asarray(rows, dtype), jnp.asarray(weights, dtype),
-          jnp.asarray(case.group_sizes, jnp.int32),
-          jnp.asarray(cotangent, jnp.dtype(case.result_dtype)))
+  return (
+      jnp.asarray(rows, dtype),
+      jnp.asarray(weights, dtype),
+      jnp.asarray(case.group_sizes, jnp.int32),
+      jnp.asarray(cotangent, jnp.dtype(case.result_dtype)),
+  )
 
 
 # --- The MoE layer ----------------------------------------------------------
@@ -161,35 +205,77 @@ _SHARED_GATED = dict(shared_ffn_size=24, shared_expert_gate=True)
 # are not multiples of 128.
 LAYER_CASES = (
     LayerCase("base_f32", _cfg(**_SHARED_GATED), (16,), grads=True),
-    LayerCase("base_bf16", _cfg(**_SHARED_GATED), (16,), dtype="bfloat16",
-              grads=True, seed=1),
+    LayerCase(
+        "base_bf16",
+        _cfg(**_SHARED_GATED),
+        (16,),
+        dtype="bfloat16",
+        grads=True,
+        seed=1,
+    ),
     LayerCase("one_token", _cfg(), (1,), grads=True, seed=2),
-    LayerCase("odd_37_tokens_d48_f80",
-              _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4),
-              (37,), grads=True, seed=3),
-    LayerCase("tokens_129", _cfg(hidden_size=16, expert_ffn_size=24),
-              (129,), grads=True, seed=4),
+    LayerCase(
+        "odd_37_tokens_d48_f80",
+        _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4),
+        (37,),
+        grads=True,
+        seed=3,
+    ),
+    LayerCase(
+        "tokens_129",
+        _cfg(hidden_size=16, expert_ffn_size=24),
+        (129,),
+        grads=True,
+        seed=4,
+    ),
     LayerCase("batch_2x5", _cfg(), (2, 5), seed=5),
-    LayerCase("experts_without_tokens", _cfg(), (16,), grads=True,
-              cold_experts=(1, 4, 6), seed=6),
-    LayerCase("one_expert_takes_all", _cfg(top_k=1), (16,), grads=True,
-              hot_expert=3, seed=7),
-    LayerCase("single_expert", _cfg(num_experts=1, top_k=1), (12,),
-              grads=True, seed=8),
-    LayerCase("top_k_equals_experts", _cfg(num_experts=4, top_k=4), (10,),
-              grads=True, seed=9),
+    LayerCase(
+        "experts_without_tokens",
+        _cfg(),
+        (16,),
+        grads=True,
+        cold_experts=(1, 4, 6),
+        seed=6,
+    ),
+    LayerCase(
+        "one_expert_takes_all",
+        _cfg(top_k=1),
+        (16,),
+        grads=True,
+        hot_expert=3,
+        seed=7,
+    ),
+    LayerCase(
+        "single_expert", _cfg(num_experts=1, top_k=1), (12,), grads=True, seed=8
+    ),
+    LayerCase(
+        "top_k_equals_experts",
+        _cfg(num_experts=4, top_k=4),
+        (10,),
+        grads=True,
+        seed=9,
+    ),
     # The reference runs every expert on every token: jit of 256 experts
     # takes ~15 s to compile on 2 cores, op by op ~3 s. Forward only: the
     # reference's gradients take ~50 s here, jitted or not, in every
     # backend's run (the xla backend's take 4-10 s); the 256 experts' many
     # empty groups get gradients in GEMM_CASES' empty groups and in
     # experts_without_tokens.
-    LayerCase("experts_256_tokens_12",
-              _cfg(num_experts=256, top_k=8, hidden_size=16,
-                   expert_ffn_size=24), (12,), jit=False, seed=10),
-    LayerCase("d48_f80_bf16",
-              _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4),
-              (24,), dtype="bfloat16", grads=True, seed=11),
+    LayerCase(
+        "experts_256_tokens_12",
+        _cfg(num_experts=256, top_k=8, hidden_size=16, expert_ffn_size=24),
+        (12,),
+        jit=False,
+        seed=10,
+    ),
+    LayerCase(
+        "d48_f80_bf16",
+        _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4),
+        (24,),
+        dtype="bfloat16",
+        grads=True,
+        seed=11,
+    ),
 )
 
 # Every routing option of the config, each in at least one case: softmax /
@@ -198,46 +284,87 @@ LAYER_CASES = (
 # "sum_top2"; routed_scaling_factor != 1; shared expert gated and ungated;
 # activations silu (the LAYER_CASES), gelu and gelu_tanh.
 ROUTING_VARIANTS = (
-    LayerCase("softmax_norm_eps0_scaled",
-              _cfg(norm_topk_prob=True, routed_scaling_factor=2.5), (16,),
-              grads=True, seed=20),
-    LayerCase("softmax_bias_norm_eps1e-20",
-              _cfg(correction_bias=True, norm_topk_prob=True,
-                   norm_epsilon=1e-20), (16,), grads=True, seed=21),
-    LayerCase("sigmoid", _cfg(score_func="sigmoid"), (16,), grads=True,
-              seed=22),
-    LayerCase("sigmoid_bias_norm_eps0",
-              _cfg(score_func="sigmoid", correction_bias=True,
-                   norm_topk_prob=True), (16,), grads=True, seed=23),
-    LayerCase("groups_max",
-              _cfg(num_experts=16, top_k=3, n_group=4, topk_group=2,
-                   group_score="max"), (16,), grads=True, seed=24),
+    LayerCase(
+        "softmax_norm_eps0_scaled",
+        _cfg(norm_topk_prob=True, routed_scaling_factor=2.5),
+        (16,),
+        grads=True,
+        seed=20,
+    ),
+    LayerCase(
+        "softmax_bias_norm_eps1e-20",
+        _cfg(correction_bias=True, norm_topk_prob=True, norm_epsilon=1e-20),
+        (16,),
+        grads=True,
+        seed=21,
+    ),
+    LayerCase(
+        "sigmoid", _cfg(score_func="sigmoid"), (16,), grads=True, seed=22
+    ),
+    LayerCase(
+        "sigmoid_bias_norm_eps0",
+        _cfg(score_func="sigmoid", correction_bias=True, norm_topk_prob=True),
+        (16,),
+        grads=True,
+        seed=23,
+    ),
+    LayerCase(
+        "groups_max",
+        _cfg(
+            num_experts=16, top_k=3, n_group=4, topk_group=2, group_score="max"
+        ),
+        (16,),
+        grads=True,
+        seed=24,
+    ),
     # DeepSeek-V3's router.
-    LayerCase("groups_sum_top2_sigmoid_bias_scaled",
-              _cfg(num_experts=16, top_k=3, n_group=4, topk_group=2,
-                   group_score="sum_top2", score_func="sigmoid",
-                   correction_bias=True, norm_topk_prob=True,
-                   norm_epsilon=1e-20, routed_scaling_factor=2.5),
-              (16,), grads=True, seed=25),
-    LayerCase("shared_gated_gelu",
-              _cfg(activation="gelu", **_SHARED_GATED), (16,), grads=True,
-              seed=26),
-    LayerCase("shared_ungated_gelu_tanh",
-              _cfg(activation="gelu_tanh", shared_ffn_size=24), (16,),
-              grads=True, seed=27),
+    LayerCase(
+        "groups_sum_top2_sigmoid_bias_scaled",
+        _cfg(
+            num_experts=16,
+            top_k=3,
+            n_group=4,
+            topk_group=2,
+            group_score="sum_top2",
+            score_func="sigmoid",
+            correction_bias=True,
+            norm_topk_prob=True,
+            norm_epsilon=1e-20,
+            routed_scaling_factor=2.5,
+        ),
+        (16,),
+        grads=True,
+        seed=25,
+    ),
+    LayerCase(
+        "shared_gated_gelu",
+        _cfg(activation="gelu", **_SHARED_GATED),
+        (16,),
+        grads=True,
+        seed=26,
+    ),
+    LayerCase(
+        "shared_ungated_gelu_tanh",
+        _cfg(activation="gelu_tanh", shared_ffn_size=24),
+        (16,),
+        grads=True,
+        seed=27,
+    ),
 )
 
 # capacity = ceil(capacity_factor * T * K / E) = 4 and 2 slots per expert.
 CAPACITY_CASES = (
     LayerCase("capacity_1.0", _cfg(capacity_factor=1.0), (16,), seed=40),
-    LayerCase("capacity_0.5_sigmoid",
-              _cfg(capacity_factor=0.5, score_func="sigmoid",
-                   norm_topk_prob=True), (16,), seed=41),
+    LayerCase(
+        "capacity_0.5_sigmoid",
+        _cfg(capacity_factor=0.5, score_func="sigmoid", norm_topk_prob=True),
+        (16,),
+        seed=41,
+    ),
 )
 
 LAYER_BY_NAME = {c.name: c for c in LAYER_CASES}
-LAYER_GRAD_CASES = tuple(c for c in LAYER_CASES + ROUTING_VARIANTS
-                         if c.grads)
+LAYER_GRAD_CASES = tuple(c for c in LAYER_CASES + ROUTING_VARIANTS if c.grads)
 
 
 def named(cases) -> list[tuple]:
@@ -272,8 +399,10 @@ def layer_inputs(case: LayerCase):
       params["router"][0, e] = -40.0
   cotangent = _normal(rng, x.shape)
   dtype = jnp.dtype(case.dtype)
-  params = {n: jnp.asarray(v, jnp.float32 if n == "correction_bias" else dtype)
-            for n, v in params.items()}
+  params = {
+      n: jnp.asarray(v, jnp.float32 if n == "correction_bias" else dtype)
+      for n, v in params.items()
+  }
   return params, jnp.asarray(x, dtype), jnp.asarray(cotangent)
 
 
@@ -281,8 +410,7 @@ def layer_inputs(case: LayerCase):
 
 # Dispatch / combine: E = 6, K = 3, T = 13; with capacity_factor 0.5 each
 # expert keeps ceil(0.5 * 13 * 3 / 6) = 4 copies and some are dropped.
-PERMUTE_CFG = _cfg(num_experts=6, top_k=3, hidden_size=16,
-                   expert_ffn_size=16)
+PERMUTE_CFG = _cfg(num_experts=6, top_k=3, hidden_size=16, expert_ffn_size=16)
 PERMUTE_CAPACITY_CFG = PERMUTE_CFG.replace(capacity_factor=0.5)
 PERMUTE_TOKENS = 13
 
@@ -293,9 +421,13 @@ def permute_inputs(cfg: moe_core.MoEConfig):
   cotangent [T, D]), float32 jax arrays for the dispatch/combine stage."""
   rng = np.random.default_rng(3000)
   t, d, e, k = PERMUTE_TOKENS, cfg.hidden_size, cfg.num_experts, cfg.top_k
-  arrays = (_normal(rng, (t, d)), _normal(rng, (d, e), d ** -0.5),
-            _normal(rng, (t * k, d)), rng.uniform(0.1, 1.0, (t, k)),
-            _normal(rng, (t, d)))
+  arrays = (
+      _normal(rng, (t, d)),
+      _normal(rng, (d, e), d**-0.5),
+      _normal(rng, (t * k, d)),
+      rng.uniform(0.1, 1.0, (t, k)),
+      _normal(rng, (t, d)),
+  )
   return tuple(jnp.asarray(a, jnp.float32) for a in arrays)
 
 
@@ -313,10 +445,16 @@ def ffn_inputs(dtype: str):
   cfg = FFN_CFG
   rng = np.random.default_rng(3001)
   rows = _normal(rng, (FFN_ROWS, cfg.hidden_size))
-  rows[sum(FFN_GROUP_SIZES):] = np.nan
-  params = {n: jnp.asarray(_normal(rng, s, s[-2] ** -0.5), dtype)
-            for n, s in moe_core.param_shapes(cfg).items()
-            if n.startswith("w_")}
+  rows[sum(FFN_GROUP_SIZES) :] = np.nan
+  params = {
+      n: jnp.asarray(_normal(rng, s, s[-2] ** -0.5), dtype)
+      for n, s in moe_core.param_shapes(cfg).items()
+      if n.startswith("w_")
+  }
   cotangent = _normal(rng, (FFN_ROWS, cfg.hidden_size))
-  return (jnp.asarray(rows, dtype), jnp.asarray(FFN_GROUP_SIZES, jnp.int32),
-          params, jnp.asarray(cotangent, dtype))
+  return (
+      jnp.asarray(rows, dtype),
+      jnp.asarray(FFN_GROUP_SIZES, jnp.int32),
+      params,
+      jnp.asarray(cotangent, dtype),
+  )

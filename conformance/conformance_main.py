@@ -19,17 +19,25 @@ from absl.testing import absltest
 from conformance import suite
 
 _BACKEND = flags.DEFINE_string(
-    "backend", None, "The registered backend to test, e.g. 'xla'.")
+    "backend", None, "The registered backend to test, e.g. 'xla'."
+)
 _BACKEND_OPTIONS = flags.DEFINE_string(
-    "backend_options", "{}",
-    "JSON dict of keyword options for moe_core.get_backend(backend, ...).")
+    "backend_options",
+    "{}",
+    "JSON dict of keyword options for moe_core.get_backend(backend, ...).",
+)
 _TOLERANCE_OVERRIDES = flags.DEFINE_string(
-    "tolerance_overrides", "{}",
+    "tolerance_overrides",
+    "{}",
     "JSON dict loosening conformance/tolerances.py for this backend, e.g. "
-    '\'{"bfloat16": [0.04, 0.02]}\'; give the reason where it is set.')
+    "'{\"bfloat16\": [0.04, 0.02]}'; give the reason where it is set.",
+)
 _EP = flags.DEFINE_bool(
-    "ep", False, "Run the expert-parallel suites (suite.EP_SUITES, which need "
-    "8 devices) instead of the single-device ones.")
+    "ep",
+    False,
+    "Run the expert-parallel suites (suite.EP_SUITES, which need "
+    "8 devices) instead of the single-device ones.",
+)
 flags.mark_flag_as_required("backend")
 
 
@@ -37,11 +45,13 @@ def _json_dict(flag) -> dict:
   try:
     value = json.loads(flag.value)
   except json.JSONDecodeError as e:
-    raise app.UsageError(f"--{flag.name} must be a JSON dict, got "
-                         f"{flag.value!r}: {e}") from e
+    raise app.UsageError(
+        f"--{flag.name} must be a JSON dict, got " f"{flag.value!r}: {e}"
+    ) from e
   if not isinstance(value, dict):
-    raise app.UsageError(f"--{flag.name} must be a JSON dict, got "
-                         f"{flag.value!r}.")
+    raise app.UsageError(
+        f"--{flag.name} must be a JSON dict, got " f"{flag.value!r}."
+    )
   return value
 
 
@@ -49,12 +59,14 @@ def install_test_classes(module) -> dict[str, type]:
   """Puts the suite's classes for --backend into `module`'s namespace."""
   options = _json_dict(_BACKEND_OPTIONS)
   # JSON has no tuples; backend options such as tile sizes want them.
-  options = {k: tuple(v) if isinstance(v, list) else v
-             for k, v in options.items()}
+  options = {
+      k: tuple(v) if isinstance(v, list) else v for k, v in options.items()
+  }
   overrides = _json_dict(_TOLERANCE_OVERRIDES)
   suites = suite.EP_SUITES if _EP.value else suite.SUITES
-  classes = suite.make_test_classes(_BACKEND.value, options, overrides,
-                                    suites=suites)
+  classes = suite.make_test_classes(
+      _BACKEND.value, options, overrides, suites=suites
+  )
   for name, cls in classes.items():
     cls.__module__ = module.__name__
     setattr(module, name, cls)

@@ -14,8 +14,9 @@ from conformance import suite
 for _backend in moe_core.registered_backends():
   # The EP suites skip, with the reason, unless 8 devices exist
   # (XLA_FLAGS=--xla_force_host_platform_device_count=8).
-  globals().update(suite.make_test_classes(
-      _backend, suites=suite.SUITES + suite.EP_SUITES))
+  globals().update(
+      suite.make_test_classes(_backend, suites=suite.SUITES + suite.EP_SUITES)
+  )
 
 if __name__ == "__main__":
   absltest.main()

@@ -35,9 +35,10 @@ class MeshCase:
     return tuple(a for a in self.axis_names if a != "expert")
 
   def build(self) -> jax.sharding.Mesh:
-    devices = jax.devices()[:math.prod(self.shape)]
-    return jax.sharding.Mesh(np.array(devices).reshape(self.shape),
-                             self.axis_names)
+    devices = jax.devices()[: math.prod(self.shape)]
+    return jax.sharding.Mesh(
+        np.array(devices).reshape(self.shape), self.axis_names
+    )
 
 
 MESHES = (
@@ -48,6 +49,7 @@ MESHES = (
 )
 _MESH = {m.name: m for m in MESHES}
 
+
 def _pick(what: str, predicate) -> cases.LayerCase:
   """The first layer case with `predicate`; picked by property, not name.
 
@@ -55,32 +57,63 @@ def _pick(what: str, predicate) -> cases.LayerCase:
   ep = 8) over 8 expert shards.
   """
   for case in cases.LAYER_CASES + cases.ROUTING_VARIANTS:
-    if (case.grads and case.num_tokens % NUM_DEVICES == 0
-        and case.cfg.num_experts % NUM_DEVICES == 0 and predicate(case)):
+    if (
+        case.grads
+        and case.num_tokens % NUM_DEVICES == 0
+        and case.cfg.num_experts % NUM_DEVICES == 0
+        and predicate(case)
+    ):
       return case
-  raise LookupError(f"conformance/cases.py has no layer case for the EP "
-                    f"suite's {what} (grads, tokens and experts divisible by "
-                    f"{NUM_DEVICES}).")
+  raise LookupError(
+      f"conformance/cases.py has no layer case for the EP "
+      f"suite's {what} (grads, tokens and experts divisible by "
+      f"{NUM_DEVICES})."
+  )
 
 
-_BASE = _pick("float32 case with a gated shared expert", lambda c: (
-    c.dtype == "float32" and c.cfg.shared_expert_gate
-    and c.hot_expert is None and not c.cold_experts))
-_BF16 = _pick("bfloat16 case", lambda c: (
-    c.dtype == "bfloat16" and c.hot_expert is None and not c.cold_experts))
+_BASE = _pick(
+    "float32 case with a gated shared expert",
+    lambda c: (
+        c.dtype == "float32"
+        and c.cfg.shared_expert_gate
+        and c.hot_expert is None
+        and not c.cold_experts
+    ),
+)
+_BF16 = _pick(
+    "bfloat16 case",
+    lambda c: (
+        c.dtype == "bfloat16" and c.hot_expert is None and not c.cold_experts
+    ),
+)
 _COLD = _pick("experts without tokens", lambda c: bool(c.cold_experts))
 # Every token's best expert is the hot one: with top_k=1 every copy goes to
 # the device holding it (the worst imbalance), which must take them all.
-_HOT = _pick("one expert takes all", lambda c: (
-    c.hot_expert is not None and c.cfg.top_k == 1))
-_DEEPSEEK = _pick("DeepSeek-V3 router", lambda c: (
-    c.cfg.group_score == "sum_top2" and c.cfg.correction_bias
-    and c.cfg.n_group > 1))
+_HOT = _pick(
+    "one expert takes all",
+    lambda c: (c.hot_expert is not None and c.cfg.top_k == 1),
+)
+_DEEPSEEK = _pick(
+    "DeepSeek-V3 router",
+    lambda c: (
+        c.cfg.group_score == "sum_top2"
+        and c.cfg.correction_bias
+        and c.cfg.n_group > 1
+    ),
+)
 
 
 def _product(case_list, mesh_names, exchange="padded"):
-  return [(f"{c.name}_{m}" + ("" if exchange == "padded" else f"_{exchange}"),
-           c, _MESH[m], exchange) for c in case_list for m in mesh_names]
+  return [
+      (
+          f"{c.name}_{m}" + ("" if exchange == "padded" else f"_{exchange}"),
+          c,
+          _MESH[m],
+          exchange,
+      )
+      for c in case_list
+      for m in mesh_names
+  ]
 
 
 _ALL_MESHES = [m.name for m in MESHES]
@@ -91,7 +124,8 @@ EP_CASES = (
     # The ragged layout (ragged_all_to_all on GPU/TPU) through its all_gather
     # emulation, which runs anywhere.
     + _product((_BASE,), ("ep8",), "ragged_emulated")
-    + _product((_HOT,), ("data2_ep4",), "ragged_emulated"))
+    + _product((_HOT,), ("data2_ep4",), "ragged_emulated")
+)
 
 
 class ExpertParallelSuite(base.BackendTestCase):
@@ -106,22 +140,33 @@ class ExpertParallelSuite(base.BackendTestCase):
       self.skipTest(
           f"expert-parallel suite needs {NUM_DEVICES} devices, found "
           f"{jax.device_count()}: set XLA_FLAGS=--xla_force_host_platform_"
-          f"device_count={NUM_DEVICES} before jax is imported.")
+          f"device_count={NUM_DEVICES} before jax is imported."
+      )
 
-  def run_ep(self, case: cases.LayerCase, mesh_case: MeshCase,
-             exchange: str) -> base.LayerResult:
+  def run_ep(
+      self, case: cases.LayerCase, mesh_case: MeshCase, exchange: str
+  ) -> base.LayerResult:
     params, x, _ = cases.layer_inputs(case)
-    fn = jax.jit(base.layer_fn(
-        self.backend, case, grads=True, mesh=mesh_case.build(),
-        data_axes=mesh_case.data_axes,
-        ep_options=parallel.EPOptions(exchange=exchange)))
+    fn = jax.jit(
+        base.layer_fn(
+            self.backend,
+            case,
+            grads=True,
+            mesh=mesh_case.build(),
+            data_axes=mesh_case.data_axes,
+            ep_options=parallel.EPOptions(exchange=exchange),
+        )
+    )
     y, aux, grads = fn(params, x)
     return base.LayerResult(
         y=np.asarray(y),
-        aux={f.name: np.asarray(getattr(aux, f.name))
-             for f in dataclasses.fields(aux)},
+        aux={
+            f.name: np.asarray(getattr(aux, f.name))
+            for f in dataclasses.fields(aux)
+        },
         grads={n: np.asarray(g) for n, g in grads.items()},
-        rerun=lambda: fn(params, x)[::2])
+        rerun=lambda: fn(params, x)[::2],
+    )
 
   @parameterized.named_parameters(*EP_CASES)
   def test_matches_single_device(self, case, mesh_case, exchange):
@@ -142,32 +187,44 @@ class ExpertParallelSuite(base.BackendTestCase):
           problem = tolerances.violation(got.aux[name], value, routing_tol)
           self.assertIsNone(problem, f"aux.{name}, {msg}: {problem}")
         else:
-          np.testing.assert_array_equal(got.aux[name], value,
-                                        f"aux.{name}, {msg}")
+          np.testing.assert_array_equal(
+              got.aux[name], value, f"aux.{name}, {msg}"
+          )
     for name in sorted(want.grads):
       with self.subTest(f"d {name}"):
         self.assertEqual(got.grads[name].dtype, want.grads[name].dtype)
-        self.assertClose(got.grads[name], want.grads[name], case.dtype,
-                         "gradient", msg=f"d {name}, {msg}")
+        self.assertClose(
+            got.grads[name],
+            want.grads[name],
+            case.dtype,
+            "gradient",
+            msg=f"d {name}, {msg}",
+        )
     self.assertEqual(int(got.aux["dropped_tokens"]), 0, "dropless")
-    self.assertEqual(int(got.aux["tokens_per_expert"].sum()),
-                     case.num_tokens * case.cfg.top_k)
+    self.assertEqual(
+        int(got.aux["tokens_per_expert"].sum()),
+        case.num_tokens * case.cfg.top_k,
+    )
 
   @parameterized.named_parameters(("ep8", "ep8"), ("data2_ep4", "data2_ep4"))
   def test_experts_without_tokens_get_exactly_zero_gradient(self, mesh_name):
     got = self.run_ep(_COLD, _MESH[mesh_name], "padded")
-    self.assertAllZero(got.aux["tokens_per_expert"][list(_COLD.cold_experts)],
-                       msg="tokens of the cold experts")
+    self.assertAllZero(
+        got.aux["tokens_per_expert"][list(_COLD.cold_experts)],
+        msg="tokens of the cold experts",
+    )
     for name in ("w_gate", "w_up", "w_down"):
       for e in _COLD.cold_experts:
-        self.assertAllZero(got.grads[name][e],
-                           msg=f"d {name} of expert {e} (no tokens)")
+        self.assertAllZero(
+            got.grads[name][e], msg=f"d {name} of expert {e} (no tokens)"
+        )
 
   def test_all_tokens_on_one_device_are_all_computed(self):
     # One device of 8 holds the hot expert and receives every copy; none is
     # lost.
     got = self.run_ep(_HOT, _MESH["ep8"], "padded")
-    self.assertEqual(int(got.aux["tokens_per_expert"][_HOT.hot_expert]),
-                     _HOT.num_tokens)
+    self.assertEqual(
+        int(got.aux["tokens_per_expert"][_HOT.hot_expert]), _HOT.num_tokens
+    )
     self.assertTrue(np.all(got.aux["kept"]))
     self.assertMatchesPerTokenMath(_HOT, got)

@@ -23,27 +23,33 @@ class GroupedGemmSuite(base.BackendTestCase):
     got = self.run_gemm(case).out
     self.assertEqual(got.shape, (case.m, case.n))
     self.assertEqual(got.dtype, np.dtype(case.result_dtype))
-    want = oracles.grouped_gemm(rows, weights, group_sizes,
-                                case.transpose_rhs)
+    want = oracles.grouped_gemm(rows, weights, group_sizes, case.transpose_rhs)
     self.assertClose(got, want, case.dtype, msg="vs float64 numpy")
     if not self.is_oracle():  # The oracle's reference_gemm is itself.
-      self.assertClose(got, base.reference_gemm(case).out, case.dtype,
-                       msg="vs reference backend")
+      self.assertClose(
+          got,
+          base.reference_gemm(case).out,
+          case.dtype,
+          msg="vs reference backend",
+      )
 
   @_named(cases.GEMM_GRAD_CASES)
   def test_gradients_match_numpy(self, case):
     rows, weights, group_sizes, cotangent = cases.gemm_inputs(case)
     got = self.run_gemm(case)
     want_rows, want_weights = oracles.grouped_gemm_grads(
-        rows, weights, group_sizes, cotangent, case.transpose_rhs)
+        rows, weights, group_sizes, cotangent, case.transpose_rhs
+    )
     with self.subTest("rows"):
       self.assertEqual(got.d_rows.dtype, rows.dtype)
-      self.assertClose(got.d_rows, want_rows, case.dtype, "gradient",
-                       msg="d rows")
+      self.assertClose(
+          got.d_rows, want_rows, case.dtype, "gradient", msg="d rows"
+      )
     with self.subTest("weights"):
       self.assertEqual(got.d_weights.dtype, weights.dtype)
-      self.assertClose(got.d_weights, want_weights, case.dtype, "gradient",
-                       msg="d weights")
+      self.assertClose(
+          got.d_weights, want_weights, case.dtype, "gradient", msg="d weights"
+      )
 
   @_named(cases.GEMM_PADDED_CASES)
   def test_nan_padding_rows_give_zero_output_and_gradient(self, case):
@@ -54,16 +60,19 @@ class GroupedGemmSuite(base.BackendTestCase):
     used = case.used_rows
     self.assertAllZero(got.out[used:], msg="output of NaN padding rows")
     self.assertAllZero(got.d_rows[used:], msg="d rows of NaN padding rows")
-    self.assertTrue(np.isfinite(got.d_weights.astype(np.float32)).all(),
-                    "NaN padding rows leaked into d weights")
+    self.assertTrue(
+        np.isfinite(got.d_weights.astype(np.float32)).all(),
+        "NaN padding rows leaked into d weights",
+    )
 
   @_named([c for c in cases.GEMM_CASES if 0 in c.group_sizes])
   def test_empty_groups_get_exactly_zero_weight_gradient(self, case):
     got = self.run_gemm(case)
     for g, size in enumerate(case.group_sizes):
       if size == 0:
-        self.assertAllZero(got.d_weights[g],
-                           msg=f"d weights of empty group {g}")
+        self.assertAllZero(
+            got.d_weights[g], msg=f"d weights of empty group {g}"
+        )
 
   def test_jit_and_eager_agree(self):
     case = cases.GEMM_BY_NAME["rows_129"]
@@ -71,8 +80,12 @@ class GroupedGemmSuite(base.BackendTestCase):
     jitted = self.run_gemm(case)
     for name in ("out", "d_rows", "d_weights"):
       with self.subTest(name):
-        self.assertClose(getattr(eager, name), getattr(jitted, name),
-                         case.dtype, msg=f"{name}, eager vs jit")
+        self.assertClose(
+            getattr(eager, name),
+            getattr(jitted, name),
+            case.dtype,
+            msg=f"{name}, eager vs jit",
+        )
 
   def test_results_are_bitwise_deterministic(self):
     case = cases.GEMM_BY_NAME["bf16_transposed_padded"]

@@ -47,57 +47,78 @@ class LayerSuite(base.BackendTestCase):
     want = None if self.is_oracle() else base.reference_layer(case).grads
     for name in sorted(got):
       with self.subTest(name):
-        self.assertEqual(got[name].dtype, dict(params, x=x)[name].dtype,
-                         f"d {name} dtype")
+        self.assertEqual(
+            got[name].dtype, dict(params, x=x)[name].dtype, f"d {name} dtype"
+        )
         if name == "correction_bias":  # Steers selection only.
           self.assertAllZero(got[name], msg="d correction_bias")
         elif want is not None:
-          self.assertClose(got[name], want[name], case.dtype, "gradient",
-                           msg=f"d {name} vs reference")
+          self.assertClose(
+              got[name],
+              want[name],
+              case.dtype,
+              "gradient",
+              msg=f"d {name} vs reference",
+          )
 
   def test_experts_without_tokens_get_exactly_zero_gradient(self):
     case = cases.LAYER_BY_NAME["experts_without_tokens"]
     got = self.run_layer(case)
     np.testing.assert_array_equal(
-        got.aux["tokens_per_expert"][list(case.cold_experts)], 0,
-        "the case should leave its cold experts without tokens")
+        got.aux["tokens_per_expert"][list(case.cold_experts)],
+        0,
+        "the case should leave its cold experts without tokens",
+    )
     for name in ("w_gate", "w_up", "w_down"):
       with self.subTest(name):
-        self.assertAllZero(got.grads[name][list(case.cold_experts)],
-                           msg=f"d {name} of experts without tokens")
+        self.assertAllZero(
+            got.grads[name][list(case.cold_experts)],
+            msg=f"d {name} of experts without tokens",
+        )
 
   def test_hot_expert_takes_every_token(self):
     case = cases.LAYER_BY_NAME["one_expert_takes_all"]
     got = self.run_layer(case)
     hot, e = case.hot_expert, case.cfg.num_experts
     self.assertEqual(case.cfg.top_k, 1)  # So no other expert gets a token.
-    np.testing.assert_array_equal(got.aux["expert_ids"], hot,
-                                  "every token should go to the hot expert")
+    np.testing.assert_array_equal(
+        got.aux["expert_ids"], hot, "every token should go to the hot expert"
+    )
     want_load = np.zeros(e, np.int32)
     want_load[hot] = case.num_tokens
     np.testing.assert_array_equal(got.aux["tokens_per_expert"], want_load)
     others = [i for i in range(e) if i != hot]
     for name in ("w_gate", "w_up", "w_down"):
       with self.subTest(name):
-        self.assertAllZero(got.grads[name][others],
-                           msg=f"d {name} of experts other than the hot one")
-        self.assertTrue(np.any(got.grads[name][hot] != 0),
-                        f"d {name} of the hot expert should not be zero")
+        self.assertAllZero(
+            got.grads[name][others],
+            msg=f"d {name} of experts other than the hot one",
+        )
+        self.assertTrue(
+            np.any(got.grads[name][hot] != 0),
+            f"d {name} of the hot expert should not be zero",
+        )
 
   @_named(cases.CAPACITY_CASES)
   def test_capacity_drops_follow_gshard_priority(self, case):
     got = self.run_layer(case)
     capacity = case.cfg.expert_capacity(case.num_tokens)
-    want_kept = oracles.gshard_keep(got.aux["expert_ids"],
-                                    case.cfg.num_experts, capacity)
-    self.assertGreater(int((~want_kept).sum()), 0,
-                       "the case should overflow some expert")
+    want_kept = oracles.gshard_keep(
+        got.aux["expert_ids"], case.cfg.num_experts, capacity
+    )
+    self.assertGreater(
+        int((~want_kept).sum()), 0, "the case should overflow some expert"
+    )
     self.assertEqual(int(got.aux["dropped_tokens"]), int((~want_kept).sum()))
     np.testing.assert_array_equal(got.aux["kept"], want_kept)
-    self.assertEqual(int(got.aux["tokens_per_expert"].sum()),
-                     case.num_tokens * case.cfg.top_k)
-    self.assertAllZero(got.aux["combine_weights"][~want_kept],
-                       msg="combine weights of dropped copies")
+    self.assertEqual(
+        int(got.aux["tokens_per_expert"].sum()),
+        case.num_tokens * case.cfg.top_k,
+    )
+    self.assertAllZero(
+        got.aux["combine_weights"][~want_kept],
+        msg="combine weights of dropped copies",
+    )
     self.assertYMatchesReference(case, got)
     self.assertMatchesPerTokenMath(case, got)
 
@@ -107,8 +128,12 @@ class LayerSuite(base.BackendTestCase):
     eager = self.run_layer(case, jit=False, grads=False)
     jitted = self.run_layer(case, jit=True)
     self.assertClose(eager.y, jitted.y, case.dtype, msg="y, eager vs jit")
-    self.assertClose(eager.y, base.reference_layer(case).y, case.dtype,
-                     msg="y, eager vs reference")
+    self.assertClose(
+        eager.y,
+        base.reference_layer(case).y,
+        case.dtype,
+        msg="y, eager vs reference",
+    )
 
   def test_results_are_bitwise_deterministic(self):
     case = cases.LAYER_BY_NAME["base_bf16"]
@@ -117,5 +142,4 @@ class LayerSuite(base.BackendTestCase):
     self.assertBitwiseEqual(y, first.y, msg="y")
     for name in sorted(grads):
       with self.subTest(name):
-        self.assertBitwiseEqual(grads[name], first.grads[name],
-                                msg=f"d {name}")
+        self.assertBitwiseEqual(grads[name], first.grads[name], msg=f"d {name}")

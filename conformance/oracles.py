@@ -22,7 +22,7 @@ def group_of_rows(group_sizes, num_rows: int) -> np.ndarray:
   owner = np.full(num_rows, -1)
   start = 0
   for g, size in enumerate(np.asarray(group_sizes).tolist()):
-    owner[start:start + size] = g
+    owner[start : start + size] = g
     start += size
   return owner
 
@@ -40,8 +40,9 @@ def grouped_gemm(rows, weights, group_sizes, transpose_rhs=False):
   return out
 
 
-def grouped_gemm_grads(rows, weights, group_sizes, cotangent,
-                       transpose_rhs=False):
+def grouped_gemm_grads(
+    rows, weights, group_sizes, cotangent, transpose_rhs=False
+):
   """(d_rows, d_weights) of sum(cotangent * grouped_gemm(...)).
 
   d_rows[r] = cotangent[r] @ W[g]^T; dW[g] = sum over g's rows of
@@ -102,11 +103,11 @@ def route(logits, cfg, correction_bias=None) -> dict:
         group_score = groups.max(axis=1)
       else:
         group_score = np.sort(groups, axis=1)[:, -2:].sum(axis=1)
-      best = np.argsort(-group_score, kind="stable")[:cfg.topk_group]
+      best = np.argsort(-group_score, kind="stable")[: cfg.topk_group]
       eligible = np.repeat(np.isin(np.arange(cfg.n_group), best), size)
     candidates = [j for j in range(e) if eligible[j]]
     candidates.sort(key=lambda j: (-choice[j], j))
-    ids[i] = candidates[:cfg.top_k]
+    ids[i] = candidates[: cfg.top_k]
   weights = np.take_along_axis(scores, ids, axis=1)
   if cfg.norm_topk_prob:
     weights = weights / (weights.sum(axis=1, keepdims=True) + cfg.norm_epsilon)
@@ -120,13 +121,19 @@ def route(logits, cfg, correction_bias=None) -> dict:
   tokens_per_expert = np.bincount(ids.reshape(-1), minlength=e)
   fraction = tokens_per_expert / (t * cfg.top_k)
   lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + (
-      logits.max(1))
+      logits.max(1)
+  )
   return dict(
-      expert_ids=ids, combine_weights=weights, kept=kept, router_probs=probs,
+      expert_ids=ids,
+      combine_weights=weights,
+      kept=kept,
+      router_probs=probs,
       tokens_per_expert=tokens_per_expert,
-      dropped_tokens=int((~kept).sum()), capacity=capacity,
+      dropped_tokens=int((~kept).sum()),
+      capacity=capacity,
       load_balancing_loss=e * np.sum(fraction * probs.mean(axis=0)),
-      router_z_loss=np.mean(lse ** 2))
+      router_z_loss=np.mean(lse**2),
+  )
 
 
 def gshard_keep(expert_ids, num_experts: int, capacity: int) -> np.ndarray:
@@ -157,8 +164,11 @@ def activation(name: str, z):
   if name == "gelu":  # Exact, erf-based.
     return 0.5 * z * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))
   if name == "gelu_tanh":
-    return 0.5 * z * (1.0 + np.tanh(math.sqrt(2.0 / math.pi)
-                                    * (z + 0.044715 * z ** 3)))
+    return (
+        0.5
+        * z
+        * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
+    )
   raise ValueError(f"unknown activation {name!r}")
 
 
@@ -172,8 +182,9 @@ def expert_ffn(x, params, expert: int, act: str):
 
 def shared_expert(x, params, cfg):
   x = f64(x)
-  h = (activation(cfg.activation, x @ f64(params["shared_w_gate"]))
-       * (x @ f64(params["shared_w_up"])))
+  h = activation(cfg.activation, x @ f64(params["shared_w_gate"])) * (
+      x @ f64(params["shared_w_up"])
+  )
   y = h @ f64(params["shared_w_down"])
   if cfg.shared_expert_gate:
     y = _sigmoid(x @ f64(params["shared_gate"])) * y
@@ -193,8 +204,10 @@ def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
   for t in range(x.shape[0]):
     for k in range(ids.shape[1]):
       if w[t, k] != 0.0:  # A dropped copy has weight 0 and adds nothing.
-        y[t] += w[t, k] * expert_ffn(x[t:t + 1], params, ids[t, k],
-                                     cfg.activation)[0]
+        y[t] += (
+            w[t, k]
+            * expert_ffn(x[t : t + 1], params, ids[t, k], cfg.activation)[0]
+        )
   if cfg.shared_ffn_size:
     y += shared_expert(x, params, cfg)
   return y

@@ -45,22 +45,33 @@ class RoutingSuite(base.BackendTestCase):
       self.assertIsNone(problem, f"{name} vs numpy: {problem}")
 
     tokens = oracles.f64(x).reshape(-1, cfg.hidden_size)
-    check_close("router_logits", aux["router_logits"],
-                tokens @ oracles.f64(params["router"]))
+    check_close(
+        "router_logits",
+        aux["router_logits"],
+        tokens @ oracles.f64(params["router"]),
+    )
     bias = params.get("correction_bias")
     want = oracles.route(aux["router_logits"], cfg, bias)
-    np.testing.assert_array_equal(aux["expert_ids"], want["expert_ids"],
-                                  "expert_ids vs numpy router")
+    np.testing.assert_array_equal(
+        aux["expert_ids"], want["expert_ids"], "expert_ids vs numpy router"
+    )
     np.testing.assert_array_equal(aux["kept"], want["kept"])
-    np.testing.assert_array_equal(aux["tokens_per_expert"],
-                                  want["tokens_per_expert"])
+    np.testing.assert_array_equal(
+        aux["tokens_per_expert"], want["tokens_per_expert"]
+    )
     self.assertEqual(int(aux["dropped_tokens"]), want["dropped_tokens"])
-    for name in ("combine_weights", "router_probs", "load_balancing_loss",
-                 "router_z_loss"):
+    for name in (
+        "combine_weights",
+        "router_probs",
+        "load_balancing_loss",
+        "router_z_loss",
+    ):
       check_close(name, aux[name], want[name])
     if bias is not None:
-      unbiased = oracles.route(aux["router_logits"],
-                               dataclasses.replace(cfg, correction_bias=False))
+      unbiased = oracles.route(
+          aux["router_logits"], dataclasses.replace(cfg, correction_bias=False)
+      )
       self.assertFalse(
           np.array_equal(unbiased["expert_ids"], want["expert_ids"]),
-          "the case's correction bias should change some token's experts")
+          "the case's correction bias should change some token's experts",
+      )

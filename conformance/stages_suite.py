@@ -24,8 +24,8 @@ class StagesSuite(base.BackendTestCase):
   """The stages of `Backend.routed_experts`, against the math."""
 
   @parameterized.named_parameters(
-      ("dropless", cases.PERMUTE_CFG),
-      ("capacity", cases.PERMUTE_CAPACITY_CFG))
+      ("dropless", cases.PERMUTE_CFG), ("capacity", cases.PERMUTE_CAPACITY_CFG)
+  )
   def test_dispatch_groups_copies_by_expert(self, cfg):
     x, aux = _route(cfg)
     got = self.backend.dispatch(x, aux, cfg)
@@ -38,7 +38,8 @@ class StagesSuite(base.BackendTestCase):
     group_sizes = np.asarray(got.group_sizes)
     self.assertEqual(group_sizes.dtype, np.int32)
     np.testing.assert_array_equal(
-        group_sizes, np.bincount(ids[kept], minlength=cfg.num_experts))
+        group_sizes, np.bincount(ids[kept], minlength=cfg.num_experts)
+    )
     assignment = np.asarray(got.assignment)
     position = np.asarray(got.position)
     m = ids.size
@@ -56,7 +57,8 @@ class StagesSuite(base.BackendTestCase):
       np.testing.assert_array_equal(mine, np.sort(mine))
     np.testing.assert_array_equal(
         np.asarray(got.rows)[:used],
-        np.asarray(x)[assignment[:used] // cfg.top_k])
+        np.asarray(x)[assignment[:used] // cfg.top_k],
+    )
 
   def test_combine_gradients_match_the_formula(self):
     """y[t] = sum_k kept w[t, k] out[pos(t, k)]: value, d out and d w.
@@ -72,10 +74,13 @@ class StagesSuite(base.BackendTestCase):
         "backend.combine": (
             self.backend.dispatch(x, aux, cfg),
             lambda out, w, disp: self.backend.combine(
-                out, disp, dataclasses.replace(aux, combine_weights=w), cfg)),
+                out, disp, dataclasses.replace(aux, combine_weights=w), cfg
+            ),
+        ),
         "moe_core.combine": (
             moe_core.dispatch(x, aux.expert_ids, cfg.num_experts, aux.kept),
-            lambda out, w, disp: moe_core.combine(out, disp, w, aux.kept)),
+            lambda out, w, disp: moe_core.combine(out, disp, w, aux.kept),
+        ),
     }
     for name, (dispatched, combine) in combines.items():
       with self.subTest(name):
@@ -85,10 +90,10 @@ class StagesSuite(base.BackendTestCase):
         out[used:] = np.nan  # Rows of dropped copies.
         out = jnp.asarray(out)
 
-        def value_and_grads(out, weights, combine=combine,
-                            dispatched=dispatched):
-          y, vjp = jax.vjp(lambda o, w: combine(o, w, dispatched), out,
-                           weights)
+        def value_and_grads(
+            out, weights, combine=combine, dispatched=dispatched
+        ):
+          y, vjp = jax.vjp(lambda o, w: combine(o, w, dispatched), out, weights)
           return (y,) + vjp(cotangent)
 
         y, d_out, d_w = jax.jit(value_and_grads)(out, weights)
@@ -100,18 +105,21 @@ class StagesSuite(base.BackendTestCase):
         want_y = np.einsum("tk,tkd->td", kept_w, gathered)
         want_d_w = np.einsum("td,tkd->tk", ct, gathered)
         want_d_out = np.zeros_like(oracles.f64(out))
-        want_d_out[position[kept]] = (kept_w[..., None]
-                                      * ct[:, None, :])[kept]
+        want_d_out[position[kept]] = (kept_w[..., None] * ct[:, None, :])[kept]
 
         self.assertClose(y, want_y, "float32", msg=f"{name} value")
-        self.assertClose(d_w, want_d_w, "float32", "gradient",
-                         msg=f"{name} d weights")
-        self.assertAllZero(np.asarray(d_w)[~kept],
-                           msg=f"{name} d weights of dropped copies")
-        self.assertClose(d_out, want_d_out, "float32", "gradient",
-                         msg=f"{name} d expert_out")
-        self.assertAllZero(np.asarray(d_out)[used:],
-                           msg=f"{name} d expert_out of dropped rows")
+        self.assertClose(
+            d_w, want_d_w, "float32", "gradient", msg=f"{name} d weights"
+        )
+        self.assertAllZero(
+            np.asarray(d_w)[~kept], msg=f"{name} d weights of dropped copies"
+        )
+        self.assertClose(
+            d_out, want_d_out, "float32", "gradient", msg=f"{name} d expert_out"
+        )
+        self.assertAllZero(
+            np.asarray(d_out)[used:], msg=f"{name} d expert_out of dropped rows"
+        )
 
   @parameterized.named_parameters(("f32", "float32"), ("bf16", "bfloat16"))
   def test_expert_ffn_matches_per_row_math(self, dtype):
@@ -120,8 +128,9 @@ class StagesSuite(base.BackendTestCase):
     rows, _, params, _ = cases.ffn_inputs(dtype)
     used = sum(cases.FFN_GROUP_SIZES)
     out, d_rows, d_params = base.cached(
-        self._key("expert_ffn", dtype), lambda: _ffn_and_grads(self.backend,
-                                                               dtype))
+        self._key("expert_ffn", dtype),
+        lambda: _ffn_and_grads(self.backend, dtype),
+    )
     # The oracle would be compared with itself (the same cache key): for it
     # only the numpy forward and the exact zeros are checked here, and its
     # gradients by finite differences in reference/gradient_check_test.py.
@@ -129,13 +138,15 @@ class StagesSuite(base.BackendTestCase):
     if not oracle:
       ref_out, ref_d_rows, ref_d_params = base.cached(
           ("reference", "{}", "expert_ffn", dtype),
-          lambda: _ffn_and_grads(moe_core.get_backend("reference"), dtype))
+          lambda: _ffn_and_grads(moe_core.get_backend("reference"), dtype),
+      )
 
     owner = oracles.group_of_rows(cases.FFN_GROUP_SIZES, cases.FFN_ROWS)
     want = np.zeros((cases.FFN_ROWS, cfg.hidden_size))
     for r in range(used):
-      want[r] = oracles.expert_ffn(rows[r:r + 1], params, owner[r],
-                                   cfg.activation)[0]
+      want[r] = oracles.expert_ffn(
+          rows[r : r + 1], params, owner[r], cfg.activation
+      )[0]
     with self.subTest("forward"):
       self.assertEqual(out.dtype, rows.dtype)
       self.assertClose(out, want, dtype, msg="expert_ffn vs numpy")
@@ -145,16 +156,23 @@ class StagesSuite(base.BackendTestCase):
     with self.subTest("d_rows"):
       self.assertEqual(d_rows.dtype, rows.dtype)
       if not oracle:
-        self.assertClose(d_rows, ref_d_rows, dtype, "gradient",
-                         msg="d rows vs reference")
+        self.assertClose(
+            d_rows, ref_d_rows, dtype, "gradient", msg="d rows vs reference"
+        )
       self.assertAllZero(d_rows[used:], msg="d NaN padding rows")
     for name in sorted(params):
       with self.subTest(name):
         if not oracle:
-          self.assertClose(d_params[name], ref_d_params[name], dtype,
-                           "gradient", msg=f"d {name} vs reference")
-        self.assertAllZero(d_params[name][1],
-                           msg=f"d {name} of the empty expert 1")
+          self.assertClose(
+              d_params[name],
+              ref_d_params[name],
+              dtype,
+              "gradient",
+              msg=f"d {name} vs reference",
+          )
+        self.assertAllZero(
+            d_params[name][1], msg=f"d {name} of the empty expert 1"
+        )
 
 
 def _ffn_and_grads(backend, dtype):
@@ -165,9 +183,14 @@ def _ffn_and_grads(backend, dtype):
   def fn(rows, params):
     out, vjp = jax.vjp(
         lambda r, p: backend.expert_ffn(r, group_sizes, p, cases.FFN_CFG),
-        rows, params)
+        rows,
+        params,
+    )
     return (out,) + vjp(cotangent)
 
   out, d_rows, d_params = jax.jit(fn)(rows, params)
-  return (np.asarray(out), np.asarray(d_rows),
-          {n: np.asarray(g) for n, g in d_params.items()})
+  return (
+      np.asarray(out),
+      np.asarray(d_rows),
+      {n: np.asarray(g) for n, g in d_params.items()},
+  )

@@ -28,13 +28,19 @@ EP_SUITES = [
 
 
 def _camel(name: str) -> str:
-  return "".join(part[:1].upper() + part[1:]
-                 for part in name.replace("-", "_").split("_"))
+  return "".join(
+      part[:1].upper() + part[1:] for part in name.replace("-", "_").split("_")
+  )
 
 
-def make_test_classes(backend: str, options: dict | None = None,
-                      tolerance_overrides: dict | None = None, *,
-                      suites=None, name_suffix: str = "") -> dict[str, type]:
+def make_test_classes(
+    backend: str,
+    options: dict | None = None,
+    tolerance_overrides: dict | None = None,
+    *,
+    suites=None,
+    name_suffix: str = "",
+) -> dict[str, type]:
   """One concrete TestCase class per suite, for `backend`.
 
   Building a class imports nothing of the backend: a backend whose module or
@@ -56,11 +62,15 @@ def make_test_classes(backend: str, options: dict | None = None,
   for suite_cls in SUITES if suites is None else suites:
     stem = suite_cls.__name__.removesuffix("Suite")
     name = f"{_camel(backend)}{stem}Test{name_suffix}"
-    classes[name] = type(name, (suite_cls,), {
-        "BACKEND": backend,
-        "BACKEND_OPTIONS": dict(options or {}),
-        "TOLERANCE_OVERRIDES": dict(tolerance_overrides or {}),
-        "__module__": suite_cls.__module__,
-        "__qualname__": name,
-    })
+    classes[name] = type(
+        name,
+        (suite_cls,),
+        {
+            "BACKEND": backend,
+            "BACKEND_OPTIONS": dict(options or {}),
+            "TOLERANCE_OVERRIDES": dict(tolerance_overrides or {}),
+            "__module__": suite_cls.__module__,
+            "__qualname__": name,
+        },
+    )
   return classes

@@ -16,7 +16,8 @@ class MakeTestClassesTest(absltest.TestCase):
 
   def test_one_class_per_suite_with_the_backend_settings(self):
     classes = suite.make_test_classes(
-        "xla", {"levels": (64, 8)}, {"bfloat16": (0.1, 0.1)})
+        "xla", {"levels": (64, 8)}, {"bfloat16": (0.1, 0.1)}
+    )
     self.assertLen(classes, len(suite.SUITES))
     self.assertIn("XlaGroupedGemmTest", classes)
     for name, cls in classes.items():
@@ -28,19 +29,22 @@ class MakeTestClassesTest(absltest.TestCase):
 
   def test_backend_whose_module_is_missing_skips_with_the_reason(self):
     registry = moe_core.registry._REGISTRY  # pylint: disable=protected-access
-    with mock.patch.dict(registry,
-                         {"absent": "no_such_package.backend:Absent"}):
+    with mock.patch.dict(
+        registry, {"absent": "no_such_package.backend:Absent"}
+    ):
       classes = suite.make_test_classes("absent")
       test = classes["AbsentValidationTest"](
-          "test_layer_rejects_missing_parameter")
+          "test_layer_rejects_missing_parameter"
+      )
       result = test.defaultTestResult()
       test.run(result)
     self.assertEmpty(result.errors)
     self.assertEmpty(result.failures)
     self.assertLen(result.skipped, 1)
-    self.assertRegex(result.skipped[0][1],
-                     "backend 'absent' cannot be imported here: .*"
-                     "no_such_package")
+    self.assertRegex(
+        result.skipped[0][1],
+        "backend 'absent' cannot be imported here: .*" "no_such_package",
+    )
 
 
 class TolerancesTest(absltest.TestCase):
@@ -58,22 +62,25 @@ class TolerancesTest(absltest.TestCase):
     for dtype in ("float32", "bfloat16"):
       with self.subTest(dtype):
         tol = tolerances.lookup(dtype, "gradient", platform="cpu")
-        self.assertRegex(tolerances.violation(actual, expected, tol),
-                         r"1 of 4096 values off; worst at \(3, 5\)")
+        self.assertRegex(
+            tolerances.violation(actual, expected, tol),
+            r"1 of 4096 values off; worst at \(3, 5\)",
+        )
 
   def test_nan_and_shape_mismatch_fail(self):
     tol = tolerances.lookup("float32", "forward", platform="cpu")
     self.assertRegex(
         tolerances.violation(np.array([1.0, np.nan]), np.ones(2), tol),
-        "non-finite")
-    self.assertRegex(tolerances.violation(np.ones(3), np.ones(2), tol),
-                     "shape")
+        "non-finite",
+    )
+    self.assertRegex(tolerances.violation(np.ones(3), np.ones(2), tol), "shape")
 
   def test_all_zero_expected_needs_exact_zeros(self):
     tol = tolerances.lookup("bfloat16", "forward", platform="cpu")
     self.assertIsNone(tolerances.violation(np.zeros(4), np.zeros(4), tol))
     self.assertIsNotNone(
-        tolerances.violation(np.array([0, 0, 1e-30, 0]), np.zeros(4), tol))
+        tolerances.violation(np.array([0, 0, 1e-30, 0]), np.zeros(4), tol)
+    )
 
   def test_float32_row_follows_the_platform(self):
     self.assertEqual(tolerances.row_for("float32", "cpu"), "float32")
@@ -83,14 +90,20 @@ class TolerancesTest(absltest.TestCase):
   def test_overrides_loosen_one_dtype_and_kind(self):
     both = {"bfloat16": (0.5, 0.25)}
     one = {"bfloat16": {"gradient": (0.5, 0.25)}}
-    self.assertEqual(tolerances.lookup("bfloat16", "forward", both, "cpu"),
-                     (0.5, 0.25))
-    self.assertEqual(tolerances.lookup("bfloat16", "forward", one, "cpu"),
-                     tolerances.TABLE["bfloat16"]["forward"])
-    self.assertEqual(tolerances.lookup("bfloat16", "gradient", one, "cpu"),
-                     (0.5, 0.25))
-    self.assertEqual(tolerances.lookup("float32", "forward", both, "cpu"),
-                     tolerances.TABLE["float32"]["forward"])
+    self.assertEqual(
+        tolerances.lookup("bfloat16", "forward", both, "cpu"), (0.5, 0.25)
+    )
+    self.assertEqual(
+        tolerances.lookup("bfloat16", "forward", one, "cpu"),
+        tolerances.TABLE["bfloat16"]["forward"],
+    )
+    self.assertEqual(
+        tolerances.lookup("bfloat16", "gradient", one, "cpu"), (0.5, 0.25)
+    )
+    self.assertEqual(
+        tolerances.lookup("float32", "forward", both, "cpu"),
+        tolerances.TABLE["float32"]["forward"],
+    )
 
 
 class OraclesTest(absltest.TestCase):
@@ -102,8 +115,7 @@ class OraclesTest(absltest.TestCase):
     # experts 1 and 1 are full for tokens 0 and 1, token 2 takes expert 2.
     expert_ids = np.array([[0, 1], [0, 1], [1, 2]])
     want = np.array([[True, False], [False, False], [True, True]])
-    np.testing.assert_array_equal(oracles.gshard_keep(expert_ids, 3, 1),
-                                  want)
+    np.testing.assert_array_equal(oracles.gshard_keep(expert_ids, 3, 1), want)
 
   def test_grouped_gemm_on_a_hand_example(self):
     rows = np.array([[1.0, 2.0], [3.0, 4.0], [np.nan, np.nan]])
@@ -112,14 +124,20 @@ class OraclesTest(absltest.TestCase):
     np.testing.assert_array_equal(out, [[1.0], [4.0], [0.0]])
 
   def test_route_on_a_hand_example(self):
-    cfg = moe_core.MoEConfig(num_experts=4, top_k=2, hidden_size=1,
-                             expert_ffn_size=1, norm_topk_prob=True,
-                             routed_scaling_factor=2.0)
+    cfg = moe_core.MoEConfig(
+        num_experts=4,
+        top_k=2,
+        hidden_size=1,
+        expert_ffn_size=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.0,
+    )
     logits = np.log(np.array([[0.1, 0.4, 0.2, 0.3]]))
     got = oracles.route(logits, cfg)
     np.testing.assert_array_equal(got["expert_ids"], [[1, 3]])
-    np.testing.assert_allclose(got["combine_weights"],
-                               [[2.0 * 4 / 7, 2.0 * 3 / 7]])
+    np.testing.assert_allclose(
+        got["combine_weights"], [[2.0 * 4 / 7, 2.0 * 3 / 7]]
+    )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ class Tolerance(NamedTuple):
   rtol: float  # Times |expected|, element by element.
 
 
-_U_BF16 = 2.0 ** -8
-_U_TF32 = 2.0 ** -11
+_U_BF16 = 2.0**-8
+_U_TF32 = 2.0**-11
 
 TABLE: dict[str, dict[str, Tolerance]] = {
     "float32": {
@@ -70,8 +70,13 @@ TABLE: dict[str, dict[str, Tolerance]] = {
 }
 
 # What float32 dots default to, per platform (see the module docstring).
-_FLOAT32_ROW = {"cpu": "float32", "gpu": "tfloat32", "cuda": "tfloat32",
-                "rocm": "tfloat32", "tpu": "bfloat16"}
+_FLOAT32_ROW = {
+    "cpu": "float32",
+    "gpu": "tfloat32",
+    "cuda": "tfloat32",
+    "rocm": "tfloat32",
+    "tpu": "bfloat16",
+}
 
 
 def row_for(dtype, platform: str | None = None) -> str:
@@ -84,8 +89,9 @@ def row_for(dtype, platform: str | None = None) -> str:
   return name
 
 
-def lookup(dtype, kind: str, overrides: dict | None = None,
-           platform: str | None = None) -> Tolerance:
+def lookup(
+    dtype, kind: str, overrides: dict | None = None, platform: str | None = None
+) -> Tolerance:
   """The tolerance of `kind` ("forward" or "gradient") for `dtype`.
 
   Args:
@@ -117,8 +123,10 @@ def violation(actual, expected, tol: Tolerance) -> str | None:
     return f"shape {actual.shape} != expected {expected.shape}"
   if not np.all(np.isfinite(actual)):
     bad = np.argwhere(~np.isfinite(actual))[0]
-    return (f"{np.sum(~np.isfinite(actual))} non-finite values, first at "
-            f"{tuple(bad)}")
+    return (
+        f"{np.sum(~np.isfinite(actual))} non-finite values, first at "
+        f"{tuple(bad)}"
+    )
   if actual.size == 0:
     return None
   scale = np.max(np.abs(expected))
@@ -127,8 +135,10 @@ def violation(actual, expected, tol: Tolerance) -> str | None:
   if np.all(err <= allowed):
     return None
   worst = np.unravel_index(np.argmax(err - allowed), err.shape)
-  return (f"{np.sum(err > allowed)} of {err.size} values off; worst at "
-          f"{tuple(int(i) for i in worst)}: actual {actual[worst]:.6g}, "
-          f"expected {expected[worst]:.6g}; max|err| / max|expected| = "
-          f"{np.max(err) / scale if scale else np.inf:.3g} "
-          f"(atol={tol.atol:.3g}, rtol={tol.rtol:.3g})")
+  return (
+      f"{np.sum(err > allowed)} of {err.size} values off; worst at "
+      f"{tuple(int(i) for i in worst)}: actual {actual[worst]:.6g}, "
+      f"expected {expected[worst]:.6g}; max|err| / max|expected| = "
+      f"{np.max(err) / scale if scale else np.inf:.3g} "
+      f"(atol={tol.atol:.3g}, rtol={tol.rtol:.3g})"
+  )

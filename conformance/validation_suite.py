@@ -13,14 +13,22 @@ from conformance import base
 
 # Every optional parameter enabled, so that each name can be broken.
 _FULL_CFG = moe_core.MoEConfig(
-    num_experts=4, top_k=2, hidden_size=16, expert_ffn_size=24,
-    correction_bias=True, shared_ffn_size=8, shared_expert_gate=True)
+    num_experts=4,
+    top_k=2,
+    hidden_size=16,
+    expert_ffn_size=24,
+    correction_bias=True,
+    shared_ffn_size=8,
+    shared_expert_gate=True,
+)
 _PARAM_NAMES = tuple(moe_core.param_shapes(_FULL_CFG))
 
 
 def _params(cfg):
-  return {n: jnp.zeros(s, jnp.float32)
-          for n, s in moe_core.param_shapes(cfg).items()}
+  return {
+      n: jnp.zeros(s, jnp.float32)
+      for n, s in moe_core.param_shapes(cfg).items()
+  }
 
 
 def _tokens(cfg, num_tokens=5):
@@ -31,22 +39,25 @@ class ValidationSuite(base.BackendTestCase):
   """Each check pinned by its message, through this backend's entry points."""
 
   def _layer(self, params, x, cfg, backend=None):
-    return moe_core.moe_layer(params, x, cfg,
-                              backend=backend or self.backend)
+    return moe_core.moe_layer(params, x, cfg, backend=backend or self.backend)
 
   # --- The layer ---------------------------------------------------------
 
   def test_layer_rejects_wrong_hidden_size(self):
     x = jnp.ones((5, 12), jnp.float32)
     with self.assertRaisesRegex(
-        ValueError, re.escape("x must have shape [..., hidden_size=16], got "
-                              "x.shape=(5, 12)")):
+        ValueError,
+        re.escape(
+            "x must have shape [..., hidden_size=16], got " "x.shape=(5, 12)"
+        ),
+    ):
       self._layer(_params(_FULL_CFG), x, _FULL_CFG)
 
   def test_layer_rejects_integer_tokens(self):
     x = jnp.ones((5, 16), jnp.int32)
     with self.assertRaisesRegex(
-        TypeError, "x must be floating point, got dtype int32"):
+        TypeError, "x must be floating point, got dtype int32"
+    ):
       self._layer(_params(_FULL_CFG), x, _FULL_CFG)
 
   @parameterized.named_parameters([(n, n) for n in _PARAM_NAMES])
@@ -56,70 +67,90 @@ class ValidationSuite(base.BackendTestCase):
     bad = shape[:-1] + (shape[-1] + 1,)
     params[name] = jnp.zeros(bad, jnp.float32)
     with self.assertRaisesRegex(
-        ValueError, re.escape(f"params[{name!r}] must have shape {shape}, "
-                              f"got {bad}")):
+        ValueError,
+        re.escape(f"params[{name!r}] must have shape {shape}, " f"got {bad}"),
+    ):
       self._layer(params, _tokens(_FULL_CFG), _FULL_CFG)
 
   def test_layer_rejects_missing_parameter(self):
     params = _params(_FULL_CFG)
     del params["w_down"]
     with self.assertRaisesRegex(
-        ValueError, re.escape("params is missing ['w_down'] for this config")):
+        ValueError, re.escape("params is missing ['w_down'] for this config")
+    ):
       self._layer(params, _tokens(_FULL_CFG), _FULL_CFG)
 
   def test_layer_rejects_extra_parameter(self):
     cfg = _FULL_CFG.replace(correction_bias=False)
     params = _params(_FULL_CFG)  # Still holds a correction_bias.
     with self.assertRaisesRegex(
-        ValueError, re.escape("params has keys ['correction_bias'] that this "
-                              "config does not use")):
+        ValueError,
+        re.escape(
+            "params has keys ['correction_bias'] that this "
+            "config does not use"
+        ),
+    ):
       self._layer(params, _tokens(cfg), cfg)
 
   def test_unknown_backend_lists_valid_names(self):
     names = ["auto"] + moe_core.registered_backends()
-    message = re.escape(f"unknown MoE backend 'no_such_backend'; valid names: "
-                        f"{names}")
+    message = re.escape(
+        f"unknown MoE backend 'no_such_backend'; valid names: " f"{names}"
+    )
     with self.assertRaisesRegex(ValueError, message):
       moe_core.get_backend("no_such_backend")
     with self.assertRaisesRegex(ValueError, message):
-      self._layer(_params(_FULL_CFG), _tokens(_FULL_CFG), _FULL_CFG,
-                  backend="no_such_backend")
+      self._layer(
+          _params(_FULL_CFG),
+          _tokens(_FULL_CFG),
+          _FULL_CFG,
+          backend="no_such_backend",
+      )
 
   # --- The config ----------------------------------------------------------
 
   def test_config_rejects_top_k_above_num_experts(self):
     with self.assertRaisesRegex(
-        ValueError, "top_k must be <= num_experts, got top_k=5, "
-        "num_experts=4"):
+        ValueError,
+        "top_k must be <= num_experts, got top_k=5, " "num_experts=4",
+    ):
       _FULL_CFG.replace(top_k=5)
 
   def test_config_rejects_n_group_not_dividing_experts(self):
     with self.assertRaisesRegex(
-        ValueError, "n_group must divide num_experts, got n_group=3, "
-        "num_experts=4"):
+        ValueError,
+        "n_group must divide num_experts, got n_group=3, " "num_experts=4",
+    ):
       _FULL_CFG.replace(n_group=3)
 
   def test_config_rejects_topk_group_above_n_group(self):
     with self.assertRaisesRegex(
-        ValueError, "topk_group must be <= n_group, got topk_group=3, "
-        "n_group=2"):
+        ValueError,
+        "topk_group must be <= n_group, got topk_group=3, " "n_group=2",
+    ):
       _FULL_CFG.replace(n_group=2, topk_group=3)
 
   def test_config_rejects_sum_top2_with_one_expert_per_group(self):
     with self.assertRaisesRegex(
-        ValueError, re.escape("group_score='sum_top2' needs at least 2 "
-                              "experts per group, got num_experts=4 / "
-                              "n_group=4 = 1")):
+        ValueError,
+        re.escape(
+            "group_score='sum_top2' needs at least 2 "
+            "experts per group, got num_experts=4 / "
+            "n_group=4 = 1"
+        ),
+    ):
       _FULL_CFG.replace(n_group=4, topk_group=2, group_score="sum_top2")
 
   # --- The grouped GEMM ------------------------------------------------------
 
   def _gemm(self, rows=None, weights=None, group_sizes=None, **kwargs):
     rows = jnp.ones((6, 8), jnp.float32) if rows is None else rows
-    weights = (jnp.ones((4, 8, 3), jnp.float32) if weights is None
-               else weights)
-    group_sizes = (jnp.array([1, 2, 0, 3], jnp.int32) if group_sizes is None
-                   else group_sizes)
+    weights = jnp.ones((4, 8, 3), jnp.float32) if weights is None else weights
+    group_sizes = (
+        jnp.array([1, 2, 0, 3], jnp.int32)
+        if group_sizes is None
+        else group_sizes
+    )
     return self.backend.grouped_gemm(rows, weights, group_sizes, **kwargs)
 
   def test_grouped_gemm_accepts_the_defaults_of_these_tests(self):
@@ -128,42 +159,61 @@ class ValidationSuite(base.BackendTestCase):
 
   def test_grouped_gemm_rejects_float_group_sizes(self):
     with self.assertRaisesRegex(
-        TypeError, re.escape("group_sizes must be an integer (int32) array, "
-                             "got dtype float32")):
+        TypeError,
+        re.escape(
+            "group_sizes must be an integer (int32) array, " "got dtype float32"
+        ),
+    ):
       self._gemm(group_sizes=jnp.array([1.0, 2.0, 0.0, 3.0], jnp.float32))
 
   def test_grouped_gemm_rejects_group_sizes_of_wrong_length(self):
     with self.assertRaisesRegex(
-        ValueError, re.escape("group_sizes must have shape (4,) (one size per "
-                              "group), got group_sizes.shape=(3,)")):
+        ValueError,
+        re.escape(
+            "group_sizes must have shape (4,) (one size per "
+            "group), got group_sizes.shape=(3,)"
+        ),
+    ):
       self._gemm(group_sizes=jnp.array([1, 2, 3], jnp.int32))
 
   def test_grouped_gemm_rejects_mixed_dtypes(self):
     with self.assertRaisesRegex(
-        TypeError, "grouped_gemm needs rows and weights of one dtype, got "
-        "rows float32, weights bfloat16"):
+        TypeError,
+        "grouped_gemm needs rows and weights of one dtype, got "
+        "rows float32, weights bfloat16",
+    ):
       self._gemm(weights=jnp.ones((4, 8, 3), jnp.bfloat16))
 
   def test_grouped_gemm_rejects_mismatched_contraction(self):
     with self.assertRaisesRegex(
-        ValueError, re.escape("weights [E, K, N] must contract over rows' "
-                              "K=8, got rows.shape=(6, 8), "
-                              "weights.shape=(4, 7, 3)")):
+        ValueError,
+        re.escape(
+            "weights [E, K, N] must contract over rows' "
+            "K=8, got rows.shape=(6, 8), "
+            "weights.shape=(4, 7, 3)"
+        ),
+    ):
       self._gemm(weights=jnp.ones((4, 7, 3), jnp.float32))
     with self.assertRaisesRegex(
-        ValueError, re.escape("weights [E, N, K] must contract over rows' "
-                              "K=8")):
+        ValueError,
+        re.escape("weights [E, N, K] must contract over rows' " "K=8"),
+    ):
       self._gemm(transpose_rhs=True)
 
   def test_grouped_gemm_rejects_group_sizes_past_the_rows(self):
     with self.assertRaisesRegex(
-        ValueError, re.escape("sum(group_sizes) must be <= the 6 rows, got "
-                              "sum=7 (group_sizes=[1, 2, 1, 3])")):
+        ValueError,
+        re.escape(
+            "sum(group_sizes) must be <= the 6 rows, got "
+            "sum=7 (group_sizes=[1, 2, 1, 3])"
+        ),
+    ):
       self._gemm(group_sizes=jnp.array([1, 2, 1, 3], jnp.int32))
 
   def test_grouped_gemm_rejects_negative_group_sizes(self):
     with self.assertRaisesRegex(
-        ValueError, re.escape("group_sizes must be >= 0, got [2, -1, 2, 3]")):
+        ValueError, re.escape("group_sizes must be >= 0, got [2, -1, 2, 3]")
+    ):
       self._gemm(group_sizes=jnp.array([2, -1, 2, 3], jnp.int32))
 
   # --- The stages ----------------------------------------------------------
@@ -173,30 +223,50 @@ class ValidationSuite(base.BackendTestCase):
   def test_route_rejects_router_of_wrong_shape(self):
     cfg = _FULL_CFG.replace(correction_bias=False)
     with self.assertRaisesRegex(
-        ValueError, re.escape("router must have shape (16, 4), got "
-                              "router.shape=(16, 5)")):
+        ValueError,
+        re.escape(
+            "router must have shape (16, 4), got " "router.shape=(16, 5)"
+        ),
+    ):
       moe_core.route(_tokens(cfg), jnp.zeros((16, 5), jnp.float32), cfg)
 
   def test_route_rejects_correction_bias_of_wrong_shape(self):
     with self.assertRaisesRegex(
-        ValueError, re.escape("correction_bias must have shape (4,), got "
-                              "correction_bias.shape=(1,)")):
-      moe_core.route(_tokens(_FULL_CFG), jnp.zeros((16, 4), jnp.float32),
-                     _FULL_CFG, jnp.zeros((1,), jnp.float32))
+        ValueError,
+        re.escape(
+            "correction_bias must have shape (4,), got "
+            "correction_bias.shape=(1,)"
+        ),
+    ):
+      moe_core.route(
+          _tokens(_FULL_CFG),
+          jnp.zeros((16, 4), jnp.float32),
+          _FULL_CFG,
+          jnp.zeros((1,), jnp.float32),
+      )
 
   def test_route_rejects_unflattened_tokens(self):
     cfg = _FULL_CFG.replace(correction_bias=False)
     with self.assertRaisesRegex(
-        ValueError, re.escape("route needs tokens of shape [T, D], got "
-                              "x.shape=(2, 5, 16)")):
-      moe_core.route(jnp.ones((2, 5, 16), jnp.float32),
-                     jnp.zeros((16, 4), jnp.float32), cfg)
+        ValueError,
+        re.escape(
+            "route needs tokens of shape [T, D], got " "x.shape=(2, 5, 16)"
+        ),
+    ):
+      moe_core.route(
+          jnp.ones((2, 5, 16), jnp.float32),
+          jnp.zeros((16, 4), jnp.float32),
+          cfg,
+      )
 
   def test_dispatch_rejects_expert_ids_out_of_range(self):
     ids = jnp.array([[0, 1], [2, 4], [3, 0]], jnp.int32)
     with self.assertRaisesRegex(
-        ValueError, re.escape("expert_ids must lie in [0, num_experts=4), "
-                              "got values in [0, 4]")):
+        ValueError,
+        re.escape(
+            "expert_ids must lie in [0, num_experts=4), " "got values in [0, 4]"
+        ),
+    ):
       moe_core.dispatch(_tokens(_FULL_CFG, 3), ids, 4)
     with self.assertRaisesRegex(ValueError, r"got values in \[-1, 3\]"):
       moe_core.dispatch(_tokens(_FULL_CFG, 3), ids.at[1, 1].set(-1), 4)
@@ -204,37 +274,55 @@ class ValidationSuite(base.BackendTestCase):
   def test_dispatch_rejects_a_token_count_mismatch(self):
     ids = jnp.zeros((4, 2), jnp.int32)
     with self.assertRaisesRegex(
-        ValueError, re.escape("dispatch needs one expert_ids row per token, "
-                              "got x.shape=(3, 16), expert_ids.shape=(4, 2)")):
+        ValueError,
+        re.escape(
+            "dispatch needs one expert_ids row per token, "
+            "got x.shape=(3, 16), expert_ids.shape=(4, 2)"
+        ),
+    ):
       moe_core.dispatch(_tokens(_FULL_CFG, 3), ids, 4)
 
   def test_dispatch_rejects_float_expert_ids(self):
     with self.assertRaisesRegex(
-        TypeError, re.escape("expert_ids must be an integer (int32) array, "
-                             "got dtype float32")):
+        TypeError,
+        re.escape(
+            "expert_ids must be an integer (int32) array, " "got dtype float32"
+        ),
+    ):
       moe_core.dispatch(_tokens(_FULL_CFG, 3), jnp.zeros((3, 2)), 4)
 
   def test_combine_rejects_rows_that_were_not_dispatched(self):
     x = _tokens(_FULL_CFG, 3)
-    d = moe_core.dispatch(x, jnp.array([[0, 1], [2, 3], [3, 0]], jnp.int32),
-                          4)
+    d = moe_core.dispatch(x, jnp.array([[0, 1], [2, 3], [3, 0]], jnp.int32), 4)
     weights = jnp.ones((3, 2), jnp.float32)
     with self.assertRaisesRegex(
-        ValueError, re.escape("expert_out must have the dispatched M=6 rows, "
-                              "got expert_out.shape=(5, 16)")):
+        ValueError,
+        re.escape(
+            "expert_out must have the dispatched M=6 rows, "
+            "got expert_out.shape=(5, 16)"
+        ),
+    ):
       moe_core.combine(jnp.ones((5, 16), jnp.float32), d, weights)
     with self.assertRaisesRegex(
-        ValueError, re.escape("combine_weights [T, K] must have T*K = the "
-                              "dispatched M=6, got "
-                              "combine_weights.shape=(3, 3)")):
+        ValueError,
+        re.escape(
+            "combine_weights [T, K] must have T*K = the "
+            "dispatched M=6, got "
+            "combine_weights.shape=(3, 3)"
+        ),
+    ):
       moe_core.combine(d.rows, d, jnp.ones((3, 3), jnp.float32))
 
   def _expert_ffn(self, rows=None, group_sizes=None):
     rows = jnp.ones((6, 16), jnp.float32) if rows is None else rows
-    group_sizes = (jnp.array([1, 2, 0, 3], jnp.int32) if group_sizes is None
-                   else group_sizes)
-    return self.backend.expert_ffn(rows, group_sizes, _params(_FULL_CFG),
-                                   _FULL_CFG)
+    group_sizes = (
+        jnp.array([1, 2, 0, 3], jnp.int32)
+        if group_sizes is None
+        else group_sizes
+    )
+    return self.backend.expert_ffn(
+        rows, group_sizes, _params(_FULL_CFG), _FULL_CFG
+    )
 
   def test_expert_ffn_accepts_the_defaults_of_these_tests(self):
     out = self._expert_ffn()  # Zero weights: zero output, one cause below.
@@ -242,14 +330,19 @@ class ValidationSuite(base.BackendTestCase):
 
   def test_expert_ffn_rejects_rows_of_wrong_width(self):
     with self.assertRaisesRegex(
-        ValueError, re.escape("rows must have shape [M, hidden_size=16], got "
-                              "rows.shape=(6, 12)")):
+        ValueError,
+        re.escape(
+            "rows must have shape [M, hidden_size=16], got "
+            "rows.shape=(6, 12)"
+        ),
+    ):
       self._expert_ffn(rows=jnp.ones((6, 12), jnp.float32))
 
   def test_expert_ffn_rejects_group_sizes_past_the_rows(self):
     with self.assertRaisesRegex(
-        ValueError, re.escape("sum(group_sizes) must be <= the 6 rows, got "
-                              "sum=9")):
+        ValueError,
+        re.escape("sum(group_sizes) must be <= the 6 rows, got " "sum=9"),
+    ):
       self._expert_ffn(group_sizes=jnp.array([4, 2, 0, 3], jnp.int32))
 
   def test_routed_experts_rejects_routing_of_other_tokens(self):
@@ -257,6 +350,7 @@ class ValidationSuite(base.BackendTestCase):
     params = _params(cfg)
     aux = moe_core.route(_tokens(cfg, 5), params["router"], cfg)
     with self.assertRaisesRegex(
-        ValueError, re.escape("expert_ids must have shape [T, K]=(4, 2), got "
-                              "(5, 2)")):
+        ValueError,
+        re.escape("expert_ids must have shape [T, K]=(4, 2), got " "(5, 2)"),
+    ):
       self.backend.routed_experts(params, _tokens(cfg, 4), aux, cfg)

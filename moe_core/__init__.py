@@ -20,9 +20,22 @@ from moe_core.routing import route
 from moe_core.routing import update_correction_bias
 
 __all__ = [
-    "Backend", "Dispatched", "EPOptions", "MoEAux", "MoEConfig", "auto_order",
-    "available_backends", "combine", "dispatch", "get_backend",
-    "init_params", "moe_layer", "param_shapes", "register_backend",
-    "registered_backends", "route", "shared_expert",
+    "Backend",
+    "Dispatched",
+    "EPOptions",
+    "MoEAux",
+    "MoEConfig",
+    "auto_order",
+    "available_backends",
+    "combine",
+    "dispatch",
+    "get_backend",
+    "init_params",
+    "moe_layer",
+    "param_shapes",
+    "register_backend",
+    "registered_backends",
+    "route",
+    "shared_expert",
     "update_correction_bias",
 ]

@@ -42,13 +42,17 @@ from moe_core import routing
 from moe_core import validation
 
 
-def moe_layer(params: dict, x: jax.Array, cfg: config_lib.MoEConfig,
-              backend: str | backend_lib.Backend = "auto", *,
-              mesh: jax.sharding.Mesh | None = None,
-              expert_axis: str = "expert",
-              data_axes: Sequence[str] = ("data",),
-              ep_options: parallel.EPOptions | None = None,
-              ) -> tuple[jax.Array, routing.MoEAux]:
+def moe_layer(
+    params: dict,
+    x: jax.Array,
+    cfg: config_lib.MoEConfig,
+    backend: str | backend_lib.Backend = "auto",
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    expert_axis: str = "expert",
+    data_axes: Sequence[str] = ("data",),
+    ep_options: parallel.EPOptions | None = None,
+) -> tuple[jax.Array, routing.MoEAux]:
   """Applies one MoE block.
 
   Args:
@@ -74,16 +78,25 @@ def moe_layer(params: dict, x: jax.Array, cfg: config_lib.MoEConfig,
   validation.check_params(params, cfg)
   validation.check_tokens(x, cfg)
   if mesh is not None:
-    return parallel.moe_layer(params, x, cfg, backend, mesh=mesh,
-                              expert_axis=expert_axis, data_axes=data_axes,
-                              options=ep_options)
+    return parallel.moe_layer(
+        params,
+        x,
+        cfg,
+        backend,
+        mesh=mesh,
+        expert_axis=expert_axis,
+        data_axes=data_axes,
+        options=ep_options,
+    )
   if ep_options is not None:
     raise ValueError("ep_options needs a mesh, got mesh=None.")
   tokens = x.reshape(-1, cfg.hidden_size)
-  aux = routing.route(tokens, params["router"], cfg,
-                      params.get("correction_bias"))
+  aux = routing.route(
+      tokens, params["router"], cfg, params.get("correction_bias")
+  )
   y = registry.call_backend(
-      backend, lambda b: b.routed_experts(params, tokens, aux, cfg))
+      backend, lambda b: b.routed_experts(params, tokens, aux, cfg)
+  )
   if cfg.shared_ffn_size:
     shared = ffn.shared_expert(params, tokens, cfg)
     y = (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(x.dtype)

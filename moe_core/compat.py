@@ -29,8 +29,7 @@ def axis_size(axis_name) -> int:
 def is_explicit(mesh) -> bool:
   """Whether any axis of `mesh` has explicit sharding (AxisType.Explicit)."""
   types = getattr(mesh, "axis_types", None) or ()
-  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit",
-                     None)
+  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
   return explicit is not None and any(t == explicit for t in types)
 
 
@@ -57,11 +56,11 @@ def triton_call_target() -> str:
   """
   # pylint: disable-next=g-import-not-at-top
   from jax.experimental.pallas import triton as plt
+
   return getattr(plt, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 
 
-def abstract_gpu_mesh(device_kind: str = "NVIDIA H200",
-                      num_cores: int = 132):
+def abstract_gpu_mesh(device_kind: str = "NVIDIA H200", num_cores: int = 132):
   """A context in which Pallas Triton kernels lower for `device_kind`.
 
   In jax 0.11.2 and 0.12 the Triton lowering reads the compute capability
@@ -87,9 +86,13 @@ def abstract_gpu_mesh(device_kind: str = "NVIDIA H200",
   # ("Explicit sharding inference for ragged_dot_general is not currently
   # implemented").
   mesh = jax.sharding.AbstractMesh(
-      (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
-      abstract_device=abstract_device(device_kind=device_kind,
-                                      num_cores=num_cores, platform="gpu"))
+      (1,),
+      ("x",),
+      axis_types=(jax.sharding.AxisType.Auto,),
+      abstract_device=abstract_device(
+          device_kind=device_kind, num_cores=num_cores, platform="gpu"
+      ),
+  )
   return jax.sharding.use_abstract_mesh(mesh)
 
 
@@ -101,7 +104,8 @@ TRITON_DEPRECATION_MESSAGE = (
     "The Pallas Triton backend is deprecated and will be removed in a future "
     "JAX version. To keep using Pallas on GPU, please migrate to the Mosaic "
     "GPU backend. To keep using Triton, switch to the official Triton "
-    "bindings and jax_triton.")
+    "bindings and jax_triton."
+)
 _triton_deprecations_filtered = 0
 
 
@@ -125,15 +129,20 @@ def filter_triton_deprecation() -> Iterator[None]:
   """
   with warnings.catch_warnings():
     warnings.filterwarnings(
-        "always", message=re.escape(TRITON_DEPRECATION_MESSAGE) + r"\Z",
-        category=DeprecationWarning)
+        "always",
+        message=re.escape(TRITON_DEPRECATION_MESSAGE) + r"\Z",
+        category=DeprecationWarning,
+    )
     show = warnings.showwarning
 
-    def count_or_show(message, category, filename, lineno, file=None,
-                      line=None):
+    def count_or_show(
+        message, category, filename, lineno, file=None, line=None
+    ):
       global _triton_deprecations_filtered
-      if (category is DeprecationWarning
-          and str(message) == TRITON_DEPRECATION_MESSAGE):
+      if (
+          category is DeprecationWarning
+          and str(message) == TRITON_DEPRECATION_MESSAGE
+      ):
         _triton_deprecations_filtered += 1
       else:
         show(message, category, filename, lineno, file, line)

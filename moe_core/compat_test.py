@@ -27,10 +27,15 @@ class FilterTritonDeprecationTest(absltest.TestCase):
     self.assertEqual(compat.triton_deprecations_filtered() - before, 2)
     self.assertEqual(
         [(str(w.message), w.category) for w in shown],
-        [(compat.TRITON_DEPRECATION_MESSAGE + " And more.",
-          DeprecationWarning),
-         ("something else is deprecated", DeprecationWarning),
-         (compat.TRITON_DEPRECATION_MESSAGE, UserWarning)])
+        [
+            (
+                compat.TRITON_DEPRECATION_MESSAGE + " And more.",
+                DeprecationWarning,
+            ),
+            ("something else is deprecated", DeprecationWarning),
+            (compat.TRITON_DEPRECATION_MESSAGE, UserWarning),
+        ],
+    )
 
   def test_counts_it_even_where_it_would_be_ignored_or_raise(self):
     for action in ("ignore", "error"):

@@ -62,53 +62,75 @@ class MoEConfig:
   capacity_factor: float | None = None
 
   def __post_init__(self):
-    for name in ("num_experts", "top_k", "hidden_size", "expert_ffn_size",
-                 "n_group", "topk_group"):
+    for name in (
+        "num_experts",
+        "top_k",
+        "hidden_size",
+        "expert_ffn_size",
+        "n_group",
+        "topk_group",
+    ):
       _check_positive_int(name, getattr(self, name))
     _check_int(self, "shared_ffn_size", minimum=0)
     if self.top_k > self.num_experts:
       raise ValueError(
           f"top_k must be <= num_experts, got top_k={self.top_k}, "
-          f"num_experts={self.num_experts}.")
+          f"num_experts={self.num_experts}."
+      )
     _check_choice("score_func", self.score_func, SCORE_FUNCS)
     _check_choice("group_score", self.group_score, GROUP_SCORES)
     _check_choice("activation", self.activation, ACTIVATIONS)
     if self.num_experts % self.n_group:
       raise ValueError(
           f"n_group must divide num_experts, got n_group={self.n_group}, "
-          f"num_experts={self.num_experts}.")
+          f"num_experts={self.num_experts}."
+      )
     if self.topk_group > self.n_group:
       raise ValueError(
           f"topk_group must be <= n_group, got topk_group={self.topk_group}, "
-          f"n_group={self.n_group}.")
+          f"n_group={self.n_group}."
+      )
     if self.n_group > 1:
       per_group = self.num_experts // self.n_group
       if self.group_score == "sum_top2" and per_group < 2:
         raise ValueError(
             "group_score='sum_top2' needs at least 2 experts per group, got "
             f"num_experts={self.num_experts} / n_group={self.n_group} = "
-            f"{per_group}.")
+            f"{per_group}."
+        )
       if self.top_k > self.topk_group * per_group:
         raise ValueError(
             "top_k must be <= topk_group * experts per group (the experts "
             f"that may be chosen), got top_k={self.top_k}, topk_group="
-            f"{self.topk_group}, experts per group={per_group}.")
+            f"{self.topk_group}, experts per group={per_group}."
+        )
     if self.shared_expert_gate and not self.shared_ffn_size:
-      raise ValueError("shared_expert_gate=True needs shared_ffn_size > 0, "
-                       f"got shared_ffn_size={self.shared_ffn_size}.")
-    if not (isinstance(self.norm_epsilon, (int, float))
-            and self.norm_epsilon >= 0):
       raise ValueError(
-          f"norm_epsilon must be a float >= 0, got {self.norm_epsilon!r}.")
-    if not (isinstance(self.routed_scaling_factor, (int, float))
-            and math.isfinite(self.routed_scaling_factor)):
-      raise ValueError("routed_scaling_factor must be a finite number, got "
-                       f"{self.routed_scaling_factor!r}.")
+          "shared_expert_gate=True needs shared_ffn_size > 0, "
+          f"got shared_ffn_size={self.shared_ffn_size}."
+      )
+    if not (
+        isinstance(self.norm_epsilon, (int, float)) and self.norm_epsilon >= 0
+    ):
+      raise ValueError(
+          f"norm_epsilon must be a float >= 0, got {self.norm_epsilon!r}."
+      )
+    if not (
+        isinstance(self.routed_scaling_factor, (int, float))
+        and math.isfinite(self.routed_scaling_factor)
+    ):
+      raise ValueError(
+          "routed_scaling_factor must be a finite number, got "
+          f"{self.routed_scaling_factor!r}."
+      )
     if self.capacity_factor is not None and not (
         isinstance(self.capacity_factor, (int, float))
-        and self.capacity_factor > 0):
-      raise ValueError("capacity_factor must be None (dropless) or a number "
-                       f"> 0, got {self.capacity_factor!r}.")
+        and self.capacity_factor > 0
+    ):
+      raise ValueError(
+          "capacity_factor must be None (dropless) or a number "
+          f"> 0, got {self.capacity_factor!r}."
+      )
 
   @property
   def dropless(self) -> bool:
@@ -122,8 +144,12 @@ class MoEConfig:
     """Slots per expert for `num_tokens` tokens, or None when dropless."""
     if self.capacity_factor is None:
       return None
-    return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k
-                            / self.num_experts))
+    return max(
+        1,
+        math.ceil(
+            self.capacity_factor * num_tokens * self.top_k / self.num_experts
+        ),
+    )
 
   def replace(self, **changes) -> MoEConfig:
     return dataclasses.replace(self, **changes)

@@ -19,96 +19,137 @@ def _cfg(**changes):
 class ValidationTest(parameterized.TestCase):
 
   @parameterized.product(
-      name=("num_experts", "top_k", "hidden_size", "expert_ffn_size",
-            "n_group", "topk_group"),
-      value=(0, -3, 2.0, True, "4"))
+      name=(
+          "num_experts",
+          "top_k",
+          "hidden_size",
+          "expert_ffn_size",
+          "n_group",
+          "topk_group",
+      ),
+      value=(0, -3, 2.0, True, "4"),
+  )
   def test_positive_ints(self, name, value):
     with self.assertRaisesRegex(
-        ValueError, rf"^{name} must be a positive int, got {value!r}\.$"):
+        ValueError, rf"^{name} must be a positive int, got {value!r}\.$"
+    ):
       _cfg(**{name: value})
 
   @parameterized.parameters(-1, 1.5, False)
   def test_shared_ffn_size_non_negative_int(self, value):
     with self.assertRaisesRegex(
-        ValueError, rf"^shared_ffn_size must be an int >= 0, got {value!r}"):
+        ValueError, rf"^shared_ffn_size must be an int >= 0, got {value!r}"
+    ):
       _cfg(shared_ffn_size=value)
 
   def test_top_k_at_most_num_experts(self):
     with self.assertRaisesRegex(
-        ValueError, r"^top_k must be <= num_experts, got top_k=9, "
-        r"num_experts=8\.$"):
+        ValueError,
+        r"^top_k must be <= num_experts, got top_k=9, " r"num_experts=8\.$",
+    ):
       _cfg(top_k=9)
 
   @parameterized.parameters(
       ("score_func", "softplus", r"\('softmax', 'sigmoid'\)"),
       ("group_score", "mean", r"\('max', 'sum_top2'\)"),
-      ("activation", "relu", r"\('silu', 'gelu', 'gelu_tanh'\)"))
+      ("activation", "relu", r"\('silu', 'gelu', 'gelu_tanh'\)"),
+  )
   def test_choices(self, name, value, choices):
     with self.assertRaisesRegex(
-        ValueError, rf"^{name} must be one of {choices}, got '{value}'\.$"):
+        ValueError, rf"^{name} must be one of {choices}, got '{value}'\.$"
+    ):
       _cfg(**{name: value})
 
   def test_n_group_divides_num_experts(self):
     with self.assertRaisesRegex(
-        ValueError, r"^n_group must divide num_experts, got n_group=3, "
-        r"num_experts=8\.$"):
+        ValueError,
+        r"^n_group must divide num_experts, got n_group=3, "
+        r"num_experts=8\.$",
+    ):
       _cfg(n_group=3)
 
   def test_topk_group_at_most_n_group(self):
     with self.assertRaisesRegex(
-        ValueError, r"^topk_group must be <= n_group, got topk_group=3, "
-        r"n_group=2\.$"):
+        ValueError,
+        r"^topk_group must be <= n_group, got topk_group=3, " r"n_group=2\.$",
+    ):
       _cfg(n_group=2, topk_group=3)
 
   def test_sum_top2_needs_two_experts_per_group(self):
     with self.assertRaisesRegex(
-        ValueError, r"^group_score='sum_top2' needs at least 2 experts per "
-        r"group, got num_experts=8 / n_group=8 = 1\.$"):
+        ValueError,
+        r"^group_score='sum_top2' needs at least 2 experts per "
+        r"group, got num_experts=8 / n_group=8 = 1\.$",
+    ):
       _cfg(n_group=8, topk_group=2, group_score="sum_top2")
 
   def test_top_k_fits_in_chosen_groups(self):
     with self.assertRaisesRegex(
-        ValueError, r"^top_k must be <= topk_group \* experts per group .*"
-        r"got top_k=3, topk_group=1, experts per group=2\.$"):
+        ValueError,
+        r"^top_k must be <= topk_group \* experts per group .*"
+        r"got top_k=3, topk_group=1, experts per group=2\.$",
+    ):
       _cfg(top_k=3, n_group=4, topk_group=1)
 
   def test_shared_gate_needs_shared_expert(self):
     with self.assertRaisesRegex(
-        ValueError, r"^shared_expert_gate=True needs shared_ffn_size > 0, "
-        r"got shared_ffn_size=0\.$"):
+        ValueError,
+        r"^shared_expert_gate=True needs shared_ffn_size > 0, "
+        r"got shared_ffn_size=0\.$",
+    ):
       _cfg(shared_expert_gate=True)
 
   @parameterized.parameters(-1e-6, "0", None)
   def test_norm_epsilon(self, value):
     with self.assertRaisesRegex(
-        ValueError, rf"^norm_epsilon must be a float >= 0, got {value!r}"):
+        ValueError, rf"^norm_epsilon must be a float >= 0, got {value!r}"
+    ):
       _cfg(norm_epsilon=value)
 
   @parameterized.parameters(math.inf, math.nan, "2.5", None)
   def test_routed_scaling_factor(self, value):
     with self.assertRaisesRegex(
-        ValueError, r"^routed_scaling_factor must be a finite number, got "
-        + repr(value)):
+        ValueError,
+        r"^routed_scaling_factor must be a finite number, got " + repr(value),
+    ):
       _cfg(routed_scaling_factor=value)
 
   @parameterized.parameters(0, -1.0, "1.25")
   def test_capacity_factor(self, value):
     with self.assertRaisesRegex(
-        ValueError, r"^capacity_factor must be None \(dropless\) or a number "
-        rf"> 0, got {value!r}"):
+        ValueError,
+        r"^capacity_factor must be None \(dropless\) or a number "
+        rf"> 0, got {value!r}",
+    ):
       _cfg(capacity_factor=value)
 
   def test_valid_configs_construct(self):
     # The routers of the six supported families, at their real sizes.
     _cfg(num_experts=8, top_k=2, norm_topk_prob=True)  # Mixtral
-    _cfg(num_experts=60, top_k=4, shared_ffn_size=5632,
-         shared_expert_gate=True)  # Qwen1.5-MoE
-    _cfg(num_experts=160, top_k=6, n_group=8, topk_group=3,
-         routed_scaling_factor=16.0, shared_ffn_size=2 * 1536)  # DS-V2
-    _cfg(num_experts=256, top_k=8, score_func="sigmoid", correction_bias=True,
-         n_group=8, topk_group=4, group_score="sum_top2", norm_topk_prob=True,
-         norm_epsilon=1e-20, routed_scaling_factor=2.5,
-         shared_ffn_size=2048)  # DeepSeek-V3
+    _cfg(
+        num_experts=60, top_k=4, shared_ffn_size=5632, shared_expert_gate=True
+    )  # Qwen1.5-MoE
+    _cfg(
+        num_experts=160,
+        top_k=6,
+        n_group=8,
+        topk_group=3,
+        routed_scaling_factor=16.0,
+        shared_ffn_size=2 * 1536,
+    )  # DS-V2
+    _cfg(
+        num_experts=256,
+        top_k=8,
+        score_func="sigmoid",
+        correction_bias=True,
+        n_group=8,
+        topk_group=4,
+        group_score="sum_top2",
+        norm_topk_prob=True,
+        norm_epsilon=1e-20,
+        routed_scaling_factor=2.5,
+        shared_ffn_size=2048,
+    )  # DeepSeek-V3
 
   def test_frozen_and_replace_revalidates(self):
     cfg = _cfg()

@@ -30,18 +30,24 @@ def gated(gate: jax.Array, up: jax.Array, name: str) -> jax.Array:
 
 def _matmul(a, b):
   """a @ b with float32 accumulation, in a's dtype."""
-  return jnp.dot(a, b.astype(a.dtype),
-                 preferred_element_type=jnp.float32).astype(a.dtype)
+  return jnp.dot(
+      a, b.astype(a.dtype), preferred_element_type=jnp.float32
+  ).astype(a.dtype)
 
 
-def shared_expert(params: dict, x: jax.Array,
-                  cfg: config_lib.MoEConfig) -> jax.Array:
+def shared_expert(
+    params: dict, x: jax.Array, cfg: config_lib.MoEConfig
+) -> jax.Array:
   """The always-on expert: [T, D] -> [T, D], optionally sigmoid-gated."""
-  h = gated(_matmul(x, params["shared_w_gate"]),
-            _matmul(x, params["shared_w_up"]), cfg.activation)
+  h = gated(
+      _matmul(x, params["shared_w_gate"]),
+      _matmul(x, params["shared_w_up"]),
+      cfg.activation,
+  )
   y = _matmul(h, params["shared_w_down"])
   if cfg.shared_expert_gate:
-    gate_logit = jnp.dot(x.astype(jnp.float32),
-                         params["shared_gate"].astype(jnp.float32))
+    gate_logit = jnp.dot(
+        x.astype(jnp.float32), params["shared_gate"].astype(jnp.float32)
+    )
     y = (jax.nn.sigmoid(gate_logit) * y.astype(jnp.float32)).astype(x.dtype)
   return y

@@ -7,9 +7,11 @@ from absl import flags
 from moe_core import registry
 
 MOE_BACKEND = flags.DEFINE_string(
-    "moe_backend", "auto",
+    "moe_backend",
+    "auto",
     "MoE expert backend: 'auto' or a registered name (see "
-    "moe_core.registered_backends(): reference, xla, pallas, ...).")
+    "moe_core.registered_backends(): reference, xla, pallas, ...).",
+)
 
 
 def _check_registered(name: str) -> bool:
@@ -18,7 +20,8 @@ def _check_registered(name: str) -> bool:
   if name not in valid:
     raise flags.ValidationError(
         f"--moe_backend must be 'auto' or a registered backend name, one of "
-        f"{valid}; got {name!r}.")
+        f"{valid}; got {name!r}."
+    )
   return True
 
 

@@ -43,13 +43,21 @@ class ImportTest(absltest.TestCase):
     root = os.path.dirname(os.path.dirname(os.path.abspath(moe_core.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (root, env.get("PYTHONPATH", "")) if p)
+        p for p in (root, env.get("PYTHONPATH", "")) if p
+    )
     env.setdefault("JAX_PLATFORMS", "cpu")
-    done = subprocess.run([sys.executable, "-c", _PROBE], env=env,
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
-      raise AssertionError(f"`import moe_core` failed in a fresh interpreter "
-                           f"(exit {done.returncode}):\n{done.stderr}")
+      raise AssertionError(
+          f"`import moe_core` failed in a fresh interpreter "
+          f"(exit {done.returncode}):\n{done.stderr}"
+      )
     cls.probe = json.loads(done.stdout.strip().splitlines()[-1])
 
   def test_registered_backends_lists_the_builtin_ones(self):
@@ -59,15 +67,17 @@ class ImportTest(absltest.TestCase):
     self.assertLen(set(names), len(names))
 
   def test_import_loads_no_backend_or_vendor_module(self):
-    leaked = [m for m in self.probe["modules"]
-              if any(_is_under(m, p) for p in _FORBIDDEN)]
+    leaked = [
+        m
+        for m in self.probe["modules"]
+        if any(_is_under(m, p) for p in _FORBIDDEN)
+    ]
     self.assertEmpty(leaked, f"import moe_core also imported {leaked}")
 
   def test_import_loads_moe_core_and_jax(self):
     # Guards the test above against a probe that imported nothing at all.
     modules = set(self.probe["modules"])
-    self.assertContainsSubset({"moe_core", "moe_core.registry", "jax"},
-                              modules)
+    self.assertContainsSubset({"moe_core", "moe_core.registry", "jax"}, modules)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,11 @@ import moe_core
 from conformance import tolerances
 from moe_core.testing import multiprocess_worker as worker
 
-_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testing",
-                       "multiprocess_worker.py")
+_WORKER = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)),
+    "testing",
+    "multiprocess_worker.py",
+)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 processes compile the layer and its gradients at once on 2 cores.
 _RUN_TIMEOUT_S = 400
@@ -55,7 +58,8 @@ def _launch(num_processes, *, process_ids=None, timeout_s, **flags):
   port = _free_port()
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+      p for p in (_ROOT, env.get("PYTHONPATH", "")) if p
+  )
   env["PYTHONUNBUFFERED"] = "1"
   env.pop("XLA_FLAGS", None)  # The worker sets its own device count.
   env["JAX_PLATFORMS"] = "cpu"
@@ -65,10 +69,20 @@ def _launch(num_processes, *, process_ids=None, timeout_s, **flags):
   for i in range(num_processes) if process_ids is None else process_ids:
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
-        [sys.executable, _WORKER, f"--port={port}",
-         f"--num_processes={num_processes}", f"--process_id={i}", *args],
-        stdout=log, stderr=subprocess.STDOUT, env=env, text=True,
-        start_new_session=True)
+        [
+            sys.executable,
+            _WORKER,
+            f"--port={port}",
+            f"--num_processes={num_processes}",
+            f"--process_id={i}",
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        start_new_session=True,
+    )
     procs.append((proc, log))
   results = []
   for proc, log in procs:
@@ -85,11 +99,12 @@ def _launch(num_processes, *, process_ids=None, timeout_s, **flags):
       for _, lg in procs:
         lg.seek(0)
         outputs.append(lg.read()[-3000:])
-      raise AssertionError(f"workers did not finish within {timeout_s} s; "
-                           "their output:\n" + "\n---\n".join(outputs))
+      raise AssertionError(
+          f"workers did not finish within {timeout_s} s; "
+          "their output:\n" + "\n---\n".join(outputs)
+      )
     log.seek(0)
-    results.append((proc.returncode, log.read(),
-                    time.monotonic() - start))
+    results.append((proc.returncode, log.read(), time.monotonic() - start))
     log.close()
   return results
 
@@ -98,11 +113,14 @@ def _launch(num_processes, *, process_ids=None, timeout_s, **flags):
 def _single_device_result(backend):
   cfg = worker.config()
   params, x, cotangent = worker.inputs(cfg)
-  y, stats, grads = jax.jit(worker.make_step(cfg, backend))(params, x,
-                                                            cotangent)
-  return {"y": np.asarray(y),
-          **{f"aux_{k}": np.asarray(v) for k, v in stats.items()},
-          **{f"grad_{k}": np.asarray(v) for k, v in grads.items()}}
+  y, stats, grads = jax.jit(worker.make_step(cfg, backend))(
+      params, x, cotangent
+  )
+  return {
+      "y": np.asarray(y),
+      **{f"aux_{k}": np.asarray(v) for k, v in stats.items()},
+      **{f"grad_{k}": np.asarray(v) for k, v in grads.items()},
+  }
 
 
 class MultiProcessTest(parameterized.TestCase):
@@ -112,20 +130,30 @@ class MultiProcessTest(parameterized.TestCase):
       # which XLA:CPU runs); the ragged layout once, on xla.
       [(b, 2, "1x4", "padded") for b in moe_core.registered_backends()]
       + [(b, 4, "2x4", "padded") for b in moe_core.registered_backends()]
-      + [("xla", 4, "1x8", "ragged_emulated")])
+      + [("xla", 4, "1x8", "ragged_emulated")]
+  )
   def test_matches_one_process(self, backend, num_processes, mesh, exchange):
     ok, why = moe_core.registry.availability(backend)
     if not ok:
       self.skipTest(f"backend {backend!r} cannot run here: {why}")
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "result.npz")
-      results = _launch(num_processes, timeout_s=_RUN_TIMEOUT_S, mesh=mesh,
-                        exchange=exchange, local_devices=2, out=out,
-                        backend=backend)
+      results = _launch(
+          num_processes,
+          timeout_s=_RUN_TIMEOUT_S,
+          mesh=mesh,
+          exchange=exchange,
+          local_devices=2,
+          out=out,
+          backend=backend,
+      )
       for i, (code, output, _) in enumerate(results):
         self.assertEqual(code, 0, f"process {i} failed:\n{output[-4000:]}")
-        self.assertIn(f"joined: {num_processes} processes, "
-                      f"{2 * num_processes} devices (2 local)", output)
+        self.assertIn(
+            f"joined: {num_processes} processes, "
+            f"{2 * num_processes} devices (2 local)",
+            output,
+        )
       with np.load(out) as got:
         got = dict(got)
     one_process = _single_device_result(backend)
@@ -145,8 +173,9 @@ class MultiProcessTest(parameterized.TestCase):
   def test_process_that_never_joins_fails_within_the_timeout(self):
     # Only process 0 of 2 starts: it waits for its peer, for at most
     # --init_timeout seconds.
-    (code, output, seconds), = _launch(
-        2, process_ids=[0], timeout_s=_FAILURE_TIMEOUT_S, init_timeout=5)
+    ((code, output, seconds),) = _launch(
+        2, process_ids=[0], timeout_s=_FAILURE_TIMEOUT_S, init_timeout=5
+    )
     self.assertNotEqual(code, 0, output[-3000:])
     # JAX aborts the process (SIGABRT) from C++ with this message; a Python
     # exception would be reported by the worker as DISTRIBUTED_INIT_FAILED.
@@ -154,20 +183,30 @@ class MultiProcessTest(parameterized.TestCase):
     print(f"never-joined peer: exit {code} after {seconds:.1f} s")
 
   @parameterized.named_parameters(("worker_dies", 1), ("coordinator_dies", 0))
-  def test_process_that_dies_fails_the_others_within_the_timeout(
-      self, dying):
-    results = _launch(2, timeout_s=_FAILURE_TIMEOUT_S, die_process=dying,
-                      heartbeat_timeout=5, mesh="1x4")
+  def test_process_that_dies_fails_the_others_within_the_timeout(self, dying):
+    results = _launch(
+        2,
+        timeout_s=_FAILURE_TIMEOUT_S,
+        die_process=dying,
+        heartbeat_timeout=5,
+        mesh="1x4",
+    )
     survivor = 1 - dying
     code, output, seconds = results[survivor]
     self.assertEqual(results[dying][0], 17, results[dying][1][-3000:])
     self.assertNotEqual(code, 0, output[-3000:])
     self.assertRegex(
-        output, re.compile(r"stopped sending heartbeats|leader task was "
-                           r"preempted/died|Socket closed|EP_RUN_FAILED"),
-        output[-3000:])
-    print(f"peer {dying} died: process {survivor} exited {code} after "
-          f"{seconds:.1f} s")
+        output,
+        re.compile(
+            r"stopped sending heartbeats|leader task was "
+            r"preempted/died|Socket closed|EP_RUN_FAILED"
+        ),
+        output[-3000:],
+    )
+    print(
+        f"peer {dying} died: process {survivor} exited {code} after "
+        f"{seconds:.1f} s"
+    )
 
 
 if __name__ == "__main__":

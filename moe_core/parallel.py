@@ -66,8 +66,13 @@ _is_explicit = compat.is_explicit
 _reshard = compat.reshard
 
 # Per-token MoEAux fields: sharded like the tokens. The rest are global.
-_PER_TOKEN_AUX = ("router_logits", "router_probs", "expert_ids",
-                  "combine_weights", "kept")
+_PER_TOKEN_AUX = (
+    "router_logits",
+    "router_probs",
+    "expert_ids",
+    "combine_weights",
+    "kept",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,22 +107,32 @@ class EPOptions:
 
   def __post_init__(self):
     if self.exchange not in EXCHANGES:
-      raise ValueError(f"exchange must be one of {EXCHANGES}, got "
-                       f"{self.exchange!r}.")
+      raise ValueError(
+          f"exchange must be one of {EXCHANGES}, got " f"{self.exchange!r}."
+      )
     if self.overflow not in OVERFLOW_POLICIES:
-      raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got "
-                       f"{self.overflow!r}.")
+      raise ValueError(
+          f"overflow must be one of {OVERFLOW_POLICIES}, got "
+          f"{self.overflow!r}."
+      )
     if self.buffer_factor is not None and not (
         isinstance(self.buffer_factor, (int, float))
         and not isinstance(self.buffer_factor, bool)
-        and math.isfinite(self.buffer_factor) and self.buffer_factor > 0):
-      raise ValueError("buffer_factor must be None (drop-free) or a finite "
-                       f"number > 0, got {self.buffer_factor!r}.")
-    if (isinstance(self.num_chunks, bool) or not isinstance(self.num_chunks,
-                                                             int)
-        or self.num_chunks < 1):
-      raise ValueError(f"num_chunks must be a positive int, got "
-                       f"{self.num_chunks!r}.")
+        and math.isfinite(self.buffer_factor)
+        and self.buffer_factor > 0
+    ):
+      raise ValueError(
+          "buffer_factor must be None (drop-free) or a finite "
+          f"number > 0, got {self.buffer_factor!r}."
+      )
+    if (
+        isinstance(self.num_chunks, bool)
+        or not isinstance(self.num_chunks, int)
+        or self.num_chunks < 1
+    ):
+      raise ValueError(
+          f"num_chunks must be a positive int, got " f"{self.num_chunks!r}."
+      )
 
 
 def resolve_exchange(exchange: str, platform: str) -> str:
@@ -139,8 +154,13 @@ def safe_slots_per_peer(tokens: int, top_k: int, local_experts: int) -> int:
   return tokens * min(top_k, local_experts)
 
 
-def buffer_sizes(tokens: int, top_k: int, num_experts: int, ep: int,
-                 buffer_factor: float | None) -> tuple[int, int]:
+def buffer_sizes(
+    tokens: int,
+    top_k: int,
+    num_experts: int,
+    ep: int,
+    buffer_factor: float | None,
+) -> tuple[int, int]:
   """(slots per peer of the padded buffer, rows of the ragged receive buffer).
 
   Args:
@@ -164,9 +184,14 @@ def buffer_sizes(tokens: int, top_k: int, num_experts: int, ep: int,
 # --- Stage 1: route ---------------------------------------------------------
 
 
-def route(x: jax.Array, router: jax.Array, cfg: config_lib.MoEConfig,
-          correction_bias: jax.Array | None = None, *,
-          token_axes: Sequence[str]) -> routing.MoEAux:
+def route(
+    x: jax.Array,
+    router: jax.Array,
+    cfg: config_lib.MoEConfig,
+    correction_bias: jax.Array | None = None,
+    *,
+    token_axes: Sequence[str],
+) -> routing.MoEAux:
   """`routing.route` on this shard's tokens, with global statistics.
 
   Call inside `shard_map`. Per-token fields are this shard's; the counts and
@@ -186,7 +211,8 @@ def route(x: jax.Array, router: jax.Array, cfg: config_lib.MoEConfig,
   if not cfg.dropless:
     raise NotImplementedError(
         "expert parallelism supports dropless configs only (capacity_factor="
-        f"None), got capacity_factor={cfg.capacity_factor}.")
+        f"None), got capacity_factor={cfg.capacity_factor}."
+    )
   token_axes = tuple(token_axes)
   aux = routing.route(x, router, cfg, correction_bias)
   num_local = x.shape[0]
@@ -196,11 +222,14 @@ def route(x: jax.Array, router: jax.Array, cfg: config_lib.MoEConfig,
   mean_probs = _psum(aux.router_probs.sum(axis=0), token_axes) / num_tokens
   load_balancing_loss = cfg.num_experts * jnp.sum(fraction * mean_probs)
   lse = jax.nn.logsumexp(aux.router_logits, axis=-1)
-  router_z_loss = _psum(jnp.sum(lse ** 2), token_axes) / num_tokens
+  router_z_loss = _psum(jnp.sum(lse**2), token_axes) / num_tokens
   return dataclasses.replace(
-      aux, tokens_per_expert=tokens_per_expert,
-      load_balancing_loss=load_balancing_loss, router_z_loss=router_z_loss,
-      dropped_tokens=_psum(aux.dropped_tokens, token_axes))
+      aux,
+      tokens_per_expert=tokens_per_expert,
+      load_balancing_loss=load_balancing_loss,
+      router_z_loss=router_z_loss,
+      dropped_tokens=_psum(aux.dropped_tokens, token_axes),
+  )
 
 
 # --- Stage 2: dispatch ------------------------------------------------------
@@ -252,10 +281,16 @@ class EPDispatched:
   slots: int = dataclasses.field(metadata=dict(static=True))
 
 
-def dispatch(x: jax.Array, expert_ids: jax.Array, cfg: config_lib.MoEConfig,
-             *, expert_axis: str, exchange: str = "padded",
-             buffer_factor: float | None = None,
-             overflow: str = "error") -> EPDispatched:
+def dispatch(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    cfg: config_lib.MoEConfig,
+    *,
+    expert_axis: str,
+    exchange: str = "padded",
+    buffer_factor: float | None = None,
+    overflow: str = "error",
+) -> EPDispatched:
   """Sends each token copy to the device of its expert; call in shard_map.
 
   Args:
@@ -275,26 +310,31 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, cfg: config_lib.MoEConfig,
     [E_l], and what `combine` needs.
   """
   if exchange not in ("padded", "ragged", "ragged_emulated"):
-    raise ValueError("dispatch needs exchange 'padded', 'ragged' or "
-                     f"'ragged_emulated', got {exchange!r}.")
+    raise ValueError(
+        "dispatch needs exchange 'padded', 'ragged' or "
+        f"'ragged_emulated', got {exchange!r}."
+    )
   ep = _axis_size(expert_axis)
   if cfg.num_experts % ep:
     raise ValueError(
         f"num_experts={cfg.num_experts} must be divisible by the size of "
-        f"expert axis {expert_axis!r}, got {ep}.")
+        f"expert axis {expert_axis!r}, got {ep}."
+    )
   num_local_experts = cfg.num_experts // ep
   num_tokens, top_k = expert_ids.shape
   num_copies = num_tokens * top_k
   me = jax.lax.axis_index(expert_axis)
-  slots, recv_rows = buffer_sizes(num_tokens, top_k, cfg.num_experts, ep,
-                                  buffer_factor)
+  slots, recv_rows = buffer_sizes(
+      num_tokens, top_k, cfg.num_experts, ep, buffer_factor
+  )
   padded = exchange == "padded"
 
   # Send order: copies sorted by global expert, hence by destination device.
   local = permute.dispatch(x, expert_ids, cfg.num_experts)
   # counts[i, j, e]: copies device i sends to local expert e of device j.
   counts = jax.lax.all_gather(local.group_sizes, expert_axis).reshape(
-      ep, ep, num_local_experts)
+      ep, ep, num_local_experts
+  )
   wanted = counts.sum(axis=-1)  # [src, dst]
   src_first = _exclusive_cumsum(wanted, axis=1)  # Row of dst's first copy.
   if padded:
@@ -310,15 +350,24 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, cfg: config_lib.MoEConfig,
   recv_sizes = fits[:, me]
 
   copy = jnp.arange(num_copies, dtype=jnp.int32)
-  dest = jnp.clip(jnp.searchsorted(jnp.cumsum(wanted[me]), copy,
-                                   side="right"), 0, ep - 1).astype(jnp.int32)
+  dest = jnp.clip(
+      jnp.searchsorted(jnp.cumsum(wanted[me]), copy, side="right"), 0, ep - 1
+  ).astype(jnp.int32)
   slot_in_peer = copy - src_first[me][dest]
   sent = slot_in_peer < send_sizes[dest]
   dropped = (num_copies - jnp.sum(sent)).astype(jnp.int32)
   if buffer_factor is not None and overflow == "error":
-    local = dataclasses.replace(local, rows=_raise_on_overflow(
-        local.rows, jax.lax.psum(dropped, expert_axis), buffer_factor,
-        exchange, slots, recv_rows))
+    local = dataclasses.replace(
+        local,
+        rows=_raise_on_overflow(
+            local.rows,
+            jax.lax.psum(dropped, expert_axis),
+            buffer_factor,
+            exchange,
+            slots,
+            recv_rows,
+        ),
+    )
 
   if padded:
     return_slot = dest * slots + jnp.clip(slot_in_peer, 0, slots - 1)
@@ -326,8 +375,9 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, cfg: config_lib.MoEConfig,
     c = jnp.arange(slots, dtype=jnp.int32)[None, :]
     source = src_first[me][:, None] + c
     valid = c < send_sizes[:, None]
-    send = jnp.where(valid[..., None],
-                     local.rows[jnp.clip(source, 0, num_copies - 1)], 0)
+    send = jnp.where(
+        valid[..., None], local.rows[jnp.clip(source, 0, num_copies - 1)], 0
+    )
     received = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)
     received = received.reshape(ep * slots, -1)
     row = jnp.arange(ep * slots, dtype=jnp.int32)
@@ -343,12 +393,20 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, cfg: config_lib.MoEConfig,
     peer_recv = dst_first[me]
     rows = jnp.where(sent[:, None], local.rows, 0)
     received = _ragged_exchange(
-        exchange, rows, jnp.zeros((recv_rows, x.shape[1]), x.dtype),
-        send_offsets, send_sizes, peer_recv, recv_sizes, expert_axis)
+        exchange,
+        rows,
+        jnp.zeros((recv_rows, x.shape[1]), x.dtype),
+        send_offsets,
+        send_sizes,
+        peer_recv,
+        recv_sizes,
+        expert_axis,
+    )
     row = jnp.arange(recv_rows, dtype=jnp.int32)
     ends = recv_offsets + recv_sizes
-    source_dev = jnp.clip(jnp.searchsorted(ends, row, side="right"), 0,
-                          ep - 1).astype(jnp.int32)
+    source_dev = jnp.clip(
+        jnp.searchsorted(ends, row, side="right"), 0, ep - 1
+    ).astype(jnp.int32)
     slot = row - recv_offsets[source_dev]
     valid_row = row < jnp.sum(recv_sizes)
 
@@ -359,23 +417,38 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, cfg: config_lib.MoEConfig,
   key = jnp.where(valid_row, expert_of, num_local_experts).astype(jnp.int32)
   regroup = jnp.argsort(key, stable=True).astype(jnp.int32)
   group_sizes = jnp.bincount(key, length=num_local_experts + 1)[
-      :num_local_experts].astype(jnp.int32)
+      :num_local_experts
+  ].astype(jnp.int32)
   grouped = jnp.where(valid_row[regroup][:, None], received[regroup], 0)
   return EPDispatched(
-      rows=grouped, group_sizes=group_sizes, local=local, sent=sent,
-      return_slot=return_slot.astype(jnp.int32), regroup=regroup,
-      send_sizes=send_sizes, send_offsets=send_offsets,
-      recv_sizes=recv_sizes, recv_offsets=recv_offsets,
+      rows=grouped,
+      group_sizes=group_sizes,
+      local=local,
+      sent=sent,
+      return_slot=return_slot.astype(jnp.int32),
+      regroup=regroup,
+      send_sizes=send_sizes,
+      send_offsets=send_offsets,
+      recv_sizes=recv_sizes,
+      recv_offsets=recv_offsets,
       peer_recv_offsets=peer_recv,
-      peer_send_offsets=src_first[:, me], dropped=dropped,
-      exchange=exchange, slots=slots if padded else recv_rows)
+      peer_send_offsets=src_first[:, me],
+      dropped=dropped,
+      exchange=exchange,
+      slots=slots if padded else recv_rows,
+  )
 
 
 # --- Stage 4: combine -------------------------------------------------------
 
 
-def combine(expert_out: jax.Array, dispatched: EPDispatched,
-            combine_weights: jax.Array, *, expert_axis: str) -> jax.Array:
+def combine(
+    expert_out: jax.Array,
+    dispatched: EPDispatched,
+    combine_weights: jax.Array,
+    *,
+    expert_axis: str,
+) -> jax.Array:
   """Returns expert outputs to their tokens; call inside shard_map.
 
   Args:
@@ -391,21 +464,30 @@ def combine(expert_out: jax.Array, dispatched: EPDispatched,
   """
   d = dispatched
   # Undo the regrouping: received[regroup] = rows, so received = rows[inv].
-  inverse = jnp.zeros_like(d.regroup).at[d.regroup].set(
-      jnp.arange(d.regroup.shape[0], dtype=jnp.int32))
+  inverse = (
+      jnp.zeros_like(d.regroup)
+      .at[d.regroup]
+      .set(jnp.arange(d.regroup.shape[0], dtype=jnp.int32))
+  )
   received = expert_out[inverse]
   num_copies = d.sent.shape[0]
   if d.exchange == "padded":
     ep = _axis_size(expert_axis)
-    back = jax.lax.all_to_all(received.reshape(ep, d.slots, -1), expert_axis,
-                              0, 0, tiled=True)
+    back = jax.lax.all_to_all(
+        received.reshape(ep, d.slots, -1), expert_axis, 0, 0, tiled=True
+    )
     back = back.reshape(ep * d.slots, -1)
   else:
     back = _ragged_exchange(
-        d.exchange, received,
+        d.exchange,
+        received,
         jnp.zeros((num_copies, received.shape[1]), received.dtype),
-        d.recv_offsets, d.recv_sizes, d.peer_send_offsets, d.send_sizes,
-        expert_axis)
+        d.recv_offsets,
+        d.recv_sizes,
+        d.peer_send_offsets,
+        d.send_sizes,
+        expert_axis,
+    )
   per_copy = jnp.where(d.sent[:, None], back[d.return_slot], 0)
   kept = d.sent[d.local.position].reshape(combine_weights.shape)
   return permute.combine(per_copy, d.local, combine_weights, kept)
@@ -414,13 +496,18 @@ def combine(expert_out: jax.Array, dispatched: EPDispatched,
 # --- The routed block -------------------------------------------------------
 
 
-def routed_experts(backend: str | backend_lib.Backend, params: dict,
-                   x: jax.Array, aux: routing.MoEAux,
-                   cfg: config_lib.MoEConfig, *, expert_axis: str,
-                   token_axes: Sequence[str],
-                   options: EPOptions = EPOptions(),
-                   platform: str | None = None,
-                   ) -> tuple[jax.Array, routing.MoEAux]:
+def routed_experts(
+    backend: str | backend_lib.Backend,
+    params: dict,
+    x: jax.Array,
+    aux: routing.MoEAux,
+    cfg: config_lib.MoEConfig,
+    *,
+    expert_axis: str,
+    token_axes: Sequence[str],
+    options: EPOptions = EPOptions(),
+    platform: str | None = None,
+) -> tuple[jax.Array, routing.MoEAux]:
   """dispatch -> backend.expert_ffn -> combine; call inside shard_map.
 
   Args:
@@ -439,97 +526,132 @@ def routed_experts(backend: str | backend_lib.Backend, params: dict,
     ([T_l, D] in x's dtype, aux with kept, combine_weights and dropped_tokens
     updated for copies dropped by a bounded buffer with overflow="drop").
   """
-  exchange = resolve_exchange(options.exchange,
-                              platform or jax.default_backend())
+  exchange = resolve_exchange(
+      options.exchange, platform or jax.default_backend()
+  )
   num_tokens = x.shape[0]
   chunks = options.num_chunks
   if num_tokens % chunks:
     raise ValueError(
         f"num_chunks={chunks} must divide the tokens per device, got "
-        f"{num_tokens} tokens per device.")
+        f"{num_tokens} tokens per device."
+    )
   size = num_tokens // chunks
   ys, kept = [], []
   # A Python loop, so the chunks are independent ops the scheduler may
   # overlap (one chunk's exchange with another's expert compute).
   for i in range(chunks):
     part = slice(i * size, (i + 1) * size)
-    d = dispatch(x[part], aux.expert_ids[part], cfg, expert_axis=expert_axis,
-                 exchange=exchange, buffer_factor=options.buffer_factor,
-                 overflow=options.overflow)
+    d = dispatch(
+        x[part],
+        aux.expert_ids[part],
+        cfg,
+        expert_axis=expert_axis,
+        exchange=exchange,
+        buffer_factor=options.buffer_factor,
+        overflow=options.overflow,
+    )
     out = registry.call_backend(
-        backend, lambda b, d=d: b.expert_ffn(d.rows, d.group_sizes, params,
-                                             cfg))
-    ys.append(combine(out, d, aux.combine_weights[part],
-                      expert_axis=expert_axis))
+        backend, lambda b, d=d: b.expert_ffn(d.rows, d.group_sizes, params, cfg)
+    )
+    ys.append(
+        combine(out, d, aux.combine_weights[part], expert_axis=expert_axis)
+    )
     kept.append(d.sent[d.local.position].reshape(size, cfg.top_k))
   y = jnp.concatenate(ys) if chunks > 1 else ys[0]
   kept = jnp.concatenate(kept) if chunks > 1 else kept[0]
   if options.buffer_factor is not None:
     dropped = (kept.size - jnp.sum(kept)).astype(jnp.int32)
     aux = dataclasses.replace(
-        aux, kept=kept,
+        aux,
+        kept=kept,
         combine_weights=jnp.where(kept, aux.combine_weights, 0.0),
-        dropped_tokens=aux.dropped_tokens + _psum(dropped, tuple(token_axes)))
+        dropped_tokens=aux.dropped_tokens + _psum(dropped, tuple(token_axes)),
+    )
   return y.astype(x.dtype), aux
 
 
 # --- The whole layer under a mesh -------------------------------------------
 
 
-def param_specs(cfg: config_lib.MoEConfig, expert_axis: str = "expert",
-                ) -> dict[str, P]:
+def param_specs(
+    cfg: config_lib.MoEConfig,
+    expert_axis: str = "expert",
+) -> dict[str, P]:
   """PartitionSpec of each parameter: experts split, the rest replicated."""
-  return {name: P(expert_axis) if name in ("w_gate", "w_up", "w_down")
-          else P() for name in params_lib.param_shapes(cfg)}
+  return {
+      name: P(expert_axis) if name in ("w_gate", "w_up", "w_down") else P()
+      for name in params_lib.param_shapes(cfg)
+  }
 
 
-def shard_params(params: dict, cfg: config_lib.MoEConfig,
-                 mesh: jax.sharding.Mesh,
-                 expert_axis: str = "expert") -> dict[str, jax.Array]:
+def shard_params(
+    params: dict,
+    cfg: config_lib.MoEConfig,
+    mesh: jax.sharding.Mesh,
+    expert_axis: str = "expert",
+) -> dict[str, jax.Array]:
   """Places `params` on `mesh` as `moe_layer(..., mesh=mesh)` expects them.
 
   Each device then holds E / ep experts' weights. In a multi-process run,
   every process must pass the same full values (e.g. from one seed).
   """
   specs = param_specs(cfg, expert_axis)
-  return {name: jax.device_put(value, NamedSharding(mesh, specs[name]))
-          for name, value in params.items()}
+  return {
+      name: jax.device_put(value, NamedSharding(mesh, specs[name]))
+      for name, value in params.items()
+  }
 
 
-def check_mesh(mesh, cfg: config_lib.MoEConfig, expert_axis: str,
-               data_axes: Sequence[str]) -> tuple[str, ...]:
+def check_mesh(
+    mesh, cfg: config_lib.MoEConfig, expert_axis: str, data_axes: Sequence[str]
+) -> tuple[str, ...]:
   """Validates the mesh arguments; returns the token axes."""
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh)}.")
   if isinstance(data_axes, str):
-    raise TypeError("data_axes must be a sequence of axis names, got the "
-                    f"string {data_axes!r}; write ({data_axes!r},).")
+    raise TypeError(
+        "data_axes must be a sequence of axis names, got the "
+        f"string {data_axes!r}; write ({data_axes!r},)."
+    )
   data_axes = tuple(data_axes)
   names = tuple(mesh.axis_names)
   if expert_axis not in names:
-    raise ValueError(f"expert_axis={expert_axis!r} is not an axis of the "
-                     f"mesh; mesh axes are {names}.")
+    raise ValueError(
+        f"expert_axis={expert_axis!r} is not an axis of the "
+        f"mesh; mesh axes are {names}."
+    )
   missing = [a for a in data_axes if a not in names]
   if missing:
-    raise ValueError(f"data_axes={data_axes} names axes {missing} the mesh "
-                     f"lacks; mesh axes are {names} (data_axes=() for none).")
+    raise ValueError(
+        f"data_axes={data_axes} names axes {missing} the mesh "
+        f"lacks; mesh axes are {names} (data_axes=() for none)."
+    )
   if expert_axis in data_axes or len(set(data_axes)) != len(data_axes):
-    raise ValueError("data_axes must be distinct and exclude expert_axis, got "
-                     f"data_axes={data_axes}, expert_axis={expert_axis!r}.")
+    raise ValueError(
+        "data_axes must be distinct and exclude expert_axis, got "
+        f"data_axes={data_axes}, expert_axis={expert_axis!r}."
+    )
   ep = mesh.shape[expert_axis]
   if cfg.num_experts % ep:
     raise ValueError(
         f"num_experts={cfg.num_experts} must be divisible by the expert axis "
-        f"size, got mesh.shape[{expert_axis!r}]={ep}.")
+        f"size, got mesh.shape[{expert_axis!r}]={ep}."
+    )
   return (*data_axes, expert_axis)
 
 
-def moe_layer(params: dict, x: jax.Array, cfg: config_lib.MoEConfig,
-              backend: str | backend_lib.Backend = "auto", *,
-              mesh: jax.sharding.Mesh, expert_axis: str = "expert",
-              data_axes: Sequence[str] = ("data",),
-              options: EPOptions | None = None,
-              ) -> tuple[jax.Array, routing.MoEAux]:
+def moe_layer(
+    params: dict,
+    x: jax.Array,
+    cfg: config_lib.MoEConfig,
+    backend: str | backend_lib.Backend = "auto",
+    *,
+    mesh: jax.sharding.Mesh,
+    expert_axis: str = "expert",
+    data_axes: Sequence[str] = ("data",),
+    options: EPOptions | None = None,
+) -> tuple[jax.Array, routing.MoEAux]:
   """`api.moe_layer` with expert parallelism over `mesh`.
 
   Tokens (x flattened to [T, D]) are split over data_axes x expert_axis;
@@ -550,41 +672,71 @@ def moe_layer(params: dict, x: jax.Array, cfg: config_lib.MoEConfig,
     raise ValueError(
         f"the {num_tokens} tokens of x (shape {tuple(x.shape)}) must split "
         f"evenly over the {shards} devices of axes {token_axes}"
-        + (f" and num_chunks={options.num_chunks}" if options.num_chunks > 1
-           else "") + ".")
+        + (
+            f" and num_chunks={options.num_chunks}"
+            if options.num_chunks > 1
+            else ""
+        )
+        + "."
+    )
   platform = mesh.devices.flat[0].platform
   exchange = resolve_exchange(options.exchange, platform)
   options = dataclasses.replace(options, exchange=exchange)
   explicit = _is_explicit(mesh)
   token_spec = P(token_axes)
-  tokens = _reshape(x, (num_tokens, cfg.hidden_size),
-                    NamedSharding(mesh, token_spec) if explicit else None)
+  tokens = _reshape(
+      x,
+      (num_tokens, cfg.hidden_size),
+      NamedSharding(mesh, token_spec) if explicit else None,
+  )
   specs = param_specs(cfg, expert_axis)
   if explicit:
     tokens = _reshard(tokens, NamedSharding(mesh, token_spec))
-    params = {k: _reshard(v, NamedSharding(mesh, specs[k]))
-              for k, v in params.items()}
+    params = {
+        k: _reshard(v, NamedSharding(mesh, specs[k])) for k, v in params.items()
+    }
 
   def body(params, tokens):
-    aux = route(tokens, params["router"], cfg, params.get("correction_bias"),
-                token_axes=token_axes)
-    y, aux = routed_experts(backend, params, tokens, aux, cfg,
-                            expert_axis=expert_axis, token_axes=token_axes,
-                            options=options, platform=platform)
+    aux = route(
+        tokens,
+        params["router"],
+        cfg,
+        params.get("correction_bias"),
+        token_axes=token_axes,
+    )
+    y, aux = routed_experts(
+        backend,
+        params,
+        tokens,
+        aux,
+        cfg,
+        expert_axis=expert_axis,
+        token_axes=token_axes,
+        options=options,
+        platform=platform,
+    )
     if cfg.shared_ffn_size:
       shared = ffn.shared_expert(params, tokens, cfg)
       y = (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(
-          tokens.dtype)
+          tokens.dtype
+      )
     return y, aux
 
-  aux_specs = routing.MoEAux(**{
-      f.name: token_spec if f.name in _PER_TOKEN_AUX else P()
-      for f in dataclasses.fields(routing.MoEAux)})
+  aux_specs = routing.MoEAux(
+      **{
+          f.name: token_spec if f.name in _PER_TOKEN_AUX else P()
+          for f in dataclasses.fields(routing.MoEAux)
+      }
+  )
   # check_vma=False: backends build loop carries (zeros) without the
   # varying-axis types that check_vma demands of every value in the body.
   y, aux = jax.shard_map(
-      body, mesh=mesh, in_specs=(specs, token_spec),
-      out_specs=(token_spec, aux_specs), check_vma=False)(params, tokens)
+      body,
+      mesh=mesh,
+      in_specs=(specs, token_spec),
+      out_specs=(token_spec, aux_specs),
+      check_vma=False,
+  )(params, tokens)
   out_sharding = None
   if explicit:
     out_sharding = _output_sharding(x, mesh, token_spec, shards)
@@ -600,8 +752,11 @@ def _raise_on_overflow(x, dropped, buffer_factor, exchange, slots, rows):
   The check's (zero) result is added to x so it runs before the exchange and
   is never pruned; it fails the computation with the count.
   """
-  bound = (f"{slots} slots per peer" if exchange == "padded"
-           else f"{rows} receive rows")
+  bound = (
+      f"{slots} slots per peer"
+      if exchange == "padded"
+      else f"{rows} receive rows"
+  )
 
   def check(count):
     if int(count) > 0:
@@ -611,27 +766,57 @@ def _raise_on_overflow(x, dropped, buffer_factor, exchange, slots, rows):
           f"{buffer_factor}, {bound}, exchange={exchange!r}). Raise "
           "buffer_factor, use buffer_factor=None (drop-free worst-case "
           "buffers) or overflow='drop' (dropped copies counted in "
-          "aux.dropped_tokens).")
+          "aux.dropped_tokens)."
+      )
     return np.zeros((), np.float32)
 
-  zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.float32),
-                           dropped)
+  zero = jax.pure_callback(
+      check, jax.ShapeDtypeStruct((), jnp.float32), dropped
+  )
   return x + zero.astype(x.dtype)
 
 
-def _ragged_exchange(exchange, operand, output, input_offsets, send_sizes,
-                     output_offsets, recv_sizes, axis_name):
+def _ragged_exchange(
+    exchange,
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    axis_name,
+):
   if exchange == "ragged":
-    return jax.lax.ragged_all_to_all(operand, output, input_offsets,
-                                     send_sizes, output_offsets, recv_sizes,
-                                     axis_name=axis_name)
-  return emulated_ragged_all_to_all(operand, output, input_offsets,
-                                    send_sizes, output_offsets, recv_sizes,
-                                    axis_name=axis_name)
+    return jax.lax.ragged_all_to_all(
+        operand,
+        output,
+        input_offsets,
+        send_sizes,
+        output_offsets,
+        recv_sizes,
+        axis_name=axis_name,
+    )
+  return emulated_ragged_all_to_all(
+      operand,
+      output,
+      input_offsets,
+      send_sizes,
+      output_offsets,
+      recv_sizes,
+      axis_name=axis_name,
+  )
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes,
-                               output_offsets, recv_sizes, *, axis_name):
+def emulated_ragged_all_to_all(
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
+    axis_name,
+):
   """`jax.lax.ragged_all_to_all` (one slice per peer) from all_gather.
 
   Same result and gradients, for platforms without the collective; it moves
@@ -647,8 +832,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes,
   inside = (row >= dst_start) & (row < dst_start + size)  # [R, ep]
   source = jnp.argmax(inside, axis=1)
   found = jnp.any(inside, axis=1)
-  index = jnp.clip(src_start[source] + row[:, 0] - dst_start[source], 0,
-                   operand.shape[0] - 1)
+  index = jnp.clip(
+      src_start[source] + row[:, 0] - dst_start[source], 0, operand.shape[0] - 1
+  )
   found = found.reshape((-1,) + (1,) * (output.ndim - 1))
   return jnp.where(found, all_operands[source, index], output)
 

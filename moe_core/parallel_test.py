@@ -13,9 +13,12 @@ import subprocess
 import sys
 
 if "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8")
+    "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "")
+      + " --xla_force_host_platform_device_count=8"
+  )
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 from absl.testing import absltest
@@ -61,7 +64,8 @@ def _inputs(cfg, num_tokens, seed=0, hot_expert=None):
 
 def _mesh(shape, names):
   return jax.sharding.Mesh(
-      np.array(jax.devices()[:math.prod(shape)]).reshape(shape), names)
+      np.array(jax.devices()[: math.prod(shape)]).reshape(shape), names
+  )
 
 
 def _max_rel_err(got, want):
@@ -78,25 +82,29 @@ class _DevicesTestCase(parameterized.TestCase):
       self.skipTest(
           f"needs {_DEVICES} devices, found {jax.device_count()}: set "
           f"XLA_FLAGS=--xla_force_host_platform_device_count={_DEVICES} "
-          "before jax is imported.")
+          "before jax is imported."
+      )
 
 
 class BufferBoundTest(parameterized.TestCase):
 
   @parameterized.product(num_experts=[4, 6, 8], ep=[1, 2], top_k=[1, 2, 3])
   def test_safe_slots_is_the_most_one_token_can_send_a_device(
-      self, num_experts, ep, top_k):
+      self, num_experts, ep, top_k
+  ):
     if num_experts % ep or top_k > num_experts:
       self.skipTest("not a valid layout")
     local = num_experts // ep
     # Every set of K distinct experts a token could choose; count those on
     # device 0 (experts [0, local)), the same for every device by symmetry.
-    most = max(sum(e < local for e in chosen)
-               for chosen in itertools.combinations(range(num_experts),
-                                                    top_k))
+    most = max(
+        sum(e < local for e in chosen)
+        for chosen in itertools.combinations(range(num_experts), top_k)
+    )
     for tokens in (1, 5):
-      self.assertEqual(parallel.safe_slots_per_peer(tokens, top_k, local),
-                       tokens * most)
+      self.assertEqual(
+          parallel.safe_slots_per_peer(tokens, top_k, local), tokens * most
+      )
 
   def test_bounded_buffers_never_exceed_the_safe_ones(self):
     for factor in (0.25, 1.0, 1.5, 100.0):
@@ -104,10 +112,13 @@ class BufferBoundTest(parameterized.TestCase):
       safe_slots, safe_rows = parallel.buffer_sizes(12, 3, 16, 4, None)
       self.assertLessEqual(slots, safe_slots)
       self.assertLessEqual(rows, safe_rows)
-      self.assertGreaterEqual(slots, math.ceil(min(factor * 12 * 3 / 4,
-                                                   safe_slots)))
-    self.assertEqual(parallel.buffer_sizes(12, 3, 16, 4, 100.0),
-                     parallel.buffer_sizes(12, 3, 16, 4, None))
+      self.assertGreaterEqual(
+          slots, math.ceil(min(factor * 12 * 3 / 4, safe_slots))
+      )
+    self.assertEqual(
+        parallel.buffer_sizes(12, 3, 16, 4, 100.0),
+        parallel.buffer_sizes(12, 3, 16, 4, None),
+    )
 
 
 class EmulatedRaggedAllToAllTest(_DevicesTestCase):
@@ -116,22 +127,37 @@ class EmulatedRaggedAllToAllTest(_DevicesTestCase):
     # The example of jax.lax.ragged_all_to_all's docstring (axis size 2).
     mesh = _mesh((2,), ("i",))
     args = dict(
-        operand=[[1, 2, 2], [3, 4, 0]], output=[[0] * 4, [0] * 4],
-        input_offsets=[[0, 1], [0, 1]], send_sizes=[[1, 2], [1, 1]],
-        output_offsets=[[0, 0], [1, 2]], recv_sizes=[[1, 1], [2, 1]])
+        operand=[[1, 2, 2], [3, 4, 0]],
+        output=[[0] * 4, [0] * 4],
+        input_offsets=[[0, 1], [0, 1]],
+        send_sizes=[[1, 2], [1, 1]],
+        output_offsets=[[0, 0], [1, 2]],
+        recv_sizes=[[1, 1], [2, 1]],
+    )
     args = {k: jnp.asarray(v, jnp.int32).reshape(-1) for k, v in args.items()}
 
-    def body(operand, output, input_offsets, send_sizes, output_offsets,
-             recv_sizes):
+    def body(
+        operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
+    ):
       return parallel.emulated_ragged_all_to_all(
-          operand, output, input_offsets, send_sizes, output_offsets,
-          recv_sizes, axis_name="i")
+          operand,
+          output,
+          input_offsets,
+          send_sizes,
+          output_offsets,
+          recv_sizes,
+          axis_name="i",
+      )
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"),
-                              out_specs=P("i"), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False
+        )
+    )
     got = f(*args.values())
-    np.testing.assert_array_equal(np.asarray(got).reshape(2, 4),
-                                  [[1, 3, 0, 0], [2, 2, 4, 0]])
+    np.testing.assert_array_equal(
+        np.asarray(got).reshape(2, 4), [[1, 3, 0, 0], [2, 2, 4, 0]]
+    )
 
 
 class ExpertParallelLayerTest(_DevicesTestCase):
@@ -140,32 +166,39 @@ class ExpertParallelLayerTest(_DevicesTestCase):
     return self._run(cfg, params, x, grads=grads)
 
   def _run(self, cfg, params, x, grads=False, **kwargs):
-    cotangent = jnp.asarray(np.random.default_rng(9).standard_normal(
-        x.shape).astype(np.float32))
+    cotangent = jnp.asarray(
+        np.random.default_rng(9).standard_normal(x.shape).astype(np.float32)
+    )
 
     def loss(params, x):
       y, aux = moe_core.moe_layer(params, x, cfg, backend=_BACKEND, **kwargs)
-      return (jnp.sum(y.astype(jnp.float32) * cotangent)
-              + aux.load_balancing_loss + 0.1 * aux.router_z_loss), (y, aux)
+      return (
+          jnp.sum(y.astype(jnp.float32) * cotangent)
+          + aux.load_balancing_loss
+          + 0.1 * aux.router_z_loss
+      ), (y, aux)
 
     if not grads:
       return jax.jit(lambda p, x: loss(p, x)[1])(params, x) + (None,)
-    (_, (y, aux)), g = jax.jit(jax.value_and_grad(
-        loss, argnums=(0, 1), has_aux=True))(params, x)
+    (_, (y, aux)), g = jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    )(params, x)
     return y, aux, g
 
   def assertMatches(self, got, want, what, tol=1e-5):
     err = _max_rel_err(got, want)
-    self.assertLessEqual(err, tol, f"{what}: max error {err} (relative to "
-                         "the largest expected value)")
+    self.assertLessEqual(
+        err,
+        tol,
+        f"{what}: max error {err} (relative to " "the largest expected value)",
+    )
 
   def assertLayerMatches(self, got, want):
     y, aux, grads = got
     y0, aux0, grads0 = want
     self.assertMatches(y, y0, "y")
     np.testing.assert_array_equal(aux.expert_ids, aux0.expert_ids)
-    np.testing.assert_array_equal(aux.tokens_per_expert,
-                                  aux0.tokens_per_expert)
+    np.testing.assert_array_equal(aux.tokens_per_expert, aux0.tokens_per_expert)
     for name in ("load_balancing_loss", "router_z_loss", "combine_weights"):
       self.assertMatches(getattr(aux, name), getattr(aux0, name), name)
     self.assertEqual(int(aux.dropped_tokens), 0)
@@ -177,41 +210,57 @@ class ExpertParallelLayerTest(_DevicesTestCase):
   def test_chunks_match_single_device_with_gradients(self):
     cfg = _cfg(shared_ffn_size=8)
     params, x = _inputs(cfg, 32, seed=1)
-    got = self._run(cfg, params, x, grads=True,
-                    mesh=_mesh((2, 4), ("data", "expert")),
-                    ep_options=parallel.EPOptions(num_chunks=2))
+    got = self._run(
+        cfg,
+        params,
+        x,
+        grads=True,
+        mesh=_mesh((2, 4), ("data", "expert")),
+        ep_options=parallel.EPOptions(num_chunks=2),
+    )
     self.assertLayerMatches(got, self._single(cfg, params, x, grads=True))
 
   def test_ragged_layout_with_k_above_local_experts_matches(self):
     # E_l = 1 < K = 3: a token sends at most one copy to a device.
     cfg = _cfg(top_k=3, score_func="sigmoid", norm_topk_prob=True)
     params, x = _inputs(cfg, 16, seed=2)
-    got = self._run(cfg, params, x, grads=True, mesh=_mesh((8,), ("expert",)),
-                    data_axes=(),
-                    ep_options=parallel.EPOptions(exchange="ragged_emulated"))
+    got = self._run(
+        cfg,
+        params,
+        x,
+        grads=True,
+        mesh=_mesh((8,), ("expert",)),
+        data_axes=(),
+        ep_options=parallel.EPOptions(exchange="ragged_emulated"),
+    )
     self.assertLayerMatches(got, self._single(cfg, params, x, grads=True))
 
   def test_unnamed_mesh_axis_replicates(self):
     cfg = _cfg()
     params, x = _inputs(cfg, 16, seed=3)
-    got = self._run(cfg, params, x, mesh=_mesh((2, 4), ("model", "expert")),
-                    data_axes=())
+    got = self._run(
+        cfg, params, x, mesh=_mesh((2, 4), ("model", "expert")), data_axes=()
+    )
     self.assertLayerMatches(got, self._single(cfg, params, x))
 
   def test_explicit_axis_mesh(self):
     axis_type = getattr(jax.sharding, "AxisType", None)
     if axis_type is None:
-      self.skipTest("this jax has no explicit mesh axes (jax.sharding."
-                    "AxisType).")
+      self.skipTest(
+          "this jax has no explicit mesh axes (jax.sharding." "AxisType)."
+      )
     cfg = _cfg()
     params, x = _inputs(cfg, 32, seed=4)
-    mesh = jax.make_mesh((2, 4), ("data", "expert"),
-                         axis_types=(axis_type.Explicit,) * 2)
+    mesh = jax.make_mesh(
+        (2, 4), ("data", "expert"), axis_types=(axis_type.Explicit,) * 2
+    )
     x3 = x.reshape(4, 8, cfg.hidden_size)
     want = self._single(cfg, params, x3)
     # x unsharded, and x split over the data axis only.
-    for x_in in (x3, jax.device_put(x3, jax.sharding.NamedSharding(
-        mesh, P("data")))):
+    for x_in in (
+        x3,
+        jax.device_put(x3, jax.sharding.NamedSharding(mesh, P("data"))),
+    ):
       y, aux, _ = self._run(cfg, params, x_in, mesh=mesh)
       self.assertEqual(y.shape, x3.shape)
       self.assertLayerMatches((y, aux, None), want)
@@ -230,15 +279,22 @@ class ExpertParallelLayerTest(_DevicesTestCase):
       return y, aux.load_balancing_loss
 
     specs = parallel.param_specs(cfg)
-    y, loss = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(specs, P("expert")),
-        out_specs=(P("expert"), P()), check_vma=False))(params, x)
+    y, loss = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(specs, P("expert")),
+            out_specs=(P("expert"), P()),
+            check_vma=False,
+        )
+    )(params, x)
     y0, aux0, _ = self._single(cfg, params, x)
     self.assertMatches(y, y0, "y")
     self.assertMatches(loss, aux0.load_balancing_loss, "load_balancing_loss")
 
-  @parameterized.named_parameters(("padded", "padded"),
-                                  ("ragged", "ragged_emulated"))
+  @parameterized.named_parameters(
+      ("padded", "padded"), ("ragged", "ragged_emulated")
+  )
   def test_dispatched_rows_past_the_groups_are_zero(self, exchange):
     """The receive rows no peer fills come out as zeros, not buffer garbage.
 
@@ -253,13 +309,20 @@ class ExpertParallelLayerTest(_DevicesTestCase):
 
     def body(params, x):
       aux = parallel.route(x, params["router"], cfg, token_axes=("expert",))
-      d = parallel.dispatch(x, aux.expert_ids, cfg, expert_axis="expert",
-                            exchange=exchange)
+      d = parallel.dispatch(
+          x, aux.expert_ids, cfg, expert_axis="expert", exchange=exchange
+      )
       return d.rows[None], d.group_sizes[None]
 
-    rows, sizes = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(parallel.param_specs(cfg), P("expert")),
-        out_specs=(P("expert"), P("expert")), check_vma=False))(params, x)
+    rows, sizes = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(parallel.param_specs(cfg), P("expert")),
+            out_specs=(P("expert"), P("expert")),
+            check_vma=False,
+        )
+    )(params, x)
     rows, sizes = np.asarray(rows), np.asarray(sizes)  # [8, R, D], [8, E_l]
     for device in range(_DEVICES):
       used = int(sizes[device].sum())
@@ -268,8 +331,9 @@ class ExpertParallelLayerTest(_DevicesTestCase):
         self.assertTrue(np.all(rows[device, :used] != 0))
         np.testing.assert_array_equal(rows[device, used:], 0.0)
 
-  @parameterized.named_parameters(("padded", "padded"),
-                                  ("ragged", "ragged_emulated"))
+  @parameterized.named_parameters(
+      ("padded", "padded"), ("ragged", "ragged_emulated")
+  )
   def test_bounded_buffer_drops_are_counted_and_zeroed(self, exchange):
     # Every token picks expert 3 (device 3 of 8): with buffer_factor=2 the
     # bound is 2x the average, far below what device 3 receives.
@@ -277,9 +341,15 @@ class ExpertParallelLayerTest(_DevicesTestCase):
     num_tokens, ep, factor = 32, 8, 2.0
     params, x = _inputs(cfg, num_tokens, seed=6, hot_expert=3)
     y, aux, _ = self._run(
-        cfg, params, x, mesh=_mesh((ep,), ("expert",)), data_axes=(),
-        ep_options=parallel.EPOptions(exchange=exchange, buffer_factor=factor,
-                                      overflow="drop"))
+        cfg,
+        params,
+        x,
+        mesh=_mesh((ep,), ("expert",)),
+        data_axes=(),
+        ep_options=parallel.EPOptions(
+            exchange=exchange, buffer_factor=factor, overflow="drop"
+        ),
+    )
     y0, aux0, _ = self._single(cfg, params, x)
     # Expected drops from the documented bound, computed here from the
     # single-device routing: each source's copies to one device in (expert,
@@ -306,8 +376,9 @@ class ExpertParallelLayerTest(_DevicesTestCase):
     self.assertGreater(int(np.sum(~kept)), 0, "the case must overflow")
     self.assertEqual(int(aux.dropped_tokens), int(np.sum(~kept)))
     np.testing.assert_array_equal(np.asarray(aux.kept)[:, 0], kept)
-    self.assertMatches(np.asarray(y)[kept], np.asarray(y0)[kept],
-                       "y of kept tokens")
+    self.assertMatches(
+        np.asarray(y)[kept], np.asarray(y0)[kept], "y of kept tokens"
+    )
     np.testing.assert_array_equal(np.asarray(y)[~kept], 0.0)
     np.testing.assert_array_equal(np.asarray(aux.combine_weights)[~kept], 0.0)
 
@@ -317,18 +388,34 @@ class ExpertParallelLayerTest(_DevicesTestCase):
     # All 32 copies go to device 3; each of the 8 sources may send it
     # ceil(2 * 4 tokens * 1 / 8) = 1 of its 4, so 8 * 3 = 24 do not fit.
     for grads in (False, True):  # The check must survive differentiation.
-      with self.subTest(grads=grads), self.assertRaisesRegex(
-          Exception, r"expert-parallel receive buffer overflow: 24 token "
-          r"copies did not fit"):
+      with (
+          self.subTest(grads=grads),
+          self.assertRaisesRegex(
+              Exception,
+              r"expert-parallel receive buffer overflow: 24 token "
+              r"copies did not fit",
+          ),
+      ):
         y, _, g = self._run(
-            cfg, params, x, grads=grads, mesh=_mesh((8,), ("expert",)),
-            data_axes=(), ep_options=parallel.EPOptions(buffer_factor=2.0))
+            cfg,
+            params,
+            x,
+            grads=grads,
+            mesh=_mesh((8,), ("expert",)),
+            data_axes=(),
+            ep_options=parallel.EPOptions(buffer_factor=2.0),
+        )
         jax.block_until_ready((y, g))
     # With room for all 4 copies per source (ceil(8 * 4 / 8) = 4 slots), the
     # same bounded layer runs and matches one device.
-    got = self._run(cfg, params, x, mesh=_mesh((8,), ("expert",)),
-                    data_axes=(),
-                    ep_options=parallel.EPOptions(buffer_factor=8.0))
+    got = self._run(
+        cfg,
+        params,
+        x,
+        mesh=_mesh((8,), ("expert",)),
+        data_axes=(),
+        ep_options=parallel.EPOptions(buffer_factor=8.0),
+    )
     self.assertLayerMatches(got, self._single(cfg, params, x))
 
   def test_ragged_exchange_lowers_for_gpu(self):
@@ -338,22 +425,34 @@ class ExpertParallelLayerTest(_DevicesTestCase):
 
     def loss(params, x):
       y, _ = moe_core.moe_layer(
-          params, x, cfg, backend=_BACKEND, mesh=mesh, data_axes=(),
-          ep_options=parallel.EPOptions(exchange="ragged"))
+          params,
+          x,
+          cfg,
+          backend=_BACKEND,
+          mesh=mesh,
+          data_axes=(),
+          ep_options=parallel.EPOptions(exchange="ragged"),
+      )
       return jnp.sum(y)
 
     # No abstract GPU device: the shard_map's concrete mesh must match the
     # context mesh, and this program has no Pallas kernel that needs one.
     exported = cuda_export.export_for_cuda(
-        jax.grad(loss, argnums=(0, 1)), params, x,
-        disabled_custom_calls=("ragged_all_to_all",), device_kind=None)
+        jax.grad(loss, argnums=(0, 1)),
+        params,
+        x,
+        disabled_custom_calls=("ragged_all_to_all",),
+        device_kind=None,
+    )
     # Forward dispatch and combine, and their transposes in the backward;
     # nothing else. In particular no AllocateBuffer, which is what
     # jnp.empty lowers to on GPU since jax 0.11 (uninitialised memory):
     # ragged_all_to_all leaves the rows it does not write as the output
     # buffer had them, and dispatch relies on those being zeros.
-    self.assertEqual(cuda_export.custom_calls(exported.mlir_module()),
-                     ["ragged_all_to_all"] * 4)
+    self.assertEqual(
+        cuda_export.custom_calls(exported.mlir_module()),
+        ["ragged_all_to_all"] * 4,
+    )
 
 
 class ErrorTest(_DevicesTestCase):
@@ -369,15 +468,27 @@ class ErrorTest(_DevicesTestCase):
     params, x = _inputs(cfg, 8)
     mesh = _mesh((2, 4), ("data", "expert"))
     cases = [
-        (dict(expert_axis="experts"), ValueError,
-         r"expert_axis='experts' is not an axis of the mesh; mesh axes are "
-         r"\('data', 'expert'\)"),
-        (dict(data_axes=("batch",)), ValueError,
-         r"data_axes=\('batch',\) names axes \['batch'\] the mesh lacks"),
-        (dict(data_axes="data"), TypeError,
-         r"data_axes must be a sequence of axis names, got the string"),
-        (dict(data_axes=("expert",)), ValueError,
-         r"data_axes must be distinct and exclude expert_axis"),
+        (
+            dict(expert_axis="experts"),
+            ValueError,
+            r"expert_axis='experts' is not an axis of the mesh; mesh axes are "
+            r"\('data', 'expert'\)",
+        ),
+        (
+            dict(data_axes=("batch",)),
+            ValueError,
+            r"data_axes=\('batch',\) names axes \['batch'\] the mesh lacks",
+        ),
+        (
+            dict(data_axes="data"),
+            TypeError,
+            r"data_axes must be a sequence of axis names, got the string",
+        ),
+        (
+            dict(data_axes=("expert",)),
+            ValueError,
+            r"data_axes must be distinct and exclude expert_axis",
+        ),
     ]
     for kwargs, error, message in cases:
       with self.subTest(str(kwargs)), self.assertRaisesRegex(error, message):
@@ -387,40 +498,50 @@ class ErrorTest(_DevicesTestCase):
     cfg = _cfg(num_experts=6)
     params, x = _inputs(cfg, 8)
     with self.assertRaisesRegex(
-        ValueError, r"num_experts=6 must be divisible by the expert axis "
-        r"size, got mesh.shape\['expert'\]=4"):
-      moe_core.moe_layer(params, x, cfg,
-                         mesh=_mesh((2, 4), ("data", "expert")))
+        ValueError,
+        r"num_experts=6 must be divisible by the expert axis "
+        r"size, got mesh.shape\['expert'\]=4",
+    ):
+      moe_core.moe_layer(params, x, cfg, mesh=_mesh((2, 4), ("data", "expert")))
 
   def test_tokens_must_split_evenly(self):
     cfg = _cfg()
     params, x = _inputs(cfg, 12)
     with self.assertRaisesRegex(
-        ValueError, r"the 12 tokens of x \(shape \(12, 16\)\) must split "
-        r"evenly over the 8 devices of axes \('data', 'expert'\)"):
-      moe_core.moe_layer(params, x, cfg,
-                         mesh=_mesh((2, 4), ("data", "expert")))
+        ValueError,
+        r"the 12 tokens of x \(shape \(12, 16\)\) must split "
+        r"evenly over the 8 devices of axes \('data', 'expert'\)",
+    ):
+      moe_core.moe_layer(params, x, cfg, mesh=_mesh((2, 4), ("data", "expert")))
 
   def test_capacity_configs_are_not_supported(self):
     cfg = _cfg(capacity_factor=1.0)
     params, x = _inputs(cfg, 8)
-    with self.assertRaisesRegex(NotImplementedError,
-                                r"dropless configs only \(capacity_factor="
-                                r"None\), got capacity_factor=1.0"):
-      moe_core.moe_layer(params, x, cfg, mesh=_mesh((8,), ("expert",)),
-                         data_axes=())
+    with self.assertRaisesRegex(
+        NotImplementedError,
+        r"dropless configs only \(capacity_factor="
+        r"None\), got capacity_factor=1.0",
+    ):
+      moe_core.moe_layer(
+          params, x, cfg, mesh=_mesh((8,), ("expert",)), data_axes=()
+      )
 
   def test_options_are_validated(self):
     cases = [
         (dict(exchange="nccl"), r"exchange must be one of .*got 'nccl'"),
         (dict(overflow="ignore"), r"overflow must be one of .*got 'ignore'"),
-        (dict(buffer_factor=0), r"buffer_factor must be None \(drop-free\) "
-         r"or a finite number > 0, got 0"),
+        (
+            dict(buffer_factor=0),
+            r"buffer_factor must be None \(drop-free\) "
+            r"or a finite number > 0, got 0",
+        ),
         (dict(num_chunks=0), r"num_chunks must be a positive int, got 0"),
     ]
     for kwargs, message in cases:
-      with self.subTest(str(kwargs)), self.assertRaisesRegex(ValueError,
-                                                             message):
+      with (
+          self.subTest(str(kwargs)),
+          self.assertRaisesRegex(ValueError, message),
+      ):
         parallel.EPOptions(**kwargs)
 
 
@@ -429,9 +550,17 @@ class XlaFlagsTest(absltest.TestCase):
   def _start_jax(self, flags: str):
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     return subprocess.run(
-        [sys.executable, "-c",
-         "import jax.numpy as jnp; print(float((jnp.ones(3) * 2).sum()))"],
-        env=env, capture_output=True, text=True, timeout=120, check=False)
+        [
+            sys.executable,
+            "-c",
+            "import jax.numpy as jnp; print(float((jnp.ones(3) * 2).sum()))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
   def test_this_jaxlib_accepts_every_flag(self):
     # XLA parses every GPU flag on any platform and aborts on unknown ones.
@@ -446,8 +575,10 @@ class XlaFlagsTest(absltest.TestCase):
     self.assertIn("Unknown flag", done.stderr)
 
   def test_merge_keeps_flags_the_user_set(self):
-    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false "
-                        "--xla_dump_to=/tmp/d"}
+    env = {
+        "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false "
+        "--xla_dump_to=/tmp/d"
+    }
     merged = xla_flags.apply_gpu_ep_flags(environ=env)
     self.assertEqual(merged, env["XLA_FLAGS"])
     parts = merged.split()

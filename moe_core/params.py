@@ -22,15 +22,17 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   shapes.update(w_gate=(e, d, f), w_up=(e, d, f), w_down=(e, f, d))
   if cfg.shared_ffn_size:
     fs = cfg.shared_ffn_size
-    shapes.update(shared_w_gate=(d, fs), shared_w_up=(d, fs),
-                  shared_w_down=(fs, d))
+    shapes.update(
+        shared_w_gate=(d, fs), shared_w_up=(d, fs), shared_w_down=(fs, d)
+    )
     if cfg.shared_expert_gate:
       shapes["shared_gate"] = (d, 1)
   return shapes
 
 
-def init_params(key: jax.Array, cfg: config_lib.MoEConfig,
-                dtype=jnp.float32) -> dict[str, jax.Array]:
+def init_params(
+    key: jax.Array, cfg: config_lib.MoEConfig, dtype=jnp.float32
+) -> dict[str, jax.Array]:
   """Random parameters for `cfg` in the layout of `param_shapes`.
 
   Matrices are drawn from a truncated normal with std 1/sqrt(fan_in), fan_in
@@ -45,7 +47,9 @@ def init_params(key: jax.Array, cfg: config_lib.MoEConfig,
       params[name] = jnp.zeros(shape, jnp.float32)
       continue
     fan_in = shape[-2]
-    std = fan_in ** -0.5
-    params[name] = (std * jax.random.truncated_normal(
-        keys[name], -2.0, 2.0, shape, jnp.float32)).astype(dtype)
+    std = fan_in**-0.5
+    params[name] = (
+        std
+        * jax.random.truncated_normal(keys[name], -2.0, 2.0, shape, jnp.float32)
+    ).astype(dtype)
   return params

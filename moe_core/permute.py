@@ -32,8 +32,12 @@ class Dispatched:
   position: jax.Array
 
 
-def dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int,
-             kept: jax.Array | None = None) -> Dispatched:
+def dispatch(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    num_experts: int,
+    kept: jax.Array | None = None,
+) -> Dispatched:
   """Groups token copies by expert so each expert's rows are contiguous.
 
   Args:
@@ -52,30 +56,45 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int,
     # Dropped copies get the key E, which sorts after every real expert.
     flat_ids = jnp.where(kept.reshape(-1), flat_ids, num_experts)
   assignment = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)
-  position = jnp.zeros(t * k, jnp.int32).at[assignment].set(
-      jnp.arange(t * k, dtype=jnp.int32))
+  position = (
+      jnp.zeros(t * k, jnp.int32)
+      .at[assignment]
+      .set(jnp.arange(t * k, dtype=jnp.int32))
+  )
   group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
   rows = x[assignment // k]
-  return Dispatched(rows=rows, group_sizes=group_sizes, assignment=assignment,
-                    position=position)
+  return Dispatched(
+      rows=rows,
+      group_sizes=group_sizes,
+      assignment=assignment,
+      position=position,
+  )
 
 
-def combine(expert_out: jax.Array, dispatched: Dispatched,
-            combine_weights: jax.Array,
-            kept: jax.Array | None = None) -> jax.Array:
+def combine(
+    expert_out: jax.Array,
+    dispatched: Dispatched,
+    combine_weights: jax.Array,
+    kept: jax.Array | None = None,
+) -> jax.Array:
   """Weighted un-permute: expert_out [M, D] rows -> [T, D] in token order.
 
   y[t] = sum_k combine_weights[t, k] * expert_out[position[t*K + k]],
   summed in float32 and returned in expert_out's dtype. Dropped copies
   (kept False) contribute exactly zero, even if their rows hold NaN.
   """
-  validation.check_combine(expert_out, dispatched.position.shape[0],
-                           combine_weights, kept)
+  validation.check_combine(
+      expert_out, dispatched.position.shape[0], combine_weights, kept
+  )
   t, k = combine_weights.shape
   per_copy = expert_out[dispatched.position].reshape(t, k, -1)
   per_copy = per_copy.astype(jnp.float32)
   if kept is not None:
     per_copy = jnp.where(kept[..., None], per_copy, 0.0)
-  y = jnp.einsum("tk,tkd->td", combine_weights.astype(jnp.float32), per_copy,
-                 precision=jax.lax.Precision.HIGHEST)
+  y = jnp.einsum(
+      "tk,tkd->td",
+      combine_weights.astype(jnp.float32),
+      per_copy,
+      precision=jax.lax.Precision.HIGHEST,
+  )
   return y.astype(expert_out.dtype)

@@ -22,8 +22,9 @@ def _case(t=12, k=2, d=6, seed=0):
 def _expert_of_rows(group_sizes, num_rows):
   """[M] the expert owning each sorted row; E for rows past the groups."""
   owner = np.repeat(np.arange(len(group_sizes)), group_sizes)
-  return np.concatenate([owner, np.full(num_rows - len(owner),
-                                        len(group_sizes))])
+  return np.concatenate(
+      [owner, np.full(num_rows - len(owner), len(group_sizes))]
+  )
 
 
 class DispatchTest(parameterized.TestCase):
@@ -32,8 +33,9 @@ class DispatchTest(parameterized.TestCase):
   def test_rows_sorted_by_expert_stably(self, k):
     x, ids = _case(k=k)
     out = permute.dispatch(jnp.asarray(x), jnp.asarray(ids), _E)
-    np.testing.assert_array_equal(out.group_sizes,
-                                  np.bincount(ids.ravel(), minlength=_E))
+    np.testing.assert_array_equal(
+        out.group_sizes, np.bincount(ids.ravel(), minlength=_E)
+    )
     self.assertEqual(out.group_sizes.dtype, jnp.int32)
     assignment = np.asarray(out.assignment)
     owner = _expert_of_rows(np.asarray(out.group_sizes), len(assignment))
@@ -43,28 +45,30 @@ class DispatchTest(parameterized.TestCase):
       mine = assignment[owner == e]
       np.testing.assert_array_equal(mine, np.sort(mine))
     np.testing.assert_array_equal(out.rows, x[assignment // k])
-    np.testing.assert_array_equal(np.asarray(out.position)[assignment],
-                                  np.arange(len(assignment)))
+    np.testing.assert_array_equal(
+        np.asarray(out.position)[assignment], np.arange(len(assignment))
+    )
 
   def test_dropped_copies_come_after_every_group(self):
     x, ids = _case(k=2, seed=1)
     kept = np.random.default_rng(2).random(ids.shape) > 0.3
-    out = permute.dispatch(jnp.asarray(x), jnp.asarray(ids), _E,
-                           jnp.asarray(kept))
+    out = permute.dispatch(
+        jnp.asarray(x), jnp.asarray(ids), _E, jnp.asarray(kept)
+    )
     want_sizes = np.bincount(ids[kept], minlength=_E)
     np.testing.assert_array_equal(out.group_sizes, want_sizes)
     n = want_sizes.sum()
     assignment = np.asarray(out.assignment)
     self.assertTrue(kept.ravel()[assignment[:n]].all())
     self.assertFalse(kept.ravel()[assignment[n:]].any())
-    np.testing.assert_array_equal(assignment[n:],
-                                  np.flatnonzero(~kept.ravel()))
+    np.testing.assert_array_equal(assignment[n:], np.flatnonzero(~kept.ravel()))
 
   def test_under_jit(self):
     x, ids = _case(k=2)
     eager = permute.dispatch(jnp.asarray(x), jnp.asarray(ids), _E)
     jitted = jax.jit(permute.dispatch, static_argnums=2)(
-        jnp.asarray(x), jnp.asarray(ids), _E)
+        jnp.asarray(x), jnp.asarray(ids), _E
+    )
     for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
       np.testing.assert_array_equal(a, b)
 
@@ -96,17 +100,20 @@ class CombineTest(parameterized.TestCase):
     kept[::3, 1] = False
     kept[5, 0] = False
     w = np.random.default_rng(5).random(ids.shape).astype(np.float32)
-    out = permute.dispatch(jnp.asarray(x), jnp.asarray(ids), _E,
-                           jnp.asarray(kept))
+    out = permute.dispatch(
+        jnp.asarray(x), jnp.asarray(ids), _E, jnp.asarray(kept)
+    )
     n = int(np.sum(out.group_sizes))
     expert_out = out.rows.at[n:].set(jnp.nan)
     # Non-zero weights on dropped copies: combine must still ignore them.
     y = permute.combine(expert_out, out, jnp.asarray(w), jnp.asarray(kept))
-    np.testing.assert_allclose(y, (w * kept).sum(-1, keepdims=True) * x,
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        y, (w * kept).sum(-1, keepdims=True) * x, rtol=1e-6, atol=1e-6
+    )
     grads = jax.grad(
         lambda o, cw: permute.combine(o, out, cw, jnp.asarray(kept)).sum(),
-        argnums=(0, 1))(expert_out, jnp.asarray(w))
+        argnums=(0, 1),
+    )(expert_out, jnp.asarray(w))
     for g in grads:
       self.assertTrue(np.isfinite(g).all())
     np.testing.assert_array_equal(grads[0][n:], 0.0)
@@ -116,13 +123,18 @@ class CombineTest(parameterized.TestCase):
     x, ids = _case(k=3, d=4, seed=6)
     w = np.random.default_rng(7).random(ids.shape).astype(np.float32)
     out = permute.dispatch(jnp.asarray(x), jnp.asarray(ids), _E)
-    expert_out = jnp.asarray(np.random.default_rng(8).standard_normal(
-        out.rows.shape).astype(np.float32))
+    expert_out = jnp.asarray(
+        np.random.default_rng(8)
+        .standard_normal(out.rows.shape)
+        .astype(np.float32)
+    )
     jac = jax.jacobian(lambda cw: permute.combine(expert_out, out, cw))(
-        jnp.asarray(w))  # [T, D, T, K]
+        jnp.asarray(w)
+    )  # [T, D, T, K]
     t, k = ids.shape
     per_copy = np.asarray(expert_out)[np.asarray(out.position)].reshape(
-        t, k, -1)
+        t, k, -1
+    )
     want = np.zeros(jac.shape, np.float32)
     for token in range(t):
       want[token, :, token, :] = per_copy[token].T

@@ -28,9 +28,12 @@ _DEFAULT_AUTO_ORDER = ("xla", "reference")
 _instances: dict[tuple, backend_lib.Backend] = {}
 
 
-def register_backend(name: str,
-                     target: str | Callable[..., backend_lib.Backend], *,
-                     overwrite: bool = False) -> None:
+def register_backend(
+    name: str,
+    target: str | Callable[..., backend_lib.Backend],
+    *,
+    overwrite: bool = False,
+) -> None:
   """Registers a backend under `name`.
 
   Args:
@@ -40,11 +43,15 @@ def register_backend(name: str,
     overwrite: allow replacing an existing registration.
   """
   if not isinstance(name, str) or not name or name == "auto":
-    raise ValueError(f"backend name must be a non-empty string other than "
-                     f"'auto', got {name!r}.")
+    raise ValueError(
+        f"backend name must be a non-empty string other than "
+        f"'auto', got {name!r}."
+    )
   if name in _REGISTRY and not overwrite:
-    raise ValueError(f"backend {name!r} is already registered; pass "
-                     "overwrite=True to replace it.")
+    raise ValueError(
+        f"backend {name!r} is already registered; pass "
+        "overwrite=True to replace it."
+    )
   _REGISTRY[name] = target
   for key in [k for k in _instances if k[0] == name]:
     del _instances[key]
@@ -57,8 +64,10 @@ def registered_backends() -> list[str]:
 
 def _check_name(name) -> None:
   if name != "auto" and name not in _REGISTRY:
-    raise ValueError(f"unknown MoE backend {name!r}; valid names: "
-                     f"{['auto'] + registered_backends()}.")
+    raise ValueError(
+        f"unknown MoE backend {name!r}; valid names: "
+        f"{['auto'] + registered_backends()}."
+    )
 
 
 def _construct(name: str, options: dict) -> backend_lib.Backend:
@@ -68,8 +77,9 @@ def _construct(name: str, options: dict) -> backend_lib.Backend:
     target = getattr(importlib.import_module(module_name), attr)
   instance = target(**options)
   if not isinstance(instance, backend_lib.Backend):
-    raise TypeError(f"backend {name!r} built {type(instance)}, not a "
-                    "moe_core Backend.")
+    raise TypeError(
+        f"backend {name!r} built {type(instance)}, not a " "moe_core Backend."
+    )
   return instance
 
 
@@ -88,8 +98,10 @@ def get_backend(name: str = "auto", **options) -> backend_lib.Backend:
   _check_name(name)
   if name == "auto":
     if options:
-      raise ValueError("backend 'auto' takes no options, got "
-                       f"{sorted(options)}; name a backend to configure it.")
+      raise ValueError(
+          "backend 'auto' takes no options, got "
+          f"{sorted(options)}; name a backend to configure it."
+      )
     return auto_candidates()[0]
   key = (name, tuple(sorted(options.items())))
   try:
@@ -138,8 +150,9 @@ def call_backend(name, fn):
       return fn(candidate)
     except NotImplementedError as e:
       unsupported.append(f"{candidate.name}: {e}")
-  raise NotImplementedError("no available backend supports this call: "
-                            + "; ".join(unsupported))
+  raise NotImplementedError(
+      "no available backend supports this call: " + "; ".join(unsupported)
+  )
 
 
 def auto_candidates() -> list[backend_lib.Backend]:

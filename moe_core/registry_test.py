@@ -27,8 +27,9 @@ class _Toy(backend_lib.Backend):
   def __init__(self, scale: float = 1.0):
     self.scale = scale
 
-  def _grouped_gemm(self, rows, weights, group_sizes, *, transpose_rhs,
-                    out_dtype):
+  def _grouped_gemm(
+      self, rows, weights, group_sizes, *, transpose_rhs, out_dtype
+  ):
     raise NotImplementedError("toy: no grouped GEMM")
 
 
@@ -61,17 +62,21 @@ class RegistryTest(parameterized.TestCase):
 
   def test_unknown_name_lists_valid_names(self):
     with self.assertRaisesRegex(
-        ValueError, r"unknown MoE backend 'nope'; valid names: \['auto', "
-        r"'reference', 'xla'.*\]"):
+        ValueError,
+        r"unknown MoE backend 'nope'; valid names: \['auto', "
+        r"'reference', 'xla'.*\]",
+    ):
       registry.get_backend("nope")
     with self.assertRaisesRegex(ValueError, r"unknown MoE backend 'nope'"):
       registry.availability("nope")
 
   def test_builtin_names(self):
-    self.assertContainsSubset({"reference", "xla", "pallas"},
-                              registry.registered_backends())
-    self.assertContainsSubset({"reference", "xla"},
-                              registry.available_backends())
+    self.assertContainsSubset(
+        {"reference", "xla", "pallas"}, registry.registered_backends()
+    )
+    self.assertContainsSubset(
+        {"reference", "xla"}, registry.available_backends()
+    )
     self.assertEqual(registry.get_backend("reference").name, "reference")
     self.assertEqual(registry.get_backend("xla").name, "xla")
 
@@ -82,16 +87,19 @@ class RegistryTest(parameterized.TestCase):
     self.assertLen(set(order), len(order))
 
   def test_auto_order_skips_unregistered_names(self):
-    self.enter_context(mock.patch.dict(
-        registry.AUTO_ORDER, {"cpu": ("not_registered", "xla", "reference")}))
+    self.enter_context(
+        mock.patch.dict(
+            registry.AUTO_ORDER, {"cpu": ("not_registered", "xla", "reference")}
+        )
+    )
     self.assertEqual(registry.auto_order("cpu"), ("xla", "reference"))
 
   def test_auto_is_first_available(self):
     first = [n for n in registry.auto_order() if registry.availability(n)[0]]
     self.assertEqual(registry.get_backend("auto").name, first[0])
-    with self.assertRaisesRegex(ValueError,
-                                r"backend 'auto' takes no options, got "
-                                r"\['levels'\]"):
+    with self.assertRaisesRegex(
+        ValueError, r"backend 'auto' takes no options, got " r"\['levels'\]"
+    ):
       registry.get_backend("auto", levels=(8,))
 
   def test_register_class_and_options_are_cached_per_options(self):
@@ -139,24 +147,29 @@ class RegistryTest(parameterized.TestCase):
 
   def test_target_must_build_a_backend(self):
     registry.register_backend("not_a_backend", lambda: object())
-    with self.assertRaisesRegex(TypeError,
-                                r"backend 'not_a_backend' built <class "
-                                r"'object'>, not a moe_core Backend"):
+    with self.assertRaisesRegex(
+        TypeError,
+        r"backend 'not_a_backend' built <class "
+        r"'object'>, not a moe_core Backend",
+    ):
       registry.get_backend("not_a_backend")
 
   @parameterized.parameters("", "auto", None)
   def test_register_rejects_bad_names(self, name):
-    with self.assertRaisesRegex(ValueError,
-                                r"backend name must be a non-empty string "
-                                rf"other than 'auto', got {name!r}"):
+    with self.assertRaisesRegex(
+        ValueError,
+        r"backend name must be a non-empty string "
+        rf"other than 'auto', got {name!r}",
+    ):
       registry.register_backend(name, _Toy)
 
   def test_register_twice_needs_overwrite(self):
     registry.register_backend("toy", _Toy)
     first = registry.get_backend("toy")
-    with self.assertRaisesRegex(ValueError,
-                                r"backend 'toy' is already registered; pass "
-                                r"overwrite=True"):
+    with self.assertRaisesRegex(
+        ValueError,
+        r"backend 'toy' is already registered; pass " r"overwrite=True",
+    ):
       registry.register_backend("toy", _Toy)
     registry.register_backend("toy", _Raises, overwrite=True)
     self.assertIsInstance(registry.get_backend("toy"), _Raises)
@@ -164,12 +177,17 @@ class RegistryTest(parameterized.TestCase):
 
   def test_unavailable_backend_is_skipped_by_auto(self):
     registry.register_backend("toy_unavailable", _Unavailable)
-    self.assertEqual(registry.availability("toy_unavailable"),
-                     (False, "toy_unavailable: not on this machine"))
+    self.assertEqual(
+        registry.availability("toy_unavailable"),
+        (False, "toy_unavailable: not on this machine"),
+    )
     self.assertNotIn("toy_unavailable", registry.available_backends())
-    self.enter_context(mock.patch.dict(
-        registry.AUTO_ORDER,
-        {jax.default_backend(): ("toy_unavailable", "reference")}))
+    self.enter_context(
+        mock.patch.dict(
+            registry.AUTO_ORDER,
+            {jax.default_backend(): ("toy_unavailable", "reference")},
+        )
+    )
     self.assertEqual(registry.get_backend("auto").name, "reference")
 
 
@@ -181,19 +199,24 @@ class AutoFallthroughTest(absltest.TestCase):
     self.enter_context(mock.patch.dict(registry._instances))
     registry.register_backend("toy_raises", _Raises)
     _Raises.calls = 0
-    self.cfg = moe_core.MoEConfig(num_experts=4, top_k=2, hidden_size=8,
-                                  expert_ffn_size=8)
+    self.cfg = moe_core.MoEConfig(
+        num_experts=4, top_k=2, hidden_size=8, expert_ffn_size=8
+    )
     self.params = moe_core.init_params(jax.random.key(0), self.cfg)
     self.x = jax.random.normal(jax.random.key(1), (6, 8))
 
   def test_falls_through_not_implemented(self):
-    self.enter_context(mock.patch.dict(
-        registry.AUTO_ORDER,
-        {jax.default_backend(): ("toy_raises", "reference")}))
+    self.enter_context(
+        mock.patch.dict(
+            registry.AUTO_ORDER,
+            {jax.default_backend(): ("toy_raises", "reference")},
+        )
+    )
     y, _ = moe_core.moe_layer(self.params, self.x, self.cfg, backend="auto")
     self.assertEqual(_Raises.calls, 1)
-    want, _ = moe_core.moe_layer(self.params, self.x, self.cfg,
-                                 backend="reference")
+    want, _ = moe_core.moe_layer(
+        self.params, self.x, self.cfg, backend="reference"
+    )
     np.testing.assert_array_equal(y, want)
 
   def test_named_backend_does_not_fall_through(self):
@@ -201,11 +224,16 @@ class AutoFallthroughTest(absltest.TestCase):
       moe_core.moe_layer(self.params, self.x, self.cfg, backend="toy_raises")
 
   def test_all_refusing_lists_every_reason(self):
-    self.enter_context(mock.patch.dict(
-        registry.AUTO_ORDER, {jax.default_backend(): ("toy_raises",)}))
+    self.enter_context(
+        mock.patch.dict(
+            registry.AUTO_ORDER, {jax.default_backend(): ("toy_raises",)}
+        )
+    )
     with self.assertRaisesRegex(
-        NotImplementedError, r"no available backend supports this call: "
-        r"toy_raises: toy_raises: never supported"):
+        NotImplementedError,
+        r"no available backend supports this call: "
+        r"toy_raises: toy_raises: never supported",
+    ):
       moe_core.moe_layer(self.params, self.x, self.cfg, backend="auto")
 
 
@@ -226,11 +254,13 @@ class FlagTest(absltest.TestCase):
     self.assertEqual(flags.FLAGS.moe_backend, "xla")
 
   def test_rejects_unknown_name(self):
-    with self.assertRaisesRegex(flags.IllegalFlagValueError,
-                                r"--moe_backend must be 'auto' or a "
-                                r"registered backend name, one of "
-                                r"\['auto', .*'reference'.*\]; got "
-                                r"'nope'"):
+    with self.assertRaisesRegex(
+        flags.IllegalFlagValueError,
+        r"--moe_backend must be 'auto' or a "
+        r"registered backend name, one of "
+        r"\['auto', .*'reference'.*\]; got "
+        r"'nope'",
+    ):
       flags.FLAGS(["prog", "--moe_backend=nope"])
 
   def test_accepts_names_registered_later(self):

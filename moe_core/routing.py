@@ -48,12 +48,18 @@ class MoEAux:
 
 def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
   """[T, D] x [D, E] -> [T, E] float32, whatever the activation dtype."""
-  return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
-                 precision=jax.lax.Precision.HIGHEST)
+  return jnp.dot(
+      x.astype(jnp.float32),
+      router.astype(jnp.float32),
+      precision=jax.lax.Precision.HIGHEST,
+  )
 
 
-def select_experts(scores: jax.Array, cfg: config_lib.MoEConfig,
-                   correction_bias: jax.Array | None = None) -> jax.Array:
+def select_experts(
+    scores: jax.Array,
+    cfg: config_lib.MoEConfig,
+    correction_bias: jax.Array | None = None,
+) -> jax.Array:
   """Chooses K experts per token: [T, E] scores -> [T, K] int32 ids.
 
   The correction bias shifts the scores used for choosing (groups included)
@@ -70,16 +76,20 @@ def select_experts(scores: jax.Array, cfg: config_lib.MoEConfig,
     else:  # "sum_top2", DeepSeek-V3.
       group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
     _, best_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-    eligible = jnp.zeros((t, cfg.n_group), bool).at[
-        jnp.arange(t)[:, None], best_groups].set(True)
+    eligible = (
+        jnp.zeros((t, cfg.n_group), bool)
+        .at[jnp.arange(t)[:, None], best_groups]
+        .set(True)
+    )
     eligible = jnp.repeat(eligible, cfg.experts_per_group, axis=1)
     choice = jnp.where(eligible, choice, -jnp.inf)
   _, expert_ids = jax.lax.top_k(choice, cfg.top_k)
   return expert_ids.astype(jnp.int32)
 
 
-def capacity_keep_mask(expert_ids: jax.Array, num_experts: int,
-                       capacity: int) -> jax.Array:
+def capacity_keep_mask(
+    expert_ids: jax.Array, num_experts: int, capacity: int
+) -> jax.Array:
   """[T, K] bool: which assignments fit in `capacity` slots per expert.
 
   Priority follows GShard: every token's first choice before any second
@@ -90,14 +100,17 @@ def capacity_keep_mask(expert_ids: jax.Array, num_experts: int,
   order = jnp.argsort(by_choice, stable=True)
   counts = jnp.bincount(by_choice, length=num_experts)
   starts = jnp.cumsum(counts) - counts
-  rank_sorted = (jnp.arange(t * k) - starts[by_choice[order]]).astype(
-      jnp.int32)
+  rank_sorted = (jnp.arange(t * k) - starts[by_choice[order]]).astype(jnp.int32)
   rank = jnp.zeros(t * k, jnp.int32).at[order].set(rank_sorted)
   return (rank < capacity).reshape(k, t).T
 
 
-def route(x: jax.Array, router: jax.Array, cfg: config_lib.MoEConfig,
-          correction_bias: jax.Array | None = None) -> MoEAux:
+def route(
+    x: jax.Array,
+    router: jax.Array,
+    cfg: config_lib.MoEConfig,
+    correction_bias: jax.Array | None = None,
+) -> MoEAux:
   """Routes tokens: x [T, D], router [D, E] -> `MoEAux`, all in float32.
 
   Args:
@@ -111,7 +124,8 @@ def route(x: jax.Array, router: jax.Array, cfg: config_lib.MoEConfig,
     raise ValueError(
         "correction_bias must be given iff cfg.correction_bias is True, got "
         f"cfg.correction_bias={cfg.correction_bias}, correction_bias="
-        f"{'None' if correction_bias is None else 'an array'}.")
+        f"{'None' if correction_bias is None else 'an array'}."
+    )
   num_tokens = x.shape[0]
   logits = router_logits(x, router)
   if cfg.score_func == "softmax":
@@ -127,8 +141,7 @@ def route(x: jax.Array, router: jax.Array, cfg: config_lib.MoEConfig,
   expert_ids = select_experts(scores, cfg, bias)
   weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
   if cfg.norm_topk_prob:
-    weights = weights / (weights.sum(axis=-1, keepdims=True)
-                         + cfg.norm_epsilon)
+    weights = weights / (weights.sum(axis=-1, keepdims=True) + cfg.norm_epsilon)
   weights = weights * cfg.routed_scaling_factor
 
   capacity = cfg.expert_capacity(num_tokens)
@@ -138,24 +151,29 @@ def route(x: jax.Array, router: jax.Array, cfg: config_lib.MoEConfig,
     kept = capacity_keep_mask(expert_ids, cfg.num_experts, capacity)
   weights = jnp.where(kept, weights, 0.0)
 
-  tokens_per_expert = jnp.bincount(expert_ids.reshape(-1),
-                                   length=cfg.num_experts).astype(jnp.int32)
+  tokens_per_expert = jnp.bincount(
+      expert_ids.reshape(-1), length=cfg.num_experts
+  ).astype(jnp.int32)
   fraction = tokens_per_expert.astype(jnp.float32) / (num_tokens * cfg.top_k)
-  load_balancing_loss = cfg.num_experts * jnp.sum(
-      fraction * probs.mean(axis=0))
+  load_balancing_loss = cfg.num_experts * jnp.sum(fraction * probs.mean(axis=0))
   router_z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
   dropped = (expert_ids.size - kept.sum()).astype(jnp.int32)
   return MoEAux(
-      router_logits=logits, router_probs=probs, expert_ids=expert_ids,
-      combine_weights=weights, kept=kept,
+      router_logits=logits,
+      router_probs=probs,
+      expert_ids=expert_ids,
+      combine_weights=weights,
+      kept=kept,
       tokens_per_expert=tokens_per_expert,
-      load_balancing_loss=load_balancing_loss, router_z_loss=router_z_loss,
-      dropped_tokens=dropped)
+      load_balancing_loss=load_balancing_loss,
+      router_z_loss=router_z_loss,
+      dropped_tokens=dropped,
+  )
 
 
-def update_correction_bias(correction_bias: jax.Array,
-                           tokens_per_expert: jax.Array,
-                           rate: float = 1e-3) -> jax.Array:
+def update_correction_bias(
+    correction_bias: jax.Array, tokens_per_expert: jax.Array, rate: float = 1e-3
+) -> jax.Array:
   """DeepSeek-V3's aux-loss-free update: bias += rate * sign(mean - load).
 
   Underloaded experts get a larger bias (chosen more often), overloaded ones
@@ -168,12 +186,16 @@ def update_correction_bias(correction_bias: jax.Array,
     rate: the update speed (gamma in the paper, 1e-3 for DeepSeek-V3).
   """
   if correction_bias.ndim != 1:
-    raise ValueError("correction_bias must be 1-D [E], got shape "
-                     f"{correction_bias.shape}.")
+    raise ValueError(
+        "correction_bias must be 1-D [E], got shape "
+        f"{correction_bias.shape}."
+    )
   load = tokens_per_expert.astype(jnp.float32)
   if load.shape[-1:] != correction_bias.shape:
     raise ValueError(
-        "tokens_per_expert must end in E=" f"{correction_bias.shape[0]}, got "
-        f"shape {tokens_per_expert.shape}.")
+        "tokens_per_expert must end in E="
+        f"{correction_bias.shape[0]}, got "
+        f"shape {tokens_per_expert.shape}."
+    )
   load = load.reshape(-1, load.shape[-1]).sum(axis=0)
   return correction_bias + rate * jnp.sign(load.mean() - load)

@@ -32,12 +32,13 @@ def _route_token(logits, cfg, bias):
     size = cfg.num_experts // cfg.n_group
     group_score = {}
     for g in range(cfg.n_group):
-      members = sorted(choice[g * size:(g + 1) * size], reverse=True)
-      group_score[g] = (members[0] if cfg.group_score == "max"
-                        else members[0] + members[1])
-    best = sorted(group_score, key=lambda g: -group_score[g])[:cfg.topk_group]
+      members = sorted(choice[g * size : (g + 1) * size], reverse=True)
+      group_score[g] = (
+          members[0] if cfg.group_score == "max" else members[0] + members[1]
+      )
+    best = sorted(group_score, key=lambda g: -group_score[g])[: cfg.topk_group]
     eligible = [e for e in eligible if e // size in best]
-  ids = sorted(eligible, key=lambda e: -choice[e])[:cfg.top_k]
+  ids = sorted(eligible, key=lambda e: -choice[e])[: cfg.top_k]
   weights = [scores[e] for e in ids]
   if cfg.norm_topk_prob:
     total = sum(weights) + cfg.norm_epsilon
@@ -63,12 +64,14 @@ def _keep_mask(ids, num_experts, capacity):
 def _inputs(cfg, seed=0, bias_scale=0.0, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((_T, cfg.hidden_size)).astype(np.float32)
-  router = (0.4 * rng.standard_normal(
-      (cfg.hidden_size, cfg.num_experts))).astype(np.float32)
+  router = (
+      0.4 * rng.standard_normal((cfg.hidden_size, cfg.num_experts))
+  ).astype(np.float32)
   bias = None
   if cfg.correction_bias:
     bias = (bias_scale * rng.standard_normal(cfg.num_experts)).astype(
-        np.float32)
+        np.float32
+    )
   return jnp.asarray(x, dtype), jnp.asarray(router, dtype), bias
 
 
@@ -87,51 +90,103 @@ class RouteTest(parameterized.TestCase):
       ("softmax_scaled", dict(top_k=3, routed_scaling_factor=16.0)),
       ("softmax_top1", dict(top_k=1)),
       ("sigmoid", dict(score_func="sigmoid")),
-      ("sigmoid_norm_scaled", dict(score_func="sigmoid", norm_topk_prob=True,
-                                   routed_scaling_factor=2.5)),
-      ("sigmoid_bias", dict(score_func="sigmoid", correction_bias=True,
-                            norm_topk_prob=True, norm_epsilon=1e-20)),
-      ("groups_max", dict(num_experts=16, top_k=3, n_group=4, topk_group=2,
-                          group_score="max", routed_scaling_factor=16.0)),
-      ("groups_sum_top2_bias", dict(
-          num_experts=16, top_k=4, n_group=4, topk_group=2,
-          group_score="sum_top2", score_func="sigmoid", correction_bias=True,
-          norm_topk_prob=True, routed_scaling_factor=2.5)),
-      ("groups_sum_top2_softmax", dict(num_experts=12, top_k=2, n_group=3,
-                                       topk_group=1, group_score="sum_top2")),
-      ("groups_top_k_fills_groups", dict(num_experts=8, top_k=4, n_group=4,
-                                         topk_group=2)),
+      (
+          "sigmoid_norm_scaled",
+          dict(
+              score_func="sigmoid",
+              norm_topk_prob=True,
+              routed_scaling_factor=2.5,
+          ),
+      ),
+      (
+          "sigmoid_bias",
+          dict(
+              score_func="sigmoid",
+              correction_bias=True,
+              norm_topk_prob=True,
+              norm_epsilon=1e-20,
+          ),
+      ),
+      (
+          "groups_max",
+          dict(
+              num_experts=16,
+              top_k=3,
+              n_group=4,
+              topk_group=2,
+              group_score="max",
+              routed_scaling_factor=16.0,
+          ),
+      ),
+      (
+          "groups_sum_top2_bias",
+          dict(
+              num_experts=16,
+              top_k=4,
+              n_group=4,
+              topk_group=2,
+              group_score="sum_top2",
+              score_func="sigmoid",
+              correction_bias=True,
+              norm_topk_prob=True,
+              routed_scaling_factor=2.5,
+          ),
+      ),
+      (
+          "groups_sum_top2_softmax",
+          dict(
+              num_experts=12,
+              top_k=2,
+              n_group=3,
+              topk_group=1,
+              group_score="sum_top2",
+          ),
+      ),
+      (
+          "groups_top_k_fills_groups",
+          dict(num_experts=8, top_k=4, n_group=4, topk_group=2),
+      ),
   )
   def test_matches_per_token_numpy(self, fields):
     cfg = _cfg(**fields)
     x, router, bias = _inputs(cfg, bias_scale=0.3)
-    aux = routing.route(x, router, cfg,
-                        None if bias is None else jnp.asarray(bias))
+    aux = routing.route(
+        x, router, cfg, None if bias is None else jnp.asarray(bias)
+    )
     logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
-    np.testing.assert_allclose(aux.router_logits, logits, rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(aux.router_logits, logits, rtol=1e-5, atol=1e-5)
     for t in range(_T):
       ids, weights, probs = _route_token(logits[t], cfg, bias)
       np.testing.assert_array_equal(aux.expert_ids[t], ids, f"token {t}")
-      np.testing.assert_allclose(aux.combine_weights[t], weights, rtol=1e-5,
-                                 atol=1e-7, err_msg=f"token {t}")
-      np.testing.assert_allclose(aux.router_probs[t], probs, rtol=1e-5,
-                                 atol=1e-7, err_msg=f"token {t}")
+      np.testing.assert_allclose(
+          aux.combine_weights[t],
+          weights,
+          rtol=1e-5,
+          atol=1e-7,
+          err_msg=f"token {t}",
+      )
+      np.testing.assert_allclose(
+          aux.router_probs[t], probs, rtol=1e-5, atol=1e-7, err_msg=f"token {t}"
+      )
     self.assertTrue(aux.kept.all())
     self.assertEqual(aux.dropped_tokens, 0)
     np.testing.assert_array_equal(
         aux.tokens_per_expert,
-        np.bincount(np.asarray(aux.expert_ids).ravel(),
-                    minlength=cfg.num_experts))
+        np.bincount(
+            np.asarray(aux.expert_ids).ravel(), minlength=cfg.num_experts
+        ),
+    )
 
   def test_norm_epsilon_shrinks_weight_sum(self):
     cfg = _cfg(norm_topk_prob=True, norm_epsilon=0.5)
     x, router, _ = _inputs(cfg)
     aux = routing.route(x, router, cfg)
-    chosen = np.take_along_axis(np.asarray(aux.router_probs),
-                                np.asarray(aux.expert_ids), -1).sum(-1)
-    np.testing.assert_allclose(aux.combine_weights.sum(-1),
-                               chosen / (chosen + 0.5), rtol=1e-5)
+    chosen = np.take_along_axis(
+        np.asarray(aux.router_probs), np.asarray(aux.expert_ids), -1
+    ).sum(-1)
+    np.testing.assert_allclose(
+        aux.combine_weights.sum(-1), chosen / (chosen + 0.5), rtol=1e-5
+    )
 
   def test_correction_bias_moves_choice_not_weights(self):
     cfg = _cfg(score_func="sigmoid", correction_bias=True)
@@ -143,24 +198,33 @@ class RouteTest(parameterized.TestCase):
     np.testing.assert_allclose(
         aux.combine_weights,
         np.take_along_axis(scores, np.asarray(aux.expert_ids), -1),
-        rtol=1e-5)
+        rtol=1e-5,
+    )
     plain = routing.route(x, router, cfg.replace(correction_bias=False))
     self.assertFalse((np.asarray(plain.expert_ids)[:, 0] == 5).all())
 
   def test_correction_bias_gets_no_gradient(self):
     cfg = _cfg(score_func="sigmoid", correction_bias=True)
     x, router, bias = _inputs(cfg, bias_scale=0.3)
+
     def loss(b):
       return routing.route(x, router, cfg, b).combine_weights.sum()
+
     np.testing.assert_array_equal(jax.grad(loss)(jnp.asarray(bias)), 0.0)
 
   def test_groups_never_choose_outside_best_groups_negative_scores(self):
     # Biased scores all negative: masking excluded groups with 0.0 would
     # let them win; -inf never does. The numpy router only ever looks at
     # the eligible experts.
-    cfg = _cfg(num_experts=16, top_k=4, n_group=4, topk_group=2,
-               group_score="sum_top2", score_func="sigmoid",
-               correction_bias=True)
+    cfg = _cfg(
+        num_experts=16,
+        top_k=4,
+        n_group=4,
+        topk_group=2,
+        group_score="sum_top2",
+        score_func="sigmoid",
+        correction_bias=True,
+    )
     x, router, _ = _inputs(cfg)
     bias = -2.0 * jnp.ones(cfg.num_experts)
     aux = routing.route(x, router, cfg, bias)
@@ -173,12 +237,14 @@ class RouteTest(parameterized.TestCase):
     cfg = _cfg(correction_bias=True)
     x, router, _ = _inputs(cfg)
     with self.assertRaisesRegex(
-        ValueError, r"correction_bias must be given iff cfg.correction_bias "
-        r"is True, got cfg.correction_bias=True, correction_bias=None"):
+        ValueError,
+        r"correction_bias must be given iff cfg.correction_bias "
+        r"is True, got cfg.correction_bias=True, correction_bias=None",
+    ):
       routing.route(x, router, cfg)
-    with self.assertRaisesRegex(ValueError,
-                                r"cfg.correction_bias=False, correction_bias"
-                                r"=an array"):
+    with self.assertRaisesRegex(
+        ValueError, r"cfg.correction_bias=False, correction_bias" r"=an array"
+    ):
       routing.route(x, router, _cfg(), jnp.zeros(8))
 
   @parameterized.parameters(jnp.bfloat16, jnp.float16)
@@ -186,17 +252,23 @@ class RouteTest(parameterized.TestCase):
     cfg = _cfg(norm_topk_prob=True)
     x, router, _ = _inputs(cfg, dtype=dtype)
     aux = routing.route(x, router, cfg)
-    for name in ("router_logits", "router_probs", "combine_weights",
-                 "load_balancing_loss", "router_z_loss"):
+    for name in (
+        "router_logits",
+        "router_probs",
+        "combine_weights",
+        "load_balancing_loss",
+        "router_z_loss",
+    ):
       self.assertEqual(getattr(aux, name).dtype, jnp.float32, name)
     # Exactly the float32 routing of the rounded inputs: no bf16 products.
-    want = routing.route(x.astype(jnp.float32), router.astype(jnp.float32),
-                         cfg)
+    want = routing.route(x.astype(jnp.float32), router.astype(jnp.float32), cfg)
     np.testing.assert_array_equal(aux.expert_ids, want.expert_ids)
-    np.testing.assert_allclose(aux.router_logits, want.router_logits,
-                               rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(aux.combine_weights, want.combine_weights,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        aux.router_logits, want.router_logits, rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        aux.combine_weights, want.combine_weights, rtol=1e-6
+    )
 
 
 class CapacityTest(parameterized.TestCase):
@@ -205,9 +277,14 @@ class CapacityTest(parameterized.TestCase):
   def test_keep_mask_matches_gshard_loop(self, top_k, capacity):
     rng = np.random.default_rng(top_k * 10 + capacity)
     # Distinct experts per token, skewed toward low ids so slots overflow.
-    ids = np.stack([rng.choice(6, top_k, replace=False,
-                               p=[.4, .2, .15, .1, .1, .05])
-                    for _ in range(20)]).astype(np.int32)
+    ids = np.stack(
+        [
+            rng.choice(
+                6, top_k, replace=False, p=[0.4, 0.2, 0.15, 0.1, 0.1, 0.05]
+            )
+            for _ in range(20)
+        ]
+    ).astype(np.int32)
     kept = routing.capacity_keep_mask(jnp.asarray(ids), 6, capacity)
     np.testing.assert_array_equal(kept, _keep_mask(ids, 6, capacity))
 
@@ -229,14 +306,17 @@ class CapacityTest(parameterized.TestCase):
     self.assertEqual(int(aux.dropped_tokens), (~want_kept).sum())
     self.assertGreater(int(aux.dropped_tokens), 0)
     np.testing.assert_array_equal(
-        np.asarray(aux.combine_weights)[~want_kept], 0.0)
+        np.asarray(aux.combine_weights)[~want_kept], 0.0
+    )
     dropless = routing.route(x, router, cfg.replace(capacity_factor=None))
     np.testing.assert_array_equal(
         np.asarray(aux.combine_weights)[want_kept],
-        np.asarray(dropless.combine_weights)[want_kept])
+        np.asarray(dropless.combine_weights)[want_kept],
+    )
     # Counts are of the router's choices, before the drop.
-    np.testing.assert_array_equal(aux.tokens_per_expert,
-                                  np.bincount(ids.ravel(), minlength=8))
+    np.testing.assert_array_equal(
+        aux.tokens_per_expert, np.bincount(ids.ravel(), minlength=8)
+    )
 
 
 class AuxLossTest(parameterized.TestCase):
@@ -254,11 +334,11 @@ class AuxLossTest(parameterized.TestCase):
       probs.append(token_probs)
     f = np.bincount(ids, minlength=8) / (_T * cfg.top_k)
     p = np.mean(probs, axis=0)
-    np.testing.assert_allclose(aux.load_balancing_loss, 8 * np.sum(f * p),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        aux.load_balancing_loss, 8 * np.sum(f * p), rtol=1e-5
+    )
     lse = np.log(np.exp(logits).sum(-1))
-    np.testing.assert_allclose(aux.router_z_loss, np.mean(lse ** 2),
-                               rtol=1e-5)
+    np.testing.assert_allclose(aux.router_z_loss, np.mean(lse**2), rtol=1e-5)
 
   @parameterized.parameters(1, 2)
   def test_load_balancing_loss_is_one_at_perfect_balance(self, top_k):
@@ -267,8 +347,9 @@ class AuxLossTest(parameterized.TestCase):
     e = 8
     cfg = _cfg(num_experts=e, top_k=top_k, hidden_size=e)
     x = 3.0 * np.eye(e) + 1.5 * np.roll(np.eye(e), 1, axis=1)
-    aux = routing.route(jnp.asarray(x, jnp.float32),
-                        jnp.eye(e, dtype=jnp.float32), cfg)
+    aux = routing.route(
+        jnp.asarray(x, jnp.float32), jnp.eye(e, dtype=jnp.float32), cfg
+    )
     np.testing.assert_array_equal(aux.tokens_per_expert, top_k)
     np.testing.assert_allclose(aux.load_balancing_loss, 1.0, rtol=1e-6)
 
@@ -296,13 +377,13 @@ class UpdateCorrectionBiasTest(absltest.TestCase):
     np.testing.assert_array_equal(new, [-1.0, 1.0, -1.0])
 
   def test_errors_name_shapes(self):
-    with self.assertRaisesRegex(ValueError,
-                                r"correction_bias must be 1-D \[E\], got "
-                                r"shape \(2, 2\)"):
+    with self.assertRaisesRegex(
+        ValueError, r"correction_bias must be 1-D \[E\], got " r"shape \(2, 2\)"
+    ):
       routing.update_correction_bias(jnp.zeros((2, 2)), jnp.zeros(2))
-    with self.assertRaisesRegex(ValueError,
-                                r"tokens_per_expert must end in E=4, got "
-                                r"shape \(3,\)"):
+    with self.assertRaisesRegex(
+        ValueError, r"tokens_per_expert must end in E=4, got " r"shape \(3,\)"
+    ):
       routing.update_correction_bias(jnp.zeros(4), jnp.zeros(3))
 
 

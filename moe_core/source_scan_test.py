@@ -20,14 +20,23 @@ import os
 from absl.testing import absltest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PACKAGES = ("moe_core", "backends", "reference", "train", "bench",
-             "conformance")
+_PACKAGES = (
+    "moe_core",
+    "backends",
+    "reference",
+    "train",
+    "bench",
+    "conformance",
+)
 
-_EMPTY = ("returns uninitialised memory on GPU/TPU since jax 0.11, and "
-          "dropless relies on zeros in its buffers: use jnp.zeros / "
-          "jnp.zeros_like")
-_PL_DOT = ("raises AttributeError since jax 0.11.2: use lax.dot_general or "
-           "jnp.dot")
+_EMPTY = (
+    "returns uninitialised memory on GPU/TPU since jax 0.11, and "
+    "dropless relies on zeros in its buffers: use jnp.zeros / "
+    "jnp.zeros_like"
+)
+_PL_DOT = (
+    "raises AttributeError since jax 0.11.2: use lax.dot_general or " "jnp.dot"
+)
 # (module, attribute) -> why not. A module is matched by the name the file
 # uses for it, spelled as dropless spells it (jnp, lax, pl) or in full.
 _BANNED = {
@@ -88,23 +97,27 @@ class SourceScanTest(absltest.TestCase):
     self.assertEmpty(found, "\n" + "\n".join(found))
 
   def test_the_scan_finds_each_banned_use(self):
-    source = "\n".join([
-        "import jax.numpy as jnp",
-        "from jax import lax",
-        "from jax.experimental import pallas as pl",
-        "from jax.numpy import empty",
-        "a = jnp.empty((4, 3))",
-        "b = jnp.empty_like(a)",
-        "c = np.empty_like(a)",
-        "d = jax.numpy.empty(3)",
-        "e = pl.dot(a, b)",
-        "f = lax.empty((3,), jnp.float32)",
-        "g = jnp.zeros((4, 3))  # jnp.empty would be wrong here.",
-        '"""Not jnp.empty((2,)) either."""',
-    ])
+    source = "\n".join(
+        [
+            "import jax.numpy as jnp",
+            "from jax import lax",
+            "from jax.experimental import pallas as pl",
+            "from jax.numpy import empty",
+            "a = jnp.empty((4, 3))",
+            "b = jnp.empty_like(a)",
+            "c = np.empty_like(a)",
+            "d = jax.numpy.empty(3)",
+            "e = pl.dot(a, b)",
+            "f = lax.empty((3,), jnp.float32)",
+            "g = jnp.zeros((4, 3))  # jnp.empty would be wrong here.",
+            '"""Not jnp.empty((2,)) either."""',
+        ]
+    )
     found = banned_uses(source)
-    self.assertEqual([line.split(":")[1] for line in found],
-                     ["4", "5", "6", "7", "8", "9", "10"])
+    self.assertEqual(
+        [line.split(":")[1] for line in found],
+        ["4", "5", "6", "7", "8", "9", "10"],
+    )
     self.assertIn("uninitialised memory", found[1])
     self.assertIn("lax.dot_general", found[5])
 

@@ -28,13 +28,17 @@ def check_tokens(x, cfg: config_lib.MoEConfig, *, name: str = "x") -> None:
   if x.ndim < 1 or x.shape[-1] != cfg.hidden_size:
     raise ValueError(
         f"{name} must have shape [..., hidden_size={cfg.hidden_size}], got "
-        f"{name}.shape={tuple(x.shape)}.")
+        f"{name}.shape={tuple(x.shape)}."
+    )
   if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"{name} must be floating point, got dtype "
-                    f"{_dtype_name(x)}.")
+    raise TypeError(
+        f"{name} must be floating point, got dtype " f"{_dtype_name(x)}."
+    )
   if x.size == 0:
-    raise ValueError(f"{name} must hold at least one token, got "
-                     f"{name}.shape={tuple(x.shape)}.")
+    raise ValueError(
+        f"{name} must hold at least one token, got "
+        f"{name}.shape={tuple(x.shape)}."
+    )
 
 
 def check_params(params, cfg: config_lib.MoEConfig) -> None:
@@ -44,71 +48,91 @@ def check_params(params, cfg: config_lib.MoEConfig) -> None:
   expected = params_lib.param_shapes(cfg)
   missing = sorted(set(expected) - set(params))
   if missing:
-    raise ValueError(f"params is missing {missing} for this config; expected "
-                     f"keys {sorted(expected)}, got {sorted(params)}.")
+    raise ValueError(
+        f"params is missing {missing} for this config; expected "
+        f"keys {sorted(expected)}, got {sorted(params)}."
+    )
   for name, shape in expected.items():
     got = tuple(getattr(params[name], "shape", ()))
     if got != shape:
       raise ValueError(f"params[{name!r}] must have shape {shape}, got {got}.")
     if not jnp.issubdtype(params[name].dtype, jnp.floating):
-      raise TypeError(f"params[{name!r}] must be floating point, got dtype "
-                      f"{_dtype_name(params[name])}.")
+      raise TypeError(
+          f"params[{name!r}] must be floating point, got dtype "
+          f"{_dtype_name(params[name])}."
+      )
   extra = sorted(set(params) - set(expected))
   if extra:
     # A stray correction_bias or shared expert would be silently ignored.
-    raise ValueError(f"params has keys {extra} that this config does not use "
-                     f"(expected {sorted(expected)}); check correction_bias / "
-                     "shared_ffn_size / shared_expert_gate.")
+    raise ValueError(
+        f"params has keys {extra} that this config does not use "
+        f"(expected {sorted(expected)}); check correction_bias / "
+        "shared_ffn_size / shared_expert_gate."
+    )
 
 
-def check_group_sizes(group_sizes, num_groups: int, *,
-                      name: str = "group_sizes") -> None:
+def check_group_sizes(
+    group_sizes, num_groups: int, *, name: str = "group_sizes"
+) -> None:
   if not hasattr(group_sizes, "dtype"):
     raise TypeError(f"{name} must be an int32 array, got {type(group_sizes)}.")
   if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer (int32) array, got dtype "
-                    f"{_dtype_name(group_sizes)}.")
+    raise TypeError(
+        f"{name} must be an integer (int32) array, got dtype "
+        f"{_dtype_name(group_sizes)}."
+    )
   if group_sizes.shape != (num_groups,):
-    raise ValueError(f"{name} must have shape ({num_groups},) (one size per "
-                     f"group), got {name}.shape={tuple(group_sizes.shape)}.")
+    raise ValueError(
+        f"{name} must have shape ({num_groups},) (one size per "
+        f"group), got {name}.shape={tuple(group_sizes.shape)}."
+    )
 
 
-def check_grouped_gemm(rows, weights, group_sizes, *,
-                       transpose_rhs: bool = False) -> None:
+def check_grouped_gemm(
+    rows, weights, group_sizes, *, transpose_rhs: bool = False
+) -> None:
   """rows [M, K], weights [E, K, N] ([E, N, K] if transposed), sizes [E]."""
   for name, arr in (("rows", rows), ("weights", weights)):
     if not hasattr(arr, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(arr)}.")
     if not jnp.issubdtype(arr.dtype, jnp.floating):
-      raise TypeError(f"{name} must be floating point, got dtype "
-                      f"{_dtype_name(arr)}.")
+      raise TypeError(
+          f"{name} must be floating point, got dtype " f"{_dtype_name(arr)}."
+      )
   if rows.ndim != 2:
     raise ValueError(f"rows must be 2-D [M, K], got rows.shape={rows.shape}.")
   if weights.ndim != 3:
-    raise ValueError("weights must be 3-D [E, K, N], got "
-                     f"weights.shape={weights.shape}.")
+    raise ValueError(
+        "weights must be 3-D [E, K, N], got " f"weights.shape={weights.shape}."
+    )
   k_axis = 2 if transpose_rhs else 1
   if weights.shape[k_axis] != rows.shape[1]:
     layout = "[E, N, K]" if transpose_rhs else "[E, K, N]"
     raise ValueError(
         f"weights {layout} must contract over rows' K={rows.shape[1]}, got "
-        f"rows.shape={rows.shape}, weights.shape={weights.shape}.")
+        f"rows.shape={rows.shape}, weights.shape={weights.shape}."
+    )
   check_group_sizes(group_sizes, weights.shape[0])
   check_group_sizes_fit(group_sizes, rows.shape[0])
 
 
-def check_routing(expert_ids, combine_weights, num_tokens: int,
-                  cfg: config_lib.MoEConfig) -> None:
+def check_routing(
+    expert_ids, combine_weights, num_tokens: int, cfg: config_lib.MoEConfig
+) -> None:
   """expert_ids and combine_weights [T, K] for `num_tokens` tokens."""
   want = (num_tokens, cfg.top_k)
   if tuple(expert_ids.shape) != want:
-    raise ValueError(f"expert_ids must have shape [T, K]={want}, got "
-                     f"{tuple(expert_ids.shape)}.")
+    raise ValueError(
+        f"expert_ids must have shape [T, K]={want}, got "
+        f"{tuple(expert_ids.shape)}."
+    )
   if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise TypeError(f"expert_ids must be int32, got {_dtype_name(expert_ids)}.")
   if tuple(combine_weights.shape) != want:
-    raise ValueError(f"combine_weights must have shape [T, K]={want}, got "
-                     f"{tuple(combine_weights.shape)}.")
+    raise ValueError(
+        f"combine_weights must have shape [T, K]={want}, got "
+        f"{tuple(combine_weights.shape)}."
+    )
 
 
 def concrete_value(x) -> np.ndarray | None:
@@ -119,34 +143,41 @@ def concrete_value(x) -> np.ndarray | None:
   """
   try:
     return np.asarray(x)
-  except (jax.errors.ConcretizationTypeError,
-          jax.errors.TracerArrayConversionError):
+  except (
+      jax.errors.ConcretizationTypeError,
+      jax.errors.TracerArrayConversionError,
+  ):
     return None
 
 
-def check_array(x, name: str, shape: tuple[int, ...], *,
-                floating: bool = True) -> None:
+def check_array(
+    x, name: str, shape: tuple[int, ...], *, floating: bool = True
+) -> None:
   """x is an array of exactly `shape` (floating point if `floating`)."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be an array, got {type(x)}.")
   if tuple(x.shape) != tuple(shape):
-    raise ValueError(f"{name} must have shape {tuple(shape)}, got "
-                     f"{name}.shape={tuple(x.shape)}.")
+    raise ValueError(
+        f"{name} must have shape {tuple(shape)}, got "
+        f"{name}.shape={tuple(x.shape)}."
+    )
   if floating and not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"{name} must be floating point, got dtype "
-                    f"{_dtype_name(x)}.")
+    raise TypeError(
+        f"{name} must be floating point, got dtype " f"{_dtype_name(x)}."
+    )
 
 
 def check_token_matrix(x, cfg: config_lib.MoEConfig, caller: str) -> None:
   """x: [T, D] tokens, as the stages after the layer's flattening take them."""
   check_tokens(x, cfg)
   if x.ndim != 2:
-    raise ValueError(f"{caller} needs tokens of shape [T, D], got "
-                     f"x.shape={tuple(x.shape)}; flatten the batch first.")
+    raise ValueError(
+        f"{caller} needs tokens of shape [T, D], got "
+        f"x.shape={tuple(x.shape)}; flatten the batch first."
+    )
 
 
-def check_route(x, router, cfg: config_lib.MoEConfig,
-                correction_bias) -> None:
+def check_route(x, router, cfg: config_lib.MoEConfig, correction_bias) -> None:
   """route's x [T, D], router [D, E] and correction_bias [E] (or None)."""
   check_config(cfg)
   check_token_matrix(x, cfg, "route")
@@ -167,54 +198,75 @@ def check_expert_ids_in_range(expert_ids, num_experts: int) -> None:
     return
   low, high = int(ids.min()), int(ids.max())
   if low < 0 or high >= num_experts:
-    raise ValueError(f"expert_ids must lie in [0, num_experts={num_experts})"
-                     f", got values in [{low}, {high}].")
+    raise ValueError(
+        f"expert_ids must lie in [0, num_experts={num_experts})"
+        f", got values in [{low}, {high}]."
+    )
 
 
 def check_dispatch(x, expert_ids, num_experts, kept) -> None:
   """dispatch's x [T, D], expert_ids [T, K] int, kept [T, K] bool or None."""
   if not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
-    raise ValueError(f"num_experts must be a positive int, got "
-                     f"{num_experts!r}.")
+    raise ValueError(
+        f"num_experts must be a positive int, got " f"{num_experts!r}."
+    )
   for name, arr in (("x", x), ("expert_ids", expert_ids)):
     if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(arr)}.")
     if arr.ndim != 2:
-      raise ValueError(f"{name} must be 2-D, got {name}.shape="
-                       f"{tuple(arr.shape)}.")
+      raise ValueError(
+          f"{name} must be 2-D, got {name}.shape=" f"{tuple(arr.shape)}."
+      )
   if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-    raise TypeError("expert_ids must be an integer (int32) array, got dtype "
-                    f"{_dtype_name(expert_ids)}.")
+    raise TypeError(
+        "expert_ids must be an integer (int32) array, got dtype "
+        f"{_dtype_name(expert_ids)}."
+    )
   if expert_ids.shape[0] != x.shape[0]:
-    raise ValueError("dispatch needs one expert_ids row per token, got "
-                     f"x.shape={tuple(x.shape)}, "
-                     f"expert_ids.shape={tuple(expert_ids.shape)}.")
-  if kept is not None and (tuple(kept.shape) != tuple(expert_ids.shape)
-                           or kept.dtype != jnp.bool_):
-    raise ValueError(f"kept must be bool of expert_ids' shape "
-                     f"{tuple(expert_ids.shape)}, got {_dtype_name(kept)}"
-                     f"{list(kept.shape)}.")
+    raise ValueError(
+        "dispatch needs one expert_ids row per token, got "
+        f"x.shape={tuple(x.shape)}, "
+        f"expert_ids.shape={tuple(expert_ids.shape)}."
+    )
+  if kept is not None and (
+      tuple(kept.shape) != tuple(expert_ids.shape) or kept.dtype != jnp.bool_
+  ):
+    raise ValueError(
+        f"kept must be bool of expert_ids' shape "
+        f"{tuple(expert_ids.shape)}, got {_dtype_name(kept)}"
+        f"{list(kept.shape)}."
+    )
   check_expert_ids_in_range(expert_ids, num_experts)
 
 
 def check_combine(expert_out, num_rows: int, combine_weights, kept) -> None:
   """combine's expert_out [M, D] and combine_weights [T, K], T*K == M."""
   if not hasattr(expert_out, "shape") or expert_out.ndim != 2:
-    raise ValueError("expert_out must be 2-D [M, D], got "
-                     f"{getattr(expert_out, 'shape', type(expert_out))}.")
+    raise ValueError(
+        "expert_out must be 2-D [M, D], got "
+        f"{getattr(expert_out, 'shape', type(expert_out))}."
+    )
   if expert_out.shape[0] != num_rows:
-    raise ValueError(f"expert_out must have the dispatched M={num_rows} rows,"
-                     f" got expert_out.shape={tuple(expert_out.shape)}.")
+    raise ValueError(
+        f"expert_out must have the dispatched M={num_rows} rows,"
+        f" got expert_out.shape={tuple(expert_out.shape)}."
+    )
   if not hasattr(combine_weights, "shape") or combine_weights.ndim != 2:
-    raise ValueError("combine_weights must be 2-D [T, K], got "
-                     f"{getattr(combine_weights, 'shape', None)}.")
+    raise ValueError(
+        "combine_weights must be 2-D [T, K], got "
+        f"{getattr(combine_weights, 'shape', None)}."
+    )
   t, k = combine_weights.shape
   if t * k != num_rows:
-    raise ValueError(f"combine_weights [T, K] must have T*K = the dispatched "
-                     f"M={num_rows}, got combine_weights.shape={(t, k)}.")
+    raise ValueError(
+        f"combine_weights [T, K] must have T*K = the dispatched "
+        f"M={num_rows}, got combine_weights.shape={(t, k)}."
+    )
   if kept is not None and tuple(kept.shape) != (t, k):
-    raise ValueError(f"kept must have combine_weights' shape {(t, k)}, got "
-                     f"{tuple(kept.shape)}.")
+    raise ValueError(
+        f"kept must have combine_weights' shape {(t, k)}, got "
+        f"{tuple(kept.shape)}."
+    )
 
 
 def check_group_sizes_fit(group_sizes, num_rows: int) -> None:
@@ -229,23 +281,30 @@ def check_group_sizes_fit(group_sizes, num_rows: int) -> None:
   if (sizes < 0).any():
     raise ValueError(f"group_sizes must be >= 0, got {sizes.tolist()}.")
   if int(sizes.sum()) > num_rows:
-    raise ValueError(f"sum(group_sizes) must be <= the {num_rows} rows, got "
-                     f"sum={int(sizes.sum())} (group_sizes={sizes.tolist()}).")
+    raise ValueError(
+        f"sum(group_sizes) must be <= the {num_rows} rows, got "
+        f"sum={int(sizes.sum())} (group_sizes={sizes.tolist()})."
+    )
 
 
-def check_expert_ffn(rows, group_sizes, params: dict,
-                     cfg: config_lib.MoEConfig) -> None:
+def check_expert_ffn(
+    rows, group_sizes, params: dict, cfg: config_lib.MoEConfig
+) -> None:
   """expert_ffn's rows [M, D] and group_sizes [E_local]; overrides call it.
 
   E_local is the experts params holds: all of cfg.num_experts on one
   device, this device's slice under expert parallelism.
   """
   check_config(cfg)
-  if not hasattr(rows, "shape") or rows.ndim != 2 or (
-      rows.shape[1] != cfg.hidden_size):
+  if (
+      not hasattr(rows, "shape")
+      or rows.ndim != 2
+      or (rows.shape[1] != cfg.hidden_size)
+  ):
     raise ValueError(
         f"rows must have shape [M, hidden_size={cfg.hidden_size}], got "
-        f"rows.shape={tuple(getattr(rows, 'shape', ()))}.")
+        f"rows.shape={tuple(getattr(rows, 'shape', ()))}."
+    )
   check_group_sizes(group_sizes, params["w_gate"].shape[0])
   check_group_sizes_fit(group_sizes, rows.shape[0])
 

@@ -26,9 +26,12 @@ class Flag:
   why: str
 
 
-def gpu_ep_flags(*, collective_overlap_limit: int = 2,
-                 combine_threshold_bytes: int = 128 * _MIB,
-                 pipeline_collectives: bool = True) -> list[Flag]:
+def gpu_ep_flags(
+    *,
+    collective_overlap_limit: int = 2,
+    combine_threshold_bytes: int = 128 * _MIB,
+    pipeline_collectives: bool = True,
+) -> list[Flag]:
   """The flags, in order, with what each does for an EP layer.
 
   Args:
@@ -43,42 +46,65 @@ def gpu_ep_flags(*, collective_overlap_limit: int = 2,
       previous iteration, so they overlap its compute.
   """
   if collective_overlap_limit < 1:
-    raise ValueError("collective_overlap_limit must be >= 1, got "
-                     f"{collective_overlap_limit}.")
+    raise ValueError(
+        "collective_overlap_limit must be >= 1, got "
+        f"{collective_overlap_limit}."
+    )
   if combine_threshold_bytes < 0:
-    raise ValueError("combine_threshold_bytes must be >= 0, got "
-                     f"{combine_threshold_bytes}.")
+    raise ValueError(
+        "combine_threshold_bytes must be >= 0, got "
+        f"{combine_threshold_bytes}."
+    )
   flags = [
-      Flag("xla_gpu_enable_latency_hiding_scheduler", "true",
-           "Schedules each async collective's start early and its done late "
-           "around independent compute, by a cost model; without it the "
-           "dispatch/combine all-to-alls run back to back with the expert "
-           "GEMMs and nothing overlaps (off by default)."),
-      Flag("xla_gpu_experimental_parallel_collective_overlap_limit",
-           str(collective_overlap_limit),
-           "How many async collectives may be in flight at once, each on its "
-           "own stream (multi-streamed collectives); 1 serialises an EP "
-           "all-to-all behind any other collective."),
-      Flag("xla_gpu_enable_highest_priority_async_stream", "true",
-           "Gives the collective streams the highest priority, so the GEMMs "
-           "they overlap with do not starve them of SMs."),
-      Flag("xla_gpu_all_reduce_combine_threshold_bytes",
-           str(combine_threshold_bytes),
-           "Merges all-reduces up to this size (gradients of the replicated "
-           "router and shared expert over the data axes)."),
-      Flag("xla_gpu_all_gather_combine_threshold_bytes",
-           str(combine_threshold_bytes),
-           "Merges all-gathers up to this size (FSDP weight gathers)."),
-      Flag("xla_gpu_reduce_scatter_combine_threshold_bytes",
-           str(combine_threshold_bytes),
-           "Merges reduce-scatters up to this size (FSDP gradients)."),
+      Flag(
+          "xla_gpu_enable_latency_hiding_scheduler",
+          "true",
+          "Schedules each async collective's start early and its done late "
+          "around independent compute, by a cost model; without it the "
+          "dispatch/combine all-to-alls run back to back with the expert "
+          "GEMMs and nothing overlaps (off by default).",
+      ),
+      Flag(
+          "xla_gpu_experimental_parallel_collective_overlap_limit",
+          str(collective_overlap_limit),
+          "How many async collectives may be in flight at once, each on its "
+          "own stream (multi-streamed collectives); 1 serialises an EP "
+          "all-to-all behind any other collective.",
+      ),
+      Flag(
+          "xla_gpu_enable_highest_priority_async_stream",
+          "true",
+          "Gives the collective streams the highest priority, so the GEMMs "
+          "they overlap with do not starve them of SMs.",
+      ),
+      Flag(
+          "xla_gpu_all_reduce_combine_threshold_bytes",
+          str(combine_threshold_bytes),
+          "Merges all-reduces up to this size (gradients of the replicated "
+          "router and shared expert over the data axes).",
+      ),
+      Flag(
+          "xla_gpu_all_gather_combine_threshold_bytes",
+          str(combine_threshold_bytes),
+          "Merges all-gathers up to this size (FSDP weight gathers).",
+      ),
+      Flag(
+          "xla_gpu_reduce_scatter_combine_threshold_bytes",
+          str(combine_threshold_bytes),
+          "Merges reduce-scatters up to this size (FSDP gradients).",
+      ),
   ]
   if pipeline_collectives:
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
-      flags.append(Flag(
-          f"xla_gpu_enable_pipelined_{op}", "true",
-          f"Moves a scanned layer's {op.replace('_', '-')} into the previous "
-          "loop iteration so it overlaps that iteration's compute."))
+      flags.append(
+          Flag(
+              f"xla_gpu_enable_pipelined_{op}",
+              "true",
+              f"Moves a scanned layer's {op.replace('_', '-')} into the "
+              "previous loop iteration so it overlaps that iteration's "
+              "compute.",
+          )
+      )
   return flags
 
 
@@ -94,14 +120,16 @@ def explain(flags: list[Flag] | None = None) -> str:
 
 def merge(existing: str, flags: list[Flag]) -> str:
   """`existing` XLA_FLAGS plus `flags`; a flag already set there wins."""
-  present = {part.split("=", 1)[0].lstrip("-")
-             for part in existing.split() if part.startswith("--")}
+  present = {
+      part.split("=", 1)[0].lstrip("-")
+      for part in existing.split()
+      if part.startswith("--")
+  }
   added = [f for f in flags if f.name not in present]
   return " ".join(p for p in (existing.strip(), format_flags(added)) if p)
 
 
-def apply_gpu_ep_flags(flags: list[Flag] | None = None, *,
-                       environ=None) -> str:
+def apply_gpu_ep_flags(flags: list[Flag] | None = None, *, environ=None) -> str:
   """Adds `flags` (default `gpu_ep_flags()`) to XLA_FLAGS and returns it.
 
   Flags the user already set in XLA_FLAGS are kept as they are. Call before
@@ -113,7 +141,8 @@ def apply_gpu_ep_flags(flags: list[Flag] | None = None, *,
     raise RuntimeError(
         "apply_gpu_ep_flags must run before jax initialises its backends "
         "(XLA reads XLA_FLAGS once); call it before the first jax "
-        "computation or jax.devices().")
+        "computation or jax.devices()."
+    )
   flags = gpu_ep_flags() if flags is None else flags
   environ["XLA_FLAGS"] = merge(environ.get("XLA_FLAGS", ""), flags)
   return environ["XLA_FLAGS"]

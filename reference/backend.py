@@ -20,8 +20,9 @@ def group_row_mask(num_rows: int, group_sizes: jax.Array) -> jax.Array:
   return (row >= starts[:, None]) & (row < ends[:, None])
 
 
-def grouped_gemm(rows, weights, group_sizes, *, transpose_rhs=False,
-                 out_dtype=None):
+def grouped_gemm(
+    rows, weights, group_sizes, *, transpose_rhs=False, out_dtype=None
+):
   """[M, K] x [E, K, N] -> [M, N]; rows past sum(group_sizes) are zero.
 
   Every row is multiplied by every expert and the masks keep the right
@@ -34,8 +35,11 @@ def grouped_gemm(rows, weights, group_sizes, *, transpose_rhs=False,
   for e in range(weights.shape[0]):  # One expert at a time, for clarity.
     mine = masks[e][:, None]
     w = weights[e].T if transpose_rhs else weights[e]
-    prod = jnp.dot(jnp.where(mine, rows, 0).astype(jnp.float32),
-                   w.astype(jnp.float32), precision=_HIGHEST)
+    prod = jnp.dot(
+        jnp.where(mine, rows, 0).astype(jnp.float32),
+        w.astype(jnp.float32),
+        precision=_HIGHEST,
+    )
     out += jnp.where(mine, prod, 0.0)
   return out.astype(out_dtype or rows.dtype)
 
@@ -43,8 +47,10 @@ def grouped_gemm(rows, weights, group_sizes, *, transpose_rhs=False,
 def expert_ffn_dense(x, params, expert, activation):
   """One expert's gated FFN on every token, in float32: [T, D] -> [T, D]."""
   x = x.astype(jnp.float32)
-  w = {n: params[n][expert].astype(jnp.float32)
-       for n in ("w_gate", "w_up", "w_down")}
+  w = {
+      n: params[n][expert].astype(jnp.float32)
+      for n in ("w_gate", "w_up", "w_down")
+  }
   gate = jnp.dot(x, w["w_gate"], precision=_HIGHEST)
   up = jnp.dot(x, w["w_up"], precision=_HIGHEST)
   h = ffn.activation(activation)(gate) * up
@@ -56,10 +62,16 @@ class ReferenceBackend(backend.Backend):
 
   name = "reference"
 
-  def _grouped_gemm(self, rows, weights, group_sizes, *, transpose_rhs,
-                    out_dtype):
-    return grouped_gemm(rows, weights, group_sizes,
-                        transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+  def _grouped_gemm(
+      self, rows, weights, group_sizes, *, transpose_rhs, out_dtype
+  ):
+    return grouped_gemm(
+        rows,
+        weights,
+        group_sizes,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
+    )
 
   def routed_experts(self, params, x, aux, cfg):
     """y[t] = sum_e w[t, e] * FFN_e(x[t]) with no dispatch at all.
@@ -71,13 +83,16 @@ class ReferenceBackend(backend.Backend):
     # No dispatch here to check the ids: one_hot would turn an id out of
     # range into a zero row, dropping its token silently.
     validation.check_expert_ids_in_range(aux.expert_ids, cfg.num_experts)
-    chosen = jax.nn.one_hot(aux.expert_ids, cfg.num_experts,
-                            dtype=jnp.float32)  # [T, K, E]
+    chosen = jax.nn.one_hot(
+        aux.expert_ids, cfg.num_experts, dtype=jnp.float32
+    )  # [T, K, E]
     kept_weights = jnp.where(aux.kept, aux.combine_weights, 0.0)
-    token_expert_weight = jnp.einsum("tk,tke->te", kept_weights, chosen,
-                                     precision=_HIGHEST)
+    token_expert_weight = jnp.einsum(
+        "tk,tke->te", kept_weights, chosen, precision=_HIGHEST
+    )
     y = jnp.zeros(x.shape, jnp.float32)
     for e in range(cfg.num_experts):
-      y += token_expert_weight[:, e:e + 1] * expert_ffn_dense(
-          x, params, e, cfg.activation)
+      y += token_expert_weight[:, e : e + 1] * expert_ffn_dense(
+          x, params, e, cfg.activation
+      )
     return y.astype(x.dtype)

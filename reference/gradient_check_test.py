@@ -73,14 +73,27 @@ def _cfg(**changes) -> moe_core.MoEConfig:
 LAYER_CASES = (
     ("softmax_norm_topk", _cfg(norm_topk_prob=True), 16),
     # DeepSeek-V3's router.
-    ("dsv3_sigmoid_bias_groups_scaled",
-     _cfg(num_experts=16, top_k=3, n_group=4, topk_group=2,
-          group_score="sum_top2", score_func="sigmoid", correction_bias=True,
-          norm_topk_prob=True, norm_epsilon=1e-20,
-          routed_scaling_factor=2.5), 16),
-    ("shared_gated_gelu",
-     _cfg(activation="gelu", shared_ffn_size=20, shared_expert_gate=True),
-     16),
+    (
+        "dsv3_sigmoid_bias_groups_scaled",
+        _cfg(
+            num_experts=16,
+            top_k=3,
+            n_group=4,
+            topk_group=2,
+            group_score="sum_top2",
+            score_func="sigmoid",
+            correction_bias=True,
+            norm_topk_prob=True,
+            norm_epsilon=1e-20,
+            routed_scaling_factor=2.5,
+        ),
+        16,
+    ),
+    (
+        "shared_gated_gelu",
+        _cfg(activation="gelu", shared_ffn_size=20, shared_expert_gate=True),
+        16,
+    ),
     # ceil(0.5 * 16 * 2 / 8) = 2 slots per expert: copies are dropped.
     ("capacity_0.5", _cfg(capacity_factor=0.5), 16),
 )
@@ -113,9 +126,14 @@ def _directions(value, grad, rng):
     blocks = [np.s_[:]] * _RANDOM_DIRECTIONS
   else:
     candidates = np.flatnonzero(movable.reshape(len(value), -1).any(axis=1))
-    blocks = [np.s_[int(i)] for i in rng.choice(
-        candidates, _RANDOM_DIRECTIONS,
-        replace=len(candidates) < _RANDOM_DIRECTIONS)]
+    blocks = [
+        np.s_[int(i)]
+        for i in rng.choice(
+            candidates,
+            _RANDOM_DIRECTIONS,
+            replace=len(candidates) < _RANDOM_DIRECTIONS,
+        )
+    ]
   for where in blocks:
     v = np.zeros(value.shape)
     v[where] = rng.standard_normal(v[where].shape)
@@ -148,21 +166,31 @@ def finite_difference_mismatches(f, args, grads, seed=0) -> list[str]:
     for label, v in _directions(value, g, rng):
       values = []
       for sign in (1.0, -1.0):
-        loss, moved_decision = f(dict(args,
-                                      **{name: args[name] + sign * EPS * v}))
+        loss, moved_decision = f(
+            dict(args, **{name: args[name] + sign * EPS * v})
+        )
         jax.tree.map(
             lambda a, b, name=name: np.testing.assert_array_equal(
-                a, b, f"a step along d {name} changes the routing: pick "
-                "another seed"), moved_decision, decision)
+                a,
+                b,
+                f"a step along d {name} changes the routing: pick "
+                "another seed",
+            ),
+            moved_decision,
+            decision,
+        )
         values.append(float(loss))
       fd = (values[0] - values[1]) / (2 * EPS)
       want = float(np.sum(g * v))
       bound = np.linalg.norm(v) * (
           RTOL * np.linalg.norm(np.where(v != 0, g, 0.0))
-          + NOISE * np.linalg.norm(g))
+          + NOISE * np.linalg.norm(g)
+      )
       if not abs(fd - want) <= bound:
-        problems.append(f"d {name} along the {label}: finite difference "
-                        f"{fd:.8g}, autodiff {want:.8g}")
+        problems.append(
+            f"d {name} along the {label}: finite difference "
+            f"{fd:.8g}, autodiff {want:.8g}"
+        )
   return problems
 
 
@@ -218,27 +246,35 @@ class ExpertFfnGradientTest(FiniteDifferenceCase):
     group_sizes = jnp.asarray([5, 0, 9, 7], jnp.int32)
     used = 21
     rng = np.random.default_rng(2)
-    params = {n: s[-2] ** -0.5 * rng.standard_normal(s)
-              for n, s in moe_core.param_shapes(cfg).items()
-              if n.startswith("w_")}
+    params = {
+        n: s[-2] ** -0.5 * rng.standard_normal(s)
+        for n, s in moe_core.param_shapes(cfg).items()
+        if n.startswith("w_")
+    }
     rows = rng.standard_normal((26, cfg.hidden_size))
     rows[used:] = np.nan
     cotangent = rng.standard_normal(rows.shape)
     be = moe_core.get_backend("reference")
 
     def loss(args):
-      out = be.expert_ffn(args["rows"], group_sizes,
-                          {n: a for n, a in args.items() if n != "rows"}, cfg)
+      out = be.expert_ffn(
+          args["rows"],
+          group_sizes,
+          {n: a for n, a in args.items() if n != "rows"},
+          cfg,
+      )
       return jnp.sum(out * cotangent), ()
 
     args = dict(params, rows=rows)
     f = jax.jit(loss)
     grads = jax.jit(jax.grad(lambda a: loss(a)[0]))(args)
-    np.testing.assert_array_equal(grads["rows"][used:], 0.0,
-                                  "d of NaN padding rows")
+    np.testing.assert_array_equal(
+        grads["rows"][used:], 0.0, "d of NaN padding rows"
+    )
     for name in params:
-      np.testing.assert_array_equal(grads[name][1], 0.0,
-                                    f"d {name} of the empty expert 1")
+      np.testing.assert_array_equal(
+          grads[name][1], 0.0, f"d {name} of the empty expert 1"
+      )
       self.assertTrue(np.isfinite(grads[name]).all(), f"d {name} finite")
     self.assertMatchesFiniteDifferences(f, args, grads, seed=3)
 
@@ -269,7 +305,8 @@ class GroupedGemmGradientTest(FiniteDifferenceCase):
     np.testing.assert_array_equal(d_rows[15:], 0.0, "d of NaN padding rows")
     np.testing.assert_array_equal(d_weights[1], 0.0, "d of empty group 1")
     self.assertMatchesFiniteDifferences(
-        jax.jit(loss), args, {"rows": d_rows, "weights": d_weights}, seed=5)
+        jax.jit(loss), args, {"rows": d_rows, "weights": d_weights}, seed=5
+    )
 
 
 class _NoCombineWeightInGradient(reference.ReferenceBackend):
@@ -281,8 +318,13 @@ class _NoCombineWeightInGradient(reference.ReferenceBackend):
   def routed_experts(self, params, x, aux, cfg):
     y = super().routed_experts(params, x, aux, cfg)
     unweighted = super().routed_experts(
-        params, x, dataclasses.replace(
-            aux, combine_weights=jnp.ones_like(aux.combine_weights)), cfg)
+        params,
+        x,
+        dataclasses.replace(
+            aux, combine_weights=jnp.ones_like(aux.combine_weights)
+        ),
+        cfg,
+    )
     stop = jax.lax.stop_gradient
     return stop(y) + unweighted - stop(unweighted)
 
@@ -302,8 +344,9 @@ class CheckerSensitivityTest(FiniteDifferenceCase):
     # The combine weight multiplies every expert's output, so the gradient
     # of every expert weight and of x is wrong, and of the router (the
     # weights' own gradient is gone).
-    self.assertContainsSubset({"w_gate", "w_up", "w_down", "x", "router"},
-                              wrong, "\n".join(problems))
+    self.assertContainsSubset(
+        {"w_gate", "w_up", "w_down", "x", "router"}, wrong, "\n".join(problems)
+    )
 
 
 if __name__ == "__main__":

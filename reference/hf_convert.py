@@ -40,8 +40,14 @@ import numpy as np
 from moe_core import config as config_lib
 from moe_core import params as params_lib
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                         "deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+)
 
 # transformers `hidden_act` -> dropless activation.
 _ACTIVATIONS = {
@@ -60,7 +66,8 @@ def _activation(hf_config) -> str:
   act = getattr(hf_config, "hidden_act", "silu")
   if act not in _ACTIVATIONS:
     raise NotImplementedError(
-        f"hidden_act must be one of {sorted(_ACTIVATIONS)}, got {act!r}.")
+        f"hidden_act must be one of {sorted(_ACTIVATIONS)}, got {act!r}."
+    )
   return _ACTIVATIONS[act]
 
 
@@ -82,17 +89,28 @@ def moe_config_from_hf(hf_config, **overrides) -> config_lib.MoEConfig:
   """
   model_type = getattr(hf_config, "model_type", None)
   if model_type not in SUPPORTED_MODEL_TYPES:
-    raise ValueError(f"hf_config.model_type must be one of "
-                     f"{SUPPORTED_MODEL_TYPES}, got {model_type!r}.")
+    raise ValueError(
+        f"hf_config.model_type must be one of "
+        f"{SUPPORTED_MODEL_TYPES}, got {model_type!r}."
+    )
   c = hf_config
   if model_type == "mixtral":
-    fields = dict(num_experts=c.num_local_experts,
-                  expert_ffn_size=c.intermediate_size, norm_topk_prob=True)
+    fields = dict(
+        num_experts=c.num_local_experts,
+        expert_ffn_size=c.intermediate_size,
+        norm_topk_prob=True,
+    )
   elif model_type in ("qwen2_moe", "qwen3_moe", "olmoe"):
-    ffn = c.intermediate_size if model_type == "olmoe" else (
-        c.moe_intermediate_size)
-    fields = dict(num_experts=c.num_experts, expert_ffn_size=ffn,
-                  norm_topk_prob=bool(c.norm_topk_prob))
+    ffn = (
+        c.intermediate_size
+        if model_type == "olmoe"
+        else (c.moe_intermediate_size)
+    )
+    fields = dict(
+        num_experts=c.num_experts,
+        expert_ffn_size=ffn,
+        norm_topk_prob=bool(c.norm_topk_prob),
+    )
     if model_type == "qwen2_moe":
       shared = c.shared_expert_intermediate_size or 0
       fields.update(shared_ffn_size=shared, shared_expert_gate=bool(shared))
@@ -100,32 +118,42 @@ def moe_config_from_hf(hf_config, **overrides) -> config_lib.MoEConfig:
     if getattr(c, "mlp_bias", False):
       raise NotImplementedError(
           "mlp_bias must be False (dropless experts have no biases), got "
-          "mlp_bias=True.")
-    fields = dict(num_experts=c.n_routed_experts,
-                  expert_ffn_size=c.moe_intermediate_size,
-                  routed_scaling_factor=float(c.routed_scaling_factor),
-                  shared_ffn_size=(c.moe_intermediate_size
-                                   * (c.n_shared_experts or 0)))
+          "mlp_bias=True."
+      )
+    fields = dict(
+        num_experts=c.n_routed_experts,
+        expert_ffn_size=c.moe_intermediate_size,
+        routed_scaling_factor=float(c.routed_scaling_factor),
+        shared_ffn_size=(c.moe_intermediate_size * (c.n_shared_experts or 0)),
+    )
     if c.topk_method == "group_limited_greedy":
-      fields.update(n_group=c.n_group, topk_group=c.topk_group,
-                    group_score="max")
+      fields.update(
+          n_group=c.n_group, topk_group=c.topk_group, group_score="max"
+      )
     elif c.topk_method != "greedy":
       raise NotImplementedError(
           "topk_method must be 'greedy' or 'group_limited_greedy' (what "
-          f"transformers' DeepSeek-V2 router runs), got {c.topk_method!r}.")
+          f"transformers' DeepSeek-V2 router runs), got {c.topk_method!r}."
+      )
   else:  # "deepseek_v3".
-    fields = dict(num_experts=c.n_routed_experts,
-                  expert_ffn_size=c.moe_intermediate_size,
-                  score_func="sigmoid", correction_bias=True,
-                  norm_topk_prob=bool(c.norm_topk_prob),
-                  norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
-                  routed_scaling_factor=float(c.routed_scaling_factor),
-                  n_group=c.n_group or 1, topk_group=c.topk_group or 1,
-                  group_score="sum_top2",
-                  shared_ffn_size=(c.moe_intermediate_size
-                                   * (c.n_shared_experts or 0)))
-  fields.update(top_k=c.num_experts_per_tok, hidden_size=c.hidden_size,
-                activation=_activation(c))
+    fields = dict(
+        num_experts=c.n_routed_experts,
+        expert_ffn_size=c.moe_intermediate_size,
+        score_func="sigmoid",
+        correction_bias=True,
+        norm_topk_prob=bool(c.norm_topk_prob),
+        norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
+        routed_scaling_factor=float(c.routed_scaling_factor),
+        n_group=c.n_group or 1,
+        topk_group=c.topk_group or 1,
+        group_score="sum_top2",
+        shared_ffn_size=(c.moe_intermediate_size * (c.n_shared_experts or 0)),
+    )
+  fields.update(
+      top_k=c.num_experts_per_tok,
+      hidden_size=c.hidden_size,
+      activation=_activation(c),
+  )
   fields.update(overrides)
   return config_lib.MoEConfig(**fields)
 
@@ -147,11 +175,16 @@ def _expert_stack(state_dict, prefix, num_experts):
       raise ValueError(f"{fused} must be [E, 2F, D], got {gate_up.shape}.")
     f = gate_up.shape[1] // 2
     gate, up = gate_up[:, :f], gate_up[:, f:]
-    return (np.swapaxes(gate, 1, 2), np.swapaxes(up, 1, 2),
-            np.swapaxes(down, 1, 2))
+    return (
+        np.swapaxes(gate, 1, 2),
+        np.swapaxes(up, 1, 2),
+        np.swapaxes(down, 1, 2),
+    )
   names = None
-  for candidate in (("gate_proj", "up_proj", "down_proj"),
-                    ("w1", "w3", "w2")):  # Mixtral: w1 gate, w3 up, w2 down.
+  for candidate in (
+      ("gate_proj", "up_proj", "down_proj"),
+      ("w1", "w3", "w2"),
+  ):  # Mixtral: w1 gate, w3 up, w2 down.
     if f"{prefix}experts.0.{candidate[0]}.weight" in state_dict:
       names = candidate
   if names is None:
@@ -159,17 +192,25 @@ def _expert_stack(state_dict, prefix, num_experts):
         f"state_dict has no expert weights under prefix {prefix!r}: expected "
         f"'{fused}' or '{prefix}experts.0.gate_proj.weight' or "
         f"'{prefix}experts.0.w1.weight'; got keys {sorted(state_dict)[:8]}"
-        "...")
+        "..."
+    )
   stacks = []
   for name in names:
-    per_expert = [_to_numpy(state_dict[f"{prefix}experts.{e}.{name}.weight"])
-                  for e in range(num_experts)]
+    per_expert = [
+        _to_numpy(state_dict[f"{prefix}experts.{e}.{name}.weight"])
+        for e in range(num_experts)
+    ]
     stacks.append(np.swapaxes(np.stack(per_expert), 1, 2))
   return tuple(stacks)
 
 
-def params_from_hf(state_dict, cfg: config_lib.MoEConfig, *,
-                   prefix: str = "", dtype=jnp.float32) -> dict:
+def params_from_hf(
+    state_dict,
+    cfg: config_lib.MoEConfig,
+    *,
+    prefix: str = "",
+    dtype=jnp.float32,
+) -> dict:
   """dropless parameters from a Hugging Face MoE block's state dict.
 
   Args:
@@ -188,9 +229,11 @@ def params_from_hf(state_dict, cfg: config_lib.MoEConfig, *,
   params = {"router": _to_numpy(state_dict[prefix + "gate.weight"]).T}
   if cfg.correction_bias:
     params["correction_bias"] = _to_numpy(
-        state_dict[prefix + "gate.e_score_correction_bias"])
+        state_dict[prefix + "gate.e_score_correction_bias"]
+    )
   params["w_gate"], params["w_up"], params["w_down"] = _expert_stack(
-      state_dict, prefix, cfg.num_experts)
+      state_dict, prefix, cfg.num_experts
+  )
   if cfg.shared_ffn_size:
     shared = None
     for name in ("shared_expert.", "shared_experts."):
@@ -201,20 +244,25 @@ def params_from_hf(state_dict, cfg: config_lib.MoEConfig, *,
           f"cfg.shared_ffn_size={cfg.shared_ffn_size} needs "
           f"'{prefix}shared_expert.gate_proj.weight' or "
           f"'{prefix}shared_experts.gate_proj.weight' in state_dict; found "
-          "neither.")
-    for ours, theirs in (("shared_w_gate", "gate_proj"),
-                         ("shared_w_up", "up_proj"),
-                         ("shared_w_down", "down_proj")):
+          "neither."
+      )
+    for ours, theirs in (
+        ("shared_w_gate", "gate_proj"),
+        ("shared_w_up", "up_proj"),
+        ("shared_w_down", "down_proj"),
+    ):
       params[ours] = _to_numpy(state_dict[f"{shared}{theirs}.weight"]).T
     if cfg.shared_expert_gate:
       params["shared_gate"] = _to_numpy(
-          state_dict[prefix + "shared_expert_gate.weight"]).T
+          state_dict[prefix + "shared_expert_gate.weight"]
+      ).T
   out = {}
   for name, value in params.items():
     if value.shape != want[name]:
       raise ValueError(
           f"converted {name} must have shape {want[name]} for this cfg, got "
-          f"{value.shape}; does cfg match the checkpoint?")
+          f"{value.shape}; does cfg match the checkpoint?"
+      )
     keep_f32 = name in ("router", "correction_bias")
     out[name] = jnp.asarray(value, jnp.float32 if keep_f32 else dtype)
   return out

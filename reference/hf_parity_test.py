@@ -87,6 +87,7 @@ from reference import hf_convert
 try:
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
+
   _IMPORT_ERROR = None
 except ImportError as e:  # Skipped in setUp, with this reason.
   torch = transformers = None
@@ -97,7 +98,8 @@ except ImportError as e:  # Skipped in setUp, with this reason.
 # (requirements/py311-jax0.10.in) installs torch and transformers.
 _SKIP_REASON = (
     f"needs torch and transformers, which only the py311-jax0.10 leg "
-    f"installs (tools/test.sh --leg=py311-jax0.10): {_IMPORT_ERROR}")
+    f"installs (tools/test.sh --leg=py311-jax0.10): {_IMPORT_ERROR}"
+)
 
 _D = 32  # hidden_size
 _F = 48  # expert ffn size
@@ -112,21 +114,53 @@ class _Family:
 
 
 _FAMILIES = {
-    "mixtral": _Family("MixtralSparseMoeBlock", "MixtralConfig", dict(
-        num_local_experts=8, num_experts_per_tok=2, intermediate_size=_F)),
-    "qwen2_moe": _Family("Qwen2MoeSparseMoeBlock", "Qwen2MoeConfig", dict(
-        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=_F,
-        shared_expert_intermediate_size=64)),
-    "qwen3_moe": _Family("Qwen3MoeSparseMoeBlock", "Qwen3MoeConfig", dict(
-        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=_F)),
-    "olmoe": _Family("OlmoeSparseMoeBlock", "OlmoeConfig", dict(
-        num_experts=16, num_experts_per_tok=4, intermediate_size=_F)),
-    "deepseek_v2": _Family("DeepseekV2Moe", "DeepseekV2Config", dict(
-        n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=_F,
-        n_shared_experts=2)),
-    "deepseek_v3": _Family("DeepseekV3MoE", "DeepseekV3Config", dict(
-        n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=_F,
-        n_shared_experts=1, n_group=4, topk_group=2)),
+    "mixtral": _Family(
+        "MixtralSparseMoeBlock",
+        "MixtralConfig",
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=_F),
+    ),
+    "qwen2_moe": _Family(
+        "Qwen2MoeSparseMoeBlock",
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=_F,
+            shared_expert_intermediate_size=64,
+        ),
+    ),
+    "qwen3_moe": _Family(
+        "Qwen3MoeSparseMoeBlock",
+        "Qwen3MoeConfig",
+        dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=_F),
+    ),
+    "olmoe": _Family(
+        "OlmoeSparseMoeBlock",
+        "OlmoeConfig",
+        dict(num_experts=16, num_experts_per_tok=4, intermediate_size=_F),
+    ),
+    "deepseek_v2": _Family(
+        "DeepseekV2Moe",
+        "DeepseekV2Config",
+        dict(
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=_F,
+            n_shared_experts=2,
+        ),
+    ),
+    "deepseek_v3": _Family(
+        "DeepseekV3MoE",
+        "DeepseekV3Config",
+        dict(
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=_F,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+        ),
+    ),
 }
 
 
@@ -142,11 +176,17 @@ def _hf_block(family: str, seed: int = 0, bias=None, **overrides):
   """
   spec = _FAMILIES[family]
   modeling = importlib.import_module(
-      f"transformers.models.{family}.modeling_{family}")
+      f"transformers.models.{family}.modeling_{family}"
+  )
   configuration = importlib.import_module(
-      f"transformers.models.{family}.configuration_{family}")
-  fields = dict(hidden_size=_D, num_attention_heads=4, num_key_value_heads=4,
-                hidden_act="silu")
+      f"transformers.models.{family}.configuration_{family}"
+  )
+  fields = dict(
+      hidden_size=_D,
+      num_attention_heads=4,
+      num_key_value_heads=4,
+      hidden_act="silu",
+  )
   fields.update(spec.fields)
   fields.update(overrides)
   hf_cfg = getattr(configuration, spec.config_class)(**fields)
@@ -183,8 +223,10 @@ def _run_hf(block, x: np.ndarray):
 def _by_expert(ids, weights):
   """Sorts each token's choices by expert id (HF may return them unsorted)."""
   order = np.argsort(ids, axis=-1)
-  return (np.take_along_axis(ids, order, -1),
-          np.take_along_axis(weights, order, -1))
+  return (
+      np.take_along_axis(ids, order, -1),
+      np.take_along_axis(weights, order, -1),
+  )
 
 
 def _best_groups(choice: np.ndarray, cfg: moe_core.MoEConfig) -> list[set]:
@@ -194,12 +236,18 @@ def _best_groups(choice: np.ndarray, cfg: moe_core.MoEConfig) -> list[set]:
   for row in choice:
     scores = []
     for g in range(cfg.n_group):
-      members = sorted(row[g * per_group:(g + 1) * per_group], reverse=True)
-      scores.append(sum(members[:2]) if cfg.group_score == "sum_top2"
-                    else members[0])
+      members = sorted(row[g * per_group : (g + 1) * per_group], reverse=True)
+      scores.append(
+          sum(members[:2]) if cfg.group_score == "sum_top2" else members[0]
+      )
     groups = sorted(range(cfg.n_group), key=lambda g: -scores[g])
-    out.append({g * per_group + i for g in groups[:cfg.topk_group]
-                for i in range(per_group)})
+    out.append(
+        {
+            g * per_group + i
+            for g in groups[: cfg.topk_group]
+            for i in range(per_group)
+        }
+    )
   return out
 
 
@@ -219,14 +267,18 @@ class HfParityTest(parameterized.TestCase):
     scale = np.abs(y_hf).max()
     for backend in backends:
       with self.subTest(backend=backend):
-        y, aux = moe_core.moe_layer(params, jnp.asarray(x), cfg,
-                                    backend=backend)
-        np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5,
-                                   atol=1e-5 * scale)
-    np.testing.assert_allclose(np.asarray(aux.router_logits), logits_hf,
-                               rtol=1e-5, atol=1e-5)
-    ids, w = _by_expert(np.asarray(aux.expert_ids), np.asarray(
-        aux.combine_weights))
+        y, aux = moe_core.moe_layer(
+            params, jnp.asarray(x), cfg, backend=backend
+        )
+        np.testing.assert_allclose(
+            np.asarray(y), y_hf, rtol=1e-5, atol=1e-5 * scale
+        )
+    np.testing.assert_allclose(
+        np.asarray(aux.router_logits), logits_hf, rtol=1e-5, atol=1e-5
+    )
+    ids, w = _by_expert(
+        np.asarray(aux.expert_ids), np.asarray(aux.combine_weights)
+    )
     want_ids, want_w = _by_expert(ids_hf, w_hf)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(w, want_w, rtol=1e-5, atol=1e-6)
@@ -235,46 +287,79 @@ class HfParityTest(parameterized.TestCase):
       ("mixtral", "mixtral", {}),
       ("qwen2_moe", "qwen2_moe", dict(norm_topk_prob=False)),
       ("qwen3_moe", "qwen3_moe", dict(norm_topk_prob=True)),
-      ("qwen3_moe_no_norm_gelu_tanh", "qwen3_moe",
-       dict(norm_topk_prob=False, hidden_act="gelu_pytorch_tanh")),
+      (
+          "qwen3_moe_no_norm_gelu_tanh",
+          "qwen3_moe",
+          dict(norm_topk_prob=False, hidden_act="gelu_pytorch_tanh"),
+      ),
       ("olmoe", "olmoe", dict(norm_topk_prob=False)),
       # DeepSeek-V2-Lite: plain top-k, no scaling.
-      ("deepseek_v2_lite", "deepseek_v2",
-       dict(topk_method="greedy", routed_scaling_factor=1.0)),
+      (
+          "deepseek_v2_lite",
+          "deepseek_v2",
+          dict(topk_method="greedy", routed_scaling_factor=1.0),
+      ),
       # DeepSeek-V2: group-limited (max per group), scaled by 16.
-      ("deepseek_v2", "deepseek_v2",
-       dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
-            routed_scaling_factor=16.0)),
-      ("deepseek_v3", "deepseek_v3",
-       dict(norm_topk_prob=True, routed_scaling_factor=2.5)),
-      ("deepseek_v3_no_norm_gelu", "deepseek_v3",
-       dict(norm_topk_prob=False, routed_scaling_factor=1.0,
-            hidden_act="gelu")),
+      (
+          "deepseek_v2",
+          "deepseek_v2",
+          dict(
+              topk_method="group_limited_greedy",
+              n_group=4,
+              topk_group=2,
+              routed_scaling_factor=16.0,
+          ),
+      ),
+      (
+          "deepseek_v3",
+          "deepseek_v3",
+          dict(norm_topk_prob=True, routed_scaling_factor=2.5),
+      ),
+      (
+          "deepseek_v3_no_norm_gelu",
+          "deepseek_v3",
+          dict(
+              norm_topk_prob=False, routed_scaling_factor=1.0, hidden_act="gelu"
+          ),
+      ),
   )
   def test_matches_hf_block(self, family, overrides):
     self._assert_parity(family, **overrides)
 
   def test_deepseek_v3_bias_changes_choice_not_weights(self):
     # Guards the DeepSeek-V3 parity cases: their bias must move choices.
-    hf_cfg, block = _hf_block("deepseek_v3", norm_topk_prob=False,
-                              routed_scaling_factor=1.0)
+    hf_cfg, block = _hf_block(
+        "deepseek_v3", norm_topk_prob=False, routed_scaling_factor=1.0
+    )
     cfg = hf_convert.moe_config_from_hf(hf_cfg)
     params = hf_convert.params_from_hf(block.state_dict(), cfg)
     x = _tokens().reshape(-1, _D).astype(np.float64)
-    aux = moe_core.route(jnp.asarray(x, jnp.float32), params["router"], cfg,
-                         params["correction_bias"])
+    aux = moe_core.route(
+        jnp.asarray(x, jnp.float32),
+        params["router"],
+        cfg,
+        params["correction_bias"],
+    )
     _, _, _, ids_hf = _run_hf(block, _tokens())
-    np.testing.assert_array_equal(np.sort(aux.expert_ids, -1),
-                                  np.sort(ids_hf, -1))
+    np.testing.assert_array_equal(
+        np.sort(aux.expert_ids, -1), np.sort(ids_hf, -1)
+    )
     scores = 1 / (1 + np.exp(-(x @ np.asarray(params["router"]))))
-    unbiased = moe_core.route(jnp.asarray(x, jnp.float32), params["router"],
-                              cfg.replace(correction_bias=False))
-    self.assertFalse(np.array_equal(np.sort(unbiased.expert_ids, -1),
-                                    np.sort(aux.expert_ids, -1)))
+    unbiased = moe_core.route(
+        jnp.asarray(x, jnp.float32),
+        params["router"],
+        cfg.replace(correction_bias=False),
+    )
+    self.assertFalse(
+        np.array_equal(
+            np.sort(unbiased.expert_ids, -1), np.sort(aux.expert_ids, -1)
+        )
+    )
     np.testing.assert_allclose(
         aux.combine_weights,
         np.take_along_axis(scores, np.asarray(aux.expert_ids), -1),
-        rtol=1e-5)
+        rtol=1e-5,
+    )
 
   def test_deepseek_v3_negative_biased_scores_stay_in_chosen_groups(self):
     # bias -1 makes every biased score negative. Masking excluded groups
@@ -287,50 +372,68 @@ class HfParityTest(parameterized.TestCase):
     y_hf, _, w_hf, ids_hf = _run_hf(block, x)
     cfg = hf_convert.moe_config_from_hf(hf_cfg)
     params = hf_convert.params_from_hf(block.state_dict(), cfg)
-    y, aux = moe_core.moe_layer(params, jnp.asarray(x), cfg,
-                                backend="reference")
+    y, aux = moe_core.moe_layer(
+        params, jnp.asarray(x), cfg, backend="reference"
+    )
     tokens = x.reshape(-1, _D).astype(np.float64)
     choice = 1 / (1 + np.exp(-(tokens @ np.asarray(params["router"])))) - 1
     self.assertTrue((choice < 0).all())
     allowed = _best_groups(choice, cfg)
     for t, ids in enumerate(np.asarray(aux.expert_ids)):
       self.assertLessEqual(set(ids.tolist()), allowed[t], f"token {t}")
-    hf_inside = all(set(ids.tolist()) <= allowed[t]
-                    for t, ids in enumerate(ids_hf))
+    hf_inside = all(
+        set(ids.tolist()) <= allowed[t] for t, ids in enumerate(ids_hf)
+    )
     if hf_inside:  # transformers 5.x masks with -inf, as dropless does.
-      np.testing.assert_array_equal(np.sort(ids_hf, -1),
-                                    np.sort(np.asarray(aux.expert_ids), -1))
-      np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5,
-                                 atol=1e-5 * np.abs(y_hf).max())
+      np.testing.assert_array_equal(
+          np.sort(ids_hf, -1), np.sort(np.asarray(aux.expert_ids), -1)
+      )
+      np.testing.assert_allclose(
+          np.asarray(y), y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max()
+      )
     else:
-      logging.warning("transformers %s masks excluded DeepSeek-V3 groups "
-                      "with 0.0: it picks experts outside the chosen groups "
-                      "when biased scores are negative; dropless does not.",
-                      transformers.__version__)
+      logging.warning(
+          "transformers %s masks excluded DeepSeek-V3 groups "
+          "with 0.0: it picks experts outside the chosen groups "
+          "when biased scores are negative; dropless does not.",
+          transformers.__version__,
+      )
 
   def test_deepseek_v2_norm_topk_prob_is_ignored_by_hf(self):
     # transformers' V2 router neither reads norm_topk_prob nor skips the
     # scaling; a dropless config that asks for normalisation differs.
     scale = 2.0
-    hf_cfg, block = _hf_block("deepseek_v2", topk_method="greedy",
-                              norm_topk_prob=True,
-                              routed_scaling_factor=scale)
+    hf_cfg, block = _hf_block(
+        "deepseek_v2",
+        topk_method="greedy",
+        norm_topk_prob=True,
+        routed_scaling_factor=scale,
+    )
     x = _tokens()
     _, logits_hf, w_hf, ids_hf = _run_hf(block, x)
     softmax = np.exp(logits_hf - logits_hf.max(-1, keepdims=True))
     softmax /= softmax.sum(-1, keepdims=True)
     np.testing.assert_allclose(
-        w_hf, scale * np.take_along_axis(softmax, ids_hf, -1), rtol=1e-5)
+        w_hf, scale * np.take_along_axis(softmax, ids_hf, -1), rtol=1e-5
+    )
     converted = hf_convert.moe_config_from_hf(hf_cfg)
     self.assertFalse(converted.norm_topk_prob)
-    self._assert_parity("deepseek_v2", backends=("reference",),
-                        topk_method="greedy", norm_topk_prob=True,
-                        routed_scaling_factor=scale)
+    self._assert_parity(
+        "deepseek_v2",
+        backends=("reference",),
+        topk_method="greedy",
+        norm_topk_prob=True,
+        routed_scaling_factor=scale,
+    )
     params = hf_convert.params_from_hf(block.state_dict(), converted)
-    normed = moe_core.route(jnp.asarray(x.reshape(-1, _D)), params["router"],
-                            converted.replace(norm_topk_prob=True))
-    np.testing.assert_allclose(np.asarray(normed.combine_weights).sum(-1),
-                               scale, rtol=1e-5)
+    normed = moe_core.route(
+        jnp.asarray(x.reshape(-1, _D)),
+        params["router"],
+        converted.replace(norm_topk_prob=True),
+    )
+    np.testing.assert_allclose(
+        np.asarray(normed.combine_weights).sum(-1), scale, rtol=1e-5
+    )
     self.assertTrue((np.abs(w_hf.sum(-1) - scale) > 1e-3).all())
 
 
@@ -343,32 +446,90 @@ class HfConvertTest(parameterized.TestCase):
 
   # Expected fields written from reading each HF router, not from hf_convert.
   @parameterized.named_parameters(
-      ("mixtral", "mixtral", {}, dict(
-          num_experts=8, top_k=2, expert_ffn_size=_F, norm_topk_prob=True)),
-      ("qwen2_moe", "qwen2_moe", dict(norm_topk_prob=False), dict(
-          num_experts=16, top_k=4, expert_ffn_size=_F, shared_ffn_size=64,
-          shared_expert_gate=True)),
-      ("qwen3_moe", "qwen3_moe", dict(norm_topk_prob=True), dict(
-          num_experts=16, top_k=4, expert_ffn_size=_F, norm_topk_prob=True)),
-      ("olmoe", "olmoe", dict(hidden_act="gelu_pytorch_tanh"), dict(
-          num_experts=16, top_k=4, expert_ffn_size=_F,
-          activation="gelu_tanh")),
-      ("deepseek_v2", "deepseek_v2",
-       dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
-            routed_scaling_factor=16.0, norm_topk_prob=True), dict(
-                num_experts=16, top_k=4, expert_ffn_size=_F,
-                routed_scaling_factor=16.0, n_group=4, topk_group=2,
-                group_score="max", shared_ffn_size=2 * _F)),
-      ("deepseek_v3", "deepseek_v3", dict(routed_scaling_factor=2.5), dict(
-          num_experts=16, top_k=4, expert_ffn_size=_F, score_func="sigmoid",
-          norm_topk_prob=True, norm_epsilon=1e-20, routed_scaling_factor=2.5,
-          correction_bias=True, n_group=4, topk_group=2,
-          group_score="sum_top2", shared_ffn_size=_F)),
+      (
+          "mixtral",
+          "mixtral",
+          {},
+          dict(num_experts=8, top_k=2, expert_ffn_size=_F, norm_topk_prob=True),
+      ),
+      (
+          "qwen2_moe",
+          "qwen2_moe",
+          dict(norm_topk_prob=False),
+          dict(
+              num_experts=16,
+              top_k=4,
+              expert_ffn_size=_F,
+              shared_ffn_size=64,
+              shared_expert_gate=True,
+          ),
+      ),
+      (
+          "qwen3_moe",
+          "qwen3_moe",
+          dict(norm_topk_prob=True),
+          dict(
+              num_experts=16, top_k=4, expert_ffn_size=_F, norm_topk_prob=True
+          ),
+      ),
+      (
+          "olmoe",
+          "olmoe",
+          dict(hidden_act="gelu_pytorch_tanh"),
+          dict(
+              num_experts=16,
+              top_k=4,
+              expert_ffn_size=_F,
+              activation="gelu_tanh",
+          ),
+      ),
+      (
+          "deepseek_v2",
+          "deepseek_v2",
+          dict(
+              topk_method="group_limited_greedy",
+              n_group=4,
+              topk_group=2,
+              routed_scaling_factor=16.0,
+              norm_topk_prob=True,
+          ),
+          dict(
+              num_experts=16,
+              top_k=4,
+              expert_ffn_size=_F,
+              routed_scaling_factor=16.0,
+              n_group=4,
+              topk_group=2,
+              group_score="max",
+              shared_ffn_size=2 * _F,
+          ),
+      ),
+      (
+          "deepseek_v3",
+          "deepseek_v3",
+          dict(routed_scaling_factor=2.5),
+          dict(
+              num_experts=16,
+              top_k=4,
+              expert_ffn_size=_F,
+              score_func="sigmoid",
+              norm_topk_prob=True,
+              norm_epsilon=1e-20,
+              routed_scaling_factor=2.5,
+              correction_bias=True,
+              n_group=4,
+              topk_group=2,
+              group_score="sum_top2",
+              shared_ffn_size=_F,
+          ),
+      ),
   )
   def test_config(self, family, overrides, want):
     hf_cfg, _ = _hf_block(family, **overrides)
-    self.assertEqual(hf_convert.moe_config_from_hf(hf_cfg),
-                     moe_core.MoEConfig(hidden_size=_D, **want))
+    self.assertEqual(
+        hf_convert.moe_config_from_hf(hf_cfg),
+        moe_core.MoEConfig(hidden_size=_D, **want),
+    )
 
   def test_config_overrides(self):
     hf_cfg, _ = _hf_block("mixtral")
@@ -376,20 +537,23 @@ class HfConvertTest(parameterized.TestCase):
     self.assertEqual(cfg.capacity_factor, 1.25)
 
   def test_unknown_model_type(self):
-    with self.assertRaisesRegex(ValueError,
-                                r"model_type must be one of .*'llama'"):
+    with self.assertRaisesRegex(
+        ValueError, r"model_type must be one of .*'llama'"
+    ):
       hf_convert.moe_config_from_hf(transformers.LlamaConfig())
 
   def test_unknown_deepseek_v2_topk_method(self):
     hf_cfg, _ = _hf_block("deepseek_v2")
     hf_cfg.topk_method = "noaux_tc"
-    with self.assertRaisesRegex(NotImplementedError,
-                                r"topk_method must be .*'noaux_tc'"):
+    with self.assertRaisesRegex(
+        NotImplementedError, r"topk_method must be .*'noaux_tc'"
+    ):
       hf_convert.moe_config_from_hf(hf_cfg)
 
-  @parameterized.named_parameters(("mixtral", "mixtral", ("w1", "w3", "w2")),
-                                  ("qwen3_moe", "qwen3_moe",
-                                   ("gate_proj", "up_proj", "down_proj")))
+  @parameterized.named_parameters(
+      ("mixtral", "mixtral", ("w1", "w3", "w2")),
+      ("qwen3_moe", "qwen3_moe", ("gate_proj", "up_proj", "down_proj")),
+  )
   def test_per_expert_layout_matches_fused(self, family, names):
     # Hub checkpoints and transformers 4.x store one nn.Linear per expert.
     hf_cfg, block = _hf_block(family)
@@ -416,11 +580,12 @@ class HfConvertTest(parameterized.TestCase):
     np.testing.assert_array_equal(params["router"], sd["gate.weight"].T)
     np.testing.assert_array_equal(
         params["w_up"][3],
-        jnp.asarray(sd["experts.gate_up_proj"][3, f:].T.numpy(),
-                    jnp.bfloat16))
+        jnp.asarray(sd["experts.gate_up_proj"][3, f:].T.numpy(), jnp.bfloat16),
+    )
     np.testing.assert_array_equal(
         params["shared_gate"],
-        jnp.asarray(sd["shared_expert_gate.weight"].T.numpy(), jnp.bfloat16))
+        jnp.asarray(sd["shared_expert_gate.weight"].T.numpy(), jnp.bfloat16),
+    )
     self.assertEqual(params["router"].dtype, jnp.float32)
     self.assertEqual(params["w_down"].dtype, jnp.bfloat16)
 
@@ -428,17 +593,25 @@ class HfConvertTest(parameterized.TestCase):
     hf_cfg, block = _hf_block("olmoe")
     cfg = hf_convert.moe_config_from_hf(hf_cfg).replace(expert_ffn_size=40)
     with self.assertRaisesRegex(
-        ValueError, r"w_gate must have shape \(16, 32, 40\) .* got "
-        r"\(16, 32, 48\)"):
+        ValueError,
+        r"w_gate must have shape \(16, 32, 40\) .* got " r"\(16, 32, 48\)",
+    ):
       hf_convert.params_from_hf(block.state_dict(), cfg)
 
   def test_moe_core_and_hf_convert_never_import_torch(self):
-    code = ("import sys, moe_core, reference.hf_convert; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, moe_core, reference.hf_convert; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", code], env=env,
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     self.assertEqual(result.returncode, 0, result.stderr)
 
 

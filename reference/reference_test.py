@@ -21,7 +21,7 @@ def _numpy_gmm(rows, weights, group_sizes, transpose_rhs=False):
   start = 0
   for e, size in enumerate(group_sizes):
     w = weights[e].T if transpose_rhs else weights[e]
-    out[start:start + size] = rows[start:start + size] @ w
+    out[start : start + size] = rows[start : start + size] @ w
     start += size
   return out
 
@@ -35,62 +35,83 @@ def _gmm_case(m=20, k=6, n=5, sizes=(3, 0, 7, 1, 4), seed=0):
 
 class GroupedGemmTest(parameterized.TestCase):
 
-  @parameterized.product(sizes=[(3, 0, 7, 1, 4), (20, 0, 0, 0, 0),
-                                (0, 0, 0, 0, 0), (4, 4, 4, 4, 4)],
-                         transpose_rhs=[False, True])
+  @parameterized.product(
+      sizes=[
+          (3, 0, 7, 1, 4),
+          (20, 0, 0, 0, 0),
+          (0, 0, 0, 0, 0),
+          (4, 4, 4, 4, 4),
+      ],
+      transpose_rhs=[False, True],
+  )
   def test_matches_numpy_loop(self, sizes, transpose_rhs):
     rows, weights, gs = _gmm_case(sizes=sizes)
     if transpose_rhs:
       weights = np.swapaxes(weights, 1, 2).copy()
-    got = reference.grouped_gemm(jnp.asarray(rows), jnp.asarray(weights),
-                                 jnp.asarray(gs), transpose_rhs=transpose_rhs)
+    got = reference.grouped_gemm(
+        jnp.asarray(rows),
+        jnp.asarray(weights),
+        jnp.asarray(gs),
+        transpose_rhs=transpose_rhs,
+    )
     want = _numpy_gmm(rows, weights, gs, transpose_rhs)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(got)[gs.sum():], 0.0)
+    np.testing.assert_array_equal(np.asarray(got)[gs.sum() :], 0.0)
 
   def test_nan_padding_rows_are_zero_with_zero_gradient(self):
     rows, weights, gs = _gmm_case()
     used = gs.sum()  # 15 of 20 rows.
     rows[used:] = np.nan
     be = moe_core.get_backend("reference")
-    out = be.grouped_gemm(jnp.asarray(rows), jnp.asarray(weights),
-                          jnp.asarray(gs))
+    out = be.grouped_gemm(
+        jnp.asarray(rows), jnp.asarray(weights), jnp.asarray(gs)
+    )
     np.testing.assert_array_equal(np.asarray(out)[used:], 0.0)
-    dy = np.random.default_rng(1).standard_normal(out.shape).astype(
-        np.float32)
+    dy = np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)
     d_rows, d_weights = jax.grad(
         lambda r, w: jnp.sum(be.grouped_gemm(r, w, jnp.asarray(gs)) * dy),
-        argnums=(0, 1))(jnp.asarray(rows), jnp.asarray(weights))
+        argnums=(0, 1),
+    )(jnp.asarray(rows), jnp.asarray(weights))
     clean = np.where(np.isnan(rows), 0.0, rows)
     # dX = dY @ W_e^T inside each group; dW_e = X_e^T @ dY_e.
     np.testing.assert_allclose(
-        d_rows, _numpy_gmm(dy, weights, gs, transpose_rhs=True), rtol=1e-5,
-        atol=1e-5)
+        d_rows,
+        _numpy_gmm(dy, weights, gs, transpose_rhs=True),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     np.testing.assert_array_equal(np.asarray(d_rows)[used:], 0.0)
     start = 0
     for e, size in enumerate(gs):
-      want = clean[start:start + size].astype(np.float64).T @ dy[
-          start:start + size]
-      np.testing.assert_allclose(d_weights[e], want, rtol=1e-5, atol=1e-5,
-                                 err_msg=f"expert {e}")
+      want = (
+          clean[start : start + size].astype(np.float64).T
+          @ dy[start : start + size]
+      )
+      np.testing.assert_allclose(
+          d_weights[e], want, rtol=1e-5, atol=1e-5, err_msg=f"expert {e}"
+      )
       start += size
 
   def test_bfloat16_accumulates_in_float32(self):
     rows, weights, gs = _gmm_case(k=64)
     rows_bf16 = jnp.asarray(rows, jnp.bfloat16)
     weights_bf16 = jnp.asarray(weights, jnp.bfloat16)
-    got = reference.grouped_gemm(rows_bf16, weights_bf16, jnp.asarray(gs),
-                                 out_dtype=jnp.float32)
+    got = reference.grouped_gemm(
+        rows_bf16, weights_bf16, jnp.asarray(gs), out_dtype=jnp.float32
+    )
     self.assertEqual(got.dtype, jnp.float32)
-    want = _numpy_gmm(np.asarray(rows_bf16, np.float32),
-                      np.asarray(weights_bf16, np.float32), gs)
+    want = _numpy_gmm(
+        np.asarray(rows_bf16, np.float32),
+        np.asarray(weights_bf16, np.float32),
+        gs,
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
   def test_group_row_mask(self):
     mask = reference.group_row_mask(6, jnp.asarray([2, 0, 3]))
-    np.testing.assert_array_equal(mask, [[1, 1, 0, 0, 0, 0],
-                                         [0, 0, 0, 0, 0, 0],
-                                         [0, 0, 1, 1, 1, 0]])
+    np.testing.assert_array_equal(
+        mask, [[1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 0]]
+    )
 
 
 def _act(name, h):
@@ -118,12 +139,14 @@ def _numpy_moe(p, x, cfg):
     eligible = list(range(cfg.num_experts))
     if cfg.n_group > 1:
       size = cfg.experts_per_group
+
       def group_score(g, choice=choice, size=size):
-        top = sorted(choice[g * size:(g + 1) * size], reverse=True)
+        top = sorted(choice[g * size : (g + 1) * size], reverse=True)
         return top[0] + top[1] if cfg.group_score == "sum_top2" else top[0]
+
       best = sorted(range(cfg.n_group), key=lambda g: -group_score(g))
-      eligible = [e for e in eligible if e // size in best[:cfg.topk_group]]
-    ids = sorted(eligible, key=lambda e: -choice[e])[:cfg.top_k]
+      eligible = [e for e in eligible if e // size in best[: cfg.topk_group]]
+    ids = sorted(eligible, key=lambda e: -choice[e])[: cfg.top_k]
     w = scores[ids]
     if cfg.norm_topk_prob:
       w = w / (w.sum() + cfg.norm_epsilon)
@@ -138,7 +161,8 @@ def _numpy_moe(p, x, cfg):
         continue
       used[e] += 1
       h = _act(cfg.activation, x[token] @ p["w_gate"][e]) * (
-          x[token] @ p["w_up"][e])
+          x[token] @ p["w_up"][e]
+      )
       y[token] += w * (h @ p["w_down"][e])
   if cfg.shared_ffn_size:
     h = _act(cfg.activation, x @ p["shared_w_gate"]) * (x @ p["shared_w_up"])
@@ -151,16 +175,44 @@ def _numpy_moe(p, x, cfg):
 
 _LAYER_CASES = (
     ("mixtral_like", dict(num_experts=8, top_k=2, norm_topk_prob=True)),
-    ("qwen2_like_gelu", dict(num_experts=8, top_k=4, shared_ffn_size=24,
-                             shared_expert_gate=True, activation="gelu")),
-    ("deepseek_v2_like", dict(num_experts=8, top_k=3, n_group=4, topk_group=2,
-                              routed_scaling_factor=16.0, shared_ffn_size=32,
-                              activation="gelu_tanh")),
-    ("deepseek_v3_like", dict(num_experts=16, top_k=4, score_func="sigmoid",
-                              correction_bias=True, n_group=4, topk_group=2,
-                              group_score="sum_top2", norm_topk_prob=True,
-                              norm_epsilon=1e-20, routed_scaling_factor=2.5,
-                              shared_ffn_size=16)),
+    (
+        "qwen2_like_gelu",
+        dict(
+            num_experts=8,
+            top_k=4,
+            shared_ffn_size=24,
+            shared_expert_gate=True,
+            activation="gelu",
+        ),
+    ),
+    (
+        "deepseek_v2_like",
+        dict(
+            num_experts=8,
+            top_k=3,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=16.0,
+            shared_ffn_size=32,
+            activation="gelu_tanh",
+        ),
+    ),
+    (
+        "deepseek_v3_like",
+        dict(
+            num_experts=16,
+            top_k=4,
+            score_func="sigmoid",
+            correction_bias=True,
+            n_group=4,
+            topk_group=2,
+            group_score="sum_top2",
+            norm_topk_prob=True,
+            norm_epsilon=1e-20,
+            routed_scaling_factor=2.5,
+            shared_ffn_size=16,
+        ),
+    ),
     ("capacity_drops", dict(num_experts=4, top_k=2, capacity_factor=0.5)),
 )
 
@@ -173,10 +225,13 @@ class ReferenceLayerTest(parameterized.TestCase):
     params["router"] = params["router"] * 3.0  # Clear, spread choices.
     if cfg.correction_bias:
       params["correction_bias"] = 0.2 * jax.random.normal(
-          jax.random.key(2), (cfg.num_experts,))
+          jax.random.key(2), (cfg.num_experts,)
+      )
     x = jax.random.normal(jax.random.key(1), (*tokens, 16))
-    params = {k: v.astype(dtype) if k != "correction_bias" else v
-              for k, v in params.items()}
+    params = {
+        k: v.astype(dtype) if k != "correction_bias" else v
+        for k, v in params.items()
+    }
     return cfg, params, x.astype(dtype)
 
   @parameterized.named_parameters(*_LAYER_CASES)
@@ -185,8 +240,9 @@ class ReferenceLayerTest(parameterized.TestCase):
     y, aux = moe_core.moe_layer(params, x, cfg, backend="reference")
     self.assertEqual(y.shape, x.shape)
     want = _numpy_moe(params, x.reshape(-1, 16), cfg).reshape(x.shape)
-    np.testing.assert_allclose(y, want, rtol=1e-5,
-                               atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(
+        y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max()
+    )
     if cfg.capacity_factor is not None:
       self.assertGreater(int(aux.dropped_tokens), 0)
 
@@ -195,9 +251,12 @@ class ReferenceLayerTest(parameterized.TestCase):
     y, _ = moe_core.moe_layer(params, x, cfg, backend="reference")
     self.assertEqual(y.dtype, jnp.bfloat16)
     want = _numpy_moe(params, x.reshape(-1, 16).astype(jnp.float32), cfg)
-    np.testing.assert_allclose(np.asarray(y, np.float32).reshape(want.shape),
-                               want, rtol=2e-2,
-                               atol=2e-2 * np.abs(want).max())
+    np.testing.assert_allclose(
+        np.asarray(y, np.float32).reshape(want.shape),
+        want,
+        rtol=2e-2,
+        atol=2e-2 * np.abs(want).max(),
+    )
 
 
 if __name__ == "__main__":

@@ -84,8 +84,15 @@ def _leaves(tree):
   return paths, [leaf for _, leaf in with_path], treedef
 
 
-def save(directory: str, step: int, state, *, fingerprint: dict,
-         extra: dict | None = None, keep: int | None = None) -> str:
+def save(
+    directory: str,
+    step: int,
+    state,
+    *,
+    fingerprint: dict,
+    extra: dict | None = None,
+    keep: int | None = None,
+) -> str:
   """Writes `state` (a pytree of arrays) as checkpoint `step`, atomically.
 
   Args:
@@ -103,24 +110,32 @@ def save(directory: str, step: int, state, *, fingerprint: dict,
   paths, leaves, _ = _leaves(state)
   host = [np.asarray(jax.device_get(leaf)) for leaf in leaves]
   final = step_dir(directory, step)
-  tmp = os.path.join(directory,
-                     f".tmp-step_{step:08d}-{os.getpid()}-{uuid.uuid4().hex}")
+  tmp = os.path.join(
+      directory, f".tmp-step_{step:08d}-{os.getpid()}-{uuid.uuid4().hex}"
+  )
   os.makedirs(tmp)
   try:
     arrays_path = os.path.join(tmp, ARRAYS)
     with open(arrays_path, "wb") as f:
       # Raw bytes: numpy has no native bfloat16, and a byte view
       # round-trips any dtype exactly.
-      np.savez(f, **{f"leaf_{i}": np.ascontiguousarray(a).reshape(-1)
-                     .view(np.uint8) for i, a in enumerate(host)})
+      np.savez(
+          f,
+          **{
+              f"leaf_{i}": np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+              for i, a in enumerate(host)
+          },
+      )
       f.flush()
       os.fsync(f.fileno())
     meta = {
         "format_version": FORMAT_VERSION,
         "step": int(step),
         "fingerprint": fingerprint,
-        "leaves": [{"path": p, "shape": list(a.shape), "dtype": a.dtype.name}
-                   for p, a in zip(paths, host)],
+        "leaves": [
+            {"path": p, "shape": list(a.shape), "dtype": a.dtype.name}
+            for p, a in zip(paths, host)
+        ],
         "sha256": _sha256(arrays_path),
         "extra": extra or {},
     }
@@ -163,12 +178,14 @@ def read_meta(path: str) -> dict:
     ) from e
   for key in ("format_version", "step", "fingerprint", "leaves", "sha256"):
     if key not in meta:
-      raise CheckpointError(f"checkpoint {path!r} is corrupt: {META} lacks "
-                            f"{key!r}.")
+      raise CheckpointError(
+          f"checkpoint {path!r} is corrupt: {META} lacks " f"{key!r}."
+      )
   if meta["format_version"] != FORMAT_VERSION:
     raise CheckpointError(
         f"checkpoint {path!r} has format version {meta['format_version']}; "
-        f"this program reads version {FORMAT_VERSION}.")
+        f"this program reads version {FORMAT_VERSION}."
+    )
   return meta
 
 
@@ -204,19 +221,23 @@ def restore(path: str, template, *, fingerprint: dict):
   meta = read_meta(path)
   arrays_path = os.path.join(path, ARRAYS)
   if not os.path.isfile(arrays_path):
-    raise CheckpointError(f"checkpoint {path!r} is incomplete: {ARRAYS} is "
-                          "missing.")
+    raise CheckpointError(
+        f"checkpoint {path!r} is incomplete: {ARRAYS} is " "missing."
+    )
   digest = _sha256(arrays_path)
   if digest != meta["sha256"]:
     raise CheckpointError(
         f"checkpoint {path!r} is corrupt: sha256 of {ARRAYS} is {digest}, "
-        f"{META} recorded {meta['sha256']}.")
+        f"{META} recorded {meta['sha256']}."
+    )
   diffs = _fingerprint_diff(meta["fingerprint"], fingerprint)
   if diffs:
     raise CheckpointError(
         f"checkpoint {path!r} was saved by a different run configuration; "
         "resume with the same settings or start a new --output_dir: "
-        + "; ".join(diffs) + ".")
+        + "; ".join(diffs)
+        + "."
+    )
   paths, leaves, treedef = _leaves(template)
   saved = meta["leaves"]
   if [s["path"] for s in saved] != paths:
@@ -224,7 +245,8 @@ def restore(path: str, template, *, fingerprint: dict):
     unexpected = sorted({s["path"] for s in saved} - set(paths))
     raise CheckpointError(
         f"checkpoint {path!r} holds a different state structure: missing "
-        f"{missing[:5]}, unexpected {unexpected[:5]} (showing up to 5).")
+        f"{missing[:5]}, unexpected {unexpected[:5]} (showing up to 5)."
+    )
   restored = []
   try:
     with np.load(arrays_path) as npz:
@@ -234,12 +256,14 @@ def restore(path: str, template, *, fingerprint: dict):
         if tuple(entry["shape"]) != shape or entry["dtype"] != dtype.name:
           raise CheckpointError(
               f"checkpoint {path!r}: leaf {leaf_path} must be {dtype.name}"
-              f"{list(shape)}, got {entry['dtype']}{entry['shape']}.")
+              f"{list(shape)}, got {entry['dtype']}{entry['shape']}."
+          )
         raw = npz[f"leaf_{i}"]
         restored.append(raw.view(dtype).reshape(shape))
   except CheckpointError:
     raise
   except Exception as e:  # A damaged zip raises many kinds of errors.
     raise CheckpointError(
-        f"checkpoint {path!r} is corrupt: cannot read {ARRAYS} ({e}).") from e
+        f"checkpoint {path!r} is corrupt: cannot read {ARRAYS} ({e})."
+    ) from e
   return jax.tree_util.tree_unflatten(treedef, restored), meta

@@ -21,26 +21,36 @@ import numpy as np
 from train import presets
 from train import trainer
 
-_BACKENDS = flags.DEFINE_list("backends", ["reference", "xla"],
-                              "Backends to compare; the first is the "
-                              "baseline.")
-_MODEL = flags.DEFINE_enum("model", presets.DEFAULT_PRESET,
-                           list(presets.PRESETS), "Model preset.")
+_BACKENDS = flags.DEFINE_list(
+    "backends",
+    ["reference", "xla"],
+    "Backends to compare; the first is the " "baseline.",
+)
+_MODEL = flags.DEFINE_enum(
+    "model", presets.DEFAULT_PRESET, list(presets.PRESETS), "Model preset."
+)
 _STEPS = flags.DEFINE_integer("steps", 20, "Steps per backend.")
 _BATCH = flags.DEFINE_integer("batch_size", None, "Sequences per step.")
 _SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence.")
-_DTYPE = flags.DEFINE_enum("compute_dtype", "bfloat16",
-                           ["bfloat16", "float32"], "Activation dtype.")
+_DTYPE = flags.DEFINE_enum(
+    "compute_dtype", "bfloat16", ["bfloat16", "float32"], "Activation dtype."
+)
 _SKIP = 2  # Steps left out of the timing: the first ones compile.
 
 
 def compare(backends, steps, **overrides) -> dict:
   """{backend: {"losses", "seconds"}} for `steps` interleaved steps."""
   base = trainer.run_config_from_preset(
-      _MODEL.value, steps=steps, output_dir="/tmp/dropless_compare",
-      checkpoint_every=0, **overrides)
-  trainers = {b: trainer.Trainer(dataclasses.replace(base, backend=b),
-                                 out=None) for b in backends}
+      _MODEL.value,
+      steps=steps,
+      output_dir="/tmp/dropless_compare",
+      checkpoint_every=0,
+      **overrides,
+  )
+  trainers = {
+      b: trainer.Trainer(dataclasses.replace(base, backend=b), out=None)
+      for b in backends
+  }
   results = {b: {"losses": [], "seconds": []} for b in backends}
   for _ in range(steps):
     for name, tr in trainers.items():
@@ -55,23 +65,33 @@ def compare(backends, steps, **overrides) -> dict:
 def main(argv):
   del argv
   backends = _BACKENDS.value
-  results = compare(backends, _STEPS.value, batch_size=_BATCH.value,
-                    seq_len=_SEQ.value, compute_dtype=_DTYPE.value)
+  results = compare(
+      backends,
+      _STEPS.value,
+      batch_size=_BATCH.value,
+      seq_len=_SEQ.value,
+      compute_dtype=_DTYPE.value,
+  )
   preset = presets.get_preset(_MODEL.value)
   tokens = (_BATCH.value or preset.train.batch_size) * (
-      _SEQ.value or preset.train.seq_len)
+      _SEQ.value or preset.train.seq_len
+  )
   baseline = backends[0]
   base_time = np.median(results[baseline]["seconds"][_SKIP:])
   base_loss = np.asarray(results[baseline]["losses"])
-  print(f"{_MODEL.value}, {tokens} tokens/step, {_DTYPE.value}, "
-        f"{_STEPS.value} steps (timing skips the first {_SKIP})")
+  print(
+      f"{_MODEL.value}, {tokens} tokens/step, {_DTYPE.value}, "
+      f"{_STEPS.value} steps (timing skips the first {_SKIP})"
+  )
   for name in backends:
     seconds = np.median(results[name]["seconds"][_SKIP:])
     losses = np.asarray(results[name]["losses"])
-    print(f"  {name:10s} {seconds * 1e3:8.1f} ms/step {tokens / seconds:9,.0f}"
-          f" tok/s  x{base_time / seconds:.2f} vs {baseline}; max |loss - "
-          f"{baseline}| {np.abs(losses - base_loss).max():.4f}; losses "
-          f"{' '.join(f'{x:.3f}' for x in losses[:5])} ...")
+    print(
+        f"  {name:10s} {seconds * 1e3:8.1f} ms/step {tokens / seconds:9,.0f}"
+        f" tok/s  x{base_time / seconds:.2f} vs {baseline}; max |loss - "
+        f"{baseline}| {np.abs(losses - base_loss).max():.4f}; losses "
+        f"{' '.join(f'{x:.3f}' for x in losses[:5])} ..."
+    )
 
 
 if __name__ == "__main__":

@@ -41,16 +41,19 @@ def _split(raw: bytes, name: str) -> Corpus:
   Interleaving (rather than taking the tail) spreads both splits over the
   whole text, so the held-out loss is not about one topic.
   """
-  chunks = [raw[i:i + CHUNK_BYTES] for i in range(0, len(raw), CHUNK_BYTES)]
+  chunks = [raw[i : i + CHUNK_BYTES] for i in range(0, len(raw), CHUNK_BYTES)]
   if len(chunks) < HELD_OUT_EVERY:
     raise ValueError(
         f"text {name!r} has {len(raw)} bytes; a held-out split needs at "
-        f"least {HELD_OUT_EVERY * CHUNK_BYTES}.")
+        f"least {HELD_OUT_EVERY * CHUNK_BYTES}."
+    )
   held = [i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 for i in range(len(chunks))]
   join = lambda parts: np.frombuffer(b"".join(parts), np.uint8).copy()
-  return Corpus(name=name,
-                train=join([c for c, h in zip(chunks, held) if not h]),
-                held_out=join([c for c, h in zip(chunks, held) if h]))
+  return Corpus(
+      name=name,
+      train=join([c for c, h in zip(chunks, held) if not h]),
+      held_out=join([c for c, h in zip(chunks, held) if h]),
+  )
 
 
 def load_pydoc_topics() -> Corpus:
@@ -62,8 +65,9 @@ def load_pydoc_topics() -> Corpus:
 def load_text_file(path: str) -> Corpus:
   """Any file, read as bytes."""
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"--data must name a readable text file, got "
-                            f"{path!r} (not a file).")
+    raise FileNotFoundError(
+        f"--data must name a readable text file, got " f"{path!r} (not a file)."
+    )
   with open(path, "rb") as f:
     return _split(f.read(), path)
 
@@ -100,14 +104,16 @@ class BatchSampler:
   run would have.
   """
 
-  def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int,
-               seed: int):
+  def __init__(
+      self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int
+  ):
     window = seq_len + 1
     if len(tokens) < window * batch_size + window:
       raise ValueError(
           f"the training text has {len(tokens)} bytes; batch_size="
           f"{batch_size} x (seq_len + 1)={window} needs at least "
-          f"{window * (batch_size + 1)}.")
+          f"{window * (batch_size + 1)}."
+      )
     self.tokens = tokens
     self.batch_size = batch_size
     self.window = window
@@ -132,10 +138,11 @@ class BatchSampler:
       self.epoch += 1
       self.index = 0
       self._order = self._epoch_order(self.epoch)
-    starts = self._order[self.index:self.index + self.batch_size]
+    starts = self._order[self.index : self.index + self.batch_size]
     self.index += self.batch_size
-    return np.stack([self.tokens[s:s + self.window] for s in starts]
-                    ).astype(np.int32)
+    return np.stack([self.tokens[s : s + self.window] for s in starts]).astype(
+        np.int32
+    )
 
   def state(self) -> dict[str, int]:
     return {"epoch": self.epoch, "index": self.index}
@@ -146,16 +153,19 @@ class BatchSampler:
     self._order = self._epoch_order(self.epoch)
 
 
-def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
-                 max_batches: int) -> list[np.ndarray]:
+def eval_batches(
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int
+) -> list[np.ndarray]:
   """Fixed held-out batches: windows evenly spread over the held-out text."""
   window = seq_len + 1
   available = (len(tokens) - window) // window + 1
   count = min(available, max_batches * batch_size)
   if count < 1:
-    raise ValueError(f"the held-out text has {len(tokens)} bytes, fewer than "
-                     f"seq_len + 1 = {window}.")
+    raise ValueError(
+        f"the held-out text has {len(tokens)} bytes, fewer than "
+        f"seq_len + 1 = {window}."
+    )
   starts = np.linspace(0, len(tokens) - window, count).astype(np.int64)
-  windows = np.stack([tokens[s:s + window] for s in starts]).astype(np.int32)
+  windows = np.stack([tokens[s : s + window] for s in starts]).astype(np.int32)
   n = math.ceil(count / batch_size)
-  return [windows[i * batch_size:(i + 1) * batch_size] for i in range(n)]
+  return [windows[i * batch_size : (i + 1) * batch_size] for i in range(n)]

@@ -15,26 +15,32 @@ class CorpusTest(absltest.TestCase):
 
   def test_embedded_corpus_is_real_text_and_split_one_in_ten(self):
     corpus = testing.corpus()
-    text_bytes = len("\n\n".join(topics.topics[k] for k in
-                                 sorted(topics.topics)).encode("utf-8"))
+    text_bytes = len(
+        "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode(
+            "utf-8"
+        )
+    )
     self.assertEqual(len(corpus.train) + len(corpus.held_out), text_bytes)
     self.assertGreater(text_bytes, 400_000)
-    self.assertAlmostEqual(len(corpus.held_out) / text_bytes, 0.1,
-                           delta=0.01)
+    self.assertAlmostEqual(len(corpus.held_out) / text_bytes, 0.1, delta=0.01)
     # Mostly printable ASCII: it is English prose and code.
     ascii_share = np.mean((corpus.train >= 32) & (corpus.train < 127))
     self.assertGreater(ascii_share, 0.9)
 
   def test_splits_are_the_interleaved_chunks_of_the_text(self):
     path = os.path.join(testing.temp_dir(self), "t.txt")
-    raw = bytes(np.random.default_rng(0).integers(0, 256, 10 * 4096 + 100,
-                                                  dtype=np.uint8))
+    raw = bytes(
+        np.random.default_rng(0).integers(
+            0, 256, 10 * 4096 + 100, dtype=np.uint8
+        )
+    )
     with open(path, "wb") as f:
       f.write(raw)
     corpus = data.load(path)
     chunk = data.CHUNK_BYTES
-    held = b"".join(raw[i:i + chunk] for i in range(9 * chunk, len(raw),
-                                                    10 * chunk))
+    held = b"".join(
+        raw[i : i + chunk] for i in range(9 * chunk, len(raw), 10 * chunk)
+    )
     self.assertEqual(corpus.held_out.tobytes(), held)
     self.assertEqual(len(corpus.train) + len(corpus.held_out), len(raw))
 
@@ -62,7 +68,8 @@ class UnigramTest(absltest.TestCase):
     # Gibbs' inequality: no model beats the held-out text's own frequencies.
     self.assertGreaterEqual(
         data.unigram_cross_entropy(corpus.train, corpus.held_out),
-        data.unigram_entropy(corpus.held_out))
+        data.unigram_entropy(corpus.held_out),
+    )
 
 
 class SamplerTest(absltest.TestCase):
@@ -103,8 +110,11 @@ class SamplerTest(absltest.TestCase):
   def test_an_epoch_visits_each_window_once(self):
     positions = np.arange(2000)  # Each token is its own position.
     sampler = data.BatchSampler(positions, 4, 15, seed=4)
-    starts = sorted(int(row[0]) for _ in range(sampler.batches_per_epoch)
-                    for row in sampler.next())
+    starts = sorted(
+        int(row[0])
+        for _ in range(sampler.batches_per_epoch)
+        for row in sampler.next()
+    )
     # Non-overlapping windows: distinct starts, 16 (= seq_len + 1) apart.
     self.assertLen(set(starts), len(starts))
     self.assertEqual(set(np.diff(starts)), {16})
@@ -115,8 +125,7 @@ class SamplerTest(absltest.TestCase):
 
   def test_eval_batches_cover_the_held_out_text(self):
     held = np.arange(1000) % 256
-    batches = data.eval_batches(held, batch_size=4, seq_len=31,
-                                max_batches=3)
+    batches = data.eval_batches(held, batch_size=4, seq_len=31, max_batches=3)
     self.assertLen(batches, 3)
     first_starts = [b[:, 0] for b in batches]
     self.assertEqual(int(first_starts[0][0]), 0)

@@ -26,10 +26,12 @@ from train import remat as remat_lib
 from train import report
 from train import trainer
 
-_MODEL = flags.DEFINE_enum("model", presets.DEFAULT_PRESET,
-                           list(presets.PRESETS), "Model preset.")
-_STEPS = flags.DEFINE_integer("steps", None, "Optimiser steps (preset "
-                              "default if unset).")
+_MODEL = flags.DEFINE_enum(
+    "model", presets.DEFAULT_PRESET, list(presets.PRESETS), "Model preset."
+)
+_STEPS = flags.DEFINE_integer(
+    "steps", None, "Optimiser steps (preset " "default if unset)."
+)
 _BATCH = flags.DEFINE_integer("batch_size", None, "Sequences per step.")
 _SEQ = flags.DEFINE_integer("seq_len", None, "Tokens (bytes) per sequence.")
 _LR = flags.DEFINE_float("learning_rate", None, "Peak AdamW learning rate.")
@@ -37,45 +39,76 @@ _WARMUP = flags.DEFINE_integer("warmup_steps", None, "Linear warmup steps.")
 _WD = flags.DEFINE_float("weight_decay", None, "AdamW weight decay.")
 _CLIP = flags.DEFINE_float("grad_clip", None, "Global gradient-norm clip.")
 _BIAS_RATE = flags.DEFINE_float(
-    "bias_update_rate", None,
-    "Step of the aux-loss-free correction-bias rule (sigmoid presets).")
-_AUX = flags.DEFINE_float("aux_loss_weight", None,
-                          "Weight of the load-balancing loss.")
+    "bias_update_rate",
+    None,
+    "Step of the aux-loss-free correction-bias rule (sigmoid presets).",
+)
+_AUX = flags.DEFINE_float(
+    "aux_loss_weight", None, "Weight of the load-balancing loss."
+)
 _Z = flags.DEFINE_float("z_loss_weight", None, "Weight of the router z-loss.")
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation and data-order seed.")
 _DATA = flags.DEFINE_string(
-    "data", None, "A text file to train on (bytes); default: the embedded "
-    "pydoc_data corpus that ships with Python.")
-_OUT = flags.DEFINE_string("output_dir", "/tmp/dropless_train",
-                           "Where metrics, checkpoints and plots go.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 50,
-                                   "Held-out evaluation interval (steps).")
-_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 8,
-                                     "Held-out batches per evaluation.")
+    "data",
+    None,
+    "A text file to train on (bytes); default: the embedded "
+    "pydoc_data corpus that ships with Python.",
+)
+_OUT = flags.DEFINE_string(
+    "output_dir",
+    "/tmp/dropless_train",
+    "Where metrics, checkpoints and plots go.",
+)
+_EVAL_EVERY = flags.DEFINE_integer(
+    "eval_every", 50, "Held-out evaluation interval (steps)."
+)
+_EVAL_BATCHES = flags.DEFINE_integer(
+    "eval_batches", 8, "Held-out batches per evaluation."
+)
 _CKPT_EVERY = flags.DEFINE_integer(
-    "checkpoint_every", 100, "Checkpoint interval in steps (0: only at the "
-    "end and on interrupt).")
-_KEEP = flags.DEFINE_integer("keep_checkpoints", 2,
-                             "Checkpoints kept (newest).")
-_LOG_EVERY = flags.DEFINE_integer("log_every", 25,
-                                  "Print a log line every N steps.")
+    "checkpoint_every",
+    100,
+    "Checkpoint interval in steps (0: only at the " "end and on interrupt).",
+)
+_KEEP = flags.DEFINE_integer(
+    "keep_checkpoints", 2, "Checkpoints kept (newest)."
+)
+_LOG_EVERY = flags.DEFINE_integer(
+    "log_every", 25, "Print a log line every N steps."
+)
 _RESUME = flags.DEFINE_bool(
-    "resume", False, "Continue from the newest checkpoint in --output_dir "
-    "(an error if there is none or it does not match this run).")
+    "resume",
+    False,
+    "Continue from the newest checkpoint in --output_dir "
+    "(an error if there is none or it does not match this run).",
+)
 _DRY_RUN = flags.DEFINE_bool(
-    "dry_run", False, "Print parameter counts, FLOPs per token and memory "
-    "per device for --mesh, and exit without allocating the model.")
+    "dry_run",
+    False,
+    "Print parameter counts, FLOPs per token and memory "
+    "per device for --mesh, and exit without allocating the model.",
+)
 _MESH = flags.DEFINE_string(
-    "mesh", "data=1", "Device mesh for --dry_run memory estimates, e.g. "
-    "'data=2,fsdp=4,expert=64,tensor=1'.")
-_REMAT = flags.DEFINE_enum("remat", "none", list(remat_lib.POLICIES),
-                           "Activation rematerialisation policy per block "
-                           "(see train/remat.py).")
-_DTYPE = flags.DEFINE_enum("compute_dtype", "bfloat16",
-                           ["bfloat16", "float32"],
-                           "Activation dtype; parameters stay float32.")
-_PROGRESS = flags.DEFINE_bool("progress", True,
-                              "Show a progress bar on a terminal.")
+    "mesh",
+    "data=1",
+    "Device mesh for --dry_run memory estimates, e.g. "
+    "'data=2,fsdp=4,expert=64,tensor=1'.",
+)
+_REMAT = flags.DEFINE_enum(
+    "remat",
+    "none",
+    list(remat_lib.POLICIES),
+    "Activation rematerialisation policy per block " "(see train/remat.py).",
+)
+_DTYPE = flags.DEFINE_enum(
+    "compute_dtype",
+    "bfloat16",
+    ["bfloat16", "float32"],
+    "Activation dtype; parameters stay float32.",
+)
+_PROGRESS = flags.DEFINE_bool(
+    "progress", True, "Show a progress bar on a terminal."
+)
 _PLOT = flags.DEFINE_bool("plot", True, "Write training.png at the end.")
 
 # A model this large cannot be trained by this CPU program; --dry_run it.
@@ -84,26 +117,44 @@ _MAX_TRAINABLE_PARAMS = 2e9
 
 def _run_config() -> trainer.RunConfig:
   return trainer.run_config_from_preset(
-      _MODEL.value, steps=_STEPS.value, batch_size=_BATCH.value,
-      seq_len=_SEQ.value, learning_rate=_LR.value,
-      warmup_steps=_WARMUP.value, weight_decay=_WD.value,
-      grad_clip=_CLIP.value, bias_update_rate=_BIAS_RATE.value,
-      aux_loss_weight=_AUX.value, z_loss_weight=_Z.value, seed=_SEED.value,
-      backend=moe_core.flags.MOE_BACKEND.value, remat=_REMAT.value,
-      compute_dtype=_DTYPE.value, data=_DATA.value, output_dir=_OUT.value,
-      eval_every=_EVAL_EVERY.value, eval_batches=_EVAL_BATCHES.value,
-      checkpoint_every=_CKPT_EVERY.value, keep_checkpoints=_KEEP.value,
-      log_every=_LOG_EVERY.value, resume=_RESUME.value,
-      progress=_PROGRESS.value, plot=_PLOT.value)
+      _MODEL.value,
+      steps=_STEPS.value,
+      batch_size=_BATCH.value,
+      seq_len=_SEQ.value,
+      learning_rate=_LR.value,
+      warmup_steps=_WARMUP.value,
+      weight_decay=_WD.value,
+      grad_clip=_CLIP.value,
+      bias_update_rate=_BIAS_RATE.value,
+      aux_loss_weight=_AUX.value,
+      z_loss_weight=_Z.value,
+      seed=_SEED.value,
+      backend=moe_core.flags.MOE_BACKEND.value,
+      remat=_REMAT.value,
+      compute_dtype=_DTYPE.value,
+      data=_DATA.value,
+      output_dir=_OUT.value,
+      eval_every=_EVAL_EVERY.value,
+      eval_batches=_EVAL_BATCHES.value,
+      checkpoint_every=_CKPT_EVERY.value,
+      keep_checkpoints=_KEEP.value,
+      log_every=_LOG_EVERY.value,
+      resume=_RESUME.value,
+      progress=_PROGRESS.value,
+      plot=_PLOT.value,
+  )
 
 
 def dry_run(out=sys.stdout) -> str:
   """Prints the counts for the chosen preset; allocates no arrays."""
   preset = presets.get_preset(_MODEL.value)
   text = presets.describe(
-      preset, mesh=presets.parse_mesh(_MESH.value),
+      preset,
+      mesh=presets.parse_mesh(_MESH.value),
       batch_size=_BATCH.value or preset.train.batch_size,
-      seq_len=_SEQ.value or preset.train.seq_len, remat=_REMAT.value)
+      seq_len=_SEQ.value or preset.train.seq_len,
+      remat=_REMAT.value,
+  )
   print(text, file=out, flush=True)
   return text
 
@@ -117,44 +168,64 @@ def train(out=sys.stdout) -> dict:
         f"--model={run.model.name} has {presets.human(total)} parameters; "
         "this program trains models up to "
         f"{presets.human(_MAX_TRAINABLE_PARAMS)}. Use --dry_run for the "
-        "full-size presets.")
+        "full-size presets."
+    )
   corpus = data_lib.load(run.data)
   entropy = data_lib.unigram_entropy(
-      np.concatenate([corpus.train, corpus.held_out]))
-  print(f"data {corpus.name}: {len(corpus.train):,} train bytes, "
-        f"{len(corpus.held_out):,} held-out bytes; unigram byte entropy "
-        f"{entropy:.4f} nats/byte ({entropy / 0.6931471805599453:.3f} "
-        "bits), the loss to beat", file=out)
+      np.concatenate([corpus.train, corpus.held_out])
+  )
+  print(
+      f"data {corpus.name}: {len(corpus.train):,} train bytes, "
+      f"{len(corpus.held_out):,} held-out bytes; unigram byte entropy "
+      f"{entropy:.4f} nats/byte ({entropy / 0.6931471805599453:.3f} "
+      "bits), the loss to beat",
+      file=out,
+  )
   tr = trainer.Trainer(run, corpus, out=out)
   counts = presets.param_counts(run.model)
-  print(f"model {run.model.name}: {counts.total:,} parameters "
-        f"({counts.active:,} active per token); backend {tr.backend_name}; "
-        f"{run.steps} steps of {run.batch_size}x{run.seq_len} tokens; "
-        f"remat={run.remat}; compute {run.compute_dtype}, params float32",
-        file=out, flush=True)
+  print(
+      f"model {run.model.name}: {counts.total:,} parameters "
+      f"({counts.active:,} active per token); backend {tr.backend_name}; "
+      f"{run.steps} steps of {run.batch_size}x{run.seq_len} tokens; "
+      f"remat={run.remat}; compute {run.compute_dtype}, params float32",
+      file=out,
+      flush=True,
+  )
   tr.prepare_output_dir()
   summary = tr.fit(handle_signals=True)
   if run.plot and tr.history["step"]:
     summary["plot"] = report.plot(
-        os.path.join(run.output_dir, "training.png"), tr.history, summary,
-        [i for i in range(run.model.num_layers) if run.model.is_moe_layer(i)])
+        os.path.join(run.output_dir, "training.png"),
+        tr.history,
+        summary,
+        [i for i in range(run.model.num_layers) if run.model.is_moe_layer(i)],
+    )
   summary_path = os.path.join(run.output_dir, "summary.json")
   report.write_summary(summary_path, summary)
   held = summary["final_held_out_loss"]
   print("\nsummary:", file=out)
   if held is not None:
-    print(f"  held-out loss {held:.4f} nats/byte vs unigram entropy "
-          f"{summary['unigram_entropy']:.4f} "
-          f"({held / summary['unigram_entropy']:.0%} of it)", file=out)
-  print(f"  final train loss {summary['final_train_loss']:.4f}; median "
-        f"{summary['tokens_per_s_median']:,.0f} tokens/s with backend "
-        f"{summary['backend']}; max dropped fraction "
-        f"{summary['max_dropped_fraction']:.3g}; wall "
-        f"{summary['wall_seconds']:.0f} s", file=out)
-  print(f"  wrote {summary_path}"
-        + (f", {summary['plot']}" if "plot" in summary else "")
-        + (f", {summary['checkpoint']}" if summary["checkpoint"] else ""),
-        file=out, flush=True)
+    print(
+        f"  held-out loss {held:.4f} nats/byte vs unigram entropy "
+        f"{summary['unigram_entropy']:.4f} "
+        f"({held / summary['unigram_entropy']:.0%} of it)",
+        file=out,
+    )
+  print(
+      f"  final train loss {summary['final_train_loss']:.4f}; median "
+      f"{summary['tokens_per_s_median']:,.0f} tokens/s with backend "
+      f"{summary['backend']}; max dropped fraction "
+      f"{summary['max_dropped_fraction']:.3g}; wall "
+      f"{summary['wall_seconds']:.0f} s",
+      file=out,
+  )
+  print(
+      f"  wrote {summary_path}"
+      + (f", {summary['plot']}" if "plot" in summary else "")
+      + (f", {summary['checkpoint']}" if summary["checkpoint"] else ""),
+      file=out,
+      flush=True,
+  )
   return summary
 
 

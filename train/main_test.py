@@ -21,10 +21,18 @@ class MainTest(absltest.TestCase):
 
   def test_trains_reports_and_resumes(self):
     out_dir = testing.temp_dir(self)
-    common = dict(model="tiny_dsv3", moe_backend="xla", batch_size=2,
-                  seq_len=32, eval_every=2, eval_batches=1,
-                  checkpoint_every=2, log_every=1, output_dir=out_dir,
-                  progress=False)
+    common = dict(
+        model="tiny_dsv3",
+        moe_backend="xla",
+        batch_size=2,
+        seq_len=32,
+        eval_every=2,
+        eval_batches=1,
+        checkpoint_every=2,
+        log_every=1,
+        output_dir=out_dir,
+        progress=False,
+    )
     with flagsaver.flagsaver(steps=3, **common):
       log = io.StringIO()
       summary = main.train(log)
@@ -38,8 +46,9 @@ class MainTest(absltest.TestCase):
 
     with open(os.path.join(out_dir, "summary.json")) as f:
       saved = json.load(f)
-    self.assertEqual(saved["final_held_out_loss"],
-                     summary["final_held_out_loss"])
+    self.assertEqual(
+        saved["final_held_out_loss"], summary["final_held_out_loss"]
+    )
     with open(os.path.join(out_dir, "training.png"), "rb") as f:
       self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -48,8 +57,9 @@ class MainTest(absltest.TestCase):
     # tiny_dsv3: layer 0 dense, layers 1-3 MoE.
     self.assertLen(records[0]["load_max"], 3)
     self.assertEqual(records[0]["dropped_fraction"], [0.0, 0.0, 0.0])
-    self.assertTrue(os.path.isdir(os.path.join(out_dir, "checkpoints",
-                                               "step_00000003")))
+    self.assertTrue(
+        os.path.isdir(os.path.join(out_dir, "checkpoints", "step_00000003"))
+    )
 
     with flagsaver.flagsaver(steps=4, resume=True, **common):
       log = io.StringIO()
@@ -58,8 +68,7 @@ class MainTest(absltest.TestCase):
     self.assertIn("at step 3", log.getvalue())
     self.assertEqual(summary["steps"], 4)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-      self.assertEqual([json.loads(line)["step"] for line in f],
-                       [1, 2, 3, 4])
+      self.assertEqual([json.loads(line)["step"] for line in f], [1, 2, 3, 4])
 
 
 if __name__ == "__main__":

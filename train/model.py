@@ -27,14 +27,16 @@ from train import remat as remat_lib
 def _weight(key, shape, fan_in=None):
   """Truncated normal, std 1/sqrt(fan_in) (fan_in: shape[-2] by default)."""
   std = (fan_in or shape[-2]) ** -0.5
-  return nnx.Param(std * jax.random.truncated_normal(key, -2.0, 2.0, shape,
-                                                     jnp.float32))
+  return nnx.Param(
+      std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
+  )
 
 
 def _matmul(x, w):
   """x @ w in x's dtype (w is cast), accumulated in float32."""
-  return jnp.dot(x, w.astype(x.dtype),
-                 preferred_element_type=jnp.float32).astype(x.dtype)
+  return jnp.dot(
+      x, w.astype(x.dtype), preferred_element_type=jnp.float32
+  ).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -46,8 +48,7 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    norm = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
-                         + self.eps)
+    norm = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (x32 * norm * self.scale[...]).astype(x.dtype)
 
 
@@ -82,13 +83,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   b, t, h, dq = q.shape
   hkv = k.shape[2]
   q = q.reshape(b, t, hkv, h // hkv, dq)
-  logits = jnp.einsum("btkgd,bskd->bkgts", q, k,
-                      preferred_element_type=jnp.float32) * dq ** -0.5
+  logits = (
+      jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+      * dq**-0.5
+  )
   causal = jnp.tril(jnp.ones((t, t), bool))
   logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v,
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum(
+      "bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32
+  )
   return out.reshape(b, t, h, v.shape[-1]).astype(v.dtype)
 
 
@@ -96,8 +100,12 @@ class Attention(nnx.Module):
   """Grouped-query attention with RoPE and optional QK-norm: [B,T,D] -> same."""
 
   def __init__(self, cfg: presets.ModelConfig, *, rngs: nnx.Rngs):
-    d, h, hkv, hd = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                     cfg.head_dim)
+    d, h, hkv, hd = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    )
     self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
     self.rope_theta = cfg.rope_theta
     self.qk_norm = cfg.qk_norm
@@ -139,9 +147,11 @@ class LatentAttention(nnx.Module):
   def __init__(self, cfg: presets.ModelConfig, *, rngs: nnx.Rngs):
     d, h = cfg.hidden_size, cfg.num_heads
     self.num_heads = h
-    self.nope, self.rope_dim, self.v_dim = (cfg.qk_nope_head_dim,
-                                            cfg.qk_rope_head_dim,
-                                            cfg.v_head_dim)
+    self.nope, self.rope_dim, self.v_dim = (
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+    )
     self.kv_rank = cfg.kv_lora_rank
     self.rope_theta = cfg.rope_theta
     qk = self.nope + self.rope_dim
@@ -154,8 +164,9 @@ class LatentAttention(nnx.Module):
       self.wq = _weight(rngs.params(), (d, h * qk))
     self.wkv_a = _weight(rngs.params(), (d, self.kv_rank + self.rope_dim))
     self.kv_a_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
-    self.wkv_b = _weight(rngs.params(),
-                         (self.kv_rank, h * (self.nope + self.v_dim)))
+    self.wkv_b = _weight(
+        rngs.params(), (self.kv_rank, h * (self.nope + self.v_dim))
+    )
     self.wo = _weight(rngs.params(), (h * self.v_dim, d))
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -167,16 +178,20 @@ class LatentAttention(nnx.Module):
       q = _matmul(x, self.wq[...])
     q = q.reshape(b, t, h, self.nope + self.rope_dim)
     q_nope, q_rope = jnp.split(q, [self.nope], axis=-1)
-    latent, k_rope = jnp.split(_matmul(x, self.wkv_a[...]), [self.kv_rank],
-                               axis=-1)
+    latent, k_rope = jnp.split(
+        _matmul(x, self.wkv_a[...]), [self.kv_rank], axis=-1
+    )
     kv = _matmul(self.kv_a_norm(latent), self.wkv_b[...])
-    k_nope, v = jnp.split(kv.reshape(b, t, h, self.nope + self.v_dim),
-                          [self.nope], axis=-1)
+    k_nope, v = jnp.split(
+        kv.reshape(b, t, h, self.nope + self.v_dim), [self.nope], axis=-1
+    )
     k_rope = rope(k_rope[:, :, None, :], positions, self.rope_theta)
-    q = jnp.concatenate([q_nope, rope(q_rope, positions, self.rope_theta)],
-                        axis=-1)
+    q = jnp.concatenate(
+        [q_nope, rope(q_rope, positions, self.rope_theta)], axis=-1
+    )
     k = jnp.concatenate(
-        [k_nope, jnp.broadcast_to(k_rope, (b, t, h, self.rope_dim))], axis=-1)
+        [k_nope, jnp.broadcast_to(k_rope, (b, t, h, self.rope_dim))], axis=-1
+    )
     out = causal_attention(q, k, v).reshape(b, t, -1)
     return _matmul(out, self.wo[...])
 
@@ -192,23 +207,30 @@ class DenseMLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     gate = _matmul(x, self.w_gate[...]).astype(jnp.float32)
     up = _matmul(x, self.w_up[...]).astype(jnp.float32)
-    return _matmul((jax.nn.silu(gate) * up).astype(x.dtype),
-                   self.w_down[...])
+    return _matmul((jax.nn.silu(gate) * up).astype(x.dtype), self.w_down[...])
 
 
 def moe_stats(aux: moe_core.MoEAux) -> dict[str, jax.Array]:
   """The parts of `MoEAux` the training loop needs (small, per layer)."""
-  return {"tokens_per_expert": aux.tokens_per_expert,
-          "load_balancing_loss": aux.load_balancing_loss,
-          "router_z_loss": aux.router_z_loss,
-          "dropped_tokens": aux.dropped_tokens}
+  return {
+      "tokens_per_expert": aux.tokens_per_expert,
+      "load_balancing_loss": aux.load_balancing_loss,
+      "router_z_loss": aux.router_z_loss,
+      "dropped_tokens": aux.dropped_tokens,
+  }
 
 
 class Block(nnx.Module):
   """Pre-norm block; returns (x, MoE stats or None for a dense MLP)."""
 
-  def __init__(self, cfg: presets.ModelConfig, layer: int, *, backend: str,
-               rngs: nnx.Rngs):
+  def __init__(
+      self,
+      cfg: presets.ModelConfig,
+      layer: int,
+      *,
+      backend: str,
+      rngs: nnx.Rngs,
+  ):
     self.is_moe = cfg.is_moe_layer(layer)
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     attention = LatentAttention if cfg.attention == "mla" else Attention
@@ -241,20 +263,33 @@ class Transformer(nnx.Module):
     rngs: `nnx.Rngs` with a "params" stream.
   """
 
-  def __init__(self, cfg: presets.ModelConfig, *, backend: str = "auto",
-               compute_dtype=jnp.bfloat16, remat: str = "none",
-               rngs: nnx.Rngs):
+  def __init__(
+      self,
+      cfg: presets.ModelConfig,
+      *,
+      backend: str = "auto",
+      compute_dtype=jnp.bfloat16,
+      remat: str = "none",
+      rngs: nnx.Rngs,
+  ):
     remat_lib.check_policy_name(remat)
     self.cfg = cfg
     self.compute_dtype = compute_dtype
     self.remat = remat
-    self.embed = nnx.Param(jax.random.normal(
-        rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32))
+    self.embed = nnx.Param(
+        jax.random.normal(
+            rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32
+        )
+    )
     # nnx.List (flax >= 0.12) marks a list of sub-modules as graph nodes;
     # older flax takes a plain list.
     module_list = getattr(nnx, "List", list)
-    self.blocks = module_list([Block(cfg, i, backend=backend, rngs=rngs)
-                               for i in range(cfg.num_layers)])
+    self.blocks = module_list(
+        [
+            Block(cfg, i, backend=backend, rngs=rngs)
+            for i in range(cfg.num_layers)
+        ]
+    )
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.head = _weight(rngs.params(), (cfg.hidden_size, cfg.vocab_size))
@@ -269,11 +304,12 @@ class Transformer(nnx.Module):
         stats[i] = block_stats
     x = self.final_norm(x)
     if self.cfg.tie_embeddings:
-      head = self.embed[...].T * self.cfg.hidden_size ** -0.5
+      head = self.embed[...].T * self.cfg.hidden_size**-0.5
     else:
       head = self.head[...]
-    logits = jnp.dot(x, head.astype(x.dtype),
-                     preferred_element_type=jnp.float32)
+    logits = jnp.dot(
+        x, head.astype(x.dtype), preferred_element_type=jnp.float32
+    )
     return logits, stats
 
   def moe_blocks(self) -> dict[int, nnx_moe.MoE]:

@@ -21,9 +21,16 @@ from train import testing
 
 # A small MLA model with a low-rank query, to check MLA's layout and count.
 SMALL_MLA = testing.SMALL_DSV3.replace(
-    name="test_mla", attention="mla", num_kv_heads=0, head_dim=0,
-    q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-    v_head_dim=12)
+    name="test_mla",
+    attention="mla",
+    num_kv_heads=0,
+    head_dim=0,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=12,
+)
 
 
 def _jitted(model):
@@ -34,8 +41,9 @@ def _jitted(model):
 
 def _abstract_param_count(cfg: presets.ModelConfig) -> int:
   """Parameters of the model as built, from shapes only (no allocation)."""
-  abstract = nnx.eval_shape(lambda: model_lib.Transformer(
-      cfg, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(
+      lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
+  )
   state = nnx.state(abstract, nnx.Param, nnx_moe.CorrectionBias)
   return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
 
@@ -45,17 +53,24 @@ class ParamCountTest(parameterized.TestCase):
   @parameterized.parameters(*presets.PRESETS)
   def test_formula_equals_built_model(self, name):
     cfg = presets.get_preset(name).model
-    self.assertEqual(presets.param_counts(cfg).total,
-                     _abstract_param_count(cfg))
+    self.assertEqual(
+        presets.param_counts(cfg).total, _abstract_param_count(cfg)
+    )
 
   def test_formula_equals_built_model_for_mla_variants(self):
-    for cfg in (SMALL_MLA, SMALL_MLA.replace(q_lora_rank=0),
-                testing.SMALL_DSV3.replace(qk_norm="full"),
-                testing.SMALL_DSV3.replace(tie_embeddings=True)):
-      with self.subTest(f"{cfg.attention} q_lora={cfg.q_lora_rank} "
-                        f"qk_norm={cfg.qk_norm} tied={cfg.tie_embeddings}"):
-        self.assertEqual(presets.param_counts(cfg).total,
-                         _abstract_param_count(cfg))
+    for cfg in (
+        SMALL_MLA,
+        SMALL_MLA.replace(q_lora_rank=0),
+        testing.SMALL_DSV3.replace(qk_norm="full"),
+        testing.SMALL_DSV3.replace(tie_embeddings=True),
+    ):
+      with self.subTest(
+          f"{cfg.attention} q_lora={cfg.q_lora_rank} "
+          f"qk_norm={cfg.qk_norm} tied={cfg.tie_embeddings}"
+      ):
+        self.assertEqual(
+            presets.param_counts(cfg).total, _abstract_param_count(cfg)
+        )
 
   def test_active_counts_top_k_of_the_routed_experts(self):
     cfg = testing.SMALL_DSV3
@@ -70,18 +85,23 @@ class ForwardTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("mha", testing.SMALL_DSV3),
-      ("gqa_head_norm", testing.SMALL_DSV3.replace(
-          num_heads=4, num_kv_heads=2, head_dim=8, qk_norm="head")),
-      ("mla", SMALL_MLA))
+      (
+          "gqa_head_norm",
+          testing.SMALL_DSV3.replace(
+              num_heads=4, num_kv_heads=2, head_dim=8, qk_norm="head"
+          ),
+      ),
+      ("mla", SMALL_MLA),
+  )
   def test_is_causal(self, cfg):
     """Changing token t changes no logit before t.
 
     Dropless routing decides per token, so the MoE layers keep causality; a
     capacity limit would not (a later token could take an earlier one's slot).
     """
-    model = model_lib.Transformer(cfg, backend="xla",
-                                  compute_dtype=jnp.float32,
-                                  rngs=nnx.Rngs(0))
+    model = model_lib.Transformer(
+        cfg, backend="xla", compute_dtype=jnp.float32, rngs=nnx.Rngs(0)
+    )
     tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 256)
     changed = tokens.at[:, 7].set((tokens[:, 7] + 1) % 256)
     forward = _jitted(model)
@@ -103,10 +123,10 @@ class ForwardTest(parameterized.TestCase):
       for hi in range(h):
         kv = hi // (h // hkv)  # Query heads share kv heads in blocks.
         for ti in range(t):
-          scores = k[bi, :ti + 1, kv] @ q[bi, ti, hi] / np.sqrt(d)
+          scores = k[bi, : ti + 1, kv] @ q[bi, ti, hi] / np.sqrt(d)
           weights = np.exp(scores - scores.max())
           weights /= weights.sum()
-          want[bi, ti, hi] = weights @ v[bi, :ti + 1, kv]
+          want[bi, ti, hi] = weights @ v[bi, : ti + 1, kv]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
   def test_returns_stats_for_moe_layers_only(self):
@@ -117,15 +137,16 @@ class ForwardTest(parameterized.TestCase):
     self.assertEqual(logits.shape, (2, 8, 256))
     self.assertEqual(logits.dtype, jnp.float32)
     self.assertEqual(sorted(stats), [1])
-    self.assertEqual(int(stats[1]["tokens_per_expert"].sum()),
-                     2 * 8 * cfg.moe.top_k)
+    self.assertEqual(
+        int(stats[1]["tokens_per_expert"].sum()), 2 * 8 * cfg.moe.top_k
+    )
     self.assertEqual(int(stats[1]["dropped_tokens"]), 0)
 
   def test_backends_agree_on_the_forward(self):
     cfg = testing.SMALL_DSV3
-    model = model_lib.Transformer(cfg, backend="xla",
-                                  compute_dtype=jnp.float32,
-                                  rngs=nnx.Rngs(0))
+    model = model_lib.Transformer(
+        cfg, backend="xla", compute_dtype=jnp.float32, rngs=nnx.Rngs(0)
+    )
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
     fast, _ = _jitted(model)(tokens)
     model_lib.set_backend(model, "reference")
@@ -134,9 +155,13 @@ class ForwardTest(parameterized.TestCase):
 
 
 def _loss_fn(cfg, remat, backend="xla"):
-  model = model_lib.Transformer(cfg, backend=backend,
-                                compute_dtype=jnp.float32, remat=remat,
-                                rngs=nnx.Rngs(0))
+  model = model_lib.Transformer(
+      cfg,
+      backend=backend,
+      compute_dtype=jnp.float32,
+      remat=remat,
+      rngs=nnx.Rngs(0),
+  )
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 256)
 
@@ -155,20 +180,23 @@ def _gradients(policy):
 
 class RematTest(parameterized.TestCase):
 
-  @parameterized.parameters("full", "save_moe", "recompute_moe",
-                            "offload_moe")
+  @parameterized.parameters("full", "save_moe", "recompute_moe", "offload_moe")
   def test_gradients_equal_no_remat(self, policy):
     want = _gradients("none")
     got = _gradients(policy)
-    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0],
-                            jax.tree.leaves(want)):
-      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
-                                 err_msg=jax.tree_util.keystr(path))
+    for (path, g), w in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)
+    ):
+      np.testing.assert_allclose(
+          g, w, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+      )
 
   def _saved_names(self, policy):
     if not hasattr(jax.ad_checkpoint, "print_saved_residuals"):
-      self.skipTest("jax.ad_checkpoint.print_saved_residuals is missing in "
-                    f"jax {jax.__version__}.")
+      self.skipTest(
+          "jax.ad_checkpoint.print_saved_residuals is missing in "
+          f"jax {jax.__version__}."
+      )
     loss, params = _loss_fn(testing.SMALL_DSV3, policy)
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):

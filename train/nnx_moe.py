@@ -49,8 +49,14 @@ class MoE(nnx.Module):
     rngs: `nnx.Rngs` with a "params" stream.
   """
 
-  def __init__(self, cfg: moe_core.MoEConfig, *, backend: str = "auto",
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(
+      self,
+      cfg: moe_core.MoEConfig,
+      *,
+      backend: str = "auto",
+      param_dtype=jnp.float32,
+      rngs: nnx.Rngs,
+  ):
     self.cfg = cfg
     self.backend = backend
     values = moe_core.init_params(rngs.params(), cfg, dtype=param_dtype)
@@ -60,15 +66,19 @@ class MoE(nnx.Module):
 
   def params_dict(self) -> dict[str, jax.Array]:
     """The block's parameters as the dict `moe_core.moe_layer` takes."""
-    return {name: getattr(self, name)[...]
-            for name in moe_core.param_shapes(self.cfg)}
+    return {
+        name: getattr(self, name)[...]
+        for name in moe_core.param_shapes(self.cfg)
+    }
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, moe_core.MoEAux]:
-    return moe_core.moe_layer(self.params_dict(), x, self.cfg,
-                              backend=self.backend)
+    return moe_core.moe_layer(
+        self.params_dict(), x, self.cfg, backend=self.backend
+    )
 
-  def update_correction_bias(self, tokens_per_expert: jax.Array,
-                             rate: float) -> None:
+  def update_correction_bias(
+      self, tokens_per_expert: jax.Array, rate: float
+  ) -> None:
     """Applies the aux-loss-free rule in place (a no-op without a bias).
 
     Args:
@@ -78,15 +88,20 @@ class MoE(nnx.Module):
     if not self.cfg.correction_bias:
       return
     bias = getattr(self, BIAS_NAME)
-    set_value(bias, moe_core.update_correction_bias(
-        bias[...], tokens_per_expert, rate).astype(jnp.float32))
+    set_value(
+        bias,
+        moe_core.update_correction_bias(
+            bias[...], tokens_per_expert, rate
+        ).astype(jnp.float32),
+    )
 
 
 def _weight_init(key, shape, dtype=jnp.float32):
   """moe_core.init_params's rule: truncated normal, std 1/sqrt(fan_in)."""
   std = shape[-2] ** -0.5
-  return (std * jax.random.truncated_normal(key, -2.0, 2.0, shape,
-                                            jnp.float32)).astype(dtype)
+  return (
+      std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
+  ).astype(dtype)
 
 
 class LinenMoE(linen.Module):
@@ -105,22 +120,27 @@ class LinenMoE(linen.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @linen.compact
-  def __call__(self, x: jax.Array, *, update_bias_rate: float | None = None
-               ) -> tuple[jax.Array, moe_core.MoEAux]:
+  def __call__(
+      self, x: jax.Array, *, update_bias_rate: float | None = None
+  ) -> tuple[jax.Array, moe_core.MoEAux]:
     """x [..., D] -> (y, aux); with `update_bias_rate`, also steps the bias."""
     params = {}
     for name, shape in moe_core.param_shapes(self.cfg).items():
       if name == BIAS_NAME:
-        bias = self.variable(LINEN_STATE_COLLECTION, BIAS_NAME, jnp.zeros,
-                             shape, jnp.float32)
+        bias = self.variable(
+            LINEN_STATE_COLLECTION, BIAS_NAME, jnp.zeros, shape, jnp.float32
+        )
         params[name] = bias.value
       else:
-        params[name] = self.param(name, _weight_init, shape,
-                                  self.param_dtype)
+        params[name] = self.param(name, _weight_init, shape, self.param_dtype)
     y, aux = moe_core.moe_layer(params, x, self.cfg, backend=self.backend)
-    if (update_bias_rate is not None and self.cfg.correction_bias
+    if (
+        update_bias_rate is not None
+        and self.cfg.correction_bias
         and self.is_mutable_collection(LINEN_STATE_COLLECTION)
-        and not self.is_initializing()):
+        and not self.is_initializing()
+    ):
       bias.value = moe_core.update_correction_bias(
-          bias.value, aux.tokens_per_expert, update_bias_rate)
+          bias.value, aux.tokens_per_expert, update_bias_rate
+      )
     return y, aux

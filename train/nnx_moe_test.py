@@ -13,10 +13,20 @@ from train import nnx_moe
 # DeepSeek-V3 routing (bias, groups, scaling) plus a gated shared expert, so
 # every parameter of the layout is exercised.
 CFG = moe_core.MoEConfig(
-    num_experts=8, top_k=2, hidden_size=16, expert_ffn_size=24,
-    score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
-    correction_bias=True, n_group=4, topk_group=2, group_score="sum_top2",
-    shared_ffn_size=16, shared_expert_gate=True)
+    num_experts=8,
+    top_k=2,
+    hidden_size=16,
+    expert_ffn_size=24,
+    score_func="sigmoid",
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    correction_bias=True,
+    n_group=4,
+    topk_group=2,
+    group_score="sum_top2",
+    shared_ffn_size=16,
+    shared_expert_gate=True,
+)
 
 
 def _tokens(dtype, shape=(3, 5, 16)):
@@ -41,19 +51,22 @@ class NnxMoETest(parameterized.TestCase):
     nnx_moe.set_value(layer.correction_bias, jnp.linspace(-0.3, 0.3, 8))
     x = _tokens(dtype)
     y, aux = layer(x)
-    y_ref, aux_ref = moe_core.moe_layer(layer.params_dict(), x, CFG,
-                                        backend="xla")
+    y_ref, aux_ref = moe_core.moe_layer(
+        layer.params_dict(), x, CFG, backend="xla"
+    )
     self.assertEqual(y.dtype, jnp.dtype(dtype))
-    np.testing.assert_array_equal(np.asarray(y, np.float32),
-                                  np.asarray(y_ref, np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
+    )
     np.testing.assert_array_equal(aux.expert_ids, aux_ref.expert_ids)
 
   def test_matches_reference_backend(self):
     layer = nnx_moe.MoE(CFG, backend="xla", rngs=nnx.Rngs(1))
     x = _tokens(jnp.float32)
     y, _ = layer(x)
-    y_ref, _ = moe_core.moe_layer(layer.params_dict(), x, CFG,
-                                  backend="reference")
+    y_ref, _ = moe_core.moe_layer(
+        layer.params_dict(), x, CFG, backend="reference"
+    )
     np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5)
 
   def test_gradients_equal_moe_layer_and_skip_bias(self):
@@ -65,16 +78,18 @@ class NnxMoETest(parameterized.TestCase):
 
     grads = nnx.grad(module_loss)(layer)  # Differentiates nnx.Param only.
     params = layer.params_dict()
-    ref = jax.grad(lambda p: jnp.sum(
-        moe_core.moe_layer(p, x, CFG, backend="xla")[0] ** 2))(params)
+    ref = jax.grad(
+        lambda p: jnp.sum(moe_core.moe_layer(p, x, CFG, backend="xla")[0] ** 2)
+    )(params)
     self.assertNotIn("correction_bias", grads)
     np.testing.assert_array_equal(ref["correction_bias"], 0.0)
     for name in moe_core.param_shapes(CFG):
       if name == "correction_bias":
         continue
       with self.subTest(name):
-        np.testing.assert_allclose(grads[name][...], ref[name], rtol=1e-5,
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            grads[name][...], ref[name], rtol=1e-5, atol=1e-6
+        )
 
   def test_bias_update_follows_the_rule(self):
     layer = nnx_moe.MoE(CFG, rngs=nnx.Rngs(3))
@@ -100,8 +115,10 @@ class LinenMoETest(absltest.TestCase):
     variables = module.init(jax.random.key(0), x)
     params = dict(variables["params"])
     params["correction_bias"] = variables["moe_state"]["correction_bias"]
-    self.assertEqual({k: tuple(v.shape) for k, v in params.items()},
-                     moe_core.param_shapes(CFG))
+    self.assertEqual(
+        {k: tuple(v.shape) for k, v in params.items()},
+        moe_core.param_shapes(CFG),
+    )
     y, _ = module.apply(variables, x)
     y_ref, _ = moe_core.moe_layer(params, x, CFG, backend="xla")
     np.testing.assert_array_equal(y, y_ref)
@@ -110,12 +127,13 @@ class LinenMoETest(absltest.TestCase):
     module = nnx_moe.LinenMoE(CFG, backend="xla")
     x = _tokens(jnp.float32)
     variables = module.init(jax.random.key(0), x)
-    (_, aux), updated = module.apply(variables, x, update_bias_rate=0.5,
-                                     mutable=["moe_state"])
+    (_, aux), updated = module.apply(
+        variables, x, update_bias_rate=0.5, mutable=["moe_state"]
+    )
     want = moe_core.update_correction_bias(
-        jnp.zeros(8, jnp.float32), aux.tokens_per_expert, 0.5)
-    np.testing.assert_array_equal(updated["moe_state"]["correction_bias"],
-                                  want)
+        jnp.zeros(8, jnp.float32), aux.tokens_per_expert, 0.5
+    )
+    np.testing.assert_array_equal(updated["moe_state"]["correction_bias"], want)
 
 
 if __name__ == "__main__":

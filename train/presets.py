@@ -77,44 +77,63 @@ class ModelConfig:
 
   def __post_init__(self):
     if self.attention not in ATTENTIONS:
-      raise ValueError(f"attention must be one of {ATTENTIONS}, got "
-                       f"{self.attention!r}.")
+      raise ValueError(
+          f"attention must be one of {ATTENTIONS}, got " f"{self.attention!r}."
+      )
     if self.qk_norm not in QK_NORMS:
-      raise ValueError(f"qk_norm must be one of {QK_NORMS}, got "
-                       f"{self.qk_norm!r}.")
+      raise ValueError(
+          f"qk_norm must be one of {QK_NORMS}, got " f"{self.qk_norm!r}."
+      )
     if self.attention == "gqa":
       if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
         raise ValueError(
             "num_kv_heads must be >= 1 and divide num_heads, got "
-            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}.")
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}."
+        )
       if self.head_dim < 2 or self.head_dim % 2:
-        raise ValueError("head_dim must be even (RoPE rotates pairs), got "
-                         f"head_dim={self.head_dim}.")
+        raise ValueError(
+            "head_dim must be even (RoPE rotates pairs), got "
+            f"head_dim={self.head_dim}."
+        )
     else:
       if self.qk_norm != "none":
-        raise ValueError("qk_norm applies to 'gqa' attention only, got "
-                         f"qk_norm={self.qk_norm!r} with attention='mla'.")
-      for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                   "v_head_dim"):
+        raise ValueError(
+            "qk_norm applies to 'gqa' attention only, got "
+            f"qk_norm={self.qk_norm!r} with attention='mla'."
+        )
+      for name in (
+          "kv_lora_rank",
+          "qk_nope_head_dim",
+          "qk_rope_head_dim",
+          "v_head_dim",
+      ):
         if getattr(self, name) < 1:
-          raise ValueError(f"attention='mla' needs {name} >= 1, got "
-                           f"{getattr(self, name)}.")
+          raise ValueError(
+              f"attention='mla' needs {name} >= 1, got "
+              f"{getattr(self, name)}."
+          )
       if self.qk_rope_head_dim % 2:
-        raise ValueError("qk_rope_head_dim must be even (RoPE rotates "
-                         f"pairs), got {self.qk_rope_head_dim}.")
+        raise ValueError(
+            "qk_rope_head_dim must be even (RoPE rotates "
+            f"pairs), got {self.qk_rope_head_dim}."
+        )
     if not 0 <= self.first_dense_layers <= self.num_layers:
       raise ValueError(
           "first_dense_layers must be in [0, num_layers], got "
           f"first_dense_layers={self.first_dense_layers}, "
-          f"num_layers={self.num_layers}.")
+          f"num_layers={self.num_layers}."
+      )
     if self.num_dense_layers and self.dense_ffn_size < 1:
-      raise ValueError(f"{self.num_dense_layers} dense layers need "
-                       f"dense_ffn_size >= 1, got {self.dense_ffn_size}.")
+      raise ValueError(
+          f"{self.num_dense_layers} dense layers need "
+          f"dense_ffn_size >= 1, got {self.dense_ffn_size}."
+      )
     if self.moe is not None and self.moe.hidden_size != self.hidden_size:
       raise ValueError(
           "moe.hidden_size must equal hidden_size, got "
           f"moe.hidden_size={self.moe.hidden_size}, "
-          f"hidden_size={self.hidden_size}.")
+          f"hidden_size={self.hidden_size}."
+      )
 
   @property
   def num_dense_layers(self) -> int:
@@ -189,43 +208,89 @@ class Published:
 _TINY_D = 128
 
 TINY_DSV3 = Preset(
-    description=("DeepSeek-V3 family, tiny: a dense first layer, then MoE "
-                 "layers with one shared expert, sigmoid routing with an "
-                 "aux-loss-free correction bias, group-limited top-k and "
-                 "routed scaling; MHA with RoPE."),
+    description=(
+        "DeepSeek-V3 family, tiny: a dense first layer, then MoE "
+        "layers with one shared expert, sigmoid routing with an "
+        "aux-loss-free correction bias, group-limited top-k and "
+        "routed scaling; MHA with RoPE."
+    ),
     model=ModelConfig(
-        name="tiny_dsv3", vocab_size=256, hidden_size=_TINY_D, num_layers=4,
-        num_heads=4, num_kv_heads=4, head_dim=32, first_dense_layers=1,
+        name="tiny_dsv3",
+        vocab_size=256,
+        hidden_size=_TINY_D,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=32,
+        first_dense_layers=1,
         dense_ffn_size=384,
         moe=moe_core.MoEConfig(
-            num_experts=16, top_k=4, hidden_size=_TINY_D, expert_ffn_size=64,
-            score_func="sigmoid", norm_topk_prob=True, norm_epsilon=1e-20,
-            routed_scaling_factor=2.5, correction_bias=True, n_group=4,
-            topk_group=2, group_score="sum_top2", shared_ffn_size=64)),
-    train=TrainDefaults())
+            num_experts=16,
+            top_k=4,
+            hidden_size=_TINY_D,
+            expert_ffn_size=64,
+            score_func="sigmoid",
+            norm_topk_prob=True,
+            norm_epsilon=1e-20,
+            routed_scaling_factor=2.5,
+            correction_bias=True,
+            n_group=4,
+            topk_group=2,
+            group_score="sum_top2",
+            shared_ffn_size=64,
+        ),
+    ),
+    train=TrainDefaults(),
+)
 
 TINY_MIXTRAL = Preset(
     description="Mixtral style, tiny: softmax top-2 of 8 experts, GQA.",
     model=ModelConfig(
-        name="tiny_mixtral", vocab_size=256, hidden_size=_TINY_D,
-        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+        name="tiny_mixtral",
+        vocab_size=256,
+        hidden_size=_TINY_D,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
         moe=moe_core.MoEConfig(
-            num_experts=8, top_k=2, hidden_size=_TINY_D, expert_ffn_size=192,
-            score_func="softmax", norm_topk_prob=True)),
-    train=TrainDefaults(aux_loss_weight=1e-2, z_loss_weight=1e-3))
+            num_experts=8,
+            top_k=2,
+            hidden_size=_TINY_D,
+            expert_ffn_size=192,
+            score_func="softmax",
+            norm_topk_prob=True,
+        ),
+    ),
+    train=TrainDefaults(aux_loss_weight=1e-2, z_loss_weight=1e-3),
+)
 
 TINY_QWEN3 = Preset(
-    description=("Qwen3-MoE / OLMoE style, tiny: fine-grained experts "
-                 "(32, top-8), softmax with top-k renormalisation, GQA with "
-                 "per-head QK-norm."),
+    description=(
+        "Qwen3-MoE / OLMoE style, tiny: fine-grained experts "
+        "(32, top-8), softmax with top-k renormalisation, GQA with "
+        "per-head QK-norm."
+    ),
     model=ModelConfig(
-        name="tiny_qwen3", vocab_size=256, hidden_size=_TINY_D,
-        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+        name="tiny_qwen3",
+        vocab_size=256,
+        hidden_size=_TINY_D,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
         qk_norm="head",
         moe=moe_core.MoEConfig(
-            num_experts=32, top_k=8, hidden_size=_TINY_D, expert_ffn_size=48,
-            score_func="softmax", norm_topk_prob=True)),
-    train=TrainDefaults(aux_loss_weight=1e-2, z_loss_weight=1e-3))
+            num_experts=32,
+            top_k=8,
+            hidden_size=_TINY_D,
+            expert_ffn_size=48,
+            score_func="softmax",
+            norm_topk_prob=True,
+        ),
+    ),
+    train=TrainDefaults(aux_loss_weight=1e-2, z_loss_weight=1e-3),
+)
 
 
 # --- Full-size published configs ----------------------------------------------
@@ -233,61 +298,138 @@ TINY_QWEN3 = Preset(
 DEEPSEEK_V3 = Preset(
     description="DeepSeek-V3 (671B), main model without the MTP module.",
     model=ModelConfig(
-        name="deepseek_v3", vocab_size=129280, hidden_size=7168,
-        num_layers=61, num_heads=128, attention="mla", q_lora_rank=1536,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, first_dense_layers=3, dense_ffn_size=18432,
+        name="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_layers=61,
+        num_heads=128,
+        attention="mla",
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        first_dense_layers=3,
+        dense_ffn_size=18432,
         moe=moe_core.MoEConfig(
-            num_experts=256, top_k=8, hidden_size=7168, expert_ffn_size=2048,
-            score_func="sigmoid", norm_topk_prob=True, norm_epsilon=1e-20,
-            routed_scaling_factor=2.5, correction_bias=True, n_group=8,
-            topk_group=4, group_score="sum_top2", shared_ffn_size=2048),
-        rope_theta=10000.0),
-    train=TrainDefaults(seq_len=4096, batch_size=15360, learning_rate=2.2e-4,
-                        bias_update_rate=1e-3))
+            num_experts=256,
+            top_k=8,
+            hidden_size=7168,
+            expert_ffn_size=2048,
+            score_func="sigmoid",
+            norm_topk_prob=True,
+            norm_epsilon=1e-20,
+            routed_scaling_factor=2.5,
+            correction_bias=True,
+            n_group=8,
+            topk_group=4,
+            group_score="sum_top2",
+            shared_ffn_size=2048,
+        ),
+        rope_theta=10000.0,
+    ),
+    train=TrainDefaults(
+        seq_len=4096,
+        batch_size=15360,
+        learning_rate=2.2e-4,
+        bias_update_rate=1e-3,
+    ),
+)
 
 MIXTRAL_8X7B = Preset(
     description="Mixtral 8x7B.",
     model=ModelConfig(
-        name="mixtral_8x7b", vocab_size=32000, hidden_size=4096,
-        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        name="mixtral_8x7b",
+        vocab_size=32000,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
         moe=moe_core.MoEConfig(
-            num_experts=8, top_k=2, hidden_size=4096, expert_ffn_size=14336,
-            score_func="softmax", norm_topk_prob=True),
-        rope_theta=1e6, norm_eps=1e-5),
-    train=TrainDefaults(seq_len=4096, batch_size=1024, learning_rate=3e-4,
-                        aux_loss_weight=1e-2))
+            num_experts=8,
+            top_k=2,
+            hidden_size=4096,
+            expert_ffn_size=14336,
+            score_func="softmax",
+            norm_topk_prob=True,
+        ),
+        rope_theta=1e6,
+        norm_eps=1e-5,
+    ),
+    train=TrainDefaults(
+        seq_len=4096, batch_size=1024, learning_rate=3e-4, aux_loss_weight=1e-2
+    ),
+)
 
 QWEN3_30B_A3B = Preset(
     description="Qwen3-30B-A3B.",
     model=ModelConfig(
-        name="qwen3_30b_a3b", vocab_size=151936, hidden_size=2048,
-        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        name="qwen3_30b_a3b",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
         qk_norm="head",
         moe=moe_core.MoEConfig(
-            num_experts=128, top_k=8, hidden_size=2048, expert_ffn_size=768,
-            score_func="softmax", norm_topk_prob=True),
-        rope_theta=1e6),
-    train=TrainDefaults(seq_len=4096, batch_size=1024, learning_rate=3e-4,
-                        aux_loss_weight=1e-3))
+            num_experts=128,
+            top_k=8,
+            hidden_size=2048,
+            expert_ffn_size=768,
+            score_func="softmax",
+            norm_topk_prob=True,
+        ),
+        rope_theta=1e6,
+    ),
+    train=TrainDefaults(
+        seq_len=4096, batch_size=1024, learning_rate=3e-4, aux_loss_weight=1e-3
+    ),
+)
 
 OLMOE_1B_7B = Preset(
     description="OLMoE-1B-7B.",
     model=ModelConfig(
-        name="olmoe_1b_7b", vocab_size=50304, hidden_size=2048,
-        num_layers=16, num_heads=16, num_kv_heads=16, head_dim=128,
+        name="olmoe_1b_7b",
+        vocab_size=50304,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=128,
         qk_norm="full",
         moe=moe_core.MoEConfig(
-            num_experts=64, top_k=8, hidden_size=2048, expert_ffn_size=1024,
-            score_func="softmax", norm_topk_prob=False),
-        norm_eps=1e-5),
-    train=TrainDefaults(seq_len=4096, batch_size=1024, learning_rate=4e-4,
-                        aux_loss_weight=1e-2, z_loss_weight=1e-3))
+            num_experts=64,
+            top_k=8,
+            hidden_size=2048,
+            expert_ffn_size=1024,
+            score_func="softmax",
+            norm_topk_prob=False,
+        ),
+        norm_eps=1e-5,
+    ),
+    train=TrainDefaults(
+        seq_len=4096,
+        batch_size=1024,
+        learning_rate=4e-4,
+        aux_loss_weight=1e-2,
+        z_loss_weight=1e-3,
+    ),
+)
 
 PRESETS: dict[str, Preset] = {
-    p.model.name: p for p in (TINY_DSV3, TINY_MIXTRAL, TINY_QWEN3,
-                              DEEPSEEK_V3, MIXTRAL_8X7B, QWEN3_30B_A3B,
-                              OLMOE_1B_7B)}
+    p.model.name: p
+    for p in (
+        TINY_DSV3,
+        TINY_MIXTRAL,
+        TINY_QWEN3,
+        DEEPSEEK_V3,
+        MIXTRAL_8X7B,
+        QWEN3_30B_A3B,
+        OLMOE_1B_7B,
+    )
+}
 DEFAULT_PRESET = "tiny_dsv3"
 FULL_SIZE = ("deepseek_v3", "mixtral_8x7b", "qwen3_30b_a3b", "olmoe_1b_7b")
 
@@ -295,29 +437,49 @@ FULL_SIZE = ("deepseek_v3", "mixtral_8x7b", "qwen3_30b_a3b", "olmoe_1b_7b")
 # configs themselves are those of the models' Hugging Face config.json).
 PUBLISHED: dict[str, Published] = {
     "deepseek_v3": Published(
-        total=671e9, active=37e9, active_counts_embedding=True,
-        source=("huggingface.co/deepseek-ai/DeepSeek-V3, README.md ('671B "
-                "total parameters with 37B activated for each token'); the "
-                "MTP module is counted apart. README_WEIGHTS.md's finer "
-                "'36.7B activated, including 0.9B for Embedding and 0.9B for "
-                "the output Head' disagrees with the config by about 0.9B "
-                "(the config gives 37.5B with both, 36.6B without the input "
-                "embedding); both conventions fall within the card's 37B")),
+        total=671e9,
+        active=37e9,
+        active_counts_embedding=True,
+        source=(
+            "huggingface.co/deepseek-ai/DeepSeek-V3, README.md ('671B "
+            "total parameters with 37B activated for each token'); the "
+            "MTP module is counted apart. README_WEIGHTS.md's finer "
+            "'36.7B activated, including 0.9B for Embedding and 0.9B for "
+            "the output Head' disagrees with the config by about 0.9B "
+            "(the config gives 37.5B with both, 36.6B without the input "
+            "embedding); both conventions fall within the card's 37B"
+        ),
+    ),
     "mixtral_8x7b": Published(
-        total=46.7e9, active=12.9e9, active_counts_embedding=True,
-        source=("mistral.ai/news/mixtral-of-experts ('46.7B total parameters "
-                "but only uses 12.9B parameters per token')")),
+        total=46.7e9,
+        active=12.9e9,
+        active_counts_embedding=True,
+        source=(
+            "mistral.ai/news/mixtral-of-experts ('46.7B total parameters "
+            "but only uses 12.9B parameters per token')"
+        ),
+    ),
     "qwen3_30b_a3b": Published(
-        total=30.5e9, active=3.3e9, active_counts_embedding=True,
-        source=("the Qwen3-30B-A3B model card's '30.5B in total and 3.3B "
-                "activated', as quoted by docs.vllm.ai (vLLM-Ascend "
-                "tutorials/models/Qwen3-30B-A3B) and "
-                "apxml.com/models/qwen3-30b-a3b")),
+        total=30.5e9,
+        active=3.3e9,
+        active_counts_embedding=True,
+        source=(
+            "the Qwen3-30B-A3B model card's '30.5B in total and 3.3B "
+            "activated', as quoted by docs.vllm.ai (vLLM-Ascend "
+            "tutorials/models/Qwen3-30B-A3B) and "
+            "apxml.com/models/qwen3-30b-a3b"
+        ),
+    ),
     "olmoe_1b_7b": Published(
-        total=6.9e9, active=1.3e9, active_counts_embedding=True,
-        source=("OLMoE (arXiv:2409.02060): 6.9B total, 1.3B active per "
-                "token, as listed by labindex.ai/outputs/ai2/olmoe; the "
-                "abstract rounds them to 7B and 1B")),
+        total=6.9e9,
+        active=1.3e9,
+        active_counts_embedding=True,
+        source=(
+            "OLMoE (arXiv:2409.02060): 6.9B total, 1.3B active per "
+            "token, as listed by labindex.ai/outputs/ai2/olmoe; the "
+            "abstract rounds them to 7B and 1B"
+        ),
+    ),
 }
 # The published figures are rounded to 2-3 significant digits: a count
 # matches when it is within half a unit of the last published digit, plus 1%
@@ -335,15 +497,19 @@ def published_tolerance(value: float) -> float:
 def counts_as_published(name: str) -> tuple[int, int]:
   """(total, active) of preset `name`, active counted as its card counts it."""
   counts = param_counts(get_preset(name).model)
-  active = (counts.active if PUBLISHED[name].active_counts_embedding
-            else counts.active_without_embedding)
+  active = (
+      counts.active
+      if PUBLISHED[name].active_counts_embedding
+      else counts.active_without_embedding
+  )
   return counts.total, active
 
 
 def get_preset(name: str) -> Preset:
   if name not in PRESETS:
-    raise ValueError(f"unknown model preset {name!r}; valid names: "
-                     f"{sorted(PRESETS)}.")
+    raise ValueError(
+        f"unknown model preset {name!r}; valid names: " f"{sorted(PRESETS)}."
+    )
   return PRESETS[name]
 
 
@@ -359,8 +525,11 @@ def attention_param_count(cfg: ModelConfig) -> int:
       q = d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * h * qk
     else:
       q = d * h * qk
-    kv = (d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-          + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+    kv = (
+        d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        + cfg.kv_lora_rank
+        + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    )
     return q + kv + h * cfg.v_head_dim * d
   q_width = h * cfg.head_dim
   kv_width = cfg.num_kv_heads * cfg.head_dim
@@ -420,15 +589,22 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
   head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
   attention = cfg.num_layers * attention_param_count(cfg)
   dense_mlp = cfg.num_dense_layers * 3 * d * cfg.dense_ffn_size
-  moe_total, moe_active = (moe_param_counts(cfg.moe) if cfg.moe else (0, 0))
+  moe_total, moe_active = moe_param_counts(cfg.moe) if cfg.moe else (0, 0)
   moe_total *= cfg.num_moe_layers
   moe_active *= cfg.num_moe_layers
   norms = 2 * d * cfg.num_layers + d
   shared = embedding + head + attention + dense_mlp + norms
   return ParamCounts(
-      total=shared + moe_total, active=shared + moe_active,
-      embedding=embedding, head=head, attention=attention,
-      dense_mlp=dense_mlp, moe=moe_total, moe_active=moe_active, norms=norms)
+      total=shared + moe_total,
+      active=shared + moe_active,
+      embedding=embedding,
+      head=head,
+      attention=attention,
+      dense_mlp=dense_mlp,
+      moe=moe_total,
+      moe_active=moe_active,
+      norms=norms,
+  )
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
@@ -445,11 +621,19 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
   if cfg.tie_embeddings:
     matmul += cfg.vocab_size * cfg.hidden_size
   context = (seq_len + 1) / 2
-  attend = (2 * cfg.num_layers * cfg.num_heads * context
-            * (cfg.qk_head_dim + cfg.value_head_dim))
+  attend = (
+      2
+      * cfg.num_layers
+      * cfg.num_heads
+      * context
+      * (cfg.qk_head_dim + cfg.value_head_dim)
+  )
   forward = 2.0 * matmul + attend
-  return {"forward": forward, "train": 3.0 * forward,
-          "attention_forward": attend}
+  return {
+      "forward": forward,
+      "train": 3.0 * forward,
+      "attention_forward": attend,
+  }
 
 
 # --- Memory for a mesh --------------------------------------------------------
@@ -464,22 +648,25 @@ def parse_mesh(spec: str) -> dict[str, int]:
   for item in filter(None, (s.strip() for s in spec.split(","))):
     name, sep, size = item.partition("=")
     if not sep or name.strip() not in MESH_AXES:
-      raise ValueError(f"--mesh entries must be AXIS=SIZE with AXIS in "
-                       f"{MESH_AXES}, got {item!r} in {spec!r}.")
+      raise ValueError(
+          f"--mesh entries must be AXIS=SIZE with AXIS in "
+          f"{MESH_AXES}, got {item!r} in {spec!r}."
+      )
     try:
       value = int(size)
     except ValueError:
       value = 0
     if value < 1:
-      raise ValueError(f"mesh axis {name!r} needs a positive int size, got "
-                       f"{size!r}.")
+      raise ValueError(
+          f"mesh axis {name!r} needs a positive int size, got " f"{size!r}."
+      )
     mesh[name.strip()] = value
   return mesh
 
 
-def _activation_bytes_per_token_layer(cfg: ModelConfig, moe_layer: bool,
-                                      remat: str, seq_len: int,
-                                      tensor: int) -> tuple[float, float]:
+def _activation_bytes_per_token_layer(
+    cfg: ModelConfig, moe_layer: bool, remat: str, seq_len: int, tensor: int
+) -> tuple[float, float]:
   """(device, host) bytes one token leaves saved for the backward, one layer.
 
   An estimate in bf16 (2 bytes) with float32 softmax statistics; tensor
@@ -490,20 +677,29 @@ def _activation_bytes_per_token_layer(cfg: ModelConfig, moe_layer: bool,
   if remat == "full":
     return block_input, 0.0
   q_width = h * cfg.qk_head_dim
-  kv_width = (h * (cfg.qk_head_dim + cfg.value_head_dim)
-              if cfg.attention == "mla"
-              else 2 * cfg.num_kv_heads * cfg.head_dim)
-  attn = (2.0 * (2 * d + q_width + kv_width + h * cfg.value_head_dim) / tensor
-          # Causal scores and probabilities, f32, (seq_len + 1) / 2 each.
-          + 2 * 4.0 * h * (seq_len + 1) / 2 / tensor)
+  kv_width = (
+      h * (cfg.qk_head_dim + cfg.value_head_dim)
+      if cfg.attention == "mla"
+      else 2 * cfg.num_kv_heads * cfg.head_dim
+  )
+  attn = (
+      2.0 * (2 * d + q_width + kv_width + h * cfg.value_head_dim) / tensor
+      # Causal scores and probabilities, f32, (seq_len + 1) / 2 each.
+      + 2 * 4.0 * h * (seq_len + 1) / 2 / tensor
+  )
   if moe_layer:
     moe = cfg.moe
     k, f = moe.top_k, moe.expert_ffn_size
     # Router logits/probs (f32), dispatched rows, gate, up, act, down.
     gemm_outputs = 2.0 * k * (2 * f + d) / tensor
-    mlp = (2 * 4.0 * moe.num_experts + 2.0 * k * d + gemm_outputs
-           + 2.0 * k * f / tensor + 2.0 * d
-           + 2.0 * 4 * moe.shared_ffn_size / tensor)
+    mlp = (
+        2 * 4.0 * moe.num_experts
+        + 2.0 * k * d
+        + gemm_outputs
+        + 2.0 * k * f / tensor
+        + 2.0 * d
+        + 2.0 * 4 * moe.shared_ffn_size / tensor
+    )
   else:
     gemm_outputs = 0.0
     mlp = 2.0 * (4 * cfg.dense_ffn_size / tensor + 2 * d)
@@ -519,8 +715,13 @@ def _activation_bytes_per_token_layer(cfg: ModelConfig, moe_layer: bool,
   raise ValueError(f"remat must be one of {REMAT_CHOICES}, got {remat!r}.")
 
 
-def memory_per_device(cfg: ModelConfig, mesh: dict[str, int], batch_size: int,
-                      seq_len: int, remat: str = "full") -> dict[str, float]:
+def memory_per_device(
+    cfg: ModelConfig,
+    mesh: dict[str, int],
+    batch_size: int,
+    seq_len: int,
+    remat: str = "full",
+) -> dict[str, float]:
   """Bytes per device for weights, gradients, optimiser state, activations.
 
   Layout assumed: float32 master weights and gradients, AdamW's two float32
@@ -535,16 +736,19 @@ def memory_per_device(cfg: ModelConfig, mesh: dict[str, int], batch_size: int,
   if cfg.moe:
     shapes = moe_core.param_shapes(cfg.moe)
     routed = cfg.num_moe_layers * sum(
-        math.prod(shapes[n]) for n in ("w_gate", "w_up", "w_down"))
+        math.prod(shapes[n]) for n in ("w_gate", "w_up", "w_down")
+    )
   other = counts.total - routed
-  per_device = (routed / (mesh["expert"] * mesh["fsdp"] * mesh["tensor"])
-                + other / (mesh["fsdp"] * mesh["tensor"]))
+  per_device = routed / (
+      mesh["expert"] * mesh["fsdp"] * mesh["tensor"]
+  ) + other / (mesh["fsdp"] * mesh["tensor"])
   batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
   tokens = batch_size * seq_len / batch_shards
   device_act = host_act = 0.0
   for layer in range(cfg.num_layers):
     dev, host = _activation_bytes_per_token_layer(
-        cfg, cfg.is_moe_layer(layer), remat, seq_len, mesh["tensor"])
+        cfg, cfg.is_moe_layer(layer), remat, seq_len, mesh["tensor"]
+    )
     device_act += dev
     host_act += host
   logits = 4.0 * cfg.vocab_size / mesh["tensor"]
@@ -561,31 +765,47 @@ def memory_per_device(cfg: ModelConfig, mesh: dict[str, int], batch_size: int,
 
 def human(n: float, unit: str = "") -> str:
   """1.234e9 -> '1.23G'."""
-  for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"),
-                        (1e3, "k")):
+  for scale, suffix in (
+      (1e15, "P"),
+      (1e12, "T"),
+      (1e9, "G"),
+      (1e6, "M"),
+      (1e3, "k"),
+  ):
     if abs(n) >= scale:
       return f"{n / scale:.3g}{suffix}{unit}"
   return f"{n:.3g}{unit}"
 
 
 def human_bytes(n: float) -> str:
-  for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"),
-                        (2**10, "KiB")):
+  for scale, suffix in (
+      (2**40, "TiB"),
+      (2**30, "GiB"),
+      (2**20, "MiB"),
+      (2**10, "KiB"),
+  ):
     if abs(n) >= scale:
       return f"{n / scale:.3g} {suffix}"
   return f"{n:.0f} B"
 
 
-def describe(preset: Preset, *, mesh: dict[str, int], batch_size: int,
-             seq_len: int, remat: str) -> str:
+def describe(
+    preset: Preset,
+    *,
+    mesh: dict[str, int],
+    batch_size: int,
+    seq_len: int,
+    remat: str,
+) -> str:
   """The `--dry_run` report: counts, FLOPs per token and memory per device."""
   cfg = preset.model
   c = param_counts(cfg)
   fl = flops_per_token(cfg, seq_len)
   mem = memory_per_device(cfg, mesh, batch_size, seq_len, remat)
   devices = math.prod(mesh.values())
-  total_bytes = sum(mem[k] for k in ("weights", "gradients", "optimizer",
-                                     "activations"))
+  total_bytes = sum(
+      mem[k] for k in ("weights", "gradients", "optimizer", "activations")
+  )
   lines = [
       f"model {cfg.name}: {preset.description}",
       f"  layers {cfg.num_layers} ({cfg.num_dense_layers} dense, "
@@ -596,7 +816,8 @@ def describe(preset: Preset, *, mesh: dict[str, int], batch_size: int,
     m = cfg.moe
     lines.append(
         f"  experts {m.num_experts} (top-{m.top_k}, ffn {m.expert_ffn_size}"
-        f", shared ffn {m.shared_ffn_size}), router {m.score_func}")
+        f", shared ffn {m.shared_ffn_size}), router {m.score_func}"
+    )
   lines += [
       f"  parameters: total {c.total:,} ({human(c.total)}), active per token"
       f" {c.active:,} ({human(c.active)}); without the input embedding "
@@ -610,7 +831,8 @@ def describe(preset: Preset, *, mesh: dict[str, int], batch_size: int,
     lines.append(
         f"  published: {human(pub.total)} total, {human(pub.active)} active "
         f"({'with' if pub.active_counts_embedding else 'without'} the input "
-        f"embedding); source: {pub.source}")
+        f"embedding); source: {pub.source}"
+    )
   lines += [
       f"  FLOPs per token at seq_len {seq_len}: forward "
       f"{human(fl['forward'])}, training {human(fl['train'])} (6 x active "
@@ -621,8 +843,11 @@ def describe(preset: Preset, *, mesh: dict[str, int], batch_size: int,
       f"{human_bytes(mem['gradients'])}, AdamW state "
       f"{human_bytes(mem['optimizer'])}, activations "
       f"{human_bytes(mem['activations'])}"
-      + (f" (+{human_bytes(mem['activations_offloaded_to_host'])} on host)"
-         if mem["activations_offloaded_to_host"] else ""),
+      + (
+          f" (+{human_bytes(mem['activations_offloaded_to_host'])} on host)"
+          if mem["activations_offloaded_to_host"]
+          else ""
+      ),
       f"    total {human_bytes(total_bytes)}",
   ]
   return "\n".join(lines)

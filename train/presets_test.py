@@ -27,15 +27,19 @@ class PublishedCountsTest(parameterized.TestCase):
   def test_counts_match_the_published_figures(self, name):
     published = presets.PUBLISHED[name]
     total, active = presets.counts_as_published(name)
-    for what, got, want in (("total", total, published.total),
-                            ("active", active, published.active)):
+    for what, got, want in (
+        ("total", total, published.total),
+        ("active", active, published.active),
+    ):
       with self.subTest(what):
         tolerance = presets.published_tolerance(want)
         self.assertLessEqual(
-            abs(got - want), tolerance,
+            abs(got - want),
+            tolerance,
             f"{name} {what}: computed {got / 1e9:.3f}B, published "
             f"{want / 1e9:g}B (tolerance {tolerance / 1e9:.3f}B; source: "
-            f"{published.source})")
+            f"{published.source})",
+        )
 
   def test_active_counts_differ_by_exactly_the_input_embedding(self):
     # One embedding row of hidden_size per vocabulary entry is looked up
@@ -44,14 +48,16 @@ class PublishedCountsTest(parameterized.TestCase):
       model = presets.get_preset(name).model
       counts = presets.param_counts(model)
       with self.subTest(name):
-        self.assertEqual(counts.active - counts.active_without_embedding,
-                         model.vocab_size * model.hidden_size)
+        self.assertEqual(
+            counts.active - counts.active_without_embedding,
+            model.vocab_size * model.hidden_size,
+        )
 
   def test_tolerance_is_half_a_unit_of_the_last_digit_plus_one_percent(self):
-    self.assertAlmostEqual(presets.published_tolerance(46.7e9),
-                           0.05e9 + 0.467e9)
-    self.assertAlmostEqual(presets.published_tolerance(671e9),
-                           0.5e9 + 6.71e9)
+    self.assertAlmostEqual(
+        presets.published_tolerance(46.7e9), 0.05e9 + 0.467e9
+    )
+    self.assertAlmostEqual(presets.published_tolerance(671e9), 0.5e9 + 6.71e9)
 
 
 class FlopsTest(absltest.TestCase):
@@ -64,19 +70,23 @@ class FlopsTest(absltest.TestCase):
     """
     cfg = testing.SMALL_DSV3.replace(moe=None, dense_ffn_size=64)
     batch, seq = 2, 64
-    model = model_lib.Transformer(cfg, compute_dtype=jnp.float32,
-                                  rngs=nnx.Rngs(0))
+    model = model_lib.Transformer(
+        cfg, compute_dtype=jnp.float32, rngs=nnx.Rngs(0)
+    )
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
-    cost = forward.lower(state, jnp.zeros((batch, seq), jnp.int32)
-                         ).compile().cost_analysis()
+    cost = (
+        forward.lower(state, jnp.zeros((batch, seq), jnp.int32))
+        .compile()
+        .cost_analysis()
+    )
     if isinstance(cost, (list, tuple)):  # Older jax: one dict per device.
       cost = cost[0]
     if not cost or "flops" not in cost:
       self.skipTest(f"no XLA cost analysis in jax {jax.__version__}.")
     f = presets.flops_per_token(cfg, seq)
     unmasked_attention = f["attention_forward"] * 2 * seq / (seq + 1)
-    want = (f["forward"] - f["attention_forward"] + unmasked_attention)
+    want = f["forward"] - f["attention_forward"] + unmasked_attention
     got = cost["flops"] / (batch * seq)
     self.assertBetween(got / want, 0.99, 1.10)
 
@@ -89,32 +99,36 @@ class MemoryTest(absltest.TestCase):
 
   def test_expert_axis_divides_only_routed_expert_weights(self):
     cfg = presets.QWEN3_30B_A3B.model
-    one = presets.memory_per_device(cfg, presets.parse_mesh("data=1"), 8,
-                                    128)
-    ep = presets.memory_per_device(cfg, presets.parse_mesh("expert=8"), 8,
-                                   128)
-    routed = cfg.num_moe_layers * 3 * (cfg.moe.num_experts * cfg.hidden_size
-                                       * cfg.moe.expert_ffn_size)
+    one = presets.memory_per_device(cfg, presets.parse_mesh("data=1"), 8, 128)
+    ep = presets.memory_per_device(cfg, presets.parse_mesh("expert=8"), 8, 128)
+    routed = (
+        cfg.num_moe_layers
+        * 3
+        * (cfg.moe.num_experts * cfg.hidden_size * cfg.moe.expert_ffn_size)
+    )
     counts = presets.param_counts(cfg)
     self.assertEqual(one["weights"], 4.0 * counts.total)
-    self.assertAlmostEqual(ep["weights"],
-                           4.0 * (counts.total - routed + routed / 8))
+    self.assertAlmostEqual(
+        ep["weights"], 4.0 * (counts.total - routed + routed / 8)
+    )
     self.assertEqual(ep["tokens_per_device"], one["tokens_per_device"] / 8)
 
   def test_remat_orders_activation_memory(self):
     cfg = presets.TINY_DSV3.model
     mesh = presets.parse_mesh("data=1")
-    act = {r: presets.memory_per_device(cfg, mesh, 16, 128, r)
-           for r in presets.REMAT_CHOICES}
-    self.assertLess(act["full"]["activations"],
-                    act["save_moe"]["activations"])
-    self.assertLess(act["save_moe"]["activations"],
-                    act["none"]["activations"])
-    self.assertEqual(act["offload_moe"]["activations"],
-                     act["full"]["activations"])
+    act = {
+        r: presets.memory_per_device(cfg, mesh, 16, 128, r)
+        for r in presets.REMAT_CHOICES
+    }
+    self.assertLess(act["full"]["activations"], act["save_moe"]["activations"])
+    self.assertLess(act["save_moe"]["activations"], act["none"]["activations"])
+    self.assertEqual(
+        act["offload_moe"]["activations"], act["full"]["activations"]
+    )
     self.assertAlmostEqual(
         act["offload_moe"]["activations_offloaded_to_host"],
-        act["save_moe"]["activations"] - act["full"]["activations"])
+        act["save_moe"]["activations"] - act["full"]["activations"],
+    )
 
   def test_bad_mesh_is_refused(self):
     with self.assertRaisesRegex(ValueError, "AXIS=SIZE with AXIS in"):
@@ -125,8 +139,9 @@ class MemoryTest(absltest.TestCase):
 
 class DryRunTest(absltest.TestCase):
 
-  @flagsaver.flagsaver(model="deepseek_v3", dry_run=True,
-                       mesh="fsdp=4,expert=64")
+  @flagsaver.flagsaver(
+      model="deepseek_v3", dry_run=True, mesh="fsdp=4,expert=64"
+  )
   def test_dry_run_prints_counts_without_allocating(self):
     before = len(jax.live_arrays())
     out = io.StringIO()
@@ -137,8 +152,11 @@ class DryRunTest(absltest.TestCase):
     # the published figures above and the built models in model_test).
     counts = presets.param_counts(presets.DEEPSEEK_V3.model)
     self.assertIn(f"total {counts.total:,}", text)
-    self.assertIn("without the input embedding "
-                  f"{presets.human(counts.active_without_embedding)}", text)
+    self.assertIn(
+        "without the input embedding "
+        f"{presets.human(counts.active_without_embedding)}",
+        text,
+    )
     self.assertIn("FLOPs per token", text)
     self.assertIn("256 devices", text)
     self.assertIn("AdamW state", text)

@@ -52,14 +52,19 @@ def policy(name: str):
     # recomputed. Saving only dot_general outputs (and other names) leaves
     # the expert GEMMs (custom_vjp loops, ragged_dot, pallas_call) out.
     return policies.save_from_both_policies(
-        policies.dots_saveable, policies.save_any_names_but_these(*MOE_NAMES))
+        policies.dots_saveable, policies.save_any_names_but_these(*MOE_NAMES)
+    )
   return policies.save_and_offload_only_these_names(
-      names_which_can_be_saved=[], names_which_can_be_offloaded=MOE_NAMES,
-      offload_src="device", offload_dst="pinned_host")
+      names_which_can_be_saved=[],
+      names_which_can_be_offloaded=MOE_NAMES,
+      offload_src="device",
+      offload_dst="pinned_host",
+  )
 
 
-def call_block(block: nnx.Module, x: jax.Array, positions: jax.Array,
-               name: str):
+def call_block(
+    block: nnx.Module, x: jax.Array, positions: jax.Array, name: str
+):
   """block(x, positions) under the remat policy `name`.
 
   The block is split into its graph and state so `jax.checkpoint` sees a

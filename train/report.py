@@ -19,12 +19,11 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
   if len(values) < window or window < 2:
     return values
   kernel = np.ones(window) / window
-  head = np.array([values[:i + 1].mean() for i in range(window - 1)])
+  head = np.array([values[: i + 1].mean() for i in range(window - 1)])
   return np.concatenate([head, np.convolve(values, kernel, mode="valid")])
 
 
-def plot(path: str, history: dict, summary: dict, moe_layers: list[int]
-         ) -> str:
+def plot(path: str, history: dict, summary: dict, moe_layers: list[int]) -> str:
   """Saves the training figure to `path` and returns it.
 
   Left: training loss (raw and smoothed), held-out loss, and the unigram
@@ -35,49 +34,81 @@ def plot(path: str, history: dict, summary: dict, moe_layers: list[int]
   # Imported here, and with the file-only Agg backend chosen before pyplot:
   # training never needs a display, and runs without --plot skip matplotlib.
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 
   load = np.asarray(history["load"], np.float64)  # [steps, layers, E]
   has_load = load.ndim == 3 and load.size > 0
-  fig, axes = plt.subplots(1, 2 if has_load else 1,
-                           figsize=(13 if has_load else 7, 4.8),
-                           squeeze=False)
+  fig, axes = plt.subplots(
+      1,
+      2 if has_load else 1,
+      figsize=(13 if has_load else 7, 4.8),
+      squeeze=False,
+  )
   ax = axes[0, 0]
   steps = np.asarray(history["step"])
   loss = np.asarray(history["loss"])
-  ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8,
-          label="train (per step)")
-  ax.plot(steps, _smooth(loss, 10), color="tab:blue", lw=1.5,
-          label="train (10-step mean)")
+  ax.plot(
+      steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="train (per step)"
+  )
+  ax.plot(
+      steps,
+      _smooth(loss, 10),
+      color="tab:blue",
+      lw=1.5,
+      label="train (10-step mean)",
+  )
   if history["eval_step"]:
-    ax.plot(history["eval_step"], history["eval_loss"], "o-",
-            color="tab:orange", label="held-out")
-  ax.axhline(summary["unigram_entropy"], color="gray", ls="--",
-             label=f"unigram entropy {summary['unigram_entropy']:.3f}")
+    ax.plot(
+        history["eval_step"],
+        history["eval_loss"],
+        "o-",
+        color="tab:orange",
+        label="held-out",
+    )
+  ax.axhline(
+      summary["unigram_entropy"],
+      color="gray",
+      ls="--",
+      label=f"unigram entropy {summary['unigram_entropy']:.3f}",
+  )
   ax.set_xlabel("step")
   ax.set_ylabel("next-byte loss (nats)")
-  ax.set_title(f"{summary['model']} on {os.path.basename(summary['data'])}, "
-               f"backend {summary['backend']}")
-  ax.set_ylim(bottom=max(0.0, float(np.min(loss)) - 0.5),
-              top=float(np.percentile(loss, 99)) + 0.3)
+  ax.set_title(
+      f"{summary['model']} on {os.path.basename(summary['data'])}, "
+      f"backend {summary['backend']}"
+  )
+  ax.set_ylim(
+      bottom=max(0.0, float(np.min(loss)) - 0.5),
+      top=float(np.percentile(loss, 99)) + 0.3,
+  )
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
 
   if has_load:
     ax = axes[0, 1]
     num_steps, num_layers, num_experts = load.shape
-    image = load.transpose(1, 2, 0).reshape(num_layers * num_experts,
-                                            num_steps)
-    shown = ax.imshow(image, aspect="auto", cmap="viridis",
-                      interpolation="nearest",
-                      extent=(steps[0] - 0.5, steps[-1] + 0.5,
-                              num_layers * num_experts - 0.5, -0.5),
-                      vmin=0.0, vmax=max(2.0, float(image.max())))
+    image = load.transpose(1, 2, 0).reshape(num_layers * num_experts, num_steps)
+    shown = ax.imshow(
+        image,
+        aspect="auto",
+        cmap="viridis",
+        interpolation="nearest",
+        extent=(
+            steps[0] - 0.5,
+            steps[-1] + 0.5,
+            num_layers * num_experts - 0.5,
+            -0.5,
+        ),
+        vmin=0.0,
+        vmax=max(2.0, float(image.max())),
+    )
     for boundary in range(1, num_layers):
       ax.axhline(boundary * num_experts - 0.5, color="white", lw=1)
-    ax.set_yticks([i * num_experts + (num_experts - 1) / 2
-                   for i in range(num_layers)])
+    ax.set_yticks(
+        [i * num_experts + (num_experts - 1) / 2 for i in range(num_layers)]
+    )
     ax.set_yticklabels([f"layer {i}" for i in moe_layers])
     ax.set_xlabel("step")
     ax.set_title("expert load: tokens per expert / mean (1 = balanced)")

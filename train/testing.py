@@ -14,14 +14,31 @@ from train import trainer
 # first layer, then an MoE layer with a shared expert, sigmoid routing, a
 # correction bias, group-limited top-k and routed scaling.
 SMALL_DSV3 = presets.ModelConfig(
-    name="test_dsv3", vocab_size=256, hidden_size=32, num_layers=2,
-    num_heads=2, num_kv_heads=2, head_dim=16, first_dense_layers=1,
+    name="test_dsv3",
+    vocab_size=256,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=16,
+    first_dense_layers=1,
     dense_ffn_size=64,
     moe=moe_core.MoEConfig(
-        num_experts=8, top_k=2, hidden_size=32, expert_ffn_size=32,
-        score_func="sigmoid", norm_topk_prob=True, norm_epsilon=1e-20,
-        routed_scaling_factor=2.5, correction_bias=True, n_group=4,
-        topk_group=2, group_score="sum_top2", shared_ffn_size=32))
+        num_experts=8,
+        top_k=2,
+        hidden_size=32,
+        expert_ffn_size=32,
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        norm_epsilon=1e-20,
+        routed_scaling_factor=2.5,
+        correction_bias=True,
+        n_group=4,
+        topk_group=2,
+        group_score="sum_top2",
+        shared_ffn_size=32,
+    ),
+)
 
 _CORPUS = None
 
@@ -37,12 +54,27 @@ def corpus() -> data_lib.Corpus:
 def small_run(output_dir: str, **overrides) -> trainer.RunConfig:
   """A fast RunConfig on SMALL_DSV3; `overrides` replace any field."""
   run = trainer.RunConfig(
-      model=SMALL_DSV3, steps=8, batch_size=4, seq_len=32,
-      learning_rate=3e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0,
-      bias_update_rate=1e-2, aux_loss_weight=0.0, z_loss_weight=0.0,
-      seed=0, backend="xla", output_dir=output_dir, eval_every=1000,
-      eval_batches=2, checkpoint_every=0, log_every=1000, progress=False,
-      plot=False)
+      model=SMALL_DSV3,
+      steps=8,
+      batch_size=4,
+      seq_len=32,
+      learning_rate=3e-3,
+      warmup_steps=2,
+      weight_decay=0.1,
+      grad_clip=1.0,
+      bias_update_rate=1e-2,
+      aux_loss_weight=0.0,
+      z_loss_weight=0.0,
+      seed=0,
+      backend="xla",
+      output_dir=output_dir,
+      eval_every=1000,
+      eval_batches=2,
+      checkpoint_every=0,
+      log_every=1000,
+      progress=False,
+      plot=False,
+  )
   return dataclasses.replace(run, **overrides)
 
 

@@ -22,28 +22,35 @@ AGREEMENT_STEPS = 4
 
 def _losses(run, steps):
   tr = trainer.Trainer(run, testing.corpus(), out=None)
-  return [float(tr.train_step(tr.sampler.next())["loss"])
-          for _ in range(steps)]
+  return [float(tr.train_step(tr.sampler.next())["loss"]) for _ in range(steps)]
 
 
 class LossDecreasesTest(absltest.TestCase):
 
   def test_loss_decreases_on_the_embedded_corpus(self):
-    run = testing.small_run(testing.temp_dir(self), steps=40,
-                            batch_size=8, seq_len=48, warmup_steps=4,
-                            eval_batches=4)
+    run = testing.small_run(
+        testing.temp_dir(self),
+        steps=40,
+        batch_size=8,
+        seq_len=48,
+        warmup_steps=4,
+        eval_batches=4,
+    )
     tr = trainer.Trainer(run, testing.corpus(), out=None)
     held_out_before = tr.evaluate()
-    losses = [float(tr.train_step(tr.sampler.next())["loss"])
-              for _ in range(run.steps)]
+    losses = [
+        float(tr.train_step(tr.sampler.next())["loss"])
+        for _ in range(run.steps)
+    ]
     held_out_after = tr.evaluate()
     # At initialisation the loss is near log(256) = 5.5 nats (uniform).
     self.assertGreater(losses[0], 5.0)
     self.assertLess(np.mean(losses[-5:]), losses[0] - 1.5)
     self.assertLess(held_out_after, held_out_before - 1.5)
     # The unigram model of the bytes is the first thing to learn.
-    self.assertLess(held_out_after,
-                    testing.corpus_unigram_cross_entropy() + 0.5)
+    self.assertLess(
+        held_out_after, testing.corpus_unigram_cross_entropy() + 0.5
+    )
 
 
 class BackendAgreementTest(parameterized.TestCase):
@@ -51,37 +58,43 @@ class BackendAgreementTest(parameterized.TestCase):
   @parameterized.product(dtype=["bfloat16", "float32"])
   def test_first_steps_match_reference(self, dtype):
     others = [b for b in moe_core.available_backends() if b != "reference"]
-    unavailable = {b: moe_core.registry.availability(b)[1]
-                   for b in moe_core.registered_backends()
-                   if b not in others and b != "reference"}
+    unavailable = {
+        b: moe_core.registry.availability(b)[1]
+        for b in moe_core.registered_backends()
+        if b not in others and b != "reference"
+    }
     if unavailable:
       print(f"not compared (unavailable here): {unavailable}")
     if not others:
-      self.skipTest("only the reference backend is available here: "
-                    f"{unavailable}")
-    base = testing.small_run(testing.temp_dir(self),
-                             compute_dtype=dtype)
-    want = _losses(dataclasses.replace(base, backend="reference"),
-                   AGREEMENT_STEPS)
+      self.skipTest(
+          "only the reference backend is available here: " f"{unavailable}"
+      )
+    base = testing.small_run(testing.temp_dir(self), compute_dtype=dtype)
+    want = _losses(
+        dataclasses.replace(base, backend="reference"), AGREEMENT_STEPS
+    )
     for name in others:
       with self.subTest(backend=name):
-        got = _losses(dataclasses.replace(base, backend=name),
-                      AGREEMENT_STEPS)
-        np.testing.assert_allclose(got, want, rtol=0,
-                                   atol=TOLERANCE[dtype],
-                                   err_msg=f"backend {name}, {dtype}")
+        got = _losses(dataclasses.replace(base, backend=name), AGREEMENT_STEPS)
+        np.testing.assert_allclose(
+            got,
+            want,
+            rtol=0,
+            atol=TOLERANCE[dtype],
+            err_msg=f"backend {name}, {dtype}",
+        )
 
 
 class RoutingStateTest(absltest.TestCase):
 
   def test_correction_bias_follows_the_rule_outside_the_optimiser(self):
-    run = testing.small_run(testing.temp_dir(self),
-                            bias_update_rate=0.05, compute_dtype="bfloat16")
+    run = testing.small_run(
+        testing.temp_dir(self), bias_update_rate=0.05, compute_dtype="bfloat16"
+    )
     tr = trainer.Trainer(run, testing.corpus(), out=None)
     # The optimiser never sees the bias: its moments cover params only.
     num_params = len(jax.tree.leaves(tr.state["params"]))
-    moments = [x for x in jax.tree.leaves(tr.state["opt_state"])
-               if x.ndim > 0]
+    moments = [x for x in jax.tree.leaves(tr.state["opt_state"]) if x.ndim > 0]
     self.assertEqual(len(moments), 2 * num_params)
 
     expected = np.zeros(run.model.moe.num_experts, np.float32)

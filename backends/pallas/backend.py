@@ -26,13 +26,16 @@ def _resolve_interpret(interpret):
     # Imported here: only this debug mode needs the TPU interpreter.
     # pylint: disable-next=g-import-not-at-top
     from jax.experimental.pallas import tpu as pltpu
+
     return pltpu.InterpretParams()
   if isinstance(interpret, bool):
     return interpret
   if type(interpret).__name__ == "InterpretParams":
     return interpret
-  raise ValueError("interpret must be None (automatic), True, False, 'debug' "
-                   f"or a pltpu.InterpretParams, got {interpret!r}.")
+  raise ValueError(
+      "interpret must be None (automatic), True, False, 'debug' "
+      f"or a pltpu.InterpretParams, got {interpret!r}."
+  )
 
 
 class PallasBackend(backend.Backend):
@@ -55,13 +58,18 @@ class PallasBackend(backend.Backend):
 
   name: ClassVar[str] = "pallas"
 
-  def __init__(self, *, tiles=None, interpret=None,
-               fuse_activation: bool = False):
+  def __init__(
+      self, *, tiles=None, interpret=None, fuse_activation: bool = False
+  ):
     if not isinstance(fuse_activation, bool):
-      raise TypeError("fuse_activation must be a bool, got "
-                      f"{type(fuse_activation).__name__}.")
-    self.launch = ops.Launch(tiles=tiling.TileConfig.parse(tiles),
-                             interpret=_resolve_interpret(interpret))
+      raise TypeError(
+          "fuse_activation must be a bool, got "
+          f"{type(fuse_activation).__name__}."
+      )
+    self.launch = ops.Launch(
+        tiles=tiling.TileConfig.parse(tiles),
+        interpret=_resolve_interpret(interpret),
+    )
     self.fuse_activation = fuse_activation
 
   @property
@@ -69,9 +77,11 @@ class PallasBackend(backend.Backend):
     return self.launch.interpret
 
   def __repr__(self) -> str:
-    return (f"PallasBackend(interpret={self.interpret!r}, "
-            f"tiles={self.launch.tiles!r}, "
-            f"fuse_activation={self.fuse_activation})")
+    return (
+        f"PallasBackend(interpret={self.interpret!r}, "
+        f"tiles={self.launch.tiles!r}, "
+        f"fuse_activation={self.fuse_activation})"
+    )
 
   def availability(self) -> tuple[bool, str]:
     if self.launch.interpreting:
@@ -79,20 +89,30 @@ class PallasBackend(backend.Backend):
     platform = jax.default_backend()
     if platform == "gpu":
       return True, ""
-    return False, (f"pallas: the kernels lower through Triton for GPUs only, "
-                   f"not {platform}; pass interpret=True to interpret them.")
+    return False, (
+        f"pallas: the kernels lower through Triton for GPUs only, "
+        f"not {platform}; pass interpret=True to interpret them."
+    )
 
   def _check_dtype(self, dtype):
     if jnp.dtype(dtype) not in _DTYPES:
       raise NotImplementedError(
           f"pallas: {jnp.dtype(dtype).name} operands are not supported "
-          f"(supported: {[jnp.dtype(d).name for d in _DTYPES]}).")
+          f"(supported: {[jnp.dtype(d).name for d in _DTYPES]})."
+      )
 
-  def _grouped_gemm(self, rows, weights, group_sizes, *, transpose_rhs,
-                    out_dtype):
+  def _grouped_gemm(
+      self, rows, weights, group_sizes, *, transpose_rhs, out_dtype
+  ):
     self._check_dtype(rows.dtype)
-    return ops.grouped_gemm(rows, weights, group_sizes, transpose_rhs,
-                            jnp.dtype(out_dtype), self.launch)
+    return ops.grouped_gemm(
+        rows,
+        weights,
+        group_sizes,
+        transpose_rhs,
+        jnp.dtype(out_dtype),
+        self.launch,
+    )
 
   def expert_ffn(self, rows, group_sizes, params, cfg):
     """Gate and up in one kernel pass over the rows, then down.
@@ -103,12 +123,14 @@ class PallasBackend(backend.Backend):
     """
     validation.check_expert_ffn(rows, group_sizes, params, cfg)
     self._check_dtype(rows.dtype)
-    w_gate, w_up, w_down = (params[n].astype(rows.dtype)
-                            for n in ("w_gate", "w_up", "w_down"))
+    w_gate, w_up, w_down = (
+        params[n].astype(rows.dtype) for n in ("w_gate", "w_up", "w_down")
+    )
     group_sizes = group_sizes.astype(jnp.int32)
     if self.fuse_activation and cfg.activation in ops.EPILOGUE_ACTIVATIONS:
-      h = ops.gated_gate_up(rows, w_gate, w_up, group_sizes, cfg.activation,
-                            self.launch)
+      h = ops.gated_gate_up(
+          rows, w_gate, w_up, group_sizes, cfg.activation, self.launch
+      )
     else:
       gate, up = ops.gate_up(rows, w_gate, w_up, group_sizes, self.launch)
       gate = ad_checkpoint.checkpoint_name(gate, backend.GATE_NAME)

@@ -38,8 +38,12 @@ def _inputs(m=64, k=32, n=48, seed=0):
   dy = rng.standard_normal((m, n)).astype(np.float32)
   dy[used:] = np.nan
   weights = rng.standard_normal((len(_SIZES), k, n)).astype(np.float32)
-  return (jnp.asarray(rows), jnp.asarray(weights),
-          jnp.asarray(_SIZES, jnp.int32), jnp.asarray(dy))
+  return (
+      jnp.asarray(rows),
+      jnp.asarray(weights),
+      jnp.asarray(_SIZES, jnp.int32),
+      jnp.asarray(dy),
+  )
 
 
 class DebugInterpretTest(parameterized.TestCase):
@@ -54,62 +58,94 @@ class DebugInterpretTest(parameterized.TestCase):
     clean_rows = rows.at[used:].set(0)
     clean_dy = dy.at[used:].set(0)
     debug = pltpu.InterpretParams()
-    (out,) = kernels.gmm([rows], [weights], sizes, tiles=_TILES,
-                         interpret=debug)
+    (out,) = kernels.gmm(
+        [rows], [weights], sizes, tiles=_TILES, interpret=debug
+    )
     np.testing.assert_allclose(
-        out, reference.grouped_gemm(clean_rows, weights, sizes),
-        atol=1e-4, rtol=1e-5)
-    (d_rows,) = kernels.gmm([dy], [weights], sizes, tiles=_TILES,
-                            interpret=debug, transpose_rhs=True)
+        out,
+        reference.grouped_gemm(clean_rows, weights, sizes),
+        atol=1e-4,
+        rtol=1e-5,
+    )
+    (d_rows,) = kernels.gmm(
+        [dy],
+        [weights],
+        sizes,
+        tiles=_TILES,
+        interpret=debug,
+        transpose_rhs=True,
+    )
     np.testing.assert_allclose(
-        d_rows, reference.grouped_gemm(clean_dy, weights, sizes,
-                                       transpose_rhs=True),
-        atol=1e-4, rtol=1e-5)
+        d_rows,
+        reference.grouped_gemm(clean_dy, weights, sizes, transpose_rhs=True),
+        atol=1e-4,
+        rtol=1e-5,
+    )
 
   def test_tgmm_stays_in_bounds(self):
     rows, weights, sizes, dy = _inputs()
     used = sum(_SIZES)
-    (d_weights,) = kernels.tgmm(rows, [dy], sizes, tiles=_TILES,
-                                interpret=pltpu.InterpretParams())
-    _, vjp = jax.vjp(lambda w: reference.grouped_gemm(
-        rows.at[used:].set(0), w, sizes), weights)
-    np.testing.assert_allclose(d_weights, vjp(dy.at[used:].set(0))[0],
-                               atol=1e-4, rtol=1e-5)
+    (d_weights,) = kernels.tgmm(
+        rows, [dy], sizes, tiles=_TILES, interpret=pltpu.InterpretParams()
+    )
+    _, vjp = jax.vjp(
+        lambda w: reference.grouped_gemm(rows.at[used:].set(0), w, sizes),
+        weights,
+    )
+    np.testing.assert_allclose(
+        d_weights, vjp(dy.at[used:].set(0))[0], atol=1e-4, rtol=1e-5
+    )
 
   def test_gate_up_pair_stays_in_bounds(self):
     """Two weight operands, two accumulators, two outputs in one pass."""
     rows, w_gate, sizes, _ = _inputs()
     _, w_up, _, _ = _inputs(seed=1)
-    clean_rows = rows.at[sum(_SIZES):].set(0)
-    gate, up = kernels.gmm([rows], [w_gate, w_up], sizes, tiles=_TILES,
-                           interpret=pltpu.InterpretParams(),
-                           products=((0, 0, 0), (0, 1, 1)), num_outputs=2)
+    clean_rows = rows.at[sum(_SIZES) :].set(0)
+    gate, up = kernels.gmm(
+        [rows],
+        [w_gate, w_up],
+        sizes,
+        tiles=_TILES,
+        interpret=pltpu.InterpretParams(),
+        products=((0, 0, 0), (0, 1, 1)),
+        num_outputs=2,
+    )
     for got, w in ((gate, w_gate), (up, w_up)):
       np.testing.assert_allclose(
-          got, reference.grouped_gemm(clean_rows, w, sizes),
-          atol=1e-4, rtol=1e-5)
+          got,
+          reference.grouped_gemm(clean_rows, w, sizes),
+          atol=1e-4,
+          rtol=1e-5,
+      )
 
   def test_fused_swiglu_and_its_backward_stay_in_bounds(self):
     """The SiLU epilogue forward, then the two-product dX and two-rhs dW."""
     rows, w_gate, sizes, dy = _inputs()
     _, w_up, _, _ = _inputs(seed=1)
     used = sum(_SIZES)
-    launch = ops.Launch(tiles=tiling.TileConfig.parse(_TILES),
-                        interpret=pltpu.InterpretParams())
+    launch = ops.Launch(
+        tiles=tiling.TileConfig.parse(_TILES), interpret=pltpu.InterpretParams()
+    )
 
     def fused(x, wg, wu):
       return ops.gated_gate_up(x, wg, wu, sizes, "silu", launch)
 
     def want(x, wg, wu):
-      return ffn.gated(reference.grouped_gemm(x, wg, sizes),
-                       reference.grouped_gemm(x, wu, sizes), "silu")
+      return ffn.gated(
+          reference.grouped_gemm(x, wg, sizes),
+          reference.grouped_gemm(x, wu, sizes),
+          "silu",
+      )
+
     out, vjp = jax.vjp(fused, rows, w_gate, w_up)
     want_out, want_vjp = jax.vjp(want, rows.at[used:].set(0), w_gate, w_up)
     np.testing.assert_allclose(out, want_out, atol=1e-4, rtol=1e-4)
-    for name, got, expected in zip(("d_rows", "d_w_gate", "d_w_up"),
-                                   vjp(dy), want_vjp(dy.at[used:].set(0))):
-      np.testing.assert_allclose(got, expected, atol=1e-3, rtol=1e-4,
-                                 err_msg=name)
+    for name, got, expected in zip(
+        ("d_rows", "d_w_gate", "d_w_up"), vjp(dy), want_vjp(dy.at[used:].set(0))
+    ):
+      np.testing.assert_allclose(
+          got, expected, atol=1e-3, rtol=1e-4, err_msg=name
+      )
 
   def test_backend_debug_mode_runs_grouped_gemm(self):
     be = pallas_backend.PallasBackend(tiles=_TILES, interpret="debug")
@@ -119,7 +155,10 @@ class DebugInterpretTest(parameterized.TestCase):
     weights = weights[:, :16, :16]
     np.testing.assert_allclose(
         be.grouped_gemm(rows, weights, sizes),
-        reference.grouped_gemm(rows, weights, sizes), atol=1e-4, rtol=1e-5)
+        reference.grouped_gemm(rows, weights, sizes),
+        atol=1e-4,
+        rtol=1e-5,
+    )
 
   def _tiles_off_by(self, shift):
     """Patches metadata.build: every tile id `shift` tiles too far."""
@@ -128,6 +167,7 @@ class DebugInterpretTest(parameterized.TestCase):
     def off_by(group_sizes, num_rows, bm):
       meta = real_build(group_sizes, num_rows, bm)
       return meta._replace(tile_ids=meta.tile_ids + shift)
+
     return mock.patch.object(metadata, "build", off_by)
 
   def test_catches_a_read_past_the_rows(self):
@@ -135,9 +175,15 @@ class DebugInterpretTest(parameterized.TestCase):
     rows, weights, sizes, _ = _inputs()
     with self._tiles_off_by(1):
       with self.assertRaisesRegex(Exception, r"Out-of-bounds"):
-        jax.block_until_ready(kernels.gmm(
-            [rows], [weights], sizes, tiles=_TILES,
-            interpret=pltpu.InterpretParams()))
+        jax.block_until_ready(
+            kernels.gmm(
+                [rows],
+                [weights],
+                sizes,
+                tiles=_TILES,
+                interpret=pltpu.InterpretParams(),
+            )
+        )
 
   def test_catches_a_read_past_the_rows_in_tgmm(self):
     """The same in dW, whose row operands are whole-array inputs.
@@ -148,9 +194,15 @@ class DebugInterpretTest(parameterized.TestCase):
     rows, _, sizes, dy = _inputs()
     with self._tiles_off_by(2):
       with self.assertRaisesRegex(Exception, r"Out-of-bounds"):
-        jax.block_until_ready(kernels.tgmm(
-            rows, [dy], sizes, tiles=_TILES,
-            interpret=pltpu.InterpretParams()))
+        jax.block_until_ready(
+            kernels.tgmm(
+                rows,
+                [dy],
+                sizes,
+                tiles=_TILES,
+                interpret=pltpu.InterpretParams(),
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ def _precision(dtype):
 
 def _compiler_params(tiles: tiling.Tiles, interpret):
   if interpret is False or interpret is True:
-    return plt.CompilerParams(num_warps=tiles.num_warps,
-                              num_stages=tiles.num_stages)
+    return plt.CompilerParams(
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages
+    )
   return None  # The debug (TPU) interpreter takes no Triton parameters.
 
 
@@ -103,9 +104,24 @@ def _store_owned_rows(o_ref, value, r0, n0, row_start, row_end, indexed):
     plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], value, mask=mask)
 
 
-def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, *refs, num_lhs,
-                num_rhs, products, num_accs, epilogue, tiles, k_steps,
-                num_groups, transpose_rhs, precision, indexed):
+def _gmm_kernel(
+    group_ref,
+    tile_ref,
+    start_ref,
+    end_ref,
+    *refs,
+    num_lhs,
+    num_rhs,
+    products,
+    num_accs,
+    epilogue,
+    tiles,
+    k_steps,
+    num_groups,
+    transpose_rhs,
+    precision,
+    indexed,
+):
   """One visit of the tile list x one column block.
 
   refs: num_lhs row refs [Mp, Kp], num_rhs weight refs [E, Kp, Np] ([E, Np,
@@ -113,8 +129,8 @@ def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, *refs, num_lhs,
   (lhs, rhs, acc) index triples; acc[a] += lhs[l] @ rhs[r].
   """
   lhs_refs = refs[:num_lhs]
-  rhs_refs = refs[num_lhs:num_lhs + num_rhs]
-  out_refs = refs[num_lhs + num_rhs:]
+  rhs_refs = refs[num_lhs : num_lhs + num_rhs]
+  out_refs = refs[num_lhs + num_rhs :]
   bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
   visit = pl.program_id(0)
   group = group_ref[visit]
@@ -137,23 +153,36 @@ def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, *refs, num_lhs,
       dims = (((1,), (0,)), ((), ()))
     accs = list(accs)
     for l, r, a in products:
-      accs[a] += lax.dot_general(lhs[l], rhs[r], dims, precision=precision,
-                                 preferred_element_type=jnp.float32)
+      accs[a] += lax.dot_general(
+          lhs[l],
+          rhs[r],
+          dims,
+          precision=precision,
+          preferred_element_type=jnp.float32,
+      )
     return tuple(accs)
 
   zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(num_accs))
   accs = lax.fori_loop(0, jnp.where(computes, k_steps, 0), k_step, zeros)
   for o_ref, value in zip(out_refs, epilogue(accs)):
-    _store_owned_rows(o_ref, value.astype(o_ref.dtype), r0, n0, row_start,
-                      row_end, indexed)
+    _store_owned_rows(
+        o_ref, value.astype(o_ref.dtype), r0, n0, row_start, row_end, indexed
+    )
 
 
-def gmm(lhs: Sequence[jax.Array], rhs: Sequence[jax.Array],
-        group_sizes: jax.Array, *, tiles: tiling.Tiles, interpret,
-        transpose_rhs: bool = False,
-        products: Sequence[tuple[int, int, int]] = ((0, 0, 0),),
-        epilogue: Epilogue = identity, num_outputs: int = 1,
-        out_dtype=None) -> tuple[jax.Array, ...]:
+def gmm(
+    lhs: Sequence[jax.Array],
+    rhs: Sequence[jax.Array],
+    group_sizes: jax.Array,
+    *,
+    tiles: tiling.Tiles,
+    interpret,
+    transpose_rhs: bool = False,
+    products: Sequence[tuple[int, int, int]] = ((0, 0, 0),),
+    epilogue: Epilogue = identity,
+    num_outputs: int = 1,
+    out_dtype=None,
+) -> tuple[jax.Array, ...]:
   """Grouped GEMMs over one tile list: acc[a] += lhs[l] @ rhs[r][group].
 
   Args:
@@ -178,26 +207,39 @@ def gmm(lhs: Sequence[jax.Array], rhs: Sequence[jax.Array],
   out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
   if m == 0 or n == 0:
     return tuple(jnp.zeros((m, n), out_dtype) for _ in range(num_outputs))
-  mp, kp, np_ = (tiling.padded(d, b)
-                 for d, b in ((m, tiles.bm), (max(k, 1), tiles.bk),
-                              (n, tiles.bn)))
+  mp, kp, np_ = (
+      tiling.padded(d, b)
+      for d, b in ((m, tiles.bm), (max(k, 1), tiles.bk), (n, tiles.bn))
+  )
   lhs = [_pad2(x, mp, kp) for x in lhs]
-  rhs = [_pad3(w, np_, kp) if transpose_rhs else _pad3(w, kp, np_)
-         for w in rhs]
+  rhs = [_pad3(w, np_, kp) if transpose_rhs else _pad3(w, kp, np_) for w in rhs]
   meta = metadata_lib.build(group_sizes, mp, tiles.bm)
   num_visits = meta.group_ids.shape[0]
   kernel = functools.partial(
-      _gmm_kernel, num_lhs=len(lhs), num_rhs=len(rhs),
+      _gmm_kernel,
+      num_lhs=len(lhs),
+      num_rhs=len(rhs),
       products=tuple(products),
-      num_accs=1 + max(a for _, _, a in products), epilogue=epilogue,
-      tiles=tiles, k_steps=kp // tiles.bk, num_groups=num_groups,
-      transpose_rhs=transpose_rhs, precision=_precision(lhs[0].dtype),
-      indexed=interpret is True)
+      num_accs=1 + max(a for _, _, a in products),
+      epilogue=epilogue,
+      tiles=tiles,
+      k_steps=kp // tiles.bk,
+      num_groups=num_groups,
+      transpose_rhs=transpose_rhs,
+      precision=_precision(lhs[0].dtype),
+      indexed=interpret is True,
+  )
   outs = _pallas_call(
-      kernel, meta.group_ids, meta.tile_ids, meta.row_starts, meta.row_ends,
-      *lhs, *rhs,
-      out_shape=[jax.ShapeDtypeStruct((mp, np_), out_dtype)
-                 for _ in range(num_outputs)],
+      kernel,
+      meta.group_ids,
+      meta.tile_ids,
+      meta.row_starts,
+      meta.row_ends,
+      *lhs,
+      *rhs,
+      out_shape=[
+          jax.ShapeDtypeStruct((mp, np_), out_dtype) for _ in range(num_outputs)
+      ],
       grid=(num_visits, np_ // tiles.bn),
       interpret=interpret,
       compiler_params=_compiler_params(tiles, interpret),
@@ -206,8 +248,17 @@ def gmm(lhs: Sequence[jax.Array], rhs: Sequence[jax.Array],
   return tuple(o[:m, :n] for o in outs)
 
 
-def _tgmm_kernel(group_visits_ref, tile_ref, start_ref, end_ref, lhs_ref,
-                 *refs, num_rhs, tiles, precision):
+def _tgmm_kernel(
+    group_visits_ref,
+    tile_ref,
+    start_ref,
+    end_ref,
+    lhs_ref,
+    *refs,
+    num_rhs,
+    tiles,
+    precision,
+):
   """dW[g][k block, n block] = sum over g's row tiles of lhs^T @ rhs."""
   rhs_refs = refs[:num_rhs]
   out_refs = refs[num_rhs:]
@@ -228,22 +279,33 @@ def _tgmm_kernel(group_visits_ref, tile_ref, start_ref, end_ref, lhs_ref,
     for i, ref in enumerate(rhs_refs):
       rhs = ref[pl.ds(r0, bm), pl.ds(n0, bn)]
       rhs = jnp.where(mine, rhs, jnp.zeros((), rhs.dtype))
-      accs[i] += lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())),
-                                 precision=precision,
-                                 preferred_element_type=jnp.float32)
+      accs[i] += lax.dot_general(
+          lhs,
+          rhs,
+          (((0,), (0,)), ((), ())),
+          precision=precision,
+          preferred_element_type=jnp.float32,
+      )
     return tuple(accs)
 
   zeros = tuple(jnp.zeros((bk, bn), jnp.float32) for _ in range(num_rhs))
   # An empty group has no visits: its dW is the zeros it starts from.
-  accs = lax.fori_loop(group_visits_ref[group], group_visits_ref[group + 1],
-                       visit_step, zeros)
+  accs = lax.fori_loop(
+      group_visits_ref[group], group_visits_ref[group + 1], visit_step, zeros
+  )
   for o_ref, acc in zip(out_refs, accs):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def tgmm(lhs: jax.Array, rhs: Sequence[jax.Array], group_sizes: jax.Array, *,
-         tiles: tiling.Tiles, interpret, out_dtype=None
-         ) -> tuple[jax.Array, ...]:
+def tgmm(
+    lhs: jax.Array,
+    rhs: Sequence[jax.Array],
+    group_sizes: jax.Array,
+    *,
+    tiles: tiling.Tiles,
+    interpret,
+    out_dtype=None,
+) -> tuple[jax.Array, ...]:
   """Per-group lhs_g^T @ rhs_g for each rhs: [M, K], [M, N] -> [E, K, N].
 
   Args:
@@ -264,20 +326,32 @@ def tgmm(lhs: jax.Array, rhs: Sequence[jax.Array], group_sizes: jax.Array, *,
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   if m == 0 or k == 0 or n == 0:
     return tuple(jnp.zeros((num_groups, k, n), out_dtype) for _ in rhs)
-  mp, kp, np_ = (tiling.padded(d, b)
-                 for d, b in ((m, tiles.bm), (k, tiles.bk), (n, tiles.bn)))
+  mp, kp, np_ = (
+      tiling.padded(d, b)
+      for d, b in ((m, tiles.bm), (k, tiles.bk), (n, tiles.bn))
+  )
   lhs = _pad2(lhs, mp, kp)
   rhs = [_pad2(r, mp, np_) for r in rhs]
   meta = metadata_lib.build(group_sizes, mp, tiles.bm)
-  kernel = functools.partial(_tgmm_kernel, num_rhs=len(rhs), tiles=tiles,
-                             precision=_precision(lhs.dtype))
+  kernel = functools.partial(
+      _tgmm_kernel,
+      num_rhs=len(rhs),
+      tiles=tiles,
+      precision=_precision(lhs.dtype),
+  )
   whole = _WHOLE_ARRAY
   block = pl.BlockSpec((None, tiles.bk, tiles.bn), lambda g, i, j: (g, i, j))
   outs = _pallas_call(
-      kernel, meta.group_visits, meta.tile_ids, meta.row_starts,
-      meta.row_ends, lhs, *rhs,
-      out_shape=[jax.ShapeDtypeStruct((num_groups, kp, np_), out_dtype)
-                 for _ in rhs],
+      kernel,
+      meta.group_visits,
+      meta.tile_ids,
+      meta.row_starts,
+      meta.row_ends,
+      lhs,
+      *rhs,
+      out_shape=[
+          jax.ShapeDtypeStruct((num_groups, kp, np_), out_dtype) for _ in rhs
+      ],
       grid=(num_groups, kp // tiles.bk, np_ // tiles.bn),
       in_specs=[whole] * (5 + len(rhs)),
       out_specs=[block] * len(rhs),

@@ -39,13 +39,18 @@ def _export_for_cuda(fn, *args) -> str:
 def tearDownModule():
   # jax >= 0.11 warns at each Triton lowering; the log shows how many the
   # export helper swallowed (0 on older jax).
-  print(f"Pallas Triton deprecation warnings filtered: "
-        f"{compat.triton_deprecations_filtered()} (jax {jax.__version__})")
+  print(
+      f"Pallas Triton deprecation warnings filtered: "
+      f"{compat.triton_deprecations_filtered()} (jax {jax.__version__})"
+  )
 
 
 def _shipped(prefix):
-  return [(name, tiles) for name, tiles in tiling.GPU_TILES.items()
-          if name.startswith(prefix)]
+  return [
+      (name, tiles)
+      for name, tiles in tiling.GPU_TILES.items()
+      if name.startswith(prefix)
+  ]
 
 
 def _dtype_of(name):
@@ -70,9 +75,12 @@ class ShippedTilesLowerTest(parameterized.TestCase):
         w = _S((e, n, k) if transpose_rhs else (e, k, n), dtype)
         text = _export_for_cuda(
             lambda x, w, g, t=transpose_rhs: kernels.gmm(
-                [x], [w], g, tiles=tiles, interpret=False,
-                transpose_rhs=t)[0],
-            _S((m, k), dtype), w, sizes)
+                [x], [w], g, tiles=tiles, interpret=False, transpose_rhs=t
+            )[0],
+            _S((m, k), dtype),
+            w,
+            sizes,
+        )
         self.assertTritonCalls(text, 1)
 
   @parameterized.named_parameters(*_shipped("gmm"))
@@ -87,16 +95,37 @@ class ShippedTilesLowerTest(parameterized.TestCase):
     with self.subTest("gate_up"):
       text = _export_for_cuda(
           lambda x, a, b, g: kernels.gmm(
-              [x], [a, b], g, tiles=fwd_tiles, interpret=False,
-              products=((0, 0, 0), (0, 1, 1)), num_outputs=2),
-          _S((m, k), dtype), w, w, sizes)
+              [x],
+              [a, b],
+              g,
+              tiles=fwd_tiles,
+              interpret=False,
+              products=((0, 0, 0), (0, 1, 1)),
+              num_outputs=2,
+          ),
+          _S((m, k), dtype),
+          w,
+          w,
+          sizes,
+      )
       self.assertTritonCalls(text, 1)
     with self.subTest("dgrad_sum"):
       text = _export_for_cuda(
           lambda x, y, a, b, g: kernels.gmm(
-              [x, y], [a, b], g, tiles=dgrad_tiles, interpret=False,
-              transpose_rhs=True, products=((0, 0, 0), (1, 1, 0)))[0],
-          _S((m, n), dtype), _S((m, n), dtype), w, w, sizes)
+              [x, y],
+              [a, b],
+              g,
+              tiles=dgrad_tiles,
+              interpret=False,
+              transpose_rhs=True,
+              products=((0, 0, 0), (1, 1, 0)),
+          )[0],
+          _S((m, n), dtype),
+          _S((m, n), dtype),
+          w,
+          w,
+          sizes,
+      )
       self.assertTritonCalls(text, 1)
 
   @parameterized.named_parameters(*_shipped("tgmm"))
@@ -107,10 +136,13 @@ class ShippedTilesLowerTest(parameterized.TestCase):
       with self.subTest(num_rhs=num_rhs):
         fitted = tiling.fit_gpu(tiles, "wgrad", dtype, num_operands=num_rhs)
         text = _export_for_cuda(
-            lambda x, g, *ys, t=fitted: kernels.tgmm(x, list(ys), g, tiles=t,
-                                                     interpret=False),
-            _S((m, k), dtype), _S((e,), jnp.int32),
-            *[_S((m, n), dtype)] * num_rhs)
+            lambda x, g, *ys, t=fitted: kernels.tgmm(
+                x, list(ys), g, tiles=t, interpret=False
+            ),
+            _S((m, k), dtype),
+            _S((e,), jnp.int32),
+            *[_S((m, n), dtype)] * num_rhs,
+        )
         self.assertTritonCalls(text, num_rhs and 1)
 
 
@@ -125,72 +157,102 @@ class OpsLowerTest(parameterized.TestCase):
   M, D, F, E = 2048, 7168, 2048, 32
   LAUNCH = ops.Launch(tiling.TileConfig(), interpret=False)
 
-  @parameterized.product(dtype=["bfloat16", "float32"],
-                         transpose_rhs=[False, True])
+  @parameterized.product(
+      dtype=["bfloat16", "float32"], transpose_rhs=[False, True]
+  )
   def test_grouped_gemm_value_and_grad(self, dtype, transpose_rhs):
     m, d, f, e = self.M, self.D, self.F, self.E
     w_shape = (e, f, d) if transpose_rhs else (e, d, f)
 
     def loss(x, w, g):
-      y = ops.grouped_gemm(x, w, g, transpose_rhs, jnp.dtype(dtype),
-                           self.LAUNCH)
+      y = ops.grouped_gemm(
+          x, w, g, transpose_rhs, jnp.dtype(dtype), self.LAUNCH
+      )
       return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
     text = _export_for_cuda(
         jax.value_and_grad(loss, argnums=(0, 1)),
-        _S((m, d), dtype), _S(w_shape, dtype), _S((e,), jnp.int32))
+        _S((m, d), dtype),
+        _S(w_shape, dtype),
+        _S((e,), jnp.int32),
+    )
     # Forward, dX, dW.
     self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 3)
 
-  @parameterized.product(fuse_activation=[False, True],
-                         activation=["silu", "gelu", "gelu_tanh"])
+  @parameterized.product(
+      fuse_activation=[False, True], activation=["silu", "gelu", "gelu_tanh"]
+  )
   def test_expert_ffn_value_and_grad(self, fuse_activation, activation):
-    cfg = moe_core.MoEConfig(num_experts=self.E, top_k=8,
-                             hidden_size=self.D, expert_ffn_size=self.F,
-                             activation=activation)
+    cfg = moe_core.MoEConfig(
+        num_experts=self.E,
+        top_k=8,
+        hidden_size=self.D,
+        expert_ffn_size=self.F,
+        activation=activation,
+    )
     text = self._export_expert_ffn_grad(cfg, fuse_activation, self.M)
     # gate/up forward, down forward, down dX and dW, gate/up dX and dW.
     self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
 
   def _export_expert_ffn_grad(self, cfg, fuse_activation, num_rows):
     """The CUDA export of value_and_grad of a pallas expert FFN, as text."""
-    be = pallas_backend.PallasBackend(interpret=False,
-                                      fuse_activation=fuse_activation)
-    params = {n: _S(s, jnp.bfloat16)
-              for n, s in moe_core.param_shapes(cfg).items()
-              if n in ("w_gate", "w_up", "w_down")}
+    be = pallas_backend.PallasBackend(
+        interpret=False, fuse_activation=fuse_activation
+    )
+    params = {
+        n: _S(s, jnp.bfloat16)
+        for n, s in moe_core.param_shapes(cfg).items()
+        if n in ("w_gate", "w_up", "w_down")
+    }
 
     def loss(rows, p, g):
       out = be.expert_ffn(rows, g, p, cfg)
       return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
     return _export_for_cuda(
         jax.value_and_grad(loss, argnums=(0, 1)),
-        _S((num_rows, self.D), jnp.bfloat16), params,
-        _S((self.E,), jnp.int32))
+        _S((num_rows, self.D), jnp.bfloat16),
+        params,
+        _S((self.E,), jnp.int32),
+    )
 
   def test_expert_ffn_at_timed_rows_uses_the_large_tiles(self):
     """bench/gpu_check's M = 32768 rows: 1024 per expert, the large config."""
     m = 32768
     self.assertEqual(
-        tiling.heuristic("fwd", m, self.F, self.D, self.E, jnp.bfloat16,
-                         interpret=False),
-        tiling.GPU_TILES["gmm_bf16_large"])
-    cfg = moe_core.MoEConfig(num_experts=self.E, top_k=8,
-                             hidden_size=self.D, expert_ffn_size=self.F)
+        tiling.heuristic(
+            "fwd", m, self.F, self.D, self.E, jnp.bfloat16, interpret=False
+        ),
+        tiling.GPU_TILES["gmm_bf16_large"],
+    )
+    cfg = moe_core.MoEConfig(
+        num_experts=self.E, top_k=8, hidden_size=self.D, expert_ffn_size=self.F
+    )
     text = self._export_expert_ffn_grad(cfg, True, m)
     self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
 
   def test_moe_layer_value_and_grad(self):
-    cfg = moe_core.MoEConfig(num_experts=8, top_k=2, hidden_size=256,
-                             expert_ffn_size=512, shared_ffn_size=256)
+    cfg = moe_core.MoEConfig(
+        num_experts=8,
+        top_k=2,
+        hidden_size=256,
+        expert_ffn_size=512,
+        shared_ffn_size=256,
+    )
     be = pallas_backend.PallasBackend(interpret=False)
-    params = {n: _S(s, jnp.bfloat16)
-              for n, s in moe_core.param_shapes(cfg).items()}
+    params = {
+        n: _S(s, jnp.bfloat16) for n, s in moe_core.param_shapes(cfg).items()
+    }
 
     def loss(p, x):
       y, _ = moe_core.moe_layer(p, x, cfg, backend=be)
       return jnp.sum(jnp.square(y.astype(jnp.float32)))
-    text = _export_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)),
-                            params, _S((4, 128, 256), jnp.bfloat16))
+
+    text = _export_for_cuda(
+        jax.value_and_grad(loss, argnums=(0, 1)),
+        params,
+        _S((4, 128, 256), jnp.bfloat16),
+    )
     self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
 
 
@@ -203,35 +265,46 @@ class TritonDeprecationTest(absltest.TestCase):
 
   def test_each_warning_is_counted_and_none_escapes(self):
     tiles = tiling.GPU_TILES["gmm_bf16"]
-    args = (_S((64, 32), jnp.bfloat16), _S((4, 32, 48), jnp.bfloat16),
-            _S((4,), jnp.int32))
+    args = (
+        _S((64, 32), jnp.bfloat16),
+        _S((4, 32, 48), jnp.bfloat16),
+        _S((4,), jnp.int32),
+    )
 
     def program():  # A new function each time: nothing is reused.
-      return lambda x, w, g: kernels.gmm([x], [w], g, tiles=tiles,
-                                         interpret=False)[0]
+      return lambda x, w, g: kernels.gmm(
+          [x], [w], g, tiles=tiles, interpret=False
+      )[0]
 
     def about_triton(shown):
-      return [str(w.message) for w in shown
-              if "Pallas Triton" in str(w.message)]
+      return [
+          str(w.message) for w in shown if "Pallas Triton" in str(w.message)
+      ]
 
     with warnings.catch_warnings(record=True) as shown:
       warnings.simplefilter("always")
       with compat.abstract_gpu_mesh():  # The bare export: what JAX says.
         export.export(
-            jax.jit(program()), platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(
-                _TRITON_CALL)])(*args)
+            jax.jit(program()),
+            platforms=["cuda"],
+            disabled_checks=[
+                export.DisabledSafetyCheck.custom_call(_TRITON_CALL)
+            ],
+        )(*args)
       raised = about_triton(shown)
       del shown[:]
       before = compat.triton_deprecations_filtered()
       _export_for_cuda(program(), *args)
       escaped = about_triton(shown)
-    print(f"jax {jax.__version__} warned {len(raised)} time(s) for one "
-          "Triton kernel")
+    print(
+        f"jax {jax.__version__} warned {len(raised)} time(s) for one "
+        "Triton kernel"
+    )
     self.assertEqual(raised, [compat.TRITON_DEPRECATION_MESSAGE] * len(raised))
     self.assertEqual(escaped, [])
-    self.assertEqual(compat.triton_deprecations_filtered() - before,
-                     len(raised))
+    self.assertEqual(
+        compat.triton_deprecations_filtered() - before, len(raised)
+    )
 
 
 if __name__ == "__main__":

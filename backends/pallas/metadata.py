@@ -60,8 +60,9 @@ def build(group_sizes: jax.Array, num_rows: int, bm: int) -> TileMetadata:
     `TileMetadata` with V = num_rows / bm + E visits.
   """
   if num_rows % bm:
-    raise ValueError(f"num_rows must be a multiple of bm, got {num_rows=}, "
-                     f"{bm=}.")
+    raise ValueError(
+        f"num_rows must be a multiple of bm, got {num_rows=}, " f"{bm=}."
+    )
   num_groups = group_sizes.shape[0]
   num_visits = tiling.num_visits(num_rows, bm, num_groups)
   # Group ends, clipped to the buffer; then the padding group up to the end.
@@ -72,12 +73,12 @@ def build(group_sizes: jax.Array, num_rows: int, bm: int) -> TileMetadata:
   last_tile = (ends - 1) // bm
   visits = jnp.where(ends > starts, last_tile - first_tile + 1, 0)
   group_visits = jnp.concatenate(
-      [jnp.zeros((1,), jnp.int32), jnp.cumsum(visits).astype(jnp.int32)])
+      [jnp.zeros((1,), jnp.int32), jnp.cumsum(visits).astype(jnp.int32)]
+  )
 
   v = jnp.arange(num_visits, dtype=jnp.int32)
   # The group of visit v: the last group whose visits start at or before v.
-  group = jnp.searchsorted(group_visits[1:], v, side="right").astype(
-      jnp.int32)
+  group = jnp.searchsorted(group_visits[1:], v, side="right").astype(jnp.int32)
   used = v < group_visits[-1]
   group = jnp.where(used, group, num_groups)
   tile = first_tile[group] + v - group_visits[group]
@@ -89,4 +90,5 @@ def build(group_sizes: jax.Array, num_rows: int, bm: int) -> TileMetadata:
       tile_ids=jnp.where(used, tile, zero),
       row_starts=jnp.where(used, row_starts, zero),
       row_ends=jnp.where(used, row_ends, zero),
-      group_visits=group_visits)
+      group_visits=group_visits,
+  )

@@ -32,23 +32,28 @@ class BuildTest(parameterized.TestCase):
       ("sum_past_rows_is_cut", (30, 30), 48, 16),
   )
   def test_every_row_owned_by_exactly_one_visit_of_its_group(
-      self, group_sizes, num_rows, bm):
+      self, group_sizes, num_rows, bm
+  ):
     meta = jax.tree.map(
         np.asarray,
-        metadata.build(np.array(group_sizes, np.int32), num_rows, bm))
+        metadata.build(np.array(group_sizes, np.int32), num_rows, bm),
+    )
     num_groups = len(group_sizes)
-    self.assertEqual(meta.group_ids.shape,
-                     (tiling.num_visits(num_rows, bm, num_groups),))
+    self.assertEqual(
+        meta.group_ids.shape, (tiling.num_visits(num_rows, bm, num_groups),)
+    )
     owner = _owner_of_each_row(group_sizes, num_rows)
     times_owned = np.zeros(num_rows, int)
-    for g, t, lo, hi in zip(meta.group_ids, meta.tile_ids, meta.row_starts,
-                            meta.row_ends):
+    for g, t, lo, hi in zip(
+        meta.group_ids, meta.tile_ids, meta.row_starts, meta.row_ends
+    ):
       if hi <= lo:
         continue  # An unused visit.
       self.assertGreaterEqual(lo, t * bm, "a visit's rows lie in its tile")
       self.assertLessEqual(hi, t * bm + bm, "a visit's rows lie in its tile")
-      np.testing.assert_array_equal(owner[lo:hi], g,
-                                    err_msg=f"rows {lo}:{hi} of visit g={g}")
+      np.testing.assert_array_equal(
+          owner[lo:hi], g, err_msg=f"rows {lo}:{hi} of visit g={g}"
+      )
       times_owned[lo:hi] += 1
     np.testing.assert_array_equal(times_owned, 1)
 
@@ -57,11 +62,13 @@ class BuildTest(parameterized.TestCase):
       ("padding_rows", (5, 17, 0, 20), 64, 16),
       ("all_empty", (0, 0, 0), 32, 16),
   )
-  def test_group_visits_are_csr_offsets_of_the_visits(self, group_sizes,
-                                                      num_rows, bm):
+  def test_group_visits_are_csr_offsets_of_the_visits(
+      self, group_sizes, num_rows, bm
+  ):
     meta = jax.tree.map(
         np.asarray,
-        metadata.build(np.array(group_sizes, np.int32), num_rows, bm))
+        metadata.build(np.array(group_sizes, np.int32), num_rows, bm),
+    )
     offsets = meta.group_visits
     self.assertEqual(offsets.shape, (len(group_sizes) + 2,))
     for g, size in enumerate(group_sizes):
@@ -75,10 +82,12 @@ class BuildTest(parameterized.TestCase):
     for _ in range(10):
       num_groups = int(rng.integers(1, 12))
       num_rows = 16 * int(rng.integers(1, 12))
-      sizes = rng.multinomial(int(rng.integers(0, num_rows + 1)),
-                              np.ones(num_groups) / num_groups)
+      sizes = rng.multinomial(
+          int(rng.integers(0, num_rows + 1)), np.ones(num_groups) / num_groups
+      )
       meta = jax.tree.map(
-          np.asarray, metadata.build(sizes.astype(np.int32), num_rows, 16))
+          np.asarray, metadata.build(sizes.astype(np.int32), num_rows, 16)
+      )
       owner = _owner_of_each_row(sizes, num_rows)
       covered = np.zeros(num_rows, int)
       for g, lo, hi in zip(meta.group_ids, meta.row_starts, meta.row_ends):
@@ -87,8 +96,10 @@ class BuildTest(parameterized.TestCase):
       np.testing.assert_array_equal(covered, 1, err_msg=f"sizes={sizes}")
 
   def test_rows_not_a_multiple_of_bm_is_an_error(self):
-    with self.assertRaisesRegex(ValueError, r"num_rows must be a multiple of "
-                                r"bm, got num_rows=40, bm=16"):
+    with self.assertRaisesRegex(
+        ValueError,
+        r"num_rows must be a multiple of " r"bm, got num_rows=40, bm=16",
+    ):
       metadata.build(np.array([3, 4], np.int32), 40, 16)
 
 

@@ -1,11 +1,11 @@
 """The pallas kernels tied into differentiable ops with jax.custom_vjp.
 
-    grouped_gemm   y = x @ w[g]              dX: gmm(dy, w^T)   dW: tgmm(x, dy)
-    gate_up        gate, up = x @ wg[g], x @ wu[g] in one pass over x
-                                              dX: one gmm summing both products
-                                              dW: one tgmm, two outputs
-    gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), the activation in the
-                   epilogue; the same backward after the activation's VJP.
+grouped_gemm   y = x @ w[g]              dX: gmm(dy, w^T)   dW: tgmm(x, dy)
+gate_up        gate, up = x @ wg[g], x @ wu[g] in one pass over x
+                                          dX: one gmm summing both products
+                                          dW: one tgmm, two outputs
+gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), the activation in the
+               epilogue; the same backward after the activation's VJP.
 """
 
 from __future__ import annotations
@@ -39,37 +39,52 @@ class Launch:
     return self.interpret is not False
 
   def choose(self, kind, m, k, n, num_groups, dtype, num_operands=1):
-    return tiling.choose(self.tiles, kind, m, k, n, num_groups, dtype,
-                         interpret=self.interpreting,
-                         num_operands=num_operands)
+    return tiling.choose(
+        self.tiles,
+        kind,
+        m,
+        k,
+        n,
+        num_groups,
+        dtype,
+        interpret=self.interpreting,
+        num_operands=num_operands,
+    )
 
 
 # --- grouped_gemm -------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def grouped_gemm(rows, weights, group_sizes, transpose_rhs: bool, out_dtype,
-                 launch: Launch):
+def grouped_gemm(
+    rows, weights, group_sizes, transpose_rhs: bool, out_dtype, launch: Launch
+):
   """rows [M, K] x weights [E, K, N] ([E, N, K] transposed) -> [M, N].
 
   Rows past sum(group_sizes) come out as zeros and get zero gradient.
   """
-  return _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype,
-                  launch)
+  return _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, launch)
 
 
 def _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, launch):
   m, k = rows.shape
   n = weights.shape[1] if transpose_rhs else weights.shape[2]
   tiles = launch.choose("fwd", m, k, n, weights.shape[0], rows.dtype)
-  (out,) = kernels.gmm([rows], [weights], group_sizes, tiles=tiles,
-                       interpret=launch.interpret,
-                       transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+  (out,) = kernels.gmm(
+      [rows],
+      [weights],
+      group_sizes,
+      tiles=tiles,
+      interpret=launch.interpret,
+      transpose_rhs=transpose_rhs,
+      out_dtype=out_dtype,
+  )
   return out
 
 
-def _grouped_gemm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype,
-                      launch):
+def _grouped_gemm_fwd(
+    rows, weights, group_sizes, transpose_rhs, out_dtype, launch
+):
   out = _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, launch)
   return out, (rows, weights, group_sizes)
 
@@ -83,20 +98,35 @@ def _grouped_gemm_bwd(transpose_rhs, out_dtype, launch, residuals, dy):
   num_groups = weights.shape[0]
   # dX: the forward kernel reading the weights the other way round.
   tiles = launch.choose("dgrad", m, n, k, num_groups, rows.dtype)
-  (d_rows,) = kernels.gmm([dy], [weights], group_sizes, tiles=tiles,
-                          interpret=launch.interpret,
-                          transpose_rhs=not transpose_rhs,
-                          out_dtype=rows.dtype)
+  (d_rows,) = kernels.gmm(
+      [dy],
+      [weights],
+      group_sizes,
+      tiles=tiles,
+      interpret=launch.interpret,
+      transpose_rhs=not transpose_rhs,
+      out_dtype=rows.dtype,
+  )
   if transpose_rhs:  # weights[g] is [N, K]: dW[g] = dy_g^T x_g.
     tiles = launch.choose("wgrad", m, n, k, num_groups, rows.dtype)
-    (d_weights,) = kernels.tgmm(dy, [rows], group_sizes, tiles=tiles,
-                                interpret=launch.interpret,
-                                out_dtype=weights.dtype)
+    (d_weights,) = kernels.tgmm(
+        dy,
+        [rows],
+        group_sizes,
+        tiles=tiles,
+        interpret=launch.interpret,
+        out_dtype=weights.dtype,
+    )
   else:  # weights[g] is [K, N]: dW[g] = x_g^T dy_g.
     tiles = launch.choose("wgrad", m, k, n, num_groups, rows.dtype)
-    (d_weights,) = kernels.tgmm(rows, [dy], group_sizes, tiles=tiles,
-                                interpret=launch.interpret,
-                                out_dtype=weights.dtype)
+    (d_weights,) = kernels.tgmm(
+        rows,
+        [dy],
+        group_sizes,
+        tiles=tiles,
+        interpret=launch.interpret,
+        out_dtype=weights.dtype,
+    )
   return d_rows, d_weights, None
 
 
@@ -106,16 +136,25 @@ grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)
 # --- gate and up projections in one pass ------------------------------------
 
 
-def _gate_up_kernel(rows, w_gate, w_up, group_sizes, launch, epilogue,
-                    num_outputs):
+def _gate_up_kernel(
+    rows, w_gate, w_up, group_sizes, launch, epilogue, num_outputs
+):
   m, d = rows.shape
   f = w_gate.shape[2]
-  tiles = launch.choose("fwd", m, d, f, w_gate.shape[0], rows.dtype,
-                        num_operands=2)
-  return kernels.gmm([rows], [w_gate, w_up], group_sizes, tiles=tiles,
-                     interpret=launch.interpret,
-                     products=((0, 0, 0), (0, 1, 1)), epilogue=epilogue,
-                     num_outputs=num_outputs, out_dtype=rows.dtype)
+  tiles = launch.choose(
+      "fwd", m, d, f, w_gate.shape[0], rows.dtype, num_operands=2
+  )
+  return kernels.gmm(
+      [rows],
+      [w_gate, w_up],
+      group_sizes,
+      tiles=tiles,
+      interpret=launch.interpret,
+      products=((0, 0, 0), (0, 1, 1)),
+      epilogue=epilogue,
+      num_outputs=num_outputs,
+      out_dtype=rows.dtype,
+  )
 
 
 def _gate_up_bwd_from(rows, w_gate, w_up, group_sizes, launch, d_gate, d_up):
@@ -126,18 +165,30 @@ def _gate_up_bwd_from(rows, w_gate, w_up, group_sizes, launch, d_gate, d_up):
   d_gate = d_gate.astype(rows.dtype)
   d_up = d_up.astype(rows.dtype)
   # dX = dgate @ wg[g]^T + dup @ wu[g]^T, both products in one accumulator.
-  tiles = launch.choose("dgrad", m, f, d, num_groups, rows.dtype,
-                        num_operands=2)
-  (d_rows,) = kernels.gmm([d_gate, d_up], [w_gate, w_up], group_sizes,
-                          tiles=tiles, interpret=launch.interpret,
-                          transpose_rhs=True,
-                          products=((0, 0, 0), (1, 1, 0)),
-                          out_dtype=rows.dtype)
-  tiles = launch.choose("wgrad", m, d, f, num_groups, rows.dtype,
-                        num_operands=2)
-  d_w_gate, d_w_up = kernels.tgmm(rows, [d_gate, d_up], group_sizes,
-                                  tiles=tiles, interpret=launch.interpret,
-                                  out_dtype=w_gate.dtype)
+  tiles = launch.choose(
+      "dgrad", m, f, d, num_groups, rows.dtype, num_operands=2
+  )
+  (d_rows,) = kernels.gmm(
+      [d_gate, d_up],
+      [w_gate, w_up],
+      group_sizes,
+      tiles=tiles,
+      interpret=launch.interpret,
+      transpose_rhs=True,
+      products=((0, 0, 0), (1, 1, 0)),
+      out_dtype=rows.dtype,
+  )
+  tiles = launch.choose(
+      "wgrad", m, d, f, num_groups, rows.dtype, num_operands=2
+  )
+  d_w_gate, d_w_up = kernels.tgmm(
+      rows,
+      [d_gate, d_up],
+      group_sizes,
+      tiles=tiles,
+      interpret=launch.interpret,
+      out_dtype=w_gate.dtype,
+  )
   return d_rows, d_w_gate, d_w_up, None
 
 
@@ -151,8 +202,9 @@ def gate_up(rows, w_gate, w_up, group_sizes, launch: Launch):
     group_sizes: [E] int32.
     launch: tiles and interpret mode.
   """
-  return _gate_up_kernel(rows, w_gate, w_up, group_sizes, launch,
-                         kernels.identity, 2)
+  return _gate_up_kernel(
+      rows, w_gate, w_up, group_sizes, launch, kernels.identity, 2
+  )
 
 
 def _gate_up_fwd(rows, w_gate, w_up, group_sizes, launch):
@@ -163,8 +215,9 @@ def _gate_up_fwd(rows, w_gate, w_up, group_sizes, launch):
 def _gate_up_bwd(launch, residuals, cotangents):
   rows, w_gate, w_up, group_sizes = residuals
   d_gate, d_up = cotangents
-  return _gate_up_bwd_from(rows, w_gate, w_up, group_sizes, launch, d_gate,
-                           d_up)
+  return _gate_up_bwd_from(
+      rows, w_gate, w_up, group_sizes, launch, d_gate, d_up
+  )
 
 
 gate_up.defvjp(_gate_up_fwd, _gate_up_bwd)
@@ -189,8 +242,9 @@ def _gated_epilogue(activation, with_inputs):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def gated_gate_up(rows, w_gate, w_up, group_sizes, activation: str,
-                  launch: Launch):
+def gated_gate_up(
+    rows, w_gate, w_up, group_sizes, activation: str, launch: Launch
+):
   """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> [M, F], one pass.
 
   The activation runs on the float32 accumulators in the kernel's epilogue;
@@ -202,26 +256,44 @@ def gated_gate_up(rows, w_gate, w_up, group_sizes, activation: str,
     activation: one of EPILOGUE_ACTIVATIONS.
   """
   if activation not in EPILOGUE_ACTIVATIONS:
-    raise ValueError(f"activation must be one of {EPILOGUE_ACTIVATIONS} to "
-                     f"run in the kernel epilogue, got {activation!r}.")
-  (h,) = _gate_up_kernel(rows, w_gate, w_up, group_sizes, launch,
-                         _gated_epilogue(activation, False), 1)
+    raise ValueError(
+        f"activation must be one of {EPILOGUE_ACTIVATIONS} to "
+        f"run in the kernel epilogue, got {activation!r}."
+    )
+  (h,) = _gate_up_kernel(
+      rows,
+      w_gate,
+      w_up,
+      group_sizes,
+      launch,
+      _gated_epilogue(activation, False),
+      1,
+  )
   return h
 
 
 def _gated_fwd(rows, w_gate, w_up, group_sizes, activation, launch):
-  h, gate, up = _gate_up_kernel(rows, w_gate, w_up, group_sizes, launch,
-                                _gated_epilogue(activation, True), 3)
+  h, gate, up = _gate_up_kernel(
+      rows,
+      w_gate,
+      w_up,
+      group_sizes,
+      launch,
+      _gated_epilogue(activation, True),
+      3,
+  )
   return h, (rows, w_gate, w_up, group_sizes, gate, up)
 
 
 def _gated_bwd(activation, launch, residuals, d_h):
   rows, w_gate, w_up, group_sizes, gate, up = residuals
   _, act_vjp = jax.vjp(
-      lambda g, u: ffn.gated(g.astype(jnp.float32), u, activation), gate, up)
+      lambda g, u: ffn.gated(g.astype(jnp.float32), u, activation), gate, up
+  )
   d_gate, d_up = act_vjp(d_h.astype(jnp.float32))
-  return _gate_up_bwd_from(rows, w_gate, w_up, group_sizes, launch, d_gate,
-                           d_up)
+  return _gate_up_bwd_from(
+      rows, w_gate, w_up, group_sizes, launch, d_gate, d_up
+  )
 
 
 gated_gate_up.defvjp(_gated_fwd, _gated_bwd)

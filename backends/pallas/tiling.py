@@ -35,8 +35,12 @@ KINDS = ("fwd", "dgrad", "wgrad")
 
 
 def _is_pow2(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool) and x > 0 and (
-      x & (x - 1)) == 0
+  return (
+      isinstance(x, int)
+      and not isinstance(x, bool)
+      and x > 0
+      and (x & (x - 1)) == 0
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,15 +67,21 @@ class Tiles:
     for name in ("bm", "bk", "bn"):
       value = getattr(self, name)
       if not _is_pow2(value) or value < MIN_BLOCK:
-        raise ValueError(f"Tiles.{name} must be a power of two >= {MIN_BLOCK} "
-                         f"(a Triton block), got {name}={value!r}.")
+        raise ValueError(
+            f"Tiles.{name} must be a power of two >= {MIN_BLOCK} "
+            f"(a Triton block), got {name}={value!r}."
+        )
     if not _is_pow2(self.num_warps) or self.num_warps > 32:
-      raise ValueError("Tiles.num_warps must be a power of two <= 32, got "
-                       f"num_warps={self.num_warps!r}.")
+      raise ValueError(
+          "Tiles.num_warps must be a power of two <= 32, got "
+          f"num_warps={self.num_warps!r}."
+      )
     stages = self.num_stages
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-      raise ValueError("Tiles.num_stages must be an int >= 1, got "
-                       f"num_stages={self.num_stages!r}.")
+      raise ValueError(
+          "Tiles.num_stages must be an int >= 1, got "
+          f"num_stages={self.num_stages!r}."
+      )
 
   def smem_bytes(self, kind: str, dtype, num_operands: int = 1) -> int:
     """Shared memory Triton's pipeliner needs for the operand blocks.
@@ -119,8 +129,10 @@ class TileConfig:
     for kind in KINDS:
       value = getattr(self, kind)
       if value is not None and not isinstance(value, Tiles):
-        raise TypeError(f"TileConfig.{kind} must be a Tiles or None, got "
-                        f"{type(value).__name__}.")
+        raise TypeError(
+            f"TileConfig.{kind} must be a Tiles or None, got "
+            f"{type(value).__name__}."
+        )
 
   @classmethod
   def parse(cls, tiles) -> TileConfig:
@@ -138,15 +150,20 @@ class TileConfig:
       return cls(fwd=tiles, dgrad=tiles, wgrad=tiles)
     if isinstance(tiles, dict):
       if set(tiles) <= set(KINDS):
-        return cls(**{k: None if v is None else Tiles(**v)
-                      for k, v in tiles.items()})
+        return cls(
+            **{k: None if v is None else Tiles(**v) for k, v in tiles.items()}
+        )
       fields = {f.name for f in dataclasses.fields(Tiles)}
       if set(tiles) <= fields:
         return cls.parse(Tiles(**tiles))
-      raise ValueError(f"tiles dict must have keys from {sorted(fields)} or "
-                       f"from {list(KINDS)}, got {sorted(tiles)}.")
-    raise TypeError("tiles must be None, a Tiles, a TileConfig or a dict, "
-                    f"got {type(tiles).__name__}.")
+      raise ValueError(
+          f"tiles dict must have keys from {sorted(fields)} or "
+          f"from {list(KINDS)}, got {sorted(tiles)}."
+      )
+    raise TypeError(
+        "tiles must be None, a Tiles, a TileConfig or a dict, "
+        f"got {type(tiles).__name__}."
+    )
 
   def get(self, kind: str) -> Tiles | None:
     _check_kind(kind)
@@ -221,8 +238,17 @@ def _row_block(m: int, num_groups: int, cap: int) -> int:
   return min(bm, max(MIN_BLOCK, _pow2_ceil(m)))
 
 
-def heuristic(kind: str, m: int, k: int, n: int, num_groups: int, dtype, *,
-              interpret: bool, num_operands: int = 1) -> Tiles:
+def heuristic(
+    kind: str,
+    m: int,
+    k: int,
+    n: int,
+    num_groups: int,
+    dtype,
+    *,
+    interpret: bool,
+    num_operands: int = 1,
+) -> Tiles:
   """Tiles for one kernel call by shape.
 
   Args:
@@ -239,18 +265,27 @@ def heuristic(kind: str, m: int, k: int, n: int, num_groups: int, dtype, *,
   _check_kind(kind)
   if interpret:
     if kind == "wgrad":
-      return Tiles(bm=_row_block(m, num_groups, _INTERPRET_MAX_WGRAD_BM),
-                   bk=fit_block(k, _INTERPRET_MAX_BK),
-                   bn=fit_block(n, _INTERPRET_MAX_BN))
-    return Tiles(bm=_row_block(m, num_groups, _INTERPRET_MAX_BM),
-                 bk=fit_block(k, _INTERPRET_MAX_BK),
-                 bn=fit_block(n, _INTERPRET_MAX_BN))
+      return Tiles(
+          bm=_row_block(m, num_groups, _INTERPRET_MAX_WGRAD_BM),
+          bk=fit_block(k, _INTERPRET_MAX_BK),
+          bn=fit_block(n, _INTERPRET_MAX_BN),
+      )
+    return Tiles(
+        bm=_row_block(m, num_groups, _INTERPRET_MAX_BM),
+        bk=fit_block(k, _INTERPRET_MAX_BK),
+        bn=fit_block(n, _INTERPRET_MAX_BN),
+    )
   f32 = jnp.dtype(dtype) == jnp.float32
   if kind == "wgrad":
     base = GPU_TILES["tgmm_f32" if f32 else "tgmm_bf16"]
-    return fit_gpu(dataclasses.replace(base, bk=fit_block(k, base.bk),
-                                       bn=fit_block(n, base.bn)),
-                   kind, dtype, num_operands)
+    return fit_gpu(
+        dataclasses.replace(
+            base, bk=fit_block(k, base.bk), bn=fit_block(n, base.bn)
+        ),
+        kind,
+        dtype,
+        num_operands,
+    )
   if f32:
     base = GPU_TILES["gmm_f32"]
   elif m // max(num_groups, 1) < 256:
@@ -259,10 +294,17 @@ def heuristic(kind: str, m: int, k: int, n: int, num_groups: int, dtype, *,
     base = GPU_TILES["gmm_bf16_large"]
   else:
     base = GPU_TILES["gmm_bf16"]
-  return fit_gpu(dataclasses.replace(
-      base, bm=min(base.bm, max(MIN_BLOCK, _pow2_ceil(m))),
-      bk=fit_block(k, base.bk), bn=fit_block(n, base.bn)),
-                 kind, dtype, num_operands)
+  return fit_gpu(
+      dataclasses.replace(
+          base,
+          bm=min(base.bm, max(MIN_BLOCK, _pow2_ceil(m))),
+          bk=fit_block(k, base.bk),
+          bn=fit_block(n, base.bn),
+      ),
+      kind,
+      dtype,
+      num_operands,
+  )
 
 
 def num_accumulators(kind: str, num_operands: int = 1) -> int:
@@ -285,8 +327,7 @@ def fit_gpu(tiles: Tiles, kind: str, dtype, num_operands: int = 1) -> Tiles:
   return fit_smem(tiles, kind, dtype, num_operands)
 
 
-def fit_registers(tiles: Tiles, kind: str, num_accumulators: int = 1
-                  ) -> Tiles:
+def fit_registers(tiles: Tiles, kind: str, num_accumulators: int = 1) -> Tiles:
   """`tiles` with more warps, then narrower bn, then fewer accumulator rows.
 
   It stops once the accumulators take at most ACC_REGS_PER_THREAD registers
@@ -294,7 +335,8 @@ def fit_registers(tiles: Tiles, kind: str, num_accumulators: int = 1
   """
   rows = "bk" if kind == "wgrad" else "bm"
   while tiles.acc_regs_per_thread(kind, num_accumulators) > (
-      ACC_REGS_PER_THREAD):
+      ACC_REGS_PER_THREAD
+  ):
     if tiles.num_warps < MAX_FIT_WARPS:
       tiles = dataclasses.replace(tiles, num_warps=tiles.num_warps * 2)
     elif tiles.bn > MIN_BLOCK:
@@ -318,15 +360,32 @@ def fit_smem(tiles: Tiles, kind: str, dtype, num_operands: int = 1) -> Tiles:
   return tiles
 
 
-def choose(config: TileConfig, kind: str, m: int, k: int, n: int,
-           num_groups: int, dtype, *, interpret: bool,
-           num_operands: int = 1) -> Tiles:
+def choose(
+    config: TileConfig,
+    kind: str,
+    m: int,
+    k: int,
+    n: int,
+    num_groups: int,
+    dtype,
+    *,
+    interpret: bool,
+    num_operands: int = 1,
+) -> Tiles:
   """The caller's tiles for `kind` if set, else the heuristic's."""
   tiles = config.get(kind)
   if tiles is not None:
     return tiles
-  return heuristic(kind, m, k, n, num_groups, dtype, interpret=interpret,
-                   num_operands=num_operands)
+  return heuristic(
+      kind,
+      m,
+      k,
+      n,
+      num_groups,
+      dtype,
+      interpret=interpret,
+      num_operands=num_operands,
+  )
 
 
 def num_visits(m: int, bm: int, num_groups: int) -> int:

@@ -43,15 +43,29 @@ def _acc_regs_per_thread(tiles, kind, num_operands):
 class TilesTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ("not_pow2", {"bm": 48}, r"Tiles.bm must be a power of two >= 16 "
-       r"\(a Triton block\), got bm=48"),
-      ("too_small", {"bk": 8}, r"Tiles.bk must be a power of two >= 16 "
-       r"\(a Triton block\), got bk=8"),
+      (
+          "not_pow2",
+          {"bm": 48},
+          r"Tiles.bm must be a power of two >= 16 "
+          r"\(a Triton block\), got bm=48",
+      ),
+      (
+          "too_small",
+          {"bk": 8},
+          r"Tiles.bk must be a power of two >= 16 "
+          r"\(a Triton block\), got bk=8",
+      ),
       ("bool", {"bn": True}, r"Tiles.bn must be .*, got bn=True"),
-      ("warps", {"num_warps": 3}, r"num_warps must be a power of two <= 32, "
-       r"got num_warps=3"),
-      ("stages", {"num_stages": 0}, r"num_stages must be an int >= 1, got "
-       r"num_stages=0"),
+      (
+          "warps",
+          {"num_warps": 3},
+          r"num_warps must be a power of two <= 32, " r"got num_warps=3",
+      ),
+      (
+          "stages",
+          {"num_stages": 0},
+          r"num_stages must be an int >= 1, got " r"num_stages=0",
+      ),
   )
   def test_invalid_tiles_raise(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):
@@ -60,23 +74,31 @@ class TilesTest(parameterized.TestCase):
   def test_parse_forms(self):
     small = tiling.Tiles(bm=16, bk=16, bn=32)
     self.assertEqual(tiling.TileConfig.parse(None), tiling.TileConfig())
-    self.assertEqual(tiling.TileConfig.parse(small),
-                     tiling.TileConfig(small, small, small))
-    self.assertEqual(tiling.TileConfig.parse({"bm": 16, "bk": 16, "bn": 32}),
-                     tiling.TileConfig(small, small, small))
+    self.assertEqual(
+        tiling.TileConfig.parse(small), tiling.TileConfig(small, small, small)
+    )
+    self.assertEqual(
+        tiling.TileConfig.parse({"bm": 16, "bk": 16, "bn": 32}),
+        tiling.TileConfig(small, small, small),
+    )
     self.assertEqual(
         tiling.TileConfig.parse({"wgrad": {"bm": 16, "bk": 16, "bn": 32}}),
-        tiling.TileConfig(wgrad=small))
+        tiling.TileConfig(wgrad=small),
+    )
 
   def test_parse_rejects_unknown_keys_and_types(self):
-    with self.assertRaisesRegex(ValueError, r"tiles dict must have keys from "
-                                r".*, got \['block_m'\]"):
+    with self.assertRaisesRegex(
+        ValueError, r"tiles dict must have keys from " r".*, got \['block_m'\]"
+    ):
       tiling.TileConfig.parse({"block_m": 16})
-    with self.assertRaisesRegex(TypeError, r"tiles must be None, a Tiles, a "
-                                r"TileConfig or a dict, got int"):
+    with self.assertRaisesRegex(
+        TypeError,
+        r"tiles must be None, a Tiles, a " r"TileConfig or a dict, got int",
+    ):
       tiling.TileConfig.parse(16)
-    with self.assertRaisesRegex(TypeError, r"TileConfig.fwd must be a Tiles "
-                                r"or None, got dict"):
+    with self.assertRaisesRegex(
+        TypeError, r"TileConfig.fwd must be a Tiles " r"or None, got dict"
+    ):
       tiling.TileConfig(fwd={"bm": 16})
 
 
@@ -99,61 +121,92 @@ class FitBlockTest(parameterized.TestCase):
 
 class HeuristicTest(parameterized.TestCase):
 
-  @parameterized.product(kind=tiling.KINDS, interpret=[False, True],
-                         dtype=["float32", "bfloat16"])
-  def test_heuristic_gives_valid_tiles_that_fit_hopper(self, kind, interpret,
-                                                       dtype):
-    shapes = [(1, 16, 24, 3), (37, 48, 80, 3), (4096, 512, 1024, 64),
-              (65536, 7168, 2048, 32), (65536, 2048, 7168, 32)]
+  @parameterized.product(
+      kind=tiling.KINDS, interpret=[False, True], dtype=["float32", "bfloat16"]
+  )
+  def test_heuristic_gives_valid_tiles_that_fit_hopper(
+      self, kind, interpret, dtype
+  ):
+    shapes = [
+        (1, 16, 24, 3),
+        (37, 48, 80, 3),
+        (4096, 512, 1024, 64),
+        (65536, 7168, 2048, 32),
+        (65536, 2048, 7168, 32),
+    ]
     for (m, k, n, e), operands in itertools.product(shapes, (1, 2)):
-      tiles = tiling.heuristic(kind, m, k, n, e, dtype, interpret=interpret,
-                               num_operands=operands)
+      tiles = tiling.heuristic(
+          kind, m, k, n, e, dtype, interpret=interpret, num_operands=operands
+      )
       self.assertIsInstance(tiles, tiling.Tiles)  # Validated on creation.
       if not interpret:
-        self.assertLessEqual(tiles.smem_bytes(kind, dtype, operands),
-                             tiling.HOPPER_SMEM_BYTES,
-                             f"{kind} {(m, k, n, e)} x{operands}: {tiles}")
-        self.assertLessEqual(_acc_regs_per_thread(tiles, kind, operands),
-                             _ACC_REG_BUDGET,
-                             f"{kind} {(m, k, n, e)} x{operands}: {tiles}")
+        self.assertLessEqual(
+            tiles.smem_bytes(kind, dtype, operands),
+            tiling.HOPPER_SMEM_BYTES,
+            f"{kind} {(m, k, n, e)} x{operands}: {tiles}",
+        )
+        self.assertLessEqual(
+            _acc_regs_per_thread(tiles, kind, operands),
+            _ACC_REG_BUDGET,
+            f"{kind} {(m, k, n, e)} x{operands}: {tiles}",
+        )
 
   def test_shipped_gpu_tiles_fit_hopper_shared_memory(self):
     for name, tiles in tiling.GPU_TILES.items():
       kind = "wgrad" if name.startswith("tgmm") else "fwd"
       dtype = jnp.float32 if "f32" in name else jnp.bfloat16
-      self.assertLessEqual(tiles.smem_bytes(kind, dtype),
-                           tiling.HOPPER_SMEM_BYTES, name)
+      self.assertLessEqual(
+          tiles.smem_bytes(kind, dtype), tiling.HOPPER_SMEM_BYTES, name
+      )
 
   def test_shipped_gpu_tiles_fit_the_register_budget(self):
     self.assertLessEqual(tiling.ACC_REGS_PER_THREAD, _ACC_REG_BUDGET)
     for name, tiles in tiling.GPU_TILES.items():
       # A gmm config serves the unfused kernels as shipped (the fused ones
       # go through fit_gpu); a tgmm config serves the fused dW as shipped.
-      kind, operands = (("wgrad", 2) if name.startswith("tgmm")
-                        else ("fwd", 1))
+      kind, operands = ("wgrad", 2) if name.startswith("tgmm") else ("fwd", 1)
       dtype = jnp.float32 if "f32" in name else jnp.bfloat16
-      self.assertLessEqual(_acc_regs_per_thread(tiles, kind, operands),
-                           _ACC_REG_BUDGET, name)
-      self.assertEqual(tiling.fit_gpu(tiles, kind, dtype, operands),
-                       tiles, f"{name} is not final as shipped")
+      self.assertLessEqual(
+          _acc_regs_per_thread(tiles, kind, operands), _ACC_REG_BUDGET, name
+      )
+      self.assertEqual(
+          tiling.fit_gpu(tiles, kind, dtype, operands),
+          tiles,
+          f"{name} is not final as shipped",
+      )
 
   def test_deepseek_kernels_fit_registers_and_shared_memory(self):
     for kind, m, k, n, e, operands in _DEEPSEEK_KERNELS:
-      tiles = tiling.heuristic(kind, m, k, n, e, jnp.bfloat16,
-                               interpret=False, num_operands=operands)
+      tiles = tiling.heuristic(
+          kind, m, k, n, e, jnp.bfloat16, interpret=False, num_operands=operands
+      )
       label = f"{kind} {(m, k, n, e)} x{operands}: {tiles}"
-      self.assertLessEqual(_acc_regs_per_thread(tiles, kind, operands),
-                           _ACC_REG_BUDGET, label)
-      self.assertLessEqual(tiles.smem_bytes(kind, jnp.bfloat16, operands),
-                           tiling.HOPPER_SMEM_BYTES, label)
+      self.assertLessEqual(
+          _acc_regs_per_thread(tiles, kind, operands), _ACC_REG_BUDGET, label
+      )
+      self.assertLessEqual(
+          tiles.smem_bytes(kind, jnp.bfloat16, operands),
+          tiling.HOPPER_SMEM_BYTES,
+          label,
+      )
     # The fused gate+up forward starts from the large config and keeps its
     # rows and warps, narrowing only bn (two 128x256 accumulators would be
     # 256 registers per thread).
-    fused = tiling.heuristic("fwd", 32768, 7168, 2048, 32, jnp.bfloat16,
-                             interpret=False, num_operands=2)
+    fused = tiling.heuristic(
+        "fwd",
+        32768,
+        7168,
+        2048,
+        32,
+        jnp.bfloat16,
+        interpret=False,
+        num_operands=2,
+    )
     large = tiling.GPU_TILES["gmm_bf16_large"]
-    self.assertEqual((fused.bm, fused.bn, fused.num_warps),
-                     (large.bm, large.bn // 2, large.num_warps))
+    self.assertEqual(
+        (fused.bm, fused.bn, fused.num_warps),
+        (large.bm, large.bn // 2, large.num_warps),
+    )
 
   def test_fit_registers_adds_warps_then_narrows(self):
     tiles = tiling.Tiles(bm=128, bk=64, bn=256, num_warps=4)
@@ -166,17 +219,23 @@ class HeuristicTest(parameterized.TestCase):
     mine = tiling.Tiles(bm=16, bk=32, bn=64)
     config = tiling.TileConfig(dgrad=mine)
     self.assertEqual(
-        tiling.choose(config, "dgrad", 4096, 512, 1024, 8, "float32",
-                      interpret=True), mine)
+        tiling.choose(
+            config, "dgrad", 4096, 512, 1024, 8, "float32", interpret=True
+        ),
+        mine,
+    )
     self.assertNotEqual(
-        tiling.choose(config, "fwd", 4096, 512, 1024, 8, "float32",
-                      interpret=True), mine)
+        tiling.choose(
+            config, "fwd", 4096, 512, 1024, 8, "float32", interpret=True
+        ),
+        mine,
+    )
 
   def test_row_tile_shrinks_with_the_average_group(self):
-    few = tiling.heuristic("fwd", 4096, 512, 1024, 8, "float32",
-                           interpret=True)
-    many = tiling.heuristic("fwd", 4096, 512, 1024, 256, "float32",
-                            interpret=True)
+    few = tiling.heuristic("fwd", 4096, 512, 1024, 8, "float32", interpret=True)
+    many = tiling.heuristic(
+        "fwd", 4096, 512, 1024, 256, "float32", interpret=True
+    )
     self.assertLess(many.bm, few.bm)
     self.assertLessEqual(many.bm, 4096 // 256)
 

@@ -24,9 +24,13 @@ class XlaBackend(backend.Backend):
 
   name = "xla"
 
-  def __init__(self, *, levels: tuple[int, ...] = gmm.DEFAULT_LEVELS,
-               use_ragged_dot: bool | None = None,
-               compute_dtype: str | None = None):
+  def __init__(
+      self,
+      *,
+      levels: tuple[int, ...] = gmm.DEFAULT_LEVELS,
+      use_ragged_dot: bool | None = None,
+      compute_dtype: str | None = None,
+  ):
     levels = tuple(levels)
     if not levels or any(not isinstance(h, int) or h < 1 for h in levels):
       raise ValueError(f"levels must be positive ints, got {levels}.")
@@ -41,17 +45,23 @@ class XlaBackend(backend.Backend):
       return jax.default_backend() != "cpu"
     return self.use_ragged_dot
 
-  def _grouped_gemm(self, rows, weights, group_sizes, *, transpose_rhs,
-                    out_dtype):
+  def _grouped_gemm(
+      self, rows, weights, group_sizes, *, transpose_rhs, out_dtype
+  ):
     if self._ragged():
       return _ragged_dot(rows, weights, group_sizes, transpose_rhs, out_dtype)
     compute_dtype = self.compute_dtype
     if compute_dtype is None and jax.default_backend() == "cpu":
       compute_dtype = "float32"
-    return gmm.grouped_gemm(rows, weights, group_sizes, transpose_rhs,
-                            out_dtype, self.levels,
-                            None if compute_dtype is None
-                            else jnp.dtype(compute_dtype))
+    return gmm.grouped_gemm(
+        rows,
+        weights,
+        group_sizes,
+        transpose_rhs,
+        out_dtype,
+        self.levels,
+        None if compute_dtype is None else jnp.dtype(compute_dtype),
+    )
 
 
 def _ragged_dot(rows, weights, group_sizes, transpose_rhs, out_dtype):
@@ -62,8 +72,12 @@ def _ragged_dot(rows, weights, group_sizes, transpose_rhs, out_dtype):
   # Zeroing the rows first keeps NaN in unused rows out of the gradients.
   rows = jnp.where(valid, rows, jnp.zeros((), rows.dtype))
   # float32 inputs ask for full float32 products (no TF32 on GPUs).
-  precision = (jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32
-               else None)
-  out = jax.lax.ragged_dot(rows, weights, group_sizes, precision=precision,
-                           preferred_element_type=jnp.float32)
+  precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else None
+  out = jax.lax.ragged_dot(
+      rows,
+      weights,
+      group_sizes,
+      precision=precision,
+      preferred_element_type=jnp.float32,
+  )
   return jnp.where(valid, out, 0.0).astype(out_dtype)

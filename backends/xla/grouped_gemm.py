@@ -63,7 +63,8 @@ def bulk_rows(num_rows: int, num_groups: int) -> int:
   """H, the rows per group the batched bulk covers (0: no bulk)."""
   mean = num_rows / num_groups
   height = BULK_QUANTUM * math.ceil(
-      (mean + BULK_SIGMAS * math.sqrt(mean)) / BULK_QUANTUM)
+      (mean + BULK_SIGMAS * math.sqrt(mean)) / BULK_QUANTUM
+  )
   height = min(height, num_rows)
   if num_groups * height > MAX_BULK_PADDING * num_rows:
     return 0
@@ -80,16 +81,18 @@ def _balanced(group_sizes, bulk, num_rows):
   # threshold below E * H - M would refuse every multinomial routing at
   # E=64 (measured: the tile loop alone is 1.5x slower there).
   designed = max(capacity - num_rows, 0)
-  return ((padding <= designed + BALANCED_PADDING * num_rows)
-          & (overflow <= BALANCED_OVERFLOW * num_rows))
+  return (padding <= designed + BALANCED_PADDING * num_rows) & (
+      overflow <= BALANCED_OVERFLOW * num_rows
+  )
 
 
 def _with_bulk_if_balanced(fn, group_sizes, bulk, num_rows):
   """fn(bulk) if the routing is balanced enough for it, else fn(0)."""
   if not bulk:
     return fn(0)
-  return jax.lax.cond(_balanced(group_sizes, bulk, num_rows),
-                      lambda: fn(bulk), lambda: fn(0))
+  return jax.lax.cond(
+      _balanced(group_sizes, bulk, num_rows), lambda: fn(bulk), lambda: fn(0)
+  )
 
 
 def _effective_levels(levels, num_rows):
@@ -133,8 +136,9 @@ def _tile_counts(sizes, levels):
   return counts, offsets, covered
 
 
-def _for_each_overflow_tile(group_sizes, bulk, levels, carry, tile_fn,
-                            group_start_fn, group_end_fn):
+def _for_each_overflow_tile(
+    group_sizes, bulk, levels, carry, tile_fn, group_start_fn, group_end_fn
+):
   """Runs tile_fn over the overflow tiles, group by group.
 
   tile_fn((carry, state), height, start, limit, partial) -> (carry, state):
@@ -154,8 +158,9 @@ def _for_each_overflow_tile(group_sizes, bulk, levels, carry, tile_fn,
       first = starts[g] + bulk + offsets[level][g]
       limit = first + covered[level][g]
 
-      def tile_body(j, cs, height=height, first=first, limit=limit,
-                    partial=level == last):
+      def tile_body(
+          j, cs, height=height, first=first, limit=limit, partial=level == last
+      ):
         return tile_fn(cs, height, first + j * height, limit, partial)
 
       carry = jax.lax.fori_loop(0, counts[level][g], tile_body, carry)
@@ -185,8 +190,7 @@ def _assemble_from_bulk(bulk_out, group_sizes, num_rows):
   num_groups, bulk = bulk_out.shape[:2]
   ends = jnp.cumsum(group_sizes)
   row = jnp.arange(num_rows)
-  group = jnp.minimum(jnp.searchsorted(ends, row, side="right"),
-                      num_groups - 1)
+  group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), num_groups - 1)
   position = row - (ends - group_sizes)[group]
   from_bulk = (row < ends[-1]) & (position < bulk)
   flat = bulk_out.reshape(num_groups * bulk, -1)
@@ -194,8 +198,16 @@ def _assemble_from_bulk(bulk_out, group_sizes, num_rows):
   return jnp.where(from_bulk[:, None], picked, 0.0)
 
 
-def _gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, levels,
-         compute_dtype, bulk):
+def _gmm(
+    rows,
+    weights,
+    group_sizes,
+    transpose_rhs,
+    out_dtype,
+    levels,
+    compute_dtype,
+    bulk,
+):
   """Forward: [M, K] x [E, K, N] ([E, N, K] transposed) -> [M, N]."""
   m = rows.shape[0]
   n = weights.shape[1] if transpose_rhs else weights.shape[2]
@@ -206,8 +218,9 @@ def _gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, levels,
   if bulk:
     x_bulk = _gather_bulk(rows, group_sizes, bulk, cdt)
     spec = "ehk,enk->ehn" if transpose_rhs else "ehk,ekn->ehn"
-    y_bulk = jnp.einsum(spec, x_bulk, weights.astype(cdt),
-                        preferred_element_type=jnp.float32)
+    y_bulk = jnp.einsum(
+        spec, x_bulk, weights.astype(cdt), preferred_element_type=jnp.float32
+    )
     out = _assemble_from_bulk(y_bulk, group_sizes, m)
   else:
     out = jnp.zeros((m, n), jnp.float32)
@@ -220,24 +233,26 @@ def _gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, levels,
     out, w = carry
     read_at, mine = _tile_rows(m, height, start, limit)
     x = jax.lax.dynamic_slice_in_dim(rows, read_at, height).astype(cdt)
-    y = jax.lax.dot_general(x, w, (contract, ((), ())),
-                            preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(
+        x, w, (contract, ((), ())), preferred_element_type=jnp.float32
+    )
     if partial:
-      y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, read_at,
-                                                          height))
+      y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, read_at, height))
     return jax.lax.dynamic_update_slice_in_dim(out, y, read_at, 0), w
 
   def group_end(carry, g):
     del g
     return carry[0]
 
-  out = _for_each_overflow_tile(group_sizes, bulk, levels, out, tile,
-                                group_start, group_end)
+  out = _for_each_overflow_tile(
+      group_sizes, bulk, levels, out, tile, group_start, group_end
+  )
   return out.astype(out_dtype)
 
 
-def _tgmm(lhs, rhs, group_sizes, num_groups, out_dtype, levels,
-          compute_dtype, bulk):
+def _tgmm(
+    lhs, rhs, group_sizes, num_groups, out_dtype, levels, compute_dtype, bulk
+):
   """Per-group lhs_g^T @ rhs_g: [M, A] x [M, B] -> [E, A, B].
 
   An empty group gives exact zeros; rows past sum(group_sizes) are never
@@ -248,9 +263,12 @@ def _tgmm(lhs, rhs, group_sizes, num_groups, out_dtype, levels,
   levels = _effective_levels(levels, m)
 
   if bulk:
-    out = jnp.einsum("eha,ehb->eab", _gather_bulk(lhs, group_sizes, bulk, cdt),
-                     _gather_bulk(rhs, group_sizes, bulk, cdt),
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "eha,ehb->eab",
+        _gather_bulk(lhs, group_sizes, bulk, cdt),
+        _gather_bulk(rhs, group_sizes, bulk, cdt),
+        preferred_element_type=jnp.float32,
+    )
   else:
     out = jnp.zeros((num_groups, a, b), jnp.float32)
 
@@ -265,8 +283,9 @@ def _tgmm(lhs, rhs, group_sizes, num_groups, out_dtype, levels,
     r = jax.lax.dynamic_slice_in_dim(rhs, read_at, height).astype(cdt)
     if partial:
       l, r = jnp.where(mine, l, 0), jnp.where(mine, r, 0)
-    acc += jax.lax.dot_general(l, r, (((0,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+    acc += jax.lax.dot_general(
+        l, r, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
     return out, acc
 
   def group_end(carry, g):
@@ -274,15 +293,23 @@ def _tgmm(lhs, rhs, group_sizes, num_groups, out_dtype, levels,
     total = jax.lax.dynamic_index_in_dim(out, g, keepdims=False) + acc
     return jax.lax.dynamic_update_index_in_dim(out, total, g, axis=0)
 
-  out = _for_each_overflow_tile(group_sizes, bulk, levels, out, tile,
-                                group_start, group_end)
+  out = _for_each_overflow_tile(
+      group_sizes, bulk, levels, out, tile, group_start, group_end
+  )
   return out.astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def grouped_gemm(rows, weights, group_sizes, transpose_rhs=False,
-                 out_dtype=None, levels=DEFAULT_LEVELS, compute_dtype=None,
-                 bulk=None):
+def grouped_gemm(
+    rows,
+    weights,
+    group_sizes,
+    transpose_rhs=False,
+    out_dtype=None,
+    levels=DEFAULT_LEVELS,
+    compute_dtype=None,
+    bulk=None,
+):
   """rows [M, K] x weights [E, K, N] -> [M, N] over ragged groups.
 
   Args:
@@ -299,25 +326,50 @@ def grouped_gemm(rows, weights, group_sizes, transpose_rhs=False,
       bulk runs only when the sizes are balanced enough (`_balanced`).
   """
   return _with_bulk_if_balanced(
-      lambda b: _gmm(rows, weights, group_sizes, transpose_rhs,
-                     out_dtype or rows.dtype, levels, compute_dtype, b),
-      group_sizes, _bulk(bulk, rows.shape[0], weights.shape[0]),
-      rows.shape[0])
+      lambda b: _gmm(
+          rows,
+          weights,
+          group_sizes,
+          transpose_rhs,
+          out_dtype or rows.dtype,
+          levels,
+          compute_dtype,
+          b,
+      ),
+      group_sizes,
+      _bulk(bulk, rows.shape[0], weights.shape[0]),
+      rows.shape[0],
+  )
 
 
 def _bulk(bulk, num_rows, num_groups):
   return bulk_rows(num_rows, num_groups) if bulk is None else bulk
 
 
-def _fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, levels,
-         compute_dtype, bulk):
-  out = grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype,
-                     levels, compute_dtype, bulk)
+def _fwd(
+    rows,
+    weights,
+    group_sizes,
+    transpose_rhs,
+    out_dtype,
+    levels,
+    compute_dtype,
+    bulk,
+):
+  out = grouped_gemm(
+      rows,
+      weights,
+      group_sizes,
+      transpose_rhs,
+      out_dtype,
+      levels,
+      compute_dtype,
+      bulk,
+  )
   return out, (rows, weights, group_sizes)
 
 
-def _bwd(transpose_rhs, out_dtype, levels, compute_dtype, bulk, residuals,
-         dy):
+def _bwd(transpose_rhs, out_dtype, levels, compute_dtype, bulk, residuals, dy):
   del out_dtype
   rows, weights, group_sizes = residuals
   num_groups = weights.shape[0]
@@ -325,19 +377,43 @@ def _bwd(transpose_rhs, out_dtype, levels, compute_dtype, bulk, residuals,
 
   def grads(bulk):
     # dX: the same product against the weights the other way round.
-    d_rows = _gmm(dy, weights, group_sizes, not transpose_rhs, rows.dtype,
-                  levels, compute_dtype, bulk)
+    d_rows = _gmm(
+        dy,
+        weights,
+        group_sizes,
+        not transpose_rhs,
+        rows.dtype,
+        levels,
+        compute_dtype,
+        bulk,
+    )
     if transpose_rhs:  # weights[g] is [N, K]: dW[g] = dy_g^T x_g.
-      d_weights = _tgmm(dy, rows, group_sizes, num_groups, weights.dtype,
-                        levels, compute_dtype, bulk)
+      d_weights = _tgmm(
+          dy,
+          rows,
+          group_sizes,
+          num_groups,
+          weights.dtype,
+          levels,
+          compute_dtype,
+          bulk,
+      )
     else:  # weights[g] is [K, N]: dW[g] = x_g^T dy_g.
-      d_weights = _tgmm(rows, dy, group_sizes, num_groups, weights.dtype,
-                        levels, compute_dtype, bulk)
+      d_weights = _tgmm(
+          rows,
+          dy,
+          group_sizes,
+          num_groups,
+          weights.dtype,
+          levels,
+          compute_dtype,
+          bulk,
+      )
     return d_rows, d_weights
 
   d_rows, d_weights = _with_bulk_if_balanced(
-      grads, group_sizes, _bulk(bulk, rows.shape[0], num_groups),
-      rows.shape[0])
+      grads, group_sizes, _bulk(bulk, rows.shape[0], num_groups), rows.shape[0]
+  )
   return d_rows, d_weights, None
 
 

@@ -30,7 +30,7 @@ def _numpy_gmm(rows, weights, sizes):
   out = np.zeros((rows.shape[0], weights.shape[2]))
   start = 0
   for g, size in enumerate(sizes):
-    out[start:start + size] = rows[start:start + size] @ weights[g]
+    out[start : start + size] = rows[start : start + size] @ weights[g]
     start += size
   return out
 
@@ -53,9 +53,11 @@ class GroupedGemmPathsTest(parameterized.TestCase):
       layout=list(_GROUP_LAYOUTS),
       bulk=[0, 8, _M],
       levels=[(256, 64, 16), (16, 4)],
-      transpose_rhs=[False, True])
-  def test_forward_and_gradients_match_numpy(self, layout, bulk, levels,
-                                             transpose_rhs):
+      transpose_rhs=[False, True],
+  )
+  def test_forward_and_gradients_match_numpy(
+      self, layout, bulk, levels, transpose_rhs
+  ):
     sizes = _GROUP_LAYOUTS[layout]
     rng = np.random.default_rng(len(sizes) + bulk)
     rows = rng.normal(size=(_M, _K))
@@ -69,27 +71,34 @@ class GroupedGemmPathsTest(parameterized.TestCase):
 
     def gmm(x, w, gs):
       # Called directly: _gmm/_tgmm take the bulk as given, no cond.
-      return grouped_gemm._gmm(x, w, gs, transpose_rhs, jnp.float32, levels,
-                               None, bulk)
+      return grouped_gemm._gmm(
+          x, w, gs, transpose_rhs, jnp.float32, levels, None, bulk
+      )
 
     @jax.jit
     def forward_and_grads(x, w, gs, dy):
       out = gmm(x, w, gs)
-      dx = grouped_gemm._gmm(dy, w, gs, not transpose_rhs, jnp.float32,
-                             levels, None, bulk)
+      dx = grouped_gemm._gmm(
+          dy, w, gs, not transpose_rhs, jnp.float32, levels, None, bulk
+      )
       lhs, rhs = (dy, x) if transpose_rhs else (x, dy)
-      dw = grouped_gemm._tgmm(lhs, rhs, gs, w.shape[0], jnp.float32, levels,
-                              None, bulk)
+      dw = grouped_gemm._tgmm(
+          lhs, rhs, gs, w.shape[0], jnp.float32, levels, None, bulk
+      )
       return out, dx, dw
 
     out, d_rows, d_weights = forward_and_grads(
-        jnp.asarray(poisoned, jnp.float32), jnp.asarray(w, jnp.float32),
-        group_sizes, jnp.asarray(dy, jnp.float32))
+        jnp.asarray(poisoned, jnp.float32),
+        jnp.asarray(w, jnp.float32),
+        group_sizes,
+        jnp.asarray(dy, jnp.float32),
+    )
     want_rows, want_weights = _numpy_grads(rows, weights, sizes, dy)
     if transpose_rhs:
       want_weights = np.swapaxes(want_weights, 1, 2)
-    np.testing.assert_allclose(out, _numpy_gmm(rows, weights, sizes),
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        out, _numpy_gmm(rows, weights, sizes), atol=1e-4, rtol=1e-4
+    )
     np.testing.assert_allclose(d_rows, want_rows, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(d_weights, want_weights, atol=1e-4, rtol=1e-4)
     self.assertTrue(np.all(np.asarray(out)[used:] == 0))
@@ -104,13 +113,17 @@ class GroupedGemmPathsTest(parameterized.TestCase):
     dy = rng.normal(size=(_M, _N))
     gs = jnp.asarray(sizes, jnp.int32)
     out, vjp = jax.vjp(
-        lambda x, w: grouped_gemm.grouped_gemm(x, w, gs, False, None,
-                                               (16, 4), None, bulk),
-        jnp.asarray(rows, jnp.float32), jnp.asarray(weights, jnp.float32))
+        lambda x, w: grouped_gemm.grouped_gemm(
+            x, w, gs, False, None, (16, 4), None, bulk
+        ),
+        jnp.asarray(rows, jnp.float32),
+        jnp.asarray(weights, jnp.float32),
+    )
     d_rows, d_weights = vjp(jnp.asarray(dy, jnp.float32))
     want_rows, want_weights = _numpy_grads(rows, weights, sizes, dy)
-    np.testing.assert_allclose(out, _numpy_gmm(rows, weights, sizes),
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        out, _numpy_gmm(rows, weights, sizes), atol=1e-4, rtol=1e-4
+    )
     np.testing.assert_allclose(d_rows, want_rows, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(d_weights, want_weights, atol=1e-4, rtol=1e-4)
 
@@ -130,8 +143,13 @@ class GroupedGemmPathsTest(parameterized.TestCase):
     for seed in range(5):
       sizes = np.random.default_rng(seed).multinomial(4096, [1 / 64] * 64)
       with self.subTest(seed=seed):
-        self.assertTrue(bool(grouped_gemm._balanced(
-            jnp.asarray(sizes, jnp.int32), bulk, 4096)))
+        self.assertTrue(
+            bool(
+                grouped_gemm._balanced(
+                    jnp.asarray(sizes, jnp.int32), bulk, 4096
+                )
+            )
+        )
     # Few real rows in a large buffer (EP receive buffers) stay in the loop:
     # the bulk would be mostly padding.
     sparse = jnp.full((64,), 16, jnp.int32)

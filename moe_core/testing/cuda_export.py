@@ -22,10 +22,12 @@ from moe_core import compat
 TRITON_CALL = compat.triton_call_target()
 
 
-def export_for_cuda(fn: Callable, *args,
-                    disabled_custom_calls: Sequence[str] = (),
-                    device_kind: str | None = "NVIDIA H200"
-                    ) -> export.Exported:
+def export_for_cuda(
+    fn: Callable,
+    *args,
+    disabled_custom_calls: Sequence[str] = (),
+    device_kind: str | None = "NVIDIA H200",
+) -> export.Exported:
   """`jax.export` of `jax.jit(fn)(*args)` for platform "cuda".
 
   Triton kernels are not export-stable custom calls (jax >= 0.8), so their
@@ -48,13 +50,19 @@ def export_for_cuda(fn: Callable, *args,
     The `jax.export.Exported`; `.mlir_module()` is its StableHLO text.
   """
   names = (TRITON_CALL, *disabled_custom_calls)
-  mesh = (compat.abstract_gpu_mesh(device_kind) if device_kind is not None
-          else contextlib.nullcontext())
+  mesh = (
+      compat.abstract_gpu_mesh(device_kind)
+      if device_kind is not None
+      else contextlib.nullcontext()
+  )
   with compat.filter_triton_deprecation(), mesh:
     return export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(n)
-                         for n in names])(*args)
+        jax.jit(fn),
+        platforms=["cuda"],
+        disabled_checks=[
+            export.DisabledSafetyCheck.custom_call(n) for n in names
+        ],
+    )(*args)
 
 
 def custom_calls(module_text: str) -> list[str]:
