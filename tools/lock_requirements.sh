@@ -17,7 +17,7 @@ for leg in "$@"; do
     echo "lock: leg $leg needs Python $version, not found" >&2; exit 1; }
   tmp="$(mktemp -d)"
   "$python" -m venv "$tmp/venv"
-  "$tmp/venv/bin/python" -m pip install --quiet --progress-bar off \
+  "$tmp/venv/bin/python" -m pip install -qq --progress-bar off \
     --disable-pip-version-check -r "requirements/$leg.in"
   {
     echo "# The full lock of leg $leg (Python $version), made by"

@@ -137,7 +137,8 @@ if [[ "$want" == "$have" && "${FORCE_PIP:-0}" != 1 ]]; then
 else
   log "pip install -r requirements/$leg.txt (a few minutes on a new venv)"
   rm -f "$STAMP"
-  "$VENV/bin/python" -m pip install --quiet --progress-bar off \
+  # -qq: errors only (pip's configured indexes warn once per package).
+  "$VENV/bin/python" -m pip install -qq --progress-bar off \
     --disable-pip-version-check -r "$LOCK" >&2
   echo "$want" > "$STAMP"
   log "pins installed (stamp ${want:0:12})"
