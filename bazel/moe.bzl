@@ -200,10 +200,10 @@ def moe_conformance_test(
 
     main = _conformance_main(name)
     suite_deps = ["//conformance:conformance_main"] + deps
-    # Every backend's suite runs on every (Python, JAX) leg: `tools/test.sh
-    # --matrix` selects the targets tagged `matrix`.
-    if "matrix" not in tags:
-        tags = tags + ["matrix"]
+    # Every backend's suite runs on the legs that run the version matrix
+    # (`tools/test.sh --matrix` selects the targets tagged `matrix`);
+    # `conformance` lets a shorter leg leave the suites out.
+    tags = tags + [t for t in ["matrix", "conformance"] if t not in tags]
     suite_args = [
         "--backend=" + backend,
         "--backend_options=" + _shell_quote(json.encode(options)),

@@ -8,10 +8,11 @@
 #   --leg=LEG  run under requirements/LEG.txt's environment, e.g.
 #              --leg=py311-jax0.10 (tools/setup.sh lists the legs).
 #   --matrix   only the targets tagged `matrix`: what must pass on every leg
-#              (conformance, kernels, CUDA lowering, the bounds-checking
+#              that runs the version matrix (conformance, kernels, CUDA lowering, the bounds-checking
 #              interpreter, EP, gpu_check's rehearsals, HF parity, the
-#              source checks). .ci/run runs the whole suite on the default
-#              leg and this subset on the others.
+#              source checks).
+#   --matrix=no-conformance  the same less the conformance suites (the
+#              targets tagged `conformance`): .ci/run's shortest leg.
 # Other arguments go to `bazel test`, e.g.
 #   tools/test.sh --test_output=all //moe_core/...
 # (targets given after the flags are added to //...).
@@ -28,6 +29,9 @@ for arg in "$@"; do
       # Replaces .bazelrc's filter: tagged `matrix`, and still not GPU/TPU.
       bazel_args+=(--build_tests_only
         --test_tag_filters=matrix,-requires-gpu,-requires-tpu) ;;
+    --matrix=no-conformance)
+      bazel_args+=(--build_tests_only
+        --test_tag_filters=matrix,-conformance,-requires-gpu,-requires-tpu) ;;
     *) bazel_args+=("$arg") ;;
   esac
 done
