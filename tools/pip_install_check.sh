@@ -50,19 +50,11 @@ step() {
 }
 fail() { echo "pip_install_check: FAILED: $*" >&2; exit 1; }
 
-# The interpreter.
+# The interpreter: a version is looked up as tools/setup.sh does.
 if [[ "$PYTHON" =~ ^3\.[0-9]+$ ]]; then
+  source "$REPO/tools/legs.sh"
   want="$PYTHON"
-  PYTHON=""
-  if command -v "python$want" >/dev/null \
-      && "python$want" -c "" 2>/dev/null; then
-    PYTHON="$(command -v "python$want")"
-  else
-    root="$(pyenv root 2>/dev/null || echo "${PYENV_ROOT:-$HOME/.pyenv}")"
-    PYTHON="$(ls -d "$root"/versions/"$want".*/bin/"python$want" 2>/dev/null \
-      | sort -V | tail -n 1 || true)"
-  fi
-  [[ -n "$PYTHON" ]] || fail "no Python $want found (PATH, pyenv)"
+  PYTHON="$(find_python "$want")" || fail "no Python $want found (PATH, pyenv)"
 fi
 "$PYTHON" -c "" 2>/dev/null || fail "'$PYTHON' does not run"
 PY_VERSION="$("$PYTHON" -c 'import sys; print(sys.version.split()[0])')"
