@@ -20,7 +20,7 @@
 
 Every stage is a public function or Backend method and can be used alone; a
 backend overrides any of them. With `mesh=`, the same pipeline runs with
-expert parallelism (`moe_core/parallel.py`: each device routes its tokens,
+expert parallelism (`moe_core/parallel/`: each device routes its tokens,
 sends each copy to the device holding its expert and gets the output back).
 Out of scope here: attention, the residual and norms around the block, and
 optimiser state (see `train/`).
@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 
 from moe_core import backend as backend_lib
 from moe_core import config as config_lib
@@ -97,7 +96,5 @@ def moe_layer(
   y = registry.call_backend(
       backend, lambda b: b.routed_experts(params, tokens, aux, cfg)
   )
-  if cfg.shared_ffn_size:
-    shared = ffn.shared_expert(params, tokens, cfg)
-    y = (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(x.dtype)
+  y = ffn.add_shared_expert(y, params, tokens, cfg)
   return y.reshape(x.shape), aux

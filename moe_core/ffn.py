@@ -19,17 +19,18 @@ _ACTIVATIONS = {
 
 
 def activation(name: str):
+  """The elementwise function called `name` ("silu", "gelu", "gelu_tanh")."""
   return _ACTIVATIONS[name]
 
 
 def gated(gate: jax.Array, up: jax.Array, name: str) -> jax.Array:
-  """act(gate) * up, computed in float32, returned in gate's dtype."""
+  """act(gate) * up: two [M, F] -> [M, F], computed in float32, gate's dtype."""
   h = activation(name)(gate.astype(jnp.float32)) * up.astype(jnp.float32)
   return h.astype(gate.dtype)
 
 
 def _matmul(a, b):
-  """a @ b with float32 accumulation, in a's dtype."""
+  """a [T, C] @ b [C, N] -> [T, N], accumulated in float32, in a's dtype."""
   return jnp.dot(
       a, b.astype(a.dtype), preferred_element_type=jnp.float32
   ).astype(a.dtype)
@@ -51,3 +52,25 @@ def shared_expert(
     )
     y = (jax.nn.sigmoid(gate_logit) * y.astype(jnp.float32)).astype(x.dtype)
   return y
+
+
+def add_shared_expert(
+    y: jax.Array, params: dict, tokens: jax.Array, cfg: config_lib.MoEConfig
+) -> jax.Array:
+  """y + the shared expert of `tokens` (summed in float32), in tokens' dtype.
+
+  The last step of the block, on one device and per device under a mesh
+  (`parallel.moe_layer`). y unchanged if cfg has no shared expert.
+
+  Args:
+    y: [T, D] the routed experts' output for `tokens`.
+    params: the block's params (shared_w_* and shared_gate, if any).
+    tokens: [T, D] the block's input.
+    cfg: the block's config.
+  """
+  if not cfg.shared_ffn_size:
+    return y
+  shared = shared_expert(params, tokens, cfg)
+  return (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(
+      tokens.dtype
+  )

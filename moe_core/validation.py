@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,7 +94,10 @@ def check_group_sizes(
 def check_grouped_gemm(
     rows, weights, group_sizes, *, transpose_rhs: bool = False
 ) -> None:
-  """rows [M, K], weights [E, K, N] ([E, N, K] if transposed), sizes [E]."""
+  """rows [M, C], weights [E, C, N] ([E, N, C] if transposed), sizes [E].
+
+  C is the contracted width (K is top-k elsewhere).
+  """
   for name, arr in (("rows", rows), ("weights", weights)):
     if not hasattr(arr, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(arr)}.")
@@ -100,16 +106,16 @@ def check_grouped_gemm(
           f"{name} must be floating point, got dtype " f"{_dtype_name(arr)}."
       )
   if rows.ndim != 2:
-    raise ValueError(f"rows must be 2-D [M, K], got rows.shape={rows.shape}.")
+    raise ValueError(f"rows must be 2-D [M, C], got rows.shape={rows.shape}.")
   if weights.ndim != 3:
     raise ValueError(
-        "weights must be 3-D [E, K, N], got " f"weights.shape={weights.shape}."
+        "weights must be 3-D [E, C, N], got " f"weights.shape={weights.shape}."
     )
-  k_axis = 2 if transpose_rhs else 1
-  if weights.shape[k_axis] != rows.shape[1]:
-    layout = "[E, N, K]" if transpose_rhs else "[E, K, N]"
+  c_axis = 2 if transpose_rhs else 1
+  if weights.shape[c_axis] != rows.shape[1]:
+    layout = "[E, N, C]" if transpose_rhs else "[E, C, N]"
     raise ValueError(
-        f"weights {layout} must contract over rows' K={rows.shape[1]}, got "
+        f"weights {layout} must contract over rows' C={rows.shape[1]}, got "
         f"rows.shape={rows.shape}, weights.shape={weights.shape}."
     )
   check_group_sizes(group_sizes, weights.shape[0])
@@ -314,3 +320,107 @@ def check_routed_experts(x, aux, cfg: config_lib.MoEConfig) -> None:
   the ids' values are checked where they are consumed, by dispatch)."""
   check_token_matrix(x, cfg, "routed_experts")
   check_routing(aux.expert_ids, aux.combine_weights, x.shape[0], cfg)
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+  """value is one of `choices` (an option given by name)."""
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
+# --- Expert parallelism (moe_core.parallel) ----------------------------------
+
+
+def check_ep_options(options, *, exchanges, overflow_policies) -> None:
+  """An `EPOptions`: known names, a finite factor > 0, whole chunks."""
+  check_choice("exchange", options.exchange, exchanges)
+  check_choice("overflow", options.overflow, overflow_policies)
+  factor = options.buffer_factor
+  if factor is not None and not (
+      isinstance(factor, (int, float))
+      and not isinstance(factor, bool)
+      and math.isfinite(factor)
+      and factor > 0
+  ):
+    raise ValueError(
+        "buffer_factor must be None (drop-free) or a finite "
+        f"number > 0, got {factor!r}."
+    )
+  chunks = options.num_chunks
+  if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+    raise ValueError(f"num_chunks must be a positive int, got {chunks!r}.")
+
+
+def check_dropless(cfg: config_lib.MoEConfig) -> None:
+  """Capacity needs a global token order that token shards do not share."""
+  if not cfg.dropless:
+    raise NotImplementedError(
+        "expert parallelism supports dropless configs only (capacity_factor="
+        f"None), got capacity_factor={cfg.capacity_factor}."
+    )
+
+
+def check_experts_divide(num_experts: int, ep: int, got: str) -> None:
+  """E splits evenly over the ep devices of the expert axis; `got` names ep."""
+  if num_experts % ep:
+    raise ValueError(
+        f"num_experts={num_experts} must be divisible by the expert axis "
+        f"size, got {got}."
+    )
+
+
+def check_mesh(
+    mesh, cfg: config_lib.MoEConfig, expert_axis: str, data_axes: Sequence[str]
+) -> tuple[str, ...]:
+  """Validates the mesh arguments; returns the token axes."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh)}.")
+  if isinstance(data_axes, str):
+    raise TypeError(
+        "data_axes must be a sequence of axis names, got the "
+        f"string {data_axes!r}; write ({data_axes!r},)."
+    )
+  data_axes = tuple(data_axes)
+  names = tuple(mesh.axis_names)
+  if expert_axis not in names:
+    raise ValueError(
+        f"expert_axis={expert_axis!r} is not an axis of the "
+        f"mesh; mesh axes are {names}."
+    )
+  missing = [a for a in data_axes if a not in names]
+  if missing:
+    raise ValueError(
+        f"data_axes={data_axes} names axes {missing} the mesh "
+        f"lacks; mesh axes are {names} (data_axes=() for none)."
+    )
+  if expert_axis in data_axes or len(set(data_axes)) != len(data_axes):
+    raise ValueError(
+        "data_axes must be distinct and exclude expert_axis, got "
+        f"data_axes={data_axes}, expert_axis={expert_axis!r}."
+    )
+  ep = mesh.shape[expert_axis]
+  check_experts_divide(cfg.num_experts, ep, f"mesh.shape[{expert_axis!r}]={ep}")
+  return (*data_axes, expert_axis)
+
+
+def check_token_split(
+    x, mesh, token_axes: tuple[str, ...], num_chunks: int
+) -> None:
+  """x's tokens split evenly over the token axes' devices and the chunks."""
+  shards = math.prod(mesh.shape[a] for a in token_axes)
+  num_tokens = math.prod(x.shape[:-1])
+  if num_tokens % (shards * num_chunks):
+    chunks = f" and num_chunks={num_chunks}" if num_chunks > 1 else ""
+    raise ValueError(
+        f"the {num_tokens} tokens of x (shape {tuple(x.shape)}) must split "
+        f"evenly over the {shards} devices of axes {token_axes}{chunks}."
+    )
+
+
+def check_chunks(num_tokens: int, num_chunks: int) -> None:
+  """A device's T_l tokens split into num_chunks equal chunks."""
+  if num_tokens % num_chunks:
+    raise ValueError(
+        f"num_chunks={num_chunks} must divide the tokens per device, got "
+        f"{num_tokens} tokens per device."
+    )

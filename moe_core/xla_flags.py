@@ -6,7 +6,7 @@
 
 XLA reads XLA_FLAGS once, when jax first creates a backend, and aborts the
 process on a flag it does not know ("Unknown flag in XLA_FLAGS"). Every flag
-here exists in jaxlib 0.10.2 (checked by `parallel_test.py`, which starts
+here exists in jaxlib 0.10.2 (checked by `xla_flags_test.py`, which starts
 jax with them); on a newer jaxlib run that test again.
 """
 

@@ -1,0 +1,190 @@
+"""The exchange interface: how token copies reach their experts' devices.
+
+An expert-parallel layer moves every token copy to the device that holds
+its expert and moves the expert's output back. `stages.dispatch` and
+`stages.combine` do everything that does not depend on how the rows travel:
+
+  1. sort this device's M = T_l*K copies by expert, hence by destination
+     device (the send order);
+  2. all_gather the per-expert counts: wanted[src, dst] copies for every
+     pair of devices;
+  3. ask the exchange which copies fit its buffers and where they land
+     (`capacity`, `admit`), which gives the `Layout`;
+  4. move the rows (`send`), regroup what arrived by local expert, run the
+     experts;
+  5. move the outputs back (`send_back`), pick each copy's row
+     (`return_slot`), weight and sum per token.
+
+An `Exchange` supplies steps 3 to 5's data movement, so a new transport is
+a new class and none of the stages branches on it. To add one:
+
+  * subclass `Exchange` in its own module under moe_core/parallel/ (import
+    any vendor package at the top of that module: it is loaded only when
+    the exchange is chosen), set `name`, and implement the six methods;
+  * add `"name": "moe_core.parallel.module:Class"` to
+    `options.EXCHANGE_CLASSES` (that also makes `EPOptions(exchange=name)`
+    valid);
+  * add it to the tests that loop over exchanges (options_test checks the
+    registry, the conformance EP suite compares the layer with one device).
+
+Every method but `capacity` and `describe_capacity` runs inside
+`jax.shard_map` over the expert axis, on traced arrays; `ep` is that axis's
+size. Rows are [*, D] in the activations' dtype; sizes and offsets int32.
+Gradients come from JAX's transpose of the collectives used (the reverse
+exchange), so an exchange built from differentiable collectives needs no
+custom rule.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import importlib
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from moe_core.parallel import options as options_lib
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where each peer's rows sit in the send and receive buffers.
+
+  All [ep] int32, seen from this device; "send order" is this device's M
+  copies sorted by destination device.
+
+  Attributes:
+    send_sizes: rows this device sends each peer (the copies that fit).
+    send_offsets: each peer's first copy in the send order.
+    recv_sizes: rows each peer sends this device.
+    recv_offsets: where each peer's rows start in this device's receive
+      buffer.
+    peer_recv_offsets: where this device's rows start in each peer's
+      receive buffer.
+    peer_send_offsets: where each peer's copies for this device start in
+      that peer's send order.
+    capacity: the exchange's static bound (`Exchange.capacity`).
+  """
+
+  send_sizes: jax.Array
+  send_offsets: jax.Array
+  recv_sizes: jax.Array
+  recv_offsets: jax.Array
+  peer_recv_offsets: jax.Array
+  peer_send_offsets: jax.Array
+  capacity: int = dataclasses.field(metadata=dict(static=True))
+
+
+class Exchange(abc.ABC):
+  """Moves rows between the devices of the expert axis, and back."""
+
+  name: ClassVar[str]
+
+  @abc.abstractmethod
+  def capacity(
+      self,
+      tokens: int,
+      top_k: int,
+      num_experts: int,
+      ep: int,
+      buffer_factor: float | None,
+  ) -> int:
+    """The static size that bounds the buffers (see `options.buffer_sizes`).
+
+    What it counts is the exchange's own (slots per peer, receive rows);
+    `admit` and `send` interpret it. Python ints in and out.
+    """
+
+  @abc.abstractmethod
+  def describe_capacity(self, capacity: int) -> str:
+    """The bound in words, for the overflow error ("8 slots per peer")."""
+
+  @abc.abstractmethod
+  def admit(
+      self, wanted: jax.Array, capacity: int
+  ) -> tuple[jax.Array, jax.Array]:
+    """Which copies fit the buffers, and where they land.
+
+    Args:
+      wanted: [ep, ep] int32, wanted[src, dst]: copies device src has for
+        the experts of device dst (the same on every device).
+      capacity: `capacity(...)`.
+
+    Returns:
+      (fits, dst_first), both [ep, ep] int32: fits[src, dst] <= wanted, the
+      first copies of each pair that are sent (the rest are dropped);
+      dst_first[src, dst], the row of dst's receive buffer where src's rows
+      start. Sources' ranges in one receive buffer must be increasing in
+      src, and its first one must start at row 0.
+    """
+
+  @abc.abstractmethod
+  def return_slot(
+      self, copy: jax.Array, dest: jax.Array, slot: jax.Array, capacity: int
+  ) -> jax.Array:
+    """[M] int32: the row of `send_back`'s result that holds each copy.
+
+    Args:
+      copy: [M] int32, the copy's position in the send order.
+      dest: [M] int32, its destination device.
+      slot: [M] int32, its position among the copies for `dest` (>=
+        send_sizes[dest] for a copy that was not sent: any in-range row).
+      capacity: `capacity(...)`.
+    """
+
+  @abc.abstractmethod
+  def send(
+      self, rows: jax.Array, sent: jax.Array, layout: Layout, axis_name: str
+  ) -> jax.Array:
+    """Sends each copy to its destination; returns the receive buffer.
+
+    Args:
+      rows: [M, D] this device's copies in the send order.
+      sent: [M] bool, the copies that fit (`admit`); the others must not
+        arrive anywhere.
+      layout: from `admit`.
+      axis_name: the expert axis.
+
+    Returns:
+      [R, D]: source j's rows at recv_offsets[j] onwards, in its send
+      order; every other row zero. R is static.
+    """
+
+  @abc.abstractmethod
+  def send_back(
+      self, rows: jax.Array, layout: Layout, num_copies: int, axis_name: str
+  ) -> jax.Array:
+    """The reverse of `send`: each received row back to the copy it was.
+
+    Args:
+      rows: [R, D] laid out as `send` returned them (now expert outputs).
+      layout: as given to `send`.
+      num_copies: M.
+      axis_name: the expert axis.
+
+    Returns:
+      [S, D], S static: the row of copy c at `return_slot` of c, for every
+      copy that was sent (other rows are ignored).
+    """
+
+
+def exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
+  """int32 sums of the entries before each one along `axis` (first: 0)."""
+  return (jnp.cumsum(a, axis=axis) - a).astype(jnp.int32)
+
+
+@functools.cache
+def get_exchange(name: str) -> Exchange:
+  """The exchange called `name` (not "auto": see `resolve_exchange`)."""
+  target = options_lib.EXCHANGE_CLASSES.get(name)
+  if target is None:
+    raise ValueError(
+        f"exchange must be one of {tuple(options_lib.EXCHANGE_CLASSES)} "
+        f"here (resolve 'auto' first), got {name!r}."
+    )
+  module, cls = target.split(":")
+  return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,243 @@
+"""The expert-parallel layer: the routed block per device, under shard_map.
+
+`routed_experts` is what one device runs between `route` and the shared
+expert (dispatch -> backend.expert_ffn -> combine, per chunk); `moe_layer`
+runs route, it and the shared expert on every device of a mesh.
+`param_specs` and `shard_params` place the parameters the way it expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from moe_core import backend as backend_lib
+from moe_core import compat
+from moe_core import config as config_lib
+from moe_core import ffn
+from moe_core import params as params_lib
+from moe_core import registry
+from moe_core import routing
+from moe_core import validation
+from moe_core.parallel import options as options_lib
+from moe_core.parallel import stages
+
+P = jax.sharding.PartitionSpec
+NamedSharding = jax.sharding.NamedSharding
+
+# Per-token MoEAux fields: sharded like the tokens. The rest are global.
+_PER_TOKEN_AUX = (
+    "router_logits",
+    "router_probs",
+    "expert_ids",
+    "combine_weights",
+    "kept",
+)
+
+
+def routed_experts(
+    backend: str | backend_lib.Backend,
+    params: dict,
+    x: jax.Array,
+    aux: routing.MoEAux,
+    cfg: config_lib.MoEConfig,
+    *,
+    expert_axis: str,
+    token_axes: Sequence[str],
+    options: options_lib.EPOptions = options_lib.EPOptions(),
+    platform: str | None = None,
+) -> tuple[jax.Array, routing.MoEAux]:
+  """dispatch -> backend.expert_ffn -> combine; call inside shard_map.
+
+  Args:
+    backend: a name or `Backend`; "auto" tries `registry.auto_candidates()`
+      in order. Only its `expert_ffn` is used (on the local experts).
+    params: this device's params: w_gate, w_up [E_l, D, F], w_down [E_l, F, D].
+    x: [T_l, D] this device's tokens.
+    aux: `route`'s output for them.
+    cfg: the block's config.
+    expert_axis: the mesh axis the experts are split over.
+    token_axes: every mesh axis the tokens are split over (for the counts).
+    options: `EPOptions`.
+    platform: for `exchange="auto"`; JAX's default backend if None.
+
+  Returns:
+    ([T_l, D] in x's dtype, aux with kept, combine_weights and dropped_tokens
+    updated for copies dropped by a bounded buffer with overflow="drop").
+  """
+  exchange = options_lib.resolve_exchange(
+      options.exchange, platform or jax.default_backend()
+  )
+  num_tokens = x.shape[0]
+  chunks = options.num_chunks
+  validation.check_chunks(num_tokens, chunks)
+  size = num_tokens // chunks
+  ys, kept = [], []
+  # A Python loop, so the chunks are independent ops the scheduler may
+  # overlap (one chunk's exchange with another's expert compute).
+  for i in range(chunks):
+    part = slice(i * size, (i + 1) * size)
+    d = stages.dispatch(
+        x[part],
+        aux.expert_ids[part],
+        cfg,
+        expert_axis=expert_axis,
+        exchange=exchange,
+        buffer_factor=options.buffer_factor,
+        overflow=options.overflow,
+    )
+    out = registry.call_backend(
+        backend, lambda b, d=d: b.expert_ffn(d.rows, d.group_sizes, params, cfg)
+    )
+    weights = aux.combine_weights[part]
+    ys.append(stages.combine(out, d, weights, expert_axis=expert_axis))
+    kept.append(stages.kept_copies(d, cfg.top_k))
+  y = jnp.concatenate(ys) if chunks > 1 else ys[0]
+  kept = jnp.concatenate(kept) if chunks > 1 else kept[0]
+  if options.buffer_factor is not None:
+    dropped = (kept.size - jnp.sum(kept)).astype(jnp.int32)
+    aux = dataclasses.replace(
+        aux,
+        kept=kept,
+        combine_weights=jnp.where(kept, aux.combine_weights, 0.0),
+        dropped_tokens=aux.dropped_tokens + stages.psum(dropped, token_axes),
+    )
+  return y.astype(x.dtype), aux
+
+
+def param_specs(
+    cfg: config_lib.MoEConfig,
+    expert_axis: str = "expert",
+) -> dict[str, P]:
+  """PartitionSpec of each parameter: experts split, the rest replicated."""
+  return {
+      name: P(expert_axis) if name in ("w_gate", "w_up", "w_down") else P()
+      for name in params_lib.param_shapes(cfg)
+  }
+
+
+def shard_params(
+    params: dict,
+    cfg: config_lib.MoEConfig,
+    mesh: jax.sharding.Mesh,
+    expert_axis: str = "expert",
+) -> dict[str, jax.Array]:
+  """Places `params` on `mesh` as `moe_layer(..., mesh=mesh)` expects them.
+
+  Each device then holds E / ep experts' weights. In a multi-process run,
+  every process must pass the same full values (e.g. from one seed).
+  """
+  specs = param_specs(cfg, expert_axis)
+  return {
+      name: jax.device_put(value, NamedSharding(mesh, specs[name]))
+      for name, value in params.items()
+  }
+
+
+def moe_layer(
+    params: dict,
+    x: jax.Array,
+    cfg: config_lib.MoEConfig,
+    backend: str | backend_lib.Backend = "auto",
+    *,
+    mesh: jax.sharding.Mesh,
+    expert_axis: str = "expert",
+    data_axes: Sequence[str] = ("data",),
+    options: options_lib.EPOptions | None = None,
+) -> tuple[jax.Array, routing.MoEAux]:
+  """`api.moe_layer` with expert parallelism over `mesh`.
+
+  Tokens (x flattened to [T, D]) are split over data_axes x expert_axis;
+  w_gate, w_up, w_down over expert_axis; the router and shared expert are
+  replicated. Works under jit and grad, single- or multi-process (x and
+  params are then global arrays). Mesh axes not named here replicate the
+  computation.
+
+  Returns:
+    y [..., D] in x's dtype; `MoEAux` whose per-token fields are [T, ...]
+    sharded like the tokens and whose statistics are global.
+  """
+  options = options or options_lib.EPOptions()
+  token_axes = validation.check_mesh(mesh, cfg, expert_axis, data_axes)
+  validation.check_token_split(x, mesh, token_axes, options.num_chunks)
+  shards = math.prod(mesh.shape[a] for a in token_axes)
+  num_tokens = math.prod(x.shape[:-1])
+  platform = mesh.devices.flat[0].platform
+  exchange = options_lib.resolve_exchange(options.exchange, platform)
+  options = dataclasses.replace(options, exchange=exchange)
+  explicit = compat.is_explicit(mesh)
+  token_spec = P(token_axes)
+  tokens = _reshape(
+      x,
+      (num_tokens, cfg.hidden_size),
+      NamedSharding(mesh, token_spec) if explicit else None,
+  )
+  specs = param_specs(cfg, expert_axis)
+  if explicit:
+    tokens = compat.reshard(tokens, NamedSharding(mesh, token_spec))
+    params = {
+        k: compat.reshard(v, NamedSharding(mesh, specs[k]))
+        for k, v in params.items()
+    }
+
+  def body(params, tokens):
+    aux = stages.route(
+        tokens,
+        params["router"],
+        cfg,
+        params.get("correction_bias"),
+        token_axes=token_axes,
+    )
+    y, aux = routed_experts(
+        backend,
+        params,
+        tokens,
+        aux,
+        cfg,
+        expert_axis=expert_axis,
+        token_axes=token_axes,
+        options=options,
+        platform=platform,
+    )
+    return ffn.add_shared_expert(y, params, tokens, cfg), aux
+
+  aux_specs = routing.MoEAux(
+      **{
+          f.name: token_spec if f.name in _PER_TOKEN_AUX else P()
+          for f in dataclasses.fields(routing.MoEAux)
+      }
+  )
+  # check_vma=False: backends build loop carries (zeros) without the
+  # varying-axis types that check_vma demands of every value in the body.
+  y, aux = jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(specs, token_spec),
+      out_specs=(token_spec, aux_specs),
+      check_vma=False,
+  )(params, tokens)
+  out_sharding = None
+  if explicit:
+    out_sharding = _output_sharding(x, mesh, token_spec, shards)
+  return _reshape(y, x.shape, out_sharding), aux
+
+
+def _output_sharding(x, mesh, token_spec, shards):
+  """y's sharding on an explicit mesh: x's own if x has one there, else the
+  tokens' split on the leading dim where it divides, else replicated."""
+  sharding = compat.sharding_of(x)
+  if sharding is not None and not sharding.mesh.empty and any(sharding.spec):
+    return NamedSharding(mesh, sharding.spec)
+  if x.shape[0] % shards == 0:
+    return NamedSharding(mesh, token_spec)
+  return NamedSharding(mesh, P())
+
+
+def _reshape(x, shape, out_sharding):
+  if out_sharding is None:
+    return jnp.reshape(x, shape)
+  return jnp.reshape(x, shape, out_sharding=out_sharding)

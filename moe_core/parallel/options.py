@@ -1,0 +1,115 @@
+"""How the expert-parallel exchange runs, and how big its buffers are.
+
+Pure Python: nothing here traces or needs a device, so the sizing can be
+tested (and reasoned about) on its own.
+
+Buffers. A token's K experts are distinct, so it sends at most min(K, E_l)
+copies to one device. A device therefore receives at most
+ep * T_l * min(K, E_l) rows: that is the static, drop-free receive buffer
+(ep * min(K, E_l) / K times the T_l*K rows it receives on average). The
+padded exchange also sends that many rows (T_l * min(K, E_l) per peer, zeros
+past the real ones). `EPOptions.buffer_factor` bounds the buffers instead;
+copies that do not fit are counted, and either raise (`overflow="error"`) or
+are dropped with their count in `MoEAux.dropped_tokens` and `kept` False
+(`overflow="drop"`). Never silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from moe_core import validation
+
+# Every concrete exchange: its name and the "module:Class" that implements
+# it (an `exchange.Exchange`). The class is imported on first use, so an
+# exchange may need a package that `import moe_core` must not load.
+EXCHANGE_CLASSES = {
+    "ragged": "moe_core.parallel.ragged:RaggedExchange",
+    "padded": "moe_core.parallel.padded:PaddedExchange",
+    "ragged_emulated": "moe_core.parallel.ragged:EmulatedRaggedExchange",
+}
+EXCHANGES = ("auto", *EXCHANGE_CLASSES)
+OVERFLOW_POLICIES = ("error", "drop")
+# Platforms whose XLA implements ragged_all_to_all. XLA:CPU does not
+# (jax 0.10.2: UNIMPLEMENTED in its thunk emitter).
+RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class EPOptions:
+  """How the expert-parallel exchange is done.
+
+  Attributes:
+    exchange: "ragged" moves only the real rows with
+      `jax.lax.ragged_all_to_all` (GPU, TPU); "padded" moves a static
+      [ep, slots, D] buffer with `jax.lax.all_to_all` (any platform);
+      "auto" picks "ragged" on GPU/TPU and "padded" elsewhere;
+      "ragged_emulated" is the ragged layout with the exchange emulated by an
+      all_gather (ep times the traffic): a test aid for platforms without
+      ragged_all_to_all.
+    buffer_factor: None for the drop-free worst-case buffers. A number f
+      bounds them: ceil(f * T_l*K / ep) slots per peer ("padded"), or
+      ceil(f * T_l*K) receive rows (ragged), each capped at the worst case.
+      f = 1 is the average load; MaxText's `ragged_buffer_factor` is alike.
+    overflow: what a bounded buffer does with copies that do not fit:
+      "error" raises at run time (a host callback, so it syncs), "drop"
+      gives them zero weight, marks them `kept=False` and counts them in
+      `MoEAux.dropped_tokens`.
+    num_chunks: split each device's tokens into this many chunks, each
+      dispatched, computed and combined on its own, so the scheduler may
+      overlap one chunk's exchange with another's expert compute.
+  """
+
+  exchange: str = "auto"
+  buffer_factor: float | None = None
+  overflow: str = "error"
+  num_chunks: int = 1
+
+  def __post_init__(self):
+    validation.check_ep_options(
+        self, exchanges=EXCHANGES, overflow_policies=OVERFLOW_POLICIES
+    )
+
+
+def resolve_exchange(exchange: str, platform: str) -> str:
+  """The concrete exchange ("ragged", "padded", ...) for `platform`."""
+  if exchange != "auto":
+    return exchange
+  return "ragged" if platform in RAGGED_PLATFORMS else "padded"
+
+
+def safe_slots_per_peer(tokens: int, top_k: int, local_experts: int) -> int:
+  """Most copies T_l tokens can send one device: T_l * min(K, E_l).
+
+  A token's K experts are distinct and a device holds E_l of them, so one
+  token sends it at most min(K, E_l) copies.
+  """
+  return tokens * min(top_k, local_experts)
+
+
+def buffer_sizes(
+    tokens: int,
+    top_k: int,
+    num_experts: int,
+    ep: int,
+    buffer_factor: float | None,
+) -> tuple[int, int]:
+  """(slots per peer of the padded buffer, rows of the ragged receive buffer).
+
+  Args:
+    tokens: T_l, tokens on one device (per chunk).
+    top_k: K.
+    num_experts: E.
+    ep: devices on the expert axis.
+    buffer_factor: None for the drop-free bounds, else the bound's factor
+      over the average load (T_l*K/ep per peer, T_l*K received).
+  """
+  local = num_experts // ep
+  safe_slots = safe_slots_per_peer(tokens, top_k, local)
+  safe_rows = ep * safe_slots
+  if buffer_factor is None:
+    return safe_slots, safe_rows
+  slots = math.ceil(buffer_factor * tokens * top_k / ep)
+  rows = math.ceil(buffer_factor * tokens * top_k)
+  return max(1, min(safe_slots, slots)), max(1, min(safe_rows, rows))
