@@ -16,9 +16,10 @@ import moe_core
 
 @dataclasses.dataclass(frozen=True)
 class GemmCase:
-  """rows [m, k] x weights [E, k, n] ([E, n, k] if transposed) -> [m, n].
+  """rows [m, C] x weights [E, C, n] ([E, n, C] if transposed) -> [m, n].
 
-  E is len(group_sizes); rows at or past sum(group_sizes) are padding.
+  C, the contracted width, is the field `k`; E is len(group_sizes); rows at
+  or past sum(group_sizes) are padding.
   """
 
   name: str
@@ -73,7 +74,7 @@ GEMM_CASES = (
         seed=3,
     ),
     GemmCase("one_row", 1, 16, 24, (0, 1, 0), seed=4),
-    # K and N not multiples of any tile; odd M.
+    # C (the field k) and N not multiples of any tile; odd M.
     GemmCase("odd_37_k48_n80", 37, 48, 80, (3, 0, 34), seed=5),
     # M just past a 128-row tile, groups straddling it.
     GemmCase("rows_129", 129, 16, 24, (64, 1, 0, 60), seed=6),
@@ -91,8 +92,8 @@ GEMM_CASES = (
         seed=10,
     ),
     # Balanced routing with M >= ~64 E: the xla backend's batched bulk
-    # (backends/xla/grouped_gemm.py: bulk_rows(512, 4) = 152 rows per group,
-    # and `_balanced` holds), which the small cases above never reach.
+    # (backends/xla/layout.py: bulk_rows(512, 4) = 152 rows per group, and
+    # `balanced` holds), which the small cases above never reach.
     GemmCase("balanced_512", 512, 16, 24, (128, 128, 128, 128), seed=11),
     # The bulk again, with group 0 overflowing it by 8 rows into the tile
     # loop, and 16 padding rows (padding 120 <= M/4, overflow 8 <= M/10).

@@ -15,7 +15,10 @@ def _named(case_list):
 
 
 class GroupedGemmSuite(base.BackendTestCase):
-  """rows [M, K] x weights [E, K, N] -> [M, N] over ragged, sorted groups."""
+  """rows [M, C] x weights [E, C, N] -> [M, N] over ragged, sorted groups.
+
+  C is the contracted width (K is top-k elsewhere in the library).
+  """
 
   @_named(cases.GEMM_CASES)
   def test_forward_matches_numpy_and_reference(self, case):

@@ -46,11 +46,11 @@ def grouped_gemm_grads(
   """(d_rows, d_weights) of sum(cotangent * grouped_gemm(...)).
 
   d_rows[r] = cotangent[r] @ W[g]^T; dW[g] = sum over g's rows of
-  rows[r]^T cotangent[r] (transposed for the [E, N, K] layout). Padding rows
+  rows[r]^T cotangent[r] (transposed for the [E, N, C] layout). Padding rows
   take no part: their d_rows is 0 and they add nothing to dW.
   """
   rows, weights, cotangent = f64(rows), f64(weights), f64(cotangent)
-  w = weights.transpose(0, 2, 1) if transpose_rhs else weights  # [E, K, N]
+  w = weights.transpose(0, 2, 1) if transpose_rhs else weights  # [E, C, N]
   owner = group_of_rows(group_sizes, rows.shape[0])
   d_rows = np.zeros_like(rows)
   d_w = np.zeros_like(w)

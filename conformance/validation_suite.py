@@ -188,15 +188,15 @@ class ValidationSuite(base.BackendTestCase):
     with self.assertRaisesRegex(
         ValueError,
         re.escape(
-            "weights [E, K, N] must contract over rows' "
-            "K=8, got rows.shape=(6, 8), "
+            "weights [E, C, N] must contract over rows' "
+            "C=8, got rows.shape=(6, 8), "
             "weights.shape=(4, 7, 3)"
         ),
     ):
       self._gemm(weights=jnp.ones((4, 7, 3), jnp.float32))
     with self.assertRaisesRegex(
         ValueError,
-        re.escape("weights [E, N, K] must contract over rows' " "K=8"),
+        re.escape("weights [E, N, C] must contract over rows' " "C=8"),
     ):
       self._gemm(transpose_rhs=True)
 

@@ -7,6 +7,8 @@ from moe_core.permute import combine
 from moe_core.permute import dispatch
 from moe_core.permute import Dispatched
 from moe_core.ffn import shared_expert
+from moe_core.operands import FfnOperands
+from moe_core.operands import GemmOperands
 from moe_core.parallel import EPOptions
 from moe_core.params import init_params
 from moe_core.params import param_shapes
@@ -23,6 +25,8 @@ __all__ = [
     "Backend",
     "Dispatched",
     "EPOptions",
+    "FfnOperands",
+    "GemmOperands",
     "MoEAux",
     "MoEConfig",
     "auto_order",

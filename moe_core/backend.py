@@ -1,4 +1,23 @@
-"""The Backend interface: a grouped GEMM, plus overridable MoE stages."""
+"""The Backend interface: a grouped GEMM, plus overridable MoE stages.
+
+The contract every backend keeps, whatever it overrides:
+
+  * `grouped_gemm` and `expert_ffn` are template methods: they validate the
+    inputs (`moe_core.validation`), refuse dtypes outside `Backend.dtypes`
+    with NotImplementedError, cast the weights, and only then call the
+    backend's hooks (`_grouped_gemm`, `_gate_up`, `_gated_gate_up`,
+    `_down`). A hook sees validated inputs only.
+  * Rows past sum(group_sizes) come out as zeros and get zero gradient,
+    whatever they hold (NaN included).
+  * The expert GEMM outputs carry the checkpoint names of `CHECKPOINT_NAMES`
+    (GATE_NAME, UP_NAME, DOWN_NAME), which the remat policies of
+    `moe_core.remat` key on. A backend that fuses the activation into the
+    gate/up kernel has no gate or up array to name: it emits DOWN_NAME only,
+    and says so through `checkpoint_names`. The conformance suite
+    `conformance/checkpoint_names_suite.py` checks what is saved.
+  * A backend raises NotImplementedError only for valid inputs it cannot
+    handle; `backend="auto"` then falls through to the next backend.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +29,9 @@ from jax import ad_checkpoint
 import jax.numpy as jnp
 
 from moe_core import config as config_lib
-from moe_core import permute
 from moe_core import ffn
+from moe_core import operands
+from moe_core import permute
 from moe_core import routing
 from moe_core import validation
 
@@ -27,14 +47,54 @@ class Backend(abc.ABC):
   """A way to compute the expert stage of an MoE block.
 
   A backend implements `_grouped_gemm`; everything else has a sort-based
-  default built on it and may be overridden (a fused FFN, a fused
-  dispatch/combine, a whole routed block). Inputs are validated once, by the
-  public methods here, before a backend sees them. A backend raises only
-  `NotImplementedError`, for valid inputs it cannot handle; `backend="auto"`
-  then falls through to the next backend.
+  default built on it and may be overridden. The expert FFN is a template:
+  `expert_ffn` validates, casts and names the GEMM outputs, and calls hooks
+  that a backend may replace by faster kernels:
+
+    _gate_up        rows [M, D] -> (gate, up), each [M, F]; default: two
+                    grouped GEMMs.
+    _gated_gate_up  rows [M, D] -> act(gate) * up [M, F] in one op, used
+                    when `_fuses_activation(activation)` is True.
+    _down           h [M, F] -> [M, D]; default: one grouped GEMM.
+
+  Each hook takes one record of validated operands (`moe_core.operands`:
+  `GemmOperands` for `_grouped_gemm`, `FfnOperands` for the FFN hooks).
+
+  Larger stages (`dispatch`, `combine`, the whole `routed_experts`) may be
+  overridden too; a `routed_experts` that does not call `expert_ffn` (the
+  reference oracle) emits no checkpoint names.
+
+  Attributes:
+    name: the registry name, also the prefix of the backend's errors.
+    dtypes: the operand dtypes the backend computes in; None for every
+      floating dtype the validation admits. Others raise NotImplementedError
+      in `grouped_gemm` and `expert_ffn`.
+
+  Adding a backend (conformance/example_backend/ is the folder to copy):
+    1. Copy conformance/example_backend/ to backends/<name>/ and rename its
+       BUILD.template to BUILD.
+    2. In backend.py: rename the class, set `name = "<name>"` and `dtypes`,
+       and implement `_grouped_gemm` (rows [M, C] x weights [E, C, N] ->
+       [M, N] on validated inputs; rows at or past sum(group_sizes) give
+       zeros and zero gradient) and, if it cannot run everywhere,
+       `availability()`. Optionally override the expert-FFN hooks above.
+       Import hardware-only packages inside the module and raise ImportError
+       naming what to install.
+    3. Register it: one line in moe_core/registry.py's `_REGISTRY`,
+       "<name>": "backends.<name>.backend:<Name>Backend" (out of tree:
+       `moe_core.register_backend("<name>", "pkg.backend:Class")`); add it
+       to `AUTO_ORDER` if "auto" should pick it.
+    4. One line in `//backends:all` (backends/BUILD): "//backends/<name>".
+    5. In the folder, replace "example" by <name> in BUILD (keep its
+       `moe_conformance_test` line) and in conformance_test.py (the class
+       names, BACKEND, and BACKEND_OPTIONS with a comment saying why).
+    6. `bazel test //backends/<name>:all` runs the conformance suite on one
+       device (`conformance_test`) and on 8 (`conformance_test_ep`); plain
+       `python -m pytest backends/<name>/conformance_test.py` runs both.
   """
 
   name: ClassVar[str]
+  dtypes: ClassVar[tuple[jnp.dtype, ...] | None] = None
 
   def availability(self) -> tuple[bool, str]:
     """(True, "") if this backend can run here, else (False, why not)."""
@@ -43,7 +103,16 @@ class Backend(abc.ABC):
   def __repr__(self) -> str:
     return f"{type(self).__name__}(name={self.name!r})"
 
-  # --- Expert compute -------------------------------------------------------
+  def _check_dtype(self, dtype) -> None:
+    """NotImplementedError unless `dtype` is one of `self.dtypes`."""
+    dtype = jnp.dtype(dtype)
+    if self.dtypes is not None and dtype not in self.dtypes:
+      raise NotImplementedError(
+          f"{self.name}: {dtype.name} operands are not supported "
+          f"(supported: {[jnp.dtype(d).name for d in self.dtypes]})."
+      )
+
+  # --- The grouped GEMM -----------------------------------------------------
 
   def grouped_gemm(
       self,
@@ -54,16 +123,17 @@ class Backend(abc.ABC):
       transpose_rhs: bool = False,
       out_dtype=None,
   ) -> jax.Array:
-    """Ragged GEMM: rows [M, K] x weights [E, K, N] -> [M, N].
+    """Ragged GEMM: rows [M, C] x weights [E, C, N] -> [M, N].
 
-    Rows are sorted by group: group e owns rows [sum(gs[:e]), sum(gs[:e+1])).
-    Rows at or past sum(group_sizes) come out as zeros and receive zero
-    gradient, whatever they hold (NaN included). Differentiable in rows and
-    weights under jax.grad and jax.jit.
+    C is the contracted width, N the output width. Rows are sorted by group:
+    group e owns rows [sum(gs[:e]), sum(gs[:e+1])). Rows at or past
+    sum(group_sizes) come out as zeros and receive zero gradient, whatever
+    they hold (NaN included). Differentiable in rows and weights under
+    jax.grad and jax.jit.
 
     Args:
-      rows: [M, K] float32 or bfloat16.
-      weights: [E, K, N] of rows' dtype; [E, N, K] if `transpose_rhs`.
+      rows: [M, C] float32 or bfloat16.
+      weights: [E, C, N] of rows' dtype; [E, N, C] if `transpose_rhs`.
       group_sizes: [E] int32 on device, sum <= M.
       transpose_rhs: contract with weights[e].T (the dgrad layout).
       out_dtype: output dtype; rows' dtype by default. Accumulation is f32.
@@ -76,20 +146,27 @@ class Backend(abc.ABC):
           "grouped_gemm needs rows and weights of one dtype, got "
           f"rows {rows.dtype}, weights {weights.dtype}."
       )
+    self._check_dtype(rows.dtype)
     out_dtype = jnp.dtype(out_dtype or rows.dtype)
     return self._grouped_gemm(
-        rows,
-        weights,
-        group_sizes.astype(jnp.int32),
-        transpose_rhs=transpose_rhs,
-        out_dtype=out_dtype,
+        operands.GemmOperands(
+            rows=rows,
+            weights=weights,
+            group_sizes=group_sizes.astype(jnp.int32),
+            transpose_rhs=transpose_rhs,
+            out_dtype=out_dtype,
+        )
     )
 
   @abc.abstractmethod
-  def _grouped_gemm(
-      self, rows, weights, group_sizes, *, transpose_rhs, out_dtype
-  ) -> jax.Array:
-    """`grouped_gemm` on validated inputs."""
+  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
+    """`grouped_gemm` on validated operands: [M, C] x [E, C, N] -> [M, N].
+
+    Returns [M, N] of `gemm.out_dtype`, zeros in the rows at or past
+    sum(gemm.group_sizes); see `operands.GemmOperands` for the layouts.
+    """
+
+  # --- The expert FFN (a template over the hooks below) ---------------------
 
   def expert_ffn(
       self,
@@ -101,28 +178,83 @@ class Backend(abc.ABC):
     """Each row through its expert's gated FFN: [M, D] -> [M, D].
 
     Rows past sum(group_sizes) come out as zeros. The GEMM outputs carry
-    the checkpoint names in `CHECKPOINT_NAMES`; an override keeps them.
+    the names `checkpoint_names(cfg.activation)` lists; backends override
+    the hooks, not this method, so that they keep them.
     """
     validation.check_expert_ffn(rows, group_sizes, params, cfg)
+    self._check_dtype(rows.dtype)
     w_gate, w_up, w_down = (
         params[n].astype(rows.dtype) for n in ("w_gate", "w_up", "w_down")
     )
-    gate = ad_checkpoint.checkpoint_name(
-        self.grouped_gemm(rows, w_gate, group_sizes), GATE_NAME
+    ffn_in = operands.FfnOperands(
+        rows=rows,
+        group_sizes=group_sizes.astype(jnp.int32),
+        w_gate=w_gate,
+        w_up=w_up,
+        w_down=w_down,
+        activation=cfg.activation,
     )
-    up = ad_checkpoint.checkpoint_name(
-        self.grouped_gemm(rows, w_up, group_sizes), UP_NAME
-    )
-    out = self.grouped_gemm(
-        ffn.gated(gate, up, cfg.activation), w_down, group_sizes
-    )
+    if self._fuses_activation(cfg.activation):
+      # Gate and up never leave the fused op: there is nothing to name.
+      h = self._gated_gate_up(ffn_in)
+    else:
+      gate, up = self._gate_up(ffn_in)
+      h = ffn.gated(
+          ad_checkpoint.checkpoint_name(gate, GATE_NAME),
+          ad_checkpoint.checkpoint_name(up, UP_NAME),
+          cfg.activation,
+      )
+    out = self._down(h, ffn_in)
     return ad_checkpoint.checkpoint_name(out, DOWN_NAME)
+
+  def checkpoint_names(self, activation: str) -> tuple[str, ...]:
+    """The checkpoint names `expert_ffn` gives its outputs for `activation`.
+
+    All of `CHECKPOINT_NAMES`, or only DOWN_NAME where the backend fuses the
+    activation into the gate/up op (a remat policy then cannot keep gate and
+    up: "save_moe" saves the down output and recomputes the fused op).
+    """
+    if self._fuses_activation(activation):
+      return (DOWN_NAME,)
+    return CHECKPOINT_NAMES
+
+  def _fuses_activation(self, activation: str) -> bool:
+    """Whether `expert_ffn` runs `_gated_gate_up` for `activation`."""
+    del activation
+    return False
+
+  def _gate_up(
+      self, ffn_in: operands.FfnOperands
+  ) -> tuple[jax.Array, jax.Array]:
+    """The gate and up projections: rows [M, D] -> (gate, up), each [M, F]."""
+    return (
+        self.grouped_gemm(ffn_in.rows, ffn_in.w_gate, ffn_in.group_sizes),
+        self.grouped_gemm(ffn_in.rows, ffn_in.w_up, ffn_in.group_sizes),
+    )
+
+  def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
+    """act(rows @ w_gate[e]) * (rows @ w_up[e]): [M, D] -> h [M, F].
+
+    Called instead of `_gate_up` when `_fuses_activation(activation)`; a
+    backend overriding one overrides the other. This default composes the
+    unfused pieces (and names nothing).
+    """
+    gate, up = self._gate_up(ffn_in)
+    return ffn.gated(gate, up, ffn_in.activation)
+
+  def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
+    """The down projection: h [M, F] x w_down [E, F, D] -> [M, D].
+
+    h is act(gate) * up, of rows' dtype.
+    """
+    return self.grouped_gemm(h, ffn_in.w_down, ffn_in.group_sizes)
 
   # --- Dispatch and combine -------------------------------------------------
 
   def dispatch(
       self, x: jax.Array, aux: routing.MoEAux, cfg: config_lib.MoEConfig
   ) -> permute.Dispatched:
+    """Token copies sorted by expert: x [T, D] -> rows [T*K, D]."""
     kept = None if cfg.dropless else aux.kept
     return permute.dispatch(x, aux.expert_ids, cfg.num_experts, kept)
 
@@ -133,6 +265,7 @@ class Backend(abc.ABC):
       aux: routing.MoEAux,
       cfg: config_lib.MoEConfig,
   ) -> jax.Array:
+    """Undoes `dispatch`, weighting each copy: [T*K, D] -> [T, D]."""
     kept = None if cfg.dropless else aux.kept
     return permute.combine(expert_out, dispatched, aux.combine_weights, kept)
 

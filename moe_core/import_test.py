@@ -17,6 +17,8 @@ _FORBIDDEN = (
     "jax_triton",
     "triton",
     "transformer_engine",
+    # moe_core.flax needs flax (the `train` extra); moe_core itself must not.
+    "flax",
 )
 
 # Runs in a fresh interpreter, so that modules the test runner (or other tests

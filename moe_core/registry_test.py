@@ -27,9 +27,7 @@ class _Toy(backend_lib.Backend):
   def __init__(self, scale: float = 1.0):
     self.scale = scale
 
-  def _grouped_gemm(
-      self, rows, weights, group_sizes, *, transpose_rhs, out_dtype
-  ):
+  def _grouped_gemm(self, gemm):
     raise NotImplementedError("toy: no grouped GEMM")
 
 
@@ -123,7 +121,7 @@ class RegistryTest(parameterized.TestCase):
         class LazyToy(backend.Backend):
           name = "lazy_toy"
 
-          def _grouped_gemm(self, *args, **kwargs):
+          def _grouped_gemm(self, gemm):
             raise NotImplementedError
         """))
     self.enter_context(mock.patch.object(sys, "path", [tmp] + sys.path))

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
 from moe_core import backend
+from moe_core import operands
+from moe_core import config as config_lib
 from moe_core import ffn
+from moe_core import routing
 from moe_core import validation
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -23,7 +28,9 @@ def group_row_mask(num_rows: int, group_sizes: jax.Array) -> jax.Array:
 def grouped_gemm(
     rows, weights, group_sizes, *, transpose_rhs=False, out_dtype=None
 ):
-  """[M, K] x [E, K, N] -> [M, N]; rows past sum(group_sizes) are zero.
+  """[M, C] x [E, C, N] -> [M, N]; rows past sum(group_sizes) are zero.
+
+  C is the contracted width; weights are [E, N, C] if `transpose_rhs`.
 
   Every row is multiplied by every expert and the masks keep the right
   product. Masking the rows before the product (not only after) keeps NaN in
@@ -44,7 +51,9 @@ def grouped_gemm(
   return out.astype(out_dtype or rows.dtype)
 
 
-def expert_ffn_dense(x, params, expert, activation):
+def expert_ffn_dense(
+    x: jax.Array, params: dict, expert: int, activation: str
+) -> jax.Array:
   """One expert's gated FFN on every token, in float32: [T, D] -> [T, D]."""
   x = x.astype(jnp.float32)
   w = {
@@ -57,42 +66,53 @@ def expert_ffn_dense(x, params, expert, activation):
   return jnp.dot(h, w["w_down"], precision=_HIGHEST)
 
 
+def dense_mixture(
+    params: dict, x: jax.Array, aux: routing.MoEAux, cfg: config_lib.MoEConfig
+) -> jax.Array:
+  """y[t] = sum_e w[t, e] * FFN_e(x[t]) with no dispatch at all.
+
+  w[t, e] is the combine weight of the (kept) choices of token t that name
+  expert e; every expert runs on every token and the weights pick. No
+  `expert_ffn` runs, so the layer emits no checkpoint names: under the
+  "save_moe" policy the oracle recomputes everything, as under "full".
+  `expert_ffn` called directly is the base one, with every name.
+  """
+  validation.check_routed_experts(x, aux, cfg)
+  # No dispatch here to check the ids: one_hot would turn an id out of
+  # range into a zero row, dropping its token silently.
+  validation.check_expert_ids_in_range(aux.expert_ids, cfg.num_experts)
+  chosen = jax.nn.one_hot(
+      aux.expert_ids, cfg.num_experts, dtype=jnp.float32
+  )  # [T, K, E]
+  kept_weights = jnp.where(aux.kept, aux.combine_weights, 0.0)
+  token_expert_weight = jnp.einsum(
+      "tk,tke->te", kept_weights, chosen, precision=_HIGHEST
+  )
+  y = jnp.zeros(x.shape, jnp.float32)
+  for e in range(cfg.num_experts):
+    y += token_expert_weight[:, e : e + 1] * expert_ffn_dense(
+        x, params, e, cfg.activation
+    )
+  return y.astype(x.dtype)
+
+
 class ReferenceBackend(backend.Backend):
   """The oracle. Runs anywhere, supports everything the API allows."""
 
-  name = "reference"
+  name: ClassVar[str] = "reference"
 
-  def _grouped_gemm(
-      self, rows, weights, group_sizes, *, transpose_rhs, out_dtype
-  ):
+  def __init__(self) -> None:
+    """No options: the oracle has one way of computing everything."""
+
+  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
     return grouped_gemm(
-        rows,
-        weights,
-        group_sizes,
-        transpose_rhs=transpose_rhs,
-        out_dtype=out_dtype,
+        gemm.rows,
+        gemm.weights,
+        gemm.group_sizes,
+        transpose_rhs=gemm.transpose_rhs,
+        out_dtype=gemm.out_dtype,
     )
 
   def routed_experts(self, params, x, aux, cfg):
-    """y[t] = sum_e w[t, e] * FFN_e(x[t]) with no dispatch at all.
-
-    w[t, e] is the combine weight of the (kept) choices of token t that name
-    expert e; every expert runs on every token and the weights pick.
-    """
-    validation.check_routed_experts(x, aux, cfg)
-    # No dispatch here to check the ids: one_hot would turn an id out of
-    # range into a zero row, dropping its token silently.
-    validation.check_expert_ids_in_range(aux.expert_ids, cfg.num_experts)
-    chosen = jax.nn.one_hot(
-        aux.expert_ids, cfg.num_experts, dtype=jnp.float32
-    )  # [T, K, E]
-    kept_weights = jnp.where(aux.kept, aux.combine_weights, 0.0)
-    token_expert_weight = jnp.einsum(
-        "tk,tke->te", kept_weights, chosen, precision=_HIGHEST
-    )
-    y = jnp.zeros(x.shape, jnp.float32)
-    for e in range(cfg.num_experts):
-      y += token_expert_weight[:, e : e + 1] * expert_ffn_dense(
-          x, params, e, cfg.activation
-      )
-    return y.astype(x.dtype)
+    """`dense_mixture` (the types are Backend.routed_experts's)."""
+    return dense_mixture(params, x, aux, cfg)

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
-from jax import ad_checkpoint
 import jax.numpy as jnp
 
 from backends.pallas import ops
 from backends.pallas import tiling
 from moe_core import backend
-from moe_core import ffn
-from moe_core import validation
-
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+from moe_core import operands
 
 
 def _resolve_interpret(interpret):
@@ -53,13 +49,20 @@ class PallasBackend(backend.Backend):
       (for the activations in `ops.EPILOGUE_ACTIVATIONS`; others, such as the
       exact "gelu", run unfused). The gate and up outputs then exist only
       inside that op, so the "moe_gate"/"moe_up" checkpoint names are not
-      emitted.
+      emitted: only "moe_down" is (`checkpoint_names`).
   """
 
   name: ClassVar[str] = "pallas"
+  dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
+      jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16)
+  )
 
   def __init__(
-      self, *, tiles=None, interpret=None, fuse_activation: bool = False
+      self,
+      *,
+      tiles: tiling.TileConfig | tiling.Tiles | dict | None = None,
+      interpret: Any = None,
+      fuse_activation: bool = False,
   ):
     if not isinstance(fuse_activation, bool):
       raise TypeError(
@@ -94,47 +97,32 @@ class PallasBackend(backend.Backend):
         f"not {platform}; pass interpret=True to interpret them."
     )
 
-  def _check_dtype(self, dtype):
-    if jnp.dtype(dtype) not in _DTYPES:
-      raise NotImplementedError(
-          f"pallas: {jnp.dtype(dtype).name} operands are not supported "
-          f"(supported: {[jnp.dtype(d).name for d in _DTYPES]})."
-      )
-
-  def _grouped_gemm(
-      self, rows, weights, group_sizes, *, transpose_rhs, out_dtype
-  ):
-    self._check_dtype(rows.dtype)
+  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
     return ops.grouped_gemm(
-        rows,
-        weights,
-        group_sizes,
-        transpose_rhs,
-        jnp.dtype(out_dtype),
+        gemm.rows,
+        gemm.weights,
+        gemm.group_sizes,
+        gemm.transpose_rhs,
+        gemm.out_dtype,
         self.launch,
     )
 
-  def expert_ffn(self, rows, group_sizes, params, cfg):
-    """Gate and up in one kernel pass over the rows, then down.
+  def _gate_up(
+      self, ffn_in: operands.FfnOperands
+  ) -> tuple[jax.Array, jax.Array]:
+    """Gate and up in one kernel pass over the rows: two [M, F] outputs."""
+    return ops.gate_up(*_gate_up_operands(ffn_in), self.launch)
 
-    With `fuse_activation` (and an activation the epilogue supports) the
-    activation runs in that kernel's epilogue; otherwise gate and up come
-    out, named for checkpoint policies, and the activation runs in XLA.
-    """
-    validation.check_expert_ffn(rows, group_sizes, params, cfg)
-    self._check_dtype(rows.dtype)
-    w_gate, w_up, w_down = (
-        params[n].astype(rows.dtype) for n in ("w_gate", "w_up", "w_down")
+  def _fuses_activation(self, activation: str) -> bool:
+    return self.fuse_activation and activation in ops.EPILOGUE_ACTIVATIONS
+
+  def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
+    """act(gate) * up in the gate/up kernel's epilogue: one [M, F] output."""
+    return ops.gated_gate_up(
+        *_gate_up_operands(ffn_in), ffn_in.activation, self.launch
     )
-    group_sizes = group_sizes.astype(jnp.int32)
-    if self.fuse_activation and cfg.activation in ops.EPILOGUE_ACTIVATIONS:
-      h = ops.gated_gate_up(
-          rows, w_gate, w_up, group_sizes, cfg.activation, self.launch
-      )
-    else:
-      gate, up = ops.gate_up(rows, w_gate, w_up, group_sizes, self.launch)
-      gate = ad_checkpoint.checkpoint_name(gate, backend.GATE_NAME)
-      up = ad_checkpoint.checkpoint_name(up, backend.UP_NAME)
-      h = ffn.gated(gate, up, cfg.activation)
-    out = self.grouped_gemm(h, w_down, group_sizes)
-    return ad_checkpoint.checkpoint_name(out, backend.DOWN_NAME)
+
+
+def _gate_up_operands(ffn_in: operands.FfnOperands) -> tuple[jax.Array, ...]:
+  """(rows, w_gate, w_up, group_sizes): the gate/up kernels' operands."""
+  return ffn_in.rows, ffn_in.w_gate, ffn_in.w_up, ffn_in.group_sizes

@@ -116,7 +116,7 @@ def _gmm_kernel(
     num_accs,
     epilogue,
     tiles,
-    k_steps,
+    c_steps,
     num_groups,
     transpose_rhs,
     precision,
@@ -124,9 +124,10 @@ def _gmm_kernel(
 ):
   """One visit of the tile list x one column block.
 
-  refs: num_lhs row refs [Mp, Kp], num_rhs weight refs [E, Kp, Np] ([E, Np,
-  Kp] if transpose_rhs), then the output refs [Mp, Np]. products: static
-  (lhs, rhs, acc) index triples; acc[a] += lhs[l] @ rhs[r].
+  refs: num_lhs row refs [Mp, Cp], num_rhs weight refs [E, Cp, Np] ([E, Np,
+  Cp] if transpose_rhs), then the output refs [Mp, Np], padded to the
+  blocks. products: static (lhs, rhs, acc) index triples; acc[a] += lhs[l]
+  @ rhs[r].
   """
   lhs_refs = refs[:num_lhs]
   rhs_refs = refs[num_lhs : num_lhs + num_rhs]
@@ -138,18 +139,18 @@ def _gmm_kernel(
   row_end = end_ref[visit]
   r0 = pl.multiple_of(tile_ref[visit] * bm, bm)
   n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-  # Unused visits and the padding group (E) skip the K loop: zeros.
+  # Unused visits and the padding group (E) skip the C loop: zeros.
   computes = (group < num_groups) & (row_end > row_start)
   weight = jnp.minimum(group, num_groups - 1)
 
-  def k_step(step, accs):
-    k0 = pl.multiple_of(step * bk, bk)
-    lhs = [ref[pl.ds(r0, bm), pl.ds(k0, bk)] for ref in lhs_refs]
+  def c_step(step, accs):
+    c0 = pl.multiple_of(step * bk, bk)
+    lhs = [ref[pl.ds(r0, bm), pl.ds(c0, bk)] for ref in lhs_refs]
     if transpose_rhs:
-      rhs = [ref[weight, pl.ds(n0, bn), pl.ds(k0, bk)] for ref in rhs_refs]
+      rhs = [ref[weight, pl.ds(n0, bn), pl.ds(c0, bk)] for ref in rhs_refs]
       dims = (((1,), (1,)), ((), ()))
     else:
-      rhs = [ref[weight, pl.ds(k0, bk), pl.ds(n0, bn)] for ref in rhs_refs]
+      rhs = [ref[weight, pl.ds(c0, bk), pl.ds(n0, bn)] for ref in rhs_refs]
       dims = (((1,), (0,)), ((), ()))
     accs = list(accs)
     for l, r, a in products:
@@ -163,7 +164,7 @@ def _gmm_kernel(
     return tuple(accs)
 
   zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(num_accs))
-  accs = lax.fori_loop(0, jnp.where(computes, k_steps, 0), k_step, zeros)
+  accs = lax.fori_loop(0, jnp.where(computes, c_steps, 0), c_step, zeros)
   for o_ref, value in zip(out_refs, epilogue(accs)):
     _store_owned_rows(
         o_ref, value.astype(o_ref.dtype), r0, n0, row_start, row_end, indexed
@@ -186,8 +187,8 @@ def gmm(
   """Grouped GEMMs over one tile list: acc[a] += lhs[l] @ rhs[r][group].
 
   Args:
-    lhs: row operands, each [M, K] sorted by group.
-    rhs: weight operands, each [E, K, N] ([E, N, K] if `transpose_rhs`).
+    lhs: row operands, each [M, C] sorted by group.
+    rhs: weight operands, each [E, C, N] ([E, N, C] if `transpose_rhs`).
     group_sizes: [E] int32, sum <= M.
     tiles: block sizes and launch settings.
     interpret: False (GPU), True (HLO interpreter) or InterpretParams.
@@ -201,18 +202,18 @@ def gmm(
   Returns:
     `num_outputs` arrays [M, N]; rows past sum(group_sizes) are zero.
   """
-  m, k = lhs[0].shape
+  m, c = lhs[0].shape
   num_groups = rhs[0].shape[0]
   n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
   out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
   if m == 0 or n == 0:
     return tuple(jnp.zeros((m, n), out_dtype) for _ in range(num_outputs))
-  mp, kp, np_ = (
+  mp, cp, np_ = (
       tiling.padded(d, b)
-      for d, b in ((m, tiles.bm), (max(k, 1), tiles.bk), (n, tiles.bn))
+      for d, b in ((m, tiles.bm), (max(c, 1), tiles.bk), (n, tiles.bn))
   )
-  lhs = [_pad2(x, mp, kp) for x in lhs]
-  rhs = [_pad3(w, np_, kp) if transpose_rhs else _pad3(w, kp, np_) for w in rhs]
+  lhs = [_pad2(x, mp, cp) for x in lhs]
+  rhs = [_pad3(w, np_, cp) if transpose_rhs else _pad3(w, cp, np_) for w in rhs]
   meta = metadata_lib.build(group_sizes, mp, tiles.bm)
   num_visits = meta.group_ids.shape[0]
   kernel = functools.partial(
@@ -223,7 +224,7 @@ def gmm(
       num_accs=1 + max(a for _, _, a in products),
       epilogue=epilogue,
       tiles=tiles,
-      k_steps=kp // tiles.bk,
+      c_steps=cp // tiles.bk,
       num_groups=num_groups,
       transpose_rhs=transpose_rhs,
       precision=_precision(lhs[0].dtype),
@@ -259,12 +260,12 @@ def _tgmm_kernel(
     tiles,
     precision,
 ):
-  """dW[g][k block, n block] = sum over g's row tiles of lhs^T @ rhs."""
+  """dW[g][c block, n block] = sum over g's row tiles of lhs^T @ rhs."""
   rhs_refs = refs[:num_rhs]
   out_refs = refs[num_rhs:]
   bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
   group = pl.program_id(0)
-  k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
+  c0 = pl.multiple_of(pl.program_id(1) * bk, bk)
   n0 = pl.multiple_of(pl.program_id(2) * bn, bn)
 
   def visit_step(visit, accs):
@@ -273,7 +274,7 @@ def _tgmm_kernel(
     # Rows of other groups, or past sum(group_sizes), may hold anything (NaN
     # included): select zeros rather than multiply by a mask.
     mine = (rows >= start_ref[visit]) & (rows < end_ref[visit])
-    lhs = lhs_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
+    lhs = lhs_ref[pl.ds(r0, bm), pl.ds(c0, bk)]
     lhs = jnp.where(mine, lhs, jnp.zeros((), lhs.dtype))
     accs = list(accs)
     for i, ref in enumerate(rhs_refs):
@@ -306,10 +307,10 @@ def tgmm(
     interpret,
     out_dtype=None,
 ) -> tuple[jax.Array, ...]:
-  """Per-group lhs_g^T @ rhs_g for each rhs: [M, K], [M, N] -> [E, K, N].
+  """Per-group lhs_g^T @ rhs_g for each rhs: [M, C], [M, N] -> [E, C, N].
 
   Args:
-    lhs: [M, K] rows sorted by group.
+    lhs: [M, C] rows sorted by group.
     rhs: operands [M, N] with the same rows.
     group_sizes: [E] int32, sum <= M.
     tiles: bm is the reduction step over rows; bk x bn the output block.
@@ -317,20 +318,20 @@ def tgmm(
     out_dtype: output dtype (lhs's by default).
 
   Returns:
-    one [E, K, N] per rhs; rows past sum(group_sizes) contribute nothing and
+    one [E, C, N] per rhs; rows past sum(group_sizes) contribute nothing and
     an empty group's block is exactly zero.
   """
-  m, k = lhs.shape
+  m, c = lhs.shape
   n = rhs[0].shape[1]
   num_groups = group_sizes.shape[0]
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  if m == 0 or k == 0 or n == 0:
-    return tuple(jnp.zeros((num_groups, k, n), out_dtype) for _ in rhs)
-  mp, kp, np_ = (
+  if m == 0 or c == 0 or n == 0:
+    return tuple(jnp.zeros((num_groups, c, n), out_dtype) for _ in rhs)
+  mp, cp, np_ = (
       tiling.padded(d, b)
-      for d, b in ((m, tiles.bm), (k, tiles.bk), (n, tiles.bn))
+      for d, b in ((m, tiles.bm), (c, tiles.bk), (n, tiles.bn))
   )
-  lhs = _pad2(lhs, mp, kp)
+  lhs = _pad2(lhs, mp, cp)
   rhs = [_pad2(r, mp, np_) for r in rhs]
   meta = metadata_lib.build(group_sizes, mp, tiles.bm)
   kernel = functools.partial(
@@ -350,13 +351,13 @@ def tgmm(
       lhs,
       *rhs,
       out_shape=[
-          jax.ShapeDtypeStruct((num_groups, kp, np_), out_dtype) for _ in rhs
+          jax.ShapeDtypeStruct((num_groups, cp, np_), out_dtype) for _ in rhs
       ],
-      grid=(num_groups, kp // tiles.bk, np_ // tiles.bn),
+      grid=(num_groups, cp // tiles.bk, np_ // tiles.bn),
       in_specs=[whole] * (5 + len(rhs)),
       out_specs=[block] * len(rhs),
       interpret=interpret,
       compiler_params=_compiler_params(tiles, interpret),
       name="dropless_tgmm",
   )
-  return tuple(o[:, :k, :n] for o in outs)
+  return tuple(o[:, :c, :n] for o in outs)

@@ -1,8 +1,8 @@
 """The pallas kernels and ops in interpret mode, against the reference backend.
 
 Shapes are small and tiles are 16-32 rows, so tiles shared by two groups,
-empty groups, partial tiles, padded K and N, and several K steps and column
-blocks all occur.
+empty groups, partial tiles, padded C (the contracted width) and N, and
+several C steps and column blocks all occur.
 """
 
 from absl.testing import absltest

@@ -60,7 +60,7 @@ def _dtype_of(name):
 class ShippedTilesLowerTest(parameterized.TestCase):
   """Each shipped GPU configuration, for each kernel that uses it."""
 
-  M, K, N, E = 512, 256, 384, 8
+  M, C, N, E = 512, 256, 384, 8
 
   def assertTritonCalls(self, text, count):
     self.assertEqual(_custom_calls(text), [_TRITON_CALL] * count)
@@ -68,16 +68,16 @@ class ShippedTilesLowerTest(parameterized.TestCase):
   @parameterized.named_parameters(*_shipped("gmm"))
   def test_gmm_forward_and_dgrad_lower(self, tiles):
     dtype = _dtype_of(self._testMethodName)
-    m, k, n, e = self.M, self.K, self.N, self.E
+    m, c, n, e = self.M, self.C, self.N, self.E
     sizes = _S((e,), jnp.int32)
     for transpose_rhs in (False, True):
       with self.subTest(transpose_rhs=transpose_rhs):
-        w = _S((e, n, k) if transpose_rhs else (e, k, n), dtype)
+        w = _S((e, n, c) if transpose_rhs else (e, c, n), dtype)
         text = _export_for_cuda(
             lambda x, w, g, t=transpose_rhs: kernels.gmm(
                 [x], [w], g, tiles=tiles, interpret=False, transpose_rhs=t
             )[0],
-            _S((m, k), dtype),
+            _S((m, c), dtype),
             w,
             sizes,
         )
@@ -86,12 +86,12 @@ class ShippedTilesLowerTest(parameterized.TestCase):
   @parameterized.named_parameters(*_shipped("gmm"))
   def test_gmm_fused_pairs_lower(self, tiles):
     dtype = _dtype_of(self._testMethodName)
-    m, k, n, e = self.M, self.K, self.N, self.E
+    m, c, n, e = self.M, self.C, self.N, self.E
     # What the heuristic makes of this config for the two-operand kernels.
     fwd_tiles = tiling.fit_gpu(tiles, "fwd", dtype, num_operands=2)
     dgrad_tiles = tiling.fit_gpu(tiles, "dgrad", dtype, num_operands=2)
     sizes = _S((e,), jnp.int32)
-    w = _S((e, k, n), dtype)
+    w = _S((e, c, n), dtype)
     with self.subTest("gate_up"):
       text = _export_for_cuda(
           lambda x, a, b, g: kernels.gmm(
@@ -103,7 +103,7 @@ class ShippedTilesLowerTest(parameterized.TestCase):
               products=((0, 0, 0), (0, 1, 1)),
               num_outputs=2,
           ),
-          _S((m, k), dtype),
+          _S((m, c), dtype),
           w,
           w,
           sizes,
@@ -131,7 +131,7 @@ class ShippedTilesLowerTest(parameterized.TestCase):
   @parameterized.named_parameters(*_shipped("tgmm"))
   def test_tgmm_lowers(self, tiles):
     dtype = _dtype_of(self._testMethodName)
-    m, k, n, e = self.M, self.K, self.N, self.E
+    m, c, n, e = self.M, self.C, self.N, self.E
     for num_rhs in (1, 2):
       with self.subTest(num_rhs=num_rhs):
         fitted = tiling.fit_gpu(tiles, "wgrad", dtype, num_operands=num_rhs)
@@ -139,7 +139,7 @@ class ShippedTilesLowerTest(parameterized.TestCase):
             lambda x, g, *ys, t=fitted: kernels.tgmm(
                 x, list(ys), g, tiles=t, interpret=False
             ),
-            _S((m, k), dtype),
+            _S((m, c), dtype),
             _S((e,), jnp.int32),
             *[_S((m, n), dtype)] * num_rhs,
         )

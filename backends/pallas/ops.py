@@ -38,15 +38,18 @@ class Launch:
   def interpreting(self) -> bool:
     return self.interpret is not False
 
-  def choose(self, kind, m, k, n, num_groups, dtype, num_operands=1):
+  def choose(self, kind: str, *shape, num_operands: int = 1) -> tiling.Tiles:
+    """The tiles of one kernel call.
+
+    Args:
+      kind: "fwd", "dgrad" or "wgrad".
+      *shape: m, c, n, num_groups, dtype, as for `tiling.heuristic`.
+      num_operands: products per step (2 for the fused gate/up pass).
+    """
     return tiling.choose(
         self.tiles,
         kind,
-        m,
-        k,
-        n,
-        num_groups,
-        dtype,
+        *shape,
         interpret=self.interpreting,
         num_operands=num_operands,
     )
@@ -59,17 +62,20 @@ class Launch:
 def grouped_gemm(
     rows, weights, group_sizes, transpose_rhs: bool, out_dtype, launch: Launch
 ):
-  """rows [M, K] x weights [E, K, N] ([E, N, K] transposed) -> [M, N].
+  """rows [M, C] x weights [E, C, N] ([E, N, C] transposed) -> [M, N].
 
   Rows past sum(group_sizes) come out as zeros and get zero gradient.
   """
-  return _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, launch)
+  return _gmm(
+      rows, weights, group_sizes, transpose_rhs, out_dtype, launch, "fwd"
+  )
 
 
-def _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, launch):
-  m, k = rows.shape
+def _gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch, kind):
+  """One gmm kernel call, with the tiles of `kind` ("fwd" or "dgrad")."""
+  m, c = rows.shape
   n = weights.shape[1] if transpose_rhs else weights.shape[2]
-  tiles = launch.choose("fwd", m, k, n, weights.shape[0], rows.dtype)
+  tiles = launch.choose(kind, m, c, n, weights.shape[0], rows.dtype)
   (out,) = kernels.gmm(
       [rows],
       [weights],
@@ -85,7 +91,9 @@ def _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, launch):
 def _grouped_gemm_fwd(
     rows, weights, group_sizes, transpose_rhs, out_dtype, launch
 ):
-  out = _gmm_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, launch)
+  out = _gmm(
+      rows, weights, group_sizes, transpose_rhs, out_dtype, launch, "fwd"
+  )
   return out, (rows, weights, group_sizes)
 
 
@@ -93,40 +101,27 @@ def _grouped_gemm_bwd(transpose_rhs, out_dtype, launch, residuals, dy):
   del out_dtype
   rows, weights, group_sizes = residuals
   dy = dy.astype(rows.dtype)
-  m, k = rows.shape
-  n = dy.shape[1]
+  m = rows.shape[0]
   num_groups = weights.shape[0]
-  # dX: the forward kernel reading the weights the other way round.
-  tiles = launch.choose("dgrad", m, n, k, num_groups, rows.dtype)
-  (d_rows,) = kernels.gmm(
-      [dy],
-      [weights],
+  # dX: the forward kernel reading the weights the other way round, so
+  # [M, N] x [E, N, C] -> [M, C] (contracting N) with the dgrad tiles.
+  d_rows = _gmm(
+      dy, weights, group_sizes, not transpose_rhs, rows.dtype, launch, "dgrad"
+  )
+  # dW[g] = lhs_g^T rhs_g: x_g^T dy_g for weights[g] [C, N], dy_g^T x_g for
+  # the transposed layout [N, C].
+  lhs, rhs = (dy, rows) if transpose_rhs else (rows, dy)
+  tiles = launch.choose(
+      "wgrad", m, lhs.shape[1], rhs.shape[1], num_groups, rows.dtype
+  )
+  (d_weights,) = kernels.tgmm(
+      lhs,
+      [rhs],
       group_sizes,
       tiles=tiles,
       interpret=launch.interpret,
-      transpose_rhs=not transpose_rhs,
-      out_dtype=rows.dtype,
+      out_dtype=weights.dtype,
   )
-  if transpose_rhs:  # weights[g] is [N, K]: dW[g] = dy_g^T x_g.
-    tiles = launch.choose("wgrad", m, n, k, num_groups, rows.dtype)
-    (d_weights,) = kernels.tgmm(
-        dy,
-        [rows],
-        group_sizes,
-        tiles=tiles,
-        interpret=launch.interpret,
-        out_dtype=weights.dtype,
-    )
-  else:  # weights[g] is [K, N]: dW[g] = x_g^T dy_g.
-    tiles = launch.choose("wgrad", m, k, n, num_groups, rows.dtype)
-    (d_weights,) = kernels.tgmm(
-        rows,
-        [dy],
-        group_sizes,
-        tiles=tiles,
-        interpret=launch.interpret,
-        out_dtype=weights.dtype,
-    )
   return d_rows, d_weights, None
 
 

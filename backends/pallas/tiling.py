@@ -5,8 +5,9 @@ kernel (forward, dX, dW) and `choose` fills in whatever the caller left to
 the heuristic.
 
     gmm  (forward, dX)  grid (tile-list visits, N / bn); each program loops
-                        over K in steps of bk: [bm, bk] @ [bk, bn].
-    tgmm (dW)           grid (E, K / bk, N / bn); each program loops over
+                        over the contracted width C in steps of bk:
+                        [bm, bk] @ [bk, bn].
+    tgmm (dW)           grid (E, C / bk, N / bn); each program loops over
                         its group's row tiles: [bk, bm] @ [bm, bn].
 """
 
@@ -23,7 +24,7 @@ MIN_BLOCK = 16
 HOPPER_SMEM_BYTES = 227 * 1024
 # Registers: a Hopper thread has at most 255 32-bit registers (64K per SM).
 # Every float32 accumulator element of a program lives in a register of one
-# of its 32 * num_warps threads, for the whole K loop. The operand fragments,
+# of its 32 * num_warps threads, for the whole C loop. The operand fragments,
 # addresses, masks and loop state need registers too, so past about half the
 # limit ptxas spills to local memory, which costs far more than a smaller
 # tile: keep the accumulators at most this many registers per thread.
@@ -50,7 +51,8 @@ class Tiles:
   Attributes:
     bm: rows per tile. For gmm, the granularity of the tile list; for tgmm,
       the reduction step over a group's rows.
-    bk: for gmm, the contraction step; for tgmm, dW rows per program.
+    bk: for gmm, the step along the contracted width C; for tgmm, dW rows
+      per program (C is then the dW row count).
     bn: output columns per program.
     num_warps: Triton warps per program (ignored when interpreting).
     num_stages: Triton software-pipelining stages (ignored when
@@ -241,7 +243,7 @@ def _row_block(m: int, num_groups: int, cap: int) -> int:
 def heuristic(
     kind: str,
     m: int,
-    k: int,
+    c: int,
     n: int,
     num_groups: int,
     dtype,
@@ -252,9 +254,10 @@ def heuristic(
   """Tiles for one kernel call by shape.
 
   Args:
-    kind: "fwd" or "dgrad" (gmm: [m, k] x [E, k, n]) or "wgrad" (tgmm:
-      [m, k]^T x [m, n] per group -> [E, k, n]).
-    m, k, n: the problem's dimensions as above.
+    kind: "fwd" or "dgrad" (gmm: [m, c] x [E, c, n], contracting c) or
+      "wgrad" (tgmm: [m, c]^T x [m, n] per group -> [E, c, n], contracting
+      m).
+    m, c, n: the problem's dimensions as above.
     num_groups: E.
     dtype: operand dtype.
     interpret: the kernels run in interpret mode (CPU), not on a GPU.
@@ -267,12 +270,12 @@ def heuristic(
     if kind == "wgrad":
       return Tiles(
           bm=_row_block(m, num_groups, _INTERPRET_MAX_WGRAD_BM),
-          bk=fit_block(k, _INTERPRET_MAX_BK),
+          bk=fit_block(c, _INTERPRET_MAX_BK),
           bn=fit_block(n, _INTERPRET_MAX_BN),
       )
     return Tiles(
         bm=_row_block(m, num_groups, _INTERPRET_MAX_BM),
-        bk=fit_block(k, _INTERPRET_MAX_BK),
+        bk=fit_block(c, _INTERPRET_MAX_BK),
         bn=fit_block(n, _INTERPRET_MAX_BN),
     )
   f32 = jnp.dtype(dtype) == jnp.float32
@@ -280,7 +283,7 @@ def heuristic(
     base = GPU_TILES["tgmm_f32" if f32 else "tgmm_bf16"]
     return fit_gpu(
         dataclasses.replace(
-            base, bk=fit_block(k, base.bk), bn=fit_block(n, base.bn)
+            base, bk=fit_block(c, base.bk), bn=fit_block(n, base.bn)
         ),
         kind,
         dtype,
@@ -298,7 +301,7 @@ def heuristic(
       dataclasses.replace(
           base,
           bm=min(base.bm, max(MIN_BLOCK, _pow2_ceil(m))),
-          bk=fit_block(k, base.bk),
+          bk=fit_block(c, base.bk),
           bn=fit_block(n, base.bn),
       ),
       kind,
@@ -360,32 +363,19 @@ def fit_smem(tiles: Tiles, kind: str, dtype, num_operands: int = 1) -> Tiles:
   return tiles
 
 
-def choose(
-    config: TileConfig,
-    kind: str,
-    m: int,
-    k: int,
-    n: int,
-    num_groups: int,
-    dtype,
-    *,
-    interpret: bool,
-    num_operands: int = 1,
-) -> Tiles:
-  """The caller's tiles for `kind` if set, else the heuristic's."""
+def choose(config: TileConfig, kind: str, *args, **kwargs) -> Tiles:
+  """The caller's tiles for `kind` if `config` sets them, else the heuristic's.
+
+  Args:
+    config: the caller's tiles per kernel.
+    kind: "fwd", "dgrad" or "wgrad".
+    *args: the rest of `heuristic`'s arguments (m, c, n, num_groups, dtype).
+    **kwargs: `heuristic`'s keyword arguments (interpret, num_operands).
+  """
   tiles = config.get(kind)
   if tiles is not None:
     return tiles
-  return heuristic(
-      kind,
-      m,
-      k,
-      n,
-      num_groups,
-      dtype,
-      interpret=interpret,
-      num_operands=num_operands,
-  )
+  return heuristic(kind, *args, **kwargs)
 
 
 def num_visits(m: int, bm: int, num_groups: int) -> int:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
 from backends.xla import grouped_gemm as gmm
 from moe_core import backend
+from moe_core import operands
 
 
 class XlaBackend(backend.Backend):
@@ -22,7 +25,7 @@ class XlaBackend(backend.Backend):
       and the operands' dtype elsewhere. Accumulation is float32 always.
   """
 
-  name = "xla"
+  name: ClassVar[str] = "xla"
 
   def __init__(
       self,
@@ -41,32 +44,35 @@ class XlaBackend(backend.Backend):
     self.compute_dtype = compute_dtype
 
   def _ragged(self) -> bool:
+    """Whether products go through jax.lax.ragged_dot (not the tile loop)."""
     if self.use_ragged_dot is None:
       return jax.default_backend() != "cpu"
     return self.use_ragged_dot
 
-  def _grouped_gemm(
-      self, rows, weights, group_sizes, *, transpose_rhs, out_dtype
-  ):
+  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
     if self._ragged():
-      return _ragged_dot(rows, weights, group_sizes, transpose_rhs, out_dtype)
+      return _ragged_dot(gemm)
     compute_dtype = self.compute_dtype
     if compute_dtype is None and jax.default_backend() == "cpu":
       compute_dtype = "float32"
     return gmm.grouped_gemm(
-        rows,
-        weights,
-        group_sizes,
-        transpose_rhs,
-        out_dtype,
+        gemm.rows,
+        gemm.weights,
+        gemm.group_sizes,
+        gemm.transpose_rhs,
+        gemm.out_dtype,
         self.levels,
         None if compute_dtype is None else jnp.dtype(compute_dtype),
     )
 
 
-def _ragged_dot(rows, weights, group_sizes, transpose_rhs, out_dtype):
-  """jax.lax.ragged_dot, with rows past sum(group_sizes) forced to zero."""
-  if transpose_rhs:
+def _ragged_dot(gemm: operands.GemmOperands) -> jax.Array:
+  """jax.lax.ragged_dot, with rows past sum(group_sizes) forced to zero.
+
+  rows [M, C] x weights [E, C, N] ([E, N, C] if `transpose_rhs`) -> [M, N].
+  """
+  rows, weights, group_sizes = gemm.rows, gemm.weights, gemm.group_sizes
+  if gemm.transpose_rhs:
     weights = jnp.swapaxes(weights, 1, 2)
   valid = jnp.arange(rows.shape[0])[:, None] < jnp.sum(group_sizes)
   # Zeroing the rows first keeps NaN in unused rows out of the gradients.
@@ -80,4 +86,4 @@ def _ragged_dot(rows, weights, group_sizes, transpose_rhs, out_dtype):
       precision=precision,
       preferred_element_type=jnp.float32,
   )
-  return jnp.where(valid, out, 0.0).astype(out_dtype)
+  return jnp.where(valid, out, 0.0).astype(gemm.out_dtype)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.xla import grouped_gemm
+from backends.xla import layout as layout_lib
 
 _GROUP_LAYOUTS = {
     "ragged_with_empty": [30, 0, 7, 41, 12],
@@ -22,7 +23,7 @@ _GROUP_LAYOUTS = {
     "short_of_m": [3, 0, 0, 4, 0],  # 7 of 100 rows used.
     "nothing": [0, 0, 0, 0, 0],
 }
-_M, _K, _N = 100, 16, 24
+_M, _C, _N = 100, 16, 24
 
 
 def _numpy_gmm(rows, weights, sizes):
@@ -60,31 +61,23 @@ class GroupedGemmPathsTest(parameterized.TestCase):
   ):
     sizes = _GROUP_LAYOUTS[layout]
     rng = np.random.default_rng(len(sizes) + bulk)
-    rows = rng.normal(size=(_M, _K))
-    weights = rng.normal(size=(len(sizes), _K, _N))
+    rows = rng.normal(size=(_M, _C))
+    weights = rng.normal(size=(len(sizes), _C, _N))
     dy = rng.normal(size=(_M, _N))
     used = sum(sizes)
     poisoned = rows.copy()
     poisoned[used:] = np.nan  # Unused rows must not leak anywhere.
     w = np.swapaxes(weights, 1, 2) if transpose_rhs else weights
     group_sizes = jnp.asarray(sizes, jnp.int32)
-
-    def gmm(x, w, gs):
-      # Called directly: _gmm/_tgmm take the bulk as given, no cond.
-      return grouped_gemm._gmm(
-          x, w, gs, transpose_rhs, jnp.float32, levels, None, bulk
-      )
+    # Called directly: _gmm/_tgmm take the bulk as given, no cond.
+    loop = grouped_gemm.Loop(levels, None, bulk)
 
     @jax.jit
     def forward_and_grads(x, w, gs, dy):
-      out = gmm(x, w, gs)
-      dx = grouped_gemm._gmm(
-          dy, w, gs, not transpose_rhs, jnp.float32, levels, None, bulk
-      )
+      out = grouped_gemm._gmm(x, w, gs, transpose_rhs, jnp.float32, loop)
+      dx = grouped_gemm._gmm(dy, w, gs, not transpose_rhs, jnp.float32, loop)
       lhs, rhs = (dy, x) if transpose_rhs else (x, dy)
-      dw = grouped_gemm._tgmm(
-          lhs, rhs, gs, w.shape[0], jnp.float32, levels, None, bulk
-      )
+      dw = grouped_gemm._tgmm(lhs, rhs, gs, w.shape[0], jnp.float32, loop)
       return out, dx, dw
 
     out, d_rows, d_weights = forward_and_grads(
@@ -108,8 +101,8 @@ class GroupedGemmPathsTest(parameterized.TestCase):
   def test_custom_vjp_matches_numpy(self, bulk):
     sizes = _GROUP_LAYOUTS["ragged_with_empty"]
     rng = np.random.default_rng(7)
-    rows = rng.normal(size=(_M, _K))
-    weights = rng.normal(size=(len(sizes), _K, _N))
+    rows = rng.normal(size=(_M, _C))
+    weights = rng.normal(size=(len(sizes), _C, _N))
     dy = rng.normal(size=(_M, _N))
     gs = jnp.asarray(sizes, jnp.int32)
     out, vjp = jax.vjp(
@@ -128,35 +121,31 @@ class GroupedGemmPathsTest(parameterized.TestCase):
     np.testing.assert_allclose(d_weights, want_weights, atol=1e-4, rtol=1e-4)
 
   def test_balanced_rule_takes_the_bulk_only_for_balanced_sizes(self):
-    bulk = grouped_gemm.bulk_rows(4096, 8)
+    bulk = layout_lib.bulk_rows(4096, 8)
     self.assertEqual(bulk, 560)  # 512 + 2 * sqrt(512) = 557, rounded to 8.
     even = jnp.full((8,), 512, jnp.int32)
     skewed = jnp.asarray([2048, 1024, 512, 256, 128, 64, 32, 32], jnp.int32)
-    self.assertTrue(bool(grouped_gemm._balanced(even, bulk, 4096)))
-    self.assertFalse(bool(grouped_gemm._balanced(skewed, bulk, 4096)))
+    self.assertTrue(bool(layout_lib.balanced(even, bulk, 4096)))
+    self.assertFalse(bool(layout_lib.balanced(skewed, bulk, 4096)))
 
   def test_balanced_rule_takes_the_bulk_for_multinomial_routing(self):
     # At E=64 the bulk holds 64 * 80 = 5120 rows for 4096 by design (mean
     # + 2 sigma each); multinomial sizes must not fall to the tile loop.
-    bulk = grouped_gemm.bulk_rows(4096, 64)
+    bulk = layout_lib.bulk_rows(4096, 64)
     self.assertEqual(bulk, 80)  # 64 + 2 * sqrt(64) = 80.
     for seed in range(5):
       sizes = np.random.default_rng(seed).multinomial(4096, [1 / 64] * 64)
       with self.subTest(seed=seed):
         self.assertTrue(
-            bool(
-                grouped_gemm._balanced(
-                    jnp.asarray(sizes, jnp.int32), bulk, 4096
-                )
-            )
+            bool(layout_lib.balanced(jnp.asarray(sizes, jnp.int32), bulk, 4096))
         )
     # Few real rows in a large buffer (EP receive buffers) stay in the loop:
     # the bulk would be mostly padding.
     sparse = jnp.full((64,), 16, jnp.int32)
-    self.assertFalse(bool(grouped_gemm._balanced(sparse, bulk, 4096)))
+    self.assertFalse(bool(layout_lib.balanced(sparse, bulk, 4096)))
 
   def test_no_bulk_when_it_would_be_mostly_padding(self):
-    self.assertEqual(grouped_gemm.bulk_rows(16, 256), 0)
+    self.assertEqual(layout_lib.bulk_rows(16, 256), 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""What a backend's hooks receive: the validated operands of one expert op.
+
+`Backend.grouped_gemm` and `Backend.expert_ffn` validate their inputs, cast
+and resolve them, and hand the hooks one record each. A hook's signature is
+then one typed argument, the same in every backend, and a new field (a
+quantisation recipe, say) reaches every hook without touching them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmOperands:
+  """One grouped GEMM, rows [M, C] x weights [E, C, N] -> [M, N].
+
+  C is the contracted width and N the output width. Rows are sorted by
+  group: group e owns rows [sum(gs[:e]), sum(gs[:e+1])); rows at or past
+  sum(group_sizes) must come out as zeros with zero gradient.
+
+  Attributes:
+    rows: [M, C], of a dtype in the backend's `dtypes`.
+    weights: [E, C, N] of rows' dtype; [E, N, C] if `transpose_rhs`.
+    group_sizes: [E] int32, sum <= M.
+    transpose_rhs: contract with weights[e].T (the dgrad layout).
+    out_dtype: the result's dtype (resolved: never None).
+  """
+
+  rows: jax.Array
+  weights: jax.Array
+  group_sizes: jax.Array
+  transpose_rhs: bool
+  out_dtype: jnp.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class FfnOperands:
+  """One expert FFN over rows sorted by expert: [M, D] -> [M, D].
+
+  Attributes:
+    rows: [M, D], of a dtype in the backend's `dtypes`.
+    group_sizes: [E] int32, sum <= M.
+    w_gate: [E, D, F] of rows' dtype.
+    w_up: [E, D, F] of rows' dtype.
+    w_down: [E, F, D] of rows' dtype.
+    activation: a name of `moe_core.ffn.activation` ("silu", "gelu", ...).
+  """
+
+  rows: jax.Array
+  group_sizes: jax.Array
+  w_gate: jax.Array
+  w_up: jax.Array
+  w_down: jax.Array
+  activation: str
