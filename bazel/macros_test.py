@@ -1,4 +1,10 @@
-"""Checks the environment moe_py_test promises: CPU JAX, N devices, venv."""
+"""Checks the environment the macros promise: CPU JAX, N devices, venv.
+
+bazel/BUILD runs this file through moe_py_test (1 and 4 devices) and through
+moe_conformance_test, whose `<name>` target must run the single-device
+suites on 1 device and whose `<name>_ep` target the expert-parallel suites
+on 8.
+"""
 
 import os
 import sys
@@ -6,12 +12,27 @@ import sys
 from absl import flags
 from absl.testing import absltest
 
+from conformance import ep_suite
+from conformance import suite
+
 _EXPECTED_DEVICES = flags.DEFINE_integer(
-    "expected_devices", 1, "How many CPU devices the target asked for."
+    "expected_devices",
+    None,
+    "How many CPU devices the target asked for. Default: 1, or the "
+    "expert-parallel suites' 8 where the target selects them (the `_ep` "
+    "target of moe_conformance_test).",
 )
 _EXTRA_XLA_FLAG = flags.DEFINE_string(
     "extra_xla_flag", "", "An XLA flag the target's env adds, if any."
 )
+
+
+def _expected_devices() -> int:
+  # A target that selects the EP suites must have their 8 devices: they
+  # skip without them, and the target would pass having tested nothing.
+  if _EXPECTED_DEVICES.value is not None:
+    return _EXPECTED_DEVICES.value
+  return ep_suite.NUM_DEVICES if suite.runs_ep_suites() else 1
 
 
 def _runfile(path):
@@ -40,7 +61,7 @@ class MoePyTestEnvTest(absltest.TestCase):
   def test_device_count(self):
     import jax  # pylint: disable=g-import-not-at-top
 
-    self.assertLen(jax.devices("cpu"), _EXPECTED_DEVICES.value)
+    self.assertLen(jax.devices("cpu"), _expected_devices())
 
   def test_env_xla_flags_are_kept(self):
     if not _EXTRA_XLA_FLAG.value:
@@ -48,7 +69,7 @@ class MoePyTestEnvTest(absltest.TestCase):
     xla_flags = os.environ.get("XLA_FLAGS", "").split()
     self.assertIn(_EXTRA_XLA_FLAG.value, xla_flags)
     self.assertIn(
-        "--xla_force_host_platform_device_count=%d" % _EXPECTED_DEVICES.value,
+        "--xla_force_host_platform_device_count=%d" % _expected_devices(),
         xla_flags,
     )
 

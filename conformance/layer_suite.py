@@ -122,7 +122,7 @@ class LayerSuite(base.BackendTestCase):
     self.assertYMatchesReference(case, got)
     self.assertMatchesPerTokenMath(case, got)
 
-  def test_jit_and_eager_agree(self):
+  def test_layer_jit_and_eager_agree(self):
     case = cases.LAYER_BY_NAME["base_f32"]
     # Forward only: op-by-op gradients would cost more than the rest.
     eager = self.run_layer(case, jit=False, grads=False)
@@ -135,7 +135,7 @@ class LayerSuite(base.BackendTestCase):
         msg="y, eager vs reference",
     )
 
-  def test_results_are_bitwise_deterministic(self):
+  def test_layer_results_are_bitwise_deterministic(self):
     case = cases.LAYER_BY_NAME["base_bf16"]
     first = self.run_layer(case)
     y, grads = first.rerun()

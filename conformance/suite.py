@@ -1,7 +1,29 @@
-"""The list of conformance suites, and concrete test classes per backend."""
+"""The conformance suites, and the two test classes a backend subclasses.
+
+A backend's whole conformance test is one file, `conformance_test.py` in its
+folder (conformance/example_backend/conformance_test.py is the one to copy),
+run by one `moe_conformance_test` line in its BUILD. The file subclasses
+`ConformanceTest` (the single-device suites) and `ExpertParallelTest` (the
+expert-parallel ones), sets BACKEND (the registered name), BACKEND_OPTIONS
+(keyword arguments of moe_core.get_backend) and TOLERANCE_OVERRIDES (see
+`tolerances.lookup`; loosen only with the reason in a comment) as Python
+values, and ends with `suite.main()` under `if __name__ == "__main__":`.
+
+Plain pytest runs both classes (the expert-parallel one skips, with the
+reason, without 8 devices); Bazel runs one per target (see `main`).
+
+Adding a backend, step by step: the checklist in `moe_core.Backend`'s
+docstring; conformance/example_backend/ is the folder to copy.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+
+from absl.testing import absltest
+
+from conformance import checkpoint_names_suite
 from conformance import ep_suite
 from conformance import grouped_gemm_suite
 from conformance import layer_suite
@@ -9,15 +31,16 @@ from conformance import routing_suite
 from conformance import stages_suite
 from conformance import validation_suite
 
-# Every suite a backend must pass. Adding one is one line here; a suite that
-# needs a special environment (8 simulated devices, several processes) lives
-# in its own file and Bazel target instead.
+# Every suite a backend must pass on one device. Adding one is one line
+# here; a suite that needs a special environment (8 simulated devices,
+# several processes) goes in EP_SUITES or a Bazel target of its own.
 SUITES = [
     grouped_gemm_suite.GroupedGemmSuite,
     stages_suite.StagesSuite,
     layer_suite.LayerSuite,
     routing_suite.RoutingSuite,
     validation_suite.ValidationSuite,
+    checkpoint_names_suite.CheckpointNamesSuite,
 ]
 
 # Suites that need 8 devices (--xla_force_host_platform_device_count=8 on
@@ -26,51 +49,54 @@ EP_SUITES = [
     ep_suite.ExpertParallelSuite,
 ]
 
+# moe_conformance_test (bazel/moe.bzl) sets this to "1" in the environment of
+# its `<name>_ep` target: `main` then runs the expert-parallel classes.
+EP_ENV = "CONFORMANCE_EP"
 
-def _camel(name: str) -> str:
-  return "".join(
-      part[:1].upper() + part[1:] for part in name.replace("-", "_").split("_")
+
+class ConformanceTest(*SUITES):
+  """Every single-device suite. Subclass it and set BACKEND.
+
+  The suites' test names are disjoint (suite_test.py fails if a new suite
+  hides another's test), so each test runs exactly once here.
+  """
+
+
+class ExpertParallelTest(*EP_SUITES):
+  """Every expert-parallel suite. Subclass it and set BACKEND."""
+
+
+def runs_ep_suites() -> bool:
+  """True in a `<name>_ep` target (EP_ENV set to "1")."""
+  return os.environ.get(EP_ENV) == "1"
+
+
+def classes_to_run(module) -> list[str]:
+  """The names of the test classes of `module` that this run runs.
+
+  Its ExpertParallelTest subclasses if `runs_ep_suites()`, else its
+  ConformanceTest subclasses.
+  """
+  kind = ExpertParallelTest if runs_ep_suites() else ConformanceTest
+  return sorted(
+      name
+      for name, value in vars(module).items()
+      if isinstance(value, type)
+      and issubclass(value, kind)
+      and value is not kind
   )
 
 
-def make_test_classes(
-    backend: str,
-    options: dict | None = None,
-    tolerance_overrides: dict | None = None,
-    *,
-    suites=None,
-    name_suffix: str = "",
-) -> dict[str, type]:
-  """One concrete TestCase class per suite, for `backend`.
+def main():
+  """absltest.main() for a backend's conformance_test.py run as a program.
 
-  Building a class imports nothing of the backend: a backend whose module or
-  hardware is missing yields classes whose tests skip, with the reason.
-
-  Args:
-    backend: a registered backend name.
-    options: keyword arguments for moe_core.get_backend (BACKEND_OPTIONS).
-    tolerance_overrides: the backend's TOLERANCE_OVERRIDES (see
-      `tolerances.lookup`).
-    suites: the suite classes; `SUITES` by default.
-    name_suffix: appended to each class name, to tell apart several
-      configurations of one backend in one module.
-
-  Returns:
-    {class name: class}, e.g. {"XlaGroupedGemmTest": ...}.
+  Runs the single-device classes, or with CONFORMANCE_EP=1 the
+  expert-parallel ones (`classes_to_run`); test names given on the command
+  line replace that choice. absltest honours Bazel's sharding
+  (TEST_TOTAL_SHARDS, TEST_SHARD_INDEX).
   """
-  classes = {}
-  for suite_cls in SUITES if suites is None else suites:
-    stem = suite_cls.__name__.removesuffix("Suite")
-    name = f"{_camel(backend)}{stem}Test{name_suffix}"
-    classes[name] = type(
-        name,
-        (suite_cls,),
-        {
-            "BACKEND": backend,
-            "BACKEND_OPTIONS": dict(options or {}),
-            "TOLERANCE_OVERRIDES": dict(tolerance_overrides or {}),
-            "__module__": suite_cls.__module__,
-            "__qualname__": name,
-        },
-    )
-  return classes
+  names = classes_to_run(sys.modules["__main__"])
+  if not names:
+    kind = "ExpertParallelTest" if runs_ep_suites() else "ConformanceTest"
+    sys.exit(f"conformance: no subclass of suite.{kind} in this file.")
+  absltest.main(defaultTest=names)

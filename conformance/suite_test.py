@@ -1,5 +1,9 @@
-"""Tests of the suite's own machinery: class building, skips, tolerances."""
+"""Tests of the suite's own machinery: test classes, skips, tolerances."""
 
+import os
+import sys
+import types
+import unittest
 from unittest import mock
 
 from absl.testing import absltest
@@ -12,30 +16,77 @@ from conformance import suite
 from conformance import tolerances
 
 
-class MakeTestClassesTest(absltest.TestCase):
+def _test_names(cls) -> list[str]:
+  return unittest.TestLoader().getTestCaseNames(cls)
 
-  def test_one_class_per_suite_with_the_backend_settings(self):
-    classes = suite.make_test_classes(
-        "xla", {"levels": (64, 8)}, {"bfloat16": (0.1, 0.1)}
+
+def _xla_test_classes():
+  """What backends/xla/conformance_test.py defines, with some settings.
+
+  Built per call: at module level, the test runners would run them.
+  """
+
+  class XlaConformanceTest(suite.ConformanceTest):
+    BACKEND = "xla"
+    BACKEND_OPTIONS = {"levels": (64, 8)}
+    TOLERANCE_OVERRIDES = {"bfloat16": (0.1, 0.1)}
+
+  class XlaExpertParallelTest(suite.ExpertParallelTest):
+    BACKEND = "xla"
+
+  return XlaConformanceTest, XlaExpertParallelTest
+
+
+class TestClassesTest(absltest.TestCase):
+  """The classes a backend subclasses, and which of them a run picks."""
+
+  def _assert_runs_every_suite_test(self, combined, suites):
+    runs = {getattr(combined, n) for n in _test_names(combined)}
+    expected = 0
+    for suite_cls in suites:
+      self.assertTrue(issubclass(combined, suite_cls))
+      for name in _test_names(suite_cls):
+        expected += 1
+        self.assertIn(
+            getattr(suite_cls, name),
+            runs,
+            f"{suite_cls.__name__}.{name} does not run in "
+            f"{combined.__name__}: another suite has a test of that name",
+        )
+    # Each once: no test runs under two names.
+    self.assertLen(_test_names(combined), expected)
+
+  def test_conformance_test_runs_every_test_of_every_suite(self):
+    self._assert_runs_every_suite_test(suite.ConformanceTest, suite.SUITES)
+
+  def test_expert_parallel_test_runs_every_test_of_every_ep_suite(self):
+    self._assert_runs_every_suite_test(
+        suite.ExpertParallelTest, suite.EP_SUITES
     )
-    self.assertLen(classes, len(suite.SUITES))
-    self.assertIn("XlaGroupedGemmTest", classes)
-    for name, cls in classes.items():
-      self.assertEqual(cls.__name__, name)
-      self.assertEqual(cls.BACKEND, "xla")
-      self.assertEqual(cls.BACKEND_OPTIONS, {"levels": (64, 8)})
-      self.assertEqual(cls.TOLERANCE_OVERRIDES, {"bfloat16": (0.1, 0.1)})
-      self.assertTrue(any(issubclass(cls, s) for s in suite.SUITES))
+
+  def test_subclass_builds_its_backend_with_its_options(self):
+    xla_conformance_test, _ = _xla_test_classes()
+    test = xla_conformance_test("test_layer_rejects_missing_parameter")
+    try:
+      test.setUp()
+    except unittest.SkipTest as e:
+      self.fail(f"the xla backend should build here: {e}")
+    self.assertEqual(test.backend.name, "xla")
+    self.assertEqual(test.backend.levels, (64, 8))
+    self.assertEqual(
+        test.tolerance("bfloat16"),
+        tolerances.lookup("bfloat16", "forward", {"bfloat16": (0.1, 0.1)}),
+    )
 
   def test_backend_whose_module_is_missing_skips_with_the_reason(self):
+    class AbsentConformanceTest(suite.ConformanceTest):
+      BACKEND = "absent"
+
     registry = moe_core.registry._REGISTRY  # pylint: disable=protected-access
     with mock.patch.dict(
         registry, {"absent": "no_such_package.backend:Absent"}
     ):
-      classes = suite.make_test_classes("absent")
-      test = classes["AbsentValidationTest"](
-          "test_layer_rejects_missing_parameter"
-      )
+      test = AbsentConformanceTest("test_layer_rejects_missing_parameter")
       result = test.defaultTestResult()
       test.run(result)
     self.assertEmpty(result.errors)
@@ -45,6 +96,27 @@ class MakeTestClassesTest(absltest.TestCase):
         result.skipped[0][1],
         "backend 'absent' cannot be imported here: .*" "no_such_package",
     )
+
+  def test_a_run_picks_the_single_device_or_the_ep_classes(self):
+    module = types.ModuleType("a_backend_conformance_test")
+    module.suite = suite
+    module.ConformanceTest = suite.ConformanceTest  # Imported bases: not run.
+    module.XlaConformanceTest, module.XlaExpertParallelTest = (
+        _xla_test_classes()
+    )
+    with mock.patch.dict(os.environ):
+      os.environ.pop(suite.EP_ENV, None)
+      self.assertFalse(suite.runs_ep_suites())
+      self.assertEqual(suite.classes_to_run(module), ["XlaConformanceTest"])
+      os.environ[suite.EP_ENV] = "1"
+      self.assertTrue(suite.runs_ep_suites())
+      self.assertEqual(suite.classes_to_run(module), ["XlaExpertParallelTest"])
+
+  def test_main_without_test_classes_exits_with_the_reason(self):
+    empty = types.ModuleType("__main__")
+    with mock.patch.dict(sys.modules, {"__main__": empty}):
+      with self.assertRaisesRegex(SystemExit, "no subclass of suite"):
+        suite.main()
 
 
 class TolerancesTest(absltest.TestCase):

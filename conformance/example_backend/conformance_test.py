@@ -1,0 +1,20 @@
+"""The shared conformance suite (conformance/suite.py) on the example backend.
+
+Copied to backends/<name>/: rename the classes and BACKEND. Backend options
+(keyword arguments of your constructor) go in BACKEND_OPTIONS, as Python
+values, with a comment saying why when they are not the defaults.
+"""
+
+from conformance import suite
+
+
+class ExampleConformanceTest(suite.ConformanceTest):
+  BACKEND = "example"
+
+
+class ExampleExpertParallelTest(suite.ExpertParallelTest):
+  BACKEND = "example"
+
+
+if __name__ == "__main__":
+  suite.main()
