@@ -19,6 +19,7 @@ from absl import flags
 import numpy as np
 
 from train import presets
+from train import run_config
 from train import trainer
 
 _BACKENDS = flags.DEFINE_list(
@@ -40,7 +41,7 @@ _SKIP = 2  # Steps left out of the timing: the first ones compile.
 
 def compare(backends, steps, **overrides) -> dict:
   """{backend: {"losses", "seconds"}} for `steps` interleaved steps."""
-  base = trainer.run_config_from_preset(
+  base = run_config.run_config_from_preset(
       _MODEL.value,
       steps=steps,
       output_dir="/tmp/dropless_compare",

@@ -20,10 +20,13 @@ import numpy as np
 
 import moe_core
 import moe_core.flags  # Defines --moe_backend.
+from moe_core import remat as moe_remat
+from train import cost_report
 from train import data as data_lib
 from train import presets
-from train import remat as remat_lib
 from train import report
+from train import run_config
+from train import sizing
 from train import trainer
 
 _MODEL = flags.DEFINE_enum(
@@ -97,8 +100,8 @@ _MESH = flags.DEFINE_string(
 _REMAT = flags.DEFINE_enum(
     "remat",
     "none",
-    list(remat_lib.POLICIES),
-    "Activation rematerialisation policy per block " "(see train/remat.py).",
+    list(moe_remat.POLICIES),
+    "Activation rematerialisation policy per block " "(see moe_core/remat.py).",
 )
 _DTYPE = flags.DEFINE_enum(
     "compute_dtype",
@@ -115,8 +118,8 @@ _PLOT = flags.DEFINE_bool("plot", True, "Write training.png at the end.")
 _MAX_TRAINABLE_PARAMS = 2e9
 
 
-def _run_config() -> trainer.RunConfig:
-  return trainer.run_config_from_preset(
+def _run_config() -> run_config.RunConfig:
+  return run_config.run_config_from_preset(
       _MODEL.value,
       steps=_STEPS.value,
       batch_size=_BATCH.value,
@@ -148,9 +151,9 @@ def _run_config() -> trainer.RunConfig:
 def dry_run(out=sys.stdout) -> str:
   """Prints the counts for the chosen preset; allocates no arrays."""
   preset = presets.get_preset(_MODEL.value)
-  text = presets.describe(
+  text = cost_report.describe(
       preset,
-      mesh=presets.parse_mesh(_MESH.value),
+      mesh=sizing.parse_mesh(_MESH.value),
       batch_size=_BATCH.value or preset.train.batch_size,
       seq_len=_SEQ.value or preset.train.seq_len,
       remat=_REMAT.value,
@@ -162,12 +165,12 @@ def dry_run(out=sys.stdout) -> str:
 def train(out=sys.stdout) -> dict:
   """Runs training as the flags say and writes the report files."""
   run = _run_config()
-  total = presets.param_counts(run.model).total
+  total = sizing.param_counts(run.model).total
   if total > _MAX_TRAINABLE_PARAMS:
     raise app.UsageError(
-        f"--model={run.model.name} has {presets.human(total)} parameters; "
+        f"--model={run.model.name} has {cost_report.human(total)} parameters; "
         "this program trains models up to "
-        f"{presets.human(_MAX_TRAINABLE_PARAMS)}. Use --dry_run for the "
+        f"{cost_report.human(_MAX_TRAINABLE_PARAMS)}. Use --dry_run for the "
         "full-size presets."
     )
   corpus = data_lib.load(run.data)
@@ -182,7 +185,7 @@ def train(out=sys.stdout) -> dict:
       file=out,
   )
   tr = trainer.Trainer(run, corpus, out=out)
-  counts = presets.param_counts(run.model)
+  counts = sizing.param_counts(run.model)
   print(
       f"model {run.model.name}: {counts.total:,} parameters "
       f"({counts.active:,} active per token); backend {tr.backend_name}; "

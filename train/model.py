@@ -5,7 +5,7 @@
       -> norm -> head -> logits [B, T, V] (float32)
 
 Each block's MLP is a dense SwiGLU (the first `first_dense_layers`) or a
-`train.nnx_moe.MoE` (the rest). Attention is grouped-query attention with
+`moe_core.flax.MoE` (the rest). Attention is grouped-query attention with
 RoPE (optionally QK-normed) or DeepSeek's multi-head latent attention.
 Mixed precision: parameters are stored in float32 and cast to the compute
 dtype (bfloat16 by default) where used; norms, softmax and logits are
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import moe_core
-from train import nnx_moe
-from train import presets
-from train import remat as remat_lib
+from moe_core import flax as moe_flax
+from moe_core import remat as moe_remat
+from train import model_config
 
 
 def _weight(key, shape, fan_in=None):
@@ -99,7 +99,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
   """Grouped-query attention with RoPE and optional QK-norm: [B,T,D] -> same."""
 
-  def __init__(self, cfg: presets.ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
     d, h, hkv, hd = (
         cfg.hidden_size,
         cfg.num_heads,
@@ -144,7 +144,7 @@ class LatentAttention(nnx.Module):
   shared by every head. Computed in the expanded (training) form.
   """
 
-  def __init__(self, cfg: presets.ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
     d, h = cfg.hidden_size, cfg.num_heads
     self.num_heads = h
     self.nope, self.rope_dim, self.v_dim = (
@@ -225,7 +225,7 @@ class Block(nnx.Module):
 
   def __init__(
       self,
-      cfg: presets.ModelConfig,
+      cfg: model_config.ModelConfig,
       layer: int,
       *,
       backend: str,
@@ -237,7 +237,7 @@ class Block(nnx.Module):
     self.attn = attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     if self.is_moe:
-      self.mlp = nnx_moe.MoE(cfg.moe, backend=backend, rngs=rngs)
+      self.mlp = moe_flax.MoE(cfg.moe, backend=backend, rngs=rngs)
     else:
       self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_ffn_size, rngs=rngs)
 
@@ -259,20 +259,20 @@ class Transformer(nnx.Module):
     cfg: the model config.
     backend: the MoE backend name for every MoE block.
     compute_dtype: activation dtype (bfloat16 for mixed precision).
-    remat: a `train.remat` policy name applied to every block.
+    remat: a `moe_core.remat` policy name applied to every block.
     rngs: `nnx.Rngs` with a "params" stream.
   """
 
   def __init__(
       self,
-      cfg: presets.ModelConfig,
+      cfg: model_config.ModelConfig,
       *,
       backend: str = "auto",
       compute_dtype=jnp.bfloat16,
       remat: str = "none",
       rngs: nnx.Rngs,
   ):
-    remat_lib.check_policy_name(remat)
+    moe_remat.check_policy_name(remat)
     self.cfg = cfg
     self.compute_dtype = compute_dtype
     self.remat = remat
@@ -299,7 +299,7 @@ class Transformer(nnx.Module):
     positions = jnp.arange(tokens.shape[1])
     stats = {}
     for i, block in enumerate(self.blocks):
-      x, block_stats = remat_lib.call_block(block, x, positions, self.remat)
+      x, block_stats = moe_flax.call_block(block, x, positions, self.remat)
       if block_stats is not None:
         stats[i] = block_stats
     x = self.final_norm(x)
@@ -312,7 +312,7 @@ class Transformer(nnx.Module):
     )
     return logits, stats
 
-  def moe_blocks(self) -> dict[int, nnx_moe.MoE]:
+  def moe_blocks(self) -> dict[int, moe_flax.MoE]:
     return {i: b.mlp for i, b in enumerate(self.blocks) if b.is_moe}
 
 

@@ -13,10 +13,14 @@ from absl.testing import parameterized
 from flax import nnx
 
 import moe_core
+from moe_core import flax as moe_flax
+from moe_core import remat as moe_remat
 from train import model as model_lib
-from train import nnx_moe
+from train import model_config
+from train import nnx_moe as old_nnx_moe
 from train import presets
-from train import remat as remat_lib
+from train import remat as old_remat
+from train import sizing
 from train import testing
 
 # A small MLA model with a low-rank query, to check MLA's layout and count.
@@ -39,12 +43,12 @@ def _jitted(model):
   return jax.jit(lambda tokens: nnx.merge(graphdef, state)(tokens))
 
 
-def _abstract_param_count(cfg: presets.ModelConfig) -> int:
+def _abstract_param_count(cfg: model_config.ModelConfig) -> int:
   """Parameters of the model as built, from shapes only (no allocation)."""
   abstract = nnx.eval_shape(
       lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
   )
-  state = nnx.state(abstract, nnx.Param, nnx_moe.CorrectionBias)
+  state = nnx.state(abstract, nnx.Param, moe_flax.CorrectionBias)
   return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
 
 
@@ -53,9 +57,7 @@ class ParamCountTest(parameterized.TestCase):
   @parameterized.parameters(*presets.PRESETS)
   def test_formula_equals_built_model(self, name):
     cfg = presets.get_preset(name).model
-    self.assertEqual(
-        presets.param_counts(cfg).total, _abstract_param_count(cfg)
-    )
+    self.assertEqual(sizing.param_counts(cfg).total, _abstract_param_count(cfg))
 
   def test_formula_equals_built_model_for_mla_variants(self):
     for cfg in (
@@ -69,12 +71,12 @@ class ParamCountTest(parameterized.TestCase):
           f"qk_norm={cfg.qk_norm} tied={cfg.tie_embeddings}"
       ):
         self.assertEqual(
-            presets.param_counts(cfg).total, _abstract_param_count(cfg)
+            sizing.param_counts(cfg).total, _abstract_param_count(cfg)
         )
 
   def test_active_counts_top_k_of_the_routed_experts(self):
     cfg = testing.SMALL_DSV3
-    counts = presets.param_counts(cfg)
+    counts = sizing.param_counts(cfg)
     moe = cfg.moe
     one_expert = 3 * moe.hidden_size * moe.expert_ffn_size
     unused = cfg.num_moe_layers * (moe.num_experts - moe.top_k) * one_expert
@@ -221,7 +223,27 @@ class RematTest(parameterized.TestCase):
 
   def test_unknown_policy_is_refused(self):
     with self.assertRaisesRegex(ValueError, "remat must be one of"):
-      remat_lib.policy("sometimes")
+      moe_remat.policy("sometimes")
+    with self.assertRaisesRegex(ValueError, "remat must be one of"):
+      old_remat.policy("sometimes")
+
+
+class OldImportPathsTest(absltest.TestCase):
+  """train.nnx_moe and train.remat name the moe_core objects they alias."""
+
+  def test_aliases_are_the_library_objects(self):
+    for old, new in (
+        (old_nnx_moe.MoE, moe_flax.MoE),
+        (old_nnx_moe.LinenMoE, moe_flax.LinenMoE),
+        (old_nnx_moe.CorrectionBias, moe_flax.CorrectionBias),
+        (old_nnx_moe.set_value, moe_flax.set_value),
+        (old_remat.call_block, moe_flax.call_block),
+        (old_remat.policy, moe_remat.policy),
+        (old_remat.check_policy_name, moe_remat.check_policy_name),
+    ):
+      self.assertIs(old, new)
+    self.assertEqual(old_remat.POLICIES, moe_remat.POLICIES)
+    self.assertEqual(old_nnx_moe.BIAS_NAME, moe_flax.BIAS_NAME)
 
 
 if __name__ == "__main__":

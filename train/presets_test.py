@@ -10,9 +10,12 @@ from absl.testing import flagsaver
 from absl.testing import parameterized
 from flax import nnx
 
+from train import cost_report
 from train import main
 from train import model as model_lib
 from train import presets
+from train import published
+from train import sizing
 from train import testing
 
 
@@ -25,20 +28,20 @@ class PublishedCountsTest(parameterized.TestCase):
 
   @parameterized.parameters(*presets.FULL_SIZE)
   def test_counts_match_the_published_figures(self, name):
-    published = presets.PUBLISHED[name]
-    total, active = presets.counts_as_published(name)
+    figures = published.PUBLISHED[name]
+    total, active = published.counts_as_published(name)
     for what, got, want in (
-        ("total", total, published.total),
-        ("active", active, published.active),
+        ("total", total, figures.total),
+        ("active", active, figures.active),
     ):
       with self.subTest(what):
-        tolerance = presets.published_tolerance(want)
+        tolerance = published.published_tolerance(want)
         self.assertLessEqual(
             abs(got - want),
             tolerance,
             f"{name} {what}: computed {got / 1e9:.3f}B, published "
             f"{want / 1e9:g}B (tolerance {tolerance / 1e9:.3f}B; source: "
-            f"{published.source})",
+            f"{figures.source})",
         )
 
   def test_active_counts_differ_by_exactly_the_input_embedding(self):
@@ -46,7 +49,7 @@ class PublishedCountsTest(parameterized.TestCase):
     # per token but counted in neither's FLOPs: vocab_size * hidden_size.
     for name in presets.FULL_SIZE:
       model = presets.get_preset(name).model
-      counts = presets.param_counts(model)
+      counts = sizing.param_counts(model)
       with self.subTest(name):
         self.assertEqual(
             counts.active - counts.active_without_embedding,
@@ -55,9 +58,9 @@ class PublishedCountsTest(parameterized.TestCase):
 
   def test_tolerance_is_half_a_unit_of_the_last_digit_plus_one_percent(self):
     self.assertAlmostEqual(
-        presets.published_tolerance(46.7e9), 0.05e9 + 0.467e9
+        published.published_tolerance(46.7e9), 0.05e9 + 0.467e9
     )
-    self.assertAlmostEqual(presets.published_tolerance(671e9), 0.5e9 + 6.71e9)
+    self.assertAlmostEqual(published.published_tolerance(671e9), 0.5e9 + 6.71e9)
 
 
 class FlopsTest(absltest.TestCase):
@@ -84,14 +87,14 @@ class FlopsTest(absltest.TestCase):
       cost = cost[0]
     if not cost or "flops" not in cost:
       self.skipTest(f"no XLA cost analysis in jax {jax.__version__}.")
-    f = presets.flops_per_token(cfg, seq)
+    f = sizing.flops_per_token(cfg, seq)
     unmasked_attention = f["attention_forward"] * 2 * seq / (seq + 1)
     want = f["forward"] - f["attention_forward"] + unmasked_attention
     got = cost["flops"] / (batch * seq)
     self.assertBetween(got / want, 0.99, 1.10)
 
   def test_training_is_three_forwards(self):
-    f = presets.flops_per_token(presets.MIXTRAL_8X7B.model, 4096)
+    f = sizing.flops_per_token(presets.MIXTRAL_8X7B.model, 4096)
     self.assertEqual(f["train"], 3 * f["forward"])
 
 
@@ -99,14 +102,14 @@ class MemoryTest(absltest.TestCase):
 
   def test_expert_axis_divides_only_routed_expert_weights(self):
     cfg = presets.QWEN3_30B_A3B.model
-    one = presets.memory_per_device(cfg, presets.parse_mesh("data=1"), 8, 128)
-    ep = presets.memory_per_device(cfg, presets.parse_mesh("expert=8"), 8, 128)
+    one = sizing.memory_per_device(cfg, sizing.parse_mesh("data=1"), 8, 128)
+    ep = sizing.memory_per_device(cfg, sizing.parse_mesh("expert=8"), 8, 128)
     routed = (
         cfg.num_moe_layers
         * 3
         * (cfg.moe.num_experts * cfg.hidden_size * cfg.moe.expert_ffn_size)
     )
-    counts = presets.param_counts(cfg)
+    counts = sizing.param_counts(cfg)
     self.assertEqual(one["weights"], 4.0 * counts.total)
     self.assertAlmostEqual(
         ep["weights"], 4.0 * (counts.total - routed + routed / 8)
@@ -115,10 +118,10 @@ class MemoryTest(absltest.TestCase):
 
   def test_remat_orders_activation_memory(self):
     cfg = presets.TINY_DSV3.model
-    mesh = presets.parse_mesh("data=1")
+    mesh = sizing.parse_mesh("data=1")
     act = {
-        r: presets.memory_per_device(cfg, mesh, 16, 128, r)
-        for r in presets.REMAT_CHOICES
+        r: sizing.memory_per_device(cfg, mesh, 16, 128, r)
+        for r in sizing.REMAT_CHOICES
     }
     self.assertLess(act["full"]["activations"], act["save_moe"]["activations"])
     self.assertLess(act["save_moe"]["activations"], act["none"]["activations"])
@@ -132,9 +135,9 @@ class MemoryTest(absltest.TestCase):
 
   def test_bad_mesh_is_refused(self):
     with self.assertRaisesRegex(ValueError, "AXIS=SIZE with AXIS in"):
-      presets.parse_mesh("pipeline=2")
+      sizing.parse_mesh("pipeline=2")
     with self.assertRaisesRegex(ValueError, "positive int size"):
-      presets.parse_mesh("data=0")
+      sizing.parse_mesh("data=0")
 
 
 class DryRunTest(absltest.TestCase):
@@ -150,11 +153,11 @@ class DryRunTest(absltest.TestCase):
     self.assertEqual(out.getvalue().strip(), text)
     # The printed counts are the preset's (their values are checked against
     # the published figures above and the built models in model_test).
-    counts = presets.param_counts(presets.DEEPSEEK_V3.model)
+    counts = sizing.param_counts(presets.DEEPSEEK_V3.model)
     self.assertIn(f"total {counts.total:,}", text)
     self.assertIn(
         "without the input embedding "
-        f"{presets.human(counts.active_without_embedding)}",
+        f"{cost_report.human(counts.active_without_embedding)}",
         text,
     )
     self.assertIn("FLOPs per token", text)

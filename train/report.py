@@ -1,4 +1,5 @@
-"""End-of-run outputs: a PNG of loss curves and expert load, a JSON summary."""
+"""End-of-run outputs: the run's summary (JSON), a PNG of loss curves and
+expert load."""
 
 from __future__ import annotations
 
@@ -6,6 +7,69 @@ import json
 import os
 
 import numpy as np
+
+from train import data as data_lib
+from train import run_config
+from train import sizing
+
+
+def run_summary(
+    run: run_config.RunConfig,
+    corpus: data_lib.Corpus,
+    history: dict[str, list],
+    *,
+    steps: int,
+    backend: str,
+    wall_seconds: float,
+    checkpoint_path: str | None,
+    interrupted: str | None,
+) -> dict:
+  """The summary of a run (written as summary.json by `train.main`).
+
+  Args:
+    run: the run's config.
+    corpus: the text it trained on.
+    history: its `step_log.new_history()` series.
+    steps: the steps it took.
+    backend: the MoE backend as the Trainer names it.
+    wall_seconds: the loop's wall time.
+    checkpoint_path: the last checkpoint written, if any.
+    interrupted: the signal or exception that stopped it early, if any.
+  """
+  counts = sizing.param_counts(run.model)
+  # Skip the first steps of a run: they include compilation.
+  tps = history["tokens_per_s"][2:] or history["tokens_per_s"]
+  return {
+      "model": run.model.name,
+      "backend": backend,
+      "steps": steps,
+      "batch_size": run.batch_size,
+      "seq_len": run.seq_len,
+      "remat": run.remat,
+      "compute_dtype": run.compute_dtype,
+      "data": corpus.name,
+      "train_bytes": int(len(corpus.train)),
+      "held_out_bytes": int(len(corpus.held_out)),
+      "params_total": counts.total,
+      "params_active": counts.active,
+      "final_train_loss": history["loss"][-1] if history["loss"] else None,
+      "final_held_out_loss": (
+          history["eval_loss"][-1] if history["eval_loss"] else None
+      ),
+      "unigram_entropy": data_lib.unigram_entropy(
+          np.concatenate([corpus.train, corpus.held_out])
+      ),
+      "unigram_held_out_cross_entropy": data_lib.unigram_cross_entropy(
+          corpus.train, corpus.held_out
+      ),
+      "tokens_per_s_median": float(np.median(tps)) if tps else None,
+      "max_dropped_fraction": max(
+          (max(d, default=0.0) for d in history["dropped"]), default=0.0
+      ),
+      "wall_seconds": wall_seconds,
+      "checkpoint": checkpoint_path,
+      "interrupted": interrupted,
+  }
 
 
 def write_summary(path: str, summary: dict) -> None:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 
-import moe_core
 from train import data as data_lib
+from train import model_config
 from train import presets
-from train import trainer
+from train import run_config
 
 # A DeepSeek-V3-shaped model small enough to compile in seconds: a dense
 # first layer, then an MoE layer with a shared expert, sigmoid routing, a
 # correction bias, group-limited top-k and routed scaling.
-SMALL_DSV3 = presets.ModelConfig(
+SMALL_DSV3 = model_config.ModelConfig(
     name="test_dsv3",
     vocab_size=256,
     hidden_size=32,
@@ -23,20 +23,8 @@ SMALL_DSV3 = presets.ModelConfig(
     head_dim=16,
     first_dense_layers=1,
     dense_ffn_size=64,
-    moe=moe_core.MoEConfig(
-        num_experts=8,
-        top_k=2,
-        hidden_size=32,
-        expert_ffn_size=32,
-        score_func="sigmoid",
-        norm_topk_prob=True,
-        norm_epsilon=1e-20,
-        routed_scaling_factor=2.5,
-        correction_bias=True,
-        n_group=4,
-        topk_group=2,
-        group_score="sum_top2",
-        shared_ffn_size=32,
+    moe=presets.deepseek_v3_moe(
+        32, num_experts=8, top_k=2, expert_ffn_size=32, n_group=4, topk_group=2
     ),
 )
 
@@ -51,9 +39,9 @@ def corpus() -> data_lib.Corpus:
   return _CORPUS
 
 
-def small_run(output_dir: str, **overrides) -> trainer.RunConfig:
+def small_run(output_dir: str, **overrides) -> run_config.RunConfig:
   """A fast RunConfig on SMALL_DSV3; `overrides` replace any field."""
-  run = trainer.RunConfig(
+  run = run_config.RunConfig(
       model=SMALL_DSV3,
       steps=8,
       batch_size=4,

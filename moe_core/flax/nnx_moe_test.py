@@ -1,4 +1,4 @@
-"""The Flax wrappers compute exactly what moe_core.moe_layer computes."""
+"""The Flax modules compute exactly what moe_core.moe_layer computes."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ from absl.testing import parameterized
 from flax import nnx
 
 import moe_core
-from train import nnx_moe
+from moe_core import flax as moe_flax
 
 # DeepSeek-V3 routing (bias, groups, scaling) plus a gated shared expert, so
 # every parameter of the layout is exercised.
@@ -36,19 +36,19 @@ def _tokens(dtype, shape=(3, 5, 16)):
 class NnxMoETest(parameterized.TestCase):
 
   def test_owns_the_library_layout(self):
-    layer = nnx_moe.MoE(CFG, rngs=nnx.Rngs(0))
+    layer = moe_flax.MoE(CFG, rngs=nnx.Rngs(0))
     shapes = {k: tuple(v.shape) for k, v in layer.params_dict().items()}
     self.assertEqual(shapes, moe_core.param_shapes(CFG))
-    self.assertIsInstance(layer.correction_bias, nnx_moe.CorrectionBias)
+    self.assertIsInstance(layer.correction_bias, moe_flax.CorrectionBias)
     self.assertEqual(layer.correction_bias[...].dtype, jnp.float32)
     trainable = nnx.state(layer, nnx.Param)
     self.assertNotIn("correction_bias", trainable)
 
   @parameterized.parameters("float32", "bfloat16")
   def test_output_equals_moe_layer(self, dtype):
-    layer = nnx_moe.MoE(CFG, backend="xla", rngs=nnx.Rngs(0))
+    layer = moe_flax.MoE(CFG, backend="xla", rngs=nnx.Rngs(0))
     # A non-zero bias, so it visibly takes part in routing.
-    nnx_moe.set_value(layer.correction_bias, jnp.linspace(-0.3, 0.3, 8))
+    moe_flax.set_value(layer.correction_bias, jnp.linspace(-0.3, 0.3, 8))
     x = _tokens(dtype)
     y, aux = layer(x)
     y_ref, aux_ref = moe_core.moe_layer(
@@ -61,7 +61,7 @@ class NnxMoETest(parameterized.TestCase):
     np.testing.assert_array_equal(aux.expert_ids, aux_ref.expert_ids)
 
   def test_matches_reference_backend(self):
-    layer = nnx_moe.MoE(CFG, backend="xla", rngs=nnx.Rngs(1))
+    layer = moe_flax.MoE(CFG, backend="xla", rngs=nnx.Rngs(1))
     x = _tokens(jnp.float32)
     y, _ = layer(x)
     y_ref, _ = moe_core.moe_layer(
@@ -70,7 +70,7 @@ class NnxMoETest(parameterized.TestCase):
     np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5)
 
   def test_gradients_equal_moe_layer_and_skip_bias(self):
-    layer = nnx_moe.MoE(CFG, backend="xla", rngs=nnx.Rngs(2))
+    layer = moe_flax.MoE(CFG, backend="xla", rngs=nnx.Rngs(2))
     x = _tokens(jnp.float32)
 
     def module_loss(m):
@@ -92,7 +92,7 @@ class NnxMoETest(parameterized.TestCase):
         )
 
   def test_bias_update_follows_the_rule(self):
-    layer = nnx_moe.MoE(CFG, rngs=nnx.Rngs(3))
+    layer = moe_flax.MoE(CFG, rngs=nnx.Rngs(3))
     load = jnp.array([9, 1, 4, 4, 0, 12, 2, 0], jnp.int32)
     layer.update_correction_bias(load, 0.25)
     # mean load 4: above -> -rate, below -> +rate, equal -> 0.
@@ -102,7 +102,7 @@ class NnxMoETest(parameterized.TestCase):
 
   def test_update_without_bias_is_a_noop(self):
     cfg = CFG.replace(correction_bias=False)
-    layer = nnx_moe.MoE(cfg, rngs=nnx.Rngs(3))
+    layer = moe_flax.MoE(cfg, rngs=nnx.Rngs(3))
     layer.update_correction_bias(jnp.ones(8, jnp.int32), 0.1)
     self.assertFalse(hasattr(layer, "correction_bias"))
 
@@ -110,7 +110,7 @@ class NnxMoETest(parameterized.TestCase):
 class LinenMoETest(absltest.TestCase):
 
   def test_linen_equals_moe_layer_with_the_same_params(self):
-    module = nnx_moe.LinenMoE(CFG, backend="xla")
+    module = moe_flax.LinenMoE(CFG, backend="xla")
     x = _tokens(jnp.float32)
     variables = module.init(jax.random.key(0), x)
     params = dict(variables["params"])
@@ -124,7 +124,7 @@ class LinenMoETest(absltest.TestCase):
     np.testing.assert_array_equal(y, y_ref)
 
   def test_linen_updates_bias_when_mutable(self):
-    module = nnx_moe.LinenMoE(CFG, backend="xla")
+    module = moe_flax.LinenMoE(CFG, backend="xla")
     x = _tokens(jnp.float32)
     variables = module.init(jax.random.key(0), x)
     (_, aux), updated = module.apply(

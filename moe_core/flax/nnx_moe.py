@@ -1,0 +1,93 @@
+"""`MoE`: a flax.nnx.Module around `moe_core.moe_layer`.
+
+The DeepSeek-V3 correction bias is not a trainable parameter: it is a
+`CorrectionBias` variable, not an `nnx.Param`, so optimisers that take
+`nnx.Param` leave it alone. It gets no gradient, stays float32, and is
+updated with the aux-loss-free rule (`MoE.update_correction_bias`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import moe_core
+
+# The correction bias's name in `moe_core.param_shapes`.
+BIAS_NAME = "correction_bias"
+
+
+def set_value(variable: nnx.Variable, value: jax.Array) -> None:
+  """Replaces a Variable's value (flax >= 0.11 deprecates `.value = `)."""
+  if hasattr(variable, "set_value"):
+    variable.set_value(value)
+  else:
+    variable.value = value
+
+
+class CorrectionBias(nnx.Variable):
+  """Routing state [E] float32, updated by a rule, never by the optimiser."""
+
+
+class MoE(nnx.Module):
+  """One dropless MoE block: x [..., D] -> (y [..., D], `moe_core.MoEAux`).
+
+  Attributes are named as in `moe_core.param_shapes(cfg)`: `router`,
+  `w_gate`, `w_up`, `w_down`, the shared expert's weights when configured
+  (all `nnx.Param`), and `correction_bias` (a `CorrectionBias`) when
+  `cfg.correction_bias`.
+
+  Args:
+    cfg: the block's `moe_core.MoEConfig`.
+    backend: a registered backend name or "auto" (see `moe_core.flags`).
+    param_dtype: storage dtype of the weights (float32 master weights for
+      mixed precision; compute follows the input's dtype).
+    rngs: `nnx.Rngs` with a "params" stream.
+  """
+
+  def __init__(
+      self,
+      cfg: moe_core.MoEConfig,
+      *,
+      backend: str = "auto",
+      param_dtype: jnp.dtype = jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    self.cfg = cfg
+    self.backend = backend
+    values = moe_core.init_params(rngs.params(), cfg, dtype=param_dtype)
+    for name, value in values.items():
+      wrap = CorrectionBias if name == BIAS_NAME else nnx.Param
+      setattr(self, name, wrap(value))
+
+  def params_dict(self) -> dict[str, jax.Array]:
+    """The block's parameters as the dict `moe_core.moe_layer` takes."""
+    return {
+        name: getattr(self, name)[...]
+        for name in moe_core.param_shapes(self.cfg)
+    }
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, moe_core.MoEAux]:
+    return moe_core.moe_layer(
+        self.params_dict(), x, self.cfg, backend=self.backend
+    )
+
+  def update_correction_bias(
+      self, tokens_per_expert: jax.Array, rate: float
+  ) -> None:
+    """Applies the aux-loss-free rule in place (a no-op without a bias).
+
+    Args:
+      tokens_per_expert: [E] (or [..., E], summed) assignments per expert.
+      rate: the rule's step size.
+    """
+    if not self.cfg.correction_bias:
+      return
+    bias = getattr(self, BIAS_NAME)
+    set_value(
+        bias,
+        moe_core.update_correction_bias(
+            bias[...], tokens_per_expert, rate
+        ).astype(jnp.float32),
+    )

@@ -1,0 +1,99 @@
+"""What a preset costs, in words: the `--dry_run` report of train.main."""
+
+from __future__ import annotations
+
+import math
+
+from train import presets
+from train import published
+from train import sizing
+
+
+def human(n: float, unit: str = "") -> str:
+  """1.234e9 -> '1.23G'."""
+  for scale, suffix in (
+      (1e15, "P"),
+      (1e12, "T"),
+      (1e9, "G"),
+      (1e6, "M"),
+      (1e3, "k"),
+  ):
+    if abs(n) >= scale:
+      return f"{n / scale:.3g}{suffix}{unit}"
+  return f"{n:.3g}{unit}"
+
+
+def human_bytes(n: float) -> str:
+  for scale, suffix in (
+      (2**40, "TiB"),
+      (2**30, "GiB"),
+      (2**20, "MiB"),
+      (2**10, "KiB"),
+  ):
+    if abs(n) >= scale:
+      return f"{n / scale:.3g} {suffix}"
+  return f"{n:.0f} B"
+
+
+def describe(
+    preset: presets.Preset,
+    *,
+    mesh: dict[str, int],
+    batch_size: int,
+    seq_len: int,
+    remat: str,
+) -> str:
+  """The `--dry_run` report: counts, FLOPs per token and memory per device."""
+  cfg = preset.model
+  c = sizing.param_counts(cfg)
+  fl = sizing.flops_per_token(cfg, seq_len)
+  mem = sizing.memory_per_device(cfg, mesh, batch_size, seq_len, remat)
+  devices = math.prod(mesh.values())
+  total_bytes = sum(
+      mem[k] for k in ("weights", "gradients", "optimizer", "activations")
+  )
+  lines = [
+      f"model {cfg.name}: {preset.description}",
+      f"  layers {cfg.num_layers} ({cfg.num_dense_layers} dense, "
+      f"{cfg.num_moe_layers} MoE), hidden {cfg.hidden_size}, "
+      f"attention {cfg.attention}, vocab {cfg.vocab_size}",
+  ]
+  if cfg.moe:
+    m = cfg.moe
+    lines.append(
+        f"  experts {m.num_experts} (top-{m.top_k}, ffn {m.expert_ffn_size}"
+        f", shared ffn {m.shared_ffn_size}), router {m.score_func}"
+    )
+  lines += [
+      f"  parameters: total {c.total:,} ({human(c.total)}), active per token"
+      f" {c.active:,} ({human(c.active)}); without the input embedding "
+      f"{human(c.active_without_embedding)}",
+      f"    embedding {human(c.embedding)}, head {human(c.head)}, attention "
+      f"{human(c.attention)}, dense MLP {human(c.dense_mlp)}, MoE "
+      f"{human(c.moe)} (active {human(c.moe_active)})",
+  ]
+  if cfg.name in published.PUBLISHED:
+    pub = published.PUBLISHED[cfg.name]
+    lines.append(
+        f"  published: {human(pub.total)} total, {human(pub.active)} active "
+        f"({'with' if pub.active_counts_embedding else 'without'} the input "
+        f"embedding); source: {pub.source}"
+    )
+  lines += [
+      f"  FLOPs per token at seq_len {seq_len}: forward "
+      f"{human(fl['forward'])}, training {human(fl['train'])} (6 x active "
+      f"matmul params + attention; remat recompute not included)",
+      f"  per device, mesh {mesh} ({devices} devices), global batch "
+      f"{batch_size} x {seq_len} tokens, remat={remat}:",
+      f"    weights (f32) {human_bytes(mem['weights'])}, gradients "
+      f"{human_bytes(mem['gradients'])}, AdamW state "
+      f"{human_bytes(mem['optimizer'])}, activations "
+      f"{human_bytes(mem['activations'])}"
+      + (
+          f" (+{human_bytes(mem['activations_offloaded_to_host'])} on host)"
+          if mem["activations_offloaded_to_host"]
+          else ""
+      ),
+      f"    total {human_bytes(total_bytes)}",
+  ]
+  return "\n".join(lines)

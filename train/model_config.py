@@ -1,0 +1,149 @@
+"""`ModelConfig`: the decoder-only transformer `train/model.py` builds.
+
+The presets (`train/presets.py`) are values of it; the counts of
+`train/sizing.py` are computed from it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import moe_core
+
+ATTENTIONS = ("gqa", "mla")
+QK_NORMS = ("none", "head", "full")
+
+
+def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+  if value not in choices:
+    raise ValueError(f"{field} must be one of {choices}, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder-only transformer whose MLPs are dense or MoE blocks.
+
+  Attributes:
+    name: preset name.
+    vocab_size: V.
+    hidden_size: D.
+    num_layers: transformer blocks.
+    num_heads: query heads H.
+    num_kv_heads: key/value heads (GQA; equal to H for MHA). Unused by MLA.
+    head_dim: per-head width for "gqa".
+    attention: "gqa" (multi-/grouped-query attention with RoPE) or "mla"
+      (DeepSeek's multi-head latent attention).
+    q_lora_rank: MLA query down-projection rank (0: a full-rank query).
+    kv_lora_rank: MLA compressed key/value width.
+    qk_nope_head_dim: MLA per-head query/key width without RoPE.
+    qk_rope_head_dim: MLA per-head query/key width with RoPE (the key part is
+      shared by all heads).
+    v_head_dim: MLA per-head value width.
+    qk_norm: "none", "head" (RMSNorm over each head's query/key, Qwen3) or
+      "full" (over the whole query/key projection, OLMoE).
+    first_dense_layers: the first blocks use a dense MLP (DeepSeek-V3: 3).
+    dense_ffn_size: hidden width of the dense MLPs.
+    moe: the MoE block of every other layer (None: an all-dense model).
+    tie_embeddings: the output head reuses the input embedding.
+    rope_theta: RoPE base.
+    norm_eps: RMSNorm epsilon.
+  """
+
+  name: str
+  vocab_size: int
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int = 0
+  head_dim: int = 0
+  attention: str = "gqa"
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  qk_norm: str = "none"
+  first_dense_layers: int = 0
+  dense_ffn_size: int = 0
+  moe: moe_core.MoEConfig | None = None
+  tie_embeddings: bool = False
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+
+  def __post_init__(self):
+    _check_choice("attention", self.attention, ATTENTIONS)
+    _check_choice("qk_norm", self.qk_norm, QK_NORMS)
+    if self.attention == "gqa":
+      if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+        raise ValueError(
+            "num_kv_heads must be >= 1 and divide num_heads, got "
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}."
+        )
+      if self.head_dim < 2 or self.head_dim % 2:
+        raise ValueError(
+            "head_dim must be even (RoPE rotates pairs), got "
+            f"head_dim={self.head_dim}."
+        )
+    else:
+      if self.qk_norm != "none":
+        raise ValueError(
+            "qk_norm applies to 'gqa' attention only, got "
+            f"qk_norm={self.qk_norm!r} with attention='mla'."
+        )
+      for name in (
+          "kv_lora_rank",
+          "qk_nope_head_dim",
+          "qk_rope_head_dim",
+          "v_head_dim",
+      ):
+        if getattr(self, name) < 1:
+          raise ValueError(
+              f"attention='mla' needs {name} >= 1, got "
+              f"{getattr(self, name)}."
+          )
+      if self.qk_rope_head_dim % 2:
+        raise ValueError(
+            "qk_rope_head_dim must be even (RoPE rotates "
+            f"pairs), got {self.qk_rope_head_dim}."
+        )
+    if not 0 <= self.first_dense_layers <= self.num_layers:
+      raise ValueError(
+          "first_dense_layers must be in [0, num_layers], got "
+          f"first_dense_layers={self.first_dense_layers}, "
+          f"num_layers={self.num_layers}."
+      )
+    if self.num_dense_layers and self.dense_ffn_size < 1:
+      raise ValueError(
+          f"{self.num_dense_layers} dense layers need "
+          f"dense_ffn_size >= 1, got {self.dense_ffn_size}."
+      )
+    if self.moe is not None and self.moe.hidden_size != self.hidden_size:
+      raise ValueError(
+          "moe.hidden_size must equal hidden_size, got "
+          f"moe.hidden_size={self.moe.hidden_size}, "
+          f"hidden_size={self.hidden_size}."
+      )
+
+  @property
+  def num_dense_layers(self) -> int:
+    return self.num_layers if self.moe is None else self.first_dense_layers
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_layers - self.num_dense_layers
+
+  def is_moe_layer(self, layer: int) -> bool:
+    return self.moe is not None and layer >= self.first_dense_layers
+
+  @property
+  def qk_head_dim(self) -> int:
+    if self.attention == "mla":
+      return self.qk_nope_head_dim + self.qk_rope_head_dim
+    return self.head_dim
+
+  @property
+  def value_head_dim(self) -> int:
+    return self.v_head_dim if self.attention == "mla" else self.head_dim
+
+  def replace(self, **changes) -> ModelConfig:
+    return dataclasses.replace(self, **changes)

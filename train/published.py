@@ -1,0 +1,103 @@
+"""Published parameter counts of the full-size presets, and how to compare.
+
+`train/presets.py` holds the configs (from each model's Hugging Face
+config.json); the figures here are what the model cards say, so a test can
+check that `train/sizing.py` counts the configs as their authors do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from train import presets
+from train import sizing
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+  """A published parameter count, with where it was read.
+
+  Attributes:
+    total: total parameters.
+    active: parameters used per token.
+    active_counts_embedding: whether `active` includes the input embedding
+      table (model cards differ; the output head is always included).
+    source: where the figures were read.
+  """
+
+  total: float
+  active: float
+  active_counts_embedding: bool
+  source: str
+
+
+# Published counts, read with the search tool from the sources named (the
+# configs themselves are those of the models' Hugging Face config.json).
+PUBLISHED: dict[str, Published] = {
+    "deepseek_v3": Published(
+        total=671e9,
+        active=37e9,
+        active_counts_embedding=True,
+        source=(
+            "huggingface.co/deepseek-ai/DeepSeek-V3, README.md ('671B "
+            "total parameters with 37B activated for each token'); the "
+            "MTP module is counted apart. README_WEIGHTS.md's finer "
+            "'36.7B activated, including 0.9B for Embedding and 0.9B for "
+            "the output Head' disagrees with the config by about 0.9B "
+            "(the config gives 37.5B with both, 36.6B without the input "
+            "embedding); both conventions fall within the card's 37B"
+        ),
+    ),
+    "mixtral_8x7b": Published(
+        total=46.7e9,
+        active=12.9e9,
+        active_counts_embedding=True,
+        source=(
+            "mistral.ai/news/mixtral-of-experts ('46.7B total parameters "
+            "but only uses 12.9B parameters per token')"
+        ),
+    ),
+    "qwen3_30b_a3b": Published(
+        total=30.5e9,
+        active=3.3e9,
+        active_counts_embedding=True,
+        source=(
+            "the Qwen3-30B-A3B model card's '30.5B in total and 3.3B "
+            "activated', as quoted by docs.vllm.ai (vLLM-Ascend "
+            "tutorials/models/Qwen3-30B-A3B) and "
+            "apxml.com/models/qwen3-30b-a3b"
+        ),
+    ),
+    "olmoe_1b_7b": Published(
+        total=6.9e9,
+        active=1.3e9,
+        active_counts_embedding=True,
+        source=(
+            "OLMoE (arXiv:2409.02060): 6.9B total, 1.3B active per "
+            "token, as listed by labindex.ai/outputs/ai2/olmoe; the "
+            "abstract rounds them to 7B and 1B"
+        ),
+    ),
+}
+# The published figures are rounded to 2-3 significant digits: a count
+# matches when it is within half a unit of the last published digit, plus 1%
+# for the conventions that differ between cards (what counts as "active").
+PUBLISHED_RELATIVE_TOLERANCE = 0.01
+
+
+def published_tolerance(value: float) -> float:
+  """Absolute tolerance for a published figure like 46.7e9 or 37e9."""
+  digits = f"{value / 1e9:g}"
+  decimals = len(digits.partition(".")[2])
+  return 0.5 * 10.0 ** (-decimals) * 1e9 + PUBLISHED_RELATIVE_TOLERANCE * value
+
+
+def counts_as_published(name: str) -> tuple[int, int]:
+  """(total, active) of preset `name`, active counted as its card counts it."""
+  counts = sizing.param_counts(presets.get_preset(name).model)
+  active = (
+      counts.active
+      if PUBLISHED[name].active_counts_embedding
+      else counts.active_without_embedding
+  )
+  return counts.total, active

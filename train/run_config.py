@@ -1,0 +1,80 @@
+"""`RunConfig`: everything a training run depends on (flags map onto it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from train import model_config
+from train import presets
+
+
+def _host_only(default):
+  """A field the compiled train and eval steps do not depend on."""
+  return dataclasses.field(default=default, metadata={"host_only": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Everything a training run depends on (flags map onto these fields).
+
+  Fields made with `_host_only` change what the host does around the
+  steps (data order, output, intervals), not the compiled program: runs
+  that differ only in them share compiled code (`compile_key`).
+  """
+
+  model: model_config.ModelConfig
+  steps: int
+  batch_size: int
+  seq_len: int
+  learning_rate: float
+  warmup_steps: int
+  weight_decay: float
+  grad_clip: float
+  bias_update_rate: float
+  aux_loss_weight: float
+  z_loss_weight: float
+  seed: int = _host_only(0)
+  backend: str = "auto"
+  remat: str = "none"
+  compute_dtype: str = "bfloat16"
+  data: str | None = _host_only(None)
+  output_dir: str = _host_only("/tmp/dropless_train")
+  eval_every: int = _host_only(50)
+  eval_batches: int = _host_only(8)
+  checkpoint_every: int = _host_only(100)
+  keep_checkpoints: int = _host_only(2)
+  log_every: int = _host_only(25)
+  resume: bool = _host_only(False)
+  progress: bool = _host_only(True)
+  plot: bool = _host_only(True)
+
+  def fingerprint(self, corpus_name: str) -> dict:
+    """What a checkpoint must share with the run that resumes it."""
+    return {
+        "model": json.loads(
+            json.dumps(dataclasses.asdict(self.model), default=str)
+        ),
+        "batch_size": self.batch_size,
+        "seq_len": self.seq_len,
+        "seed": self.seed,
+        "data": corpus_name,
+        "compute_dtype": self.compute_dtype,
+    }
+
+
+def compile_key(run: RunConfig) -> RunConfig:
+  """`run` with its host-only fields cleared: equal keys, equal programs."""
+  host_only = [
+      f.name for f in dataclasses.fields(run) if f.metadata.get("host_only")
+  ]
+  return dataclasses.replace(run, **dict.fromkeys(host_only))
+
+
+def run_config_from_preset(name: str, **overrides) -> RunConfig:
+  """A RunConfig from preset `name`; `overrides` set (non-None) fields."""
+  preset = presets.get_preset(name)
+  fields = dataclasses.asdict(preset.train)
+  fields["model"] = preset.model
+  fields.update({k: v for k, v in overrides.items() if v is not None})
+  return RunConfig(**fields)

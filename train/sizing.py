@@ -1,0 +1,273 @@
+"""Parameter, FLOP and memory counts of a model, from its config alone.
+
+The counts follow the layout `train/model.py` builds, module by module (a
+test checks they equal the sizes of the model's abstract parameters), so
+nothing is allocated: they size the full-size presets for `--dry_run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import moe_core
+from moe_core import remat as moe_remat
+from train import model_config
+
+# --- Counting ----------------------------------------------------------------
+
+
+def attention_param_count(cfg: model_config.ModelConfig) -> int:
+  """Parameters of one attention sub-layer (projections and QK-norms)."""
+  d, h = cfg.hidden_size, cfg.num_heads
+  if cfg.attention == "mla":
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank:
+      q = d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * h * qk
+    else:
+      q = d * h * qk
+    kv = (
+        d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        + cfg.kv_lora_rank
+        + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    )
+    return q + kv + h * cfg.v_head_dim * d
+  q_width = h * cfg.head_dim
+  kv_width = cfg.num_kv_heads * cfg.head_dim
+  count = d * q_width + 2 * d * kv_width + q_width * d
+  if cfg.qk_norm == "head":
+    count += 2 * cfg.head_dim
+  elif cfg.qk_norm == "full":
+    count += q_width + kv_width
+  return count
+
+
+def routed_expert_param_count(moe: moe_core.MoEConfig) -> int:
+  """Parameters of one MoE block's routed experts (w_gate, w_up, w_down)."""
+  shapes = moe_core.param_shapes(moe)
+  return sum(math.prod(shapes[n]) for n in ("w_gate", "w_up", "w_down"))
+
+
+def moe_param_counts(moe: moe_core.MoEConfig) -> tuple[int, int]:
+  """(total, active per token) parameters of one MoE block."""
+  shapes = moe_core.param_shapes(moe)
+  total = sum(math.prod(s) for s in shapes.values())
+  routed = routed_expert_param_count(moe)
+  active = total - routed + routed * moe.top_k // moe.num_experts
+  return total, active
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+  """Parameter counts of a model.
+
+  Attributes:
+    total: every parameter.
+    active: parameters used per token: all but the unchosen routed experts
+      (the input embedding included, as most model cards count it).
+    embedding: the input embedding table.
+    head: the output head (0 when tied).
+    attention: all attention sub-layers.
+    dense_mlp: all dense MLPs.
+    moe: all MoE blocks (router, routed and shared experts, biases).
+    moe_active: the part of `moe` used per token.
+    norms: RMSNorm scales outside attention.
+  """
+
+  total: int
+  active: int
+  embedding: int
+  head: int
+  attention: int
+  dense_mlp: int
+  moe: int
+  moe_active: int
+  norms: int
+
+  @property
+  def active_without_embedding(self) -> int:
+    return self.active - self.embedding
+
+
+def param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
+  """Counts parameters from the config, in `train/model.py`'s layout."""
+  d = cfg.hidden_size
+  embedding = cfg.vocab_size * d
+  head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
+  attention = cfg.num_layers * attention_param_count(cfg)
+  dense_mlp = cfg.num_dense_layers * 3 * d * cfg.dense_ffn_size
+  moe_total, moe_active = moe_param_counts(cfg.moe) if cfg.moe else (0, 0)
+  moe_total *= cfg.num_moe_layers
+  moe_active *= cfg.num_moe_layers
+  norms = 2 * d * cfg.num_layers + d
+  shared = embedding + head + attention + dense_mlp + norms
+  return ParamCounts(
+      total=shared + moe_total,
+      active=shared + moe_active,
+      embedding=embedding,
+      head=head,
+      attention=attention,
+      dense_mlp=dense_mlp,
+      moe=moe_total,
+      moe_active=moe_active,
+      norms=norms,
+  )
+
+
+def flops_per_token(
+    cfg: model_config.ModelConfig, seq_len: int
+) -> dict[str, float]:
+  """Matmul FLOPs per token, forward and training (forward + backward).
+
+  2 FLOPs per multiply-add of every weight a token uses (the embedding
+  lookup is free, the output head is not), plus causal attention's scores
+  and weighted values: on average a token attends to (seq_len + 1) / 2
+  positions. Training costs 3x the forward (the backward computes two
+  products per forward product); recomputation under remat is extra.
+  """
+  counts = param_counts(cfg)
+  matmul = counts.active - counts.embedding - counts.norms
+  if cfg.tie_embeddings:
+    matmul += cfg.vocab_size * cfg.hidden_size
+  context = (seq_len + 1) / 2
+  attend = (
+      2
+      * cfg.num_layers
+      * cfg.num_heads
+      * context
+      * (cfg.qk_head_dim + cfg.value_head_dim)
+  )
+  forward = 2.0 * matmul + attend
+  return {
+      "forward": forward,
+      "train": 3.0 * forward,
+      "attention_forward": attend,
+  }
+
+
+# --- Memory for a mesh --------------------------------------------------------
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+REMAT_CHOICES = moe_remat.POLICIES
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+  """'data=8,expert=8' -> {'data': 8, 'fsdp': 1, 'expert': 8, 'tensor': 1}."""
+  mesh = dict.fromkeys(MESH_AXES, 1)
+  for item in filter(None, (s.strip() for s in spec.split(","))):
+    name, sep, size = item.partition("=")
+    if not sep or name.strip() not in MESH_AXES:
+      raise ValueError(
+          f"--mesh entries must be AXIS=SIZE with AXIS in "
+          f"{MESH_AXES}, got {item!r} in {spec!r}."
+      )
+    try:
+      value = int(size)
+    except ValueError:
+      value = 0
+    if value < 1:
+      raise ValueError(
+          f"mesh axis {name!r} needs a positive int size, got " f"{size!r}."
+      )
+    mesh[name.strip()] = value
+  return mesh
+
+
+def _activation_bytes_per_token_layer(
+    cfg: model_config.ModelConfig,
+    moe_layer: bool,
+    remat: str,
+    seq_len: int,
+    tensor: int,
+) -> tuple[float, float]:
+  """(device, host) bytes one token leaves saved for the backward, one layer.
+
+  An estimate in bf16 (2 bytes) with float32 softmax statistics; tensor
+  parallelism splits the head and hidden widths.
+  """
+  d, h = cfg.hidden_size, cfg.num_heads
+  block_input = 2.0 * d
+  if remat == "full":
+    return block_input, 0.0
+  q_width = h * cfg.qk_head_dim
+  kv_width = (
+      h * (cfg.qk_head_dim + cfg.value_head_dim)
+      if cfg.attention == "mla"
+      else 2 * cfg.num_kv_heads * cfg.head_dim
+  )
+  attn = (
+      2.0 * (2 * d + q_width + kv_width + h * cfg.value_head_dim) / tensor
+      # Causal scores and probabilities, f32, (seq_len + 1) / 2 each.
+      + 2 * 4.0 * h * (seq_len + 1) / 2 / tensor
+  )
+  if moe_layer:
+    moe = cfg.moe
+    k, f = moe.top_k, moe.expert_ffn_size
+    # Router logits/probs (f32), dispatched rows, gate, up, act, down.
+    gemm_outputs = 2.0 * k * (2 * f + d) / tensor
+    mlp = (
+        2 * 4.0 * moe.num_experts
+        + 2.0 * k * d
+        + gemm_outputs
+        + 2.0 * k * f / tensor
+        + 2.0 * d
+        + 2.0 * 4 * moe.shared_ffn_size / tensor
+    )
+  else:
+    gemm_outputs = 0.0
+    mlp = 2.0 * (4 * cfg.dense_ffn_size / tensor + 2 * d)
+  everything = block_input + attn + mlp
+  if remat == "none":
+    return everything, 0.0
+  if remat == "recompute_moe":
+    return everything - gemm_outputs, 0.0
+  if remat == "save_moe":
+    return block_input + gemm_outputs, 0.0
+  if remat == "offload_moe":
+    return block_input, gemm_outputs
+  raise ValueError(f"remat must be one of {REMAT_CHOICES}, got {remat!r}.")
+
+
+def memory_per_device(
+    cfg: model_config.ModelConfig,
+    mesh: dict[str, int],
+    batch_size: int,
+    seq_len: int,
+    remat: str = "full",
+) -> dict[str, float]:
+  """Bytes per device for weights, gradients, optimiser state, activations.
+
+  Layout assumed: float32 master weights and gradients, AdamW's two float32
+  moments; routed-expert weights sharded over expert x fsdp x tensor, the
+  rest over fsdp x tensor; the batch split over data x fsdp x expert (the
+  expert axis is a data axis outside the MoE blocks); activations as in
+  `_activation_bytes_per_token_layer`, plus the float32 logits of the
+  output head.
+  """
+  counts = param_counts(cfg)
+  routed = 0
+  if cfg.moe:
+    routed = cfg.num_moe_layers * routed_expert_param_count(cfg.moe)
+  other = counts.total - routed
+  per_device = routed / (
+      mesh["expert"] * mesh["fsdp"] * mesh["tensor"]
+  ) + other / (mesh["fsdp"] * mesh["tensor"])
+  batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
+  tokens = batch_size * seq_len / batch_shards
+  device_act = host_act = 0.0
+  for layer in range(cfg.num_layers):
+    dev, host = _activation_bytes_per_token_layer(
+        cfg, cfg.is_moe_layer(layer), remat, seq_len, mesh["tensor"]
+    )
+    device_act += dev
+    host_act += host
+  logits = 4.0 * cfg.vocab_size / mesh["tensor"]
+  return {
+      "params_per_device": per_device,
+      "weights": 4.0 * per_device,
+      "gradients": 4.0 * per_device,
+      "optimizer": 8.0 * per_device,
+      "activations": tokens * (device_act + logits),
+      "activations_offloaded_to_host": tokens * host_act,
+      "tokens_per_device": tokens,
+  }

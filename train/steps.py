@@ -1,0 +1,140 @@
+"""The compiled side of training: optimiser, loss, jitted train/eval steps."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from moe_core import flax as moe_flax
+from train import run_config
+
+
+def make_optimizer(run: run_config.RunConfig) -> optax.GradientTransformation:
+  """AdamW, linear warmup then cosine decay to 10%, global-norm clipping.
+
+  Weight decay skips vectors (norm scales); matrices and embeddings decay.
+  """
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=run.learning_rate,
+      warmup_steps=run.warmup_steps,
+      decay_steps=max(run.steps, run.warmup_steps + 1),
+      end_value=0.1 * run.learning_rate,
+  )
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(run.grad_clip),
+      optax.adamw(
+          schedule,
+          b1=0.9,
+          b2=0.95,
+          eps=1e-8,
+          weight_decay=run.weight_decay,
+          mask=decay_mask,
+      ),
+  )
+
+
+def _global_norm(tree) -> jax.Array:
+  # optax >= 0.2.5 has optax.tree.norm and deprecates optax.global_norm.
+  tree_lib = getattr(optax, "tree", None)
+  if tree_lib is not None and hasattr(tree_lib, "norm"):
+    return tree_lib.norm(tree)
+  return optax.global_norm(tree)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-byte loss in nats: logits [B, T, V] f32, targets [B, T]."""
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)
+  return -jnp.mean(picked)
+
+
+class Program:
+  """The jitted train and eval steps of one model/optimiser configuration.
+
+  Cached per configuration (`program`), so Trainers of equal runs (a run
+  and its resumption, tests) share compiled code.
+
+  The training state is a dict pytree {"params", "opt_state", "bias"}:
+  `train_step(state, batch [B, T+1])` returns (new state, device metrics),
+  `eval_step(params, bias, batch)` the mean next-byte loss.
+  """
+
+  def __init__(self, run: run_config.RunConfig, graphdef):
+    self.run = run
+    self.graphdef = graphdef
+    self.optimizer = make_optimizer(run)
+    self.train_step = jax.jit(self._step_fn)
+    self.eval_step = jax.jit(self._eval_fn)
+
+  def _forward(self, params, bias, batch):
+    model = nnx.merge(self.graphdef, params, bias)
+    logits, stats = model(batch[:, :-1])
+    ce = cross_entropy(logits, batch[:, 1:])
+    return ce, stats
+
+  def _loss(self, params, bias, batch):
+    ce, stats = self._forward(params, bias, batch)
+    run = self.run
+    layers = sorted(stats)
+    if layers:
+      lb = jnp.mean(
+          jnp.stack([stats[i]["load_balancing_loss"] for i in layers])
+      )
+      z = jnp.mean(jnp.stack([stats[i]["router_z_loss"] for i in layers]))
+    else:
+      lb = z = jnp.zeros((), jnp.float32)
+    total = ce + run.aux_loss_weight * lb + run.z_loss_weight * z
+    return total, (ce, lb, z, stats)
+
+  def _step_fn(self, state, batch):
+    grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+    (total, (ce, lb, z, stats)), grads = grad_fn(
+        state["params"], state["bias"], batch
+    )
+    updates, opt_state = self.optimizer.update(
+        grads, state["opt_state"], state["params"]
+    )
+    params = optax.apply_updates(state["params"], updates)
+    model = nnx.merge(self.graphdef, params, state["bias"])
+    for i, block in model.moe_blocks().items():
+      block.update_correction_bias(
+          stats[i]["tokens_per_expert"], self.run.bias_update_rate
+      )
+    _, params, bias = nnx.split(model, nnx.Param, moe_flax.CorrectionBias)
+    layers = sorted(stats)  # The MoE layers' indices.
+    metrics = {
+        "loss": ce,
+        "total_loss": total,
+        "load_balancing_loss": lb,
+        "router_z_loss": z,
+        "grad_norm": _global_norm(grads),
+        "tokens_per_expert": (
+            jnp.stack([stats[i]["tokens_per_expert"] for i in layers])
+            if layers
+            else jnp.zeros((0, 1), jnp.int32)
+        ),
+        "dropped": (
+            jnp.stack([stats[i]["dropped_tokens"] for i in layers])
+            if layers
+            else jnp.zeros((0,), jnp.int32)
+        ),
+    }
+    return {"params": params, "opt_state": opt_state, "bias": bias}, metrics
+
+  def _eval_fn(self, params, bias, batch):
+    return self._forward(params, bias, batch)[0]
+
+
+_PROGRAMS: dict[run_config.RunConfig, Program] = {}
+
+
+def program(run: run_config.RunConfig, graphdef) -> Program:
+  """The (cached) Program of `run`'s model and optimiser settings."""
+  key = run_config.compile_key(run)
+  if key not in _PROGRAMS:
+    _PROGRAMS[key] = Program(key, graphdef)
+  return _PROGRAMS[key]
