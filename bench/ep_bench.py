@@ -23,7 +23,9 @@ It also reports the drop-free receive buffer of each exchange against the
 T_l*K rows a device receives on average, and the order of collectives and
 expert compute in the compiled CPU schedule with --num_chunks=2 (what XLA:CPU
 does with the overlap option). Writes JSON to --out; one run, ratios only,
-no timings.
+no timings. Every ratio is bytes (or rows) over the baseline's, as in the
+other benchmarks (bench/timing.py): `<what>_over_<baseline>` in the JSON,
+`<what>/<baseline>` when printed (1 = the ideal; more moves more).
 """
 
 from __future__ import annotations
@@ -66,18 +68,10 @@ _SHAPE = re.compile(r"(bf16|f32|f16|s32|u32|pred)\[([\d,]*)\]")
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1}
 
 
-def _shape_bytes(text: str) -> int:
-  total = 0
+def _shapes(text: str):
+  """(dtype, elements) of each array shape in a line of HLO."""
   for dtype, dims in _SHAPE.findall(text):
-    total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return total
-
-
-def _shape_elements(text: str) -> int:
-  return sum(
-      math.prod(int(d) for d in dims.split(",") if d)
-      for _, dims in _SHAPE.findall(text)
-  )
+    yield dtype, math.prod(int(d) for d in dims.split(",") if d)
 
 
 def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
@@ -89,10 +83,9 @@ def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
       m = re.search(rf"= (.*?) {op}\(", line)
       if m:
         nbytes, elems = out.get(op, (0, 0))
-        out[op] = (
-            nbytes + _shape_bytes(m.group(1)),
-            elems + _shape_elements(m.group(1)),
-        )
+        for dtype, n in _shapes(m.group(1)):
+          nbytes, elems = nbytes + _BYTES[dtype] * n, elems + n
+        out[op] = (nbytes, elems)
   return out
 
 
@@ -236,8 +229,8 @@ def main(argv):
           f"ep={ep} {r['routing']:6s} padded/ideal="
           f"{r['padded_over_ideal']:.2f} ragged mean/ideal="
           f"{r['ragged_mean_sent_over_ideal']:.2f} ragged busiest link/"
-          f"ideal={r['ragged_busiest_link_over_ideal']:.2f} receive buffer="
-          f"{r['receive_buffer_over_average']:.1f}x average "
+          f"ideal={r['ragged_busiest_link_over_ideal']:.2f} receive buffer/"
+          f"average={r['receive_buffer_over_average']:.1f} "
           f"({r['receive_buffer_bytes'] / 2**20:.1f} MiB)"
       )
       if "cpu_schedule_num_chunks_2" in r:

@@ -4,7 +4,7 @@ The GPU session runs gpu_check once, so whatever fails there must still be
 reported: here a correctness case that raises, a method whose backward
 raises and one with wrong output each leave the JSON written, with the
 error recorded, the other methods timed and their ratios computed.
-Shapes and cases are cut down (in-process, by patching the module's
+Shapes and cases are cut down (in-process, by patching gpu_workloads'
 tables) so that each run compiles little.
 """
 
@@ -24,6 +24,10 @@ import jax.numpy as jnp
 
 from backends.pallas import tiling
 from bench import gpu_check
+from bench import gpu_correctness
+from bench import gpu_report
+from bench import gpu_timing
+from bench import gpu_workloads
 
 _TINY = {"tokens": 16, "top_k": 2, "hidden": 64, "ffn": 32, "experts": 4}
 _TINY_LAYER = {
@@ -78,13 +82,15 @@ def _run_dry(test, *extra):
   out_dir = tempfile.mkdtemp()
   test.addCleanup(shutil.rmtree, out_dir, ignore_errors=True)
   with (
-      mock.patch.object(gpu_check, "DRY", _TINY),
+      mock.patch.object(gpu_workloads, "DRY", _TINY),
       mock.patch.object(
-          gpu_check, "GEMM_CASES", [(64, 32, 48, (10, 0, 23, 21), False)]
+          gpu_workloads, "GEMM_CASES", [(64, 32, 48, (10, 0, 23, 21), False)]
       ),
-      mock.patch.object(gpu_check, "FFN_CASES", [(48, 32, 64, (20, 0, 19))]),
-      mock.patch.object(gpu_check, "LAYER_CONFIG", _TINY_LAYER),
-      mock.patch.object(gpu_check, "LAYER_BATCH", (2, 16)),
+      mock.patch.object(
+          gpu_workloads, "FFN_CASES", [(48, 32, 64, (20, 0, 19))]
+      ),
+      mock.patch.object(gpu_workloads, "LAYER_CONFIG", _TINY_LAYER),
+      mock.patch.object(gpu_workloads, "LAYER_BATCH", (2, 16)),
   ):
     code = gpu_check.main(["--dry_run", "--out_dir", out_dir, *extra])
   paths = glob.glob(os.path.join(out_dir, "gpu_dryrun_*.json"))
@@ -115,10 +121,10 @@ class GpuCheckDryRunTest(absltest.TestCase):
         for key in (
             "fwd_s",
             "fwd_bwd_s",
-            "fwd_vs_dense",
-            "fwd_bwd_vs_dense",
-            "fwd_vs_ragged_dot",
-            "fwd_bwd_vs_ragged_dot",
+            "fwd_time_over_dense",
+            "fwd_bwd_time_over_dense",
+            "fwd_time_over_ragged_dot",
+            "fwd_bwd_time_over_ragged_dot",
         ):
           self.assertIn(key, entry, label)
         if method != "dense":  # The timed outputs, on sampled groups.
@@ -128,8 +134,8 @@ class GpuCheckDryRunTest(absltest.TestCase):
           )
 
   def test_failures_are_recorded_and_the_rest_still_runs(self):
-    real_gemm = gpu_check._gemm_methods
-    real_ffn = gpu_check._ffn_methods
+    real_gemm = gpu_workloads.gemm_methods
+    real_ffn = gpu_workloads.ffn_methods
 
     def gemm_methods(pallas, xla):
       methods = real_gemm(pallas, xla)
@@ -147,10 +153,10 @@ class GpuCheckDryRunTest(absltest.TestCase):
       raise RuntimeError("simulated Triton compile failure")
 
     with (
-        mock.patch.object(gpu_check, "_gemm_methods", gemm_methods),
-        mock.patch.object(gpu_check, "_ffn_methods", ffn_methods),
-        mock.patch.object(gpu_check, "_ffn_case", ffn_case),
-        mock.patch.object(gpu_check, "_layer_cases", lambda *args: None),
+        mock.patch.object(gpu_workloads, "gemm_methods", gemm_methods),
+        mock.patch.object(gpu_workloads, "ffn_methods", ffn_methods),
+        mock.patch.object(gpu_correctness, "ffn_case", ffn_case),
+        mock.patch.object(gpu_correctness, "layer_cases", lambda *args: None),
     ):
       code, report = _run_dry(self)
     self.assertEqual(code, 1)
@@ -175,10 +181,10 @@ class GpuCheckDryRunTest(absltest.TestCase):
     self.assertIn("fwd_s", gemm_up["pallas"])
     self.assertNotIn("fwd_bwd_s", gemm_up["pallas"])
     self.assertIn("simulated backward failure", gemm_up["pallas"]["error"])
-    self.assertIsNotNone(gemm_up["pallas"]["fwd_vs_ragged_dot"])
-    self.assertIsNone(gemm_up["pallas"]["fwd_bwd_vs_ragged_dot"])
-    self.assertIsNotNone(gemm_up["xla"]["fwd_bwd_vs_ragged_dot"])
-    self.assertIsNotNone(gemm_up["xla"]["fwd_bwd_vs_dense"])
+    self.assertIsNotNone(gemm_up["pallas"]["fwd_time_over_ragged_dot"])
+    self.assertIsNone(gemm_up["pallas"]["fwd_bwd_time_over_ragged_dot"])
+    self.assertIsNotNone(gemm_up["xla"]["fwd_bwd_time_over_ragged_dot"])
+    self.assertIsNotNone(gemm_up["xla"]["fwd_bwd_time_over_dense"])
     # Its forward is still checked.
     self.assertTrue(gemm_up["pallas"]["check"]["ok"])
     self.assertNotIn("d_rows", gemm_up["pallas"]["check"])
@@ -197,7 +203,7 @@ class GpuCheckDryRunTest(absltest.TestCase):
 class VersionsAndLoweringTest(absltest.TestCase):
 
   def test_versions_are_recorded(self):
-    versions = gpu_check._versions()
+    versions = gpu_report.versions()
     self.assertEqual(versions["python"], platform.python_version())
     self.assertEqual(versions["jax"], jax.__version__)
     self.assertIsNotNone(versions["jaxlib"])
@@ -218,19 +224,19 @@ class VersionsAndLoweringTest(absltest.TestCase):
 class TablesTest(absltest.TestCase):
 
   def test_correctness_cases_keep_padding_rows(self):
-    for m, _, _, sizes, _ in gpu_check.GEMM_CASES:
+    for m, _, _, sizes, _ in gpu_workloads.GEMM_CASES:
       self.assertLess(sum(sizes), m, sizes)
-    for m, _, _, sizes in gpu_check.FFN_CASES:
+    for m, _, _, sizes in gpu_workloads.FFN_CASES:
       self.assertLess(sum(sizes), m, sizes)
 
   def test_correctness_covers_the_timed_gpu_tiles(self):
     """A GEMM and an FFN case run the tiles the timed shapes run on a GPU."""
 
-    def gpu_fwd(m, k, n, e, operands=1):
+    def gpu_fwd(m, c, n, e, operands=1):
       return tiling.heuristic(
           "fwd",
           m,
-          k,
+          c,
           n,
           e,
           jnp.bfloat16,
@@ -238,18 +244,21 @@ class TablesTest(absltest.TestCase):
           num_operands=operands,
       )
 
-    full = gpu_check.FULL
+    full = gpu_workloads.FULL
     rows = full["tokens"] * full["top_k"]
     timed = gpu_fwd(rows, full["hidden"], full["ffn"], full["experts"])
     timed_fused = gpu_fwd(rows, full["hidden"], full["ffn"], full["experts"], 2)
     self.assertEqual(timed, tiling.GPU_TILES["gmm_bf16_large"])
     self.assertIn(
         timed,
-        [gpu_fwd(m, k, n, len(s)) for m, k, n, s, _ in gpu_check.GEMM_CASES],
+        [
+            gpu_fwd(m, c, n, len(s))
+            for m, c, n, s, _ in gpu_workloads.GEMM_CASES
+        ],
     )
     self.assertIn(
         timed_fused,
-        [gpu_fwd(m, d, f, len(s), 2) for m, d, f, s in gpu_check.FFN_CASES],
+        [gpu_fwd(m, d, f, len(s), 2) for m, d, f, s in gpu_workloads.FFN_CASES],
     )
 
   def test_ratios_tolerate_failed_methods(self):
@@ -260,11 +269,12 @@ class TablesTest(absltest.TestCase):
             "pallas": {"fwd_s": 2.0, "error": "fwd_bwd: boom"},
         }
     }
-    gpu_check._add_ratios(row)
+    gpu_timing.add_ratios(row)
     pallas = row["methods"]["pallas"]
-    self.assertEqual(pallas["fwd_vs_dense"], 0.5)
-    self.assertIsNone(pallas["fwd_bwd_vs_dense"])
-    self.assertIsNone(pallas["fwd_vs_ragged_dot"])
+    # Time over the baseline's time: pallas took twice dense's.
+    self.assertEqual(pallas["fwd_time_over_dense"], 2.0)
+    self.assertIsNone(pallas["fwd_bwd_time_over_dense"])
+    self.assertIsNone(pallas["fwd_time_over_ragged_dot"])
 
 
 if __name__ == "__main__":

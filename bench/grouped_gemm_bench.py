@@ -5,10 +5,13 @@
 Times rows [M, D] x weights [E, D, F] -> [M, F] over ragged groups that fill
 all M rows, forward and forward+backward (dX and dW), for E in --experts and
 even, random (multinomial) and Zipf-skewed group sizes. Every time is the
-median of --repeats calls after a warm-up; ratios are to a dense `jnp.dot`
-[M, D] x [D, F] (the same useful FLOPs) timed in the same run, so a noisy
-machine shifts all of them together. Prints a table and writes JSON to
-bench/results/grouped_gemm_<platform>_<date>.json.
+median of --repeats calls after a warm-up. Ratios are time / the time of a
+dense `jnp.dot` [M, D] x [D, F] (the same useful FLOPs) timed in the same
+run, so a noisy machine shifts all of them together: `fwd_time_over_dense`
+and `fwd_bwd_time_over_dense` in the JSON, "time/dense" in the table (< 1 is
+faster than dense). Prints a table and writes JSON to
+bench/results/grouped_gemm_<platform>_<date>.json (bench/results/README.md:
+older files name the same ratios `fwd_vs_dense` and `fwd_bwd_vs_dense`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_core
+from bench import gemm_workloads
+from bench import text_table
 from bench import timing
 
 _QUICK = flags.DEFINE_bool(
@@ -35,7 +40,7 @@ _HIDDEN = flags.DEFINE_integer("hidden", 512, "D: the contraction size.")
 _FFN = flags.DEFINE_integer("ffn", 1024, "F: the output size.")
 _EXPERTS = flags.DEFINE_list("experts", ["8", "64"], "E values to run.")
 _SKEWS = flags.DEFINE_list(
-    "skews", ["even", "random", "zipf"], "Group-size distributions."
+    "skews", list(gemm_workloads.SKEWS), "Group-size distributions."
 )
 _DTYPE = flags.DEFINE_enum(
     "dtype", "float32", ["float32", "bfloat16"], "Operand dtype."
@@ -56,66 +61,41 @@ _OUT_DIR = flags.DEFINE_string(
 )
 
 
-def group_sizes_for(
-    skew: str, rows: int, experts: int, seed: int = 0
-) -> np.ndarray:
-  """[E] int32 sizes summing to `rows`: even, random or Zipf-skewed."""
-  rng = np.random.default_rng(seed)
-  if skew == "even":
-    sizes = np.full(experts, rows // experts)
-    sizes[: rows % experts] += 1
-  elif skew == "random":
-    sizes = rng.multinomial(rows, np.full(experts, 1.0 / experts))
-  elif skew == "zipf":
-    p = 1.0 / np.arange(1, experts + 1) ** _ZIPF_EXPONENT.value
-    sizes = rng.multinomial(rows, rng.permutation(p / p.sum()))
-  else:
-    raise ValueError(f"skew must be even, random or zipf, got {skew!r}.")
-  return sizes.astype(np.int32)
+_BASELINES = {
+    "dense": gemm_workloads.dense_gemm,
+    "ragged_dot": gemm_workloads.ragged_dot_gemm,
+}
 
 
 def _gemm_fn(name):
   """f(rows, weights, group_sizes) -> [M, F] for one measured method."""
-  if name == "dense":
-    # The same useful FLOPs as the grouped GEMM: every row times one [D, F]
-    # matrix (the caller passes one expert's weights).
-    return lambda x, w, g: jnp.dot(
-        x, w, preferred_element_type=jnp.float32
-    ).astype(x.dtype)
-  if name == "ragged_dot":
-    return lambda x, w, g: jax.lax.ragged_dot(
-        x, w, g, preferred_element_type=jnp.float32
-    ).astype(x.dtype)
-  be = moe_core.get_backend(name)
-  return be.grouped_gemm
+  if name in _BASELINES:
+    return _BASELINES[name]
+  return moe_core.get_backend(name).grouped_gemm
 
 
 def _measure(name, rows, weights, group_sizes, cotangent, repeats):
-  gemm = _gemm_fn(name)
-  fwd = jax.jit(gemm)
-  train = jax.jit(timing.with_grad(gemm))
+  """{"fwd_s": ..., "fwd_bwd_s": ...}: median times of one method."""
+  programs = timing.phase_programs(_gemm_fn(name))
+  args = (rows, weights, group_sizes)
   return {
-      "fwd_s": timing.median_seconds(
-          fwd, (rows, weights, group_sizes), repeats
-      ),
-      "fwd_bwd_s": timing.median_seconds(
-          train, (rows, weights, group_sizes, cotangent), repeats
-      ),
+      f"{phase}_s": timing.median_seconds(
+          programs[phase],
+          timing.phase_args(phase, args, cotangent),
+          repeats,
+      )
+      for phase in timing.PHASES
   }
 
 
 def _available(name):
-  if name in ("dense", "ragged_dot"):
+  if name in _BASELINES:
     return True, ""
   return moe_core.registry.availability(name)
 
 
-def main(argv):
-  del argv
-  repeats = 1 if _QUICK.value else _REPEATS.value
-  dtype = jnp.dtype(_DTYPE.value)
-  m, d, f = _ROWS.value, _HIDDEN.value, _FFN.value
-  device = jax.devices()[0]
+def _methods():
+  """The --backends that can run here, dense first (every ratio's base)."""
   names = []
   for name in _BACKENDS.value:
     ok, why = _available(name)
@@ -125,14 +105,31 @@ def main(argv):
       print(f"skipping {name}: {why}")
   if "dense" not in names:
     names.insert(0, "dense")
-  print(
-      f"jax {jax.__version__} on {jax.default_backend()} "
-      f"({device.device_kind}); M={m} D={d} F={f} dtype={dtype.name} "
-      f"repeats={repeats}"
-  )
+  return names
 
-  key = jax.random.key(0)
-  k_rows, k_cot, k_w = jax.random.split(key, 3)
+
+def _result(experts, skew, sizes, name, times, dense_times, fwd_flops):
+  """One JSON row: a method's times, their ratios to dense's, GFLOP/s."""
+  return {
+      "experts": experts,
+      "skew": skew,
+      "method": name,
+      "largest_group": int(sizes.max()),
+      "empty_groups": int(np.sum(sizes == 0)),
+      **{f"{p}_ms": 1e3 * times[f"{p}_s"] for p in timing.PHASES},
+      **{
+          timing.ratio_key(p, "dense"): timing.time_over(
+              times[f"{p}_s"], dense_times[f"{p}_s"]
+          )
+          for p in timing.PHASES
+      },
+      "fwd_gflops": fwd_flops / times["fwd_s"] / 1e9,
+  }
+
+
+def _run(names, m, d, f, dtype, repeats):
+  """Times every method at every E and skew; returns the JSON rows."""
+  k_rows, k_cot, k_w = jax.random.split(jax.random.key(0), 3)
   rows = jax.random.normal(k_rows, (m, d), dtype)
   cotangent = jax.random.normal(k_cot, (m, f), jnp.float32)
   results = []
@@ -141,57 +138,95 @@ def main(argv):
         jax.random.normal(k_w, (experts, d, f), jnp.float32) / np.sqrt(d)
     ).astype(dtype)
     for skew in _SKEWS.value:
-      sizes = group_sizes_for(skew, m, experts)
+      sizes = gemm_workloads.skewed_group_sizes(
+          skew, m, experts, zipf_exponent=_ZIPF_EXPONENT.value
+      )
       group_sizes = jnp.asarray(sizes)
-      # Dense gets one expert's [D, F] weights, so that its dW is [D, F]
-      # too and not a mostly-zero [E, D, F].
       timings = {
           name: _measure(
               name,
               rows,
-              weights[0] if name == "dense" else weights,
+              gemm_workloads.one_expert(weights)
+              if name == "dense"
+              else weights,
               group_sizes,
               cotangent,
               repeats,
           )
           for name in names
       }
-      dense = timings["dense"]
-      for name in names:
-        t = timings[name]
-        results.append(
-            {
-                "experts": experts,
-                "skew": skew,
-                "method": name,
-                "largest_group": int(sizes.max()),
-                "empty_groups": int(np.sum(sizes == 0)),
-                "fwd_ms": 1e3 * t["fwd_s"],
-                "fwd_bwd_ms": 1e3 * t["fwd_bwd_s"],
-                "fwd_vs_dense": t["fwd_s"] / dense["fwd_s"],
-                "fwd_bwd_vs_dense": t["fwd_bwd_s"] / dense["fwd_bwd_s"],
-                "fwd_gflops": 2 * m * d * f / t["fwd_s"] / 1e9,
-            }
-        )
+      results += [
+          _result(
+              experts,
+              skew,
+              sizes,
+              name,
+              timings[name],
+              timings["dense"],
+              2 * m * d * f,
+          )
+          for name in names
+      ]
+  return results
 
-  header = (
-      f"{'E':>3} {'skew':<7} {'method':<11} {'fwd ms':>8} "
-      f"{'x dense':>8} {'fwd+bwd ms':>11} {'x dense':>8} "
-      f"{'GFLOP/s':>8}"
-  )
-  print(header)
-  print("-" * len(header))
+
+_COLUMNS = (
+    text_table.Column("E", 3, "d"),
+    text_table.Column("skew", 7, align="<"),
+    text_table.Column("method", 11, align="<"),
+    *(
+        column
+        for label, width in (("fwd", 8), ("fwd+bwd", 11))
+        for column in (
+            text_table.Column(f"{label} ms", width, ".2f"),
+            text_table.Column("time/dense", 10, ".2f"),
+        )
+    ),
+    text_table.Column("GFLOP/s", 8, ".1f"),
+)
+
+
+def _print_results(results):
+  print(text_table.heading(_COLUMNS))
   for r in results:
-    print(
-        f"{r['experts']:>3} {r['skew']:<7} {r['method']:<11} "
-        f"{r['fwd_ms']:8.2f} {r['fwd_vs_dense']:8.2f} "
-        f"{r['fwd_bwd_ms']:11.2f} {r['fwd_bwd_vs_dense']:8.2f} "
-        f"{r['fwd_gflops']:8.1f}"
-    )
+    values = [r["experts"], r["skew"], r["method"]]
+    for phase in timing.PHASES:
+      values += [r[f"{phase}_ms"], r[timing.ratio_key(phase, "dense")]]
+    print(text_table.row(_COLUMNS, values + [r["fwd_gflops"]]))
   print(
-      "'x dense': time / time of a dense jnp.dot of the same useful FLOPs "
-      "in this run (lower is better)."
+      "'time/dense': the method's time / the time of a dense jnp.dot of the "
+      "same useful FLOPs in this run (< 1 is faster)."
   )
+
+
+def _print_skew_stability(results, names):
+  """Per method and E: slowest skew's time / fastest's (1.0: insensitive)."""
+  print("skew stability (fwd+bwd time, slowest skew / fastest skew):")
+  for name in names:
+    for experts in sorted({r["experts"] for r in results}):
+      times = [
+          r["fwd_bwd_ms"]
+          for r in results
+          if r["method"] == name and r["experts"] == experts
+      ]
+      if times:
+        print(f"  {name:<11} E={experts:<3} {max(times) / min(times):5.2f}")
+
+
+def main(argv):
+  del argv
+  repeats = 1 if _QUICK.value else _REPEATS.value
+  dtype = jnp.dtype(_DTYPE.value)
+  m, d, f = _ROWS.value, _HIDDEN.value, _FFN.value
+  device = jax.devices()[0]
+  names = _methods()
+  print(
+      f"jax {jax.__version__} on {jax.default_backend()} "
+      f"({device.device_kind}); M={m} D={d} F={f} dtype={dtype.name} "
+      f"repeats={repeats}"
+  )
+  results = _run(names, m, d, f, dtype, repeats)
+  _print_results(results)
   _print_skew_stability(results, names)
 
   now = datetime.datetime.now(datetime.timezone.utc)
@@ -219,20 +254,6 @@ def main(argv):
         indent=1,
     )
   print(f"wrote {path}")
-
-
-def _print_skew_stability(results, names):
-  """Per method and E: slowest skew / fastest skew (1.0 = skew-insensitive)."""
-  print("skew stability (slowest / fastest skew, fwd+bwd):")
-  for name in names:
-    for experts in sorted({r["experts"] for r in results}):
-      times = [
-          r["fwd_bwd_ms"]
-          for r in results
-          if r["method"] == name and r["experts"] == experts
-      ]
-      if times:
-        print(f"  {name:<11} E={experts:<3} {max(times) / min(times):5.2f}")
 
 
 if __name__ == "__main__":

@@ -269,6 +269,12 @@ def main(argv):
     for ep_max in (64, 256):
       print(f"\n{scheme.name}, EP = min(N, {ep_max}); chunked = 4 chunks")
       _print(table(cluster, scheme, ep_max), _MARKDOWN.value)
+  print(
+      "\neff_<schedule>: scaling efficiency, tokens/s per GPU at N over "
+      "that at N = 8, i.e. (N = 8 layer time) / (layer time): higher is "
+      "better, unlike the other benchmarks' time/baseline ratios. "
+      "compute_share_full_overlap: compute time / full-overlap layer time."
+  )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,317 @@
+"""gpu_check phase 2: bf16 times and TFLOP/s of every method, checked.
+
+For each timed problem (`gpu_workloads.problems`) and method, the median
+time of the jitted forward and forward+backward, their TFLOP/s, and the
+times over the dense and ragged_dot baselines (`timing.ratio_key`: time /
+baseline time, < 1 faster). The timed programs' own output and gradients
+are then checked on a few sampled groups against a float32 per-group
+`jnp.dot`. Every method is guarded: one that raises records its error and
+the next one runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import moe_core
+from bench import gemm_workloads
+from bench import gpu_report
+from bench import gpu_tolerances
+from bench import gpu_workloads
+from bench import text_table
+from bench import timing
+from moe_core import ffn
+
+# The baselines every method's time is divided by.
+BASELINES = ("dense", "ragged_dot")
+
+
+def _sample_groups(sizes):
+  """The first, the largest and the last non-empty group."""
+  nonempty = np.flatnonzero(sizes)
+  if not nonempty.size:
+    return []
+  return sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])})
+
+
+def _group_oracle(kind, activation):
+  """(rows_g, weights_g) -> out_g in float32: one group, plain jnp.dot."""
+  dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
+  if kind == "gemm":
+    return dot
+
+  def expert(x, p):
+    h = ffn.gated(dot(x, p["w_gate"]), dot(x, p["w_up"]), activation)
+    return dot(h, p["w_down"])
+
+  return expert
+
+
+def _oracle_values(kind, activation, rows, weights, cot, sizes):
+  """[(group, lo, hi, out, d_rows, d_weights)] of the sampled groups.
+
+  Computed once per problem, in float32 from the same bf16 inputs; the
+  cotangent is rounded to the output's dtype, as the timed programs see it.
+  """
+  offsets = np.concatenate([[0], np.cumsum(sizes)])
+  values = jax.jit(
+      functools.partial(
+          gpu_workloads.output_and_grads, _group_oracle(kind, activation)
+      )
+  )
+  f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+  found = []
+  for g in _sample_groups(sizes):
+    lo, hi = int(offsets[g]), int(offsets[g + 1])
+    found.append(
+        (g, lo, hi)
+        + values(
+            f32(rows[lo:hi]),
+            jax.tree.map(lambda a, g=g: f32(a[g]), weights),
+            f32(cot[lo:hi].astype(rows.dtype)),
+        )
+    )
+  return found
+
+
+def _check_timed(oracle, out, grads, tol):
+  """Max relative errors of a timed method's outputs on the sampled groups.
+
+  grads is (d_rows, d_weights), or None when the backward failed: the
+  forward is checked alone (and the entry holds that error).
+  """
+  rel_err = gpu_tolerances.rel_err
+  errs = {"out": 0.0}
+  if grads is not None:
+    errs.update(d_rows=0.0, d_weights=0.0)
+  for g, lo, hi, want, want_dx, want_dw in oracle:
+    errs["out"] = max(errs["out"], rel_err(out[lo:hi], want))
+    if grads is None:
+      continue
+    d_rows, d_weights = grads
+    errs["d_rows"] = max(errs["d_rows"], rel_err(d_rows[lo:hi], want_dx))
+    got_dw = jax.tree.leaves(jax.tree.map(lambda a, g=g: a[g], d_weights))
+    for got, want_w in zip(got_dw, jax.tree.leaves(want_dw)):
+      errs["d_weights"] = max(errs["d_weights"], rel_err(got, want_w))
+  worst = max(errs.values())
+  return {
+      "groups": [g for g, *_ in oracle],
+      **errs,
+      "max_rel_err": worst,
+      "tolerance": tol,
+      "ok": bool(oracle) and worst <= tol,
+  }
+
+
+def _time_method(fn, args, cot, repeats, flops, oracle, tol):
+  """One method's entry: times, TFLOP/s, the output check, or the error.
+
+  A phase that raises leaves "error" ("fwd: ..." or "fwd_bwd: ...") and no
+  times from there on; what did run is still checked.
+  """
+  entry = {}
+  programs = timing.phase_programs(fn)
+  for phase in timing.PHASES:
+    try:
+      seconds = timing.median_seconds(
+          programs[phase], timing.phase_args(phase, args, cot), repeats
+      )
+      entry[f"{phase}_s"] = seconds
+      flops_run = timing.FLOPS_OVER_FWD[phase] * flops
+      entry[f"{phase}_tflops"] = flops_run / seconds / 1e12
+    except Exception as e:  # pylint: disable=broad-except
+      entry["error"] = f"{phase}: {gpu_report.error_text(e)}"
+      traceback.print_exc()
+      break
+  if oracle is None or "fwd_s" not in entry:
+    return entry
+  if not oracle:
+    entry["check"] = {
+        "ok": False,
+        "error": "no group to check against (the "
+        "row's check_error says why)",
+    }
+    return entry
+  try:  # The programs are compiled: one more call of each.
+    out = programs["fwd"](*args)
+    grads = programs["fwd_bwd"](*args, cot)[1] if "fwd_bwd_s" in entry else None
+    entry["check"] = _check_timed(oracle, out, grads, tol)
+    entry["max_rel_err"] = entry["check"]["max_rel_err"]
+  except Exception as e:  # pylint: disable=broad-except
+    entry["check"] = {"error": gpu_report.error_text(e), "ok": False}
+    traceback.print_exc()
+  return entry
+
+
+def _timed_inputs(problem, cfg, keys, dtype):
+  """(rows, float32 cotangent, weights) of one problem, random."""
+  rows = jax.random.normal(next(keys), problem.rows_shape, dtype)
+  cot = jax.random.normal(next(keys), problem.out_shape, jnp.float32)
+  if problem.kind == "gemm":
+    w_shape = problem.weights_shape
+    weights = jax.random.normal(next(keys), w_shape, jnp.float32)
+    return rows, cot, (weights / np.sqrt(w_shape[1])).astype(dtype)
+  params = moe_core.init_params(next(keys), cfg, dtype=dtype)
+  return rows, cot, gpu_workloads.expert_weights(params)
+
+
+def run_timing(
+    shape, repeats, skew, pallas, fused, xla, results=None, on_row=None
+):
+  """Times every method of every problem; appends one row per problem.
+
+  Every method is guarded (its entry then holds "error"); on_row() runs
+  after each problem, e.g. to write what there is so far.
+  """
+  results = [] if results is None else results
+  dtype = jnp.bfloat16
+  cfg = gpu_workloads.ffn_config(shape)
+  m, sizes, problems = gpu_workloads.problems(shape, skew)
+  group_sizes = jnp.asarray(sizes)
+  keys = iter(jax.random.split(jax.random.key(3), 16))
+  for problem in problems:
+    row = {
+        "problem": problem.name,
+        "fwd_flops": problem.fwd_flops,
+        "methods": {},
+    }
+    results.append(row)
+    try:
+      rows, cot, operand = _timed_inputs(problem, cfg, keys, dtype)
+      methods = gpu_workloads.methods_for(problem.kind, pallas, fused, xla, cfg)
+    except Exception as e:  # pylint: disable=broad-except
+      row["error"] = gpu_report.error_text(e)
+      traceback.print_exc()
+      if on_row is not None:
+        on_row()
+      continue
+    # One GEMM, or the whole expert FFN (three GEMMs and the activation).
+    tol = (
+        gpu_tolerances.BF16_DEEP
+        if problem.kind == "ffn"
+        else gpu_tolerances.BF16
+    )
+    try:
+      oracle = _oracle_values(
+          problem.kind, cfg.activation, rows, operand, cot, sizes
+      )
+    except Exception as e:  # pylint: disable=broad-except
+      oracle = []  # Every method's check then fails, saying why.
+      row["check_error"] = gpu_report.error_text(e)
+      traceback.print_exc()
+    for method, fn in methods.items():
+      dense = method == "dense"  # Not a grouped product: nothing to check.
+      entry = _time_method(
+          fn,
+          (
+              rows,
+              gemm_workloads.one_expert(operand) if dense else operand,
+              group_sizes,
+          ),
+          cot,
+          repeats,
+          problem.fwd_flops,
+          None if dense else oracle,
+          tol,
+      )
+      row["methods"][method] = entry
+      print(f"  {problem.name} {method}: {_summary(entry)}", flush=True)
+    add_ratios(row)
+    del rows, cot, operand, oracle
+    if on_row is not None:
+      on_row()
+  return m, sizes, results
+
+
+def _summary(entry):
+  parts = [
+      f"{k} {1e3 * entry[k + '_s']:.3f} ms"
+      for k in timing.PHASES
+      if k + "_s" in entry
+  ]
+  check = entry.get("check")
+  if check is not None:
+    parts.append(
+        f"max rel err {check['max_rel_err']:.2e}"
+        if "max_rel_err" in check
+        else f"check FAILED: {check.get('error', '')[:80]}"
+    )
+  if "error" in entry:
+    parts.append(f"FAILED {entry['error'][:120]}")
+  return ", ".join(parts)
+
+
+def add_ratios(row):
+  """Each method's time over dense's and over ragged_dot's, per phase.
+
+  `timing.ratio_key` names them ("fwd_time_over_dense": < 1 is faster than
+  dense); a ratio is None where either time is missing (that method failed,
+  or the problem has no such baseline).
+  """
+  methods = row["methods"]
+  for base in BASELINES:
+    base_entry = methods.get(base, {})
+    for entry in methods.values():
+      for phase in timing.PHASES:
+        entry[timing.ratio_key(phase, base)] = timing.time_over(
+            entry.get(f"{phase}_s"), base_entry.get(f"{phase}_s")
+        )
+
+
+# Per phase: its time, TFLOP/s and time over each baseline.
+_BASELINE_HEADERS = {"dense": "time/dense", "ragged_dot": "time/ragged"}
+
+
+def _phase_columns(label):
+  return (
+      text_table.Column(f"{label} ms", 8, ".3f"),
+      text_table.Column("TFLOP/s", 7, ".1f"),
+      *(text_table.Column(_BASELINE_HEADERS[b], 11, ".2f") for b in BASELINES),
+  )
+
+
+_COLUMNS = (
+    text_table.Column("problem", 24, align="<"),
+    text_table.Column("method", 17, align="<"),
+    *_phase_columns("fwd"),
+    *_phase_columns("f+b"),
+    text_table.Column("max err", 8, ".1e"),
+)
+
+
+def _table_values(problem, method, entry):
+  values = [problem, method]
+  for phase in timing.PHASES:
+    seconds = entry.get(f"{phase}_s")
+    values += [
+        None if seconds is None else 1e3 * seconds,
+        entry.get(f"{phase}_tflops"),
+        *(entry.get(timing.ratio_key(phase, base)) for base in BASELINES),
+    ]
+  return values + [entry.get("max_rel_err")]
+
+
+def print_timing(results):
+  """The timing table, one line per problem and method, and its legend."""
+  print(text_table.heading(_COLUMNS))
+  for row in results:
+    if "error" in row:
+      print(f"{row['problem']:<24} FAILED: {row['error'][:100]}")
+    for method, e in row["methods"].items():
+      line = text_table.row(_COLUMNS, _table_values(row["problem"], method, e))
+      if not e.get("check", {"ok": True})["ok"]:
+        line += "  CHECK FAILED"
+      if "error" in e:
+        line += f"  FAILED {e['error'][:80]}"
+      print(line)
+  print(
+      "'time/dense', 'time/ragged': the method's time / the time of a dense "
+      "jnp.dot of the same FLOPs, of ragged_dot, in this run (< 1 is "
+      "faster); 'max err': of the timed output and gradients on sampled "
+      "groups vs float32 jnp.dot."
+  )
