@@ -20,7 +20,6 @@ class RaggedExchange(exchange.Exchange):
   """capacity = receive rows; receive buffer [capacity, D]."""
 
   name = "ragged"
-  emulated = False
 
   def capacity(self, tokens, top_k, num_experts, ep, buffer_factor):
     sizes = options.buffer_sizes(tokens, top_k, num_experts, ep, buffer_factor)
@@ -60,19 +59,22 @@ class RaggedExchange(exchange.Exchange):
     land: (output_offsets, recv_sizes), where that slice starts in the
     peer's output, and how many rows arrive here from each peer.
     """
-    collective = (
-        emulated_ragged_all_to_all
-        if self.emulated
-        else jax.lax.ragged_all_to_all
-    )
-    return collective(operand, output, *take, *land, axis_name=axis_name)
+    return self._collective(operand, output, *take, *land, axis_name=axis_name)
+
+  @staticmethod
+  def _collective(*args, axis_name):
+    """The ragged all-to-all itself; `EmulatedRaggedExchange` replaces it."""
+    return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
 
 
 class EmulatedRaggedExchange(RaggedExchange):
   """The ragged layout over an all_gather: ep times the traffic; tests only."""
 
   name = "ragged_emulated"
-  emulated = True
+
+  @staticmethod
+  def _collective(*args, axis_name):
+    return emulated_ragged_all_to_all(*args, axis_name=axis_name)
 
 
 def emulated_ragged_all_to_all(
