@@ -31,9 +31,7 @@ other benchmarks (bench/timing.py): `<what>_over_<baseline>` in the JSON,
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 
 from absl import app
 from absl import flags
@@ -41,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import collective_traffic
 import moe_core
 from moe_core import parallel
 
@@ -63,30 +62,6 @@ CONFIG = moe_core.MoEConfig(
     norm_topk_prob=True,
 )
 DTYPE = jnp.bfloat16
-
-_SHAPE = re.compile(r"(bf16|f32|f16|s32|u32|pred)\[([\d,]*)\]")
-_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1}
-
-
-def _shapes(text: str):
-  """(dtype, elements) of each array shape in a line of HLO."""
-  for dtype, dims in _SHAPE.findall(text):
-    yield dtype, math.prod(int(d) for d in dims.split(",") if d)
-
-
-def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
-  """(bytes, elements) of each collective kind's results in the entry."""
-  entry = hlo[hlo.index("ENTRY") :]
-  out = {}
-  for line in entry.splitlines():
-    for op in ("all-to-all", "all-gather", "all-reduce", "ragged-all-to-all"):
-      m = re.search(rf"= (.*?) {op}\(", line)
-      if m:
-        nbytes, elems = out.get(op, (0, 0))
-        for dtype, n in _shapes(m.group(1)):
-          nbytes, elems = nbytes + _BYTES[dtype] * n, elems + n
-        out[op] = (nbytes, elems)
-  return out
 
 
 def schedule(hlo: str) -> list[str]:
@@ -126,26 +101,15 @@ def _inputs(ep: int, skewed: bool):
 def ragged_bytes(expert_ids: np.ndarray, ep: int) -> dict[str, float]:
   """Off-device bytes of ragged dispatch + combine, from the routing.
 
-  Device i sends off[i, :].sum() rows in dispatch and off[:, i].sum() in
-  combine (the outputs going back). A phase lasts as long as its busiest
-  link direction: max over devices of rows in or out.
+  See `collective_traffic.ragged_traffic`: the mean and most bytes a device
+  sends, the busiest link direction, the most rows a device receives.
   """
   cfg = CONFIG
+  rows = collective_traffic.exchange_rows(
+      expert_ids, ep=ep, experts_per_device=cfg.num_experts // ep
+  )
   row = cfg.hidden_size * jnp.dtype(DTYPE).itemsize
-  t_l = _TOKENS.value
-  dest = expert_ids.reshape(ep, t_l * cfg.top_k) // (cfg.num_experts // ep)
-  rows = np.array(
-      [[np.sum(dest[i] == j) for j in range(ep)] for i in range(ep)]
-  )  # [src, dst].
-  off = rows * (1 - np.eye(ep, dtype=int))
-  sent = off.sum(axis=1) + off.sum(axis=0)  # Per device, both phases.
-  busiest = max(off.sum(axis=0).max(), off.sum(axis=1).max())
-  return {
-      "mean_sent_bytes": float(np.mean(sent) * row),
-      "max_sent_bytes": float(np.max(sent) * row),
-      "busiest_link_bytes": float(2 * busiest * row),
-      "max_received_rows": int(rows.sum(axis=0).max()),
-  }
+  return collective_traffic.ragged_traffic(rows, row)
 
 
 def run(ep: int, skewed: bool) -> dict:
@@ -168,7 +132,7 @@ def run(ep: int, skewed: bool) -> dict:
     )
 
   compiled = jax.jit(layer).lower(params, x).compile().as_text()
-  coll = collective_bytes(compiled)
+  coll = collective_traffic.collective_bytes(compiled)
   a2a_bytes, a2a_elements = coll.get("all-to-all", (0, 0))
   # XLA:CPU runs bf16 collectives in f32 (it converts around them); a GPU
   # moves the activation dtype. Report both.
