@@ -1,23 +1,37 @@
-"""Atomic, verified checkpoints of a training state pytree.
+"""Atomic, verified, sharded checkpoints of a training state pytree (Orbax).
 
-Layout of one checkpoint, `<dir>/step_00000300/`:
+Layout of one checkpoint, `<dir>/step_00000300/`, written by Orbax:
 
-    arrays.npz   every leaf of the state, as raw bytes (any dtype, bf16 too)
-    meta.json    step, data position, run fingerprint, one entry per leaf
-                 (tree path, shape, dtype) and the sha256 of arrays.npz
+    state/           every leaf of the state as a tensorstore array; each
+                     process writes the shards it holds
+    meta/meta.json   step, data position, run fingerprint and one entry per
+                     leaf (tree path, shape, dtype, checksum); written by
+                     process 0
 
-A checkpoint is written into a hidden temporary directory and renamed into
-place, so a crash mid-save leaves the previous checkpoints intact and never a
-half-written `step_*`. Restoring checks the hash (corruption), the
-fingerprint (a different model or data setup) and every leaf's path, shape
-and dtype against the state the caller built; any difference raises
-`CheckpointError` naming it. Nothing falls back to a fresh start.
+Orbax writes a checkpoint into `step_00000300.orbax-checkpoint-tmp` and
+renames it into place once every process has finished, so a crash mid-save
+leaves the previous checkpoints intact and never a half-written `step_*`.
+Saving may be asynchronous: `Checkpointer.save` returns once the arrays are
+copied off the devices, and `wait()` blocks until they are on disk.
+
+Tensorstore keeps no checksum, so `save` records one per leaf, computed on
+the devices from the global array (see `checksums`): it does not depend on
+the sharding or the number of processes, and `restore` recomputes it on
+the arrays it read, whatever mesh they were restored onto. Restoring also
+checks the fingerprint (a different model or data setup) and every leaf's
+path, shape and dtype against the state the caller built; any difference
+raises `CheckpointError` naming it. Nothing falls back to a fresh start.
+
+Every process calls `save`, `restore`, `wait` and `close` together, as
+Orbax expects; more than one process needs `jax.distributed`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
+import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,15 +39,44 @@ import uuid
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
-FORMAT_VERSION = 1
+from train import checksum
+
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-ARRAYS = "arrays.npz"
-META = "meta.json"
+ARRAYS = "state"  # The Orbax item holding the arrays.
+_META_ITEM = "meta"  # The Orbax item holding meta.json.
+_META_FILE = "meta.json"
+META = os.path.join(_META_ITEM, _META_FILE)  # Relative to a checkpoint.
+_OLD_META = "meta.json"  # Format 1 kept it at the top, beside arrays.npz.
+_META_KEYS = ("format_version", "step", "fingerprint", "leaves", "extra")
+_LEAF_KEYS = frozenset(("path", "shape", "dtype", "checksum"))
 
 
 class CheckpointError(ValueError):
   """A checkpoint that cannot be restored: corrupt, partial or mismatched."""
+
+
+class _HideOrbaxInfo(logging.Filter):
+  """Drops Orbax's INFO and DEBUG records: several lines per save.
+
+  Orbax logs through absl, whose records all go to the "absl" logger; this
+  filter keeps everyone else's records and Orbax's warnings and errors.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
+    return record.levelno >= logging.WARNING or not from_orbax
+
+
+def _quiet_orbax() -> None:
+  absl_logger = logging.getLogger("absl")
+  if not any(isinstance(f, _HideOrbaxInfo) for f in absl_logger.filters):
+    absl_logger.addFilter(_HideOrbaxInfo())
+
+
+_quiet_orbax()
 
 
 def step_dir(directory: str, step: int) -> str:
@@ -41,7 +84,11 @@ def step_dir(directory: str, step: int) -> str:
 
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
-  """(step, path) of every complete checkpoint in `directory`, oldest first."""
+  """(step, path) of every complete checkpoint in `directory`, oldest first.
+
+  Orbax's unfinished saves (`step_*.orbax-checkpoint-tmp`) and this module's
+  hidden directories do not match `step_<8 digits>` and are never listed.
+  """
   if not os.path.isdir(directory):
     return []
   found = []
@@ -57,25 +104,7 @@ def latest(directory: str) -> str | None:
   return found[-1][1] if found else None
 
 
-def _sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-  try:
-    fd = os.open(path, os.O_RDONLY)
-  except OSError:
-    return
-  try:
-    os.fsync(fd)
-  except OSError:
-    pass
-  finally:
-    os.close(fd)
+# --- Reading ------------------------------------------------------------------
 
 
 def _leaves(tree):
@@ -84,82 +113,8 @@ def _leaves(tree):
   return paths, [leaf for _, leaf in with_path], treedef
 
 
-def save(
-    directory: str,
-    step: int,
-    state,
-    *,
-    fingerprint: dict,
-    extra: dict | None = None,
-    keep: int | None = None,
-) -> str:
-  """Writes `state` (a pytree of arrays) as checkpoint `step`, atomically.
-
-  Args:
-    directory: the checkpoint directory (created if needed).
-    step: the number of optimiser steps `state` has taken.
-    state: the pytree to save.
-    fingerprint: JSON-able description of the run that restoring must match.
-    extra: JSON-able data restored as is (data position, history, ...).
-    keep: if set, delete all but the newest `keep` checkpoints afterwards.
-
-  Returns:
-    The checkpoint's path.
-  """
-  os.makedirs(directory, exist_ok=True)
-  paths, leaves, _ = _leaves(state)
-  host = [np.asarray(jax.device_get(leaf)) for leaf in leaves]
-  final = step_dir(directory, step)
-  tmp = os.path.join(
-      directory, f".tmp-step_{step:08d}-{os.getpid()}-{uuid.uuid4().hex}"
-  )
-  os.makedirs(tmp)
-  try:
-    arrays_path = os.path.join(tmp, ARRAYS)
-    with open(arrays_path, "wb") as f:
-      # Raw bytes: numpy has no native bfloat16, and a byte view
-      # round-trips any dtype exactly.
-      np.savez(
-          f,
-          **{
-              f"leaf_{i}": np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-              for i, a in enumerate(host)
-          },
-      )
-      f.flush()
-      os.fsync(f.fileno())
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "step": int(step),
-        "fingerprint": fingerprint,
-        "leaves": [
-            {"path": p, "shape": list(a.shape), "dtype": a.dtype.name}
-            for p, a in zip(paths, host)
-        ],
-        "sha256": _sha256(arrays_path),
-        "extra": extra or {},
-    }
-    with open(os.path.join(tmp, META), "w") as f:
-      json.dump(meta, f)
-      f.flush()
-      os.fsync(f.fileno())
-    replaced = None
-    if os.path.exists(final):
-      # Move the old copy aside rather than delete it first: a crash between
-      # the two renames leaves it whole (rename it back to restore it).
-      replaced = tmp + ".replaced"
-      os.rename(final, replaced)
-    os.rename(tmp, final)
-    _fsync_dir(directory)
-    if replaced:
-      shutil.rmtree(replaced, ignore_errors=True)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  if keep:
-    for _, old in list_checkpoints(directory)[:-keep]:
-      shutil.rmtree(old, ignore_errors=True)
-  return final
+def _leaf_key(i: int) -> str:
+  return f"leaf_{i:05d}"
 
 
 def read_meta(path: str) -> dict:
@@ -169,6 +124,11 @@ def read_meta(path: str) -> dict:
     with open(meta_path) as f:
       meta = json.load(f)
   except FileNotFoundError as e:
+    if os.path.isfile(os.path.join(path, _OLD_META)):
+      raise CheckpointError(
+          f"checkpoint {path!r} has format version 1 (arrays.npz); this "
+          f"program reads version {FORMAT_VERSION}."
+      ) from e
     raise CheckpointError(
         f"checkpoint {path!r} is incomplete or corrupt: {META} is missing."
     ) from e
@@ -176,16 +136,27 @@ def read_meta(path: str) -> dict:
     raise CheckpointError(
         f"checkpoint {path!r} is corrupt: {META} is not valid JSON ({e})."
     ) from e
-  for key in ("format_version", "step", "fingerprint", "leaves", "sha256"):
+  if not isinstance(meta, dict):
+    raise CheckpointError(
+        f"checkpoint {path!r} is corrupt: {META} holds a "
+        f"{type(meta).__name__}, expected an object."
+    )
+  for key in _META_KEYS:
     if key not in meta:
       raise CheckpointError(
-          f"checkpoint {path!r} is corrupt: {META} lacks " f"{key!r}."
+          f"checkpoint {path!r} is corrupt: {META} lacks {key!r}."
       )
   if meta["format_version"] != FORMAT_VERSION:
     raise CheckpointError(
         f"checkpoint {path!r} has format version {meta['format_version']}; "
         f"this program reads version {FORMAT_VERSION}."
     )
+  for i, entry in enumerate(meta["leaves"]):
+    if not isinstance(entry, dict) or not _LEAF_KEYS <= set(entry):
+      raise CheckpointError(
+          f"checkpoint {path!r} is corrupt: {META} leaf entry {i} must "
+          f"have {sorted(_LEAF_KEYS)}, got {entry!r}."
+      )
   return meta
 
 
@@ -200,35 +171,47 @@ def _fingerprint_diff(saved: dict, expected: dict, prefix="") -> list[str]:
   return diffs
 
 
-def restore(path: str, template, *, fingerprint: dict):
-  """Loads checkpoint `path` into the structure of `template`.
+def _restore_target(leaf):
+  """What Orbax restores a template leaf as: its sharding, or numpy."""
+  sharding = getattr(leaf, "sharding", None)
+  shape, dtype = tuple(np.shape(leaf)), _dtype(leaf)
+  if sharding is None:
+    return np.zeros(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-  Args:
-    path: a `step_*` checkpoint directory.
-    template: a pytree with the structure, shapes and dtypes expected (its
-      values are not used).
-    fingerprint: must equal the one the checkpoint was saved with.
 
-  Returns:
-    (state, meta): the restored pytree (numpy leaves) and meta.json.
+def _dtype(leaf) -> np.dtype:
+  dtype = getattr(leaf, "dtype", None)
+  return np.dtype(np.asarray(leaf).dtype if dtype is None else dtype)
 
-  Raises:
-    CheckpointError: corrupt, incomplete or mismatched checkpoint; the
-      message names the file, field or leaf at fault.
-  """
+
+def _check_layout(path: str, meta: dict, paths: list[str], leaves: list):
+  saved = meta["leaves"]
+  saved_paths = [s["path"] for s in saved]
+  if saved_paths != paths:
+    missing = sorted(set(paths) - set(saved_paths))
+    unexpected = sorted(set(saved_paths) - set(paths))
+    raise CheckpointError(
+        f"checkpoint {path!r} holds a different state structure: missing "
+        f"{missing[:5]}, unexpected {unexpected[:5]} (showing up to 5)."
+    )
+  for leaf_path, leaf, entry in zip(paths, leaves, saved):
+    shape, dtype = tuple(np.shape(leaf)), _dtype(leaf)
+    if tuple(entry["shape"]) != shape or entry["dtype"] != dtype.name:
+      raise CheckpointError(
+          f"checkpoint {path!r}: leaf {leaf_path} must be {dtype.name}"
+          f"{list(shape)}, got {entry['dtype']}{entry['shape']}."
+      )
+
+
+def _read(orbax_checkpointer, path: str, template, fingerprint: dict):
+  """Checks and loads checkpoint `path`; see `restore`."""
   if not os.path.isdir(path):
     raise CheckpointError(f"checkpoint {path!r} does not exist.")
   meta = read_meta(path)
-  arrays_path = os.path.join(path, ARRAYS)
-  if not os.path.isfile(arrays_path):
+  if not os.path.isdir(os.path.join(path, ARRAYS)):
     raise CheckpointError(
-        f"checkpoint {path!r} is incomplete: {ARRAYS} is " "missing."
-    )
-  digest = _sha256(arrays_path)
-  if digest != meta["sha256"]:
-    raise CheckpointError(
-        f"checkpoint {path!r} is corrupt: sha256 of {ARRAYS} is {digest}, "
-        f"{META} recorded {meta['sha256']}."
+        f"checkpoint {path!r} is incomplete: {ARRAYS}/ is missing."
     )
   diffs = _fingerprint_diff(meta["fingerprint"], fingerprint)
   if diffs:
@@ -239,31 +222,261 @@ def restore(path: str, template, *, fingerprint: dict):
         + "."
     )
   paths, leaves, treedef = _leaves(template)
-  saved = meta["leaves"]
-  if [s["path"] for s in saved] != paths:
-    missing = sorted(set(paths) - {s["path"] for s in saved})
-    unexpected = sorted({s["path"] for s in saved} - set(paths))
-    raise CheckpointError(
-        f"checkpoint {path!r} holds a different state structure: missing "
-        f"{missing[:5]}, unexpected {unexpected[:5]} (showing up to 5)."
-    )
-  restored = []
+  _check_layout(path, meta, paths, leaves)
+  target = {_leaf_key(i): _restore_target(x) for i, x in enumerate(leaves)}
   try:
-    with np.load(arrays_path) as npz:
-      for i, (leaf_path, leaf, entry) in enumerate(zip(paths, leaves, saved)):
-        shape = tuple(np.shape(leaf))
-        dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
-        if tuple(entry["shape"]) != shape or entry["dtype"] != dtype.name:
-          raise CheckpointError(
-              f"checkpoint {path!r}: leaf {leaf_path} must be {dtype.name}"
-              f"{list(shape)}, got {entry['dtype']}{entry['shape']}."
-          )
-        raw = npz[f"leaf_{i}"]
-        restored.append(raw.view(dtype).reshape(shape))
-  except CheckpointError:
-    raise
-  except Exception as e:  # A damaged zip raises many kinds of errors.
+    loaded = orbax_checkpointer.restore(
+        path,
+        args=ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(target)}),
+    )[ARRAYS]
+    restored = [loaded[_leaf_key(i)] for i in range(len(leaves))]
+  except Exception as e:  # Tensorstore and Orbax raise many kinds.
+    # Tensorstore appends its whole JSON spec: the head says what failed.
+    reason = str(e).split(" [tensorstore_spec", 1)[0][:300]
     raise CheckpointError(
-        f"checkpoint {path!r} is corrupt: cannot read {ARRAYS} ({e})."
+        f"checkpoint {path!r} is incomplete or corrupt: cannot read "
+        f"{ARRAYS}/ ({type(e).__name__}: {reason})."
     ) from e
+  for leaf_path, found, entry in zip(
+      paths, checksum.checksums(restored), meta["leaves"]
+  ):
+    if found != entry["checksum"]:
+      raise CheckpointError(
+          f"checkpoint {path!r} is corrupt: leaf {leaf_path} has checksum "
+          f"{found}, the checkpoint recorded {entry['checksum']}."
+      )
   return jax.tree_util.tree_unflatten(treedef, restored), meta
+
+
+# --- Writing ------------------------------------------------------------------
+
+
+def _handlers() -> ocp.handlers.CompositeCheckpointHandler:
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
+    registry.add(ARRAYS, args, ocp.handlers.StandardCheckpointHandler)
+  meta_handler = ocp.handlers.JsonCheckpointHandler(filename=_META_FILE)
+  for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
+    registry.add(_META_ITEM, args, meta_handler)
+  return ocp.handlers.CompositeCheckpointHandler(handler_registry=registry)
+
+
+def _is_primary() -> bool:
+  return jax.process_index() == 0
+
+
+def _remove(path: str) -> None:
+  """Deletes a checkpoint: renamed out of sight first, so a crash midway
+  never leaves a half-deleted `step_*` that looks complete."""
+  hidden = os.path.join(
+      os.path.dirname(path),
+      f".deleting-{os.path.basename(path)}-{uuid.uuid4().hex}",
+  )
+  try:
+    os.rename(path, hidden)
+  except FileNotFoundError:
+    return
+  shutil.rmtree(hidden, ignore_errors=True)
+
+
+class Checkpointer:
+  """Saves and restores the checkpoints of one run, in `directory`.
+
+  Every process of the run holds one and calls each method together.
+  Call `wait()` before reading the checkpoint directory (listing, resuming)
+  and `close()` before exiting: with `async_save`, `save` returns while the
+  bytes are still being written.
+  """
+
+  def __init__(
+      self,
+      directory: str,
+      *,
+      fingerprint: dict,
+      keep: int | None = None,
+      async_save: bool = True,
+  ):
+    """Creates the checkpointer; Orbax's writer threads start here.
+
+    Args:
+      directory: holds the `step_*` checkpoints; created if needed.
+      fingerprint: JSON-able description of the run; restoring a checkpoint
+        saved with another one is refused, naming the differences.
+      keep: if >= 1, only the newest `keep` checkpoints survive each save;
+        None or 0 keeps them all.
+      async_save: write in a background thread (see `wait`).
+    """
+    if keep is not None and keep < 0:
+      raise ValueError(f"keep: expected None or an int >= 0, got {keep!r}.")
+    self.directory = directory
+    self.fingerprint = fingerprint
+    self.keep = keep
+    self.async_save = async_save
+    kind = ocp.AsyncCheckpointer if async_save else ocp.Checkpointer
+    self._orbax = kind(_handlers())
+    self._unfinished = False  # A save whose bookkeeping `wait` still owes.
+    self._replaced: list[str] = []  # Older copies of re-saved steps.
+    self._barriers = itertools.count()
+
+  def _sync(self, what: str) -> None:
+    """All processes meet here (Orbax's barrier; free with one process)."""
+    ocp.multihost.sync_global_processes(
+        f"dropless_checkpoint:{what}:{next(self._barriers)}"
+    )
+
+  def save(self, step: int, state, extra: dict | None = None) -> str:
+    """Starts writing `state` (a pytree of arrays) as checkpoint `step`.
+
+    Waits for the previous save first. Returns the checkpoint's path once
+    the arrays are copied off the devices (async) or on disk (sync); the
+    caller may then update or donate `state`.
+
+    Args:
+      step: the number of optimiser steps `state` has taken.
+      state: the pytree to save: global jax.Arrays, sharded or not, or
+        numpy arrays.
+      extra: JSON-able data restored as is (data position, history, ...).
+    """
+    self.wait()
+    paths, leaves, _ = _leaves(state)
+    # Numpy leaves are copied: an async save reads them later.
+    leaves = [
+        x if isinstance(x, jax.Array) else np.array(x, copy=True)
+        for x in leaves
+    ]
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "fingerprint": self.fingerprint,
+        "leaves": [
+            {
+                "path": p,
+                "shape": list(np.shape(x)),
+                "dtype": _dtype(x).name,
+                "checksum": c,
+            }
+            for p, x, c in zip(paths, leaves, checksum.checksums(leaves))
+        ],
+        "extra": extra or {},
+    }
+    final = step_dir(self.directory, step)
+    if _is_primary():
+      os.makedirs(self.directory, exist_ok=True)
+    self._sync("directory")
+    # Barriers around the rename: every process must see the same answer
+    # here, and none may reach Orbax's own "exists" check before it.
+    resaving = os.path.exists(final)
+    self._sync("checked")
+    if resaving and _is_primary():
+      # Move the old copy aside rather than delete it first, so that a
+      # crash before the new one lands leaves it whole.
+      aside = os.path.join(
+          self.directory, f".replaced-step_{step:08d}-{uuid.uuid4().hex}"
+      )
+      os.rename(final, aside)
+      self._replaced.append(aside)
+    self._sync("replaced")
+    self._orbax.save(
+        final,
+        args=ocp.args.Composite(
+            **{
+                ARRAYS: ocp.args.StandardSave(
+                    {_leaf_key(i): x for i, x in enumerate(leaves)}
+                ),
+                _META_ITEM: ocp.args.JsonSave(meta),
+            }
+        ),
+    )
+    self._unfinished = True
+    if not self.async_save:
+      self.wait()
+    return final
+
+  def wait(self) -> None:
+    """Blocks until the last save is on disk, then prunes old ones."""
+    if isinstance(self._orbax, ocp.AsyncCheckpointer):
+      self._orbax.wait_until_finished()
+    if not self._unfinished:
+      return
+    self._unfinished = False
+    if _is_primary():
+      for aside in self._replaced:
+        shutil.rmtree(aside, ignore_errors=True)
+      if self.keep:
+        for _, old in list_checkpoints(self.directory)[: -self.keep]:
+          _remove(old)
+    self._replaced = []
+    self._sync("pruned")
+
+  def restore(self, path: str, target):
+    """Loads checkpoint `path` into the structure of `target`.
+
+    Args:
+      path: a `step_*` checkpoint directory.
+      target: a pytree with the structure, shapes and dtypes expected. Its
+        leaves are jax.ShapeDtypeStructs or arrays (values unused): a leaf
+        with a `.sharding` is restored as a jax.Array with that sharding
+        (any mesh, whatever mesh saved it); one without (numpy) as numpy.
+
+    Returns:
+      (state, meta): the restored pytree and meta.json ("step", "extra",
+      "fingerprint", "leaves").
+
+    Raises:
+      CheckpointError: corrupt, incomplete or mismatched checkpoint; the
+        message names the file, field or leaf at fault.
+    """
+    self.wait()
+    return _read(self._orbax, path, target, self.fingerprint)
+
+  def close(self) -> None:
+    """Finishes the last save and releases Orbax's threads."""
+    try:
+      self.wait()
+    finally:
+      self._orbax.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+# --- One-call forms (synchronous) ---------------------------------------------
+
+
+def save(
+    directory: str,
+    step: int,
+    state,
+    *,
+    fingerprint: dict,
+    extra: dict | None = None,
+    keep: int | None = None,
+) -> str:
+  """Writes `state` as checkpoint `step` and waits until it is on disk.
+
+  See `Checkpointer.save`; `keep` prunes all but the newest `keep`.
+
+  Returns:
+    The checkpoint's path.
+  """
+  with Checkpointer(
+      directory, fingerprint=fingerprint, keep=keep, async_save=False
+  ) as checkpointer:
+    return checkpointer.save(step, state, extra)
+
+
+@functools.cache
+def _reader() -> ocp.Checkpointer:
+  return ocp.Checkpointer(_handlers())
+
+
+def restore(path: str, template, *, fingerprint: dict):
+  """Loads checkpoint `path` into the structure of `template`.
+
+  See `Checkpointer.restore`; `fingerprint` must equal the one the
+  checkpoint was saved with.
+  """
+  return _read(_reader(), path, template, fingerprint)
