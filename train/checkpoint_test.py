@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -13,41 +14,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from train import checkpoint
+from train import checksum
 from train import testing
 from train import trainer
-
-
-def _fit(run, interrupt_after=None):
-  tr = trainer.Trainer(run, testing.corpus(), out=None)
-  tr.prepare_output_dir()
-  if interrupt_after is not None:
-    # Ctrl-C lands inside step interrupt_after + 1, after its batch was drawn.
-    real_step, done = tr.train_step, []
-
-    def interrupted_step(batch):
-      if len(done) == interrupt_after:
-        raise KeyboardInterrupt
-      done.append(None)
-      return real_step(batch)
-
-    tr.train_step = interrupted_step
-  summary = tr.fit()
-  return tr, summary
 
 
 class ResumeTest(absltest.TestCase):
 
   def test_interrupted_and_resumed_run_equals_uninterrupted_run(self):
     steps = 6
-    straight, _ = _fit(
+    straight, _ = testing.fit(
         testing.small_run(testing.temp_dir(self), steps=steps, eval_every=3)
     )
 
     out = testing.temp_dir(self)
     run = testing.small_run(out, steps=steps, eval_every=3)
-    first, summary = _fit(run, interrupt_after=4)
+    first, summary = testing.fit(run, interrupt_after=4)
     self.assertEqual(summary["interrupted"], "KeyboardInterrupt")
     self.assertEqual(first.step, 4)
     self.assertEqual(
@@ -55,7 +42,7 @@ class ResumeTest(absltest.TestCase):
         os.path.join(out, "checkpoints", "step_00000004"),
     )
 
-    resumed, summary = _fit(dataclasses.replace(run, resume=True))
+    resumed, summary = testing.fit(dataclasses.replace(run, resume=True))
     self.assertIsNone(summary["interrupted"])
     self.assertEqual(resumed.step, steps)
     # The same loss at the same step, bit for bit, and the same end state.
@@ -76,9 +63,9 @@ class ResumeTest(absltest.TestCase):
     # not saved. The resumed run redoes step 5 and logs it once.
     out = testing.temp_dir(self)
     run = dataclasses.replace(run, output_dir=out, checkpoint_every=4)
-    _fit(run, interrupt_after=5)
+    testing.fit(run, interrupt_after=5)
     shutil.rmtree(os.path.join(out, "checkpoints", "step_00000005"))
-    resumed, _ = _fit(dataclasses.replace(run, resume=True))
+    resumed, _ = testing.fit(dataclasses.replace(run, resume=True))
     self.assertEqual(resumed.history["loss"], straight.history["loss"])
     with open(os.path.join(out, "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f]
@@ -87,7 +74,7 @@ class ResumeTest(absltest.TestCase):
 
   def test_ctrl_c_finishes_the_step_then_checkpoints_and_resumes_exactly(self):
     steps = 5
-    straight, _ = _fit(
+    straight, _ = testing.fit(
         testing.small_run(testing.temp_dir(self), steps=steps, eval_every=3)
     )
     out = testing.temp_dir(self)
@@ -119,7 +106,7 @@ class ResumeTest(absltest.TestCase):
         os.path.join(out, "checkpoints", "step_00000003"),
     )
 
-    resumed, _ = _fit(dataclasses.replace(run, resume=True))
+    resumed, _ = testing.fit(dataclasses.replace(run, resume=True))
     self.assertEqual(resumed.history["loss"], straight.history["loss"])
     for a, b in zip(
         jax.tree.leaves(resumed.state), jax.tree.leaves(straight.state)
@@ -146,7 +133,7 @@ class RefusalTest(absltest.TestCase):
     cls.run_config = testing.small_run(
         cls._dir.name, steps=1, checkpoint_every=1
     )
-    cls.trainer, _ = _fit(cls.run_config)
+    cls.trainer, _ = testing.fit(cls.run_config)
     cls.path = checkpoint.latest(os.path.join(cls._dir.name, "checkpoints"))
 
   @classmethod
@@ -175,16 +162,52 @@ class RefusalTest(absltest.TestCase):
       np.testing.assert_array_equal(a, b)
       self.assertEqual(a.dtype, b.dtype)
 
-  def test_flipped_byte_is_refused(self):
+  def test_overwritten_leaf_values_are_refused_by_their_checksum(self):
+    # Replace the stored arrays with those of a save whose first leaf holds
+    # other values: every file is well-formed, only the checksum can tell.
     path = self._copy()
-    arrays = os.path.join(path, checkpoint.ARRAYS)
-    with open(arrays, "r+b") as f:
-      f.seek(os.path.getsize(arrays) // 2)
+    leaves, treedef = jax.tree.flatten(self.trainer.state)
+    leaves[0] = np.asarray(leaves[0]) + np.ones((), leaves[0].dtype)
+    other = checkpoint.save(
+        testing.temp_dir(self),
+        1,
+        jax.tree.unflatten(treedef, leaves),
+        fingerprint=self.run_config.fingerprint(self.trainer.corpus.name),
+    )
+    shutil.rmtree(os.path.join(path, checkpoint.ARRAYS))
+    shutil.copytree(
+        os.path.join(other, checkpoint.ARRAYS),
+        os.path.join(path, checkpoint.ARRAYS),
+    )
+    first_path = jax.tree_util.keystr(
+        jax.tree_util.tree_flatten_with_path(self.trainer.state)[0][0][0]
+    )
+    with self.assertRaisesRegex(
+        checkpoint.CheckpointError,
+        r"is corrupt: leaf "
+        + re.escape(first_path)
+        + r" has checksum \d+, the checkpoint recorded \d+",
+    ):
+      self._restore(path)
+
+  def test_flipped_byte_in_the_array_data_is_refused(self):
+    path = self._copy()
+    files = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(os.path.join(path, checkpoint.ARRAYS))
+        for name in names
+    ]
+    data = max(files, key=os.path.getsize)  # The bulk of the leaves' bytes.
+    with open(data, "r+b") as f:
+      f.seek(os.path.getsize(data) // 2)
       byte = f.read(1)
       f.seek(-1, os.SEEK_CUR)
       f.write(bytes([byte[0] ^ 0xFF]))
+    # Compressed chunks may fail to decode, or decode to other values.
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError, r"is corrupt: sha256 of arrays.npz is"
+        checkpoint.CheckpointError,
+        r"is (incomplete or )?corrupt: (cannot read state/|leaf .* has "
+        r"checksum)",
     ):
       self._restore(path)
 
@@ -196,15 +219,25 @@ class RefusalTest(absltest.TestCase):
     with open(meta, "w") as f:
       f.write(text[: len(text) // 2])
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError, r"is corrupt: meta.json is not valid JSON"
+        checkpoint.CheckpointError,
+        r"is corrupt: meta/meta.json is not valid JSON",
     ):
       self._restore(path)
 
   def test_missing_arrays_are_refused(self):
     path = self._copy()
-    os.remove(os.path.join(path, checkpoint.ARRAYS))
+    shutil.rmtree(os.path.join(path, checkpoint.ARRAYS))
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError, r"is incomplete: arrays.npz is missing"
+        checkpoint.CheckpointError, r"is incomplete: state/ is missing"
+    ):
+      self._restore(path)
+
+  def test_missing_array_file_is_refused(self):
+    path = self._copy()
+    os.remove(os.path.join(path, checkpoint.ARRAYS, "manifest.ocdbt"))
+    with self.assertRaisesRegex(
+        checkpoint.CheckpointError,
+        r"is incomplete or corrupt: cannot read state/",
     ):
       self._restore(path)
 
@@ -294,12 +327,38 @@ class AtomicityTest(absltest.TestCase):
     state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
     for step in (1, 2, 3):
       checkpoint.save(directory, step, state, fingerprint={}, keep=2)
-    # A save killed before its rename leaves only a hidden temporary dir.
-    os.makedirs(os.path.join(directory, ".tmp-step_00000004-123-abc"))
+    # A save killed before Orbax's final rename leaves its temporary
+    # directory behind, with part of the files.
+    unfinished = os.path.join(directory, "step_00000004.orbax-checkpoint-tmp")
+    shutil.copytree(checkpoint.step_dir(directory, 3), unfinished)
+    os.remove(os.path.join(unfinished, checkpoint.META))
     self.assertEqual(
         [s for s, _ in checkpoint.list_checkpoints(directory)], [2, 3]
     )
     self.assertTrue(checkpoint.latest(directory).endswith("step_00000003"))
+    # Saving that step again replaces the leftover with a whole checkpoint.
+    checkpoint.save(directory, 4, state, fingerprint={}, keep=2)
+    self.assertEqual(
+        sorted(os.listdir(directory)),
+        ["step_00000003", "step_00000004"],
+    )
+    _, meta = checkpoint.restore(
+        checkpoint.latest(directory), state, fingerprint={}
+    )
+    self.assertEqual(meta["step"], 4)
+
+  def test_saving_a_step_again_replaces_it(self):
+    directory = testing.temp_dir(self)
+    old = {"w": np.zeros(4, np.float32)}
+    new = {"w": np.arange(4, dtype=np.float32)}
+    checkpoint.save(directory, 5, old, fingerprint={}, extra={"v": "old"})
+    path = checkpoint.save(
+        directory, 5, new, fingerprint={}, extra={"v": "new"}
+    )
+    self.assertEqual(os.listdir(directory), ["step_00000005"])
+    restored, meta = checkpoint.restore(path, old, fingerprint={})
+    self.assertEqual(meta["extra"], {"v": "new"})
+    np.testing.assert_array_equal(restored["w"], new["w"])
 
   def test_bfloat16_round_trips(self):
     directory = testing.temp_dir(self)
@@ -308,6 +367,152 @@ class AtomicityTest(absltest.TestCase):
     restored, _ = checkpoint.restore(path, state, fingerprint={"a": 1})
     self.assertEqual(restored["w"].dtype, jnp.bfloat16)
     np.testing.assert_array_equal(restored["w"], state["w"])
+
+  def test_negative_keep_is_refused(self):
+    with self.assertRaisesRegex(ValueError, r"keep: expected .* got -1"):
+      checkpoint.Checkpointer("unused", fingerprint={}, keep=-1)
+
+
+def _bits(x) -> np.ndarray:
+  """x's bytes, to compare values bit for bit (NaN payloads, -0.0)."""
+  return np.ascontiguousarray(np.asarray(x)).view(np.uint8)
+
+
+class ShardedTest(absltest.TestCase):
+  """A state sharded over a (data=2, expert=4) mesh of 8 CPU devices."""
+
+  def setUp(self):
+    super().setUp()
+    if jax.device_count() < 8:
+      self.fail(
+          "needs 8 devices: run under pytest (conftest.py) or set XLA_FLAGS="
+          "--xla_force_host_platform_device_count=8"
+      )
+    devices = np.array(jax.devices()[:8])
+    self.mesh = Mesh(devices.reshape(2, 4), ("data", "expert"))
+    rng = np.random.default_rng(0)
+    specs = {
+        "experts": P("expert"),
+        "embed": P(None, "data"),
+        "norm": P(),
+        "count": P(),
+    }
+    values = {
+        "experts": rng.standard_normal((8, 6, 4), np.float32),
+        "embed": rng.standard_normal((16, 6), np.float32).astype(jnp.bfloat16),
+        "norm": np.array([1.5, -0.0, np.inf, np.nan], np.float32),
+        "count": np.array(7, np.int32),
+    }
+    self.values = values
+    self.state = {
+        k: jax.device_put(v, NamedSharding(self.mesh, specs[k]))
+        for k, v in values.items()
+    }
+
+  def _target(self, sharding_of):
+    return {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding_of(k))
+        for k, v in self.values.items()
+    }
+
+  def _assert_restored(self, restored, target):
+    for key, value in self.values.items():
+      self.assertEqual(restored[key].sharding, target[key].sharding, key)
+      self.assertEqual(restored[key].dtype, value.dtype, key)
+      np.testing.assert_array_equal(_bits(restored[key]), _bits(value), key)
+
+  def test_same_mesh_restores_bit_for_bit(self):
+    path = checkpoint.save(
+        testing.temp_dir(self), 3, self.state, fingerprint={"run": 1}
+    )
+    target = self._target(lambda k: self.state[k].sharding)
+    restored, meta = checkpoint.restore(path, target, fingerprint={"run": 1})
+    self.assertEqual(meta["step"], 3)
+    self._assert_restored(restored, target)
+
+  def test_restores_onto_another_mesh_and_onto_one_device(self):
+    path = checkpoint.save(
+        testing.temp_dir(self), 3, self.state, fingerprint={}
+    )
+    flat = Mesh(np.array(jax.devices()[:8])[::-1], ("expert",))
+    target = self._target(
+        lambda k: NamedSharding(flat, P("expert") if k == "experts" else P())
+    )
+    restored, _ = checkpoint.restore(path, target, fingerprint={})
+    self._assert_restored(restored, target)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[5])
+    target = self._target(lambda k: one)
+    restored, _ = checkpoint.restore(path, target, fingerprint={})
+    self._assert_restored(restored, target)
+    # Numpy templates (no sharding) restore as numpy.
+    restored, _ = checkpoint.restore(path, self.values, fingerprint={})
+    for key, value in self.values.items():
+      self.assertIsInstance(restored[key], np.ndarray)
+      np.testing.assert_array_equal(_bits(restored[key]), _bits(value))
+
+  def test_async_save_lands_after_wait_and_prunes(self):
+    directory = testing.temp_dir(self)
+    with checkpoint.Checkpointer(
+        directory, fingerprint={}, keep=2, async_save=True
+    ) as saver:
+      for step in (1, 2, 3):
+        state = jax.tree.map(jnp.copy, self.state)
+        saver.save(step, state, {"step": step})
+        # The caller may free (or donate) the arrays once save returns.
+        for leaf in jax.tree.leaves(state):
+          leaf.delete()
+      saver.wait()
+      self.assertEqual(
+          [s for s, _ in checkpoint.list_checkpoints(directory)], [2, 3]
+      )
+      target = self._target(lambda k: self.state[k].sharding)
+      restored, meta = saver.restore(checkpoint.latest(directory), target)
+    self.assertEqual(meta["extra"], {"step": 3})
+    self._assert_restored(restored, target)
+    self.assertEqual(
+        sorted(os.listdir(directory)),
+        ["step_00000002", "step_00000003"],
+    )
+
+  def test_checksum_is_independent_of_sharding(self):
+    layouts = [
+        self.state,
+        self.values,  # numpy, summed on the host
+        {
+            k: jax.device_put(v, jax.devices()[2])
+            for k, v in self.values.items()
+        },
+        {
+            k: jax.device_put(
+                v,
+                NamedSharding(
+                    Mesh(np.array(jax.devices()[:4]), ("x",)),
+                    P("x") if k == "experts" else P(),
+                ),
+            )
+            for k, v in self.values.items()
+        },
+    ]
+    sums = [checksum.checksums(jax.tree.leaves(s)) for s in layouts]
+    for other in sums[1:]:
+      self.assertEqual(other, sums[0])
+
+  def test_checksum_sees_any_one_changed_element_and_swaps(self):
+    experts = self.values["experts"]
+    base = checksum.checksums([self.state["experts"]])[0]
+    bits = experts.view(np.uint32)
+    rng = np.random.default_rng(1)
+    for _ in range(8):
+      changed = bits.copy()
+      index = tuple(rng.integers(0, n) for n in bits.shape)
+      changed[index] ^= np.uint32(1) << np.uint32(rng.integers(0, 32))
+      sharded = jax.device_put(
+          changed.view(np.float32), self.state["experts"].sharding
+      )
+      self.assertNotEqual(checksum.checksums([sharded])[0], base, index)
+    swapped = experts.copy()
+    swapped[[0, 7]] = swapped[[7, 0]]
+    self.assertNotEqual(checksum.checksums([swapped])[0], base)
 
 
 if __name__ == "__main__":

@@ -132,17 +132,31 @@ class BatchSampler:
   def batches_per_epoch(self) -> int:
     return len(self._order) // self.batch_size
 
-  def next(self) -> np.ndarray:
-    """[B, seq_len + 1] int32; the last partial batch of an epoch is skipped."""
+  def next_starts(self) -> np.ndarray:
+    """The next batch's window starts [B] (offsets into the token stream).
+
+    Cheap: it reads no text, so each process of a multi-process run can
+    draw the whole batch's positions and `read` only its own rows.
+    """
     if self.index + self.batch_size > len(self._order):
       self.epoch += 1
       self.index = 0
       self._order = self._epoch_order(self.epoch)
     starts = self._order[self.index : self.index + self.batch_size]
     self.index += self.batch_size
+    return starts
+
+  def read(self, starts: np.ndarray) -> np.ndarray:
+    """The windows at `starts` [n] as int32 [n, seq_len + 1]."""
+    if not len(starts):
+      return np.zeros((0, self.window), np.int32)
     return np.stack([self.tokens[s : s + self.window] for s in starts]).astype(
         np.int32
     )
+
+  def next(self) -> np.ndarray:
+    """[B, seq_len + 1] int32; the last partial batch of an epoch is skipped."""
+    return self.read(self.next_starts())
 
   def state(self) -> dict[str, int]:
     return {"epoch": self.epoch, "index": self.index}

@@ -4,6 +4,8 @@ r"""Trains a small MoE language model with a chosen dropless backend.
     python -m train.main --moe_backend=reference --steps=20
     python -m train.main --model=deepseek_v3 --dry_run --mesh=fsdp=4,expert=64
     python -m train.main --resume               # continue the last run
+    python -m train.main --mesh=data=2,expert=4 # 8 devices (simulated on CPU)
+    tools/launch_local.sh 2 --mesh=data=2,expert=4   # 2 processes x 4 devices
 
 Writes to --output_dir: metrics.jsonl (every step), checkpoints/,
 training.png (loss curves and an expert-load heat map) and summary.json.
@@ -14,8 +16,11 @@ from __future__ import annotations
 import os
 import sys
 
+import dataclasses
+
 from absl import app
 from absl import flags
+import jax
 import numpy as np
 
 import moe_core
@@ -23,6 +28,8 @@ import moe_core.flags  # Defines --moe_backend.
 from moe_core import remat as moe_remat
 from train import cost_report
 from train import data as data_lib
+from train import distributed
+from train import mesh as mesh_lib
 from train import presets
 from train import report
 from train import run_config
@@ -94,8 +101,9 @@ _DRY_RUN = flags.DEFINE_bool(
 _MESH = flags.DEFINE_string(
     "mesh",
     "data=1",
-    "Device mesh for --dry_run memory estimates, e.g. "
-    "'data=2,fsdp=4,expert=64,tensor=1'.",
+    "Device mesh to train on (and for --dry_run estimates), e.g. "
+    "'data=2,expert=4': axes data, fsdp, expert, tensor (see train/mesh.py); "
+    "the sizes multiply to the device count of all processes.",
 )
 _REMAT = flags.DEFINE_enum(
     "remat",
@@ -145,6 +153,7 @@ def _run_config() -> run_config.RunConfig:
       resume=_RESUME.value,
       progress=_PROGRESS.value,
       plot=_PLOT.value,
+      mesh=mesh_lib.canonical(mesh_lib.parse(_MESH.value)),
   )
 
 
@@ -162,9 +171,46 @@ def dry_run(out=sys.stdout) -> str:
   return text
 
 
+def _start_devices(run: run_config.RunConfig, out) -> None:
+  """Joins the other processes (if any) and sets up the devices for --mesh.
+
+  Runs before anything initialises JAX's backends.
+  """
+  spec = distributed.spec_from_flags()
+  note = mesh_lib.simulate_cpu_devices(
+      mesh_lib.parse(run.mesh), spec.num_processes if spec else 1
+  )
+  distributed.initialize(spec)
+  if note and distributed.is_main_process():
+    print(note, file=out, flush=True)
+
+
 def train(out=sys.stdout) -> dict:
-  """Runs training as the flags say and writes the report files."""
-  run = _run_config()
+  """Runs training as the flags say and writes the report files.
+
+  In a multi-process run every process trains; only process 0 prints and
+  writes the metrics, plot and summary (checkpoints are written by all).
+  """
+  try:
+    run = _run_config()
+    _start_devices(run, out)
+    run, tr, out = _set_up(run, out)
+  except ValueError as e:
+    # A flag the run cannot use, or a checkpoint that does not match it:
+    # one line naming the flag, not a traceback.
+    raise app.UsageError(str(e)) from e
+  try:
+    summary = tr.fit(handle_signals=True)
+  finally:
+    tr.close()
+  return _report(run, tr, summary, out)
+
+
+def _set_up(run: run_config.RunConfig, out):
+  """(run, Trainer, output stream), resumed or fresh as the flags say."""
+  if not distributed.is_main_process():
+    run = dataclasses.replace(run, progress=False, plot=False)
+    out = open(os.devnull, "w")  # pylint: disable=consider-using-with
   total = sizing.param_counts(run.model).total
   if total > _MAX_TRAINABLE_PARAMS:
     raise app.UsageError(
@@ -190,12 +236,19 @@ def train(out=sys.stdout) -> dict:
       f"model {run.model.name}: {counts.total:,} parameters "
       f"({counts.active:,} active per token); backend {tr.backend_name}; "
       f"{run.steps} steps of {run.batch_size}x{run.seq_len} tokens; "
-      f"remat={run.remat}; compute {run.compute_dtype}, params float32",
+      f"remat={run.remat}; compute {run.compute_dtype}, params float32; "
+      f"mesh {mesh_lib.describe(tr.sizes)} over {jax.device_count()} "
+      f"{jax.devices()[0].platform} device(s) in {jax.process_count()} "
+      "process(es)",
       file=out,
       flush=True,
   )
   tr.prepare_output_dir()
-  summary = tr.fit(handle_signals=True)
+  return run, tr, out
+
+
+def _report(run: run_config.RunConfig, tr, summary: dict, out) -> dict:
+  """Writes the plot and summary.json (process 0) and prints the summary."""
   if run.plot and tr.history["step"]:
     summary["plot"] = report.plot(
         os.path.join(run.output_dir, "training.png"),
@@ -204,7 +257,8 @@ def train(out=sys.stdout) -> dict:
         [i for i in range(run.model.num_layers) if run.model.is_moe_layer(i)],
     )
   summary_path = os.path.join(run.output_dir, "summary.json")
-  report.write_summary(summary_path, summary)
+  if distributed.is_main_process():
+    report.write_summary(summary_path, summary)
   held = summary["final_held_out_loss"]
   print("\nsummary:", file=out)
   if held is not None:
@@ -216,7 +270,10 @@ def train(out=sys.stdout) -> dict:
     )
   print(
       f"  final train loss {summary['final_train_loss']:.4f}; median "
-      f"{summary['tokens_per_s_median']:,.0f} tokens/s with backend "
+      f"{summary['tokens_per_s_median']:,.0f} tokens/s "
+      f"({summary['tokens_per_s_per_device_median']:,.0f} per device on "
+      f"{summary['mesh']}, {summary['num_processes']} process(es)) with "
+      "backend "
       f"{summary['backend']}; max dropped fraction "
       f"{summary['max_dropped_fraction']:.3g}; wall "
       f"{summary['wall_seconds']:.0f} s",
@@ -239,6 +296,7 @@ def main(argv):
     dry_run()
     return
   summary = train()
+  distributed.shutdown()
   if summary["interrupted"]:
     sys.exit(130)
 

@@ -230,6 +230,7 @@ class Block(nnx.Module):
       *,
       backend: str,
       rngs: nnx.Rngs,
+      moe_mesh: dict | None = None,
   ):
     self.is_moe = cfg.is_moe_layer(layer)
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -237,7 +238,9 @@ class Block(nnx.Module):
     self.attn = attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     if self.is_moe:
-      self.mlp = moe_flax.MoE(cfg.moe, backend=backend, rngs=rngs)
+      self.mlp = moe_flax.MoE(
+          cfg.moe, backend=backend, rngs=rngs, **(moe_mesh or {})
+      )
     else:
       self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_ffn_size, rngs=rngs)
 
@@ -261,6 +264,10 @@ class Transformer(nnx.Module):
     compute_dtype: activation dtype (bfloat16 for mixed precision).
     remat: a `moe_core.remat` policy name applied to every block.
     rngs: `nnx.Rngs` with a "params" stream.
+    moe_mesh: None for one device, or the keyword arguments that put every
+      MoE block on a mesh: {"mesh": Mesh, "expert_axis": ..., "data_axes":
+      ...} (see `moe_core.flax.MoE`). The parameters are the same either
+      way; only the computation is distributed.
   """
 
   def __init__(
@@ -271,6 +278,7 @@ class Transformer(nnx.Module):
       compute_dtype=jnp.bfloat16,
       remat: str = "none",
       rngs: nnx.Rngs,
+      moe_mesh: dict | None = None,
   ):
     moe_remat.check_policy_name(remat)
     self.cfg = cfg
@@ -286,7 +294,7 @@ class Transformer(nnx.Module):
     module_list = getattr(nnx, "List", list)
     self.blocks = module_list(
         [
-            Block(cfg, i, backend=backend, rngs=rngs)
+            Block(cfg, i, backend=backend, rngs=rngs, moe_mesh=moe_mesh)
             for i in range(cfg.num_layers)
         ]
     )

@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from train import data as data_lib
+from train import mesh as mesh_lib
 from train import run_config
 from train import sizing
 
@@ -23,6 +24,7 @@ def run_summary(
     wall_seconds: float,
     checkpoint_path: str | None,
     interrupted: str | None,
+    num_processes: int = 1,
 ) -> dict:
   """The summary of a run (written as summary.json by `train.main`).
 
@@ -35,8 +37,11 @@ def run_summary(
     wall_seconds: the loop's wall time.
     checkpoint_path: the last checkpoint written, if any.
     interrupted: the signal or exception that stopped it early, if any.
+    num_processes: how many processes ran it (jax.process_count()).
   """
   counts = sizing.param_counts(run.model)
+  sizes = mesh_lib.parse(run.mesh)
+  devices = mesh_lib.num_devices(sizes)
   # Skip the first steps of a run: they include compilation.
   tps = history["tokens_per_s"][2:] or history["tokens_per_s"]
   return {
@@ -62,7 +67,13 @@ def run_summary(
       "unigram_held_out_cross_entropy": data_lib.unigram_cross_entropy(
           corpus.train, corpus.held_out
       ),
+      "mesh": mesh_lib.describe(sizes),
+      "num_devices": devices,
+      "num_processes": num_processes,
       "tokens_per_s_median": float(np.median(tps)) if tps else None,
+      "tokens_per_s_per_device_median": (
+          float(np.median(tps)) / devices if tps else None
+      ),
       "max_dropped_fraction": max(
           (max(d, default=0.0) for d in history["dropped"]), default=0.0
       ),

@@ -38,6 +38,9 @@ class RunConfig:
   backend: str = "auto"
   remat: str = "none"
   compute_dtype: str = "bfloat16"
+  # The device mesh, as --mesh spells it ("data=2,expert=4"). Not in the
+  # fingerprint: a checkpoint restores onto any mesh.
+  mesh: str = "data=1"
   data: str | None = _host_only(None)
   output_dir: str = _host_only("/tmp/dropless_train")
   eval_every: int = _host_only(50)

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from train import mesh as mesh_lib
 from train import run_config
 
 
@@ -48,6 +49,7 @@ def log_step(
     FloatingPointError: the loss is not finite.
   """
   tokens = run.batch_size * run.seq_len
+  devices = mesh_lib.num_devices(mesh_lib.parse(run.mesh))
   loss = float(metrics["loss"])
   if not math.isfinite(loss):
     raise FloatingPointError(f"loss is {loss} at step {step}.")
@@ -67,7 +69,9 @@ def log_step(
       "total_loss": float(metrics["total_loss"]),
       "grad_norm": float(metrics["grad_norm"]),
       "tokens_per_s": tokens / seconds,
+      "tokens_per_s_per_device": tokens / seconds / devices,
       "seconds": seconds,
+      "tokens_per_expert": tpe.astype(np.int64).tolist(),
       "load_min": load.min(axis=-1).round(3).tolist() if load.size else [],
       "load_max": load.max(axis=-1).round(3).tolist() if load.size else [],
       "dropped_fraction": dropped.tolist(),
@@ -92,6 +96,9 @@ def format_record(run: run_config.RunConfig, record: dict) -> str:
       f"step {record['step']:5d}/{run.steps} loss {record['loss']:.4f} "
       f"{record['tokens_per_s']:8,.0f} tok/s"
   )
+  per_device = record.get("tokens_per_s_per_device", record["tokens_per_s"])
+  if per_device != record["tokens_per_s"]:
+    text += f" ({per_device:,.0f}/device)"
   if layers:
     text += f" | load min/max over mean {load} | dropped {dropped:.3f}"
   return text

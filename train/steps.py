@@ -61,14 +61,34 @@ class Program:
   The training state is a dict pytree {"params", "opt_state", "bias"}:
   `train_step(state, batch [B, T+1])` returns (new state, device metrics),
   `eval_step(params, bias, batch)` the mean next-byte loss.
+
+  `placement`, for a mesh, is a `train.sharding.Placement`: the steps keep
+  the state where it says, take batches split as it says, and return
+  replicated metrics.
   """
 
-  def __init__(self, run: run_config.RunConfig, graphdef):
+  def __init__(self, run: run_config.RunConfig, graphdef, placement=None):
     self.run = run
     self.graphdef = graphdef
     self.optimizer = make_optimizer(run)
-    self.train_step = jax.jit(self._step_fn)
-    self.eval_step = jax.jit(self._eval_fn)
+    if placement is None:
+      self.train_step = jax.jit(self._step_fn)
+      self.eval_step = jax.jit(self._eval_fn)
+      return
+    # On a mesh, the state keeps its sharding from step to step, batches
+    # arrive split over the data-parallel axes, and the metrics come back
+    # replicated, so every process can read them.
+    state = placement.state
+    self.train_step = jax.jit(
+        self._step_fn,
+        in_shardings=(state, placement.batch),
+        out_shardings=(state, placement.replicated),
+    )
+    self.eval_step = jax.jit(
+        self._eval_fn,
+        in_shardings=(state["params"], state["bias"], placement.batch),
+        out_shardings=placement.replicated,
+    )
 
   def _forward(self, params, bias, batch):
     model = nnx.merge(self.graphdef, params, bias)
@@ -132,9 +152,9 @@ class Program:
 _PROGRAMS: dict[run_config.RunConfig, Program] = {}
 
 
-def program(run: run_config.RunConfig, graphdef) -> Program:
-  """The (cached) Program of `run`'s model and optimiser settings."""
+def program(run: run_config.RunConfig, graphdef, placement=None) -> Program:
+  """The (cached) Program of `run`'s model, optimiser and mesh settings."""
   key = run_config.compile_key(run)
   if key not in _PROGRAMS:
-    _PROGRAMS[key] = Program(key, graphdef)
+    _PROGRAMS[key] = Program(key, graphdef, placement)
   return _PROGRAMS[key]

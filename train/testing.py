@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 
 from train import data as data_lib
@@ -81,3 +82,46 @@ def temp_dir(test_case) -> str:
   handle = tempfile.TemporaryDirectory(prefix="dropless_train_test_")
   test_case.addCleanup(handle.cleanup)
   return handle.name
+
+
+class TempDirs:
+  """Fresh directories under one temporary root, for a whole test class."""
+
+  def __init__(self):
+    self._root = tempfile.TemporaryDirectory(prefix="dropless_train_test_")
+    self._count = 0
+
+  def new(self) -> str:
+    self._count += 1
+    path = os.path.join(self._root.name, f"run_{self._count}")
+    os.makedirs(path)
+    return path
+
+  def cleanup(self) -> None:
+    self._root.cleanup()
+
+
+def fit(run: run_config.RunConfig, interrupt_after: int | None = None):
+  """Trains `run` in this process; returns (Trainer, summary).
+
+  With `interrupt_after=n`, a Ctrl-C lands inside step n + 1, after its
+  batch was drawn (the trainer then checkpoints step n and stops).
+  """
+  # Imported here so that the config helpers above need no trainer; the
+  # callers of fit depend on //train:trainer.
+  from train import trainer  # pylint: disable=g-import-not-at-top
+
+  tr = trainer.Trainer(run, corpus(), out=None)
+  tr.prepare_output_dir()
+  if interrupt_after is not None:
+    real_step, done = tr.train_step, []
+
+    def interrupted_step(batch):
+      if len(done) == interrupt_after:
+        raise KeyboardInterrupt
+      done.append(None)
+      return real_step(batch)
+
+    tr.train_step = interrupted_step
+  summary = tr.fit()
+  return tr, summary

@@ -18,14 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 import moe_core
 from moe_core import flax as moe_flax
 from train import checkpoint
 from train import data as data_lib
+from train import mesh as mesh_lib
 from train import model as model_lib
 from train import report
 from train import run_config
+from train import sharding
 from train import step_log
 from train import steps
 
@@ -34,6 +37,12 @@ RunConfig = run_config.RunConfig
 run_config_from_preset = run_config.run_config_from_preset
 make_optimizer = steps.make_optimizer
 cross_entropy = steps.cross_entropy
+
+
+def _sync_processes(name: str) -> None:
+  """A barrier across the processes of a multi-process run (else nothing)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
 
 
 class Trainer:
@@ -58,23 +67,41 @@ class Trainer:
       raise ValueError(
           f"byte tokens need vocab_size >= 256, got " f"{run.model.vocab_size}."
       )
-    dtype = jnp.dtype(run.compute_dtype)
+    self.sizes = mesh_lib.parse(run.mesh)
+    self.mesh = mesh_lib.build(self.sizes)
+    mesh_lib.check_run(self.sizes, run.model, run.batch_size)
+    self.is_main = jax.process_index() == 0
+    moe_mesh = None
+    if self.mesh is not None:
+      moe_mesh = {
+          "mesh": self.mesh,
+          "expert_axis": mesh_lib.EXPERT_AXIS,
+          "data_axes": mesh_lib.MOE_DATA_AXES,
+      }
     model = model_lib.Transformer(
         run.model,
         backend=run.backend,
-        compute_dtype=dtype,
+        compute_dtype=jnp.dtype(run.compute_dtype),
         remat=run.remat,
         rngs=nnx.Rngs(params=run.seed),
+        moe_mesh=moe_mesh,
     )
     graphdef, params, bias = nnx.split(
         model, nnx.Param, moe_flax.CorrectionBias
     )
-    self.program = steps.program(run, graphdef)
-    self.state = {
+    # Every process builds the same initial values from the seed; on a mesh
+    # each then keeps only its devices' shards of them.
+    state = {
         "params": params,
-        "opt_state": self.program.optimizer.init(params),
+        "opt_state": steps.make_optimizer(run).init(params),
         "bias": bias,
     }
+    self.placement = None
+    if self.mesh is not None:
+      self.placement = sharding.Placement.of(state, self.mesh, self.sizes)
+      state = sharding.place(state, self.placement.state)
+    self.program = steps.program(run, graphdef, self.placement)
+    self.state = state
     self.step = 0
     self.sampler = data_lib.BatchSampler(
         self.corpus.train, run.batch_size, run.seq_len, run.seed
@@ -82,7 +109,13 @@ class Trainer:
     self.eval_set = data_lib.eval_batches(
         self.corpus.held_out, run.batch_size, run.seq_len, run.eval_batches
     )
+    if self.mesh is not None:
+      # A short last batch must still split over the data-parallel devices.
+      shards = mesh_lib.batch_shards(self.sizes)
+      self.eval_set = [b[: len(b) - len(b) % shards] for b in self.eval_set]
+      self.eval_set = [b for b in self.eval_set if len(b)]
     self.history = step_log.new_history()
+    self._checkpointer = None
     self.backend_name = self._resolve_backend()
     self._stop_signal = None
 
@@ -102,14 +135,28 @@ class Trainer:
       )
     return name
 
-  def train_step(self, batch: np.ndarray) -> dict:
+  def _put_batch(self, batch) -> jax.Array:
+    """A host batch [B, T+1] (the same on every process) on the devices."""
+    if isinstance(batch, jax.Array):
+      return batch
+    if self.placement is None:
+      return jnp.asarray(batch)
+    return self.placement.put_batch(batch)
+
+  def _next_batch(self) -> jax.Array:
+    """The sampler's next batch; each process reads only its own rows."""
+    if self.placement is None:
+      return jnp.asarray(self.sampler.next())
+    return self.placement.read_batch(self.sampler)
+
+  def train_step(self, batch) -> dict:
     """One optimiser step on `batch` [B, T+1]; returns host metrics.
 
     The step is committed (state and step counter) only once its metrics
     are on the host: dispatch is asynchronous, so a Ctrl-C most likely lands
     in the wait, and then neither the state nor the step may have moved.
     """
-    state, metrics = self.program.train_step(self.state, jnp.asarray(batch))
+    state, metrics = self.program.train_step(self.state, self._put_batch(batch))
     metrics = jax.device_get(metrics)
     self.state, self.step = state, self.step + 1
     return metrics
@@ -119,7 +166,7 @@ class Trainer:
     losses = [
         float(
             self.program.eval_step(
-                self.state["params"], self.state["bias"], jnp.asarray(b)
+                self.state["params"], self.state["bias"], self._put_batch(b)
             )
         )
         for b in self.eval_set
@@ -151,25 +198,41 @@ class Trainer:
   def _soft_settings(self) -> dict:
     return {k: getattr(self.run, k) for k in self._SOFT_SETTINGS}
 
+  @property
+  def checkpointer(self) -> checkpoint.Checkpointer:
+    """The run's (async, Orbax) checkpointer, made on first use."""
+    if self._checkpointer is None:
+      self._checkpointer = checkpoint.Checkpointer(
+          self.checkpoint_dir,
+          fingerprint=self.run.fingerprint(self.corpus.name),
+          keep=self.run.keep_checkpoints,
+      )
+    return self._checkpointer
+
   def save_checkpoint(self) -> str:
-    return checkpoint.save(
-        self.checkpoint_dir,
+    """Starts saving the state (every process its own shards); see wait."""
+    return self.checkpointer.save(
         self.step,
         self.state,
-        fingerprint=self.run.fingerprint(self.corpus.name),
         extra={
             "data": self.sampler.state(),
             "history": self.history,
             "settings": self._soft_settings(),
         },
-        keep=self.run.keep_checkpoints,
     )
 
   def restore_checkpoint(self, path: str) -> None:
-    state, meta = checkpoint.restore(
-        path, self.state, fingerprint=self.run.fingerprint(self.corpus.name)
+    """Loads checkpoint `path` onto this run's devices and mesh.
+
+    The checkpoint may come from another mesh or process count: each leaf
+    is read into this run's sharding of it.
+    """
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        self.state,
     )
-    self.state = jax.tree.map(jnp.asarray, state)
+    state, meta = self.checkpointer.restore(path, target)
+    self.state = state
     self.step = meta["step"]
     extra = meta.get("extra", {})
     if "data" not in extra:
@@ -209,7 +272,10 @@ class Trainer:
           f"previous run in {self.checkpoint_dir} (pass --resume to "
           "continue it instead)"
       )
-      shutil.rmtree(self.checkpoint_dir)
+      if self.is_main:
+        shutil.rmtree(self.checkpoint_dir)
+      # No process may look for checkpoints until they are gone.
+      _sync_processes("dropless_fresh_output_dir")
 
   # --- The loop --------------------------------------------------------------
 
@@ -247,15 +313,16 @@ class Trainer:
     start = time.perf_counter()
     kept = (
         step_log.logged_lines_up_to_step(metrics_path, self.step)
-        if run.resume
+        if run.resume and self.is_main
         else []
     )
     try:
-      with open(metrics_path, "w") as log:
+      # Only process 0 writes the metrics; the others compute the same ones.
+      with open(metrics_path if self.is_main else os.devnull, "w") as log:
         log.writelines(kept)
         while self.step < run.steps:
           position = self.sampler.state()
-          batch = self.sampler.next()
+          batch = self._next_batch()
           t0 = time.perf_counter()
           try:
             metrics = self.train_step(batch)
@@ -297,6 +364,7 @@ class Trainer:
       for sig, handler in previous.items():
         signal.signal(sig, handler)
     path = self.save_checkpoint()  # At the end, and on an interrupt.
+    self.checkpointer.wait()
     if interrupted:
       self._print(
           f"\ninterrupted ({interrupted}) at step {self.step}; saved "
@@ -307,6 +375,12 @@ class Trainer:
         checkpoint_path=path,
         interrupted=interrupted,
     )
+
+  def close(self) -> None:
+    """Finishes any checkpoint still being written (call before exiting)."""
+    if self._checkpointer is not None:
+      self._checkpointer.close()
+      self._checkpointer = None
 
   def summary(
       self,
@@ -325,4 +399,5 @@ class Trainer:
         wall_seconds=wall_seconds,
         checkpoint_path=checkpoint_path,
         interrupted=interrupted,
+        num_processes=jax.process_count(),
     )

@@ -44,6 +44,12 @@ class MoE(nnx.Module):
     param_dtype: storage dtype of the weights (float32 master weights for
       mixed precision; compute follows the input's dtype).
     rngs: `nnx.Rngs` with a "params" stream.
+    mesh: None for one device; a `jax.sharding.Mesh` runs the block with
+      expert parallelism (`moe_core.moe_layer(..., mesh=mesh)`): experts
+      split over `expert_axis`, tokens over `data_axes` x `expert_axis`.
+      Static (part of the graph definition), like `backend`.
+    expert_axis: the mesh axis the experts are split over.
+    data_axes: further mesh axes the tokens are split over.
   """
 
   def __init__(
@@ -53,9 +59,15 @@ class MoE(nnx.Module):
       backend: str = "auto",
       param_dtype: jnp.dtype = jnp.float32,
       rngs: nnx.Rngs,
+      mesh: jax.sharding.Mesh | None = None,
+      expert_axis: str = "expert",
+      data_axes: tuple[str, ...] = ("data",),
   ):
     self.cfg = cfg
     self.backend = backend
+    self.mesh = mesh
+    self.expert_axis = expert_axis
+    self.data_axes = tuple(data_axes)
     values = moe_core.init_params(rngs.params(), cfg, dtype=param_dtype)
     for name, value in values.items():
       wrap = CorrectionBias if name == BIAS_NAME else nnx.Param
@@ -69,8 +81,18 @@ class MoE(nnx.Module):
     }
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, moe_core.MoEAux]:
+    if self.mesh is None:
+      return moe_core.moe_layer(
+          self.params_dict(), x, self.cfg, backend=self.backend
+      )
     return moe_core.moe_layer(
-        self.params_dict(), x, self.cfg, backend=self.backend
+        self.params_dict(),
+        x,
+        self.cfg,
+        backend=self.backend,
+        mesh=self.mesh,
+        expert_axis=self.expert_axis,
+        data_axes=self.data_axes,
     )
 
   def update_correction_bias(

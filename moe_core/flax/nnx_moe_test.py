@@ -60,6 +60,22 @@ class NnxMoETest(parameterized.TestCase):
     )
     np.testing.assert_array_equal(aux.expert_ids, aux_ref.expert_ids)
 
+  def test_on_a_mesh_equals_one_device(self):
+    # Experts split over expert=4, tokens over data=2 x expert=4: the same
+    # parameters give the one-device result (float32: only sums reorder).
+    mesh = jax.sharding.Mesh(
+        np.array(jax.devices()[:8]).reshape(2, 4), ("data", "expert")
+    )
+    layer = moe_flax.MoE(CFG, backend="xla", rngs=nnx.Rngs(0))
+    on_mesh = moe_flax.MoE(CFG, backend="xla", rngs=nnx.Rngs(0), mesh=mesh)
+    x = _tokens(jnp.float32, shape=(4, 8, 16))
+    y, aux = layer(x)
+    y_mesh, aux_mesh = on_mesh(x)
+    np.testing.assert_allclose(y_mesh, y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(
+        aux_mesh.tokens_per_expert, aux.tokens_per_expert
+    )
+
   def test_matches_reference_backend(self):
     layer = moe_flax.MoE(CFG, backend="xla", rngs=nnx.Rngs(1))
     x = _tokens(jnp.float32)

@@ -1,0 +1,160 @@
+"""Where each parameter, optimiser moment and batch lives on the mesh.
+
+One rule per parameter name (`spec_for`), applied by tree path to the
+parameters and to AdamW's moments alike, so a moment is always split
+exactly like its parameter:
+
+    routed experts  w_gate, w_up, w_down [E, ., .]  expert on E, fsdp on dim 1
+    column-parallel wq, wk, wv, wq_b, wkv_b, dense w_gate / w_up, the shared
+                    expert's gate / up, head        [in, out]: fsdp, tensor
+    row-parallel    wo, dense w_down, shared w_down [in, out]: tensor, fsdp
+    other matrices  embed, router, wq_a, wkv_a      fsdp on dim 0
+    vectors         norm scales, correction biases, step counts: replicated
+
+An axis is used only where it divides the dimension (otherwise that
+dimension stays whole), so every model fits every mesh; `describe` says
+what was split. The MoE layer's shard_map gathers what it needs replicated
+(the router, the shared expert, the expert weights' fsdp dimension).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from train import mesh as mesh_lib
+
+P = jax.sharding.PartitionSpec
+NamedSharding = jax.sharding.NamedSharding
+
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+COLUMN_PARALLEL = (
+    "wq",
+    "wk",
+    "wv",
+    "wq_b",
+    "wkv_b",
+    "w_gate",
+    "w_up",
+    "shared_w_gate",
+    "shared_w_up",
+    "head",
+)
+ROW_PARALLEL = ("wo", "w_down", "shared_w_down")
+
+
+def _name(path) -> str:
+  """The parameter's name: the last string key of its tree path."""
+  for key in reversed(path):
+    name = getattr(key, "key", None)
+    if isinstance(name, str):
+      return name
+  return ""
+
+
+def spec_for(path, shape, sizes: dict[str, int]) -> P:
+  """The PartitionSpec of the leaf at tree `path` with `shape`."""
+  name = _name(path)
+  if len(shape) == 3 and name in EXPERT_WEIGHTS:
+    axes = ["expert", "fsdp", None]
+  elif len(shape) == 2 and name in COLUMN_PARALLEL:
+    axes = ["fsdp", "tensor"]
+  elif len(shape) == 2 and name in ROW_PARALLEL:
+    axes = ["tensor", "fsdp"]
+  elif len(shape) >= 2:
+    axes = ["fsdp"] + [None] * (len(shape) - 1)
+  else:
+    return P()
+  fits = [
+      a if a is not None and sizes[a] > 1 and dim % sizes[a] == 0 else None
+      for a, dim in zip(axes, shape)
+  ]
+  return P(*fits)
+
+
+def state_shardings(state, mesh: jax.sharding.Mesh, sizes: dict[str, int]):
+  """A pytree like `state` (arrays or ShapeDtypeStructs) of NamedShardings."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: NamedSharding(
+          mesh, spec_for(path, np.shape(leaf), sizes)
+      ),
+      state,
+  )
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+  """Batches [B, T + 1]: rows split over data x fsdp x expert."""
+  return NamedSharding(mesh, P(mesh_lib.BATCH_AXES, None))
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def place(tree, shardings):
+  """Host values (the same on every process) as global sharded arrays.
+
+  Each process builds only the shards its own devices hold, so this works
+  with any number of processes.
+  """
+
+  def one(value, sharding):
+    host = np.asarray(value)
+    return jax.make_array_from_callback(
+        host.shape, sharding, lambda index: host[index]
+    )
+
+  return jax.tree.map(one, tree, shardings)
+
+
+def describe(state, sizes: dict[str, int]) -> dict[str, int]:
+  """How many state leaves each mesh axis splits, e.g. {'expert': 6}."""
+  counts = dict.fromkeys(mesh_lib.AXES, 0)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    for axis in spec_for(path, np.shape(leaf), sizes):
+      if axis is not None:
+        counts[axis] += 1
+  return {a: n for a, n in counts.items() if n}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a run's state and batches live on its mesh.
+
+  Attributes:
+    mesh: the device mesh.
+    state: NamedShardings shaped like the training state.
+    batch: the batches' sharding (`batch_sharding`).
+    replicated: for the metrics every process reads.
+  """
+
+  mesh: jax.sharding.Mesh
+  state: Any
+  batch: NamedSharding
+  replicated: NamedSharding
+
+  @classmethod
+  def of(cls, state, mesh: jax.sharding.Mesh, sizes: dict[str, int]):
+    """The placement of `state` (host or device arrays) on `mesh`."""
+    return cls(
+        mesh=mesh,
+        state=state_shardings(state, mesh, sizes),
+        batch=batch_sharding(mesh),
+        replicated=replicated(mesh),
+    )
+
+  def put_batch(self, batch) -> jax.Array:
+    """A host batch [B, T+1] (the same on every process) on the mesh."""
+    return place(batch, self.batch)
+
+  def read_batch(self, sampler) -> jax.Array:
+    """`sampler`'s next batch; each process reads only its own rows."""
+    starts = sampler.next_starts()
+    return jax.make_array_from_callback(
+        (len(starts), sampler.window),
+        self.batch,
+        lambda index: sampler.read(starts[index[0]])[:, index[1]],
+    )
