@@ -2,7 +2,8 @@
 
 The `tiny_dsv3` preset (with a small batch) trains for a few steps from the
 same seed (so the same initial weights) on the same batches, on one device,
-on meshes of 8 simulated devices, and as 2 processes x 4 devices started by
+on four meshes of 8 simulated devices (data x expert, expert, fsdp x expert,
+data x fsdp x tensor), and as 2 processes x 4 devices started by
 tools/launch_local.py; each step's loss, gradient global norm and
 per-expert token counts must agree. A run resumed onto another mesh must
 continue the same run, one resumed on its own mesh must equal the
@@ -153,7 +154,11 @@ class MeshEquivalenceTest(parameterized.TestCase):
       self._fitted[mesh] = _fit(self._run(mesh))
     return self._fitted[mesh]
 
-  @parameterized.parameters("data=2,expert=4", "expert=8", "fsdp=2,expert=4")
+  # The last mesh has no expert split (every device holds all experts) and
+  # splits the attention and dense-MLP matrices over tensor.
+  @parameterized.parameters(
+      "data=2,expert=4", "expert=8", "fsdp=2,expert=4", "data=2,fsdp=2,tensor=2"
+  )
   def test_mesh_trains_the_same_model(self, mesh):
     tr = self._fit_once(mesh)
     self.assertIsNotNone(tr.mesh)
