@@ -42,6 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from train import checksum
+from train import distributed
 
 FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -261,10 +262,6 @@ def _handlers() -> ocp.handlers.CompositeCheckpointHandler:
   return ocp.handlers.CompositeCheckpointHandler(handler_registry=registry)
 
 
-def _is_primary() -> bool:
-  return jax.process_index() == 0
-
-
 def _remove(path: str) -> None:
   """Deletes a checkpoint: renamed out of sight first, so a crash midway
   never leaves a half-deleted `step_*` that looks complete."""
@@ -360,14 +357,14 @@ class Checkpointer:
         "extra": extra or {},
     }
     final = step_dir(self.directory, step)
-    if _is_primary():
+    if distributed.is_main_process():
       os.makedirs(self.directory, exist_ok=True)
     self._sync("directory")
     # Barriers around the rename: every process must see the same answer
     # here, and none may reach Orbax's own "exists" check before it.
     resaving = os.path.exists(final)
     self._sync("checked")
-    if resaving and _is_primary():
+    if resaving and distributed.is_main_process():
       # Move the old copy aside rather than delete it first, so that a
       # crash before the new one lands leaves it whole.
       aside = os.path.join(
@@ -399,7 +396,7 @@ class Checkpointer:
     if not self._unfinished:
       return
     self._unfinished = False
-    if _is_primary():
+    if distributed.is_main_process():
       for aside in self._replaced:
         shutil.rmtree(aside, ignore_errors=True)
       if self.keep:

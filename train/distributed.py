@@ -387,6 +387,18 @@ def is_main_process() -> bool:
   return process_index() == 0
 
 
+def barrier(name: str) -> None:
+  """Every process of a multi-process run waits here for the others.
+
+  A no-op with one process. `name` must be the same in every process.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
 def shutdown() -> None:
   """Leaves the run (waits for the others at a barrier); safe to repeat."""
   global _joined

@@ -13,10 +13,9 @@ training.png (loss curves and an expert-load heat map) and summary.json.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-
-import dataclasses
 
 from absl import app
 from absl import flags

@@ -40,16 +40,19 @@ def parse(spec: str) -> dict[str, int]:
   return sizing.parse_mesh(spec)
 
 
+def _split_axes(sizes: dict[str, int]) -> str:
+  """'data=2,expert=4': the axes of size > 1, in AXES order; '' if none."""
+  return ",".join(f"{a}={sizes[a]}" for a in AXES if sizes[a] > 1)
+
+
 def canonical(sizes: dict[str, int]) -> str:
   """The --mesh spelling of `sizes`: 'data=2,expert=4', or 'data=1'."""
-  text = ",".join(f"{a}={sizes[a]}" for a in AXES if sizes[a] > 1)
-  return text or "data=1"
+  return _split_axes(sizes) or "data=1"
 
 
 def describe(sizes: dict[str, int]) -> str:
-  """'data=2,expert=4' (axes of size 1 left out; 'single device' if all)."""
-  text = ",".join(f"{a}={sizes[a]}" for a in AXES if sizes[a] > 1)
-  return text or "single device"
+  """'data=2,expert=4' for people; 'single device' for a one-device mesh."""
+  return _split_axes(sizes) or "single device"
 
 
 def num_devices(sizes: dict[str, int]) -> int:

@@ -97,14 +97,16 @@ class PlacementTest(absltest.TestCase):
   def test_experts_split_over_expert_and_moments_follow_params(self):
     specs = self._specs()
     for name in ("w_gate", "w_up", "w_down"):
-      key = f"['blocks'][1]['mlp']['{name}'].value"
-      self.assertEqual(specs["['params']" + key], P("expert", "fsdp", None))
-      self.assertEqual(
-          specs["['opt_state'][1][0].mu" + key], P(*specs["['params']" + key])
-      )
-      self.assertEqual(
-          specs["['opt_state'][1][0].nu" + key], P(*specs["['params']" + key])
-      )
+      key = f"['params']['blocks'][1]['mlp']['{name}'].value"
+      self.assertEqual(specs[key], P("expert", "fsdp", None))
+    params = [k for k in specs if k.startswith("['params']")]
+    self.assertNotEmpty(params)
+    for key in params:
+      path = key[len("['params']") :]
+      for moment in ("mu", "nu"):
+        self.assertEqual(
+            specs[f"['opt_state'][1][0].{moment}{path}"], specs[key]
+        )
 
   def test_other_matrices_split_over_fsdp_vectors_replicated(self):
     specs = self._specs()

@@ -12,9 +12,9 @@ exactly like its parameter:
     vectors         norm scales, correction biases, step counts: replicated
 
 An axis is used only where it divides the dimension (otherwise that
-dimension stays whole), so every model fits every mesh; `describe` says
-what was split. The MoE layer's shard_map gathers what it needs replicated
-(the router, the shared expert, the expert weights' fsdp dimension).
+dimension stays whole), so every model fits every mesh. The MoE layer's
+shard_map gathers what it needs replicated (the router, the shared expert,
+the expert weights' fsdp dimension).
 """
 
 from __future__ import annotations
@@ -108,16 +108,6 @@ def place(tree, shardings):
     )
 
   return jax.tree.map(one, tree, shardings)
-
-
-def describe(state, sizes: dict[str, int]) -> dict[str, int]:
-  """How many state leaves each mesh axis splits, e.g. {'expert': 6}."""
-  counts = dict.fromkeys(mesh_lib.AXES, 0)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    for axis in spec_for(path, np.shape(leaf), sizes):
-      if axis is not None:
-        counts[axis] += 1
-  return {a: n for a, n in counts.items() if n}
 
 
 @dataclasses.dataclass(frozen=True)

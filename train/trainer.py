@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 import moe_core
 from moe_core import flax as moe_flax
 from train import checkpoint
 from train import data as data_lib
+from train import distributed
 from train import mesh as mesh_lib
 from train import model as model_lib
 from train import report
@@ -37,12 +37,6 @@ RunConfig = run_config.RunConfig
 run_config_from_preset = run_config.run_config_from_preset
 make_optimizer = steps.make_optimizer
 cross_entropy = steps.cross_entropy
-
-
-def _sync_processes(name: str) -> None:
-  """A barrier across the processes of a multi-process run (else nothing)."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
 
 
 class Trainer:
@@ -70,7 +64,7 @@ class Trainer:
     self.sizes = mesh_lib.parse(run.mesh)
     self.mesh = mesh_lib.build(self.sizes)
     mesh_lib.check_run(self.sizes, run.model, run.batch_size)
-    self.is_main = jax.process_index() == 0
+    self.is_main = distributed.is_main_process()
     moe_mesh = None
     if self.mesh is not None:
       moe_mesh = {
@@ -227,12 +221,9 @@ class Trainer:
     The checkpoint may come from another mesh or process count: each leaf
     is read into this run's sharding of it.
     """
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-        self.state,
-    )
-    state, meta = self.checkpointer.restore(path, target)
-    self.state = state
+    # The current state is the template: its leaves' shardings say where
+    # each restored leaf goes.
+    self.state, meta = self.checkpointer.restore(path, self.state)
     self.step = meta["step"]
     extra = meta.get("extra", {})
     if "data" not in extra:
@@ -275,7 +266,7 @@ class Trainer:
       if self.is_main:
         shutil.rmtree(self.checkpoint_dir)
       # No process may look for checkpoints until they are gone.
-      _sync_processes("dropless_fresh_output_dir")
+      distributed.barrier("dropless_fresh_output_dir")
 
   # --- The loop --------------------------------------------------------------
 
