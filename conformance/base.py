@@ -327,6 +327,7 @@ class BackendTestCase(parameterized.TestCase):
         "load_balancing_loss": ((), np.float32),
         "router_z_loss": ((), np.float32),
         "dropped_tokens": ((), np.int32),
+        "invalid_assignments": ((), np.int32),
     }
     self.assertEqual(sorted(result.aux), sorted(contract))
     # The oracle's own aux would be compared with itself; its routing is

@@ -60,6 +60,8 @@ class RoutingSuite(base.BackendTestCase):
         aux["tokens_per_expert"], want["tokens_per_expert"]
     )
     self.assertEqual(int(aux["dropped_tokens"]), want["dropped_tokens"])
+    # Finite inputs: nothing is invalid (README, "Guarantees").
+    self.assertEqual(int(aux["invalid_assignments"]), 0)
     for name in (
         "combine_weights",
         "router_probs",

@@ -306,12 +306,20 @@ class ValidationSuite(base.BackendTestCase):
     with self.assertRaisesRegex(
         ValueError,
         re.escape(
-            "combine_weights [T, K] must have T*K = the "
-            "dispatched M=6, got "
-            "combine_weights.shape=(3, 3)"
+            "combine_weights must have the dispatched shape [T, K]=(3, 2), "
+            "got combine_weights.shape=(3, 3)"
         ),
     ):
       moe_core.combine(d.rows, d, jnp.ones((3, 3), jnp.float32))
+    # [K, T] has the right T*K but the wrong layout.
+    with self.assertRaisesRegex(
+        ValueError,
+        re.escape(
+            "combine_weights must have the dispatched shape [T, K]=(3, 2), "
+            "got combine_weights.shape=(2, 3)"
+        ),
+    ):
+      moe_core.combine(d.rows, d, weights.T)
 
   def _expert_ffn(self, rows=None, group_sizes=None):
     rows = jnp.ones((6, 16), jnp.float32) if rows is None else rows

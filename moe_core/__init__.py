@@ -2,6 +2,7 @@
 
 from moe_core.api import moe_layer
 from moe_core.backend import Backend
+from moe_core.checks import checked
 from moe_core.config import MoEConfig
 from moe_core.permute import combine
 from moe_core.permute import dispatch
@@ -31,6 +32,7 @@ __all__ = [
     "MoEConfig",
     "auto_order",
     "available_backends",
+    "checked",
     "combine",
     "dispatch",
     "get_backend",

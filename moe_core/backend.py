@@ -9,6 +9,12 @@ The contract every backend keeps, whatever it overrides:
     `_down`). A hook sees validated inputs only.
   * Rows past sum(group_sizes) come out as zeros and get zero gradient,
     whatever they hold (NaN included).
+  * Values only the device knows follow the run-time policy (README,
+    "Guarantees"; `moe_core.checks`), in the templates, so every backend
+    gives the same answer: group sizes with a negative entry or a sum past
+    the rows make the whole GEMM/FFN output NaN (and NaN reaches the
+    gradients of rows and weights); expert ids out of range make their
+    token's output NaN. Hooks see sanitised sizes (zeros, then).
   * The expert GEMM outputs carry the checkpoint names of `CHECKPOINT_NAMES`
     (GATE_NAME, UP_NAME, DOWN_NAME), which the remat policies of
     `moe_core.remat` key on. A backend that fuses the activation into the
@@ -31,6 +37,7 @@ import jax
 from jax import ad_checkpoint
 import jax.numpy as jnp
 
+from moe_core import checks
 from moe_core import config as config_lib
 from moe_core import ffn
 from moe_core import operands
@@ -155,17 +162,19 @@ class Backend(abc.ABC):
           "grouped_gemm needs rows and weights of one dtype, got "
           f"rows {rows.dtype}, weights {weights.dtype}."
       )
+    out_dtype = validation.check_out_dtype(out_dtype, rows.dtype)
     self._check_dtype(rows.dtype)
-    out_dtype = jnp.dtype(out_dtype or rows.dtype)
-    return self._grouped_gemm(
+    group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
+    out = self._grouped_gemm(
         operands.GemmOperands(
             rows=rows,
             weights=weights,
-            group_sizes=group_sizes.astype(jnp.int32),
+            group_sizes=group_sizes,
             transpose_rhs=transpose_rhs,
             out_dtype=out_dtype,
         )
     )
+    return checks.poison_if(bad, out, rows, weights)
 
   @abc.abstractmethod
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
@@ -192,6 +201,7 @@ class Backend(abc.ABC):
     """
     validation.check_expert_ffn(rows, group_sizes, params, cfg)
     self._check_dtype(rows.dtype)
+    group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
     w_gate, w_up, w_down = (
         params[n].astype(rows.dtype) for n in ("w_gate", "w_up", "w_down")
     )
@@ -214,6 +224,7 @@ class Backend(abc.ABC):
           cfg.activation,
       )
     out = self._down(h, ffn_in)
+    out = checks.poison_if(bad, out, rows, w_gate, w_up, w_down)
     return ad_checkpoint.checkpoint_name(out, DOWN_NAME)
 
   def checkpoint_names(self, activation: str) -> tuple[str, ...]:
@@ -287,11 +298,29 @@ class Backend(abc.ABC):
       aux: routing.MoEAux,
       cfg: config_lib.MoEConfig,
   ) -> jax.Array:
-    """The routed experts' weighted output: x [T, D] -> [T, D]."""
-    validation.check_routed_experts(x, aux, cfg)
+    """The routed experts' weighted output: x [T, D] -> [T, D].
+
+    A token whose aux.expert_ids hold an id outside [0, E) (traced; concrete
+    ones raise) or whose combine weights hold NaN comes out as NaN.
+    """
+    validation.check_routed_experts(x, aux, cfg, params)
     dispatched = self.dispatch(x, aux, cfg)
     out = self.expert_ffn(dispatched.rows, dispatched.group_sizes, params, cfg)
     return self.combine(out, dispatched, aux, cfg)
+
+
+def _sanitised_group_sizes(
+    group_sizes: jax.Array, num_rows: int
+) -> tuple[jax.Array, jax.Array]:
+  """(int32 sizes for the hooks, scalar bool: the given sizes were bad).
+
+  Bad sizes (a negative entry, or a sum past num_rows; only traced ones get
+  here) are replaced by zeros, so no kernel reads rows that do not exist;
+  the caller then poisons its output with `checks.poison_if`.
+  """
+  group_sizes = group_sizes.astype(jnp.int32)
+  bad = checks.check_group_sizes(group_sizes, num_rows)
+  return jnp.where(bad, 0, group_sizes), bad
 
 
 def _parameters(function) -> tuple[str, ...]:

@@ -72,6 +72,13 @@ class MoEConfig:
     ):
       _check_positive_int(name, getattr(self, name))
     _check_int(self, "shared_ffn_size", minimum=0)
+    for name in (
+        "norm_topk_prob",
+        "correction_bias",
+        "shared_expert_gate",
+    ):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
     if self.top_k > self.num_experts:
       raise ValueError(
           f"top_k must be <= num_experts, got top_k={self.top_k}, "
@@ -109,26 +116,21 @@ class MoEConfig:
           "shared_expert_gate=True needs shared_ffn_size > 0, "
           f"got shared_ffn_size={self.shared_ffn_size}."
       )
-    if not (
-        isinstance(self.norm_epsilon, (int, float)) and self.norm_epsilon >= 0
-    ):
+    if not (_is_finite_number(self.norm_epsilon) and self.norm_epsilon >= 0):
       raise ValueError(
-          f"norm_epsilon must be a float >= 0, got {self.norm_epsilon!r}."
+          "norm_epsilon must be a finite float >= 0, got "
+          f"{self.norm_epsilon!r}."
       )
-    if not (
-        isinstance(self.routed_scaling_factor, (int, float))
-        and math.isfinite(self.routed_scaling_factor)
-    ):
+    if not _is_finite_number(self.routed_scaling_factor):
       raise ValueError(
           "routed_scaling_factor must be a finite number, got "
           f"{self.routed_scaling_factor!r}."
       )
     if self.capacity_factor is not None and not (
-        isinstance(self.capacity_factor, (int, float))
-        and self.capacity_factor > 0
+        _is_finite_number(self.capacity_factor) and self.capacity_factor > 0
     ):
       raise ValueError(
-          "capacity_factor must be None (dropless) or a number "
+          "capacity_factor must be None (dropless) or a finite number "
           f"> 0, got {self.capacity_factor!r}."
       )
 
@@ -153,6 +155,15 @@ class MoEConfig:
 
   def replace(self, **changes) -> MoEConfig:
     return dataclasses.replace(self, **changes)
+
+
+def _is_finite_number(value) -> bool:
+  """An int or float (not a bool) that is neither NaN nor infinite."""
+  return (
+      isinstance(value, (int, float))
+      and not isinstance(value, bool)
+      and math.isfinite(value)
+  )
 
 
 def _check_positive_int(name, value):

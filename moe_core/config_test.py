@@ -99,10 +99,11 @@ class ValidationTest(parameterized.TestCase):
     ):
       _cfg(shared_expert_gate=True)
 
-  @parameterized.parameters(-1e-6, "0", None)
+  @parameterized.parameters(-1e-6, "0", None, float("inf"), float("nan"))
   def test_norm_epsilon(self, value):
     with self.assertRaisesRegex(
-        ValueError, rf"^norm_epsilon must be a float >= 0, got {value!r}"
+        ValueError,
+        rf"^norm_epsilon must be a finite float >= 0, got {value!r}",
     ):
       _cfg(norm_epsilon=value)
 
@@ -114,11 +115,22 @@ class ValidationTest(parameterized.TestCase):
     ):
       _cfg(routed_scaling_factor=value)
 
-  @parameterized.parameters(0, -1.0, "1.25")
+  @parameterized.product(
+      name=("norm_topk_prob", "correction_bias", "shared_expert_gate"),
+      value=(1, "yes", None),
+  )
+  def test_flags_must_be_bools(self, name, value):
+    # A truthy non-bool would silently pick a routing variant.
+    with self.assertRaisesRegex(
+        TypeError, rf"^{name} must be a bool, got {value!r}"
+    ):
+      _cfg(**{name: value})
+
+  @parameterized.parameters(0, -1.0, "1.25", float("inf"), float("nan"))
   def test_capacity_factor(self, value):
     with self.assertRaisesRegex(
         ValueError,
-        r"^capacity_factor must be None \(dropless\) or a number "
+        r"^capacity_factor must be None \(dropless\) or a finite number "
         rf"> 0, got {value!r}",
     ):
       _cfg(capacity_factor=value)

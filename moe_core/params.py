@@ -15,6 +15,8 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   w_down [E, F, D]; shared_w_gate, shared_w_up [D, Fs], shared_w_down [Fs, D]
   (if shared_ffn_size); shared_gate [D, 1] (if shared_expert_gate).
   """
+  if not isinstance(cfg, config_lib.MoEConfig):
+    raise TypeError(f"cfg must be a moe_core.MoEConfig, got {type(cfg)}.")
   d, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_ffn_size
   shapes = {"router": (d, e)}
   if cfg.correction_bias:
@@ -38,8 +40,20 @@ def init_params(
   Matrices are drawn from a truncated normal with std 1/sqrt(fan_in), fan_in
   being the contracted dimension; the correction bias starts at zero and stays
   float32 whatever `dtype` is (it is routing state, updated by a sign rule).
+
+  Args:
+    key: a PRNG key (jax.random.key or the legacy uint32 [2] PRNGKey).
+    cfg: the block's config.
+    dtype: a floating dtype for everything but the correction bias.
   """
   shapes = param_shapes(cfg)
+  _check_key(key)
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"dtype must be a floating dtype, got {dtype!r}.") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"dtype must be a floating dtype, got {dtype.name}.")
   keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
   params = {}
   for name, shape in shapes.items():
@@ -53,3 +67,20 @@ def init_params(
         * jax.random.truncated_normal(keys[name], -2.0, 2.0, shape, jnp.float32)
     ).astype(dtype)
   return params
+
+
+def _check_key(key) -> None:
+  """A typed PRNG key array of shape (), or a legacy uint32 [2] key."""
+  if not hasattr(key, "dtype") or not hasattr(key, "shape"):
+    raise TypeError(
+        f"key must be a PRNG key (jax.random.key(seed)), got {type(key)}."
+    )
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"key must be a single key, got shape {key.shape}.")
+    return
+  if key.dtype != jnp.uint32 or key.shape != (2,):
+    raise TypeError(
+        "key must be a PRNG key (jax.random.key(seed), or a uint32 [2] "
+        f"jax.random.PRNGKey), got {key.dtype}{list(key.shape)}."
+    )

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from moe_core import checks
 from moe_core import validation
 
 
@@ -20,16 +21,24 @@ class Dispatched:
 
   Attributes:
     rows: [M, D] copies sorted by expert (stable, so by token within an
-      expert). Copies dropped by capacity come last, past sum(group_sizes).
+      expert). Copies dropped by capacity come past sum(group_sizes), and
+      invalid copies last, as rows of NaN.
     group_sizes: [E] int32, rows per expert; sum(group_sizes) <= M.
     assignment: [M] int32, the assignment a held by each sorted row.
     position: [M] int32, the inverse: the sorted row of assignment a.
+    invalid: [M] bool in assignment order: the copy's expert id was out of
+      [0, E) (possible only for traced ids: concrete ones raise). `combine`
+      makes such a token's output NaN. sum(group_sizes) + dropped +
+      sum(invalid) = M.
+    top_k: K, static: combine checks its weights are [T, K] = [M / K, K].
   """
 
   rows: jax.Array
   group_sizes: jax.Array
   assignment: jax.Array
   position: jax.Array
+  invalid: jax.Array
+  top_k: int = dataclasses.field(default=1, metadata=dict(static=True))
 
 
 def dispatch(
@@ -47,27 +56,34 @@ def dispatch(
     kept: optional [T, K] bool; False copies are sorted past every group.
 
   Returns:
-    `Dispatched` with rows [T*K, D].
+    `Dispatched` with rows [T*K, D]. Concrete ids outside [0, E) raise
+    ValueError; traced ones are marked `invalid` (README, "Guarantees").
   """
   validation.check_dispatch(x, expert_ids, num_experts, kept)
   t, k = expert_ids.shape
   flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
+  invalid = checks.check_expert_ids(flat_ids, num_experts)
+  # Sort keys: experts 0..E-1, then dropped copies (E), then invalid (E+1);
+  # bincount(length=E) counts only the experts'.
+  keys = flat_ids
   if kept is not None:
-    # Dropped copies get the key E, which sorts after every real expert.
-    flat_ids = jnp.where(kept.reshape(-1), flat_ids, num_experts)
-  assignment = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)
+    keys = jnp.where(kept.reshape(-1), keys, num_experts)
+  keys = jnp.where(invalid, num_experts + 1, keys)
+  assignment = jnp.argsort(keys, stable=True).astype(jnp.int32)
   position = (
       jnp.zeros(t * k, jnp.int32)
       .at[assignment]
       .set(jnp.arange(t * k, dtype=jnp.int32))
   )
-  group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-  rows = x[assignment // k]
+  group_sizes = jnp.bincount(keys, length=num_experts).astype(jnp.int32)
+  rows = checks.nan_rows(invalid[assignment], x[assignment // k])
   return Dispatched(
       rows=rows,
       group_sizes=group_sizes,
       assignment=assignment,
       position=position,
+      invalid=invalid,
+      top_k=k,
   )
 
 
@@ -81,16 +97,17 @@ def combine(
 
   y[t] = sum_k combine_weights[t, k] * expert_out[position[t*K + k]],
   summed in float32 and returned in expert_out's dtype. Dropped copies
-  (kept False) contribute exactly zero, even if their rows hold NaN.
+  (kept False) contribute exactly zero, even if their rows hold NaN; an
+  invalid copy (`dispatched.invalid`) or a NaN weight makes its token's row
+  NaN.
   """
-  validation.check_combine(
-      expert_out, dispatched.position.shape[0], combine_weights, kept
-  )
+  validation.check_combine(expert_out, dispatched, combine_weights, kept)
   t, k = combine_weights.shape
   per_copy = expert_out[dispatched.position].reshape(t, k, -1)
   per_copy = per_copy.astype(jnp.float32)
   if kept is not None:
     per_copy = jnp.where(kept[..., None], per_copy, 0.0)
+  per_copy = checks.nan_rows(dispatched.invalid.reshape(t, k), per_copy)
   y = jnp.einsum(
       "tk,tkd->td",
       combine_weights.astype(jnp.float32),

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from moe_core import checks
 from moe_core import config as config_lib
 from moe_core import validation
 
@@ -22,17 +23,24 @@ class MoEAux:
       softmax of the logits, or sigmoid scores normalised per token.
     expert_ids: [T, K] int32, the experts chosen for each token (best first).
     combine_weights: [T, K] float32, the weight of each chosen expert's
-      output (normalised and scaled as the config says); 0 where dropped.
-    kept: [T, K] bool, False where capacity dropped the assignment (all True
-      when dropless).
-    tokens_per_expert: [E] int32, assignments the router made per expert,
-      before any capacity drop; sums to T*K.
+      output (normalised and scaled as the config says); 0 where dropped,
+      NaN where invalid.
+    kept: [T, K] bool, False where capacity dropped the assignment or it is
+      invalid (all True when dropless and every score is finite).
+    tokens_per_expert: [E] int32, valid assignments the router made per
+      expert, before any capacity drop; sums to T*K - invalid_assignments.
     load_balancing_loss: scalar float32, Switch-style E * sum_e f_e * P_e
       with f_e = tokens_per_expert / (T*K) and P_e = mean router_probs; 1.0
       at perfect balance.
     router_z_loss: scalar float32, mean over tokens of logsumexp(logits)^2.
-    dropped_tokens: scalar int32, assignments dropped by capacity; always 0
-      when dropless.
+    dropped_tokens: scalar int32, valid assignments dropped by capacity;
+      always 0 when dropless.
+    invalid_assignments: scalar int32, assignments of tokens whose logits or
+      selection scores (scores + correction bias) hold NaN or Inf: from
+      NaN/Inf in the token's x, in the router or in the correction bias.
+      Their combine weights are NaN, so those tokens' outputs are NaN
+      (README, "Guarantees"). sum(kept) + dropped_tokens +
+      invalid_assignments = T*K.
   """
 
   router_logits: jax.Array
@@ -44,6 +52,7 @@ class MoEAux:
   load_balancing_loss: jax.Array
   router_z_loss: jax.Array
   dropped_tokens: jax.Array
+  invalid_assignments: jax.Array
 
 
 def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
@@ -88,21 +97,28 @@ def select_experts(
 
 
 def capacity_keep_mask(
-    expert_ids: jax.Array, num_experts: int, capacity: int
+    expert_ids: jax.Array,
+    num_experts: int,
+    capacity: int,
+    valid: jax.Array | None = None,
 ) -> jax.Array:
   """[T, K] bool: which assignments fit in `capacity` slots per expert.
 
   Priority follows GShard: every token's first choice before any second
-  choice, and earlier tokens first within a choice.
+  choice, and earlier tokens first within a choice. Tokens with `valid`
+  [T] False take no slot (and are not kept).
   """
   t, k = expert_ids.shape
+  if valid is not None:
+    # Key E: after every expert, so the invalid never crowd out the valid.
+    expert_ids = jnp.where(valid[:, None], expert_ids, num_experts)
   by_choice = expert_ids.T.reshape(-1)  # [K*T], choice-major priority order.
   order = jnp.argsort(by_choice, stable=True)
-  counts = jnp.bincount(by_choice, length=num_experts)
+  counts = jnp.bincount(by_choice, length=num_experts + 1)
   starts = jnp.cumsum(counts) - counts
   rank_sorted = (jnp.arange(t * k) - starts[by_choice[order]]).astype(jnp.int32)
   rank = jnp.zeros(t * k, jnp.int32).at[order].set(rank_sorted)
-  return (rank < capacity).reshape(k, t).T
+  return ((rank < capacity) & (by_choice < num_experts)).reshape(k, t).T
 
 
 def route(
@@ -138,6 +154,7 @@ def route(
   if correction_bias is not None:
     # The bias steers selection only; no gradient flows into it.
     bias = jax.lax.stop_gradient(correction_bias.astype(jnp.float32))
+  valid = _finite_selection(logits, scores, bias)
   expert_ids = select_experts(scores, cfg, bias)
   weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
   if cfg.norm_topk_prob:
@@ -146,18 +163,22 @@ def route(
 
   capacity = cfg.expert_capacity(num_tokens)
   if capacity is None:
-    kept = jnp.ones(expert_ids.shape, bool)
+    kept = jnp.broadcast_to(valid[:, None], expert_ids.shape)
   else:
-    kept = capacity_keep_mask(expert_ids, cfg.num_experts, capacity)
+    kept = capacity_keep_mask(expert_ids, cfg.num_experts, capacity, valid)
+  # Dropped: weight 0. Invalid: NaN, which no mask downstream can hide.
   weights = jnp.where(kept, weights, 0.0)
+  weights = checks.nan_rows(~valid, weights)
 
+  valid_ids = jnp.where(valid[:, None], expert_ids, cfg.num_experts)
   tokens_per_expert = jnp.bincount(
-      expert_ids.reshape(-1), length=cfg.num_experts
+      valid_ids.reshape(-1), length=cfg.num_experts
   ).astype(jnp.int32)
   fraction = tokens_per_expert.astype(jnp.float32) / (num_tokens * cfg.top_k)
   load_balancing_loss = cfg.num_experts * jnp.sum(fraction * probs.mean(axis=0))
   router_z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-  dropped = (expert_ids.size - kept.sum()).astype(jnp.int32)
+  invalid = (cfg.top_k * jnp.sum(~valid)).astype(jnp.int32)
+  dropped = (expert_ids.size - kept.sum() - invalid).astype(jnp.int32)
   return MoEAux(
       router_logits=logits,
       router_probs=probs,
@@ -168,7 +189,31 @@ def route(
       load_balancing_loss=load_balancing_loss,
       router_z_loss=router_z_loss,
       dropped_tokens=dropped,
+      invalid_assignments=invalid,
   )
+
+
+def _finite_selection(
+    logits: jax.Array, scores: jax.Array, bias: jax.Array | None
+) -> jax.Array:
+  """[T] bool: the token's logits and selection scores are all finite.
+
+  A NaN or Inf there (from x, the router or the bias) makes top-k pick
+  arbitrary experts with finite-looking weights (a sigmoid even maps an
+  infinite logit to 0 or 1): such tokens are invalid. Under
+  `checks.checked` the first one raises instead.
+  """
+  choice = scores if bias is None else scores + bias
+  valid = jnp.all(jnp.isfinite(logits), axis=-1) & jnp.all(
+      jnp.isfinite(choice), axis=-1
+  )
+  checks.debug_check(
+      jnp.all(valid),
+      "routing scores must be finite: {} tokens have NaN or Inf in their "
+      "scores (from x, router or correction_bias).",
+      jnp.sum(~valid),
+  )
+  return valid
 
 
 def update_correction_bias(
@@ -182,20 +227,36 @@ def update_correction_bias(
   Args:
     correction_bias: [E] float32.
     tokens_per_expert: [E] (or [..., E], summed over leading axes, e.g. the
-      layers or micro-batches of a step) counts.
-    rate: the update speed (gamma in the paper, 1e-3 for DeepSeek-V3).
+      layers or micro-batches of a step) counts, >= 0.
+    rate: the update speed (gamma in the paper, 1e-3 for DeepSeek-V3): a
+      finite number >= 0, or a scalar array.
+
+  Returns:
+    The new [E] bias. Concrete bad counts (negative, NaN, Inf) or a bad
+    Python rate raise ValueError; under jit, a bad count or a traced rate
+    that is negative, NaN or Inf gives an all-NaN bias (the next `route`
+    then marks every token invalid: README, "Guarantees"). NaN in
+    correction_bias stays where it is.
   """
-  if correction_bias.ndim != 1:
-    raise ValueError(
-        "correction_bias must be 1-D [E], got shape "
-        f"{correction_bias.shape}."
-    )
+  validation.check_correction_bias_update(
+      correction_bias, tokens_per_expert, rate
+  )
   load = tokens_per_expert.astype(jnp.float32)
-  if load.shape[-1:] != correction_bias.shape:
-    raise ValueError(
-        "tokens_per_expert must end in E="
-        f"{correction_bias.shape[0]}, got "
-        f"shape {tokens_per_expert.shape}."
-    )
+  rate = jnp.asarray(rate, jnp.float32)
+  bad = (
+      jnp.any(load < 0)
+      | ~jnp.all(jnp.isfinite(load))
+      | ~jnp.isfinite(rate)
+      | (rate < 0)
+  )
+  checks.debug_check(
+      ~bad,
+      "update_correction_bias needs tokens_per_expert >= 0 and finite, and a "
+      "finite rate >= 0, got min count {} and rate {}.",
+      jnp.min(load),
+      rate,
+  )
   load = load.reshape(-1, load.shape[-1]).sum(axis=0)
-  return correction_bias + rate * jnp.sign(load.mean() - load)
+  step = rate * jnp.sign(load.mean() - load)
+  new_bias = (correction_bias + step).astype(correction_bias.dtype)
+  return jnp.where(bad, jnp.asarray(jnp.nan, new_bias.dtype), new_bias)

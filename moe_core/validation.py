@@ -111,6 +111,8 @@ def check_grouped_gemm(
     raise ValueError(
         "weights must be 3-D [E, C, N], got " f"weights.shape={weights.shape}."
     )
+  if not isinstance(transpose_rhs, (bool, np.bool_)):
+    raise TypeError(f"transpose_rhs must be a bool, got {transpose_rhs!r}.")
   c_axis = 2 if transpose_rhs else 1
   if weights.shape[c_axis] != rows.shape[1]:
     layout = "[E, N, C]" if transpose_rhs else "[E, C, N]"
@@ -120,6 +122,23 @@ def check_grouped_gemm(
     )
   check_group_sizes(group_sizes, weights.shape[0])
   check_group_sizes_fit(group_sizes, rows.shape[0])
+
+
+def check_out_dtype(out_dtype, default) -> jnp.dtype:
+  """grouped_gemm's out_dtype: None (rows' dtype) or a floating dtype."""
+  if out_dtype is None:
+    return jnp.dtype(default)
+  try:
+    dtype = jnp.dtype(out_dtype)
+  except TypeError:
+    raise TypeError(
+        f"out_dtype must be None or a floating dtype, got {out_dtype!r}."
+    ) from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"out_dtype must be None or a floating dtype, got {dtype.name}."
+    )
+  return dtype
 
 
 def check_routing(
@@ -223,6 +242,8 @@ def check_dispatch(x, expert_ids, num_experts, kept) -> None:
       raise ValueError(
           f"{name} must be 2-D, got {name}.shape=" f"{tuple(arr.shape)}."
       )
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"x must be floating point, got dtype {_dtype_name(x)}.")
   if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise TypeError(
         "expert_ids must be an integer (int32) array, got dtype "
@@ -245,34 +266,163 @@ def check_dispatch(x, expert_ids, num_experts, kept) -> None:
   check_expert_ids_in_range(expert_ids, num_experts)
 
 
-def check_combine(expert_out, num_rows: int, combine_weights, kept) -> None:
-  """combine's expert_out [M, D] and combine_weights [T, K], T*K == M."""
-  if not hasattr(expert_out, "shape") or expert_out.ndim != 2:
+def check_combine(expert_out, dispatched, combine_weights, kept) -> None:
+  """combine's expert_out [M, D] and combine_weights [T, K], T*K == M, with
+  the T and K of the `Dispatched` (so a transposed [K, T] is refused)."""
+  check_is_array(expert_out, "expert_out")
+  if expert_out.ndim != 2:
     raise ValueError(
-        "expert_out must be 2-D [M, D], got "
-        f"{getattr(expert_out, 'shape', type(expert_out))}."
+        f"expert_out must be 2-D [M, D], got {tuple(expert_out.shape)}."
     )
+  if not jnp.issubdtype(expert_out.dtype, jnp.floating):
+    raise TypeError(
+        "expert_out must be floating point, got dtype "
+        f"{_dtype_name(expert_out)}."
+    )
+  if not hasattr(dispatched, "position"):
+    raise TypeError(
+        "dispatched must be the moe_core.Dispatched of dispatch, got "
+        f"{type(dispatched).__name__}."
+    )
+  num_rows = dispatched.position.shape[0]
   if expert_out.shape[0] != num_rows:
     raise ValueError(
         f"expert_out must have the dispatched M={num_rows} rows,"
         f" got expert_out.shape={tuple(expert_out.shape)}."
     )
-  if not hasattr(combine_weights, "shape") or combine_weights.ndim != 2:
+  check_is_array(combine_weights, "combine_weights")
+  top_k = dispatched.top_k
+  want = (num_rows // top_k, top_k)
+  if tuple(combine_weights.shape) != want:
     raise ValueError(
-        "combine_weights must be 2-D [T, K], got "
-        f"{getattr(combine_weights, 'shape', None)}."
+        f"combine_weights must have the dispatched shape [T, K]={want}, got "
+        f"combine_weights.shape={tuple(combine_weights.shape)}."
     )
-  t, k = combine_weights.shape
-  if t * k != num_rows:
+  if not jnp.issubdtype(combine_weights.dtype, jnp.floating):
+    raise TypeError(
+        "combine_weights must be floating point, got dtype "
+        f"{_dtype_name(combine_weights)}."
+    )
+  if kept is not None and (
+      tuple(kept.shape) != want or kept.dtype != jnp.bool_
+  ):
     raise ValueError(
-        f"combine_weights [T, K] must have T*K = the dispatched "
-        f"M={num_rows}, got combine_weights.shape={(t, k)}."
+        f"kept must be bool of combine_weights' shape {want}, got "
+        f"{_dtype_name(kept)}{list(kept.shape)}."
     )
-  if kept is not None and tuple(kept.shape) != (t, k):
+
+
+def check_python_number(
+    name: str, value, *, minimum: float | None = None, strict: bool = False
+) -> None:
+  """value is a finite int or float (not a bool) >= minimum (> if strict)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+    raise TypeError(f"{name} must be a number, got {value!r}.")
+  if not math.isfinite(value):
+    raise ValueError(f"{name} must be finite, got {value!r}.")
+  if minimum is not None and (value <= minimum if strict else value < minimum):
+    relation = ">" if strict else ">="
+    raise ValueError(f"{name} must be {relation} {minimum}, got {value!r}.")
+
+
+def check_correction_bias_update(correction_bias, tokens_per_expert, rate):
+  """update_correction_bias's bias [E], counts [..., E] and rate >= 0."""
+  check_is_array(correction_bias, "correction_bias")
+  if not jnp.issubdtype(correction_bias.dtype, jnp.floating):
+    raise TypeError(
+        "correction_bias must be floating point, got dtype "
+        f"{_dtype_name(correction_bias)}."
+    )
+  if correction_bias.ndim != 1:
     raise ValueError(
-        f"kept must have combine_weights' shape {(t, k)}, got "
-        f"{tuple(kept.shape)}."
+        "correction_bias must be 1-D [E], got shape "
+        f"{tuple(correction_bias.shape)}."
     )
+  check_is_array(tokens_per_expert, "tokens_per_expert")
+  if tokens_per_expert.dtype == jnp.bool_ or not (
+      jnp.issubdtype(tokens_per_expert.dtype, jnp.integer)
+      or jnp.issubdtype(tokens_per_expert.dtype, jnp.floating)
+  ):
+    raise TypeError(
+        "tokens_per_expert must be an integer or float array of counts, got "
+        f"dtype {_dtype_name(tokens_per_expert)}."
+    )
+  if tokens_per_expert.shape[-1:] != correction_bias.shape:
+    raise ValueError(
+        f"tokens_per_expert must end in E={correction_bias.shape[0]}, got "
+        f"shape {tuple(tokens_per_expert.shape)}."
+    )
+  if hasattr(rate, "shape") and hasattr(rate, "dtype"):
+    if rate.shape != () or not (
+        jnp.issubdtype(rate.dtype, jnp.floating)
+        or jnp.issubdtype(rate.dtype, jnp.integer)
+    ):
+      raise TypeError(
+          "rate must be a number or a scalar numeric array, got "
+          f"{_dtype_name(rate)}{list(rate.shape)}."
+      )
+    concrete_rate = concrete_value(rate)
+    if concrete_rate is not None:
+      check_python_number("rate", float(concrete_rate), minimum=0)
+  else:
+    check_python_number("rate", rate, minimum=0)
+  counts = concrete_value(tokens_per_expert)
+  if counts is not None and counts.size:
+    if not np.all(np.isfinite(counts)) or (counts < 0).any():
+      raise ValueError(
+          "tokens_per_expert must be finite counts >= 0, got "
+          f"{counts.tolist()}."
+      )
+
+
+def check_is_array(x, name: str) -> None:
+  """x has a shape and a dtype (a jax or numpy array, or a tracer)."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
+
+
+def check_expert_weights(params, cfg: config_lib.MoEConfig) -> int:
+  """w_gate, w_up [E_l, D, F] and w_down [E_l, F, D]; returns E_l.
+
+  E_l is the experts `params` holds: cfg.num_experts on one device, this
+  device's slice under expert parallelism. A missing key is named.
+  """
+  if not isinstance(params, dict):
+    raise TypeError(f"params must be a dict of arrays, got {type(params)}.")
+  missing = [n for n in ("w_gate", "w_up", "w_down") if n not in params]
+  if missing:
+    raise ValueError(
+        f"params is missing {missing}, needed by the expert FFN; got keys "
+        f"{sorted(params)}."
+    )
+  for name in ("w_gate", "w_up", "w_down"):
+    check_is_array(params[name], f"params[{name!r}]")
+  num_local = params["w_gate"].shape[0] if params["w_gate"].ndim else 0
+  d, f = cfg.hidden_size, cfg.expert_ffn_size
+  want = {
+      "w_gate": (num_local, d, f),
+      "w_up": (num_local, d, f),
+      "w_down": (num_local, f, d),
+  }
+  for name, shape in want.items():
+    got = tuple(params[name].shape)
+    if got != shape:
+      raise ValueError(
+          f"params[{name!r}] must have shape {shape} ([E, D, F] for w_gate "
+          f"and w_up, [E, F, D] for w_down, with D={d}, F={f} and the "
+          f"{num_local} experts of w_gate), got {got}."
+      )
+    if not jnp.issubdtype(params[name].dtype, jnp.floating):
+      raise TypeError(
+          f"params[{name!r}] must be floating point, got dtype "
+          f"{_dtype_name(params[name])}."
+      )
+  if num_local < 1:
+    raise ValueError(
+        "params['w_gate'] must hold at least one expert, got shape "
+        f"{tuple(params['w_gate'].shape)}."
+    )
+  return num_local
 
 
 def check_group_sizes_fit(group_sizes, num_rows: int) -> None:
@@ -296,30 +446,48 @@ def check_group_sizes_fit(group_sizes, num_rows: int) -> None:
 def check_expert_ffn(
     rows, group_sizes, params: dict, cfg: config_lib.MoEConfig
 ) -> None:
-  """expert_ffn's rows [M, D] and group_sizes [E_local]; overrides call it.
+  """expert_ffn's rows [M, D] and group_sizes [E_l]; overrides call it.
 
-  E_local is the experts params holds: all of cfg.num_experts on one
+  E_l is the experts params holds: all of cfg.num_experts on one
   device, this device's slice under expert parallelism.
   """
   check_config(cfg)
-  if (
-      not hasattr(rows, "shape")
-      or rows.ndim != 2
-      or (rows.shape[1] != cfg.hidden_size)
-  ):
+  check_is_array(rows, "rows")
+  if rows.ndim != 2 or rows.shape[1] != cfg.hidden_size:
     raise ValueError(
         f"rows must have shape [M, hidden_size={cfg.hidden_size}], got "
-        f"rows.shape={tuple(getattr(rows, 'shape', ()))}."
+        f"rows.shape={tuple(rows.shape)}."
     )
-  check_group_sizes(group_sizes, params["w_gate"].shape[0])
+  if not jnp.issubdtype(rows.dtype, jnp.floating):
+    raise TypeError(
+        f"rows must be floating point, got dtype {_dtype_name(rows)}."
+    )
+  num_local = check_expert_weights(params, cfg)
+  check_group_sizes(group_sizes, num_local)
   check_group_sizes_fit(group_sizes, rows.shape[0])
 
 
-def check_routed_experts(x, aux, cfg: config_lib.MoEConfig) -> None:
-  """routed_experts' tokens [T, D] and the routing decision [T, K] (shapes;
-  the ids' values are checked where they are consumed, by dispatch)."""
+def check_routed_experts(
+    x, aux, cfg: config_lib.MoEConfig, params: dict | None = None
+) -> None:
+  """routed_experts' tokens [T, D], the routing decision [T, K] and, if
+  given, the expert weights of all E experts. The ids' values are checked
+  where they are consumed (dispatch, or the reference's mixture)."""
+  check_config(cfg)
   check_token_matrix(x, cfg, "routed_experts")
+  if not all(hasattr(aux, n) for n in ("expert_ids", "combine_weights")):
+    raise TypeError(
+        f"aux must be the moe_core.MoEAux of route, got {type(aux).__name__}."
+    )
   check_routing(aux.expert_ids, aux.combine_weights, x.shape[0], cfg)
+  if params is not None:
+    num_local = check_expert_weights(params, cfg)
+    if num_local != cfg.num_experts:
+      raise ValueError(
+          f"routed_experts needs the weights of all num_experts="
+          f"{cfg.num_experts} experts, got params['w_gate'] with "
+          f"{num_local}."
+      )
 
 
 def check_choice(name: str, value, choices: Sequence) -> None:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_core import backend
+from moe_core import checks
 from moe_core import operands
 from moe_core import config as config_lib
 from moe_core import ffn
@@ -76,11 +77,13 @@ def dense_mixture(
   `expert_ffn` runs, so the layer emits no checkpoint names: under the
   "save_moe" policy the oracle recomputes everything, as under "full".
   `expert_ffn` called directly is the base one, with every name.
+
+  An id out of [0, E) would be a zero row of one_hot, dropping its token
+  silently: concrete ones raise, traced ones make the token's row NaN.
   """
-  validation.check_routed_experts(x, aux, cfg)
-  # No dispatch here to check the ids: one_hot would turn an id out of
-  # range into a zero row, dropping its token silently.
+  validation.check_routed_experts(x, aux, cfg, params)
   validation.check_expert_ids_in_range(aux.expert_ids, cfg.num_experts)
+  invalid = checks.check_expert_ids(aux.expert_ids, cfg.num_experts)
   chosen = jax.nn.one_hot(
       aux.expert_ids, cfg.num_experts, dtype=jnp.float32
   )  # [T, K, E]
@@ -93,7 +96,7 @@ def dense_mixture(
     y += token_expert_weight[:, e : e + 1] * expert_ffn_dense(
         x, params, e, cfg.activation
     )
-  return y.astype(x.dtype)
+  return checks.nan_rows(jnp.any(invalid, axis=-1), y).astype(x.dtype)
 
 
 class ReferenceBackend(backend.Backend):

@@ -99,11 +99,14 @@ def routed_experts(
   y = jnp.concatenate(ys) if chunks > 1 else ys[0]
   kept = jnp.concatenate(kept) if chunks > 1 else kept[0]
   if options.buffer_factor is not None:
-    dropped = (kept.size - jnp.sum(kept)).astype(jnp.int32)
+    # Invalid tokens' copies travel (their NaN weights make them visible)
+    # but were never kept: count only valid copies the buffer dropped.
+    dropped = jnp.sum(aux.kept & ~kept).astype(jnp.int32)
+    kept = kept & aux.kept
     aux = dataclasses.replace(
         aux,
         kept=kept,
-        combine_weights=jnp.where(kept, aux.combine_weights, 0.0),
+        combine_weights=jnp.where(kept | ~aux.kept, aux.combine_weights, 0.0),
         dropped_tokens=aux.dropped_tokens + stages.psum(dropped, token_axes),
     )
   return y.astype(x.dtype), aux

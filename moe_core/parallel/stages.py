@@ -81,6 +81,7 @@ def route(
       load_balancing_loss=load_balancing_loss,
       router_z_loss=router_z_loss,
       dropped_tokens=psum(aux.dropped_tokens, token_axes),
+      invalid_assignments=psum(aux.invalid_assignments, token_axes),
   )
 
 

@@ -1,0 +1,132 @@
+"""Values known only on the device: NaN-and-count by default, errors if checked.
+
+The run-time policy (README, "Guarantees"). A value that only the device
+knows (expert ids, group sizes, token counts, a rate under jit) cannot raise
+without a host sync, which a training step must not pay. So by default a bad
+value makes the outputs it touches NaN, and routing counts it in
+`MoEAux.invalid_assignments`; concrete values (eager calls) raise ValueError
+where they are given (`moe_core.validation`).
+
+The same conditions are also written as `checkify.debug_check`s, which cost
+nothing in a plain `jax.jit` and fail only under `checkify.checkify`:
+`checked(fn)` is that opt-in mode, raising a ValueError with the eager text.
+
+    y, aux = moe_core.checked(jax.jit(layer))(params, x)   # raises on bad ids
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
+
+
+def debug_check(ok: jax.Array, message: str, *values: jax.Array) -> None:
+  """Fails a `checked` call if `ok` is False; free otherwise.
+
+  `message` has one "{}" per value; the values are formatted on the device.
+  """
+  checkify.debug_check(ok, message, *values)
+
+
+def checked(fn: Callable) -> Callable:
+  """`fn` with the run-time value checks of moe_core turned into errors.
+
+  Runs `fn` (jitted or not) under `checkify.checkify` with the user checks
+  only, so its cost is one boolean per check; the first failed check raises
+  `checkify.JaxRuntimeError`, a ValueError whose message is the check's
+  (the same words as the eager ValueError). Arguments and results are
+  `fn`'s.
+  """
+  checkified = checkify.checkify(fn, errors=checkify.user_checks)
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    error, out = checkified(*args, **kwargs)
+    error.throw()
+    return out
+
+  return run
+
+
+def nan_rows(bad_rows: jax.Array, x: jax.Array) -> jax.Array:
+  """x [N, ...] with the rows where bad_rows [N] is True set to NaN.
+
+  bad_rows may have several leading dims ([T, K] for x [T, K, D]).
+  """
+  bad = bad_rows.reshape(bad_rows.shape + (1,) * (x.ndim - bad_rows.ndim))
+  return jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
+
+
+def poison_if(bad: jax.Array, out: jax.Array, *inputs: jax.Array) -> jax.Array:
+  """out, or all NaN if the scalar `bad`; then NaN reaches `inputs`' grads too.
+
+  The output is `out` bit for bit when not bad. When bad, the cotangent of
+  `out` is dropped and the first element of each input gets a NaN gradient
+  instead (a select, not a product, so a NaN cotangent in the valid case
+  adds nothing): a poisoned GEMM cannot hand back a finite gradient. It
+  costs one select over `out` and a few scalars, never a pass over the
+  (large) inputs.
+  """
+  witness = sum(
+      (x.reshape(-1)[:1].astype(jnp.float32).sum() for x in inputs),
+      jnp.float32(0),
+  )
+  # Both factors are selects on `bad`, so when not bad the transpose
+  # multiplies zeros by zero: no NaN leaks into a valid call's gradient.
+  nan_when_bad = jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(0))
+  poison = jnp.where(bad, witness * nan_when_bad, jnp.float32(0))
+  return jnp.where(bad, poison.astype(out.dtype), out)
+
+
+def bad_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+  """Scalar bool: a negative size, or sizes summing past `num_rows`.
+
+  The int32 sum could wrap around for huge sizes; a float32 sum, which
+  cannot, catches that (a wrapped sum is past 2**31 > 2 * num_rows).
+  """
+  total = jnp.sum(group_sizes)
+  approx_total = jnp.sum(group_sizes.astype(jnp.float32))
+  return (
+      jnp.any(group_sizes < 0)
+      | (total > num_rows)
+      | (approx_total > 2.0 * num_rows + 1.0)
+  )
+
+
+def check_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+  """`debug_check`s for `bad_group_sizes`; returns that scalar bool."""
+  debug_check(
+      jnp.all(group_sizes >= 0),
+      "group_sizes must be >= 0, got {}.",
+      group_sizes,
+  )
+  bad = bad_group_sizes(group_sizes, num_rows)
+  debug_check(
+      ~bad,
+      f"sum(group_sizes) must be <= the {num_rows} rows, got group_sizes={{}}.",
+      group_sizes,
+  )
+  return bad
+
+
+def out_of_range(ids: jax.Array, num_experts: int) -> jax.Array:
+  """Bool of ids' shape: True where an id is outside [0, num_experts)."""
+  return (ids < 0) | (ids >= num_experts)
+
+
+def check_expert_ids(ids: jax.Array, num_experts: int) -> jax.Array:
+  """`debug_check` that ids lie in [0, E); returns `out_of_range(ids, E)`."""
+  bad = out_of_range(ids, num_experts)
+  if ids.size:
+    debug_check(
+        ~jnp.any(bad),
+        f"expert_ids must lie in [0, num_experts={num_experts}), got values "
+        "in [{}, {}].",
+        jnp.min(ids),
+        jnp.max(ids),
+    )
+  return bad
