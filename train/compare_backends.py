@@ -18,25 +18,68 @@ from absl import app
 from absl import flags
 import numpy as np
 
+import moe_core
 from train import presets
 from train import run_config
 from train import trainer
 
+_SKIP = 2  # Steps left out of the timing: the first ones compile.
+
 _BACKENDS = flags.DEFINE_list(
     "backends",
     ["reference", "xla"],
-    "Backends to compare; the first is the " "baseline.",
+    "Backends to compare, each once; the first is the baseline.",
 )
 _MODEL = flags.DEFINE_enum(
     "model", presets.DEFAULT_PRESET, list(presets.PRESETS), "Model preset."
 )
-_STEPS = flags.DEFINE_integer("steps", 20, "Steps per backend.")
-_BATCH = flags.DEFINE_integer("batch_size", None, "Sequences per step.")
-_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence.")
+_STEPS = flags.DEFINE_integer(
+    "steps",
+    20,
+    f"Steps per backend, > {_SKIP}: the first {_SKIP} compile and are not "
+    "timed.",
+)
+_BATCH = flags.DEFINE_integer(
+    "batch_size", None, "Sequences per step, >= 1 (preset default if unset)."
+)
+_SEQ = flags.DEFINE_integer(
+    "seq_len", None, "Tokens per sequence, >= 1 (preset default if unset)."
+)
 _DTYPE = flags.DEFINE_enum(
     "compute_dtype", "bfloat16", ["bfloat16", "float32"], "Activation dtype."
 )
-_SKIP = 2  # Steps left out of the timing: the first ones compile.
+
+
+def _require_int_at_least(holder: flags.FlagHolder, low: int) -> None:
+  """--name must be an int >= low (or None where None is the default)."""
+
+  def check(value) -> bool:
+    if value is None and holder.default is None:
+      return True  # The preset's value.
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      raise flags.ValidationError(
+          f"--{holder.name} must be an int >= {low}, got {value!r}."
+      )
+    return True
+
+  flags.register_validator(holder, check)
+
+
+# At least one step is timed after the _SKIP that compile.
+_require_int_at_least(_STEPS, _SKIP + 1)
+_require_int_at_least(_BATCH, 1)
+_require_int_at_least(_SEQ, 1)
+
+
+@flags.validator("backends")
+def _check_backends(names) -> bool:
+  valid = ["auto"] + moe_core.registered_backends()
+  if not names or len(set(names)) < len(names) or set(names) - set(valid):
+    raise flags.ValidationError(
+        f"--backends must list one or more distinct names from {valid}, got "
+        f"{names!r}."
+    )
+  return True
 
 
 def compare(backends, steps, **overrides) -> dict:

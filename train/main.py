@@ -14,6 +14,7 @@ training.png (loss curves and an expert-load heat map) and summary.json.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -39,24 +40,45 @@ _MODEL = flags.DEFINE_enum(
     "model", presets.DEFAULT_PRESET, list(presets.PRESETS), "Model preset."
 )
 _STEPS = flags.DEFINE_integer(
-    "steps", None, "Optimiser steps (preset " "default if unset)."
+    "steps", None, "Optimiser steps, >= 1 (preset default if unset)."
 )
-_BATCH = flags.DEFINE_integer("batch_size", None, "Sequences per step.")
-_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens (bytes) per sequence.")
-_LR = flags.DEFINE_float("learning_rate", None, "Peak AdamW learning rate.")
-_WARMUP = flags.DEFINE_integer("warmup_steps", None, "Linear warmup steps.")
-_WD = flags.DEFINE_float("weight_decay", None, "AdamW weight decay.")
-_CLIP = flags.DEFINE_float("grad_clip", None, "Global gradient-norm clip.")
+_BATCH = flags.DEFINE_integer(
+    "batch_size", None, "Sequences per step, >= 1 (preset default if unset)."
+)
+_SEQ = flags.DEFINE_integer(
+    "seq_len",
+    None,
+    "Tokens (bytes) per sequence, >= 1 (preset default if unset).",
+)
+_LR = flags.DEFINE_float(
+    "learning_rate", None, "Peak AdamW learning rate, > 0 (preset default)."
+)
+_WARMUP = flags.DEFINE_integer(
+    "warmup_steps", None, "Linear warmup steps, >= 0 (preset default)."
+)
+_WD = flags.DEFINE_float(
+    "weight_decay", None, "AdamW weight decay, >= 0 (preset default)."
+)
+_CLIP = flags.DEFINE_float(
+    "grad_clip", None, "Global gradient-norm clip, > 0 (preset default)."
+)
 _BIAS_RATE = flags.DEFINE_float(
     "bias_update_rate",
     None,
-    "Step of the aux-loss-free correction-bias rule (sigmoid presets).",
+    "Step of the aux-loss-free correction-bias rule (sigmoid presets), "
+    ">= 0 (preset default).",
 )
 _AUX = flags.DEFINE_float(
-    "aux_loss_weight", None, "Weight of the load-balancing loss."
+    "aux_loss_weight",
+    None,
+    "Weight of the load-balancing loss, >= 0 (preset default).",
 )
-_Z = flags.DEFINE_float("z_loss_weight", None, "Weight of the router z-loss.")
-_SEED = flags.DEFINE_integer("seed", 0, "Initialisation and data-order seed.")
+_Z = flags.DEFINE_float(
+    "z_loss_weight", None, "Weight of the router z-loss, >= 0 (preset default)."
+)
+_SEED = flags.DEFINE_integer(
+    "seed", 0, "Initialisation and data-order seed, in [0, 2**63 - 1]."
+)
 _DATA = flags.DEFINE_string(
     "data",
     None,
@@ -66,24 +88,29 @@ _DATA = flags.DEFINE_string(
 _OUT = flags.DEFINE_string(
     "output_dir",
     "/tmp/dropless_train",
-    "Where metrics, checkpoints and plots go.",
+    "Where metrics, checkpoints and plots go: a directory, or a path where "
+    "one can be created.",
 )
 _EVAL_EVERY = flags.DEFINE_integer(
-    "eval_every", 50, "Held-out evaluation interval (steps)."
+    "eval_every",
+    50,
+    "Held-out evaluation interval in steps, >= 1 (the last step is always "
+    "evaluated).",
 )
 _EVAL_BATCHES = flags.DEFINE_integer(
-    "eval_batches", 8, "Held-out batches per evaluation."
+    "eval_batches", 8, "Held-out batches per evaluation, >= 1."
 )
 _CKPT_EVERY = flags.DEFINE_integer(
     "checkpoint_every",
     100,
-    "Checkpoint interval in steps (0: only at the " "end and on interrupt).",
+    "Checkpoint interval in steps, >= 0 (0: only at the end and on "
+    "interrupt).",
 )
 _KEEP = flags.DEFINE_integer(
-    "keep_checkpoints", 2, "Checkpoints kept (newest)."
+    "keep_checkpoints", 2, "Checkpoints kept, newest first, >= 0 (0: all)."
 )
 _LOG_EVERY = flags.DEFINE_integer(
-    "log_every", 25, "Print a log line every N steps."
+    "log_every", 25, "Print a log line every N steps, N >= 1."
 )
 _RESUME = flags.DEFINE_bool(
     "resume",
@@ -101,14 +128,15 @@ _MESH = flags.DEFINE_string(
     "mesh",
     "data=1",
     "Device mesh to train on (and for --dry_run estimates), e.g. "
-    "'data=2,expert=4': axes data, fsdp, expert, tensor (see train/mesh.py); "
-    "the sizes multiply to the device count of all processes.",
+    "'data=2,expert=4': axes data, fsdp, expert, tensor (see train/mesh.py), "
+    "each at most once; expert must divide the model's experts; the sizes "
+    "multiply to the device count of all processes.",
 )
 _REMAT = flags.DEFINE_enum(
     "remat",
     "none",
     list(moe_remat.POLICIES),
-    "Activation rematerialisation policy per block " "(see moe_core/remat.py).",
+    "Activation rematerialisation policy per block (see moe_core/remat.py).",
 )
 _DTYPE = flags.DEFINE_enum(
     "compute_dtype",
@@ -120,6 +148,192 @@ _PROGRESS = flags.DEFINE_bool(
     "progress", True, "Show a progress bar on a terminal."
 )
 _PLOT = flags.DEFINE_bool("plot", True, "Write training.png at the end.")
+
+# --- Flag checks --------------------------------------------------------------
+# absl runs these as it parses the command line: a bad value ends the program
+# with one line per bad flag (and exit status 1) before JAX sets up a device
+# or compiles anything. Setting a flag in code (flagsaver) runs them too.
+
+# The largest seed nnx.Rngs and jax.random.key accept (a C long).
+_MAX_SEED = 2**63 - 1
+
+# (flag, smallest value, largest value or None): the integer flags.
+_INT_RANGES = (
+    (_STEPS, 1, None),
+    (_BATCH, 1, None),
+    # The sampler reads seq_len + 1 bytes: one next-byte target per input.
+    (_SEQ, 1, None),
+    (_WARMUP, 0, None),
+    (_SEED, 0, _MAX_SEED),
+    (_EVAL_EVERY, 1, None),
+    (_EVAL_BATCHES, 1, None),
+    (_CKPT_EVERY, 0, None),
+    (_KEEP, 0, None),
+    (_LOG_EVERY, 1, None),
+)
+
+# (flag, whether 0 is allowed): the float flags, all finite and not negative.
+_FLOAT_ZERO_ALLOWED = (
+    (_LR, False),
+    (_WD, True),
+    (_CLIP, False),
+    (_BIAS_RATE, True),
+    (_AUX, True),
+    (_Z, True),
+)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value) -> bool:
+  return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _register_int_check(
+    holder: flags.FlagHolder, low: int, high: int | None
+) -> None:
+  """--name must be an int in [low, high]; None where None is the default."""
+  expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+
+  def check(value) -> bool:
+    if value is None and holder.default is None:
+      return True  # The preset's value.
+    if not _is_int(value) or value < low or (high is not None and value > high):
+      raise flags.ValidationError(
+          f"--{holder.name} must be an int {expected}, got {value!r}."
+      )
+    return True
+
+  flags.register_validator(holder, check)
+
+
+def _register_float_check(holder: flags.FlagHolder, zero_ok: bool) -> None:
+  """--name must be finite and > 0 (>= 0 if zero_ok); None if the default."""
+  expected = ">= 0" if zero_ok else "> 0"
+
+  def check(value) -> bool:
+    if value is None and holder.default is None:
+      return True  # The preset's value.
+    # absl's float parser takes "nan" and "inf": refuse them here.
+    if (
+        not _is_finite_number(value)
+        or value < 0
+        or (value == 0 and not zero_ok)
+    ):
+      raise flags.ValidationError(
+          f"--{holder.name} must be a finite number {expected}, got {value!r}."
+      )
+    return True
+
+  flags.register_validator(holder, check)
+
+
+def _register_number_checks() -> None:
+  for holder, low, high in _INT_RANGES:
+    _register_int_check(holder, low, high)
+  for holder, zero_ok in _FLOAT_ZERO_ALLOWED:
+    _register_float_check(holder, zero_ok)
+
+
+_register_number_checks()
+
+
+def _mesh_sizes(spec) -> dict[str, int]:
+  """--mesh as {axis: size}, or a flags.ValidationError naming the flag."""
+  if not isinstance(spec, str):
+    raise flags.ValidationError(
+        f"--mesh must be a string like 'data=2,expert=4', got {spec!r}."
+    )
+  try:
+    sizes = mesh_lib.parse(spec)
+  except ValueError as e:
+    message = str(e)
+    if "--mesh" not in message:
+      message = f"--mesh={spec!r}: {message}"
+    raise flags.ValidationError(message) from e
+  # parse() lets a later entry overwrite an earlier one; a repeated axis is
+  # a typo, not a choice.
+  axes = [item.partition("=")[0].strip() for item in spec.split(",")]
+  repeated = sorted({a for a in axes if a and axes.count(a) > 1})
+  if repeated:
+    raise flags.ValidationError(
+        f"--mesh must give each axis at most once, got {repeated} more "
+        f"than once in {spec!r}."
+    )
+  return sizes
+
+
+@flags.validator("mesh")
+def _check_mesh_syntax(spec) -> bool:
+  _mesh_sizes(spec)
+  return True
+
+
+@flags.multi_flags_validator(("mesh", "model"))
+def _check_mesh_splits_experts(values: dict) -> bool:
+  """The expert axis divides the experts of --model (with --dry_run too).
+
+  The device count is checked when the mesh is built (JAX's devices are not
+  known at parse time), the batch split with the run (mesh.check_run).
+  """
+  sizes = _mesh_sizes(values["mesh"])
+  if values["model"] not in presets.PRESETS:
+    raise flags.ValidationError(
+        f"--model must be one of {sorted(presets.PRESETS)}, got "
+        f"{values['model']!r}."
+    )
+  moe = presets.get_preset(values["model"]).model.moe
+  expert = sizes[mesh_lib.EXPERT_AXIS]
+  if expert > 1 and moe is None:
+    raise flags.ValidationError(
+        f"--mesh expert={expert} splits experts, but --model="
+        f"{values['model']} is dense; use data or fsdp instead."
+    )
+  if moe is not None and moe.num_experts % expert:
+    raise flags.ValidationError(
+        f"--mesh expert size must divide the {moe.num_experts} experts of "
+        f"--model={values['model']}, got expert={expert}."
+    )
+  return True
+
+
+@flags.validator("output_dir")
+def _check_output_dir(path) -> bool:
+  """A directory, or a path whose missing folders can be made (not made here).
+
+  Creating it waits for the run: --dry_run writes nothing.
+  """
+  if not isinstance(path, str) or not path:
+    raise flags.ValidationError(
+        f"--output_dir must be a directory path, got {path!r}."
+    )
+  existing = os.path.abspath(path)  # The path itself, or its nearest ancestor.
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise flags.ValidationError(
+        f"--output_dir must be a directory or a new path under one, got "
+        f"{path!r}, but {existing!r} exists and is not a directory."
+    )
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise flags.ValidationError(
+        f"--output_dir must be writable, got {path!r}, but {existing!r} is "
+        "not writable."
+    )
+  return True
+
+
+@flags.validator("data")
+def _check_data(path) -> bool:
+  """None or '' (the embedded corpus), or a readable file."""
+  if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+    raise flags.ValidationError(
+        f"--data must name a readable file, got {path!r}."
+    )
+  return True
+
 
 # A model this large cannot be trained by this CPU program; --dry_run it.
 _MAX_TRAINABLE_PARAMS = 2e9

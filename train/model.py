@@ -217,6 +217,7 @@ def moe_stats(aux: moe_core.MoEAux) -> dict[str, jax.Array]:
       "load_balancing_loss": aux.load_balancing_loss,
       "router_z_loss": aux.router_z_loss,
       "dropped_tokens": aux.dropped_tokens,
+      "invalid_assignments": aux.invalid_assignments,
   }
 
 

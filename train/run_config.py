@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 from train import model_config
 from train import presets
@@ -52,6 +53,16 @@ class RunConfig:
   progress: bool = _host_only(True)
   plot: bool = _host_only(True)
 
+  def __post_init__(self):
+    # The flags are checked as they are parsed (train/main.py); this catches
+    # a RunConfig built in code. Host-only fields may be None in a
+    # `compile_key`.
+    for name, minimum, kind in _NUMBER_FIELDS:
+      value = getattr(self, name)
+      if value is None and name in _HOST_ONLY:
+        continue
+      _check_number(name, value, minimum, kind)
+
   def fingerprint(self, corpus_name: str) -> dict:
     """What a checkpoint must share with the run that resumes it."""
     return {
@@ -64,6 +75,48 @@ class RunConfig:
         "data": corpus_name,
         "compute_dtype": self.compute_dtype,
     }
+
+
+# (field, minimum, kind): kind "int" (>= minimum), "float" (finite and
+# >= minimum) or "positive" (finite and > minimum).
+_NUMBER_FIELDS = (
+    ("steps", 1, "int"),
+    ("batch_size", 1, "int"),
+    ("seq_len", 1, "int"),
+    ("learning_rate", 0, "positive"),
+    ("warmup_steps", 0, "int"),
+    ("weight_decay", 0, "float"),
+    ("grad_clip", 0, "positive"),
+    ("bias_update_rate", 0, "float"),
+    ("aux_loss_weight", 0, "float"),
+    ("z_loss_weight", 0, "float"),
+    ("seed", 0, "int"),
+    ("eval_every", 1, "int"),
+    ("eval_batches", 1, "int"),
+    ("checkpoint_every", 0, "int"),
+    ("keep_checkpoints", 0, "int"),
+    ("log_every", 1, "int"),
+)
+_HOST_ONLY = frozenset(
+    f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("host_only")
+)
+
+
+def _check_number(name: str, value, minimum: float, kind: str) -> None:
+  is_int = isinstance(value, int) and not isinstance(value, bool)
+  if kind == "int":
+    if not is_int or value < minimum:
+      raise ValueError(
+          f"RunConfig.{name} must be an int >= {minimum}, got {value!r}."
+      )
+    return
+  finite = (is_int or isinstance(value, float)) and math.isfinite(value)
+  relation = ">" if kind == "positive" else ">="
+  if not finite or value < minimum or (kind == "positive" and value == minimum):
+    raise ValueError(
+        f"RunConfig.{name} must be a finite number {relation} {minimum}, got "
+        f"{value!r}."
+    )
 
 
 def compile_key(run: RunConfig) -> RunConfig:

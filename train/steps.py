@@ -142,6 +142,12 @@ class Program:
             if layers
             else jnp.zeros((0,), jnp.int32)
         ),
+        # Assignments from NaN/Inf routing scores (README, "Guarantees").
+        "invalid": (
+            jnp.stack([stats[i]["invalid_assignments"] for i in layers])
+            if layers
+            else jnp.zeros((0,), jnp.int32)
+        ),
     }
     return {"params": params, "opt_state": opt_state, "bias": bias}, metrics
 

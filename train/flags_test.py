@@ -1,0 +1,329 @@
+"""The training programs check every flag as absl parses it.
+
+A bad value must stop `train.main` (and `train.compare_backends`) with one
+line per flag that names the flag, what it needs and what it got, before
+anything compiles. Most cases run in this process: flagsaver runs absl's
+validators exactly as command-line parsing does. Three subprocesses check
+that the programs really stop at parse time.
+"""
+
+import os
+import subprocess
+import sys
+
+from absl import flags
+from absl.testing import absltest
+from absl.testing import flagsaver
+from absl.testing import parameterized
+
+from train import main
+from train import testing
+
+FLAGS = flags.FLAGS
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (flag, command-line value) pairs that must be refused.
+_BAD = (
+    ("steps", "0"),
+    ("steps", "-3"),
+    ("batch_size", "0"),
+    ("seq_len", "0"),
+    ("seq_len", "-1"),
+    ("warmup_steps", "-1"),
+    ("seed", "-1"),
+    ("seed", str(2**63)),  # Past what jax.random.key takes.
+    ("eval_every", "0"),
+    ("eval_batches", "0"),
+    ("checkpoint_every", "-1"),
+    ("keep_checkpoints", "-1"),
+    ("log_every", "0"),
+    ("learning_rate", "0"),
+    ("learning_rate", "-1e-3"),
+    ("learning_rate", "nan"),
+    ("learning_rate", "inf"),
+    ("weight_decay", "-0.1"),
+    ("weight_decay", "nan"),
+    ("grad_clip", "0"),
+    ("grad_clip", "inf"),
+    ("bias_update_rate", "-1e-3"),
+    ("bias_update_rate", "-inf"),
+    ("aux_loss_weight", "-1"),
+    ("aux_loss_weight", "nan"),
+    ("z_loss_weight", "-1"),
+    ("z_loss_weight", "inf"),
+    ("mesh", "data=2,data=4"),
+    ("mesh", "data=2,expert=2,data=1"),
+    ("mesh", "pipeline=2"),
+    ("mesh", "data"),
+    ("mesh", "data=0"),
+    ("mesh", "expert=-2"),
+    ("mesh", "data=two"),
+    ("data", "/nonexistent/corpus.txt"),
+)
+
+# (flag, command-line value) pairs at or near the edge that must be taken.
+_GOOD = (
+    ("steps", "1"),
+    ("batch_size", "1"),
+    ("seq_len", "1"),  # One input byte and its next-byte target.
+    ("warmup_steps", "0"),
+    ("seed", "0"),
+    ("seed", str(2**63 - 1)),
+    ("eval_every", "1"),
+    ("eval_batches", "1"),
+    ("checkpoint_every", "0"),  # Only at the end.
+    ("keep_checkpoints", "0"),  # Keep all.
+    ("log_every", "1"),
+    ("learning_rate", "1e-6"),
+    ("weight_decay", "0"),
+    ("grad_clip", "0.5"),
+    ("bias_update_rate", "0"),
+    ("aux_loss_weight", "0"),
+    ("z_loss_weight", "0"),
+    ("mesh", "data=2,expert=4"),
+    ("mesh", " fsdp = 2 , tensor=2 "),
+    ("mesh", "data=1"),
+)
+
+
+def setUpModule():
+  if not FLAGS.is_parsed():
+    FLAGS.mark_as_parsed()  # Under pytest nobody parses absl flags.
+
+
+def _own_message(error: Exception) -> str:
+  """The validator's line, without absl's "flag --name=value: " prefix."""
+  text = str(error)
+  return text[text.index(": --") + 2 :]
+
+
+def _main_number_flags() -> list[str]:
+  """The names of train.main's int and float flags."""
+  return [
+      f.name
+      for f in FLAGS.get_flags_for_module(main)
+      if f.flag_type() in ("int", "float")
+  ]
+
+
+class NumberAndMeshFlagTest(parameterized.TestCase):
+
+  @parameterized.parameters(*_BAD)
+  def test_refused_with_one_line_naming_flag_and_value(self, name, text):
+    with self.assertRaises(flags.IllegalFlagValueError) as raised:
+      with flagsaver.as_parsed(**{name: text}):
+        pass
+    self.assertNotIn("\n", str(raised.exception))
+    own = _own_message(raised.exception)
+    self.assertTrue(own.startswith(f"--{name}"), own)
+    given = FLAGS[name].parser.parse(text)
+    self.assertIn(text if name == "mesh" else repr(given), own)
+
+  @parameterized.parameters(*_GOOD)
+  def test_accepted(self, name, text):
+    with flagsaver.as_parsed(**{name: text}):
+      self.assertEqual(FLAGS[name].value, FLAGS[name].parser.parse(text))
+
+  def test_every_number_flag_has_a_refused_value(self):
+    self.assertContainsSubset(_main_number_flags(), {n for n, _ in _BAD})
+
+  def test_unset_means_the_preset_default(self):
+    unset = [n for n in _main_number_flags() if FLAGS[n].default is None]
+    self.assertContainsSubset(["steps", "learning_rate"], unset)
+    for name in unset:
+      with flagsaver.flagsaver(**{name: None}):
+        self.assertIsNone(FLAGS[name].value)
+
+  def test_none_refused_where_the_default_is_a_number(self):
+    with self.assertRaisesRegex(flags.IllegalFlagValueError, "--eval_every"):
+      with flagsaver.flagsaver(eval_every=None):
+        pass
+
+  def test_bool_is_not_a_count(self):
+    with self.assertRaisesRegex(flags.IllegalFlagValueError, "--steps"):
+      with flagsaver.flagsaver(steps=True):
+        pass
+
+  def test_every_default_passes(self):
+    # The default --output_dir, under /tmp, may be unwritable in a sandbox.
+    out_dir = testing.temp_dir(self)
+    with flagsaver.flagsaver():
+      FLAGS.unparse_flags()
+      FLAGS(["prog", f"--output_dir={out_dir}"])  # Runs every validator.
+      self.assertIsNone(FLAGS.steps)
+
+  def test_each_bad_flag_gets_its_own_line(self):
+    with self.assertRaises(flags.IllegalFlagValueError) as raised:
+      with flagsaver.flagsaver():
+        FLAGS(
+            [
+                "prog",
+                "--steps=0",
+                "--learning_rate=nan",
+                f"--output_dir={testing.temp_dir(self)}",
+            ]
+        )
+    lines = str(raised.exception).splitlines()
+    self.assertLen(lines, 2)
+    self.assertIn("--steps", lines[0])
+    self.assertIn("--learning_rate", lines[1])
+
+
+class MeshFitsModelTest(parameterized.TestCase):
+  """The expert axis must divide the experts of --model."""
+
+  @parameterized.parameters(
+      ("expert=3", "tiny_dsv3"),  # 16 experts.
+      ("data=2,expert=32", "tiny_dsv3"),
+      ("expert=16", "tiny_mixtral"),  # 8 experts.
+      ("fsdp=4,expert=96", "deepseek_v3"),  # 256 experts.
+  )
+  def test_refused(self, mesh, model):
+    with self.assertRaises(flags.IllegalFlagValueError) as raised:
+      with flagsaver.as_parsed(mesh=mesh, model=model):
+        pass
+    own = _own_message(raised.exception)
+    self.assertTrue(own.startswith("--mesh"), own)
+    expert = mesh.split("expert=")[1]
+    self.assertIn(f"expert={expert}", own)
+    self.assertIn(f"--model={model}", own)
+
+  @parameterized.parameters(
+      ("expert=16", "tiny_dsv3"),
+      ("data=2,expert=8", "tiny_mixtral"),
+      ("fsdp=4,expert=64", "deepseek_v3"),
+      ("tensor=3", "tiny_mixtral"),  # Only the expert axis must divide.
+  )
+  def test_accepted(self, mesh, model):
+    with flagsaver.as_parsed(mesh=mesh, model=model):
+      self.assertEqual(FLAGS.mesh, mesh)
+
+  def test_checked_against_the_model_set_with_it(self):
+    # tiny_qwen3 has 32 experts; the default preset has 16. Flags set
+    # together are checked together, whatever their order.
+    with flagsaver.flagsaver(mesh="expert=32", model="tiny_qwen3"):
+      self.assertEqual(FLAGS.model, "tiny_qwen3")
+    with self.assertRaises(flags.IllegalFlagValueError):
+      with flagsaver.flagsaver(mesh="expert=32"):
+        pass
+
+
+class PathFlagTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.dir = testing.temp_dir(self)
+    self.file = os.path.join(self.dir, "a_file")
+    with open(self.file, "w") as f:
+      f.write("text")
+
+  def _refusal(self, **values) -> str:
+    with self.assertRaises(flags.IllegalFlagValueError) as raised:
+      with flagsaver.flagsaver(**values):
+        pass
+    self.assertNotIn("\n", str(raised.exception))
+    return _own_message(raised.exception)
+
+  def test_output_dir_that_is_a_file_is_refused(self):
+    own = self._refusal(output_dir=self.file)
+    self.assertTrue(own.startswith("--output_dir"), own)
+    self.assertIn(repr(self.file), own)
+    self.assertIn("not a directory", own)
+
+  def test_output_dir_under_a_file_is_refused(self):
+    path = os.path.join(self.file, "run", "out")
+    own = self._refusal(output_dir=path)
+    self.assertTrue(own.startswith("--output_dir"), own)
+    self.assertIn(repr(path), own)
+    self.assertIn(repr(self.file), own)  # The part that is in the way.
+    self.assertIn("not a directory", own)
+
+  def test_output_dir_in_a_read_only_directory_is_refused(self):
+    if os.geteuid() == 0:
+      self.skipTest("root writes to read-only directories")
+    locked = os.path.join(self.dir, "locked")
+    os.mkdir(locked, 0o500)
+    self.addCleanup(os.chmod, locked, 0o700)
+    own = self._refusal(output_dir=os.path.join(locked, "out"))
+    self.assertIn(repr(locked), own)
+
+  def test_empty_output_dir_is_refused(self):
+    self.assertTrue(self._refusal(output_dir="").startswith("--output_dir"))
+
+  def test_output_dir_existing_or_creatable_is_taken_and_not_made(self):
+    new = os.path.join(self.dir, "run", "out")
+    for path in (self.dir, new):
+      with flagsaver.flagsaver(output_dir=path):
+        self.assertEqual(FLAGS.output_dir, path)
+    self.assertFalse(os.path.exists(os.path.join(self.dir, "run")))
+
+  def test_data_must_be_a_file(self):
+    own = self._refusal(data=self.dir)
+    self.assertTrue(own.startswith("--data"), own)
+    self.assertIn(repr(self.dir), own)
+    with flagsaver.flagsaver(data=self.file):
+      self.assertEqual(FLAGS.data, self.file)
+
+
+def _run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+  """`python -m module args` on the CPU, logging every JAX compilation."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_LOG_COMPILES="1")
+  env["PYTHONPATH"] = os.pathsep.join(
+      filter(None, [_ROOT, env.get("PYTHONPATH")])
+  )
+  return subprocess.run(
+      [sys.executable, "-m", module, *args],
+      cwd=_ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,  # Only against a hang: a refusal takes seconds.
+      check=False,
+  )
+
+
+class StopsBeforeCompilingTest(absltest.TestCase):
+  """The programs end at flag parsing: status 1, nothing run or compiled."""
+
+  def _assert_stopped_at_parsing(self, proc, *flag_and_values):
+    self.assertEqual(proc.returncode, 1, proc.stderr[-3000:])
+    self.assertEqual(proc.stdout, "")  # No data, model or dry-run lines.
+    # JAX_LOG_COMPILES logs each jit it traces or compiles.
+    self.assertNotIn("Compiling", proc.stderr)
+    self.assertNotIn("Finished tracing", proc.stderr)
+    lines = proc.stderr.splitlines()
+    for flag, given in flag_and_values:
+      self.assertTrue(
+          any(flag in line and given in line for line in lines),
+          f"no line names {flag} and {given}:\n{proc.stderr[-3000:]}",
+      )
+
+  def test_train_main_zero_steps(self):
+    proc = _run_module(
+        "train.main", "--steps=0", f"--output_dir={testing.temp_dir(self)}"
+    )
+    self._assert_stopped_at_parsing(proc, ("--steps", "got 0"))
+
+  def test_train_main_dry_run_expert_axis_that_does_not_divide(self):
+    proc = _run_module(
+        "train.main", "--dry_run", "--model=tiny_dsv3", "--mesh=expert=3"
+    )
+    self._assert_stopped_at_parsing(proc, ("--mesh", "expert=3"))
+
+  def test_compare_backends(self):
+    proc = _run_module(
+        "train.compare_backends",
+        "--steps=2",  # Both steps would compile; none would be timed.
+        "--batch_size=0",
+        "--backends=reference,nope",
+    )
+    self._assert_stopped_at_parsing(
+        proc,
+        ("--steps", "got 2"),
+        ("--batch_size", "got 0"),
+        ("--backends", "'nope'"),
+    )
+
+
+if __name__ == "__main__":
+  absltest.main()
