@@ -23,6 +23,7 @@ import sys
 
 from absl.testing import absltest
 
+from conformance import bad_input_suite
 from conformance import checkpoint_names_suite
 from conformance import ep_suite
 from conformance import grouped_gemm_suite
@@ -41,6 +42,7 @@ SUITES = [
     routing_suite.RoutingSuite,
     validation_suite.ValidationSuite,
     checkpoint_names_suite.CheckpointNamesSuite,
+    bad_input_suite.BadInputSuite,
 ]
 
 # Suites that need 8 devices (--xla_force_host_platform_device_count=8 on

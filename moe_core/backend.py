@@ -275,6 +275,8 @@ class Backend(abc.ABC):
       self, x: jax.Array, aux: routing.MoEAux, cfg: config_lib.MoEConfig
   ) -> permute.Dispatched:
     """Token copies sorted by expert: x [T, D] -> rows [T*K, D]."""
+    validation.check_config(cfg)
+    validation.check_aux(aux)
     kept = None if cfg.dropless else aux.kept
     return permute.dispatch(x, aux.expert_ids, cfg.num_experts, kept)
 
@@ -286,6 +288,8 @@ class Backend(abc.ABC):
       cfg: config_lib.MoEConfig,
   ) -> jax.Array:
     """Undoes `dispatch`, weighting each copy: [T*K, D] -> [T, D]."""
+    validation.check_config(cfg)
+    validation.check_aux(aux)
     kept = None if cfg.dropless else aux.kept
     return permute.combine(expert_out, dispatched, aux.combine_weights, kept)
 

@@ -106,8 +106,10 @@ def check_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
   )
   bad = bad_group_sizes(group_sizes, num_rows)
   debug_check(
-      ~bad,
-      f"sum(group_sizes) must be <= the {num_rows} rows, got group_sizes={{}}.",
+      jnp.any(group_sizes < 0) | ~bad,
+      f"sum(group_sizes) must be <= the {num_rows} rows, got sum={{}} "
+      "(group_sizes={}).",
+      jnp.sum(group_sizes),
       group_sizes,
   )
   return bad

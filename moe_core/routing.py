@@ -243,19 +243,15 @@ def update_correction_bias(
   )
   load = tokens_per_expert.astype(jnp.float32)
   rate = jnp.asarray(rate, jnp.float32)
-  bad = (
-      jnp.any(load < 0)
-      | ~jnp.all(jnp.isfinite(load))
-      | ~jnp.isfinite(rate)
-      | (rate < 0)
-  )
+  bad_load = jnp.any(load < 0) | ~jnp.all(jnp.isfinite(load))
   checks.debug_check(
-      ~bad,
-      "update_correction_bias needs tokens_per_expert >= 0 and finite, and a "
-      "finite rate >= 0, got min count {} and rate {}.",
-      jnp.min(load),
-      rate,
+      ~bad_load,
+      "tokens_per_expert must be finite counts >= 0, got {}.",
+      tokens_per_expert,
   )
+  checks.debug_check(jnp.isfinite(rate), "rate must be finite, got {}.", rate)
+  checks.debug_check(rate >= 0, "rate must be >= 0, got {}.", rate)
+  bad = bad_load | ~jnp.isfinite(rate) | (rate < 0)
   load = load.reshape(-1, load.shape[-1]).sum(axis=0)
   step = rate * jnp.sign(load.mean() - load)
   new_bias = (correction_bias + step).astype(correction_bias.dtype)

@@ -231,7 +231,11 @@ def check_expert_ids_in_range(expert_ids, num_experts: int) -> None:
 
 def check_dispatch(x, expert_ids, num_experts, kept) -> None:
   """dispatch's x [T, D], expert_ids [T, K] int, kept [T, K] bool or None."""
-  if not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
+  if (
+      isinstance(num_experts, bool)
+      or not isinstance(num_experts, (int, np.integer))
+      or num_experts < 1
+  ):
     raise ValueError(
         f"num_experts must be a positive int, got " f"{num_experts!r}."
     )
@@ -255,14 +259,8 @@ def check_dispatch(x, expert_ids, num_experts, kept) -> None:
         f"x.shape={tuple(x.shape)}, "
         f"expert_ids.shape={tuple(expert_ids.shape)}."
     )
-  if kept is not None and (
-      tuple(kept.shape) != tuple(expert_ids.shape) or kept.dtype != jnp.bool_
-  ):
-    raise ValueError(
-        f"kept must be bool of expert_ids' shape "
-        f"{tuple(expert_ids.shape)}, got {_dtype_name(kept)}"
-        f"{list(kept.shape)}."
-    )
+  if kept is not None:
+    check_kept(kept, tuple(expert_ids.shape), "expert_ids'")
   check_expert_ids_in_range(expert_ids, num_experts)
 
 
@@ -303,12 +301,31 @@ def check_combine(expert_out, dispatched, combine_weights, kept) -> None:
         "combine_weights must be floating point, got dtype "
         f"{_dtype_name(combine_weights)}."
     )
-  if kept is not None and (
-      tuple(kept.shape) != want or kept.dtype != jnp.bool_
-  ):
+  if kept is not None:
+    check_kept(kept, want, "combine_weights'")
+
+
+def check_kept(kept, shape: tuple[int, ...], whose: str) -> None:
+  """kept: a bool array of `shape` (`whose` names where it comes from)."""
+  check_is_array(kept, "kept")
+  if kept.dtype != jnp.bool_:
+    raise TypeError(
+        f"kept must be a bool array, got dtype {_dtype_name(kept)}."
+    )
+  if tuple(kept.shape) != tuple(shape):
     raise ValueError(
-        f"kept must be bool of combine_weights' shape {want}, got "
-        f"{_dtype_name(kept)}{list(kept.shape)}."
+        f"kept must have {whose} shape {tuple(shape)}, got "
+        f"{tuple(kept.shape)}."
+    )
+
+
+def check_aux(aux) -> None:
+  """aux is a `MoEAux` (a Backend stage was handed something else)."""
+  if not all(
+      hasattr(aux, n) for n in ("expert_ids", "combine_weights", "kept")
+  ):
+    raise TypeError(
+        f"aux must be the moe_core.MoEAux of route, got {type(aux).__name__}."
     )
 
 
@@ -475,10 +492,7 @@ def check_routed_experts(
   where they are consumed (dispatch, or the reference's mixture)."""
   check_config(cfg)
   check_token_matrix(x, cfg, "routed_experts")
-  if not all(hasattr(aux, n) for n in ("expert_ids", "combine_weights")):
-    raise TypeError(
-        f"aux must be the moe_core.MoEAux of route, got {type(aux).__name__}."
-    )
+  check_aux(aux)
   check_routing(aux.expert_ids, aux.combine_weights, x.shape[0], cfg)
   if params is not None:
     num_local = check_expert_weights(params, cfg)

@@ -87,7 +87,10 @@ def dense_mixture(
   chosen = jax.nn.one_hot(
       aux.expert_ids, cfg.num_experts, dtype=jnp.float32
   )  # [T, K, E]
-  kept_weights = jnp.where(aux.kept, aux.combine_weights, 0.0)
+  # Dropped copies weigh 0, but a NaN weight (an invalid token) stays NaN,
+  # as it does in `permute.combine`.
+  weights = aux.combine_weights
+  kept_weights = jnp.where(aux.kept | jnp.isnan(weights), weights, 0.0)
   token_expert_weight = jnp.einsum(
       "tk,tke->te", kept_weights, chosen, precision=_HIGHEST
   )
