@@ -5,22 +5,26 @@ Layout of one checkpoint, `<dir>/step_00000300/`, written by Orbax:
     state/           every leaf of the state as a tensorstore array; each
                      process writes the shards it holds
     meta/meta.json   step, data position, run fingerprint and one entry per
-                     leaf (tree path, shape, dtype, checksum); written by
-                     process 0
+                     leaf (tree path, shape, dtype, checksum), and a
+                     checksum of each of these fields; written by process 0
 
 Orbax writes a checkpoint into `step_00000300.orbax-checkpoint-tmp` and
 renames it into place once every process has finished, so a crash mid-save
 leaves the previous checkpoints intact and never a half-written `step_*`.
+What a killed save leaves behind (Orbax's temporary directory, this
+module's hidden ones) is never listed, and `remove_leftovers` deletes it.
 Saving may be asynchronous: `Checkpointer.save` returns once the arrays are
 copied off the devices, and `wait()` blocks until they are on disk.
 
 Tensorstore keeps no checksum, so `save` records one per leaf, computed on
 the devices from the global array (see `checksums`): it does not depend on
 the sharding or the number of processes, and `restore` recomputes it on
-the arrays it read, whatever mesh they were restored onto. Restoring also
-checks the fingerprint (a different model or data setup) and every leaf's
-path, shape and dtype against the state the caller built; any difference
-raises `CheckpointError` naming it. Nothing falls back to a fresh start.
+the arrays it read, whatever mesh they were restored onto. Every field of
+meta.json has a checksum too, and its step must be the one the directory
+is named after. Restoring also checks the fingerprint (a different model
+or data setup) and every leaf's path, shape and dtype against the state
+the caller built; any difference raises `CheckpointError` naming it.
+Nothing falls back to a fresh start.
 
 Every process calls `save`, `restore`, `wait` and `close` together, as
 Orbax expects; more than one process needs `jax.distributed`.
@@ -44,7 +48,10 @@ import orbax.checkpoint as ocp
 from train import checksum
 from train import distributed
 
-FORMAT_VERSION = 2
+# Version 3 added the checksums of meta.json's fields. Version 2 is refused:
+# without them its step, data position and history cannot be verified, and
+# a resume from an edited or damaged meta.json would go unnoticed.
+FORMAT_VERSION = 3
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 ARRAYS = "state"  # The Orbax item holding the arrays.
 _META_ITEM = "meta"  # The Orbax item holding meta.json.
@@ -52,6 +59,7 @@ _META_FILE = "meta.json"
 META = os.path.join(_META_ITEM, _META_FILE)  # Relative to a checkpoint.
 _OLD_META = "meta.json"  # Format 1 kept it at the top, beside arrays.npz.
 _META_KEYS = ("format_version", "step", "fingerprint", "leaves", "extra")
+_META_CHECKSUMS = "field_checksums"  # {field: checksum of its JSON}.
 _LEAF_KEYS = frozenset(("path", "shape", "dtype", "checksum"))
 
 
@@ -85,24 +93,70 @@ def step_dir(directory: str, step: int) -> str:
 
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
-  """(step, path) of every complete checkpoint in `directory`, oldest first.
+  """(step, path) of every finalised checkpoint in `directory`, oldest first.
 
-  Orbax's unfinished saves (`step_*.orbax-checkpoint-tmp`) and this module's
-  hidden directories do not match `step_<8 digits>` and are never listed.
+  Only directories named `step_<8 digits>` are listed: Orbax gives that
+  name to a save by its last act, a rename. Unfinished saves
+  (`step_*.orbax-checkpoint-tmp`) and this module's hidden directories are
+  not; whether a listed one is whole, `restore` checks.
   """
   if not os.path.isdir(directory):
     return []
   found = []
   for name in os.listdir(directory):
     match = _STEP_DIR.match(name)
-    if match:
-      found.append((int(match.group(1)), os.path.join(directory, name)))
+    path = os.path.join(directory, name)
+    if match and os.path.isdir(path):
+      found.append((int(match.group(1)), path))
   return sorted(found)
 
 
 def latest(directory: str) -> str | None:
   found = list_checkpoints(directory)
   return found[-1][1] if found else None
+
+
+# Names of what an interrupted save or deletion leaves in the directory.
+_ORBAX_TEMPORARY = ".orbax-checkpoint-tmp"  # Orbax 0.12: step_*<this>[-ts].
+_DELETING = ".deleting-"  # `_remove`: a checkpoint being deleted.
+_REPLACED = re.compile(r"^\.replaced-(step_\d{8})-[0-9a-f]+$")  # `save`.
+
+
+def remove_leftovers(directory: str) -> list[str]:
+  """Clears what killed saves left in `directory`; returns what it did.
+
+  Deletes Orbax's unfinished saves and half-deleted checkpoints. An old
+  copy that a save of the same step moved aside (see `Checkpointer.save`)
+  is put back if the new one never landed, else deleted. Call it on one
+  process, while no save is running.
+
+  Returns:
+    One line per directory removed or put back, for the run's log.
+  """
+  if not os.path.isdir(directory):
+    return []
+  done = []
+  for name in sorted(os.listdir(directory)):
+    path = os.path.join(directory, name)
+    replaced = _REPLACED.match(name)
+    if replaced and not os.path.exists(os.path.join(directory, replaced[1])):
+      os.rename(path, os.path.join(directory, replaced[1]))
+      done.append(
+          f"put back {replaced[1]} from {name}: a save of the same step "
+          "was interrupted"
+      )
+    elif replaced or name.startswith(_DELETING) or _ORBAX_TEMPORARY in name:
+      shutil.rmtree(path, ignore_errors=True)
+      done.append(f"removed {name}, left by an interrupted save or deletion")
+  return done
+
+
+def remove_all(directory: str) -> None:
+  """Deletes `directory` with its checkpoints, each renamed out of sight
+  first: a crash midway leaves every `step_*` in it whole."""
+  for _, path in list_checkpoints(directory):
+    _remove(path)
+  shutil.rmtree(directory, ignore_errors=True)
 
 
 # --- Reading ------------------------------------------------------------------
@@ -118,8 +172,23 @@ def _leaf_key(i: int) -> str:
   return f"leaf_{i:05d}"
 
 
-def read_meta(path: str) -> dict:
-  """meta.json of checkpoint `path`, or CheckpointError if unreadable."""
+def _field_checksum(value) -> int:
+  """The checksum of one meta.json field: of its canonical JSON text."""
+  text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+  return checksum.of_bytes(text.encode())
+
+
+def _with_field_checksums(meta: dict) -> dict:
+  """`meta` as JSON will read it back, plus the checksums of its fields."""
+  # The round trip turns tuples into lists and keys into strings first, so
+  # that the checksums are those of what a reader will find.
+  meta = json.loads(json.dumps(meta))
+  meta[_META_CHECKSUMS] = {k: _field_checksum(v) for k, v in meta.items()}
+  return meta
+
+
+def _load_meta_json(path: str) -> dict:
+  """meta.json of checkpoint `path` as a dict, unchecked."""
   meta_path = os.path.join(path, META)
   try:
     with open(meta_path) as f:
@@ -142,16 +211,74 @@ def read_meta(path: str) -> dict:
         f"checkpoint {path!r} is corrupt: {META} holds a "
         f"{type(meta).__name__}, expected an object."
     )
+  return meta
+
+
+def _check_field_checksums(path: str, meta: dict) -> None:
+  recorded = meta.get(_META_CHECKSUMS)
+  if not isinstance(recorded, dict):
+    raise CheckpointError(
+        f"checkpoint {path!r} is corrupt: {META} lacks {_META_CHECKSUMS!r}."
+    )
+  fields = set(meta) - {_META_CHECKSUMS}
+  if set(recorded) != fields:
+    raise CheckpointError(
+        f"checkpoint {path!r} is corrupt or was edited: {META} has the "
+        f"fields {sorted(fields)}, its checksums cover {sorted(recorded)}."
+    )
+  for key in sorted(fields):
+    found = _field_checksum(meta[key])
+    if found != recorded[key]:
+      raise CheckpointError(
+          f"checkpoint {path!r} is corrupt or was edited: {META} field "
+          f"{key!r} has checksum {found}, the checkpoint recorded "
+          f"{recorded[key]}."
+      )
+
+
+def _check_step(path: str, meta: dict) -> None:
+  """The recorded step must be the one the directory is named after."""
+  step = meta["step"]
+  if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    raise CheckpointError(
+        f"checkpoint {path!r} is corrupt: {META} records step {step!r}, "
+        "expected an int >= 0."
+    )
+  name = os.path.basename(os.path.normpath(path))
+  match = _STEP_DIR.match(name)
+  if match is None or int(match[1]) != step:
+    raise CheckpointError(
+        f"checkpoint {path!r}: {META} records step {step}, but the "
+        f"directory is named {name!r}; expected {step_dir('', step)!r}."
+    )
+
+
+def read_meta(path: str) -> dict:
+  """meta.json of checkpoint `path`, verified; or CheckpointError.
+
+  Every field must match its recorded checksum, and the step the name of
+  the directory (`step_<8 digits>`).
+  """
+  meta = _load_meta_json(path)
+  if "format_version" not in meta:
+    raise CheckpointError(
+        f"checkpoint {path!r} is corrupt: {META} lacks 'format_version'."
+    )
+  version = meta["format_version"]
+  if version != FORMAT_VERSION:
+    why = " (its meta.json has no checksums)" if version == 2 else ""
+    raise CheckpointError(
+        f"checkpoint {path!r} has format version {version}{why}; this "
+        f"program reads version {FORMAT_VERSION}. Resume it with the "
+        "program that wrote it, or start a new --output_dir."
+    )
+  _check_field_checksums(path, meta)
   for key in _META_KEYS:
     if key not in meta:
       raise CheckpointError(
           f"checkpoint {path!r} is corrupt: {META} lacks {key!r}."
       )
-  if meta["format_version"] != FORMAT_VERSION:
-    raise CheckpointError(
-        f"checkpoint {path!r} has format version {meta['format_version']}; "
-        f"this program reads version {FORMAT_VERSION}."
-    )
+  _check_step(path, meta)
   for i, entry in enumerate(meta["leaves"]):
     if not isinstance(entry, dict) or not _LEAF_KEYS <= set(entry):
       raise CheckpointError(
@@ -267,7 +394,7 @@ def _remove(path: str) -> None:
   never leaves a half-deleted `step_*` that looks complete."""
   hidden = os.path.join(
       os.path.dirname(path),
-      f".deleting-{os.path.basename(path)}-{uuid.uuid4().hex}",
+      f"{_DELETING}{os.path.basename(path)}-{uuid.uuid4().hex}",
   )
   try:
     os.rename(path, hidden)
@@ -334,6 +461,10 @@ class Checkpointer:
         numpy arrays.
       extra: JSON-able data restored as is (data position, history, ...).
     """
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+      raise TypeError(f"step: expected an int, got {step!r}.")
+    if step < 0:
+      raise ValueError(f"step: expected an int >= 0, got {step}.")
     self.wait()
     paths, leaves, _ = _leaves(state)
     # Numpy leaves are copied: an async save reads them later.
@@ -341,21 +472,23 @@ class Checkpointer:
         x if isinstance(x, jax.Array) else np.array(x, copy=True)
         for x in leaves
     ]
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "step": int(step),
-        "fingerprint": self.fingerprint,
-        "leaves": [
-            {
-                "path": p,
-                "shape": list(np.shape(x)),
-                "dtype": _dtype(x).name,
-                "checksum": c,
-            }
-            for p, x, c in zip(paths, leaves, checksum.checksums(leaves))
-        ],
-        "extra": extra or {},
-    }
+    meta = _with_field_checksums(
+        {
+            "format_version": FORMAT_VERSION,
+            "step": int(step),
+            "fingerprint": self.fingerprint,
+            "leaves": [
+                {
+                    "path": p,
+                    "shape": list(np.shape(x)),
+                    "dtype": _dtype(x).name,
+                    "checksum": c,
+                }
+                for p, x, c in zip(paths, leaves, checksum.checksums(leaves))
+            ],
+            "extra": extra or {},
+        }
+    )
     final = step_dir(self.directory, step)
     if distributed.is_main_process():
       os.makedirs(self.directory, exist_ok=True)

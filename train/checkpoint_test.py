@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from train import checkpoint
 from train import checksum
+from train import step_log
 from train import testing
 from train import trainer
 
@@ -71,6 +72,28 @@ class ResumeTest(absltest.TestCase):
       records = [json.loads(line) for line in f]
     self.assertEqual([r["step"] for r in records], list(range(1, steps + 1)))
     self.assertEqual([r["loss"] for r in records], straight.history["loss"])
+
+  def test_log_on_disk_keeps_every_step_while_a_resumed_run_trains(self):
+    # What a SIGKILL would leave: the file as it is on disk mid-run.
+    out = testing.temp_dir(self)
+    run = testing.small_run(out, steps=6, eval_every=3)
+    testing.fit(run, interrupt_after=3)
+    tr = trainer.Trainer(
+        dataclasses.replace(run, resume=True), testing.corpus(), out=None
+    )
+    tr.prepare_output_dir()
+    real_step, on_disk = tr.train_step, []
+
+    def step_reading_the_log(batch):
+      with open(os.path.join(out, "metrics.jsonl")) as f:
+        on_disk.append([json.loads(line)["step"] for line in f])
+      return real_step(batch)
+
+    tr.train_step = step_reading_the_log
+    tr.fit()
+    # Before steps 4, 5 and 6: the steps before the resume, then each new
+    # one as soon as it is taken.
+    self.assertEqual(on_disk, [[1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 5]])
 
   def test_ctrl_c_finishes_the_step_then_checkpoints_and_resumes_exactly(self):
     steps = 5
@@ -224,6 +247,126 @@ class RefusalTest(absltest.TestCase):
     ):
       self._restore(path)
 
+  def _edit_meta(self, path, edit):
+    """Applies `edit` (a function of the meta dict) to meta.json in place."""
+    meta_path = os.path.join(path, checkpoint.META)
+    with open(meta_path) as f:
+      meta = json.load(f)
+    edit(meta)
+    with open(meta_path, "w") as f:
+      json.dump(meta, f)
+
+  def test_edited_step_is_refused_by_its_checksum(self):
+    path = self._copy()
+    self._edit_meta(path, lambda meta: meta.update(step=-5))
+    with self.assertRaisesRegex(
+        checkpoint.CheckpointError,
+        r"step_00000001' is corrupt or was edited: meta/meta.json field "
+        r"'step' has checksum \d+, the checkpoint recorded \d+",
+    ):
+      self._restore(path)
+
+  def test_edited_fingerprint_is_refused_by_its_checksum(self):
+    path = self._copy()
+    self._edit_meta(path, lambda meta: meta["fingerprint"].update(batch_size=2))
+    with self.assertRaisesRegex(
+        checkpoint.CheckpointError, r"field 'fingerprint' has checksum"
+    ):
+      self._restore(path)
+
+  def test_edited_data_position_is_refused_by_its_checksum(self):
+    path = self._copy()
+    with open(os.path.join(path, checkpoint.META)) as f:
+      data = json.load(f)["extra"]["data"]
+    self.assertIsInstance(data, dict)
+    edited = {k: (v + 1 if isinstance(v, int) else v) for k, v in data.items()}
+    self.assertNotEqual(edited, data)
+    self._edit_meta(path, lambda meta: meta["extra"].update(data=edited))
+    with self.assertRaisesRegex(
+        checkpoint.CheckpointError, r"field 'extra' has checksum"
+    ):
+      self._restore(path)
+
+  def test_removed_or_added_meta_field_is_refused(self):
+    path = self._copy()
+    self._edit_meta(path, lambda meta: meta.update(note="hand-made"))
+    with self.assertRaisesRegex(
+        checkpoint.CheckpointError,
+        r"has the fields \[.*'note'.*\], its checksums cover \[",
+    ):
+      self._restore(path)
+    self._edit_meta(path, lambda meta: meta.pop("field_checksums"))
+    with self.assertRaisesRegex(
+        checkpoint.CheckpointError, r"lacks 'field_checksums'"
+    ):
+      self._restore(path)
+
+  def test_checkpoint_renamed_to_another_step_is_refused(self):
+    path = os.path.join(os.path.dirname(self._copy()), "step_00000007")
+    os.rename(os.path.join(os.path.dirname(path), "step_00000001"), path)
+    with self.assertRaisesRegex(
+        checkpoint.CheckpointError,
+        r"meta/meta.json records step 1, but the directory is named "
+        r"'step_00000007'; expected 'step_00000001'",
+    ):
+      self._restore(path)
+
+  def test_format_version_2_is_refused(self):
+    path = self._copy()
+
+    def as_version_2(meta):
+      meta["format_version"] = 2
+      del meta["field_checksums"]
+
+    self._edit_meta(path, as_version_2)
+    with self.assertRaisesRegex(
+        checkpoint.CheckpointError,
+        r"has format version 2 \(its meta.json has no checksums\); this "
+        r"program reads version 3",
+    ):
+      self._restore(path)
+
+  def test_optimizer_state_of_another_step_is_refused(self):
+    # A whole, consistent checkpoint of "step 2" holding the state of step
+    # 1: only the optimiser's own step counters can tell.
+    tr = self.trainer
+    path = checkpoint.save(
+        testing.temp_dir(self),
+        2,
+        tr.state,
+        fingerprint=self.run_config.fingerprint(tr.corpus.name),
+        extra={"data": tr.sampler.state()},
+    )
+    resumed = trainer.Trainer(self.run_config, testing.corpus(), out=None)
+    with self.assertRaisesRegex(
+        checkpoint.CheckpointError,
+        r"records step 2, but the step counters of the optimiser state in "
+        r"state/ say \{.*count': 1",
+    ):
+      resumed.restore_checkpoint(path)
+    self.assertEqual(resumed.step, 0)
+
+  def test_resume_removes_leftovers_of_killed_saves(self):
+    out = testing.temp_dir(self)
+    checkpoints = os.path.join(out, "checkpoints")
+    shutil.copytree(os.path.dirname(self.path), checkpoints)
+    unfinished = os.path.join(checkpoints, "step_00000002.orbax-checkpoint-tmp")
+    os.makedirs(os.path.join(unfinished, "state"))
+    log = io.StringIO()
+    tr = trainer.Trainer(
+        dataclasses.replace(self.run_config, output_dir=out, resume=True),
+        testing.corpus(),
+        out=log,
+    )
+    tr.prepare_output_dir()
+    self.assertEqual(tr.step, 1)
+    self.assertIn(
+        "removed step_00000002.orbax-checkpoint-tmp, left by an interrupted "
+        "save",
+        log.getvalue(),
+    )
+    self.assertEqual(os.listdir(checkpoints), ["step_00000001"])
+
   def test_missing_arrays_are_refused(self):
     path = self._copy()
     shutil.rmtree(os.path.join(path, checkpoint.ARRAYS))
@@ -347,6 +490,64 @@ class AtomicityTest(absltest.TestCase):
     )
     self.assertEqual(meta["step"], 4)
 
+  def test_leftovers_of_killed_saves_are_ignored_then_cleaned(self):
+    directory = testing.temp_dir(self)
+    state = {"w": np.arange(6, dtype=np.float32)}
+    for step in (1, 2):
+      checkpoint.save(directory, step, state, fingerprint={})
+    # Step 3 was being saved again: its old copy was moved aside, and the
+    # new one never landed. Step 2's old copy too, but its new one landed.
+    elsewhere = checkpoint.save(
+        testing.temp_dir(self), 3, state, fingerprint={}
+    )
+    os.rename(elsewhere, os.path.join(directory, ".replaced-step_00000003-ab"))
+    shutil.copytree(
+        checkpoint.step_dir(directory, 2),
+        os.path.join(directory, ".replaced-step_00000002-cd"),
+    )
+    # An unfinished save, a half-deleted checkpoint, and a user's file.
+    leftovers = ["step_00000004.orbax-checkpoint-tmp", ".deleting-step_0-ef"]
+    for name in leftovers:
+      shutil.copytree(
+          checkpoint.step_dir(directory, 1), os.path.join(directory, name)
+      )
+    with open(os.path.join(directory, "notes.txt"), "w") as f:
+      f.write("kept")
+    self.assertEqual(
+        [s for s, _ in checkpoint.list_checkpoints(directory)], [1, 2]
+    )
+
+    done = checkpoint.remove_leftovers(directory)
+
+    self.assertEqual(
+        sorted(os.listdir(directory)),
+        ["notes.txt", "step_00000001", "step_00000002", "step_00000003"],
+    )
+    self.assertLen(done, 4)
+    self.assertIn(
+        "put back step_00000003 from .replaced-step_00000003-ab: a save of "
+        "the same step was interrupted",
+        done,
+    )
+    for name in leftovers + [".replaced-step_00000002-cd"]:
+      self.assertIn(
+          f"removed {name}, left by an interrupted save or deletion", done
+      )
+    _, meta = checkpoint.restore(
+        checkpoint.latest(directory), state, fingerprint={}
+    )
+    self.assertEqual(meta["step"], 3)
+    self.assertEqual(checkpoint.remove_leftovers(directory), [])
+
+  def test_negative_or_non_int_step_is_refused(self):
+    state = {"w": np.zeros(2, np.float32)}
+    with self.assertRaisesRegex(
+        ValueError, r"step: expected an int >= 0, got -5"
+    ):
+      checkpoint.save(testing.temp_dir(self), -5, state, fingerprint={})
+    with self.assertRaisesRegex(TypeError, r"step: expected an int, got 1.5"):
+      checkpoint.save(testing.temp_dir(self), 1.5, state, fingerprint={})
+
   def test_saving_a_step_again_replaces_it(self):
     directory = testing.temp_dir(self)
     old = {"w": np.zeros(4, np.float32)}
@@ -371,6 +572,69 @@ class AtomicityTest(absltest.TestCase):
   def test_negative_keep_is_refused(self):
     with self.assertRaisesRegex(ValueError, r"keep: expected .* got -1"):
       checkpoint.Checkpointer("unused", fingerprint={}, keep=-1)
+
+
+class MetricsLogTest(absltest.TestCase):
+  """metrics.jsonl after a kill: kept lines, a cut last line, leftovers."""
+
+  def _log(self, text: str) -> str:
+    path = os.path.join(testing.temp_dir(self), "metrics.jsonl")
+    with open(path, "w") as f:
+      f.write(text)
+    return path
+
+  def _steps(self, path) -> list[int]:
+    with open(path) as f:
+      return [json.loads(line)["step"] for line in f]
+
+  def test_cut_last_line_is_dropped_with_a_warning(self):
+    lines = "".join(json.dumps({"step": s, "loss": 1.5}) + "\n" for s in (1, 2))
+    path = self._log(lines + '{"step": 3, "lo')
+    with self.assertLogs("absl", "WARNING") as logs:
+      log = step_log.MetricsLog(path, resume_step=3)
+    self.assertRegex(
+        logs.output[0],
+        re.escape(path) + r": dropped line 3, cut short by an interrupted "
+        r"write",
+    )
+    with log:
+      log.append({"step": 3, "loss": 1.0})
+    self.assertEqual(self._steps(path), [1, 2, 3])
+
+  def test_resume_keeps_the_lines_up_to_its_step(self):
+    lines = "".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4))
+    path = self._log(lines)
+    with step_log.MetricsLog(path, resume_step=2) as log:
+      log.append({"step": 3, "loss": 0.5})
+    self.assertEqual(self._steps(path), [1, 2, 3])
+    # The rewrite went through a temporary file, now gone.
+    self.assertEqual(os.listdir(os.path.dirname(path)), ["metrics.jsonl"])
+
+  def test_leftover_of_a_killed_rewrite_is_removed(self):
+    path = self._log(json.dumps({"step": 1}) + "\n")
+    leftover = os.path.join(os.path.dirname(path), ".metrics.jsonl.0a1b.tmp")
+    with open(leftover, "w") as f:
+      f.write("{")
+    with self.assertLogs("absl", "WARNING") as logs:
+      step_log.MetricsLog(path, resume_step=1).close()
+    self.assertIn("removed .metrics.jsonl.0a1b.tmp", logs.output[0])
+    self.assertEqual(os.listdir(os.path.dirname(path)), ["metrics.jsonl"])
+    self.assertEqual(self._steps(path), [1])
+
+  def test_bad_line_before_the_last_is_an_error(self):
+    path = self._log('{"step": 1}\nnot json\n{"step": 3}\n')
+    with self.assertRaisesRegex(
+        ValueError,
+        re.escape(path) + r": line 2 is not a metrics record .*only the "
+        r"last line may be cut short",
+    ):
+      step_log.MetricsLog(path, resume_step=3)
+
+  def test_fresh_log_starts_empty(self):
+    path = self._log(json.dumps({"step": 1}) + "\n")
+    step_log.MetricsLog(path).close()
+    with open(path) as f:
+      self.assertEqual(f.read(), "")
 
 
 def _bits(x) -> np.ndarray:

@@ -102,3 +102,11 @@ def checksums(leaves: list) -> list[int]:
     for i, s in zip(members, group_sums):
       result[i] = int(s)
   return result
+
+
+def of_bytes(data: bytes) -> int:
+  """The checksum of a byte string (uint8 elements), as a Python int.
+
+  The same formula as the leaves': checkpoint metadata is covered by it.
+  """
+  return _host_checksum(np.frombuffer(data, np.uint8))

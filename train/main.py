@@ -34,6 +34,7 @@ from train import presets
 from train import report
 from train import run_config
 from train import sizing
+from train import step_log
 from train import trainer
 
 _MODEL = flags.DEFINE_enum(
@@ -414,6 +415,8 @@ def train(out=sys.stdout) -> dict:
     raise app.UsageError(str(e)) from e
   try:
     summary = tr.fit(handle_signals=True)
+  except step_log.MetricsLogError as e:
+    raise app.UsageError(str(e)) from e
   finally:
     tr.close()
   return _report(run, tr, summary, out)

@@ -4,6 +4,7 @@ import io
 import json
 import os
 
+from absl import app
 from absl import flags
 from absl.testing import absltest
 from absl.testing import flagsaver
@@ -69,6 +70,26 @@ class MainTest(absltest.TestCase):
     self.assertEqual(summary["steps"], 4)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
       self.assertEqual([json.loads(line)["step"] for line in f], [1, 2, 3, 4])
+
+    # The issue's example: the recorded step edited by hand. The resume is
+    # refused, one line naming the file and the field, before any training.
+    meta_path = os.path.join(
+        out_dir, "checkpoints", "step_00000004", "meta", "meta.json"
+    )
+    with open(meta_path) as f:
+      meta = json.load(f)
+    meta["step"] = -5
+    with open(meta_path, "w") as f:
+      json.dump(meta, f)
+    with flagsaver.flagsaver(steps=6, resume=True, **common):
+      with self.assertRaisesRegex(
+          app.UsageError,
+          r"step_00000004' is corrupt or was edited: meta/meta.json field "
+          r"'step' has checksum",
+      ):
+        main.train(io.StringIO())
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+      self.assertLen(f.readlines(), 4)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """What each training step reports: a metrics.jsonl record, a console line,
-the progress bar, and the history the end-of-run plot and summary read."""
+the progress bar, and the history the end-of-run plot and summary read; and
+the metrics.jsonl file itself (`MetricsLog`), which survives a kill."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import sys
 import time
+import uuid
 
+from absl import logging
 import numpy as np
 
 from train import mesh as mesh_lib
@@ -75,6 +79,9 @@ def log_step(
       "load_min": load.min(axis=-1).round(3).tolist() if load.size else [],
       "load_max": load.max(axis=-1).round(3).tolist() if load.size else [],
       "dropped_fraction": dropped.tolist(),
+      # Per MoE layer: assignments of tokens with NaN/Inf routing scores
+      # (README, "Guarantees"); the loss is then NaN too.
+      "invalid_assignments": np.asarray(metrics["invalid"]).tolist(),
   }
   history["step"].append(step)
   history["loss"].append(loss)
@@ -139,15 +146,160 @@ def show_progress(
     sys.stderr.write("\n")
 
 
-def logged_lines_up_to_step(path: str, step: int) -> list[str]:
-  """Lines of a previous metrics.jsonl up to `step`, the resumed one.
+class MetricsLogError(ValueError):
+  """A metrics log that a resume cannot continue (a damaged line)."""
+
+
+class MetricsLog:
+  """metrics.jsonl: one JSON record per line, one line per step.
+
+  Each line goes to the operating system in one unbuffered write, so a
+  killed process loses none that it wrote (at worst the one being written
+  is cut short); `sync` also puts them on disk, at checkpoints.
+  """
+
+  def __init__(self, path: str | None, *, resume_step: int | None = None):
+    """Opens the log for appending.
+
+    Args:
+      path: the metrics.jsonl file; None writes nothing (the processes
+        other than 0 of a run).
+      resume_step: None to start the log afresh; else the step a resumed
+        run starts from: the records up to it are kept (see
+        `keep_records_up_to`).
+
+    Raises:
+      ValueError: a line of the old log other than its last is not a
+        record; named, with its number.
+    """
+    self._file = None
+    if path is None:
+      return
+    _remove_temporaries(path)
+    if resume_step is None:
+      self._file = open(path, "wb", buffering=0)
+    else:
+      keep_records_up_to(path, resume_step)
+      self._file = open(path, "ab", buffering=0)
+
+  def append(self, record: dict) -> None:
+    if self._file is not None:
+      self._file.write((json.dumps(record) + "\n").encode())
+
+  def sync(self) -> None:
+    """Puts the lines written so far on disk (fsync)."""
+    if self._file is not None:
+      os.fsync(self._file.fileno())
+
+  def close(self) -> None:
+    if self._file is not None:
+      self.sync()
+      self._file.close()
+      self._file = None
+
+  def __enter__(self) -> MetricsLog:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+def _temporary(path: str, token: str) -> str:
+  """A hidden file beside log `path`, that a rewrite of it goes to first."""
+  return os.path.join(
+      os.path.dirname(path), f".{os.path.basename(path)}.{token}.tmp"
+  )
+
+
+def _remove_temporaries(path: str) -> None:
+  """Deletes what a rewrite of log `path` killed midway left beside it."""
+  directory = os.path.dirname(path) or "."
+  if not os.path.isdir(directory):
+    return
+  pattern = re.compile(
+      rf"\.{re.escape(os.path.basename(path))}\.[0-9a-f]+\.tmp"
+  )
+  for name in os.listdir(directory):
+    if pattern.fullmatch(name):
+      os.remove(os.path.join(directory, name))
+      logging.warning(
+          "removed %s, left by an interrupted rewrite of %s", name, path
+      )
+
+
+def _records(path: str, data: bytes) -> list[tuple[bytes, dict]]:
+  """(line, record) of each line of `data`, the contents of log `path`.
+
+  A last line without its newline, or not valid JSON, is what a kill
+  during its write leaves: it is dropped with a warning. Blank lines are
+  skipped.
+  """
+  lines = data.split(b"\n")
+  found = []
+  for number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    last = number == len(lines)  # No newline after it.
+    try:
+      record = json.loads(line)
+      if not isinstance(record, dict) or not isinstance(
+          record.get("step"), int
+      ):
+        raise ValueError("expected an object with an int 'step'")
+    except ValueError as e:
+      if last:
+        logging.warning(
+            "%s: dropped line %d, cut short by an interrupted write (%s)",
+            path,
+            number,
+            e,
+        )
+        continue
+      raise MetricsLogError(
+          f"{path}: line {number} is not a metrics record ({e}); only the "
+          "last line may be cut short by a kill. Move the file aside to "
+          "resume."
+      ) from e
+    found.append((line, record))
+  return found
+
+
+def keep_records_up_to(path: str, step: int) -> None:
+  """Keeps only the records of steps <= `step` in log `path` (if any).
 
   A run killed after its last checkpoint logged steps that the resumed run
-  repeats; those lines are dropped, not duplicated.
+  repeats: those lines are dropped, not duplicated. The kept lines are
+  written to a file beside the log, which then replaces it (os.replace is
+  atomic): a kill at any point leaves either the old log or the new one.
+  Nothing is written if nothing is dropped.
+
+  Raises:
+    ValueError: a line other than the last is not a record.
   """
   if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [
-        line for line in f if line.strip() and json.loads(line)["step"] <= step
-    ]
+    return
+  with open(path, "rb") as f:
+    data = f.read()
+  kept = b"".join(
+      line + b"\n"
+      for line, record in _records(path, data)
+      if record["step"] <= step
+  )
+  if kept == data:
+    return
+  temporary = _temporary(path, uuid.uuid4().hex)
+  with open(temporary, "wb") as f:
+    f.write(kept)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(temporary, path)
+  _sync_directory(os.path.dirname(path) or ".")
+
+
+def _sync_directory(directory: str) -> None:
+  """Makes a rename in `directory` durable (POSIX: fsync the directory)."""
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)

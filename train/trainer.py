@@ -7,9 +7,7 @@ stop it cleanly after the step in flight.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -37,6 +35,17 @@ RunConfig = run_config.RunConfig
 run_config_from_preset = run_config.run_config_from_preset
 make_optimizer = steps.make_optimizer
 cross_entropy = steps.cross_entropy
+
+
+def _optimizer_step_counts(opt_state) -> dict[str, int]:
+  """{tree path: value} of the optax state's step counters ("count")."""
+  counts = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    if getattr(path[-1], "name", None) == "count":
+      # Replicated: every process holds the whole scalar.
+      local = leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf
+      counts[jax.tree_util.keystr(path)] = int(np.asarray(local))
+  return counts
 
 
 class Trainer:
@@ -223,14 +232,21 @@ class Trainer:
     """
     # The current state is the template: its leaves' shardings say where
     # each restored leaf goes.
-    self.state, meta = self.checkpointer.restore(path, self.state)
-    self.step = meta["step"]
+    state, meta = self.checkpointer.restore(path, self.state)
     extra = meta.get("extra", {})
     if "data" not in extra:
       raise checkpoint.CheckpointError(
           f"checkpoint {path!r} lacks the data position; cannot resume "
           "exactly."
       )
+    counts = _optimizer_step_counts(state["opt_state"])
+    if any(count != meta["step"] for count in counts.values()):
+      raise checkpoint.CheckpointError(
+          f"checkpoint {path!r}: {checkpoint.META} records step "
+          f"{meta['step']}, but the step counters of the optimiser state in "
+          f"{checkpoint.ARRAYS}/ say {counts}."
+      )
+    self.state, self.step = state, meta["step"]
     self.sampler.restore(extra["data"])
     self.history = extra.get("history", self.history)
     settings = extra.get("settings", {})
@@ -247,7 +263,15 @@ class Trainer:
       )
 
   def prepare_output_dir(self) -> None:
-    """Resumes from the newest checkpoint, or clears old ones when fresh."""
+    """Resumes from the newest checkpoint, or clears old ones when fresh.
+
+    First deletes what killed saves left behind (process 0), saying so.
+    """
+    if self.is_main:
+      for line in checkpoint.remove_leftovers(self.checkpoint_dir):
+        self._print(f"{self.checkpoint_dir}: {line}")
+    # No process may list the checkpoints before the leftovers are gone.
+    distributed.barrier("dropless_checkpoint_leftovers")
     found = checkpoint.list_checkpoints(self.checkpoint_dir)
     if self.run.resume:
       if not found:
@@ -264,7 +288,7 @@ class Trainer:
           "continue it instead)"
       )
       if self.is_main:
-        shutil.rmtree(self.checkpoint_dir)
+        checkpoint.remove_all(self.checkpoint_dir)
       # No process may look for checkpoints until they are gone.
       distributed.barrier("dropless_fresh_output_dir")
 
@@ -302,15 +326,13 @@ class Trainer:
     self._first_step = self.step
     interrupted = None
     start = time.perf_counter()
-    kept = (
-        step_log.logged_lines_up_to_step(metrics_path, self.step)
-        if run.resume and self.is_main
-        else []
-    )
     try:
       # Only process 0 writes the metrics; the others compute the same ones.
-      with open(metrics_path if self.is_main else os.devnull, "w") as log:
-        log.writelines(kept)
+      # A resumed run keeps the records up to the step it resumed from.
+      with step_log.MetricsLog(
+          metrics_path if self.is_main else None,
+          resume_step=self.step if run.resume else None,
+      ) as log:
         while self.step < run.steps:
           position = self.sampler.state()
           batch = self._next_batch()
@@ -324,7 +346,7 @@ class Trainer:
           record = step_log.log_step(
               self.history, run, self.step, metrics, time.perf_counter() - t0
           )
-          log.write(json.dumps(record) + "\n")
+          log.append(record)
           step_log.show_progress(
               run,
               self.step,
@@ -346,6 +368,7 @@ class Trainer:
               and self.step < run.steps
           ):
             self.save_checkpoint()
+            log.sync()  # The log on disk reaches at least the checkpoint.
           if self._stop_signal is not None:
             interrupted = signal.Signals(self._stop_signal).name
             break
