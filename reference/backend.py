@@ -73,7 +73,8 @@ def dense_mixture(
   """y[t] = sum_e w[t, e] * FFN_e(x[t]) with no dispatch at all.
 
   w[t, e] is the combine weight of the (kept) choices of token t that name
-  expert e; every expert runs on every token and the weights pick. No
+  expert e; every expert runs on every token and the weights pick (a
+  select, so NaN in an expert's weights reaches only its tokens). No
   `expert_ffn` runs, so the layer emits no checkpoint names: under the
   "save_moe" policy the oracle recomputes everything, as under "full".
   `expert_ffn` called directly is the base one, with every name.
@@ -94,11 +95,22 @@ def dense_mixture(
   token_expert_weight = jnp.einsum(
       "tk,tke->te", kept_weights, chosen, precision=_HIGHEST
   )
+  # Which experts each token's copies reach: an expert no copy reaches adds
+  # exactly nothing, even if its weights hold NaN (0 * NaN would not).
+  reaches = (
+      jnp.einsum(
+          "tk,tke->te",
+          (aux.kept | jnp.isnan(weights)).astype(jnp.float32),
+          chosen,
+      )
+      > 0
+  )
   y = jnp.zeros(x.shape, jnp.float32)
   for e in range(cfg.num_experts):
-    y += token_expert_weight[:, e : e + 1] * expert_ffn_dense(
+    contribution = token_expert_weight[:, e : e + 1] * expert_ffn_dense(
         x, params, e, cfg.activation
     )
+    y += jnp.where(reaches[:, e : e + 1], contribution, 0.0)
   return checks.nan_rows(jnp.any(invalid, axis=-1), y).astype(x.dtype)
 
 

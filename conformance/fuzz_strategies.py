@@ -1,0 +1,397 @@
+"""Hypothesis strategies for conformance/fuzz_test.py: configs, faults."""
+
+# Shapes come from a few small buckets: under jit every new shape compiles
+# anew (about a second on two cores), so the fuzzer explores the routing
+# options, dtypes and values more than the sizes. Array contents come from a
+# drawn numpy seed (`cases.layer_inputs`), not from hypothesis floats: a
+# falsifying example is then a short, printable `cases.LayerCase`.
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hypothesis import strategies as st
+import jax.numpy as jnp
+import numpy as np
+
+import moe_core
+from conformance import cases
+
+# --- Buckets, simplest first (hypothesis shrinks towards the first) ---------
+
+# Token shapes x[..., D] may have: one token, a few, a batch of two axes.
+BATCH_SHAPES = ((1,), (3,), (8,), (2, 3))
+# 256 is DeepSeek-V3's routed expert count; with D = F = 8 it stays cheap.
+EXPERT_COUNTS = (4, 1, 2, 8, 16, 256)
+HIDDEN_SIZES = (8, 16)
+FFN_SIZES = (8, 16)
+SHARED_FFN_SIZES = (0, 8)
+DTYPES = ("float32", "bfloat16", "float16")
+NORM_EPSILONS = (0.0, 1e-20, 1e-6)
+# Any finite factor is valid, 0 and negative ones included.
+SCALING_FACTORS = (1.0, 2.5, 0.5, 0.0, -1.5)
+# Capacity per expert ceil(f * T * K / E): from one slot to none dropped.
+CAPACITY_FACTORS = (0.5, 1.0, 1.5, 4.0)
+# At most this many groups, as in DeepSeek-V3 (8 groups of 32 experts).
+MAX_GROUPS = 8
+MAX_TOP_K = 8
+
+# Values a faulty input holds: NaN and both infinities.
+NON_FINITE = (math.nan, math.inf, -math.inf)
+
+# --- Valid configurations and layer inputs ----------------------------------
+
+
+def _divisors(n: int, at_most: int) -> list[int]:
+  return [d for d in range(1, min(n, at_most) + 1) if n % d == 0]
+
+
+@st.composite
+def configs(draw, expert_counts=EXPERT_COUNTS) -> moe_core.MoEConfig:
+  """A valid `MoEConfig`: every router family, groups, shared expert, gate,
+  activation and capacity, on the small shape buckets."""
+  num_experts = draw(st.sampled_from(expert_counts))
+  n_group = draw(st.sampled_from(_divisors(num_experts, MAX_GROUPS)))
+  per_group = num_experts // n_group
+  topk_group, group_score = 1, "max"
+  if n_group > 1:
+    topk_group = draw(st.integers(1, n_group))
+    # sum_top2 adds a group's two best scores: it needs two experts a group.
+    group_score = draw(
+        st.sampled_from(("max", "sum_top2") if per_group >= 2 else ("max",))
+    )
+  eligible = topk_group * per_group if n_group > 1 else num_experts
+  top_k = draw(st.integers(1, min(eligible, MAX_TOP_K)))
+  shared_ffn_size = draw(st.sampled_from(SHARED_FFN_SIZES))
+  norm_topk_prob = draw(st.booleans())
+  return moe_core.MoEConfig(
+      num_experts=num_experts,
+      top_k=top_k,
+      hidden_size=draw(st.sampled_from(HIDDEN_SIZES)),
+      expert_ffn_size=draw(st.sampled_from(FFN_SIZES)),
+      score_func=draw(st.sampled_from(("softmax", "sigmoid"))),
+      norm_topk_prob=norm_topk_prob,
+      norm_epsilon=draw(st.sampled_from(NORM_EPSILONS))
+      if norm_topk_prob
+      else 0.0,
+      routed_scaling_factor=draw(st.sampled_from(SCALING_FACTORS)),
+      correction_bias=draw(st.booleans()),
+      n_group=n_group,
+      topk_group=topk_group,
+      group_score=group_score,
+      shared_ffn_size=shared_ffn_size,
+      shared_expert_gate=draw(st.booleans()) if shared_ffn_size else False,
+      activation=draw(st.sampled_from(("silu", "gelu", "gelu_tanh"))),
+      capacity_factor=draw(
+          st.one_of(st.none(), st.sampled_from(CAPACITY_FACTORS))
+      ),
+  )
+
+
+@st.composite
+def layer_cases(
+    draw, expert_counts=EXPERT_COUNTS, dtypes=DTYPES
+) -> cases.LayerCase:
+  """A `cases.LayerCase` (no gradients): config, token shape, dtype, traced
+  (jit=True) or static (jit=False), and optionally an expert that every
+  token prefers, which overflows capacity and leaves other experts empty."""
+  cfg = draw(configs(expert_counts))
+  hot_expert = draw(st.one_of(st.none(), st.integers(0, cfg.num_experts - 1)))
+  return cases.LayerCase(
+      name="fuzz",
+      cfg=cfg,
+      batch_shape=draw(st.sampled_from(BATCH_SHAPES)),
+      dtype=draw(st.sampled_from(dtypes)),
+      jit=draw(st.booleans()),
+      hot_expert=hot_expert,
+      seed=draw(st.integers(0, 2**16)),
+  )
+
+
+# --- Non-finite data (policy R1, R7) -----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+  """One non-finite value written into an input of the layer.
+
+  Attributes:
+    target: "x", "router", "correction_bias" or an expert weight ("w_gate",
+      "w_up", "w_down").
+    index: where in that array; for "x", (token, feature) of the flattened
+      [T, D] tokens.
+    value: NaN, inf or -inf.
+  """
+
+  target: str
+  index: tuple[int, ...]
+  value: float
+
+
+def _targets(cfg: moe_core.MoEConfig) -> tuple[str, ...]:
+  targets = ("x", "router", "w_gate", "w_up", "w_down")
+  return targets + (("correction_bias",) if cfg.correction_bias else ())
+
+
+@st.composite
+def faults(draw, case: cases.LayerCase, max_faults: int = 3) -> tuple:
+  """1 to `max_faults` `Fault`s in the inputs of `case`, x rows most often
+  (the faults R1 counts per token)."""
+  cfg = case.cfg
+  shapes = moe_core.param_shapes(cfg)
+  shapes["x"] = (case.num_tokens, cfg.hidden_size)
+  target_strategy = st.one_of(st.just("x"), st.sampled_from(_targets(cfg)))
+  found = []
+  for _ in range(draw(st.integers(1, max_faults))):
+    target = draw(target_strategy)
+    index = tuple(draw(st.integers(0, n - 1)) for n in shapes[target])
+    found.append(Fault(target, index, draw(st.sampled_from(NON_FINITE))))
+  return tuple(found)
+
+
+def faulty_inputs(case: cases.LayerCase, found) -> tuple[dict, jnp.ndarray]:
+  """(params, x) of `case` with the `Fault`s written in; x keeps its
+  batch shape. The case's cached inputs are copied, not changed."""
+  params, x, _ = cases.layer_inputs(case)
+  arrays = {n: np.array(v) for n, v in params.items()}
+  arrays["x"] = np.array(x).reshape(case.num_tokens, case.cfg.hidden_size)
+  for fault in found:
+    arrays[fault.target][fault.index] = fault.value
+  faulty_x = jnp.asarray(arrays.pop("x").reshape(x.shape), x.dtype)
+  faulty_params = {
+      n: jnp.asarray(v, params[n].dtype) for n, v in arrays.items()
+  }
+  return faulty_params, faulty_x
+
+
+# --- Expert ids out of range (policy R2, R4) ---------------------------------
+
+# An id below 0 or at/after E; the int32 extremes included.
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+@st.composite
+def bad_expert_ids(draw, case: cases.LayerCase, max_bad: int = 3) -> tuple:
+  """((token, choice, id), ...): 1 to `max_bad` assignments of `case` given
+  an id outside [0, E)."""
+  cfg = case.cfg
+  out_of_range = st.one_of(
+      st.integers(_INT32_MIN, -1), st.integers(cfg.num_experts, _INT32_MAX)
+  )
+  return tuple(
+      (
+          draw(st.integers(0, case.num_tokens - 1)),
+          draw(st.integers(0, cfg.top_k - 1)),
+          draw(out_of_range),
+      )
+      for _ in range(draw(st.integers(1, max_bad)))
+  )
+
+
+@st.composite
+def routing_faults(draw, case: cases.LayerCase, max_each: int = 2) -> tuple:
+  """(bad ids as in `bad_expert_ids`, ((token, choice), ...) whose combine
+  weight becomes NaN), at least one fault in all."""
+  cfg = case.cfg
+  assignment = st.tuples(
+      st.integers(0, case.num_tokens - 1), st.integers(0, cfg.top_k - 1)
+  )
+  nan_weights = tuple(
+      draw(assignment) for _ in range(draw(st.integers(0, max_each)))
+  )
+  bad_ids = ()
+  if not nan_weights or draw(st.booleans()):
+    bad_ids = draw(bad_expert_ids(case, max_each))
+  return bad_ids, nan_weights
+
+
+# --- Group sizes (policy R5) -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmFault:
+  """A grouped GEMM (and expert FFN) call whose group_sizes are invalid.
+
+  rows [m, width] x weights [len(group_sizes), width, out_width]; the sizes
+  have a negative entry or sum past m. For the expert FFN, width is D and
+  out_width is F.
+  """
+
+  m: int
+  width: int
+  out_width: int
+  group_sizes: tuple[int, ...]
+  dtype: str
+  transpose_rhs: bool
+  jit: bool
+  seed: int
+
+  @property
+  def num_groups(self) -> int:
+    return len(self.group_sizes)
+
+
+@st.composite
+def gemm_faults(draw, dtypes=("float32", "bfloat16")) -> GemmFault:
+  """Sizes that break one rule: a negative entry, or a sum past the rows
+  (by one, or by enough to wrap an int32 sum around)."""
+  m = draw(st.integers(1, 12))
+  num_groups = draw(st.integers(1, 5))
+  sizes = [draw(st.integers(0, m)) for _ in range(num_groups)]
+  broken = draw(st.integers(0, num_groups - 1))
+  if draw(st.booleans()):
+    sizes[broken] = draw(st.integers(_INT32_MIN, -1))
+  else:
+    others = sum(sizes) - sizes[broken]
+    sizes[broken] = draw(st.integers(max(0, m + 1 - others), _INT32_MAX))
+  return GemmFault(
+      m=m,
+      width=draw(st.sampled_from(HIDDEN_SIZES)),
+      out_width=draw(st.sampled_from(FFN_SIZES)),
+      group_sizes=tuple(sizes),
+      dtype=draw(st.sampled_from(dtypes)),
+      transpose_rhs=draw(st.booleans()),
+      jit=draw(st.booleans()),
+      seed=draw(st.integers(0, 2**16)),
+  )
+
+
+def gemm_fault_inputs(fault: GemmFault):
+  """(rows [m, C], weights, group_sizes [E] int32 numpy, cotangent [m, N])."""
+  rng = np.random.default_rng(fault.seed)
+  e, c, n = fault.num_groups, fault.width, fault.out_width
+  w_shape = (e, n, c) if fault.transpose_rhs else (e, c, n)
+  dtype = jnp.dtype(fault.dtype)
+  return (
+      jnp.asarray(rng.standard_normal((fault.m, c)), dtype),
+      jnp.asarray(rng.standard_normal(w_shape) * c**-0.5, dtype),
+      np.asarray(fault.group_sizes, np.int32),
+      jnp.asarray(rng.standard_normal((fault.m, n)), dtype),
+  )
+
+
+def ffn_fault_inputs(fault: GemmFault):
+  """(rows [m, D], group_sizes [E] int32 numpy, params, cfg, cotangent) for
+  `Backend.expert_ffn`, with D = fault.width and F = fault.out_width."""
+  cfg = moe_core.MoEConfig(
+      num_experts=fault.num_groups,
+      top_k=1,
+      hidden_size=fault.width,
+      expert_ffn_size=fault.out_width,
+  )
+  rng = np.random.default_rng(fault.seed)
+  dtype = jnp.dtype(fault.dtype)
+  params = {
+      n: jnp.asarray(rng.standard_normal(s) * s[-2] ** -0.5, dtype)
+      for n, s in moe_core.param_shapes(cfg).items()
+  }
+  return (
+      jnp.asarray(rng.standard_normal((fault.m, fault.width)), dtype),
+      np.asarray(fault.group_sizes, np.int32),
+      params,
+      cfg,
+      jnp.asarray(rng.standard_normal((fault.m, fault.width)), dtype),
+  )
+
+
+# --- Static mistakes in a layer call ----------------------------------------
+
+# What a caller can get wrong that is known before anything runs, and the
+# start of the message that names the argument (moe_core/validation.py).
+STATIC_MISTAKES = {
+    "no_tokens": (ValueError, "x must hold at least one token"),
+    "wrong_hidden_size": (ValueError, "x must have shape [..., hidden_size="),
+    "integer_tokens": (TypeError, "x must be floating point"),
+    "missing_param": (ValueError, "params is missing"),
+    "extra_param": (ValueError, "params has keys"),
+    "param_shape": (ValueError, "params["),
+    "integer_param": (TypeError, "params["),
+}
+
+
+@st.composite
+def static_mistakes(draw) -> tuple[cases.LayerCase, str, str]:
+  """(case, mistake, parameter name): a valid case, one of STATIC_MISTAKES
+  and the parameter it concerns (for the params mistakes)."""
+  case = draw(layer_cases(expert_counts=(4, 1, 8), dtypes=("float32",)))
+  mistake = draw(st.sampled_from(sorted(STATIC_MISTAKES)))
+  name = draw(st.sampled_from(sorted(moe_core.param_shapes(case.cfg))))
+  return case, mistake, name
+
+
+def make_static_mistake(case: cases.LayerCase, mistake: str, name: str):
+  """(params, x) of `case` with `mistake` made (see STATIC_MISTAKES)."""
+  params, x, _ = cases.layer_inputs(case)
+  params = dict(params)
+  d = case.cfg.hidden_size
+  if mistake == "no_tokens":
+    x = jnp.zeros(case.batch_shape[:-1] + (0, d), x.dtype)
+  elif mistake == "wrong_hidden_size":
+    x = jnp.zeros(case.batch_shape + (d + 1,), x.dtype)
+  elif mistake == "integer_tokens":
+    x = x.astype(jnp.int32)
+  elif mistake == "missing_param":
+    del params[name]
+  elif mistake == "extra_param":
+    params["unused_" + name] = params[name]
+  elif mistake == "param_shape":
+    params[name] = jnp.zeros(params[name].shape + (1,), params[name].dtype)
+  elif mistake == "integer_param":
+    params[name] = params[name].astype(jnp.int32)
+  else:
+    raise ValueError(f"unknown mistake {mistake!r}")
+  return params, x
+
+
+# --- update_correction_bias (policy R6) --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasUpdate:
+  """One update_correction_bias(bias, counts, rate) call.
+
+  Attributes:
+    bias: the [E] float32 correction bias (may hold NaN).
+    counts: tokens_per_expert [E]: float32 if any is fractional or not
+      finite, else int32 (may be negative).
+    rate: the update speed (may be negative, NaN or infinite).
+    jit: run under jax.jit (bias and counts traced).
+    traced_rate: pass the rate as a traced float32 array, not a Python
+      float (only under jit).
+  """
+
+  bias: tuple[float, ...]
+  counts: tuple[float, ...]
+  rate: float
+  jit: bool
+  traced_rate: bool
+
+  @property
+  def counts_dtype(self):
+    whole = all(math.isfinite(c) and c == int(c) for c in self.counts)
+    return jnp.int32 if whole else jnp.float32
+
+
+@st.composite
+def bias_updates(draw) -> BiasUpdate:
+  """Counts and rate valid or not: negative or non-finite counts, a NaN,
+  infinite or negative rate, NaN in the bias."""
+  e = draw(st.integers(1, 8))
+  count = st.one_of(
+      st.integers(0, 50).map(float),
+      st.sampled_from((-1.0, -7.0, 2.5) + NON_FINITE),
+  )
+  bias_value = st.one_of(st.floats(-1.0, 1.0, width=32), st.just(math.nan))
+  rate = st.one_of(
+      st.sampled_from((1e-3, 0.0, 0.5)),
+      st.sampled_from((-1e-3,) + NON_FINITE),
+  )
+  jit = draw(st.booleans())
+  return BiasUpdate(
+      bias=tuple(draw(bias_value) for _ in range(e)),
+      counts=tuple(draw(count) for _ in range(e)),
+      rate=draw(rate),
+      jit=jit,
+      traced_rate=jit and draw(st.booleans()),
+  )
