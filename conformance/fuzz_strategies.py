@@ -65,6 +65,8 @@ def configs(draw, expert_counts=EXPERT_COUNTS) -> moe_core.MoEConfig:
   top_k = draw(st.integers(1, min(eligible, MAX_TOP_K)))
   shared_ffn_size = draw(st.sampled_from(SHARED_FFN_SIZES))
   norm_topk_prob = draw(st.booleans())
+  # The epsilon only matters where the weights are renormalised.
+  norm_epsilon = draw(st.sampled_from(NORM_EPSILONS)) if norm_topk_prob else 0.0
   return moe_core.MoEConfig(
       num_experts=num_experts,
       top_k=top_k,
@@ -72,9 +74,7 @@ def configs(draw, expert_counts=EXPERT_COUNTS) -> moe_core.MoEConfig:
       expert_ffn_size=draw(st.sampled_from(FFN_SIZES)),
       score_func=draw(st.sampled_from(("softmax", "sigmoid"))),
       norm_topk_prob=norm_topk_prob,
-      norm_epsilon=draw(st.sampled_from(NORM_EPSILONS))
-      if norm_topk_prob
-      else 0.0,
+      norm_epsilon=norm_epsilon,
       routed_scaling_factor=draw(st.sampled_from(SCALING_FACTORS)),
       correction_bias=draw(st.booleans()),
       n_group=n_group,
