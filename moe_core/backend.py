@@ -207,7 +207,7 @@ class Backend(abc.ABC):
     )
     ffn_in = operands.FfnOperands(
         rows=rows,
-        group_sizes=group_sizes.astype(jnp.int32),
+        group_sizes=group_sizes,  # int32, sanitised above.
         w_gate=w_gate,
         w_up=w_up,
         w_down=w_down,
@@ -248,8 +248,8 @@ class Backend(abc.ABC):
   ) -> tuple[jax.Array, jax.Array]:
     """The gate and up projections: rows [M, D] -> (gate, up), each [M, F]."""
     return (
-        self.grouped_gemm(ffn_in.rows, ffn_in.w_gate, ffn_in.group_sizes),
-        self.grouped_gemm(ffn_in.rows, ffn_in.w_up, ffn_in.group_sizes),
+        self._checked_gemm(ffn_in.rows, ffn_in.w_gate, ffn_in),
+        self._checked_gemm(ffn_in.rows, ffn_in.w_up, ffn_in),
     )
 
   def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
@@ -267,7 +267,26 @@ class Backend(abc.ABC):
 
     h is act(gate) * up, of rows' dtype.
     """
-    return self.grouped_gemm(h, ffn_in.w_down, ffn_in.group_sizes)
+    return self._checked_gemm(h, ffn_in.w_down, ffn_in)
+
+  def _checked_gemm(
+      self, lhs: jax.Array, weights: jax.Array, ffn_in: operands.FfnOperands
+  ) -> jax.Array:
+    """`_grouped_gemm` of lhs [M, C] x weights [E, C, N] inside expert_ffn.
+
+    expert_ffn has already validated, cast and sanitised these operands
+    (and poisons its own output): going through `grouped_gemm` again would
+    repeat every check and poison on each projection.
+    """
+    return self._grouped_gemm(
+        operands.GemmOperands(
+            rows=lhs,
+            weights=weights,
+            group_sizes=ffn_in.group_sizes,
+            transpose_rhs=False,
+            out_dtype=jnp.dtype(lhs.dtype),
+        )
+    )
 
   # --- Dispatch and combine -------------------------------------------------
 

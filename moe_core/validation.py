@@ -329,17 +329,14 @@ def check_aux(aux) -> None:
     )
 
 
-def check_python_number(
-    name: str, value, *, minimum: float | None = None, strict: bool = False
-) -> None:
-  """value is a finite int or float (not a bool) >= minimum (> if strict)."""
+def check_python_number(name: str, value, *, minimum: float) -> None:
+  """value is a finite int or float (not a bool) >= minimum."""
   if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
     raise TypeError(f"{name} must be a number, got {value!r}.")
   if not math.isfinite(value):
     raise ValueError(f"{name} must be finite, got {value!r}.")
-  if minimum is not None and (value <= minimum if strict else value < minimum):
-    relation = ">" if strict else ">="
-    raise ValueError(f"{name} must be {relation} {minimum}, got {value!r}.")
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value!r}.")
 
 
 def check_correction_bias_update(correction_bias, tokens_per_expert, rate):
