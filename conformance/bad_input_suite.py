@@ -1463,6 +1463,8 @@ class BadInputSuite(base.BackendTestCase):
       self._assert_raises(row, outcome.error, outcome.pattern, error)
       self._assert_reference_agrees(row, bad, error)
       return
+    # The rows' arrays are float32: the NaN-and-count outcomes need a run.
+    self.skip_unless_computes("float32")
     if outcome.eager_error and not traced:
       error = _raised(fn, arrays)
       self._assert_raises(row, ValueError, outcome.eager_error, error)
@@ -1480,6 +1482,7 @@ class BadInputSuite(base.BackendTestCase):
     """moe_core.checked(jax.jit(f)) raises a ValueError stating what the
     eager one states: its text up to ", got" (the values that follow are
     formatted on the device, numpy style)."""
+    self.skip_unless_computes("float32")  # The rows' arrays are float32.
     bad = row.bad_kwargs()
     run, arrays, _ = _function(self.backend, row, bad)
     eager = _raised(run, arrays)

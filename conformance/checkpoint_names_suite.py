@@ -46,8 +46,16 @@ def _saved_residuals(test, fn, *args) -> list[str]:
         f"{jax.__version__}."
     )
   buffer = io.StringIO()
-  with contextlib.redirect_stdout(buffer):
-    jax.ad_checkpoint.print_saved_residuals(fn, *args)
+  try:
+    with contextlib.redirect_stdout(buffer):
+      jax.ad_checkpoint.print_saved_residuals(fn, *args)
+  except NotImplementedError as e:
+    # An interpreted kernel (Mosaic GPU's interpreter) is an ordered
+    # io_callback, which jax.checkpoint cannot differentiate; compiled
+    # kernels are custom calls and never get here.
+    if "Effects not supported in AD of `checkpoint`" not in str(e):
+      raise
+    test.skipTest(f"{test.BACKEND} with {test.BACKEND_OPTIONS}: {e}")
   return [line for line in buffer.getvalue().splitlines() if line.strip()]
 
 
@@ -73,7 +81,9 @@ class CheckpointNamesSuite(base.BackendTestCase):
     backward needs the down projection's output too (a loss linear in it
     would not): with "save_moe", every named output is then a residual.
     """
-    rows, group_sizes, params, cotangent = cases.ffn_inputs("float32")
+    rows, group_sizes, params, cotangent = cases.ffn_inputs(
+        self.compute_dtype()
+    )
     # Tracing only; finite rows keep the jaxpr free of NaN constants.
     rows = jnp.nan_to_num(rows)
     cfg = cases.FFN_CFG.replace(activation=activation)
@@ -155,7 +165,9 @@ class CheckpointNamesSuite(base.BackendTestCase):
           "nothing: save_moe then recomputes as full does); its expert_ffn "
           "is checked by the other tests here."
       )
-    case = cases.LAYER_BY_NAME["base_f32"]
+    case = cases.LAYER_BY_NAME[
+        "base_f32" if self.compute_dtype() == "float32" else "base_bf16"
+    ]
     params, x, cotangent = cases.layer_inputs(case)
 
     def loss(params, x):

@@ -1,0 +1,170 @@
+"""MosaicGpuBackend: tile-list grouped GEMMs on Hopper's wgmma and TMA."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from backends.mosaic_gpu import ops
+from backends.mosaic_gpu import tiling
+from moe_core import backend
+from moe_core import operands
+
+# Compute capabilities the kernels are built for: wgmma exists on sm_90
+# only (Blackwell's tensor cores take tcgen05 instead).
+SUPPORTED_CAPABILITIES = ("9.0",)
+# jax 0.10.2's Mosaic GPU interpreter fails on a transposed wgmma operand
+# (AttributeError: 'TransposeTransform' object has no attribute 'indices');
+# 0.11.2 and 0.12 interpret it. The compiled path is unaffected.
+INTERPRETER_TRANSPOSES = tuple(
+    int(p) for p in jax.__version__.split(".")[:2]
+) >= (0, 11)
+
+
+def interpret_params():
+  """Mosaic GPU's interpreter settings, on every supported JAX.
+
+  jax >= 0.11 exports `InterpretGPUParams` from the public module; 0.10.2
+  has the same class only in its private one.
+  """
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  params = getattr(plgpu, "InterpretGPUParams", None)
+  if params is None:
+    # pylint: disable-next=g-import-not-at-top
+    from jax._src.pallas.mosaic_gpu.interpret import params as private
+
+    params = private.InterpretGPUParams
+  return params()
+
+
+def _resolve_interpret(interpret):
+  """None/False: compiled for the GPU; True: Mosaic GPU's interpreter."""
+  if interpret is None or interpret is False:
+    return False
+  if interpret is True:
+    return interpret_params()
+  if type(interpret).__name__ == "InterpretGPUParams":
+    return interpret
+  raise ValueError(
+      "interpret must be None (compiled), True, False or an "
+      f"InterpretGPUParams, got {interpret!r}."
+  )
+
+
+def gpu_unavailable_reason(device) -> str:
+  """Why `device` cannot run the compiled kernels; "" when it can."""
+  if device.platform != "gpu":
+    return (
+        "mosaic_gpu: the kernels are Mosaic GPU (wgmma, TMA) programs for "
+        f"NVIDIA Hopper GPUs (sm_90); this device is {device.platform}. "
+        "Pass interpret=True to run them in Mosaic GPU's interpreter."
+    )
+  capability = getattr(device, "compute_capability", None)
+  if capability not in SUPPORTED_CAPABILITIES:
+    return (
+        f"mosaic_gpu: the kernels use wgmma, which needs compute capability "
+        f"{' or '.join(SUPPORTED_CAPABILITIES)} (Hopper); "
+        f"{device.device_kind} has {capability}."
+    )
+  return ""
+
+
+class MosaicGpuBackend(backend.Backend):
+  """Grouped GEMMs as Mosaic GPU kernels over a tile list; no host sync.
+
+  Forward and dX run on warpgroup MMAs fed by TMA pipelines
+  (`kernels.gmm`); dW runs on the Pallas Triton kernel (`ops`).
+
+  Args:
+    tiles: gmm block sizes and pipeline depth: None (the table in
+      `tiling.TABLE`, fitted), a `tiling.Tiles` for both kinds, a
+      `tiling.TileConfig` (fwd, dgrad) or the dict form of either.
+    interpret: None or False compile for the GPU (unavailable elsewhere);
+      True (or an `InterpretGPUParams`) runs Mosaic GPU's interpreter, on
+      the CPU too: slow, for tests at small shapes.
+    fuse_activation: compute act(gate) * up in the gate/up kernel's
+      epilogue (for `ops.EPILOGUE_ACTIVATIONS`); as for `pallas`, the
+      "moe_gate"/"moe_up" checkpoint names are then not emitted.
+  """
+
+  name: ClassVar[str] = "mosaic_gpu"
+  # wgmma takes float32 only as TF32, which would not meet the float32
+  # contract: float32 raises NotImplementedError, and "auto" falls through.
+  dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
+      jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16)
+  )
+
+  def __init__(
+      self,
+      *,
+      tiles: tiling.TileConfig | tiling.Tiles | dict | None = None,
+      interpret: Any = None,
+      fuse_activation: bool = False,
+  ):
+    if not isinstance(fuse_activation, bool):
+      raise TypeError(
+          "fuse_activation must be a bool, got "
+          f"{type(fuse_activation).__name__}."
+      )
+    self.launch = ops.Launch(
+        tiles=tiling.TileConfig.parse(tiles),
+        interpret=_resolve_interpret(interpret),
+    )
+    self.fuse_activation = fuse_activation
+
+  @property
+  def interpret(self):
+    return self.launch.interpret
+
+  def __repr__(self) -> str:
+    return (
+        f"MosaicGpuBackend(interpret={self.interpret!r}, "
+        f"tiles={self.launch.tiles!r}, "
+        f"fuse_activation={self.fuse_activation})"
+    )
+
+  def availability(self) -> tuple[bool, str]:
+    if self.launch.interpreting:
+      if not INTERPRETER_TRANSPOSES:
+        return False, (
+            f"mosaic_gpu: jax {jax.__version__}'s Mosaic GPU interpreter "
+            "cannot read a transposed wgmma operand (every dX reads the "
+            "weights transposed); it can from jax 0.11."
+        )
+      return True, ""
+    reason = gpu_unavailable_reason(jax.devices()[0])
+    return not reason, reason
+
+  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
+    return ops.grouped_gemm(
+        gemm.rows,
+        gemm.weights,
+        gemm.group_sizes,
+        gemm.transpose_rhs,
+        gemm.out_dtype,
+        self.launch,
+    )
+
+  def _gate_up(
+      self, ffn_in: operands.FfnOperands
+  ) -> tuple[jax.Array, jax.Array]:
+    """Gate and up in one kernel pass over the rows: two [M, F] outputs."""
+    return ops.gate_up(*_gate_up_operands(ffn_in), self.launch)
+
+  def _fuses_activation(self, activation: str) -> bool:
+    return self.fuse_activation and activation in ops.EPILOGUE_ACTIVATIONS
+
+  def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
+    """act(gate) * up in the gate/up kernel's epilogue: one [M, F] output."""
+    return ops.gated_gate_up(
+        *_gate_up_operands(ffn_in), ffn_in.activation, self.launch
+    )
+
+
+def _gate_up_operands(ffn_in: operands.FfnOperands) -> tuple[jax.Array, ...]:
+  """(rows, w_gate, w_up, group_sizes): the gate/up kernels' operands."""
+  return ffn_in.rows, ffn_in.w_gate, ffn_in.w_up, ffn_in.group_sizes

@@ -1,0 +1,269 @@
+"""Grouped GEMM over a tile list as Mosaic GPU kernels (Hopper: TMA + wgmma).
+
+One kernel, `gmm`, does the forward, the dX and the fused gate+up products:
+
+    out[a][rows of group g] = epilogue(sum over products (l, r, a) of
+                                       lhs[l][rows] @ rhs[r][g])
+
+The rows are sorted by group and cut into row tiles of `bm`; the tile list
+(`backends.pallas.metadata`, built on the device from `group_sizes`) visits
+a tile once per group that owns rows in it, so a tile shared by two groups
+is computed twice with different weights and each visit stores only its own
+rows. Visits x column blocks are spread over a persistent grid of one
+program per SM (`plgpu.nd_loop`); each program pipelines its [bm, bk] and
+[bk, bn] blocks through shared memory with TMA (`plgpu.emit_pipeline`) into
+warpgroup MMAs accumulating in registers.
+
+Rows past sum(group_sizes) form the tile list's padding group (E): its
+visits skip the pipeline and store zeros, so NaN in those rows never reaches
+the output. Group sizes stay on the device: the only scalars the kernel
+reads are the tile list's entries.
+
+A visit owns a run of rows that need not start or end on a tile boundary,
+and TMA stores need static sizes; the store is a ladder of power-of-two row
+copies (bm, bm/2, ..., 1) from shared memory, each issued when that bit of
+the owned row count is set, so any count 0..bm is written with at most
+log2(bm) + 1 copies and no masked stores.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from backends.mosaic_gpu import tiling
+from backends.pallas import metadata
+
+
+def identity(accs):
+  """The default epilogue: every accumulator is an output."""
+  return tuple(accs)
+
+
+def _pad2(x, rows, cols):
+  pad = ((0, rows - x.shape[0]), (0, cols - x.shape[1]))
+  return x if not any(p for _, p in pad) else jnp.pad(x, pad)
+
+
+def _pad3(w, d1, d2):
+  pad = ((0, 0), (0, d1 - w.shape[1]), (0, d2 - w.shape[2]))
+  return w if not any(p for _, p in pad) else jnp.pad(w, pad)
+
+
+def _store_owned_rows(o_smem, o_gmem, tile_row0, row_start, row_end, n0, bn):
+  """Copies rows [row_start, row_end) of the tile from SMEM to GMEM.
+
+  o_smem holds the whole [bm, bn] tile whose first row is tile_row0; the
+  owned count is written as a sum of power-of-two TMA copies.
+  """
+  bm = o_smem.shape[0]
+  count = row_end - row_start
+  offset = row_start - tile_row0
+  chunk = bm
+  while chunk >= 1:
+
+    @pl.when((count & chunk) != 0)
+    def _(offset=offset, chunk=chunk):
+      plgpu.copy_smem_to_gmem(
+          o_smem.at[pl.ds(offset, chunk)],
+          o_gmem.at[pl.ds(tile_row0 + offset, chunk), pl.ds(n0, bn)],
+      )
+
+    offset = offset + (count & chunk)
+    chunk //= 2
+
+
+def _gmm_body(
+    group_ref,
+    tile_ref,
+    start_ref,
+    end_ref,
+    *refs,
+    num_lhs: int,
+    num_rhs: int,
+    products: tuple[tuple[int, int, int], ...],
+    num_accs: int,
+    epilogue: Callable,
+    tiles: tiling.Tiles,
+    num_visits: int,
+    grid_n: int,
+    c_steps: int,
+    num_groups: int,
+    transpose_rhs: bool,
+):
+  """The kernel body of one program (one SM), looping over its work items.
+
+  refs: num_lhs row refs [Mp, Cp], num_rhs weight refs [E, Cp, Np] ([E, Np,
+  Cp] if transpose_rhs), then the output refs [Mp, Np], all in GMEM and
+  padded to the blocks.
+  """
+  lhs_refs = refs[:num_lhs]
+  rhs_refs = refs[num_lhs : num_lhs + num_rhs]
+  out_refs = refs[num_lhs + num_rhs :]
+  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+
+  @plgpu.nd_loop((num_visits * grid_n,), collective_axes="sm")
+  def _(loop_info):
+    # Column blocks innermost: consecutive work items of a visit share its
+    # row tile and weight matrix, which then stay in L2.
+    flat = loop_info.index[0]
+    visit = flat // grid_n
+    n_block = flat % grid_n
+    group = group_ref[visit]
+    tile = tile_ref[visit]
+    row_start = start_ref[visit]
+    row_end = end_ref[visit]
+    # Unused visits and the padding group skip the pipeline: zeros.
+    computes = (group < num_groups) & (row_end > row_start)
+    weight = jnp.minimum(group, num_groups - 1)
+
+    def rhs_spec():
+      if transpose_rhs:
+        return plgpu.BlockSpec(
+            (bn, bk), lambda c: (n_block, c), delay_release=1
+        )
+      return plgpu.BlockSpec((bk, bn), lambda c: (c, n_block), delay_release=1)
+
+    def step(_, *smem):
+      lhs_smem = smem[:num_lhs]
+      rhs_smem = smem[num_lhs:]
+      for l, r, a in products:
+        b = rhs_smem[r].transpose((1, 0)) if transpose_rhs else rhs_smem[r]
+        plgpu.wgmma(acc_refs[a], lhs_smem[l], b)
+      # At most this step's MMAs in flight: the previous step's are done, so
+      # its buffers (released one step late, delay_release=1) are free.
+      plgpu.wgmma_wait(len(products))
+
+    acc_refs: list = []
+
+    def acc_scope(*accs):
+      acc_refs.extend(accs)
+
+      @pl.when(computes)
+      def _():
+        plgpu.emit_pipeline(
+            step,
+            grid=(c_steps,),
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda c: (tile, c), delay_release=1)
+                for _ in lhs_refs
+            ]
+            + [rhs_spec() for _ in rhs_refs],
+            max_concurrent_steps=tiles.stages,
+        )(*lhs_refs, *(ref.at[weight] for ref in rhs_refs))
+
+      return tuple(acc[...] for acc in accs)
+
+    accs = pl.run_scoped(
+        acc_scope, *(plgpu.ACC((bm, bn)) for _ in range(num_accs))
+    )
+    outs = epilogue(accs)
+
+    def store_scope(*o_smems):
+      for o_smem, value in zip(o_smems, outs):
+        o_smem[...] = value.astype(o_smem.dtype)
+      plgpu.commit_smem()
+      for o_smem, o_gmem in zip(o_smems, out_refs):
+        _store_owned_rows(
+            o_smem, o_gmem, tile * bm, row_start, row_end, n_block * bn, bn
+        )
+      # The SMEM tiles are reused by the next work item.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(
+        store_scope, *(plgpu.SMEM((bm, bn), o.dtype) for o in out_refs)
+    )
+
+
+def gmm(
+    lhs: Sequence[jax.Array],
+    rhs: Sequence[jax.Array],
+    group_sizes: jax.Array,
+    *,
+    tiles: tiling.Tiles,
+    products: Sequence[tuple[int, int, int]] = ((0, 0, 0),),
+    epilogue: Callable = identity,
+    num_outputs: int | None = None,
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    interpret=False,
+    num_programs: int | None = None,
+) -> tuple[jax.Array, ...]:
+  """Grouped products of rows sorted by group with per-group weights.
+
+  Args:
+    lhs: row operands, each [M, C], rows sorted by group.
+    rhs: weight operands, each [E, C, N] ([E, N, C] if transpose_rhs).
+    group_sizes: [E] int32, sum <= M; rows past the sum give zeros.
+    tiles: block sizes and pipeline depth (`tiling.Tiles`).
+    products: (lhs index, rhs index, accumulator index) triples;
+      accumulator a sums lhs[l] @ rhs[r][g] over its products.
+    epilogue: accumulators (float32 [bm, bn] each) -> output tiles.
+    num_outputs: how many arrays `epilogue` returns (default: one per
+      accumulator).
+    transpose_rhs: contract with rhs[g] transposed (the dX form).
+    out_dtype: output dtype (default lhs[0]'s).
+    interpret: False compiles for the GPU; an `InterpretGPUParams` runs
+      Mosaic GPU's interpreter (on the CPU).
+    num_programs: persistent programs (default: the SM count of the table's
+      GPU; fewer under the interpreter, where each is a simulated thread).
+
+  Returns:
+    num_outputs arrays [M, N] of out_dtype.
+  """
+  m, c = lhs[0].shape
+  num_groups = rhs[0].shape[0]
+  n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
+  num_accs = 1 + max(a for _, _, a in products)
+  num_outputs = num_accs if num_outputs is None else num_outputs
+  out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
+  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  mp, cp, np_ = (tiling.padded(d, b) for d, b in ((m, bm), (c, bk), (n, bn)))
+  lhs = [_pad2(x, mp, cp) for x in lhs]
+  rhs = [_pad3(w, np_, cp) if transpose_rhs else _pad3(w, cp, np_) for w in rhs]
+  tile_list = metadata.build(group_sizes, mp, bm)
+  num_visits = tile_list.group_ids.shape[0]
+  grid_n = np_ // bn
+  if num_programs is None:
+    num_programs = 2 if interpret is not False else tiling.num_sms()
+  num_programs = max(1, min(num_programs, num_visits * grid_n))
+  body = functools.partial(
+      _gmm_body,
+      num_lhs=len(lhs),
+      num_rhs=len(rhs),
+      products=tuple(tuple(p) for p in products),
+      num_accs=num_accs,
+      epilogue=epilogue,
+      tiles=tiles,
+      num_visits=num_visits,
+      grid_n=grid_n,
+      c_steps=cp // bk,
+      num_groups=num_groups,
+      transpose_rhs=transpose_rhs,
+  )
+  kernel = plgpu.kernel(
+      body,
+      out_type=tuple(
+          jax.ShapeDtypeStruct((mp, np_), out_dtype) for _ in range(num_outputs)
+      ),
+      grid=(num_programs,),
+      grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
+      interpret=interpret,
+  )
+  outs = kernel(
+      tile_list.group_ids,
+      tile_list.tile_ids,
+      tile_list.row_starts,
+      tile_list.row_ends,
+      *lhs,
+      *rhs,
+  )
+  return tuple(o[:m, :n] for o in outs)

@@ -1,0 +1,328 @@
+"""The grouped GEMM of `kernels.gmm` for Blackwell (sm_100: tcgen05 + TMEM).
+
+Same contract, tile list and store path as `kernels.gmm` (read its module
+docstring first); only the MMA differs. Hopper's `wgmma` accumulates in the
+registers of the warpgroup; sm_100 has no `wgmma` and its tensor cores
+(`tcgen05.mma`) accumulate in tensor memory (TMEM) instead, asynchronously:
+an MMA is issued by one thread, and its completion is observed through a
+barrier that orders the tensor core (`tcgen05_commit_arrive`).
+
+One warpgroup per CTA does everything (no 2-CTA MMA, no warp
+specialisation). Per work item (a visit x a column block):
+
+    TMA  [bm, bk], [bk, bn] blocks -> SMEM      (`emit_pipeline`, `stages`)
+    step c: issue the products' MMAs into TMEM, commit to mma_done[c % 2],
+            then wait for step c - 1's commit: its SMEM blocks, released one
+            step late (delay_release=1), are then no longer read
+    end:    wait for the last commit; TMEM -> registers -> epilogue -> SMEM
+            -> the power-of-two store ladder of `kernels._store_owned_rows`
+
+A TMEM accumulator has 128 lanes, so a row tile of bm = 256 is two
+accumulators of 128 rows per product target (two M = 128 MMAs); bm = 64
+uses the M = 64 MMA and a half-lane TMEM accumulator. TMEM holds 512
+float32 columns: num_accs * max(1, bm / 128) * bn must fit.
+
+The epilogue is applied to one accumulator row block at a time
+([min(bm, 128), bn] float32 per accumulator), so it must treat rows
+independently (the fused gate/up epilogues are elementwise).
+
+Visits that own no rows and the padding group skip the MMAs and give the
+epilogue zeros, as in `kernels.gmm`: stale TMEM (or NaN rows past
+sum(group_sizes)) never reaches the output.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from backends.mosaic_gpu import kernels
+from backends.mosaic_gpu import tiling
+from backends.pallas import metadata
+
+# Lanes (rows) of tensor memory, and its float32 columns per SM.
+TMEM_LANES = 128
+TMEM_COLUMNS = 512
+
+
+def tmem_columns(tiles: tiling.Tiles, num_accs: int) -> int:
+  """float32 TMEM columns the accumulators of one program use."""
+  row_blocks = max(1, tiles.bm // TMEM_LANES)
+  # An M = 64 accumulator spreads its 64 rows over half of the lanes of
+  # bn / 2 columns; count the full width to stay conservative.
+  return num_accs * row_blocks * tiles.bn
+
+
+def check_tiles(tiles: tiling.Tiles, num_accs: int) -> None:
+  """Raises ValueError for tiles the tcgen05 kernel cannot run."""
+  if tiles.bm not in (64, 128, 256):
+    raise ValueError(
+        f"The sm_100 kernel needs bm in (64, 128, 256), got bm={tiles.bm}."
+    )
+  if tiles.stages < 2:
+    raise ValueError(
+        "The sm_100 kernel releases SMEM blocks one step late and needs "
+        f"stages >= 2, got stages={tiles.stages}."
+    )
+  used = tmem_columns(tiles, num_accs)
+  if used > TMEM_COLUMNS:
+    raise ValueError(
+        f"{num_accs} accumulator(s) of [{tiles.bm}, {tiles.bn}] float32 need "
+        f"{used} TMEM columns; an SM has {TMEM_COLUMNS}. Use a smaller bn."
+    )
+
+
+def _gmm_body(
+    group_ref,
+    tile_ref,
+    start_ref,
+    end_ref,
+    *refs,
+    num_lhs: int,
+    num_rhs: int,
+    products: tuple[tuple[int, int, int], ...],
+    num_accs: int,
+    epilogue: Callable,
+    tiles: tiling.Tiles,
+    num_visits: int,
+    grid_n: int,
+    c_steps: int,
+    num_groups: int,
+    transpose_rhs: bool,
+):
+  """The kernel body of one program (one SM), looping over its work items.
+
+  refs: num_lhs row refs [Mp, Cp], num_rhs weight refs [E, Cp, Np] ([E, Np,
+  Cp] if transpose_rhs), the output refs [Mp, Np] (all GMEM, padded to the
+  blocks), then the scratch: the TMEM accumulators (num_accs x row blocks,
+  each [rows, bn] float32, accumulator-major), the `mma_done` barrier pair
+  and the `tmem_free` barrier.
+  """
+  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  rows = min(bm, TMEM_LANES)
+  row_blocks = bm // rows
+  lhs_refs = refs[:num_lhs]
+  rhs_refs = refs[num_lhs : num_lhs + num_rhs]
+  rest = refs[num_lhs + num_rhs :]
+  num_outputs = len(rest) - num_accs * row_blocks - 2
+  out_refs = rest[:num_outputs]
+  acc_tmems = rest[num_outputs : num_outputs + num_accs * row_blocks]
+  mma_done, tmem_free = rest[num_outputs + num_accs * row_blocks :]
+
+  def acc_tmem(a, h):
+    return acc_tmems[a * row_blocks + h]
+
+  # The first product into each accumulator overwrites it at step 0; the
+  # others add to it.
+  first_into = {}
+  for i, (_, _, a) in enumerate(products):
+    first_into.setdefault(a, i)
+
+  @plgpu.nd_loop((num_visits * grid_n,), collective_axes="sm")
+  def _(loop_info):
+    # Column blocks innermost, as in kernels.gmm (row tile and weights stay
+    # in L2 across consecutive work items).
+    flat = loop_info.index[0]
+    visit = flat // grid_n
+    n_block = flat % grid_n
+    group = group_ref[visit]
+    tile = tile_ref[visit]
+    row_start = start_ref[visit]
+    row_end = end_ref[visit]
+    computes = (group < num_groups) & (row_end > row_start)
+    weight = jnp.minimum(group, num_groups - 1)
+
+    def rhs_spec():
+      if transpose_rhs:
+        return plgpu.BlockSpec(
+            (bn, bk), lambda c: (n_block, c), delay_release=1
+        )
+      return plgpu.BlockSpec((bk, bn), lambda c: (c, n_block), delay_release=1)
+
+    def step(indices, *smem):
+      (c,) = indices
+      lhs_smem = smem[:num_lhs]
+      rhs_smem = smem[num_lhs:]
+      for i, (l, r, a) in enumerate(products):
+        b = rhs_smem[r].T if transpose_rhs else rhs_smem[r]
+        accumulate = c > 0 if first_into[a] == i else True
+        for h in range(row_blocks):
+          x = lhs_smem[l]
+          if row_blocks > 1:
+            x = x.at[pl.ds(h * rows, rows)]
+          plgpu.tcgen05_mma(acc_tmem(a, h), x, b, accumulate=accumulate)
+      # One commit tracks every MMA issued so far by this thread.
+      plgpu.tcgen05_commit_arrive(mma_done.at[lax.rem(c, 2)])
+
+      # Step c - 1's MMAs done: its buffers may be refilled after this step.
+      @pl.when(c > 0)
+      def _():
+        plgpu.barrier_wait(mma_done.at[lax.rem(c + 1, 2)])
+
+    @pl.when(computes)
+    def _():
+      plgpu.emit_pipeline(
+          step,
+          grid=(c_steps,),
+          in_specs=[
+              plgpu.BlockSpec((bm, bk), lambda c: (tile, c), delay_release=1)
+              for _ in lhs_refs
+          ]
+          + [rhs_spec() for _ in rhs_refs],
+          max_concurrent_steps=tiles.stages,
+      )(*lhs_refs, *(ref.at[weight] for ref in rhs_refs))
+      # The last step's commit covers all the MMAs of this work item.
+      plgpu.barrier_wait(mma_done.at[(c_steps - 1) % 2])
+
+    def store_scope(*o_smems):
+      def write(h, accs):
+        outs = epilogue(tuple(accs))
+        for o_smem, value in zip(o_smems, outs):
+          dst = o_smem if row_blocks == 1 else o_smem.at[pl.ds(h * rows, rows)]
+          dst[...] = value.astype(o_smem.dtype)
+
+      @pl.when(computes)
+      def _():
+        for h in range(row_blocks):
+          write(
+              h,
+              [plgpu.async_load_tmem(acc_tmem(a, h)) for a in range(num_accs)],
+          )
+        # The next work item's MMAs overwrite TMEM: every lane's load must
+        # be done, and ordered before the tensor core, first.
+        plgpu.wait_load_tmem()
+        plgpu.barrier_arrive(tmem_free)
+        plgpu.barrier_wait(tmem_free)
+
+      @pl.when(jnp.logical_not(computes))
+      def _():
+        zeros = jnp.zeros((rows, bn), jnp.float32)
+        for h in range(row_blocks):
+          write(h, [zeros] * num_accs)
+
+      plgpu.commit_smem()
+      for o_smem, o_gmem in zip(o_smems, out_refs):
+        kernels._store_owned_rows(  # pylint: disable=protected-access
+            o_smem, o_gmem, tile * bm, row_start, row_end, n_block * bn, bn
+        )
+      # The SMEM tiles are reused by the next work item.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(
+        store_scope, *(plgpu.SMEM((bm, bn), o.dtype) for o in out_refs)
+    )
+
+
+def gmm(
+    lhs: Sequence[jax.Array],
+    rhs: Sequence[jax.Array],
+    group_sizes: jax.Array,
+    *,
+    tiles: tiling.Tiles,
+    products: Sequence[tuple[int, int, int]] = ((0, 0, 0),),
+    epilogue: Callable = kernels.identity,
+    num_outputs: int | None = None,
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    interpret=False,
+    num_programs: int | None = None,
+) -> tuple[jax.Array, ...]:
+  """Grouped products of rows sorted by group with per-group weights (sm_100).
+
+  The contract of `kernels.gmm`, on Blackwell's tcgen05 tensor cores.
+
+  Args:
+    lhs: row operands, each [M, C], rows sorted by group.
+    rhs: weight operands, each [E, C, N] ([E, N, C] if transpose_rhs).
+    group_sizes: [E] int32, sum <= M; rows past the sum give zeros.
+    tiles: block sizes and pipeline depth (`tiling.Tiles`); bm in (64, 128,
+      256), stages >= 2, and the accumulators must fit TMEM
+      (`check_tiles`).
+    products: (lhs index, rhs index, accumulator index) triples;
+      accumulator a sums lhs[l] @ rhs[r][g] over its products.
+    epilogue: accumulators (float32 [min(bm, 128), bn] each: one TMEM row
+      block at a time) -> output row blocks; rows must be independent.
+    num_outputs: how many arrays `epilogue` returns (default: one per
+      accumulator).
+    transpose_rhs: contract with rhs[g] transposed (the dX form).
+    out_dtype: output dtype (default lhs[0]'s).
+    interpret: False compiles for the GPU; an `InterpretGPUParams` runs
+      Mosaic GPU's interpreter (on the CPU).
+    num_programs: persistent programs (default: the SM count of the attached
+      GPU, else the table's; 2 under the interpreter).
+
+  Returns:
+    num_outputs arrays [M, N] of out_dtype.
+  """
+  m, c = lhs[0].shape
+  num_groups = rhs[0].shape[0]
+  n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
+  num_accs = 1 + max(a for _, _, a in products)
+  num_outputs = num_accs if num_outputs is None else num_outputs
+  out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
+  check_tiles(tiles, num_accs)
+  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  mp, cp, np_ = (tiling.padded(d, b) for d, b in ((m, bm), (c, bk), (n, bn)))
+  # The padding helpers of the Hopper kernel: same layout, same contract.
+  pad2 = kernels._pad2  # pylint: disable=protected-access
+  pad3 = kernels._pad3  # pylint: disable=protected-access
+  lhs = [pad2(x, mp, cp) for x in lhs]
+  rhs = [pad3(w, np_, cp) if transpose_rhs else pad3(w, cp, np_) for w in rhs]
+  tile_list = metadata.build(group_sizes, mp, bm)
+  num_visits = tile_list.group_ids.shape[0]
+  grid_n = np_ // bn
+  if num_programs is None:
+    num_programs = 2 if interpret is not False else tiling.num_sms()
+  num_programs = max(1, min(num_programs, num_visits * grid_n))
+  rows = min(bm, TMEM_LANES)
+  row_blocks = bm // rows
+  body = functools.partial(
+      _gmm_body,
+      num_lhs=len(lhs),
+      num_rhs=len(rhs),
+      products=tuple(tuple(p) for p in products),
+      num_accs=num_accs,
+      epilogue=epilogue,
+      tiles=tiles,
+      num_visits=num_visits,
+      grid_n=grid_n,
+      c_steps=cp // bk,
+      num_groups=num_groups,
+      transpose_rhs=transpose_rhs,
+  )
+  scratch = (
+      *(
+          plgpu.TMEM((rows, bn), jnp.float32)
+          for _ in range(num_accs * row_blocks)
+      ),
+      plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
+      plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
+  )
+  kernel = plgpu.kernel(
+      body,
+      out_type=tuple(
+          jax.ShapeDtypeStruct((mp, np_), out_dtype) for _ in range(num_outputs)
+      ),
+      scratch_types=scratch,
+      grid=(num_programs,),
+      grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
+      interpret=interpret,
+  )
+  outs = kernel(
+      tile_list.group_ids,
+      tile_list.tile_ids,
+      tile_list.row_starts,
+      tile_list.row_ends,
+      *lhs,
+      *rhs,
+  )
+  return tuple(o[:m, :n] for o in outs)

@@ -1,0 +1,117 @@
+"""The Mosaic GPU tile table: valid entries that fit Hopper, and the choice."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax.numpy as jnp
+
+from backends.mosaic_gpu import tiling
+
+# (num_lhs, num_rhs, accumulators, outputs) of the kernel each bucket serves;
+# "two_acc" is the gated gate+up pass under differentiation (h, gate, up).
+_USE = {
+    "default": (1, 1, 1, 1),
+    "few_rows": (1, 1, 1, 1),
+    "two_acc": (1, 2, 2, 3),
+}
+
+
+class TableTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("_".join(key), key, tiles) for key, tiles in tiling.TABLE.items()
+  )
+  def test_shipped_entry_fits_hopper_unchanged(self, key, tiles):
+    num_lhs, num_rhs, accs, outs = _USE[key[2]]
+    self.assertLessEqual(
+        tiles.smem_bytes(jnp.bfloat16, num_lhs, num_rhs, outs),
+        tiling.SMEM_BYTES,
+    )
+    self.assertLessEqual(
+        tiles.acc_regs_per_thread(accs), tiling.ACC_REGS_PER_THREAD
+    )
+    self.assertEqual(
+        tiling.fit(tiles, jnp.bfloat16, num_lhs, num_rhs, accs, outs), tiles
+    )
+
+  @parameterized.named_parameters(
+      ("_".join(key), tiles)
+      for key, tiles in tiling.TABLE.items()
+      if key[1] == "dgrad"
+  )
+  def test_dgrad_of_gate_up_is_fitted(self, tiles):
+    # dX of gate+up: two products (dgate, dup) into one accumulator.
+    fitted = tiling.fit(tiles, jnp.bfloat16, 2, 2, 1, 1)
+    self.assertLessEqual(
+        fitted.smem_bytes(jnp.bfloat16, 2, 2, 1), tiling.SMEM_BYTES
+    )
+    self.assertGreaterEqual(fitted.stages, 2)
+
+  def test_choose_uses_the_table_by_bucket(self):
+    config = tiling.TileConfig()
+    self.assertEqual(
+        tiling.choose(config, "fwd", 32768, 256, jnp.bfloat16),
+        tiling.TABLE[("sm90", "fwd", "default")],
+    )
+    self.assertEqual(
+        tiling.choose(config, "fwd", 1024, 256, jnp.bfloat16),
+        tiling.TABLE[("sm90", "fwd", "few_rows")],
+    )
+    self.assertEqual(
+        tiling.choose(
+            config,
+            "fwd",
+            32768,
+            256,
+            jnp.bfloat16,
+            num_rhs=2,
+            num_accs=2,
+            num_outputs=2,
+        ),
+        tiling.TABLE[("sm90", "fwd", "two_acc")],
+    )
+
+  def test_caller_tiles_win(self):
+    mine = tiling.Tiles(bm=64, bk=32, bn=64, stages=2)
+    for config in (
+        tiling.TileConfig.parse(mine),
+        tiling.TileConfig.parse({"bm": 64, "bk": 32, "bn": 64, "stages": 2}),
+        tiling.TileConfig.parse(
+            {"fwd": {"bm": 64, "bk": 32, "bn": 64, "stages": 2}, "dgrad": None}
+        ),
+    ):
+      self.assertEqual(
+          tiling.choose(config, "fwd", 32768, 8, jnp.bfloat16), mine
+      )
+
+  def test_fit_shrinks_to_registers_then_shared_memory(self):
+    big = tiling.Tiles(bm=256, bk=64, bn=256, stages=8)
+    fitted = tiling.fit(big, jnp.bfloat16, 1, 2, 2, 3)
+    self.assertLessEqual(
+        fitted.acc_regs_per_thread(2), tiling.ACC_REGS_PER_THREAD
+    )
+    self.assertLessEqual(
+        fitted.smem_bytes(jnp.bfloat16, 1, 2, 3), tiling.SMEM_BYTES
+    )
+
+  @parameterized.parameters(
+      dict(bm=32),
+      dict(bm=320),
+      dict(bk=128),
+      dict(bn=96),
+      dict(stages=0),
+      dict(bm=True),
+  )
+  def test_bad_tiles_name_the_field(self, **bad):
+    (name,) = bad
+    with self.assertRaisesRegex(ValueError, f"Tiles.{name} must be"):
+      tiling.Tiles(**bad)
+
+  def test_parse_refuses_unknown_keys(self):
+    with self.assertRaisesRegex(ValueError, "tiles dict must have keys"):
+      tiling.TileConfig.parse({"block_m": 64})
+    with self.assertRaisesRegex(TypeError, "tiles must be None"):
+      tiling.TileConfig.parse([64])
+
+
+if __name__ == "__main__":
+  absltest.main()
