@@ -12,9 +12,9 @@ from backends.mosaic_gpu import tiling
 from moe_core import backend
 from moe_core import operands
 
-# Compute capabilities the kernels are built for: wgmma exists on sm_90
-# only (Blackwell's tensor cores take tcgen05 instead).
-SUPPORTED_CAPABILITIES = ("9.0",)
+# Compute capabilities the kernels are built for: wgmma on sm_90
+# (kernels.py), tcgen05 on sm_100 (kernels_sm100.py).
+SUPPORTED_CAPABILITIES = tuple(tiling.GENERATIONS)
 # jax 0.10.2's Mosaic GPU interpreter fails on a transposed wgmma operand
 # (AttributeError: 'TransposeTransform' object has no attribute 'indices');
 # 0.11.2 and 0.12 interpret it. The compiled path is unaffected.
@@ -59,15 +59,16 @@ def gpu_unavailable_reason(device) -> str:
   """Why `device` cannot run the compiled kernels; "" when it can."""
   if device.platform != "gpu":
     return (
-        "mosaic_gpu: the kernels are Mosaic GPU (wgmma, TMA) programs for "
-        f"NVIDIA Hopper GPUs (sm_90); this device is {device.platform}. "
+        "mosaic_gpu: the kernels are Mosaic GPU programs for NVIDIA Hopper "
+        f"(sm_90) and Blackwell (sm_100) GPUs; this device is "
+        f"{device.platform}. "
         "Pass interpret=True to run them in Mosaic GPU's interpreter."
     )
   capability = getattr(device, "compute_capability", None)
   if capability not in SUPPORTED_CAPABILITIES:
     return (
-        f"mosaic_gpu: the kernels use wgmma, which needs compute capability "
-        f"{' or '.join(SUPPORTED_CAPABILITIES)} (Hopper); "
+        "mosaic_gpu: the kernels use wgmma (sm_90) or tcgen05 (sm_100): "
+        f"compute capability {' or '.join(SUPPORTED_CAPABILITIES)}; "
         f"{device.device_kind} has {capability}."
     )
   return ""
@@ -86,6 +87,9 @@ class MosaicGpuBackend(backend.Backend):
     interpret: None or False compile for the GPU (unavailable elsewhere);
       True (or an `InterpretGPUParams`) runs Mosaic GPU's interpreter, on
       the CPU too: slow, for tests at small shapes.
+    generation: "sm90" (Hopper wgmma kernels) or "sm100" (Blackwell
+      tcgen05 kernels); None picks by the first device's compute
+      capability ("sm90" off a GPU).
     fuse_activation: compute act(gate) * up in the gate/up kernel's
       epilogue (for `ops.EPILOGUE_ACTIVATIONS`); as for `pallas`, the
       "moe_gate"/"moe_up" checkpoint names are then not emitted.
@@ -104,15 +108,19 @@ class MosaicGpuBackend(backend.Backend):
       tiles: tiling.TileConfig | tiling.Tiles | dict | None = None,
       interpret: Any = None,
       fuse_activation: bool = False,
+      generation: str | None = None,
   ):
     if not isinstance(fuse_activation, bool):
       raise TypeError(
           "fuse_activation must be a bool, got "
           f"{type(fuse_activation).__name__}."
       )
+    if generation is None:
+      generation = tiling.generation() or "sm90"
     self.launch = ops.Launch(
         tiles=tiling.TileConfig.parse(tiles),
         interpret=_resolve_interpret(interpret),
+        generation=tiling.check_generation(generation),
     )
     self.fuse_activation = fuse_activation
 
@@ -124,7 +132,8 @@ class MosaicGpuBackend(backend.Backend):
     return (
         f"MosaicGpuBackend(interpret={self.interpret!r}, "
         f"tiles={self.launch.tiles!r}, "
-        f"fuse_activation={self.fuse_activation})"
+        f"fuse_activation={self.fuse_activation}, "
+        f"generation={self.launch.generation!r})"
     )
 
   def availability(self) -> tuple[bool, str]:
@@ -136,7 +145,13 @@ class MosaicGpuBackend(backend.Backend):
             "weights transposed); it can from jax 0.11."
         )
       return True, ""
-    reason = gpu_unavailable_reason(jax.devices()[0])
+    device = jax.devices()[0]
+    reason = gpu_unavailable_reason(device)
+    if not reason and tiling.generation(device) != self.launch.generation:
+      reason = (
+          f"mosaic_gpu: built for {self.launch.generation}, but "
+          f"{device.device_kind} is {tiling.generation(device)}."
+      )
     return not reason, reason
 
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:

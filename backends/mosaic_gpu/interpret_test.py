@@ -32,19 +32,21 @@ _BF16_CASES = tuple(
 )
 
 
-def _backend(**options):
-  return mosaic_backend.MosaicGpuBackend(
-      interpret=True, tiles=_TILES, **options
-  )
-
-
 class InterpretTest(parameterized.TestCase):
+  """The Hopper (wgmma) kernels."""
+
+  GENERATION = "sm90"
 
   def setUp(self):
     super().setUp()
-    ok, reason = _backend().availability()
+    ok, reason = self._backend().availability()
     if not ok:
       self.skipTest(reason)
+
+  def _backend(self, **options):
+    return mosaic_backend.MosaicGpuBackend(
+        interpret=True, tiles=_TILES, generation=self.GENERATION, **options
+    )
 
   def assertClose(self, actual, expected, kind, msg):
     tol = tolerances.lookup("bfloat16", kind)
@@ -54,7 +56,7 @@ class InterpretTest(parameterized.TestCase):
 
   @parameterized.named_parameters((c.name, c) for c in _BF16_CASES)
   def test_grouped_gemm_matches_reference(self, case):
-    got = base.compute_gemm(_backend(), case, jit=True)
+    got = base.compute_gemm(self._backend(), case, jit=True)
     want = base.reference_gemm(case)
     used = case.used_rows
     self.assertEqual(got.out.dtype, np.dtype(case.result_dtype))
@@ -99,7 +101,7 @@ class InterpretTest(parameterized.TestCase):
       )
       return y, grads
 
-    be = _backend(fuse_activation=fuse_activation)
+    be = self._backend(fuse_activation=fuse_activation)
     y, (d_rows, d_params) = jax.jit(lambda r, p: run(be, r, p))(rows, params)
     ref = moe_core.get_backend("reference")
     want_y, (want_rows, want_params) = jax.jit(lambda r, p: run(ref, r, p))(
@@ -118,7 +120,9 @@ class InterpretTest(parameterized.TestCase):
   def test_moe_layer_matches_reference(self):
     # Shared expert with its gate, gradients of x and every parameter.
     (case,) = [c for c in cases.LAYER_CASES if c.name == "base_bf16"]
-    got = base.compute_layer(_backend(fuse_activation=True), case, jit=True)
+    got = base.compute_layer(
+        self._backend(fuse_activation=True), case, jit=True
+    )
     want = base.reference_layer(case)
     self.assertClose(got.y, want.y, "forward", "y")
     for name, grad in want.grads.items():
@@ -128,7 +132,7 @@ class InterpretTest(parameterized.TestCase):
     rows = jnp.ones((8, 16), jnp.float32)
     weights = jnp.ones((2, 16, 16), jnp.float32)
     with self.assertRaisesRegex(NotImplementedError, "float32"):
-      _backend().grouped_gemm(rows, weights, jnp.array([4, 4], jnp.int32))
+      self._backend().grouped_gemm(rows, weights, jnp.array([4, 4], jnp.int32))
 
 
 if __name__ == "__main__":

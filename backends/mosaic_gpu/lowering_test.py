@@ -25,13 +25,28 @@ _MOSAIC_CALL = "mosaic_gpu_v2"
 _S = jax.ShapeDtypeStruct
 
 
-def _custom_calls(fn, *args) -> list[str]:
-  exported = cuda_export.export_for_cuda(fn, *args)
-  return cuda_export.custom_calls(exported.mlir_module())
+def _custom_calls(fn, *args, generation="sm90") -> list[str]:
+  # sm_90 is Mosaic GPU's default target; sm_100 needs an abstract device
+  # with that compute capability.
+  options = (
+      {"abstract_gpu": cuda_export.AbstractGpu()}
+      if generation == "sm100"
+      else {}
+  )
+  exported = cuda_export.export_for_cuda(fn, *args, **options)
+  text = exported.mlir_module()
+  if generation == "sm100":
+    # The Blackwell MMA is in the serialized kernel, Hopper's is not.
+    self_check = ("tcgen05" in text, "wgmma" in text)
+    if self_check != (True, False):
+      raise AssertionError(f"sm_100 module: (tcgen05, wgmma) {self_check}")
+  return cuda_export.custom_calls(text)
 
 
-def _launch(tiles):
-  return ops.Launch(tiles=tiling.TileConfig(fwd=tiles, dgrad=tiles))
+def _launch(tiles, generation="sm90"):
+  return ops.Launch(
+      tiles=tiling.TileConfig(fwd=tiles, dgrad=tiles), generation=generation
+  )
 
 
 class ShippedTilesLowerTest(parameterized.TestCase):
@@ -45,8 +60,9 @@ class ShippedTilesLowerTest(parameterized.TestCase):
       if key[2] != "two_acc"
   )
   def test_grouped_gemm_lowers(self, tiles):
+    generation = self._testMethodName.split("lowers_")[1].split("_")[0]
     m, c, n, e = self.M, self.C, self.N, self.E
-    launch = _launch(tiles)
+    launch = _launch(tiles, generation)
     for transpose_rhs in (False, True):
       with self.subTest(transpose_rhs=transpose_rhs):
         w = _S((e, n, c) if transpose_rhs else (e, c, n), jnp.bfloat16)
@@ -57,6 +73,7 @@ class ShippedTilesLowerTest(parameterized.TestCase):
             _S((m, c), jnp.bfloat16),
             w,
             _S((e,), jnp.int32),
+            generation=generation,
         )
         self.assertEqual(calls, [_MOSAIC_CALL])
 
@@ -66,8 +83,9 @@ class ShippedTilesLowerTest(parameterized.TestCase):
       if key[2] == "two_acc"
   )
   def test_gate_up_lowers(self, tiles):
+    generation = self._testMethodName.split("lowers_")[1].split("_")[0]
     m, d, f, e = self.M, self.C, self.N, self.E
-    launch = _launch(tiles)
+    launch = _launch(tiles, generation)
     args = (
         _S((m, d), jnp.bfloat16),
         _S((e, d, f), jnp.bfloat16),
@@ -84,7 +102,9 @@ class ShippedTilesLowerTest(parameterized.TestCase):
         ),
     ):
       with self.subTest(name):
-        self.assertEqual(_custom_calls(fn, *args), [_MOSAIC_CALL])
+        self.assertEqual(
+            _custom_calls(fn, *args, generation=generation), [_MOSAIC_CALL]
+        )
 
 
 class DeepSeekShapesLowerTest(parameterized.TestCase):
@@ -95,9 +115,13 @@ class DeepSeekShapesLowerTest(parameterized.TestCase):
 
   D, F, E, M = 7168, 2048, 256, 32768
 
-  @parameterized.parameters(False, True)
-  def test_expert_ffn_forward_and_gradient_lower(self, fuse_activation):
-    be = mosaic_backend.MosaicGpuBackend(fuse_activation=fuse_activation)
+  @parameterized.parameters((False, "sm90"), (True, "sm90"), (True, "sm100"))
+  def test_expert_ffn_forward_and_gradient_lower(
+      self, fuse_activation, generation
+  ):
+    be = mosaic_backend.MosaicGpuBackend(
+        fuse_activation=fuse_activation, generation=generation
+    )
     cfg = moe_core.MoEConfig(
         num_experts=self.E,
         top_k=8,
@@ -118,12 +142,20 @@ class DeepSeekShapesLowerTest(parameterized.TestCase):
       return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
     forward = _custom_calls(
-        lambda r, p, g: be.expert_ffn(r, g, p, cfg), rows, params, sizes
+        lambda r, p, g: be.expert_ffn(r, g, p, cfg),
+        rows,
+        params,
+        sizes,
+        generation=generation,
     )
     # gate+up in one kernel, then down.
     self.assertEqual(forward, [_MOSAIC_CALL] * 2)
     backward = _custom_calls(
-        jax.grad(loss, argnums=(0, 1)), rows, params, sizes
+        jax.grad(loss, argnums=(0, 1)),
+        rows,
+        params,
+        sizes,
+        generation=generation,
     )
     # Forward (2), dX of down and of gate+up (2): Mosaic GPU; dW of down
     # and of gate+up (2): Pallas Triton.

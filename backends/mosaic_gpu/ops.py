@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from backends.mosaic_gpu import kernels
+from backends.mosaic_gpu import kernels_sm100
 from backends.mosaic_gpu import tiling
 from backends.pallas import kernels as triton_kernels
 from backends.pallas import tiling as triton_tiling
@@ -38,10 +39,13 @@ class Launch:
     tiles: the caller's gmm tiles per kind; unset kinds use the table.
     interpret: False (compiled for the GPU) or Mosaic GPU's
       `InterpretGPUParams` (the CPU).
+    generation: "sm90" (wgmma, `kernels`) or "sm100" (tcgen05,
+      `kernels_sm100`): which kernel, and the table's key.
   """
 
   tiles: tiling.TileConfig = tiling.TileConfig()
   interpret: Any = False
+  generation: str = "sm90"
 
   @property
   def interpreting(self) -> bool:
@@ -72,8 +76,14 @@ class Launch:
         num_rhs=len(rhs),
         num_accs=num_accs,
         num_outputs=num_accs if num_outputs is None else num_outputs,
+        generation_name=self.generation,
     )
-    return kernels.gmm(
+    if self.generation == "sm100":
+      kernels_sm100.check_tiles(tiles, num_accs)
+      gmm = kernels_sm100.gmm
+    else:
+      gmm = kernels.gmm
+    return gmm(
         lhs,
         rhs,
         group_sizes,

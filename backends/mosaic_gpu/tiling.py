@@ -134,8 +134,18 @@ TABLE: dict[tuple[str, str, str], Tiles] = {
     ("sm90", "fwd", "two_acc"): Tiles(bm=128, bk=64, bn=64, stages=4),
     ("sm90", "dgrad", "default"): Tiles(bm=128, bk=64, bn=128, stages=4),
     ("sm90", "dgrad", "few_rows"): Tiles(bm=64, bk=64, bn=128, stages=4),
+    # Blackwell (tcgen05, accumulators in tensor memory): the same shapes
+    # to start with; the epilogue still brings each accumulator row block
+    # into registers, so the register fit applies too. Not yet timed.
+    ("sm100", "fwd", "default"): Tiles(bm=128, bk=64, bn=128, stages=4),
+    ("sm100", "fwd", "few_rows"): Tiles(bm=64, bk=64, bn=128, stages=4),
+    ("sm100", "fwd", "two_acc"): Tiles(bm=128, bk=64, bn=64, stages=4),
+    ("sm100", "dgrad", "default"): Tiles(bm=128, bk=64, bn=128, stages=4),
+    ("sm100", "dgrad", "few_rows"): Tiles(bm=64, bk=64, bn=128, stages=4),
 }
-GENERATIONS = ("sm90",)
+# Kernel generations: "sm90" (Hopper, wgmma: kernels.py) and "sm100"
+# (Blackwell, tcgen05: kernels_sm100.py), keyed by compute capability.
+GENERATIONS = {"9.0": "sm90", "10.0": "sm100"}
 
 
 def bucket(m: int, num_groups: int, num_accs: int) -> str:
@@ -146,10 +156,16 @@ def bucket(m: int, num_groups: int, num_accs: int) -> str:
   return "default"
 
 
-def generation(device=None) -> str:
-  """The table's key for `device` (default: the first device): "sm90"."""
-  del device  # Hopper only: the kernels use wgmma, which sm_100 lacks.
-  return "sm90"
+def generation(device=None) -> str | None:
+  """ "sm90" or "sm100" for a GPU `device` (default: the first device).
+
+  None for a GPU of another compute capability; "sm90" off a GPU (what
+  the interpreter and a CPU-host export run unless told otherwise).
+  """
+  device = device or jax.devices()[0]
+  if device.platform != "gpu":
+    return "sm90"
+  return GENERATIONS.get(getattr(device, "compute_capability", None))
 
 
 def num_sms(device=None) -> int:
@@ -163,6 +179,15 @@ def num_sms(device=None) -> int:
 
 def padded(dim: int, block: int) -> int:
   return math.ceil(dim / block) * block
+
+
+def check_generation(name) -> str:
+  if name not in GENERATIONS.values():
+    raise ValueError(
+        f"generation must be one of {sorted(GENERATIONS.values())}, got "
+        f"{name!r}."
+    )
+  return name
 
 
 def heuristic(kind: str, m: int, num_groups: int, num_accs: int) -> Tiles:
@@ -213,6 +238,7 @@ def choose(
     num_rhs: int = 1,
     num_accs: int = 1,
     num_outputs: int = 1,
+    generation_name: str = "sm90",
 ) -> Tiles:
   """The tiles of one gmm call: the caller's, the table's or the heuristic's.
 
@@ -224,6 +250,6 @@ def choose(
   given = getattr(config, kind)
   if given is not None:
     return given
-  key = (generation(), kind, bucket(m, num_groups, num_accs))
+  key = (generation_name, kind, bucket(m, num_groups, num_accs))
   tiles = TABLE.get(key) or heuristic(kind, m, num_groups, num_accs)
   return fit(tiles, dtype, num_lhs, num_rhs, num_accs, num_outputs)

@@ -4,6 +4,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax.numpy as jnp
 
+from backends.mosaic_gpu import kernels_sm100
 from backends.mosaic_gpu import tiling
 
 # (num_lhs, num_rhs, accumulators, outputs) of the kernel each bucket serves;
@@ -45,6 +46,28 @@ class TableTest(parameterized.TestCase):
         fitted.smem_bytes(jnp.bfloat16, 2, 2, 1), tiling.SMEM_BYTES
     )
     self.assertGreaterEqual(fitted.stages, 2)
+
+  @parameterized.named_parameters(
+      ("_".join(key), key, tiles)
+      for key, tiles in tiling.TABLE.items()
+      if key[0] == "sm100"
+  )
+  def test_sm100_entries_fit_tensor_memory(self, key, tiles):
+    _, _, accs, _ = _USE[key[2]]
+    kernels_sm100.check_tiles(tiles, accs)  # Raises if not.
+
+  def test_choose_reads_the_generation_row(self):
+    got = tiling.choose(
+        tiling.TileConfig(),
+        "fwd",
+        32768,
+        256,
+        jnp.bfloat16,
+        generation_name="sm100",
+    )
+    self.assertEqual(got, tiling.TABLE[("sm100", "fwd", "default")])
+    with self.assertRaisesRegex(ValueError, "generation must be one of"):
+      tiling.check_generation("sm80")
 
   def test_choose_uses_the_table_by_bucket(self):
     config = tiling.TileConfig()

@@ -10,6 +10,7 @@ so this module needs only jax (no absl).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from typing import Callable, Sequence
 
@@ -22,11 +23,28 @@ from moe_core import compat
 TRITON_CALL = compat.triton_call_target()
 
 
+@dataclasses.dataclass(frozen=True)
+class AbstractGpu:
+  """A GPU as Mosaic GPU's lowering reads it: with a compute capability.
+
+  `jax.sharding.AbstractDevice` has no compute capability, and Mosaic GPU
+  then targets sm_90; its lowering reads `compute_capability` from the
+  context mesh's abstract device when there is one, so this duck-typed
+  device makes a CPU-host export target another GPU generation.
+  """
+
+  device_kind: str = "NVIDIA B200"
+  num_cores: int = 148
+  compute_capability: str = "10.0"
+  platform: str = "gpu"
+
+
 def export_for_cuda(
     fn: Callable,
     *args,
     disabled_custom_calls: Sequence[str] = (),
     device_kind: str | None = "NVIDIA H200",
+    abstract_gpu: AbstractGpu | None = None,
 ) -> export.Exported:
   """`jax.export` of `jax.jit(fn)(*args)` for platform "cuda".
 
@@ -45,16 +63,21 @@ def export_for_cuda(
       mesh, which must match the context mesh. (So on jax >= 0.11.2 and no
       GPU, this cannot export a program with both a concrete-mesh shard_map
       and a Pallas Triton kernel.)
+    abstract_gpu: instead of `device_kind`, this device (with a compute
+      capability) for Mosaic GPU kernels of another generation (sm_100).
 
   Returns:
     The `jax.export.Exported`; `.mlir_module()` is its StableHLO text.
   """
   names = (TRITON_CALL, *disabled_custom_calls)
-  mesh = (
-      compat.abstract_gpu_mesh(device_kind)
-      if device_kind is not None
-      else contextlib.nullcontext()
-  )
+  if abstract_gpu is not None:
+    mesh = jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract_gpu)
+    )
+  elif device_kind is not None:
+    mesh = compat.abstract_gpu_mesh(device_kind)
+  else:
+    mesh = contextlib.nullcontext()
   with compat.filter_triton_deprecation(), mesh:
     return export.export(
         jax.jit(fn),
