@@ -1,8 +1,8 @@
-"""One short GPU run: pallas vs reference on the GPU, then bf16 TFLOP/s.
+"""One short GPU run: pallas and mosaic_gpu vs reference, then bf16 TFLOP/s.
 
 On the device machine, where only $OUT comes back:
 
-    python -m bench.gpu_check --out_dir "$OUT"  # GPU, well under 5 minutes
+    python -m bench.gpu_check --out_dir "$OUT"  # H200, well under 8 minutes
 
 Elsewhere:
 
@@ -12,40 +12,59 @@ Elsewhere:
 
 (`python bench/gpu_check.py ...` from the repository root works the same.)
 
-1. Correctness (bench/gpu_correctness.py): the pallas kernels (compiled
-   through Triton) against the reference backend with shared tiles, empty
+1. Correctness (bench/gpu_correctness.py): the pallas kernels (Pallas
+   Triton) and the mosaic_gpu kernels (Mosaic GPU forward and dX, Pallas
+   Triton dW) against the reference backend with shared tiles, empty
    groups and NaN in the padding rows: output, dX and dW of the grouped
-   GEMM and of the expert FFN (plain and with the fused activation), then a
-   small MoE layer and its gradients. Two cases have enough rows per expert
-   and a wide enough N for the GPU heuristic to pick the large tiles the
-   timing runs (and, for the fused gate+up, their register-fitted
-   two-accumulator variant). Budgets: bench/gpu_tolerances.py, from
+   GEMM (both weight layouts) and of the expert FFN (plain and with the
+   fused activation), then a small MoE layer and its gradients. pallas runs
+   in bf16 and float32, mosaic_gpu in bf16 (it raises NotImplementedError
+   for float32: those cases are recorded as skipped, with its message).
+   Two cases have enough rows per expert and a wide enough N for the GPU
+   tile choices the timing runs. Budgets: bench/gpu_tolerances.py, from
    conformance/tolerances.py.
-2. Timing (bench/gpu_timing.py) at DeepSeek-V3 expert shapes (D=7168,
-   F=2048, a 32-expert slice, top-8; T=4096 tokens gives M=32768 rows,
-   about 1 TFLOP per projection, so a launch runs far past its overhead):
-   bf16 forward and forward+backward of the gate/up-shaped [M, D] x
-   [E, D, F] and the down-shaped [M, F] x [E, F, D] grouped GEMMs, and of
-   the whole expert FFN, against a dense `jnp.dot` of the same FLOPs
-   (cuBLAS), `jax.lax.ragged_dot` and the xla backend. Times are medians of
-   --repeats calls after a warm-up; ratios are time / baseline time
-   (`fwd_time_over_dense`, ...: < 1 is faster). The timed programs' own
-   output and gradients are checked on a few sampled groups against a
-   float32 per-group `jnp.dot` (max relative error per method).
+2. Timing (bench/gpu_timing.py), bf16, of the workloads of
+   bench/gpu_workloads.py: DeepSeek-V3 experts (D=7168, F=2048, all 256
+   experts, top-8, T=4096: M=32768 rows, about 1 TFLOP per projection) and
+   Mixtral 8x7B's (D=4096, F=14336, 8 experts, top-2, T=8192: M=16384),
+   forward and forward+backward of the gate/up-shaped [M, D] x [E, D, F]
+   and the down-shaped [M, F] x [E, F, D] grouped GEMMs and of the whole
+   expert FFN; then the forward of a small-K GEMM [M, 1024] x [256, 1024,
+   7168]. Methods: a dense `jnp.dot` of the same FLOPs (cuBLAS),
+   `jax.lax.ragged_dot`, pallas and mosaic_gpu (for the FFN also each with
+   the fused activation). Times are medians of up to --repeats calls after
+   a warm-up (fewer past 2 s a phase); ratios are time / baseline time
+   (`fwd_time_over_dense`, `fwd_time_over_pallas`, ...: < 1 is faster).
+   The timed programs' own output and gradients are checked on a few
+   sampled groups against a float32 per-group `jnp.dot`. "goals" holds
+   mosaic_gpu's targets: forward >= 0.6x dense cuBLAS throughput, and
+   faster than pallas at small K (reported, not failed).
+
+No timed problem starts past --budget_s (360 s) into the run: its row says
+"skipped" (not a failure), so the run ends well under 8 minutes on an H200
+even if compiles are slow; the workloads go in the order of
+`gpu_workloads.FULL` (DeepSeek-V3, small K, Mixtral).
 
 The shapes, cases and programs of both phases, and of --lower_only
-(bench/gpu_lowering.py), are in bench/gpu_workloads.py.
+(bench/gpu_lowering.py, which also checks each program's custom calls:
+Triton for pallas, mosaic_gpu_v2 for mosaic_gpu and Triton for its dW), are
+in bench/gpu_workloads.py. --workloads picks some of them.
 
-Every case and method is guarded: a failure (a Triton compile error, say)
-is recorded with its error and the run goes on. The JSON (date; versions of
-python, jax, jaxlib, triton and jax-triton, also printed first; device;
-correctness; timing; how many of JAX's Pallas Triton deprecation warnings
-were filtered; failures) is rewritten after every phase and once more at
-the end, whatever happened, as <out_dir>/gpu_<date>.json
+Every backend, case and method is guarded: a failure (a compile error, a
+backend that cannot be built) is recorded with its error and the run goes
+on. The JSON (date; versions of python, jax, jaxlib, triton and jax-triton,
+also printed first; device; backends; workloads with their group sizes;
+correctness; timing; goals; how many of JAX's Pallas Triton deprecation
+warnings were filtered; failures) is rewritten after every timed method and
+once more at the end, whatever happened, as <out_dir>/gpu_<date>.json
 (gpu_dryrun_<date>.json with --dry_run; out_dir defaults to bench/results/
 in this repository). The exit status is 1 if anything failed, decided after
 the last write. Needs only jax (with its CUDA plugin) and this repository:
 no absl, no network.
+
+--dry_run interprets both kernels on the CPU at tiny shapes; Mosaic GPU's
+interpreter takes seconds a call, so there mosaic_gpu is checked on one
+GEMM case and timed on the small-K row only.
 """
 
 from __future__ import annotations
@@ -96,10 +115,21 @@ def _parse_args(argv):
       "--tokens",
       type=int,
       default=None,
-      help="T (default 4096; 64 with --dry_run)",
+      help="T of every workload (default: each workload's; 64 with "
+      "--dry_run)",
   )
   parser.add_argument(
-      "--experts", type=int, default=None, help="E on this device (default 32)"
+      "--experts",
+      type=int,
+      default=None,
+      help="E on this device: a slice of each model's experts, at most "
+      "all of them (default: all)",
+  )
+  parser.add_argument(
+      "--workloads",
+      default=None,
+      help="comma-separated workload names (default: all; "
+      f"{','.join(w.name for w in gpu_workloads.FULL)} on a GPU)",
   )
   parser.add_argument("--skew", default="random", choices=["random", "zipf"])
   parser.add_argument(
@@ -109,77 +139,136 @@ def _parse_args(argv):
       '"$OUT", the only folder that comes back)',
   )
   parser.add_argument("--skip_correctness", action="store_true")
+  parser.add_argument(
+      "--budget_s",
+      type=float,
+      default=360.0,
+      help="no timed problem starts this many seconds after the run began "
+      "(its row says skipped; the one running finishes, a minute at most "
+      "at the default shapes)",
+  )
   return parser.parse_args(argv)
 
 
-def _shape(args):
-  """The timed shape: FULL (DRY with --dry_run), --tokens, --experts."""
-  full = gpu_workloads.DRY if args.dry_run else gpu_workloads.FULL
-  shape = dict(full)
-  if args.tokens:
-    shape["tokens"] = args.tokens
-  if args.experts:
-    shape["experts"] = args.experts
-  return shape
+def _workloads(args):
+  """The timed workloads (DRY ones with --dry_run), flags applied.
+
+  Raises:
+    ValueError: --workloads names one that does not exist.
+  """
+  every = gpu_workloads.dry_workloads() if args.dry_run else gpu_workloads.FULL
+  if args.workloads:
+    names = [n for n in args.workloads.split(",") if n]
+    unknown = sorted(set(names) - {w.name for w in every})
+    if unknown:
+      raise ValueError(
+          f"unknown workloads {unknown}; there are "
+          f"{[w.name for w in every]}."
+      )
+    every = tuple(w for w in every if w.name in names)
+  out = []
+  for w in every:
+    shape = dict(w.shape)
+    if args.tokens:
+      shape["tokens"] = args.tokens
+    if args.experts:
+      shape["experts"] = min(args.experts, w.model_experts)
+    out.append(w._replace(shape=shape))
+  return tuple(out)
 
 
-def _new_report(args, shape, versions, now, repeats):
+def _workload_entry(workload, skew):
+  """What the JSON says of a workload: shape, rows, group sizes, slice."""
+  m, sizes, problems = gpu_workloads.problems(
+      workload.shape, skew, workload.problems
+  )
+  experts = workload.shape["experts"]
+  return {
+      "name": workload.name,
+      "note": workload.note,
+      "shape": workload.shape,
+      "model_experts": workload.model_experts,
+      "experts": (
+          "all of the model's"
+          if experts == workload.model_experts
+          else f"a slice: {experts} of the model's {workload.model_experts}"
+      ),
+      "rows": m,
+      "group_sizes": sizes.tolist(),
+      "problems": [p.name for p in problems],
+      "methods": workload.methods,
+      "phases": workload.phases,
+  }
+
+
+def _new_report(args, workloads, versions, now, repeats):
   """The report before any phase has run."""
-  m, sizes, _ = gpu_workloads.problems(shape, args.skew)
   return {
       "date": now.isoformat(),
       **versions,
       "dry_run": args.dry_run,
-      "shape": shape,
-      "rows": m,
-      "group_sizes": sizes.tolist(),
+      "workloads": [_workload_entry(w, args.skew) for w in workloads],
       "skew": args.skew,
       "repeats": repeats,
+      "budget_s": args.budget_s,
       "seconds": None,
       "triton_deprecation_warnings": None,
+      "backends": None,
       "correctness": [],
       "timing": [],
+      "goals": [],
   }
 
 
-def _run_phases(args, shape, on_gpu, report, path):
+def _run_phases(args, workloads, on_gpu, report, path, deadline):
   """Correctness, then timing, each written as soon as it is done."""
-  pallas, fused, xla = gpu_workloads.backends(on_gpu=on_gpu if on_gpu else None)
-  print(f"pallas: {pallas!r}, available: {pallas.availability()}")
+  bes = gpu_workloads.backends(on_gpu=on_gpu if on_gpu else None)
+  report["backends"] = bes.describe()
+  for name, description in report["backends"].items():
+    print(f"{name}: {description}")
   if not args.skip_correctness:
-    gpu_correctness.check_correctness(pallas, fused, report["correctness"])
+    gpu_correctness.check_correctness(
+        bes,
+        report["correctness"],
+        mosaic_gemm_cases=(
+            gpu_workloads.DRY_MOSAIC_GEMM_CASES if args.dry_run else None
+        ),
+    )
     gpu_report.write(path, report)
     gpu_correctness.print_summary(report["correctness"])
-  sizes = report["group_sizes"]
-  print(
-      f"T={shape['tokens']} top-{shape['top_k']} -> M={report['rows']} rows, "
-      f"D={shape['hidden']} F={shape['ffn']} E={shape['experts']}, "
-      f"bf16, {args.skew} group sizes (min {min(sizes)}, max "
-      f"{max(sizes)}), median of {report['repeats']}"
-  )
-  gpu_timing.run_timing(
-      shape,
-      report["repeats"],
-      args.skew,
-      pallas,
-      fused,
-      xla,
-      report["timing"],
-      on_row=lambda: gpu_report.write(path, report),
-  )
+  for workload, entry in zip(workloads, report["workloads"]):
+    sizes = entry["group_sizes"]
+    shape = workload.shape
+    print(
+        f"{workload.name}: T={shape['tokens']} top-{shape['top_k']} -> "
+        f"M={entry['rows']} rows, D={shape['hidden']} F={shape['ffn']} "
+        f"E={shape['experts']} ({entry['experts']}), bf16, {args.skew} "
+        f"group sizes (min {min(sizes)}, max {max(sizes)}), median of up "
+        f"to {report['repeats']}"
+    )
+    gpu_timing.run_timing(
+        workload,
+        report["repeats"],
+        args.skew,
+        bes,
+        report["timing"],
+        on_row=lambda: gpu_report.write(path, report),
+        deadline=deadline,
+    )
   gpu_timing.print_timing(report["timing"])
+  gpu_timing.print_goals(gpu_timing.goals(report["timing"]))
 
 
 def main(argv=None):
   args = _parse_args(argv)
-  shape = _shape(args)
+  workloads = _workloads(args)
   if hasattr(sys.stdout, "reconfigure"):  # Lines survive a hard crash.
     sys.stdout.reconfigure(line_buffering=True)
   versions = gpu_report.versions()
   print(gpu_report.versions_line(versions))
 
   if args.lower_only:
-    return gpu_lowering.run(shape)
+    return gpu_lowering.run(workloads)
 
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not args.dry_run:
@@ -193,19 +282,21 @@ def main(argv=None):
   stem = "gpu_dryrun" if args.dry_run else "gpu"
   path = os.path.join(args.out_dir, f"{stem}_{now:%Y%m%d_%H%M%S}.json")
   repeats = 1 if args.dry_run else args.repeats
-  report = _new_report(args, shape, versions, now, repeats)
+  report = _new_report(args, workloads, versions, now, repeats)
   start = time.perf_counter()
   filtered = compat.triton_deprecations_filtered()
   try:
     # jax >= 0.11 warns once per Triton kernel compiled: counted in the
     # JSON, not printed.
     with compat.filter_triton_deprecation():
-      _run_phases(args, shape, on_gpu, report, path)
+      _run_phases(args, workloads, on_gpu, report, path, start + args.budget_s)
   except Exception as e:  # pylint: disable=broad-except
     report["fatal_error"] = gpu_report.error_text(e)
     traceback.print_exc()
   finally:  # Whatever happened (even an interrupt): write what there is.
     report["seconds"] = time.perf_counter() - start
+    # From whatever rows there are, even after a crash.
+    report["goals"] = gpu_timing.goals(report["timing"])
     report["triton_deprecation_warnings"] = (
         compat.triton_deprecations_filtered() - filtered
     )

@@ -1,11 +1,14 @@
-"""gpu_check phase 1: the pallas kernels against the reference backend.
+"""gpu_check phase 1: pallas and mosaic_gpu against the reference backend.
 
-Output, dX and dW of the grouped GEMM (bf16 and float32) and of the expert
-FFN (bf16, plain and with the fused activation), with NaN in the padding
-rows, then a small MoE layer and its gradients. Each result is an entry
-{case, dtype, quantity, rel_err, ok, ...} (`gpu_tolerances.rel_err` against
-its budget); each case runs guarded, so one that raises leaves an entry
-with quantity "error" and the next case runs.
+Output, dX and dW of the grouped GEMM and of the expert FFN (bf16, plain
+and with the fused activation), with NaN in the padding rows, then a small
+MoE layer and its gradients, for each backend: pallas (Pallas Triton) in
+bf16 and float32, mosaic_gpu (Mosaic GPU forward and dX, Pallas Triton dW)
+in bf16; its float32 cases are recorded as skipped with the
+NotImplementedError it raises for them. Each result is an entry {case,
+backend, dtype, quantity, rel_err, ok, ...} (`gpu_tolerances.rel_err`
+against its budget); each case runs guarded, so one that raises leaves an
+entry with quantity "error" and the next case runs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_core
+from backends.mosaic_gpu import tiling as mosaic_tiling
 from backends.pallas import tiling
 from bench import gpu_report
 from bench import gpu_tolerances
@@ -25,11 +29,26 @@ from bench import gpu_workloads
 
 # Outputs whose padding rows (past sum(group sizes)) must come out as zeros.
 _ZERO_PADDED = ("out", "d_rows")
+PALLAS = "pallas"
+MOSAIC = "mosaic_gpu"
 
 
-def _gpu_fwd_tiles(m, c, n, num_groups, dtype, num_operands=1):
+def _gpu_fwd_tiles(backend, m, c, n, num_groups, dtype, num_operands=1):
   """The forward's tiles on a GPU, whatever runs here: for the record."""
   try:
+    if backend == MOSAIC:
+      return repr(
+          mosaic_tiling.choose(
+              mosaic_tiling.TileConfig(),
+              "fwd",
+              m,
+              num_groups,
+              dtype,
+              num_rhs=num_operands,
+              num_accs=num_operands,
+              num_outputs=num_operands,
+          )
+      )
     return repr(
         tiling.heuristic(
             "fwd",
@@ -46,9 +65,10 @@ def _gpu_fwd_tiles(m, c, n, num_groups, dtype, num_operands=1):
     return gpu_report.error_text(e)
 
 
-def _entry(case, dtype, quantity, err, tol, **extra):
+def _entry(case, backend, dtype, quantity, err, tol, **extra):
   return {
       "case": case,
+      "backend": backend,
       "dtype": dtype,
       "quantity": quantity,
       "rel_err": err,
@@ -57,12 +77,13 @@ def _entry(case, dtype, quantity, err, tol, **extra):
   }
 
 
-def _padded_entries(case, dtype, compared, tol, used, tiles):
+def _padded_entries(case, backend, dtype, compared, tol, used, tiles):
   """Entries of (quantity, got, want) triples; padding rows must be zero."""
   out = []
   for name, got, want in compared:
     entry = _entry(
         case,
+        backend,
         dtype,
         name,
         gpu_tolerances.rel_err(got, want),
@@ -76,7 +97,7 @@ def _padded_entries(case, dtype, compared, tol, used, tiles):
   return out
 
 
-def _guarded(results, case, dtype, run_case):
+def _guarded(results, case, backend, dtype, run_case):
   """Appends run_case()'s entries, or one entry with the error it raised."""
   try:
     results.extend(run_case())
@@ -85,6 +106,7 @@ def _guarded(results, case, dtype, run_case):
     results.append(
         {
             "case": case,
+            "backend": backend,
             "dtype": dtype,
             "quantity": "error",
             "rel_err": None,
@@ -97,61 +119,144 @@ def _guarded(results, case, dtype, run_case):
     )
 
 
+def _skipped(case, backend, dtype, reason):
+  """The entry of a case not run: ok, and why (not a failure)."""
+  return {
+      "case": case,
+      "backend": backend,
+      "dtype": dtype,
+      "quantity": "skipped",
+      "rel_err": None,
+      "ok": True,
+      "skipped": reason,
+  }
+
+
+def _run_or_skip(results, case, backend, dtype, be, run_case):
+  """_guarded, or a "skipped" entry if `be` is unavailable here."""
+  if isinstance(be, gpu_workloads.Unavailable):
+    results.append(_skipped(case, backend, dtype, be.reason))
+  else:
+    _guarded(results, case, backend, dtype, run_case)
+
+
 def _nan_and_zero_padded(a, used):
   """(a with NaN rows from `used` on, a with zero rows there)."""
   valid = np.arange(a.shape[0])[:, None] < used
   return np.where(valid, a, np.nan), a * valid
 
 
-def gemm_name(m, c, n, sizes, transpose_rhs):
+def _suffix(backend):
+  # pallas names stay as they were: its entries compare with older JSON.
+  return "" if backend == PALLAS else f" {backend}"
+
+
+def gemm_name(m, c, n, sizes, transpose_rhs, backend=PALLAS):
   # "k=" is the contraction C: the label stays comparable with older JSON.
-  return f"gemm m={m} k={c} n={n} E={len(sizes)} t={transpose_rhs}"
+  return f"gemm m={m} k={c} n={n} E={len(sizes)} t={transpose_rhs}" + _suffix(
+      backend
+  )
 
 
 def ffn_name(label, m, d, f, sizes):
   return f"expert_ffn {label} m={m} d={d} f={f} E={len(sizes)}"
 
 
-def gemm_case(pallas, ref, m, c, n, sizes, transpose_rhs, dtype, seed):
-  """Output, dX and dW of one grouped GEMM [M, C] x [E, C, N] -> [M, N].
-
-  pallas gets NaN in the padding rows of its rows and cotangent, the
-  reference zeros; transpose_rhs gives the weights as [E, N, C].
-  """
+def _gemm_operands(m, c, n, sizes, transpose_rhs, seed):
+  """(rows [M, C], weights, cotangent [M, N]) in float32, from `seed`."""
   rng = np.random.default_rng(seed)
-  used = sum(sizes)
   rows = rng.standard_normal((m, c)).astype(np.float32)
   w_shape = (len(sizes), n, c) if transpose_rhs else (len(sizes), c, n)
   weights = rng.standard_normal(w_shape).astype(np.float32) / np.sqrt(c)
   cot = rng.standard_normal((m, n)).astype(np.float32)
-  gs = jnp.asarray(sizes, jnp.int32)
+  return rows, weights, cot
 
-  def run(be, x, w, ct):
+
+def _gemm_program(be, group_sizes, transpose_rhs):
+  """(rows, weights, cotangent) -> (out, d rows, d weights) through `be`."""
+
+  def run(x, w, ct):
     def f(x, w):
-      return be.grouped_gemm(x, w, gs, transpose_rhs=transpose_rhs)
+      return be.grouped_gemm(x, w, group_sizes, transpose_rhs=transpose_rhs)
 
     return gpu_workloads.output_and_grads(f, x, w, ct)
 
+  return run
+
+
+def unsupported(be, m, c, n, sizes, transpose_rhs, dtype):
+  """The NotImplementedError `be` raises for this GEMM case, else None.
+
+  Traced only (jax.eval_shape): nothing compiles or runs.
+  """
+  e = len(sizes)
+  rows = jax.ShapeDtypeStruct((m, c), dtype)
+  weights = jax.ShapeDtypeStruct(
+      (e, n, c) if transpose_rhs else (e, c, n), dtype
+  )
+  cot = jax.ShapeDtypeStruct((m, n), dtype)
+  gs = jnp.asarray(sizes, jnp.int32)
+  try:
+    jax.eval_shape(_gemm_program(be, gs, transpose_rhs), rows, weights, cot)
+  except NotImplementedError as e:
+    return e
+  return None
+
+
+def gemm_case(
+    be, ref, m, c, n, sizes, transpose_rhs, dtype, seed, backend=PALLAS
+):
+  """Output, dX and dW of one grouped GEMM [M, C] x [E, C, N] -> [M, N].
+
+  `be` gets NaN in the padding rows of its rows and cotangent, the
+  reference zeros; transpose_rhs gives the weights as [E, N, C].
+  """
+  used = sum(sizes)
+  rows, weights, cot = _gemm_operands(m, c, n, sizes, transpose_rhs, seed)
+  gs = jnp.asarray(sizes, jnp.int32)
   as_dtype = functools.partial(jnp.asarray, dtype=dtype)
   nan_rows, zero_rows = _nan_and_zero_padded(rows, used)
   nan_cot, zero_cot = _nan_and_zero_padded(cot, used)
-  got = jax.jit(functools.partial(run, pallas))(
+  got = jax.jit(_gemm_program(be, gs, transpose_rhs))(
       as_dtype(nan_rows), as_dtype(weights), as_dtype(nan_cot)
   )
-  want = jax.jit(functools.partial(run, ref))(
+  want = jax.jit(_gemm_program(ref, gs, transpose_rhs))(
       as_dtype(zero_rows), as_dtype(weights), as_dtype(zero_cot)
   )
   return _padded_entries(
-      gemm_name(m, c, n, sizes, transpose_rhs),
+      gemm_name(m, c, n, sizes, transpose_rhs, backend),
+      backend,
       dtype,
       zip(("out", "d_rows", "d_weights"), got, want),
       gpu_tolerances.for_dtype(dtype),
       used,
-      _gpu_fwd_tiles(m, c, n, len(sizes), dtype),
+      _gpu_fwd_tiles(backend, m, c, n, len(sizes), dtype),
   )
 
 
-def ffn_case(be, label, m, d, f, sizes, seed):
+def mosaic_gemm_case(be, ref, m, c, n, sizes, transpose_rhs, dtype, seed):
+  """gemm_case for mosaic_gpu, or one "skipped" entry if it refuses dtype.
+
+  mosaic_gpu raises NotImplementedError for float32 (wgmma would take it as
+  TF32); the entry keeps that message, so the day it takes float32 the
+  case runs instead.
+  """
+  refused = unsupported(be, m, c, n, sizes, transpose_rhs, dtype)
+  if refused is None:
+    return gemm_case(
+        be, ref, m, c, n, sizes, transpose_rhs, dtype, seed, backend=MOSAIC
+    )
+  return [
+      _skipped(
+          gemm_name(m, c, n, sizes, transpose_rhs, MOSAIC),
+          MOSAIC,
+          dtype,
+          gpu_report.error_text(refused),
+      )
+  ]
+
+
+def ffn_case(be, label, m, d, f, sizes, seed, backend=PALLAS):
   """Output and gradients of expert_ffn (bf16) with NaN padding rows."""
   e = len(sizes)
   used = sum(sizes)
@@ -182,6 +287,7 @@ def ffn_case(be, label, m, d, f, sizes, seed):
   )(bf16(zero_rows), params, bf16(zero_cot))
   return _padded_entries(
       ffn_name(label, m, d, f, sizes),
+      backend,
       "bfloat16",
       (
           ("out", got, want),
@@ -190,7 +296,7 @@ def ffn_case(be, label, m, d, f, sizes, seed):
       ),
       gpu_tolerances.BF16_DEEP,
       used,
-      _gpu_fwd_tiles(m, d, f, e, "bfloat16", num_operands=2),
+      _gpu_fwd_tiles(backend, m, d, f, e, "bfloat16", num_operands=2),
   )
 
 
@@ -200,8 +306,11 @@ def _named_layer_grads(grads):
   return {**{f"d {k}": v for k, v in param_grads.items()}, "d x": x_grad}
 
 
-def layer_cases(pallas, fused, ref, results):
-  """A small MoE layer and its gradients: pallas and fused vs reference."""
+def layer_cases(cases, ref, results):
+  """A small MoE layer and its gradients: each (label, backend name, be).
+
+  The reference runs once, for every case.
+  """
   cfg = moe_core.MoEConfig(**gpu_workloads.LAYER_CONFIG)
   memo = {}
 
@@ -213,8 +322,8 @@ def layer_cases(pallas, fused, ref, results):
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x)
     return y, grads
 
-  def run_case(label, be):
-    if not memo:  # Shared by both cases; a failure fails each of them.
+  def run_case(label, backend, be):
+    if not memo:  # Shared by every case; a failure fails each of them.
       memo["params"] = moe_core.init_params(
           jax.random.key(1), cfg, dtype=jnp.bfloat16
       )
@@ -232,57 +341,129 @@ def layer_cases(pallas, fused, ref, results):
     )
     rel_err = gpu_tolerances.rel_err
     out = [
-        _entry(label, "bfloat16", "y", rel_err(y, want_y), gpu_tolerances.BF16)
+        _entry(
+            label,
+            backend,
+            "bfloat16",
+            "y",
+            rel_err(y, want_y),
+            gpu_tolerances.BF16,
+        )
     ]
     got, want = _named_layer_grads(grads), _named_layer_grads(want_grads)
     for name in got:
       err = rel_err(got[name], want[name])
-      out.append(_entry(label, "bfloat16", name, err, gpu_tolerances.BF16_DEEP))
+      out.append(
+          _entry(
+              label,
+              backend,
+              "bfloat16",
+              name,
+              err,
+              gpu_tolerances.BF16_DEEP,
+          )
+      )
     return out
 
-  for label, be in (("moe_layer", pallas), ("moe_layer fused_act", fused)):
-    _guarded(results, label, "bfloat16", functools.partial(run_case, label, be))
+  for label, backend, be in cases:
+    _run_or_skip(
+        results,
+        label,
+        backend,
+        "bfloat16",
+        be,
+        functools.partial(run_case, label, backend, be),
+    )
 
 
-def check_correctness(pallas, fused, results=None):
-  """pallas vs reference: list of {case, dtype, quantity, rel_err, ok}.
+def check_correctness(bes, results=None, *, mosaic_gemm_cases=None):
+  """pallas and mosaic_gpu vs reference: [{case, backend, dtype, ...}].
+
+  Args:
+    bes: a `gpu_workloads.Backends`.
+    results: the list to append to (default a new one).
+    mosaic_gemm_cases: None checks mosaic_gpu on every case; an int, on
+      that many GEMM cases only and no FFN or layer case (--dry_run: its
+      interpreter takes seconds a call).
 
   Each case runs guarded: one that raises adds an entry with quantity
-  "error", ok False and the error, and the next case runs.
+  "error", ok False and the error, and the next case runs. A backend
+  unavailable here (`gpu_workloads.Unavailable`) gives "skipped" entries.
   """
   results = [] if results is None else results
   ref = moe_core.get_backend("reference")
+  mosaic_all = mosaic_gemm_cases is None
   for seed, (m, c, n, sizes, t) in enumerate(gpu_workloads.GEMM_CASES):
     for dtype in ("bfloat16", "float32"):
-      _guarded(
+      _run_or_skip(
           results,
           gemm_name(m, c, n, sizes, t),
+          PALLAS,
           dtype,
+          bes.pallas,
           functools.partial(
-              gemm_case, pallas, ref, m, c, n, sizes, t, dtype, seed
+              gemm_case, bes.pallas, ref, m, c, n, sizes, t, dtype, seed
           ),
       )
+    if not mosaic_all and seed >= mosaic_gemm_cases:
+      continue
+    for dtype in ("bfloat16", "float32"):
+      _run_or_skip(
+          results,
+          gemm_name(m, c, n, sizes, t, MOSAIC),
+          MOSAIC,
+          dtype,
+          bes.mosaic,
+          functools.partial(
+              mosaic_gemm_case, bes.mosaic, ref, m, c, n, sizes, t, dtype, seed
+          ),
+      )
+  ffn_backends = [
+      ("pallas", PALLAS, bes.pallas),
+      ("fused_act", PALLAS, bes.pallas_fused),
+  ]
+  if mosaic_all:
+    ffn_backends += [
+        ("mosaic_gpu", MOSAIC, bes.mosaic),
+        ("mosaic_gpu fused_act", MOSAIC, bes.mosaic_fused),
+    ]
   for seed, (m, d, f, sizes) in enumerate(gpu_workloads.FFN_CASES):
-    for label, be in (("pallas", pallas), ("fused_act", fused)):
-      _guarded(
+    for label, backend, be in ffn_backends:
+      _run_or_skip(
           results,
           ffn_name(label, m, d, f, sizes),
+          backend,
           "bfloat16",
-          functools.partial(ffn_case, be, label, m, d, f, sizes, 10 + seed),
+          be,
+          functools.partial(
+              ffn_case, be, label, m, d, f, sizes, 10 + seed, backend
+          ),
       )
-  layer_cases(pallas, fused, ref, results)
+  layers = [
+      ("moe_layer", PALLAS, bes.pallas),
+      ("moe_layer fused_act", PALLAS, bes.pallas_fused),
+  ]
+  if mosaic_all:
+    layers += [
+        ("moe_layer mosaic_gpu", MOSAIC, bes.mosaic),
+        ("moe_layer mosaic_gpu fused_act", MOSAIC, bes.mosaic_fused),
+    ]
+  layer_cases(layers, ref, results)
   return results
 
 
 def print_summary(correctness):
-  """How many entries passed, the worst error, and each failure."""
+  """How many entries passed, the worst error, each skip and failure."""
   bad = [r for r in correctness if not r["ok"]]
+  skipped = [r for r in correctness if r["quantity"] == "skipped"]
   errs = [r["rel_err"] for r in correctness if r["rel_err"] is not None]
   print(
       f"correctness vs reference: {len(correctness) - len(bad)}/"
-      f"{len(correctness)} ok (worst relative error "
-      f"{max(errs, default=0.0):.2e})"
+      f"{len(correctness)} ok, {len(skipped)} of them skipped (worst "
+      f"relative error {max(errs, default=0.0):.2e})"
   )
+  for r in skipped:
+    print(f"  skipped {r['case']} {r['dtype']}: {r['skipped'][:120]}")
   for r in bad:
     detail = r.get("error") or f"{r['rel_err']:.3e}"
     print(f"  FAIL {r['case']} {r['dtype']} {r['quantity']}: {detail}")

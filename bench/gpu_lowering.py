@@ -1,11 +1,16 @@
 """gpu_check --lower_only: every timed GPU program, lowered for CUDA.
 
 On any machine, a CPU-only one included (`moe_core.testing.cuda_export`):
-each method of each timed problem, forward and forward+backward, at the
-timed shapes, with abstract arguments. Needs only jax (no absl).
+each method of each timed problem of each workload, forward and
+forward+backward, at the timed shapes, with abstract arguments. Each
+program's custom calls are counted: a pallas program must call Triton, a
+mosaic_gpu one Mosaic GPU (`mosaic_gpu_v2`), and its forward+backward also
+Triton (its dW is the Pallas Triton kernel). Needs only jax (no absl).
 """
 
 from __future__ import annotations
+
+import collections
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +21,9 @@ from bench import gpu_workloads
 from bench import timing
 from moe_core import compat
 from moe_core.testing import cuda_export
+
+# The custom-call target of a Mosaic GPU kernel (jax 0.10.2 to 0.12).
+MOSAIC_CALL = "mosaic_gpu_v2"
 
 
 def _abstract_weights(problem, cfg):
@@ -30,52 +38,83 @@ def _abstract_weights(problem, cfg):
   }
 
 
-def _lower(program, args):
-  """(True, what it calls) if `program` lowers for CUDA, else (False, why)."""
+def expected_calls(method, mode):
+  """Custom calls a method's program must contain ("fwd" or "fwd+bwd")."""
+  if method.startswith("pallas"):
+    return {cuda_export.TRITON_CALL}
+  if method.startswith("mosaic_gpu"):
+    if mode == "fwd":
+      return {MOSAIC_CALL}
+    return {MOSAIC_CALL, cuda_export.TRITON_CALL}
+  return set()
+
+
+def _call_names(target):
+  return "triton" if target == cuda_export.TRITON_CALL else target
+
+
+def lower(program, args, expected=()):
+  """(ok, what it calls) of `program` lowered for CUDA, or (False, why).
+
+  ok also needs every custom call in `expected` to be there.
+  """
   try:
     text = cuda_export.export_for_cuda(program, *args).mlir_module()
   except Exception as e:  # pylint: disable=broad-except
     return False, f"{type(e).__name__}: {e}"[:300]
-  calls = cuda_export.custom_calls(text)
-  others = sorted(set(calls) - {cuda_export.TRITON_CALL})
-  return True, (
-      f"{calls.count(cuda_export.TRITON_CALL)} triton kernels"
-      + (f", other custom calls {others}" if others else "")
+  counts = collections.Counter(cuda_export.custom_calls(text))
+  detail = (
+      ", ".join(f"{n} {_call_names(t)}" for t, n in sorted(counts.items()))
+      or "no custom calls"
   )
+  missing = sorted(_call_names(t) for t in set(expected) - set(counts))
+  if missing:
+    return False, f"{detail}; missing {missing}"
+  return True, detail
 
 
-def lower_only(shape):
+def lower_only(workloads):
   """Lowers every timed GPU program for CUDA; returns [(name, ok, detail)]."""
-  pallas, fused, xla = gpu_workloads.backends(on_gpu=True)
-  cfg = gpu_workloads.ffn_config(shape)
-  _, _, problems = gpu_workloads.problems(shape, "random")
-  s = jax.ShapeDtypeStruct
-  group_sizes = s((shape["experts"],), jnp.int32)
+  bes = gpu_workloads.backends(on_gpu=True)
   out = []
-  for problem in problems:
-    operand = _abstract_weights(problem, cfg)
-    rows = s(problem.rows_shape, jnp.bfloat16)
-    cot = s(problem.out_shape, jnp.float32)
-    methods = gpu_workloads.methods_for(problem.kind, pallas, fused, xla, cfg)
-    for method, fn in methods.items():
-      if method == "dense":
-        weights = gemm_workloads.one_expert(operand)
-      else:
-        weights = operand
-      args = (rows, weights, group_sizes)
-      for mode, program, program_args in (
-          ("fwd", fn, args),
-          ("fwd+bwd", timing.with_grad(fn), args + (cot,)),
-      ):
-        ok, detail = _lower(program, program_args)
-        out.append((f"{problem.name} {method} {mode}", ok, detail))
+  for workload in workloads:
+    shape = workload.shape
+    cfg = gpu_workloads.ffn_config(shape)
+    _, _, problems = gpu_workloads.problems(shape, "random", workload.problems)
+    s = jax.ShapeDtypeStruct
+    group_sizes = s((shape["experts"],), jnp.int32)
+    for problem in problems:
+      operand = _abstract_weights(problem, cfg)
+      rows = s(problem.rows_shape, jnp.bfloat16)
+      cot = s(problem.out_shape, jnp.float32)
+      methods = gpu_workloads.methods_for(
+          problem.kind, bes, cfg, workload.methods
+      )
+      for method, fn in methods.items():
+        if method == "dense":
+          weights = gemm_workloads.one_expert(operand)
+        else:
+          weights = operand
+        args = (rows, weights, group_sizes)
+        modes = {
+            "fwd": (fn, args),
+            "fwd+bwd": (timing.with_grad(fn), args + (cot,)),
+        }
+        if "fwd_bwd" not in workload.phases:
+          del modes["fwd+bwd"]
+        for mode, (program, program_args) in modes.items():
+          ok, detail = lower(
+              program, program_args, expected_calls(method, mode)
+          )
+          label = f"{workload.name} {problem.name} {method} {mode}"
+          out.append((label, ok, detail))
   return out
 
 
-def run(shape):
+def run(workloads):
   """Lowers, prints a line per program and the totals; the exit status."""
   filtered = compat.triton_deprecations_filtered()
-  results = lower_only(shape)
+  results = lower_only(workloads)
   for label, ok, detail in results:
     print(f"{'ok  ' if ok else 'FAIL'} {label}: {detail}")
   failed = sum(not ok for _, ok, _ in results)

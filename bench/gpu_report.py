@@ -76,20 +76,25 @@ def write(path: str, report: dict) -> None:
 
 
 def failures(report: dict) -> list[str]:
-  """What failed, one line each: checks, timed methods, whole phases."""
+  """What failed, one line each: checks, timed methods, whole phases.
+
+  Skipped correctness cases (ok, with "skipped"), timed problems skipped
+  past the time budget and missed goals are not failures.
+  """
   out = [
       f"correctness {r['case']} {r['dtype']} {r['quantity']}"
       for r in report.get("correctness", [])
       if not r["ok"]
   ]
   for row in report.get("timing", []):
+    problem = " ".join(p for p in (row.get("workload"), row["problem"]) if p)
     if "error" in row:
-      out.append(f"timing {row['problem']}: {row['error']}")
+      out.append(f"timing {problem}: {row['error']}")
     for method, e in row["methods"].items():
       if "error" in e:
-        out.append(f"timing {row['problem']} {method}: {e['error']}")
+        out.append(f"timing {problem} {method}: {e['error']}")
       if not e.get("check", {"ok": True})["ok"]:
-        out.append(f"check {row['problem']} {method}")
+        out.append(f"check {problem} {method}")
   if "fatal_error" in report:
     out.append(f"fatal: {report['fatal_error']}")
   return out

@@ -1,17 +1,21 @@
 """gpu_check phase 2: bf16 times and TFLOP/s of every method, checked.
 
-For each timed problem (`gpu_workloads.problems`) and method, the median
-time of the jitted forward and forward+backward, their TFLOP/s, and the
-times over the dense and ragged_dot baselines (`timing.ratio_key`: time /
-baseline time, < 1 faster). The timed programs' own output and gradients
-are then checked on a few sampled groups against a float32 per-group
-`jnp.dot`. Every method is guarded: one that raises records its error and
-the next one runs.
+For each workload (`gpu_workloads.FULL`: DeepSeek-V3, Mixtral, a small-K
+GEMM), timed problem and method, the median time of the jitted forward and
+forward+backward, their TFLOP/s, and the times over the dense, ragged_dot
+and pallas baselines (`timing.ratio_key`: time / baseline time, < 1
+faster). The timed programs' own output and gradients are then checked on a
+few sampled groups against a float32 per-group `jnp.dot`. Every method is
+guarded: one that raises records its error and the next one runs. `goals`
+reads mosaic_gpu's targets off the rows: forward at >= 0.6x dense cuBLAS
+throughput, and faster than pallas at small K.
 """
 
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 import traceback
 
 import jax
@@ -28,7 +32,14 @@ from bench import timing
 from moe_core import ffn
 
 # The baselines every method's time is divided by.
-BASELINES = ("dense", "ragged_dot")
+BASELINES = ("dense", "ragged_dot", "pallas")
+# Timed calls of one phase stop after this many seconds (at least one
+# call): a method far slower than the others (ragged_dot expanded into a
+# dense product over every group) then costs a few calls, not --repeats.
+PHASE_BUDGET_S = 2.0
+# mosaic_gpu's targets (`goals`): forward throughput at least this fraction
+# of dense cuBLAS bf16's, i.e. fwd_time_over_dense <= 1 / 0.6.
+FWD_THROUGHPUT_OVER_DENSE = 0.6
 
 
 def _sample_groups(sizes):
@@ -108,7 +119,26 @@ def _check_timed(oracle, out, grads, tol):
   }
 
 
-def _time_method(fn, args, cot, repeats, flops, oracle, tol):
+def median_seconds(fn, args, repeats, budget_s=PHASE_BUDGET_S):
+  """(median seconds, calls timed, first call's seconds) of fn(*args).
+
+  The first call compiles and warms up and is not counted; then up to
+  `repeats` calls, fewer once they have taken `budget_s` (at least one).
+  Every call is waited for (block_until_ready): the time covers the device
+  work.
+  """
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  first = time.perf_counter() - start
+  times = []
+  while len(times) < max(repeats, 1) and (not times or sum(times) < budget_s):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), len(times), first
+
+
+def _time_method(fn, args, cot, repeats, flops, oracle, tol, phases):
   """One method's entry: times, TFLOP/s, the output check, or the error.
 
   A phase that raises leaves "error" ("fwd: ..." or "fwd_bwd: ...") and no
@@ -116,12 +146,15 @@ def _time_method(fn, args, cot, repeats, flops, oracle, tol):
   """
   entry = {}
   programs = timing.phase_programs(fn)
-  for phase in timing.PHASES:
+  for phase in phases:
     try:
-      seconds = timing.median_seconds(
+      seconds, calls, first = median_seconds(
           programs[phase], timing.phase_args(phase, args, cot), repeats
       )
       entry[f"{phase}_s"] = seconds
+      entry[f"{phase}_calls"] = calls
+      # Compile and warm-up: what the method costs a run like this one.
+      entry[f"{phase}_first_call_s"] = first
       flops_run = timing.FLOPS_OVER_FWD[phase] * flops
       entry[f"{phase}_tflops"] = flops_run / seconds / 1e12
     except Exception as e:  # pylint: disable=broad-except
@@ -149,46 +182,72 @@ def _time_method(fn, args, cot, repeats, flops, oracle, tol):
 
 
 def _timed_inputs(problem, cfg, keys, dtype):
-  """(rows, float32 cotangent, weights) of one problem, random."""
+  """(rows, float32 cotangent, weights) of one problem, random.
+
+  Drawn in `dtype`: DeepSeek-V3's [256, 7168, 2048] weights would take
+  15 GB more drawn in float32.
+  """
   rows = jax.random.normal(next(keys), problem.rows_shape, dtype)
   cot = jax.random.normal(next(keys), problem.out_shape, jnp.float32)
   if problem.kind == "gemm":
     w_shape = problem.weights_shape
-    weights = jax.random.normal(next(keys), w_shape, jnp.float32)
-    return rows, cot, (weights / np.sqrt(w_shape[1])).astype(dtype)
+    weights = jax.random.normal(next(keys), w_shape, dtype)
+    return rows, cot, weights * jnp.asarray(w_shape[1] ** -0.5, dtype)
   params = moe_core.init_params(next(keys), cfg, dtype=dtype)
   return rows, cot, gpu_workloads.expert_weights(params)
 
 
 def run_timing(
-    shape, repeats, skew, pallas, fused, xla, results=None, on_row=None
+    workload, repeats, skew, bes, results=None, on_row=None, deadline=None
 ):
-  """Times every method of every problem; appends one row per problem.
+  """Times every method of every problem of a workload; a row per problem.
 
-  Every method is guarded (its entry then holds "error"); on_row() runs
-  after each problem, e.g. to write what there is so far.
+  Args:
+    workload: a `gpu_workloads.Workload`.
+    repeats: timed calls per phase (fewer past PHASE_BUDGET_S).
+    skew: of the group sizes (`gemm_workloads.skewed_group_sizes`).
+    bes: a `gpu_workloads.Backends`.
+    results: the list the rows are appended to (default a new one).
+    on_row: called after each method and each problem, e.g. to write what
+      there is so far.
+    deadline: a time.perf_counter() value past which no problem starts: its
+      row says "skipped" (the one running finishes). None: no limit.
+
+  Every method is guarded (its entry then holds "error").
+
+  Returns:
+    (M, [E] group sizes, results).
   """
   results = [] if results is None else results
+  on_row = on_row or (lambda: None)
   dtype = jnp.bfloat16
+  shape = workload.shape
   cfg = gpu_workloads.ffn_config(shape)
-  m, sizes, problems = gpu_workloads.problems(shape, skew)
+  m, sizes, problems = gpu_workloads.problems(shape, skew, workload.problems)
   group_sizes = jnp.asarray(sizes)
   keys = iter(jax.random.split(jax.random.key(3), 16))
   for problem in problems:
     row = {
+        "workload": workload.name,
         "problem": problem.name,
         "fwd_flops": problem.fwd_flops,
         "methods": {},
     }
     results.append(row)
+    if deadline is not None and time.perf_counter() > deadline:
+      row["skipped"] = "not started: the run was past its time budget"
+      print(f"  {workload.name} {problem.name}: {row['skipped']}", flush=True)
+      on_row()
+      continue
     try:
       rows, cot, operand = _timed_inputs(problem, cfg, keys, dtype)
-      methods = gpu_workloads.methods_for(problem.kind, pallas, fused, xla, cfg)
+      methods = gpu_workloads.methods_for(
+          problem.kind, bes, cfg, workload.methods
+      )
     except Exception as e:  # pylint: disable=broad-except
       row["error"] = gpu_report.error_text(e)
       traceback.print_exc()
-      if on_row is not None:
-        on_row()
+      on_row()
       continue
     # One GEMM, or the whole expert FFN (three GEMMs and the activation).
     tol = (
@@ -205,6 +264,13 @@ def run_timing(
       row["check_error"] = gpu_report.error_text(e)
       traceback.print_exc()
     for method, fn in methods.items():
+      if isinstance(fn, gpu_workloads.Skip):  # Unavailable here: why.
+        row["methods"][method] = {"skipped": fn.reason}
+        print(
+            f"  {workload.name} {problem.name} {method}: skipped, {fn.reason}"
+        )
+        on_row()
+        continue
       dense = method == "dense"  # Not a grouped product: nothing to check.
       entry = _time_method(
           fn,
@@ -218,19 +284,24 @@ def run_timing(
           problem.fwd_flops,
           None if dense else oracle,
           tol,
+          workload.phases,
       )
       row["methods"][method] = entry
-      print(f"  {problem.name} {method}: {_summary(entry)}", flush=True)
+      print(
+          f"  {workload.name} {problem.name} {method}: {_summary(entry)}",
+          flush=True,
+      )
+      on_row()
     add_ratios(row)
     del rows, cot, operand, oracle
-    if on_row is not None:
-      on_row()
+    on_row()
   return m, sizes, results
 
 
 def _summary(entry):
   parts = [
-      f"{k} {1e3 * entry[k + '_s']:.3f} ms"
+      f"{k} {1e3 * entry[k + '_s']:.3f} ms (first call "
+      f"{entry[k + '_first_call_s']:.1f} s)"
       for k in timing.PHASES
       if k + "_s" in entry
   ]
@@ -263,8 +334,67 @@ def add_ratios(row):
         )
 
 
+def goals(results):
+  """mosaic_gpu's targets, read off the timing rows: [{goal, ..., met}].
+
+  On every row, each mosaic_gpu method's forward throughput over dense
+  cuBLAS's (1 / fwd_time_over_dense; target >= 0.6); on the small-K
+  workloads', mosaic_gpu's forward time over pallas' (target < 1). met is
+  None where a time is missing. Targets, not checks: a miss is no failure.
+  """
+  out = []
+  for row in results:
+    for method in gpu_workloads.MOSAIC_METHODS:
+      entry = row["methods"].get(method)
+      if entry is None:
+        continue
+      ratio = entry.get(timing.ratio_key("fwd", "dense"))
+      value = None if not ratio else 1.0 / ratio
+      out.append(
+          {
+              "goal": "fwd throughput / dense cuBLAS bf16 throughput",
+              "workload": row.get("workload"),
+              "problem": row["problem"],
+              "method": method,
+              "value": value,
+              "target": f">= {FWD_THROUGHPUT_OVER_DENSE}",
+              "met": None
+              if value is None
+              else bool(value >= FWD_THROUGHPUT_OVER_DENSE),
+          }
+      )
+      if "small_k" in (row.get("workload") or ""):
+        value = entry.get(timing.ratio_key("fwd", "pallas"))
+        out.append(
+            {
+                "goal": "fwd time / pallas (Pallas Triton) fwd time at small K",
+                "workload": row.get("workload"),
+                "problem": row["problem"],
+                "method": method,
+                "value": value,
+                "target": "< 1",
+                "met": None if value is None else bool(value < 1),
+            }
+        )
+  return out
+
+
+def print_goals(found):
+  for g in found:
+    value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
+    met = {None: "UNKNOWN", True: "met", False: "MISSED"}[g["met"]]
+    print(
+        f"goal {g['workload']} {g['problem']} {g['method']}: {g['goal']} = "
+        f"{value} (target {g['target']}): {met}"
+    )
+
+
 # Per phase: its time, TFLOP/s and time over each baseline.
-_BASELINE_HEADERS = {"dense": "time/dense", "ragged_dot": "time/ragged"}
+_BASELINE_HEADERS = {
+    "dense": "time/dense",
+    "ragged_dot": "time/ragged",
+    "pallas": "time/pallas",
+}
 
 
 def _phase_columns(label):
@@ -276,16 +406,17 @@ def _phase_columns(label):
 
 
 _COLUMNS = (
+    text_table.Column("workload", 12, align="<"),
     text_table.Column("problem", 24, align="<"),
-    text_table.Column("method", 17, align="<"),
+    text_table.Column("method", 20, align="<"),
     *_phase_columns("fwd"),
     *_phase_columns("f+b"),
     text_table.Column("max err", 8, ".1e"),
 )
 
 
-def _table_values(problem, method, entry):
-  values = [problem, method]
+def _table_values(workload, problem, method, entry):
+  values = [workload, problem, method]
   for phase in timing.PHASES:
     seconds = entry.get(f"{phase}_s")
     values += [
@@ -300,18 +431,25 @@ def print_timing(results):
   """The timing table, one line per problem and method, and its legend."""
   print(text_table.heading(_COLUMNS))
   for row in results:
+    workload = row.get("workload", "")
+    if "skipped" in row:
+      print(f"{workload:<12} {row['problem']:<24} SKIPPED: {row['skipped']}")
     if "error" in row:
-      print(f"{row['problem']:<24} FAILED: {row['error'][:100]}")
+      print(f"{workload:<12} {row['problem']:<24} FAILED: {row['error'][:100]}")
     for method, e in row["methods"].items():
-      line = text_table.row(_COLUMNS, _table_values(row["problem"], method, e))
+      line = text_table.row(
+          _COLUMNS, _table_values(workload, row["problem"], method, e)
+      )
       if not e.get("check", {"ok": True})["ok"]:
         line += "  CHECK FAILED"
       if "error" in e:
         line += f"  FAILED {e['error'][:80]}"
+      if "skipped" in e:
+        line += f"  SKIPPED {e['skipped'][:80]}"
       print(line)
   print(
-      "'time/dense', 'time/ragged': the method's time / the time of a dense "
-      "jnp.dot of the same FLOPs, of ragged_dot, in this run (< 1 is "
-      "faster); 'max err': of the timed output and gradients on sampled "
-      "groups vs float32 jnp.dot."
+      "'time/dense', 'time/ragged', 'time/pallas': the method's time / the "
+      "time of a dense jnp.dot of the same FLOPs, of ragged_dot, of pallas, "
+      "in this run (< 1 is faster); 'max err': of the timed output and "
+      "gradients on sampled groups vs float32 jnp.dot."
   )
