@@ -29,7 +29,7 @@ log2(bm) + 1 copies and no masked stores.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +78,175 @@ def _store_owned_rows(o_smem, o_gmem, tile_row0, row_start, row_end, n0, bn):
     chunk //= 2
 
 
+class WorkItem(NamedTuple):
+  """One visit of the tile list x one column block, read in the kernel.
+
+  Attributes:
+    n_block: the output column block.
+    tile: the row tile (rows tile*bm : tile*bm + bm).
+    row_start, row_end: the rows the visit owns.
+    computes: a real group that owns rows (else: store zeros).
+    weight: the weight matrix to read (clamped for the padding group).
+  """
+
+  n_block: jax.Array
+  tile: jax.Array
+  row_start: jax.Array
+  row_end: jax.Array
+  computes: jax.Array
+  weight: jax.Array
+
+
+def work_item(loop_info, tile_list_refs, grid_n: int, num_groups: int):
+  """The `WorkItem` of a persistent loop index.
+
+  Column blocks are innermost: consecutive work items of a visit share its
+  row tile and weight matrix, which then stay in L2.
+  """
+  group_ref, tile_ref, start_ref, end_ref = tile_list_refs
+  flat = loop_info.index[0]
+  visit = flat // grid_n
+  group = group_ref[visit]
+  row_start = start_ref[visit]
+  row_end = end_ref[visit]
+  return WorkItem(
+      n_block=flat % grid_n,
+      tile=tile_ref[visit],
+      row_start=row_start,
+      row_end=row_end,
+      # Unused visits and the padding group skip the MMAs: zeros.
+      computes=(group < num_groups) & (row_end > row_start),
+      weight=jnp.minimum(group, num_groups - 1),
+  )
+
+
+def in_specs(item: WorkItem, tiles, num_lhs, num_rhs, transpose_rhs):
+  """The pipeline's block specs: the row blocks, then the weight blocks."""
+  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  if transpose_rhs:
+    rhs = plgpu.BlockSpec(
+        (bn, bk), lambda c: (item.n_block, c), delay_release=1
+    )
+  else:
+    rhs = plgpu.BlockSpec(
+        (bk, bn), lambda c: (c, item.n_block), delay_release=1
+    )
+  lhs = plgpu.BlockSpec((bm, bk), lambda c: (item.tile, c), delay_release=1)
+  return [lhs] * num_lhs + [rhs] * num_rhs
+
+
+def store_tiles(o_smems, out_refs, item: WorkItem, bm: int, bn: int):
+  """The written SMEM output tiles -> the rows the work item owns in GMEM."""
+  plgpu.commit_smem()
+  for o_smem, o_gmem in zip(o_smems, out_refs):
+    _store_owned_rows(
+        o_smem,
+        o_gmem,
+        item.tile * bm,
+        item.row_start,
+        item.row_end,
+        item.n_block * bn,
+        bn,
+    )
+  # The SMEM tiles are reused by the next work item.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+class Problem(NamedTuple):
+  """A gmm call's operands padded to the blocks, and its launch shape."""
+
+  m: int
+  n: int
+  lhs: list
+  rhs: list
+  tile_list: metadata.TileMetadata
+  out_type: tuple
+  num_programs: int
+  # The body's static keyword arguments shared by both kernels.
+  body_options: dict
+
+
+def prepare(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    tiles,
+    products,
+    epilogue,
+    num_outputs,
+    transpose_rhs,
+    out_dtype,
+    interpret,
+    num_programs,
+) -> Problem:
+  """Pads the operands, builds the tile list and sizes the persistent grid."""
+  m, c = lhs[0].shape
+  num_groups = rhs[0].shape[0]
+  n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
+  num_accs = 1 + max(a for _, _, a in products)
+  num_outputs = num_accs if num_outputs is None else num_outputs
+  out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
+  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  mp, cp, np_ = (tiling.padded(d, b) for d, b in ((m, bm), (c, bk), (n, bn)))
+  lhs = [_pad2(x, mp, cp) for x in lhs]
+  rhs = [_pad3(w, np_, cp) if transpose_rhs else _pad3(w, cp, np_) for w in rhs]
+  tile_list = metadata.build(group_sizes, mp, bm)
+  num_visits = tile_list.group_ids.shape[0]
+  grid_n = np_ // bn
+  if num_programs is None:
+    num_programs = 2 if interpret is not False else tiling.num_sms()
+  return Problem(
+      m=m,
+      n=n,
+      lhs=lhs,
+      rhs=rhs,
+      tile_list=tile_list,
+      out_type=tuple(
+          jax.ShapeDtypeStruct((mp, np_), out_dtype) for _ in range(num_outputs)
+      ),
+      num_programs=max(1, min(num_programs, num_visits * grid_n)),
+      body_options=dict(
+          num_lhs=len(lhs),
+          num_rhs=len(rhs),
+          products=tuple(tuple(p) for p in products),
+          num_accs=num_accs,
+          epilogue=epilogue,
+          tiles=tiles,
+          num_visits=num_visits,
+          grid_n=grid_n,
+          c_steps=cp // bk,
+          num_groups=num_groups,
+          transpose_rhs=transpose_rhs,
+      ),
+  )
+
+
+def launch(problem: Problem, body, interpret, scratch_types=()):
+  """Runs `body` over `problem` on the persistent grid; outputs [M, N]."""
+  kernel = plgpu.kernel(
+      functools.partial(body, **problem.body_options),
+      out_type=problem.out_type,
+      scratch_types=scratch_types,
+      grid=(problem.num_programs,),
+      grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
+      interpret=interpret,
+  )
+  tl = problem.tile_list
+  outs = kernel(
+      tl.group_ids,
+      tl.tile_ids,
+      tl.row_starts,
+      tl.row_ends,
+      *problem.lhs,
+      *problem.rhs,
+  )
+  return tuple(o[: problem.m, : problem.n] for o in outs)
+
+
 def _gmm_body(
     group_ref,
     tile_ref,
@@ -105,29 +274,11 @@ def _gmm_body(
   lhs_refs = refs[:num_lhs]
   rhs_refs = refs[num_lhs : num_lhs + num_rhs]
   out_refs = refs[num_lhs + num_rhs :]
-  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  tile_list_refs = (group_ref, tile_ref, start_ref, end_ref)
 
   @plgpu.nd_loop((num_visits * grid_n,), collective_axes="sm")
   def _(loop_info):
-    # Column blocks innermost: consecutive work items of a visit share its
-    # row tile and weight matrix, which then stay in L2.
-    flat = loop_info.index[0]
-    visit = flat // grid_n
-    n_block = flat % grid_n
-    group = group_ref[visit]
-    tile = tile_ref[visit]
-    row_start = start_ref[visit]
-    row_end = end_ref[visit]
-    # Unused visits and the padding group skip the pipeline: zeros.
-    computes = (group < num_groups) & (row_end > row_start)
-    weight = jnp.minimum(group, num_groups - 1)
-
-    def rhs_spec():
-      if transpose_rhs:
-        return plgpu.BlockSpec(
-            (bn, bk), lambda c: (n_block, c), delay_release=1
-        )
-      return plgpu.BlockSpec((bk, bn), lambda c: (c, n_block), delay_release=1)
+    item = work_item(loop_info, tile_list_refs, grid_n, num_groups)
 
     def step(_, *smem):
       lhs_smem = smem[:num_lhs]
@@ -144,39 +295,30 @@ def _gmm_body(
     def acc_scope(*accs):
       acc_refs.extend(accs)
 
-      @pl.when(computes)
+      @pl.when(item.computes)
       def _():
         plgpu.emit_pipeline(
             step,
             grid=(c_steps,),
-            in_specs=[
-                plgpu.BlockSpec((bm, bk), lambda c: (tile, c), delay_release=1)
-                for _ in lhs_refs
-            ]
-            + [rhs_spec() for _ in rhs_refs],
+            in_specs=in_specs(item, tiles, num_lhs, num_rhs, transpose_rhs),
             max_concurrent_steps=tiles.stages,
-        )(*lhs_refs, *(ref.at[weight] for ref in rhs_refs))
+        )(*lhs_refs, *(ref.at[item.weight] for ref in rhs_refs))
 
       return tuple(acc[...] for acc in accs)
 
     accs = pl.run_scoped(
-        acc_scope, *(plgpu.ACC((bm, bn)) for _ in range(num_accs))
+        acc_scope, *(plgpu.ACC((tiles.bm, tiles.bn)) for _ in range(num_accs))
     )
     outs = epilogue(accs)
 
     def store_scope(*o_smems):
       for o_smem, value in zip(o_smems, outs):
         o_smem[...] = value.astype(o_smem.dtype)
-      plgpu.commit_smem()
-      for o_smem, o_gmem in zip(o_smems, out_refs):
-        _store_owned_rows(
-            o_smem, o_gmem, tile * bm, row_start, row_end, n_block * bn, bn
-        )
-      # The SMEM tiles are reused by the next work item.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      store_tiles(o_smems, out_refs, item, tiles.bm, tiles.bn)
 
     pl.run_scoped(
-        store_scope, *(plgpu.SMEM((bm, bn), o.dtype) for o in out_refs)
+        store_scope,
+        *(plgpu.SMEM((tiles.bm, tiles.bn), o.dtype) for o in out_refs),
     )
 
 
@@ -216,54 +358,17 @@ def gmm(
   Returns:
     num_outputs arrays [M, N] of out_dtype.
   """
-  m, c = lhs[0].shape
-  num_groups = rhs[0].shape[0]
-  n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
-  num_accs = 1 + max(a for _, _, a in products)
-  num_outputs = num_accs if num_outputs is None else num_outputs
-  out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
-  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
-  mp, cp, np_ = (tiling.padded(d, b) for d, b in ((m, bm), (c, bk), (n, bn)))
-  lhs = [_pad2(x, mp, cp) for x in lhs]
-  rhs = [_pad3(w, np_, cp) if transpose_rhs else _pad3(w, cp, np_) for w in rhs]
-  tile_list = metadata.build(group_sizes, mp, bm)
-  num_visits = tile_list.group_ids.shape[0]
-  grid_n = np_ // bn
-  if num_programs is None:
-    num_programs = 2 if interpret is not False else tiling.num_sms()
-  num_programs = max(1, min(num_programs, num_visits * grid_n))
-  body = functools.partial(
-      _gmm_body,
-      num_lhs=len(lhs),
-      num_rhs=len(rhs),
-      products=tuple(tuple(p) for p in products),
-      num_accs=num_accs,
-      epilogue=epilogue,
+  problem = prepare(
+      lhs,
+      rhs,
+      group_sizes,
       tiles=tiles,
-      num_visits=num_visits,
-      grid_n=grid_n,
-      c_steps=cp // bk,
-      num_groups=num_groups,
+      products=products,
+      epilogue=epilogue,
+      num_outputs=num_outputs,
       transpose_rhs=transpose_rhs,
-  )
-  kernel = plgpu.kernel(
-      body,
-      out_type=tuple(
-          jax.ShapeDtypeStruct((mp, np_), out_dtype) for _ in range(num_outputs)
-      ),
-      grid=(num_programs,),
-      grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-      ),
+      out_dtype=out_dtype,
       interpret=interpret,
+      num_programs=num_programs,
   )
-  outs = kernel(
-      tile_list.group_ids,
-      tile_list.tile_ids,
-      tile_list.row_starts,
-      tile_list.row_ends,
-      *lhs,
-      *rhs,
-  )
-  return tuple(o[:m, :n] for o in outs)
+  return launch(problem, _gmm_body, interpret)

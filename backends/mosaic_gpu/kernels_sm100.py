@@ -15,7 +15,7 @@ specialisation). Per work item (a visit x a column block):
             then wait for step c - 1's commit: its SMEM blocks, released one
             step late (delay_release=1), are then no longer read
     end:    wait for the last commit; TMEM -> registers -> epilogue -> SMEM
-            -> the power-of-two store ladder of `kernels._store_owned_rows`
+            -> the power-of-two store ladder of `kernels.store_tiles`
 
 A TMEM accumulator has 128 lanes, so a row tile of bm = 256 is two
 accumulators of 128 rows per product target (two M = 128 MMAs); bm = 64
@@ -33,7 +33,6 @@ sum(group_sizes)) never reaches the output.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import jax
@@ -44,7 +43,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from backends.mosaic_gpu import kernels
 from backends.mosaic_gpu import tiling
-from backends.pallas import metadata
 
 # Lanes (rows) of tensor memory, and its float32 columns per SM.
 TMEM_LANES = 128
@@ -104,7 +102,7 @@ def _gmm_body(
   each [rows, bn] float32, accumulator-major), the `mma_done` barrier pair
   and the `tmem_free` barrier.
   """
-  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  bm, bn = tiles.bm, tiles.bn
   rows = min(bm, TMEM_LANES)
   row_blocks = bm // rows
   lhs_refs = refs[:num_lhs]
@@ -124,26 +122,11 @@ def _gmm_body(
   for i, (_, _, a) in enumerate(products):
     first_into.setdefault(a, i)
 
+  tile_list_refs = (group_ref, tile_ref, start_ref, end_ref)
+
   @plgpu.nd_loop((num_visits * grid_n,), collective_axes="sm")
   def _(loop_info):
-    # Column blocks innermost, as in kernels.gmm (row tile and weights stay
-    # in L2 across consecutive work items).
-    flat = loop_info.index[0]
-    visit = flat // grid_n
-    n_block = flat % grid_n
-    group = group_ref[visit]
-    tile = tile_ref[visit]
-    row_start = start_ref[visit]
-    row_end = end_ref[visit]
-    computes = (group < num_groups) & (row_end > row_start)
-    weight = jnp.minimum(group, num_groups - 1)
-
-    def rhs_spec():
-      if transpose_rhs:
-        return plgpu.BlockSpec(
-            (bn, bk), lambda c: (n_block, c), delay_release=1
-        )
-      return plgpu.BlockSpec((bk, bn), lambda c: (c, n_block), delay_release=1)
+    item = kernels.work_item(loop_info, tile_list_refs, grid_n, num_groups)
 
     def step(indices, *smem):
       (c,) = indices
@@ -165,18 +148,16 @@ def _gmm_body(
       def _():
         plgpu.barrier_wait(mma_done.at[lax.rem(c + 1, 2)])
 
-    @pl.when(computes)
+    @pl.when(item.computes)
     def _():
       plgpu.emit_pipeline(
           step,
           grid=(c_steps,),
-          in_specs=[
-              plgpu.BlockSpec((bm, bk), lambda c: (tile, c), delay_release=1)
-              for _ in lhs_refs
-          ]
-          + [rhs_spec() for _ in rhs_refs],
+          in_specs=kernels.in_specs(
+              item, tiles, num_lhs, num_rhs, transpose_rhs
+          ),
           max_concurrent_steps=tiles.stages,
-      )(*lhs_refs, *(ref.at[weight] for ref in rhs_refs))
+      )(*lhs_refs, *(ref.at[item.weight] for ref in rhs_refs))
       # The last step's commit covers all the MMAs of this work item.
       plgpu.barrier_wait(mma_done.at[(c_steps - 1) % 2])
 
@@ -187,7 +168,7 @@ def _gmm_body(
           dst = o_smem if row_blocks == 1 else o_smem.at[pl.ds(h * rows, rows)]
           dst[...] = value.astype(o_smem.dtype)
 
-      @pl.when(computes)
+      @pl.when(item.computes)
       def _():
         for h in range(row_blocks):
           write(
@@ -200,19 +181,13 @@ def _gmm_body(
         plgpu.barrier_arrive(tmem_free)
         plgpu.barrier_wait(tmem_free)
 
-      @pl.when(jnp.logical_not(computes))
+      @pl.when(jnp.logical_not(item.computes))
       def _():
         zeros = jnp.zeros((rows, bn), jnp.float32)
         for h in range(row_blocks):
           write(h, [zeros] * num_accs)
 
-      plgpu.commit_smem()
-      for o_smem, o_gmem in zip(o_smems, out_refs):
-        kernels._store_owned_rows(  # pylint: disable=protected-access
-            o_smem, o_gmem, tile * bm, row_start, row_end, n_block * bn, bn
-        )
-      # The SMEM tiles are reused by the next work item.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      kernels.store_tiles(o_smems, out_refs, item, bm, bn)
 
     pl.run_scoped(
         store_scope, *(plgpu.SMEM((bm, bn), o.dtype) for o in out_refs)
@@ -260,69 +235,28 @@ def gmm(
   Returns:
     num_outputs arrays [M, N] of out_dtype.
   """
-  m, c = lhs[0].shape
-  num_groups = rhs[0].shape[0]
-  n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
   num_accs = 1 + max(a for _, _, a in products)
-  num_outputs = num_accs if num_outputs is None else num_outputs
-  out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
   check_tiles(tiles, num_accs)
-  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
-  mp, cp, np_ = (tiling.padded(d, b) for d, b in ((m, bm), (c, bk), (n, bn)))
-  # The padding helpers of the Hopper kernel: same layout, same contract.
-  pad2 = kernels._pad2  # pylint: disable=protected-access
-  pad3 = kernels._pad3  # pylint: disable=protected-access
-  lhs = [pad2(x, mp, cp) for x in lhs]
-  rhs = [pad3(w, np_, cp) if transpose_rhs else pad3(w, cp, np_) for w in rhs]
-  tile_list = metadata.build(group_sizes, mp, bm)
-  num_visits = tile_list.group_ids.shape[0]
-  grid_n = np_ // bn
-  if num_programs is None:
-    num_programs = 2 if interpret is not False else tiling.num_sms()
-  num_programs = max(1, min(num_programs, num_visits * grid_n))
-  rows = min(bm, TMEM_LANES)
-  row_blocks = bm // rows
-  body = functools.partial(
-      _gmm_body,
-      num_lhs=len(lhs),
-      num_rhs=len(rhs),
-      products=tuple(tuple(p) for p in products),
-      num_accs=num_accs,
-      epilogue=epilogue,
+  problem = kernels.prepare(
+      lhs,
+      rhs,
+      group_sizes,
       tiles=tiles,
-      num_visits=num_visits,
-      grid_n=grid_n,
-      c_steps=cp // bk,
-      num_groups=num_groups,
+      products=products,
+      epilogue=epilogue,
+      num_outputs=num_outputs,
       transpose_rhs=transpose_rhs,
+      out_dtype=out_dtype,
+      interpret=interpret,
+      num_programs=num_programs,
   )
+  rows = min(tiles.bm, TMEM_LANES)
   scratch = (
       *(
-          plgpu.TMEM((rows, bn), jnp.float32)
-          for _ in range(num_accs * row_blocks)
+          plgpu.TMEM((rows, tiles.bn), jnp.float32)
+          for _ in range(num_accs * (tiles.bm // rows))
       ),
       plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
       plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
   )
-  kernel = plgpu.kernel(
-      body,
-      out_type=tuple(
-          jax.ShapeDtypeStruct((mp, np_), out_dtype) for _ in range(num_outputs)
-      ),
-      scratch_types=scratch,
-      grid=(num_programs,),
-      grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-      ),
-      interpret=interpret,
-  )
-  outs = kernel(
-      tile_list.group_ids,
-      tile_list.tile_ids,
-      tile_list.row_starts,
-      tile_list.row_ends,
-      *lhs,
-      *rhs,
-  )
-  return tuple(o[:m, :n] for o in outs)
+  return kernels.launch(problem, _gmm_body, interpret, scratch)
