@@ -38,15 +38,33 @@ done
 
 venv="$(tools/setup.sh "${setup_args[@]}")"
 
+# One persistent JAX compilation cache per leg, shared by every test target of
+# a run: the suites compile many of the same programs (each backend's suite
+# compiles the reference's oracle programs too). On a cold cache this saves
+# about a fifth of the conformance suites' time. It lives in the clone
+# (.cache/, git-ignored), so a fresh clone starts cold. Programs with host
+# callbacks (the Pallas and Mosaic GPU interpreters) are never cached. A
+# half-written entry read by a concurrent test is a warning and a recompile.
+# DROPLESS_JAX_CACHE=0 turns it off.
+cache_args=()
+if [[ "${DROPLESS_JAX_CACHE:-1}" != 0 ]]; then
+  jax_cache="$PWD/.cache/jax/$(basename "$venv")"
+  mkdir -p "$jax_cache"
+  cache_args=(--sandbox_writable_path="$jax_cache"
+    --test_env=JAX_COMPILATION_CACHE_DIR="$jax_cache"
+    --test_env=JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+    --test_env=JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1)
+fi
+
 export PYTHON_BIN_PATH="$venv/bin/python"
 # Changes whenever the pins are reinstalled, so test results cached under
 # other packages are not reused (.bazelrc passes it to actions).
 DROPLESS_VENV_STAMP="$(cat "$venv/.requirements.sha256")"
 export DROPLESS_VENV_STAMP
 
-echo "test: PYTHON_BIN_PATH=$PYTHON_BIN_PATH bazel test //... ${bazel_args[*]}" >&2
+echo "test: PYTHON_BIN_PATH=$PYTHON_BIN_PATH bazel test //... ${cache_args[*]} ${bazel_args[*]}" >&2
 rc=0
-bazel test //... "${bazel_args[@]}" || rc=$?
+bazel test //... "${cache_args[@]}" "${bazel_args[@]}" || rc=$?
 # Bazel reports a target whose tests all skipped as PASSED: say what did not
 # run, and why.
 tools/skipped_tests.sh || true
