@@ -28,6 +28,7 @@ from conformance import checkpoint_names_suite
 from conformance import ep_suite
 from conformance import grouped_gemm_suite
 from conformance import layer_suite
+from conformance import precision_suite
 from conformance import routing_suite
 from conformance import stages_suite
 from conformance import validation_suite
@@ -43,6 +44,7 @@ SUITES = [
     validation_suite.ValidationSuite,
     checkpoint_names_suite.CheckpointNamesSuite,
     bad_input_suite.BadInputSuite,
+    precision_suite.PrecisionSuite,
 ]
 
 # Suites that need 8 devices (--xla_force_host_platform_device_count=8 on

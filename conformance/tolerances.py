@@ -142,3 +142,130 @@ def violation(actual, expected, tol: Tolerance) -> str | None:
       f"{np.max(err) / scale if scale else np.inf:.3g} "
       f"(atol={tol.atol:.3g}, rtol={tol.rtol:.3g})"
   )
+
+
+# --- Quantised GEMMs (moe_core.precision) -------------------------------------
+#
+# A quantised GEMM is judged against the exact (float64) product of the
+# UNquantised operands, within a bound derived from the element format and
+# the block. Quantising one element a of a block whose largest magnitude is
+# amax_b, in a tensor (or group) whose largest is amax_t, errs by at most
+#
+#     |q(a) - a| <= u * |a| + kappa_b * amax_b + kappa_t * amax_t
+#
+# * u, the element format's relative rounding: half its spacing relative to
+#   the value, 2^-(m+1) for m mantissa bits. E4M3 (m = 3): 2^-4. E2M1
+#   (m = 1): 2^-2.
+# * kappa_b, what the scale leaves near zero and at the top: values below
+#   the smallest normal fall on the subnormal grid (spacing d: 2^-9 for
+#   E4M3, 0.5 for E2M1), an absolute error of s * d / 2 where the block's
+#   scale s maps amax_b onto at most the element maximum V (448, 6) and at
+#   least V / r: s <= r * amax_b / V. r = 1 for the float32 scales
+#   (fp8_tensor, fp8_block; plus 2^-20 for the float32 rounding of
+#   amax / 448, which may push amax_b one float32 ulp over V and clip it),
+#   r = 2 for MXFP8's E8M0 scale rounded up to a power of two. NVFP4's block
+#   scale is itself rounded to E4M3 (nearest, relative error <= 2^-4), so
+#   the block's largest value may land up to 2^-4 above 6 and be clipped:
+#   kappa_b = (1 + 2^-4) * 0.5 / 2 / 6 + 2^-4.
+# * kappa_t, NVFP4 only: a block scale below E4M3's smallest normal (2^-6)
+#   is coarse, and its block may be clipped or flushed almost entirely; such
+#   a block's amax_b < 2^-6 * 6 * amax_t / (6 * 448), which bounds its error:
+#   kappa_t = 2^-6 / 448.
+#
+# The product of quantised operands then errs, per output element, by at
+# most sum_k (e_a,k |w_k| + |a_k| e_w,k + e_a,k e_w,k) plus the float32
+# accumulation, 4 * K * 2^-24 * sum_k |a_k w_k| (slack for the order of the
+# sums), plus, for bfloat16 outputs, one bfloat16 rounding of the result
+# (2^-8 relative).
+#
+# A backend multiplies the SAME quantised operands as the reference (the
+# Backend template quantises for all), so backend against reference is
+# judged by the float32/bfloat16 rows above, not by this bound.
+
+
+class QuantizationError(NamedTuple):
+  """Per-element quantisation error bound of a recipe (see above)."""
+
+  u: float
+  kappa_block: float
+  kappa_tensor: float
+  block: int | None  # Block length along the contraction; None: the tensor.
+  weight_block_2d: bool  # Weights in block x block tiles (fp8_block).
+
+
+_E4M3_SUBNORMAL_HALF = 2.0**-10 / 448  # (d / 2) / V for E4M3.
+
+QUANTIZATION: dict[str, QuantizationError] = {
+    "fp8_tensor": QuantizationError(
+        u=2.0**-4,
+        kappa_block=0.0,
+        kappa_tensor=_E4M3_SUBNORMAL_HALF + 2.0**-20,
+        block=None,
+        weight_block_2d=False,
+    ),
+    "fp8_block": QuantizationError(
+        u=2.0**-4,
+        kappa_block=_E4M3_SUBNORMAL_HALF + 2.0**-20,
+        kappa_tensor=0.0,
+        block=128,
+        weight_block_2d=True,
+    ),
+    "mxfp8": QuantizationError(
+        u=2.0**-4,
+        kappa_block=2 * _E4M3_SUBNORMAL_HALF,
+        kappa_tensor=0.0,
+        block=32,
+        weight_block_2d=False,
+    ),
+    "nvfp4": QuantizationError(
+        u=2.0**-2,
+        kappa_block=(1 + 2.0**-4) * 0.25 / 6 + 2.0**-4,
+        kappa_tensor=2.0**-6 / 448,
+        block=16,
+        weight_block_2d=False,
+    ),
+}
+
+
+def _block_amax(x: np.ndarray, block: int | None, axis: int) -> np.ndarray:
+  """max|x| over each block of `block` along `axis`, broadcast back to x."""
+  x = np.moveaxis(np.abs(x), axis, -1)
+  if block is None:
+    amax = np.broadcast_to(np.max(x, axis=-1, keepdims=True), x.shape)
+  else:
+    length = x.shape[-1]
+    padded = -(-length // block) * block
+    x_pad = np.zeros(x.shape[:-1] + (padded,))
+    x_pad[..., :length] = x
+    blocks = x_pad.reshape(x.shape[:-1] + (padded // block, block))
+    amax = np.repeat(np.max(blocks, axis=-1), block, axis=-1)[..., :length]
+  return np.moveaxis(amax, -1, axis)
+
+
+def quantization_error(
+    x: np.ndarray,
+    recipe: str,
+    *,
+    axis: int,
+    tensor_axes: tuple[int, ...],
+    block_axis: int | None = None,
+) -> np.ndarray:
+  """The per-element error bound of quantising x (float64, x's shape).
+
+  Args:
+    x: the unquantised values (float64).
+    recipe: a key of QUANTIZATION.
+    axis: the contraction axis (blocks run along it).
+    tensor_axes: the axes one per-tensor scale spans (all but the batch).
+    block_axis: for 2-D weight blocks (fp8_block), the output axis.
+  """
+  spec = QUANTIZATION[recipe]
+  x = np.abs(np.asarray(x, np.float64))
+  amax_t = np.max(x, axis=tensor_axes, keepdims=True) if x.size else x
+  if spec.block is None:
+    amax_b = np.broadcast_to(amax_t, x.shape)
+  else:
+    amax_b = _block_amax(x, spec.block, axis)
+    if block_axis is not None and spec.weight_block_2d:
+      amax_b = _block_amax(amax_b, spec.block, block_axis)
+  return spec.u * x + spec.kappa_block * amax_b + spec.kappa_tensor * amax_t

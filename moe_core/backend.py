@@ -28,6 +28,7 @@ The contract every backend keeps, whatever it overrides:
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import inspect
 from typing import ClassVar
@@ -42,6 +43,8 @@ from moe_core import config as config_lib
 from moe_core import ffn
 from moe_core import operands
 from moe_core import permute
+from moe_core import precision as precision_lib
+from moe_core import quantized_gemm
 from moe_core import routing
 from moe_core import validation
 
@@ -79,6 +82,9 @@ class Backend(abc.ABC):
     dtypes: the operand dtypes the backend computes in; None for every
       floating dtype the validation admits. Others raise NotImplementedError
       in `grouped_gemm` and `expert_ffn`.
+    precisions: the GEMM recipes (`moe_core.precision`) the backend
+      multiplies quantised operands for, through `_quantized_grouped_gemm`;
+      others raise NotImplementedError naming the recipe.
 
   Adding a backend (conformance/example_backend/ is the folder to copy):
     1. Copy conformance/example_backend/ to backends/<name>/ and rename its
@@ -105,6 +111,7 @@ class Backend(abc.ABC):
 
   name: ClassVar[str]
   dtypes: ClassVar[tuple[jnp.dtype, ...] | None] = None
+  precisions: ClassVar[tuple[str, ...]] = ("bf16",)
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -128,6 +135,17 @@ class Backend(abc.ABC):
           f"(supported: {[jnp.dtype(d).name for d in self.dtypes]})."
       )
 
+  def _check_precision(self, recipe) -> str:
+    """The recipe, checked: ValueError if unknown, NotImplementedError if
+    this backend has no quantised GEMM for it."""
+    recipe = precision_lib.check_recipe(recipe)
+    if recipe not in self.precisions:
+      raise NotImplementedError(
+          f"{self.name}: precision {recipe!r} is not supported (supported: "
+          f"{list(self.precisions)})."
+      )
+    return recipe
+
   # --- The grouped GEMM -----------------------------------------------------
 
   def grouped_gemm(
@@ -138,6 +156,7 @@ class Backend(abc.ABC):
       *,
       transpose_rhs: bool = False,
       out_dtype=None,
+      precision: str = "bf16",
   ) -> jax.Array:
     """Ragged GEMM: rows [M, C] x weights [E, C, N] -> [M, N].
 
@@ -153,10 +172,15 @@ class Backend(abc.ABC):
       group_sizes: [E] int32 on device, sum <= M.
       transpose_rhs: contract with weights[e].T (the dgrad layout).
       out_dtype: output dtype; rows' dtype by default. Accumulation is f32.
+      precision: a recipe of `moe_core.precision`. Other than "bf16" (no
+        quantisation), the forward product is of rows quantised per group
+        and weights per expert (`quantized_gemm`); gradients are
+        straight-through, those of the unquantised GEMM.
     """
     validation.check_grouped_gemm(
         rows, weights, group_sizes, transpose_rhs=transpose_rhs
     )
+    recipe = self._check_precision(precision)
     if weights.dtype != rows.dtype:
       raise TypeError(
           "grouped_gemm needs rows and weights of one dtype, got "
@@ -165,15 +189,17 @@ class Backend(abc.ABC):
     out_dtype = validation.check_out_dtype(out_dtype, rows.dtype)
     self._check_dtype(rows.dtype)
     group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
-    out = self._grouped_gemm(
-        operands.GemmOperands(
-            rows=rows,
-            weights=weights,
-            group_sizes=group_sizes,
-            transpose_rhs=transpose_rhs,
-            out_dtype=out_dtype,
-        )
+    gemm = operands.GemmOperands(
+        rows=rows,
+        weights=weights,
+        group_sizes=group_sizes,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
     )
+    if recipe == "bf16":
+      out = self._grouped_gemm(gemm)
+    else:
+      out = self._quantized_gemm(gemm, recipe)
     return checks.poison_if(bad, out, rows, weights)
 
   @abc.abstractmethod
@@ -183,6 +209,54 @@ class Backend(abc.ABC):
     Returns [M, N] of `gemm.out_dtype`, zeros in the rows at or past
     sum(gemm.group_sizes); see `operands.GemmOperands` for the layouts.
     """
+
+  def _quantized_gemm(
+      self, gemm: operands.GemmOperands, recipe: str
+  ) -> jax.Array:
+    """`gemm` with both operands quantised by `recipe`: [M, N] out_dtype.
+
+    Rows are quantised per group, weights per expert, here for every
+    backend alike; the backend multiplies (`_quantized_grouped_gemm`).
+    Gradients are the unquantised `_grouped_gemm`'s (straight-through).
+    """
+    contract_axis = 2 if gemm.transpose_rhs else 1
+
+    def forward(rows, weights, group_sizes):
+      q = operands.QuantizedGemmOperands(
+          rows=precision_lib.quantize_grouped_rows(rows, group_sizes, recipe),
+          weights=precision_lib.quantize_grouped_weights(
+              weights, recipe, contract_axis=contract_axis
+          ),
+          group_sizes=group_sizes,
+          transpose_rhs=gemm.transpose_rhs,
+          out_dtype=gemm.out_dtype,
+          recipe=recipe,
+      )
+      return self._quantized_grouped_gemm(q).astype(gemm.out_dtype)
+
+    def unquantized(rows, weights, group_sizes):
+      return self._grouped_gemm(
+          dataclasses.replace(
+              gemm, rows=rows, weights=weights, group_sizes=group_sizes
+          )
+      )
+
+    return quantized_gemm.straight_through(
+        forward, unquantized, gemm.rows, gemm.weights, gemm.group_sizes
+    )
+
+  def _quantized_grouped_gemm(
+      self, q: operands.QuantizedGemmOperands
+  ) -> jax.Array:
+    """The product of quantised operands: [M, N] (float32 or out_dtype).
+
+    Rows at or past sum(q.group_sizes) hold zeros and must give zeros. Only
+    called for recipes in `precisions`; see `moe_core.quantized_gemm` for
+    the shared ways of computing it.
+    """
+    raise NotImplementedError(
+        f"{self.name}: no quantised grouped GEMM (recipe {q.recipe!r})."
+    )
 
   # --- The expert FFN (a template over the hooks below) ---------------------
 
@@ -201,6 +275,7 @@ class Backend(abc.ABC):
     """
     validation.check_expert_ffn(rows, group_sizes, params, cfg)
     self._check_dtype(rows.dtype)
+    recipe = self._check_precision(cfg.precision)
     group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
     w_gate, w_up, w_down = (
         params[n].astype(rows.dtype) for n in ("w_gate", "w_up", "w_down")
@@ -213,9 +288,12 @@ class Backend(abc.ABC):
         w_down=w_down,
         activation=cfg.activation,
     )
-    if self._fuses_activation(cfg.activation):
+    if recipe != "bf16":
+      out = self._quantized_ffn(ffn_in, recipe)
+    elif self._fuses_activation(cfg.activation):
       # Gate and up never leave the fused op: there is nothing to name.
       h = self._gated_gate_up(ffn_in)
+      out = self._down(h, ffn_in)
     else:
       gate, up = self._gate_up(ffn_in)
       h = ffn.gated(
@@ -223,18 +301,49 @@ class Backend(abc.ABC):
           ad_checkpoint.checkpoint_name(up, UP_NAME),
           cfg.activation,
       )
-    out = self._down(h, ffn_in)
+      out = self._down(h, ffn_in)
     out = checks.poison_if(bad, out, rows, w_gate, w_up, w_down)
     return ad_checkpoint.checkpoint_name(out, DOWN_NAME)
 
-  def checkpoint_names(self, activation: str) -> tuple[str, ...]:
+  def _quantized_ffn(self, ffn_in: operands.FfnOperands, recipe: str):
+    """The expert FFN with each GEMM's operands quantised: [M, D].
+
+    Three quantised GEMMs (the input of down, act(gate) * up, is quantised
+    per group like the rows); never fused, so every name is emitted.
+    """
+
+    def gemm(lhs, weights):
+      return self._quantized_gemm(
+          operands.GemmOperands(
+              rows=lhs,
+              weights=weights,
+              group_sizes=ffn_in.group_sizes,
+              transpose_rhs=False,
+              out_dtype=jnp.dtype(lhs.dtype),
+          ),
+          recipe,
+      )
+
+    h = ffn.gated(
+        ad_checkpoint.checkpoint_name(
+            gemm(ffn_in.rows, ffn_in.w_gate), GATE_NAME
+        ),
+        ad_checkpoint.checkpoint_name(gemm(ffn_in.rows, ffn_in.w_up), UP_NAME),
+        ffn_in.activation,
+    )
+    return gemm(h, ffn_in.w_down)
+
+  def checkpoint_names(
+      self, activation: str, precision: str = "bf16"
+  ) -> tuple[str, ...]:
     """The checkpoint names `expert_ffn` gives its outputs for `activation`.
 
     All of `CHECKPOINT_NAMES`, or only DOWN_NAME where the backend fuses the
     activation into the gate/up op (a remat policy then cannot keep gate and
-    up: "save_moe" saves the down output and recomputes the fused op).
+    up: "save_moe" saves the down output and recomputes the fused op). A
+    quantised `precision` never fuses: all of them.
     """
-    if self._fuses_activation(activation):
+    if precision == "bf16" and self._fuses_activation(activation):
       return (DOWN_NAME,)
     return CHECKPOINT_NAMES
 

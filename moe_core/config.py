@@ -8,6 +8,8 @@ import math
 SCORE_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "sum_top2")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# Recipes for the routed experts' GEMMs (moe_core.precision defines them).
+PRECISIONS = ("bf16", "fp8_tensor", "fp8_block", "mxfp8", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,12 @@ class MoEConfig:
     capacity_factor: None means dropless. A number gives each expert
       ceil(capacity_factor * T * K / E) slots; assignments beyond them are
       dropped (top-1 choices first, then by token order) and counted.
+    precision: the routed experts' GEMM recipe (`moe_core.precision`):
+      "bf16" (no quantisation: the GEMMs run in the activation dtype),
+      "fp8_tensor", "fp8_block", "mxfp8" or "nvfp4". Forward GEMMs quantise
+      both operands; gradients are straight-through, computed in the
+      activation dtype. Routing stays float32 and the shared expert in the
+      activation dtype whatever the recipe.
   """
 
   num_experts: int
@@ -60,6 +68,7 @@ class MoEConfig:
   shared_expert_gate: bool = False
   activation: str = "silu"
   capacity_factor: float | None = None
+  precision: str = "bf16"
 
   def __post_init__(self):
     for name in (
@@ -87,6 +96,7 @@ class MoEConfig:
     _check_choice("score_func", self.score_func, SCORE_FUNCS)
     _check_choice("group_score", self.group_score, GROUP_SCORES)
     _check_choice("activation", self.activation, ACTIVATIONS)
+    _check_choice("precision", self.precision, PRECISIONS)
     if self.num_experts % self.n_group:
       raise ValueError(
           f"n_group must divide num_experts, got n_group={self.n_group}, "

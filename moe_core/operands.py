@@ -56,3 +56,31 @@ class FfnOperands:
   w_up: jax.Array
   w_down: jax.Array
   activation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedGemmOperands:
+  """One grouped GEMM on quantised operands (`moe_core.precision`).
+
+  `Backend.grouped_gemm` quantises for every backend the same way, so
+  backends differ only in how they multiply: rows per group (a per-tensor
+  scale covers one group's rows), weights per expert, blocks along the
+  contracted width C.
+
+  Attributes:
+    rows: QuantizedArray of rows [M, C] (`precision.quantize_grouped_rows`);
+      rows at or past sum(group_sizes) quantise to zeros.
+    weights: QuantizedArray of weights [E, C, N], or [E, N, C] if
+      `transpose_rhs` (`precision.quantize_grouped_weights`).
+    group_sizes: [E] int32, sum <= M.
+    transpose_rhs: the weights' layout, as in `GemmOperands`.
+    out_dtype: the result's dtype.
+    recipe: the recipe both operands were quantised with.
+  """
+
+  rows: object
+  weights: object
+  group_sizes: jax.Array
+  transpose_rhs: bool
+  out_dtype: jnp.dtype
+  recipe: str

@@ -12,6 +12,8 @@ from moe_core import checks
 from moe_core import operands
 from moe_core import config as config_lib
 from moe_core import ffn
+from moe_core import precision
+from moe_core import quantized_gemm
 from moe_core import routing
 from moe_core import validation
 
@@ -52,19 +54,58 @@ def grouped_gemm(
   return out.astype(out_dtype or rows.dtype)
 
 
+def _quantized(x: jax.Array, recipe: str, *, weight: bool) -> jax.Array:
+  """x through the recipe and back, in float32 (x itself for "bf16").
+
+  One tensor (one per-tensor scale), blocks along the first axis of a
+  weight [C, N] (its contraction) or the last of activations [T, C].
+  """
+  if recipe == "bf16":
+    return x.astype(jnp.float32)
+  q = precision.quantize(x, recipe, axis=0 if weight else -1, weight=weight)
+  return precision.dequantize(q)
+
+
 def expert_ffn_dense(
-    x: jax.Array, params: dict, expert: int, activation: str
+    x: jax.Array,
+    params: dict,
+    expert: int,
+    activation: str,
+    recipe: str = "bf16",
+    mine: jax.Array | None = None,
 ) -> jax.Array:
-  """One expert's gated FFN on every token, in float32: [T, D] -> [T, D]."""
-  x = x.astype(jnp.float32)
-  w = {
-      n: params[n][expert].astype(jnp.float32)
-      for n in ("w_gate", "w_up", "w_down")
-  }
-  gate = jnp.dot(x, w["w_gate"], precision=_HIGHEST)
-  up = jnp.dot(x, w["w_up"], precision=_HIGHEST)
-  h = ffn.activation(activation)(gate) * up
-  return jnp.dot(h, w["w_down"], precision=_HIGHEST)
+  """One expert's gated FFN on every token, in float32: [T, D] -> [T, D].
+
+  With a quantised `recipe`, each GEMM's operands go through it first:
+  activations as one tensor of the tokens `mine` ([T] bool: the expert's
+  group; the others are zeroed, so they change no scale), each weight as
+  one tensor. gate, up and act(gate) * up are then rounded to x's dtype
+  before they are used, as the sorted path stores them.
+  """
+  if recipe == "bf16":
+    x = x.astype(jnp.float32)
+    w = {
+        n: params[n][expert].astype(jnp.float32)
+        for n in ("w_gate", "w_up", "w_down")
+    }
+    gate = jnp.dot(x, w["w_gate"], precision=_HIGHEST)
+    up = jnp.dot(x, w["w_up"], precision=_HIGHEST)
+    h = ffn.activation(activation)(gate) * up
+    return jnp.dot(h, w["w_down"], precision=_HIGHEST)
+  dtype = x.dtype
+  if mine is not None:
+    x = jnp.where(mine[:, None], x, jnp.zeros((), dtype))
+
+  def product(lhs, name):
+    out = jnp.dot(
+        _quantized(lhs, recipe, weight=False),
+        _quantized(params[name][expert].astype(dtype), recipe, weight=True),
+        precision=_HIGHEST,
+    )
+    return out.astype(dtype)
+
+  h = ffn.gated(product(x, "w_gate"), product(x, "w_up"), activation)
+  return product(h, "w_down").astype(jnp.float32)
 
 
 def dense_mixture(
@@ -108,7 +149,7 @@ def dense_mixture(
   y = jnp.zeros(x.shape, jnp.float32)
   for e in range(cfg.num_experts):
     contribution = token_expert_weight[:, e : e + 1] * expert_ffn_dense(
-        x, params, e, cfg.activation
+        x, params, e, cfg.activation, cfg.precision, reaches[:, e]
     )
     y += jnp.where(reaches[:, e : e + 1], contribution, 0.0)
   return checks.nan_rows(jnp.any(invalid, axis=-1), y).astype(x.dtype)
@@ -118,6 +159,7 @@ class ReferenceBackend(backend.Backend):
   """The oracle. Runs anywhere, supports everything the API allows."""
 
   name: ClassVar[str] = "reference"
+  precisions: ClassVar[tuple[str, ...]] = precision.RECIPES
 
   def __init__(self) -> None:
     """No options: the oracle has one way of computing everything."""
@@ -129,6 +171,15 @@ class ReferenceBackend(backend.Backend):
         gemm.group_sizes,
         transpose_rhs=gemm.transpose_rhs,
         out_dtype=gemm.out_dtype,
+    )
+
+  def _quantized_grouped_gemm(self, q):
+    """Dequantise both operands, then the float32 masked product."""
+    return quantized_gemm.dequantized_grouped_gemm(
+        q,
+        lambda rows, weights, sizes: grouped_gemm(
+            rows, weights, sizes, out_dtype=jnp.float32
+        ),
     )
 
   def routed_experts(self, params, x, aux, cfg):

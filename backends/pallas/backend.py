@@ -11,6 +11,8 @@ from backends.pallas import ops
 from backends.pallas import tiling
 from moe_core import backend
 from moe_core import operands
+from moe_core import precision
+from moe_core import quantized_gemm
 
 
 def _resolve_interpret(interpret):
@@ -53,6 +55,10 @@ class PallasBackend(backend.Backend):
   """
 
   name: ClassVar[str] = "pallas"
+  # FP8 recipes: the raw E4M3 values multiplied per K block, scales applied
+  # after each block's product; MXFP8 and NVFP4 dequantised per block first
+  # (`moe_core.quantized_gemm.scaled_grouped_gemm`).
+  precisions: ClassVar[tuple[str, ...]] = precision.RECIPES
   dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
       jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16)
   )
@@ -96,6 +102,24 @@ class PallasBackend(backend.Backend):
         f"pallas: the kernels lower through Triton for GPUs only, "
         f"not {platform}; pass interpret=True to interpret them."
     )
+
+  def _quantized_grouped_gemm(
+      self, q: operands.QuantizedGemmOperands
+  ) -> jax.Array:
+    """This backend's float32 grouped GEMM, scaled per K block."""
+
+    def gemm(rows, weights, group_sizes):
+      return self._grouped_gemm(
+          operands.GemmOperands(
+              rows=rows,
+              weights=weights,
+              group_sizes=group_sizes,
+              transpose_rhs=False,
+              out_dtype=jnp.dtype(jnp.float32),
+          )
+      )
+
+    return quantized_gemm.scaled_grouped_gemm(q, gemm)
 
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
     return ops.grouped_gemm(

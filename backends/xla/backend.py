@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from backends.xla import grouped_gemm as gmm
 from moe_core import backend
 from moe_core import operands
+from moe_core import precision
+from moe_core import quantized_gemm
 
 
 class XlaBackend(backend.Backend):
@@ -26,6 +28,10 @@ class XlaBackend(backend.Backend):
   """
 
   name: ClassVar[str] = "xla"
+  # FP8 recipes: the raw E4M3 values multiplied per K block, scales applied
+  # after each block's product; MXFP8 and NVFP4 dequantised per block first
+  # (`moe_core.quantized_gemm.scaled_grouped_gemm`).
+  precisions: ClassVar[tuple[str, ...]] = precision.RECIPES
 
   def __init__(
       self,
@@ -48,6 +54,24 @@ class XlaBackend(backend.Backend):
     if self.use_ragged_dot is None:
       return jax.default_backend() != "cpu"
     return self.use_ragged_dot
+
+  def _quantized_grouped_gemm(
+      self, q: operands.QuantizedGemmOperands
+  ) -> jax.Array:
+    """This backend's float32 grouped GEMM, scaled per K block."""
+
+    def gemm(rows, weights, group_sizes):
+      return self._grouped_gemm(
+          operands.GemmOperands(
+              rows=rows,
+              weights=weights,
+              group_sizes=group_sizes,
+              transpose_rhs=False,
+              out_dtype=jnp.dtype(jnp.float32),
+          )
+      )
+
+    return quantized_gemm.scaled_grouped_gemm(q, gemm)
 
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
     if self._ragged():
