@@ -3,20 +3,28 @@
 A bad value must stop `train.main` (and `train.compare_backends`) with one
 line per flag that names the flag, what it needs and what it got, before
 anything compiles. Most cases run in this process: flagsaver runs absl's
-validators exactly as command-line parsing does. Three subprocesses check
+validators exactly as command-line parsing does. Four subprocesses check
 that the programs really stop at parse time.
 """
 
+import dataclasses
+import io
 import os
 import subprocess
 import sys
+from unittest import mock
 
 from absl import flags
 from absl.testing import absltest
 from absl.testing import flagsaver
 from absl.testing import parameterized
 
+import moe_core
 from train import main
+from train import presets
+from train import report
+from train import run_config
+from train import step_log
 from train import testing
 
 FLAGS = flags.FLAGS
@@ -265,6 +273,114 @@ class PathFlagTest(absltest.TestCase):
       self.assertEqual(FLAGS.data, self.file)
 
 
+def _dense_default_preset() -> presets.Preset:
+  """The default preset with every MoE block made a dense MLP."""
+  preset = presets.get_preset(presets.DEFAULT_PRESET)
+  dense = preset.model.replace(moe=None, first_dense_layers=0)
+  return dataclasses.replace(preset, model=dense)
+
+
+class PrecisionFlagTest(parameterized.TestCase):
+  """--precision sets the recipe of the routed experts' GEMMs."""
+
+  def test_unknown_recipe_refused_naming_flag_choices_and_value(self):
+    with self.assertRaises(flags.IllegalFlagValueError) as raised:
+      with flagsaver.as_parsed(precision="fp9"):
+        pass
+    text = str(raised.exception)
+    self.assertNotIn("\n", text)
+    self.assertIn("--precision=fp9", text)
+    for recipe in moe_core.config.PRECISIONS:
+      self.assertIn(recipe, text)
+
+  @parameterized.parameters(*moe_core.config.PRECISIONS)
+  def test_recipe_reaches_the_run_config_model(self, recipe):
+    with flagsaver.as_parsed(precision=recipe):
+      run = main._run_config()
+    self.assertEqual(run.model.moe.precision, recipe)
+    self.assertEqual(run.precision, recipe)
+    # Nothing else of the preset's model changes.
+    preset = presets.get_preset(presets.DEFAULT_PRESET)
+    self.assertEqual(
+        run.model.replace(moe=run.model.moe.replace(precision="bf16")),
+        preset.model,
+    )
+
+  def test_default_is_bf16_the_unquantised_model(self):
+    with flagsaver.flagsaver():
+      run = main._run_config()
+    self.assertEqual(FLAGS.precision, "bf16")
+    self.assertEqual(
+        run.model, presets.get_preset(presets.DEFAULT_PRESET).model
+    )
+
+  def test_recipe_is_part_of_the_compiled_program_and_checkpoint(self):
+    runs = {
+        recipe: run_config.run_config_from_preset(
+            presets.DEFAULT_PRESET, precision=recipe
+        )
+        for recipe in ("bf16", "mxfp8")
+    }
+    self.assertNotEqual(
+        run_config.compile_key(runs["bf16"]),
+        run_config.compile_key(runs["mxfp8"]),
+    )
+    self.assertNotEqual(
+        runs["bf16"].fingerprint("corpus"), runs["mxfp8"].fingerprint("corpus")
+    )
+
+  def test_quantised_recipe_with_a_dense_model_is_refused(self):
+    dense = _dense_default_preset()
+    with mock.patch.dict(presets.PRESETS, {presets.DEFAULT_PRESET: dense}):
+      with self.assertRaises(flags.IllegalFlagValueError) as raised:
+        with flagsaver.as_parsed(precision="nvfp4"):
+          pass
+      with flagsaver.as_parsed(precision="bf16"):  # Nothing to quantise.
+        self.assertEqual(main._run_config().precision, "bf16")
+    self.assertNotIn("\n", str(raised.exception))
+    own = _own_message(raised.exception)
+    self.assertTrue(own.startswith("--precision"), own)
+    self.assertIn(f"--model={presets.DEFAULT_PRESET}", own)
+    self.assertIn("bf16", own)  # What a dense model takes.
+    self.assertIn("'nvfp4'", own)
+
+  def test_run_config_in_code_refuses_a_recipe_for_a_dense_model(self):
+    dense = _dense_default_preset().model
+    with self.assertRaisesRegex(ValueError, "needs 'bf16', got 'fp8_block'"):
+      run_config.with_precision(dense, "fp8_block")
+    with self.assertRaisesRegex(ValueError, "precision must be one of"):
+      run_config.with_precision(dense, "int8")
+    self.assertIs(run_config.with_precision(dense, "bf16"), dense)
+
+  def test_every_recipe_is_described(self):
+    self.assertCountEqual(main.PRECISION_RECIPES, moe_core.config.PRECISIONS)
+    for recipe in moe_core.config.PRECISIONS:
+      self.assertIn(f"{recipe}:", FLAGS["precision"].help)
+
+  def test_dry_run_shows_the_recipe(self):
+    with flagsaver.flagsaver(precision="fp8_block", dry_run=True):
+      text = main.dry_run(io.StringIO())
+    self.assertIn("--precision=fp8_block", text)
+    self.assertIn(main.PRECISION_RECIPES["fp8_block"], text)
+
+  def test_summary_records_the_recipe(self):
+    run = testing.small_run(testing.temp_dir(self))
+    run = dataclasses.replace(
+        run, model=run_config.with_precision(run.model, "mxfp8")
+    )
+    summary = report.run_summary(
+        run,
+        testing.corpus(),
+        step_log.new_history(),
+        steps=0,
+        backend="xla",
+        wall_seconds=0.0,
+        checkpoint_path=None,
+        interrupted=None,
+    )
+    self.assertEqual(summary["precision"], "mxfp8")
+
+
 def _run_module(module: str, *args: str) -> subprocess.CompletedProcess:
   """`python -m module args` on the CPU, logging every JAX compilation."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_LOG_COMPILES="1")
@@ -309,6 +425,14 @@ class StopsBeforeCompilingTest(absltest.TestCase):
         "train.main", "--dry_run", "--model=tiny_dsv3", "--mesh=expert=3"
     )
     self._assert_stopped_at_parsing(proc, ("--mesh", "expert=3"))
+
+  def test_train_main_unknown_precision(self):
+    proc = _run_module(
+        "train.main",
+        "--precision=fp6",
+        f"--output_dir={testing.temp_dir(self)}",
+    )
+    self._assert_stopped_at_parsing(proc, ("--precision", "fp6"))
 
   def test_compare_backends(self):
     proc = _run_module(

@@ -2,6 +2,7 @@ r"""Trains a small MoE language model with a chosen dropless backend.
 
     python -m train.main                        # tiny_dsv3 on the CPU, ~3 min
     python -m train.main --moe_backend=reference --steps=20
+    python -m train.main --precision=mxfp8      # expert GEMMs in MXFP8
     python -m train.main --model=deepseek_v3 --dry_run --mesh=fsdp=4,expert=64
     python -m train.main --resume               # continue the last run
     python -m train.main --mesh=data=2,expert=4 # 8 devices (simulated on CPU)
@@ -144,6 +145,30 @@ _DTYPE = flags.DEFINE_enum(
     "bfloat16",
     ["bfloat16", "float32"],
     "Activation dtype; parameters stay float32.",
+)
+# What each --precision recipe does to the routed experts' GEMMs (both
+# operands of every forward GEMM; moe_core/precision.py has the details).
+PRECISION_RECIPES = {
+    "bf16": "no quantisation: the GEMMs run in --compute_dtype",
+    "fp8_tensor": "E4M3 with one float32 scale per tensor",
+    "fp8_block": (
+        "E4M3 with float32 scales per 1x128 activation tile and per 128x128 "
+        "weight block, as DeepSeek-V3"
+    ),
+    "mxfp8": "E4M3 with one power-of-two (E8M0) scale per 32 elements",
+    "nvfp4": (
+        "E2M1 with one E4M3 scale per 16 elements and a float32 scale per "
+        "tensor"
+    ),
+}
+_PRECISION = flags.DEFINE_enum(
+    "precision",
+    "bf16",
+    list(moe_core.config.PRECISIONS),
+    "Recipe of the routed experts' GEMMs: "
+    + "; ".join(f"{k}: {v}" for k, v in PRECISION_RECIPES.items())
+    + ". Routing stays float32; the shared expert, attention and dense "
+    "layers run in --compute_dtype. An all-dense --model takes only bf16.",
 )
 _PROGRESS = flags.DEFINE_bool(
     "progress", True, "Show a progress bar on a terminal."
@@ -300,6 +325,20 @@ def _check_mesh_splits_experts(values: dict) -> bool:
   return True
 
 
+@flags.multi_flags_validator(("precision", "model"))
+def _check_precision_has_experts(values: dict) -> bool:
+  """A quantised recipe needs routed experts: --model must have MoE blocks."""
+  precision, model = values["precision"], values["model"]
+  if precision == "bf16" or model not in presets.PRESETS:
+    return True  # An unknown --model is the mesh check's line.
+  if presets.get_preset(model).model.moe is None:
+    raise flags.ValidationError(
+        f"--precision must be bf16 for --model={model}, which is dense (no "
+        f"routed experts' GEMMs to quantise), got {precision!r}."
+    )
+  return True
+
+
 @flags.validator("output_dir")
 def _check_output_dir(path) -> bool:
   """A directory, or a path whose missing folders can be made (not made here).
@@ -368,12 +407,16 @@ def _run_config() -> run_config.RunConfig:
       progress=_PROGRESS.value,
       plot=_PLOT.value,
       mesh=mesh_lib.canonical(mesh_lib.parse(_MESH.value)),
+      precision=_PRECISION.value,
   )
 
 
 def dry_run(out=sys.stdout) -> str:
   """Prints the counts for the chosen preset; allocates no arrays."""
   preset = presets.get_preset(_MODEL.value)
+  preset = dataclasses.replace(
+      preset, model=run_config.with_precision(preset.model, _PRECISION.value)
+  )
   text = cost_report.describe(
       preset,
       mesh=sizing.parse_mesh(_MESH.value),
@@ -381,8 +424,18 @@ def dry_run(out=sys.stdout) -> str:
       seq_len=_SEQ.value or preset.train.seq_len,
       remat=_REMAT.value,
   )
+  if preset.model.moe is not None:
+    text += f"\n{_precision_line(_PRECISION.value)}"
   print(text, file=out, flush=True)
   return text
+
+
+def _precision_line(precision: str) -> str:
+  """The --dry_run line that says how the routed experts' GEMMs compute."""
+  return (
+      f"  routed experts' GEMMs: --precision={precision} "
+      f"({PRECISION_RECIPES[precision]}); routing float32"
+  )
 
 
 def _start_devices(run: run_config.RunConfig, out) -> None:
@@ -452,7 +505,8 @@ def _set_up(run: run_config.RunConfig, out):
       f"model {run.model.name}: {counts.total:,} parameters "
       f"({counts.active:,} active per token); backend {tr.backend_name}; "
       f"{run.steps} steps of {run.batch_size}x{run.seq_len} tokens; "
-      f"remat={run.remat}; compute {run.compute_dtype}, params float32; "
+      f"remat={run.remat}; compute {run.compute_dtype}, params float32, "
+      f"expert GEMMs {run.precision}; "
       f"mesh {mesh_lib.describe(tr.sizes)} over {jax.device_count()} "
       f"{jax.devices()[0].platform} device(s) in {jax.process_count()} "
       "process(es)",
@@ -490,7 +544,8 @@ def _report(run: run_config.RunConfig, tr, summary: dict, out) -> dict:
       f"({summary['tokens_per_s_per_device_median']:,.0f} per device on "
       f"{summary['mesh']}, {summary['num_processes']} process(es)) with "
       "backend "
-      f"{summary['backend']}; max dropped fraction "
+      f"{summary['backend']}, expert GEMMs {summary['precision']}; max "
+      "dropped fraction "
       f"{summary['max_dropped_fraction']:.3g}; wall "
       f"{summary['wall_seconds']:.0f} s",
       file=out,

@@ -52,6 +52,7 @@ def run_summary(
       "seq_len": run.seq_len,
       "remat": run.remat,
       "compute_dtype": run.compute_dtype,
+      "precision": run.precision,
       "data": corpus.name,
       "train_bytes": int(len(corpus.train)),
       "held_out_bytes": int(len(corpus.held_out)),

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 
+from moe_core import config as moe_config
 from train import model_config
 from train import presets
 
@@ -62,6 +63,11 @@ class RunConfig:
       if value is None and name in _HOST_ONLY:
         continue
       _check_number(name, value, minimum, kind)
+
+  @property
+  def precision(self) -> str:
+    """The routed experts' GEMM recipe ("bf16" for an all-dense model)."""
+    return self.model.moe.precision if self.model.moe else "bf16"
 
   def fingerprint(self, corpus_name: str) -> dict:
     """What a checkpoint must share with the run that resumes it."""
@@ -127,10 +133,48 @@ def compile_key(run: RunConfig) -> RunConfig:
   return dataclasses.replace(run, **dict.fromkeys(host_only))
 
 
+def with_precision(
+    model: model_config.ModelConfig, precision: str
+) -> model_config.ModelConfig:
+  """`model` with its routed experts' GEMMs in recipe `precision`.
+
+  Args:
+    model: the model; its MoE blocks share one `moe_core.MoEConfig`.
+    precision: one of `moe_core.config.PRECISIONS`. An all-dense model
+      (`model.moe` None) takes only "bf16": it has no expert GEMMs.
+
+  Returns:
+    `model` with `moe.precision` set (`model` itself when dense).
+
+  Raises:
+    ValueError: `precision` is not a recipe, or not "bf16" for a dense model.
+  """
+  if precision not in moe_config.PRECISIONS:
+    raise ValueError(
+        f"precision must be one of {moe_config.PRECISIONS}, got "
+        f"{precision!r}."
+    )
+  if model.moe is None:
+    if precision != "bf16":
+      raise ValueError(
+          f"precision quantises the routed experts' GEMMs, so the dense "
+          f"model {model.name!r} (moe=None) needs 'bf16', got {precision!r}."
+      )
+    return model
+  return model.replace(moe=model.moe.replace(precision=precision))
+
+
 def run_config_from_preset(name: str, **overrides) -> RunConfig:
-  """A RunConfig from preset `name`; `overrides` set (non-None) fields."""
+  """A RunConfig from preset `name`; `overrides` set (non-None) fields.
+
+  `precision` (a recipe of `moe_core.config.PRECISIONS`) is an override too:
+  it sets the preset model's `moe.precision` (see `with_precision`).
+  """
   preset = presets.get_preset(name)
   fields = dataclasses.asdict(preset.train)
   fields["model"] = preset.model
+  precision = overrides.pop("precision", None)
+  if precision is not None:
+    fields["model"] = with_precision(preset.model, precision)
   fields.update({k: v for k, v in overrides.items() if v is not None})
   return RunConfig(**fields)
