@@ -11,7 +11,8 @@ module holds what every backend needs around that:
     Engine's recipes do for the weights they keep in high precision, and
     the simplest choice whose error does not compound with the forward's.
   * `scaled_grouped_gemm`: the product itself, built on a backend's own
-    float32 grouped GEMM, with the scales applied the way a GPU kernel
+    float32 grouped GEMM (the `xla` backend's; `pallas` does the same inside
+    its kernel), with the scales applied the way a GPU kernel
     applies them: after each K block's product for the FP8 recipes
     ("fp8_tensor": one block, the whole of K; "fp8_block": 128 wide), and by
     dequantising each block before the product for "mxfp8" and "nvfp4"

@@ -12,7 +12,6 @@ from backends.pallas import tiling
 from moe_core import backend
 from moe_core import operands
 from moe_core import precision
-from moe_core import quantized_gemm
 
 
 def _resolve_interpret(interpret):
@@ -55,9 +54,9 @@ class PallasBackend(backend.Backend):
   """
 
   name: ClassVar[str] = "pallas"
-  # FP8 recipes: the raw E4M3 values multiplied per K block, scales applied
-  # after each block's product; MXFP8 and NVFP4 dequantised per block first
-  # (`moe_core.quantized_gemm.scaled_grouped_gemm`).
+  # FP8 recipes: the E4M3 data go into the kernel (an FP8 MMA on Hopper),
+  # the scales applied there after each K block's product; MXFP8 and NVFP4
+  # dequantised per block in the kernel (`ops.quantized_grouped_gemm`).
   precisions: ClassVar[tuple[str, ...]] = precision.RECIPES
   dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
       jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -106,20 +105,8 @@ class PallasBackend(backend.Backend):
   def _quantized_grouped_gemm(
       self, q: operands.QuantizedGemmOperands
   ) -> jax.Array:
-    """This backend's float32 grouped GEMM, scaled per K block."""
-
-    def gemm(rows, weights, group_sizes):
-      return self._grouped_gemm(
-          operands.GemmOperands(
-              rows=rows,
-              weights=weights,
-              group_sizes=group_sizes,
-              transpose_rhs=False,
-              out_dtype=jnp.dtype(jnp.float32),
-          )
-      )
-
-    return quantized_gemm.scaled_grouped_gemm(q, gemm)
+    """The quantised data into the kernel, scales applied there: [M, N]."""
+    return ops.quantized_grouped_gemm(q, self.launch)
 
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
     return ops.grouped_gemm(

@@ -1,7 +1,8 @@
-"""Pallas kernels of the grouped GEMM: gmm (forward, dX) and tgmm (dW).
+"""Pallas kernels of the grouped GEMM: gmm (forward, dX), tgmm (dW), scaled_gmm.
 
-Both are written for the Triton lowering (GPU) and run unchanged in
-interpret mode (CPU). The Triton lowering shapes them:
+scaled_gmm is gmm's forward on quantised operands (FP8 data in, scales
+applied inside). All are written for the Triton lowering (GPU) and run
+unchanged in interpret mode (CPU). The Triton lowering shapes them:
   * index maps may not depend on data (no scalar prefetch), so the metadata
     are int32 inputs read inside the kernel, and operands whose block depends
     on the group (weights, and gmm's rows and output) are whole-array refs
@@ -25,7 +26,7 @@ output on every step; about 10x slower).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 from jax import lax
@@ -361,3 +362,227 @@ def tgmm(
       name="dropless_tgmm",
   )
   return tuple(o[:, :c, :n] for o in outs)
+
+
+# --- gmm on quantised operands ----------------------------------------------
+
+
+class QuantizedScales(NamedTuple):
+  """The float32 scales of `scaled_gmm`, laid out for contiguous loads.
+
+  Attributes:
+    row_blocks: [KB, M], the rows' block scale of each K block, K-major so a
+      row tile's scales of one K step are one contiguous load; or None.
+    weight_blocks: [E, KB, N], each expert's scale of each K block and
+      output column (a 128x128 block's scale repeated over its columns);
+      or None (together with row_blocks).
+    rows: [M], a per-row scale applied in the epilogue (the row group's
+      per-tensor scale); or None.
+    experts: [E], a per-expert scale applied in the epilogue; or None
+      (together with rows).
+  """
+
+  row_blocks: jax.Array | None = None
+  weight_blocks: jax.Array | None = None
+  rows: jax.Array | None = None
+  experts: jax.Array | None = None
+
+
+def _dot(lhs, rhs, dims, upcast):
+  """lhs . rhs in float32; upcast: both operands to float32 first.
+
+  Without upcast, float8 operands go to the dot as they are: the Triton
+  lowering makes a native FP8 MMA of it (Hopper's wgmma), accumulating in
+  float32.
+  """
+  if upcast:
+    lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+  return lax.dot_general(
+      lhs,
+      rhs,
+      dims,
+      precision=_precision(lhs.dtype),
+      preferred_element_type=jnp.float32,
+  )
+
+
+def _scaled_gmm_kernel(
+    group_ref,
+    tile_ref,
+    start_ref,
+    end_ref,
+    lhs_ref,
+    rhs_ref,
+    *refs,
+    block_scales,
+    tensor_scales,
+    dequantize_first,
+    upcast,
+    tiles,
+    k_steps,
+    num_groups,
+    transpose_rhs,
+    indexed,
+):
+  """One visit x one column block of `scaled_gmm`; bk is the scale block.
+
+  refs: [KB, Mp] row and [E, KB, Np] weight block scales (if block_scales),
+  [Mp] row and [E] expert scales (if tensor_scales), then the output [Mp,
+  Np] float32.
+  """
+  refs = list(refs)
+  if block_scales:
+    row_block_ref, weight_block_ref = refs.pop(0), refs.pop(0)
+  if tensor_scales:
+    row_scale_ref, expert_scale_ref = refs.pop(0), refs.pop(0)
+  (o_ref,) = refs
+  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  visit = pl.program_id(0)
+  group = group_ref[visit]
+  row_start = start_ref[visit]
+  row_end = end_ref[visit]
+  r0 = pl.multiple_of(tile_ref[visit] * bm, bm)
+  n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+  computes = (group < num_groups) & (row_end > row_start)
+  weight = jnp.minimum(group, num_groups - 1)
+  if transpose_rhs:
+    dims = (((1,), (1,)), ((), ()))
+  else:
+    dims = (((1,), (0,)), ((), ()))
+
+  def k_step(step, acc):
+    k0 = pl.multiple_of(step * bk, bk)
+    lhs = lhs_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
+    if transpose_rhs:
+      rhs = rhs_ref[weight, pl.ds(n0, bn), pl.ds(k0, bk)]
+    else:
+      rhs = rhs_ref[weight, pl.ds(k0, bk), pl.ds(n0, bn)]
+    if not block_scales:
+      return acc + _dot(lhs, rhs, dims, upcast)
+    # One K step is one scale block: a scale per row and one per column.
+    row_scales = row_block_ref[step, pl.ds(r0, bm)][:, None]
+    column_scales = weight_block_ref[weight, step, pl.ds(n0, bn)]
+    if dequantize_first:
+      # Formats without an MMA of their own: dequantise the tiles, then a
+      # float32 product.
+      lhs = lhs.astype(jnp.float32) * row_scales
+      column_scales = (
+          column_scales[:, None] if transpose_rhs else column_scales[None, :]
+      )
+      rhs = rhs.astype(jnp.float32) * column_scales
+      return acc + _dot(lhs, rhs, dims, False)
+    partial = _dot(lhs, rhs, dims, upcast)
+    return acc + partial * row_scales * column_scales[None, :]
+
+  acc = jnp.zeros((bm, bn), jnp.float32)
+  acc = lax.fori_loop(0, jnp.where(computes, k_steps, 0), k_step, acc)
+  if tensor_scales:
+    row_scales = row_scale_ref[pl.ds(r0, bm)][:, None]
+    acc = acc * row_scales * expert_scale_ref[weight]
+  # The padding group's visits store zeros even when the expert scale they
+  # would borrow is NaN.
+  acc = jnp.where(computes, acc, 0.0)
+  _store_owned_rows(o_ref, acc, r0, n0, row_start, row_end, indexed)
+
+
+def _pad_last(x, size, value):
+  """x padded along its last axis to `size` with `value`."""
+  pad = size - x.shape[-1]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * (x.ndim - 1) + [(0, pad)]
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def scaled_gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    scales: QuantizedScales,
+    *,
+    tiles: tiling.Tiles,
+    interpret,
+    transpose_rhs: bool = False,
+    dequantize_first: bool = False,
+) -> jax.Array:
+  """The grouped GEMM of quantised operands, scales applied in the kernel.
+
+  out[r] = sum over K blocks kb of (lhs[r, kb] . rhs[g, kb, :]) x the
+  block scales of (r, kb) and (g, kb, column), times the row's and the
+  expert's tensor scale; g is row r's group. The scales are applied after
+  each block's product (FP8: the operands go to the MMA as they are) or,
+  with `dequantize_first`, to the operand tiles before it (formats the
+  hardware cannot multiply).
+
+  Args:
+    lhs: [M, K] float8_e4m3fn rows sorted by group (float32 works too).
+    rhs: [E, K, N] of lhs's dtype ([E, N, K] if `transpose_rhs`).
+    group_sizes: [E] int32, sum <= M.
+    scales: `QuantizedScales`; with block scales, K is a multiple of
+      tiles.bk, the width of one scale block.
+    tiles: block sizes; bk is the scale block when there are block scales.
+    interpret: False (GPU), True (HLO interpreter) or InterpretParams. When
+      interpreting, the operands are upcast to float32 in the kernel before
+      each product (the CPU has no FP8 dot).
+    transpose_rhs: contract with rhs[g].T.
+    dequantize_first: apply the block scales to the operand tiles, in
+      float32, before the product.
+
+  Returns:
+    [M, N] float32; rows past sum(group_sizes) are zero.
+  """
+  m, k = lhs.shape
+  num_groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  block_scales = scales.row_blocks is not None
+  tensor_scales = scales.rows is not None
+  if block_scales and k % tiles.bk:
+    raise ValueError(
+        "scaled_gmm with block scales needs K to be a multiple of the scale "
+        f"block tiles.bk, got K={k}, {tiles.bk=}."
+    )
+  if m == 0 or n == 0:
+    return jnp.zeros((m, n), jnp.float32)
+  mp, kp, np_ = (
+      tiling.padded(d, b)
+      for d, b in ((m, tiles.bm), (max(k, 1), tiles.bk), (n, tiles.bn))
+  )
+  lhs = _pad2(lhs, mp, kp)
+  rhs = _pad3(rhs, np_, kp) if transpose_rhs else _pad3(rhs, kp, np_)
+  scale_operands = []
+  if block_scales:
+    scale_operands += [
+        _pad_last(scales.row_blocks, mp, 1.0),
+        _pad_last(scales.weight_blocks, np_, 1.0),
+    ]
+  if tensor_scales:
+    scale_operands += [_pad_last(scales.rows, mp, 1.0), scales.experts]
+  meta = metadata_lib.build(group_sizes, mp, tiles.bm)
+  kernel = functools.partial(
+      _scaled_gmm_kernel,
+      block_scales=block_scales,
+      tensor_scales=tensor_scales,
+      dequantize_first=dequantize_first,
+      upcast=interpret is not False,
+      tiles=tiles,
+      k_steps=kp // tiles.bk,
+      num_groups=num_groups,
+      transpose_rhs=transpose_rhs,
+      indexed=interpret is True,
+  )
+  out = _pallas_call(
+      kernel,
+      meta.group_ids,
+      meta.tile_ids,
+      meta.row_starts,
+      meta.row_ends,
+      lhs,
+      rhs,
+      *scale_operands,
+      out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
+      grid=(meta.group_ids.shape[0], np_ // tiles.bn),
+      interpret=interpret,
+      compiler_params=_compiler_params(tiles, interpret),
+      name="dropless_scaled_gmm",
+  )
+  return out[:m, :n]

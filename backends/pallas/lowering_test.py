@@ -256,6 +256,49 @@ class OpsLowerTest(parameterized.TestCase):
     self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
 
 
+class QuantizedLowerTest(parameterized.TestCase):
+  """The quantised grouped GEMM through the backend: FP8 into the kernel.
+
+  The rows and weights reach the Triton call as float8_e4m3fn (f8E4M3FN)
+  arrays, so the kernel's dot is an FP8 one (a wgmma on Hopper), not a
+  float32 product of data upcast outside it.
+  """
+
+  M, K, N, E = 1024, 512, 384, 8
+
+  @parameterized.product(
+      recipe=["fp8_tensor", "fp8_block"], transpose_rhs=[False, True]
+  )
+  def test_fp8_operands_go_into_the_triton_call(self, recipe, transpose_rhs):
+    be = pallas_backend.PallasBackend(interpret=False)
+    m, k, n, e = self.M, self.K, self.N, self.E
+    w_shape = (e, n, k) if transpose_rhs else (e, k, n)
+
+    def gemm(rows, weights, group_sizes):
+      return be.grouped_gemm(
+          rows,
+          weights,
+          group_sizes,
+          transpose_rhs=transpose_rhs,
+          precision=recipe,
+      )
+
+    text = _export_for_cuda(
+        gemm,
+        _S((m, k), jnp.bfloat16),
+        _S(w_shape, jnp.bfloat16),
+        _S((e,), jnp.int32),
+    )
+    self.assertEqual(_custom_calls(text), [_TRITON_CALL])
+    (call,) = [line for line in text.splitlines() if _TRITON_CALL in line]
+    # The call's signature: "(operand types) -> result type".
+    operand_types = call[call.rindex(" : (") : call.rindex(") -> ")]
+    self.assertIn(f"tensor<{m}x{k}xf8E4M3FN>", operand_types)
+    w_type = "x".join(map(str, w_shape))
+    self.assertIn(f"tensor<{w_type}xf8E4M3FN>", operand_types)
+    self.assertIn(f"-> tensor<{m}x{n}xf32>", call)
+
+
 class TritonDeprecationTest(absltest.TestCase):
   """jax >= 0.11 warns at each Triton lowering; the helper eats and counts it.
 

@@ -6,6 +6,10 @@ gate_up        gate, up = x @ wg[g], x @ wu[g] in one pass over x
                                           dW: one tgmm, two outputs
 gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), the activation in the
                epilogue; the same backward after the activation's VJP.
+quantized_grouped_gemm
+               the forward of a quantised grouped GEMM (moe_core.precision),
+               scales applied in the kernel; its gradients are the caller's
+               (straight-through, moe_core.quantized_gemm).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import jax.numpy as jnp
 from backends.pallas import kernels
 from backends.pallas import tiling
 from moe_core import ffn
+from moe_core import operands
+from moe_core import precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,3 +298,107 @@ def _gated_bwd(activation, launch, residuals, d_h):
 
 
 gated_gate_up.defvjp(_gated_fwd, _gated_bwd)
+
+
+# --- grouped GEMM on quantised operands ---------------------------------------
+
+# FP8 MMAs (Hopper's wgmma) take at least 32 elements of K per step.
+_MIN_FP8_BK = 32
+
+
+def _as_e4m3(data):
+  """E4M3 data as it is; E2M1 data cast to E4M3, which holds it exactly.
+
+  The Triton lowering has no 4-bit type: NVFP4 elements travel as bytes.
+  """
+  if data.dtype == jnp.float8_e4m3fn:
+    return data
+  return data.astype(jnp.float32).astype(jnp.float8_e4m3fn)
+
+
+def _contract_major_scales(q_weights, transpose_rhs):
+  """The weights' scales [E, KB, NB or N] float32, K blocks first."""
+  scales = q_weights.scales.astype(jnp.float32)
+  return jnp.swapaxes(scales, 1, 2) if transpose_rhs else scales
+
+
+def _scales(q: operands.QuantizedGemmOperands) -> kernels.QuantizedScales:
+  """The scales of `q` in the layout of `kernels.scaled_gmm`."""
+  rows, weights = q.rows, q.weights
+  num_rows, num_groups = rows.data.shape[0], weights.data.shape[0]
+  if q.recipe == "fp8_tensor":
+    return kernels.QuantizedScales(
+        rows=(rows.scales * rows.tensor_scale).reshape(num_rows),
+        experts=weights.scales.reshape(num_groups),
+    )
+  weight_blocks = _contract_major_scales(weights, q.transpose_rhs)
+  if q.recipe == "fp8_block":
+    # One scale per 128 output columns: repeated over its columns, so any
+    # bn loads its scales as one contiguous vector.
+    weight_blocks = jnp.repeat(weight_blocks, weights.block_size, axis=2)
+  block_scales = kernels.QuantizedScales(
+      row_blocks=rows.scales.astype(jnp.float32).T,
+      weight_blocks=weight_blocks,
+  )
+  if q.recipe == "nvfp4":
+    return block_scales._replace(
+        rows=rows.tensor_scale.reshape(num_rows),
+        experts=weights.tensor_scale.reshape(num_groups),
+    )
+  return block_scales
+
+
+def _quantized_tiles(q, launch: Launch, m, k, n) -> tiling.Tiles:
+  """The forward tiles, with bk the recipe's scale block if it has one."""
+  tiles = launch.choose(
+      "fwd", m, k, n, q.weights.data.shape[0], jnp.float8_e4m3fn
+  )
+  if q.recipe in precision.BLOCK:
+    return dataclasses.replace(tiles, bk=precision.BLOCK[q.recipe])
+  if not launch.interpreting:
+    return dataclasses.replace(tiles, bk=max(tiles.bk, _MIN_FP8_BK))
+  return tiles
+
+
+def quantized_grouped_gemm(
+    q: operands.QuantizedGemmOperands, launch: Launch
+) -> jax.Array:
+  """The grouped GEMM of quantised operands: [M, N] float32.
+
+  The E4M3 data go into the kernel; the scales are applied there.
+  "fp8_tensor": one FP8 product over all of K, times the row group's and
+  the expert's scale in the epilogue. "fp8_block": K steps of 128, each
+  product times the rows' 1x128 tile scales and the expert's 128x128 block
+  scales. "mxfp8" (K steps of 32) and "nvfp4" (16; E2M1 data carried as
+  E4M3): each tile dequantised with its block scales in the kernel, then a
+  float32 product; nvfp4's tensor scales in the epilogue. Equal to
+  `quantized_gemm.dequantized_grouped_gemm` up to float32 rounding.
+
+  Not differentiable on its own: `Backend._quantized_gemm` gives it
+  straight-through gradients.
+
+  Args:
+    q: operands from `precision.quantize_grouped_rows` and
+      `quantize_grouped_weights`; rows at or past sum(q.group_sizes) hold
+      zeros.
+    launch: tiles and interpret mode.
+  """
+  if q.recipe not in precision.QUANTIZED_RECIPES:
+    raise NotImplementedError(f"pallas: no quantised GEMM for {q.recipe!r}.")
+  lhs = _as_e4m3(q.rows.data)
+  rhs = _as_e4m3(q.weights.data)
+  m, k = lhs.shape
+  n_axis = 1 if q.transpose_rhs else 2
+  # fp8_block's 128x128 weight blocks pad the output width too.
+  n = q.weights.block_axis_size or rhs.shape[n_axis]
+  out = kernels.scaled_gmm(
+      lhs,
+      rhs,
+      q.group_sizes,
+      _scales(q),
+      tiles=_quantized_tiles(q, launch, m, k, n),
+      interpret=launch.interpret,
+      transpose_rhs=q.transpose_rhs,
+      dequantize_first=q.recipe in ("mxfp8", "nvfp4"),
+  )
+  return out[:, :n]
