@@ -1,4 +1,4 @@
-"""One short GPU run: pallas and mosaic_gpu vs reference, then bf16 TFLOP/s.
+"""One short GPU run: pallas and mosaic_gpu vs reference, then TFLOP/s.
 
 On the device machine, where only $OUT comes back:
 
@@ -21,8 +21,13 @@ Elsewhere:
    in bf16 and float32, mosaic_gpu in bf16 (it raises NotImplementedError
    for float32: those cases are recorded as skipped, with its message).
    Two cases have enough rows per expert and a wide enough N for the GPU
-   tile choices the timing runs. Budgets: bench/gpu_tolerances.py, from
-   conformance/tolerances.py.
+   tile choices the timing runs. Then the forward grouped GEMM of each
+   quantised recipe of moe_core.precision (fp8_tensor, fp8_block, mxfp8,
+   nvfp4) on pallas and on xla against the reference backend's, bf16
+   inputs, a float32 output, ragged groups with an empty one: the same
+   quantised operands, so within the float32 budget (a backend that
+   refuses a recipe: recorded as skipped, with its message). Budgets:
+   bench/gpu_tolerances.py, from conformance/tolerances.py.
 2. Timing (bench/gpu_timing.py), bf16, of the workloads of
    bench/gpu_workloads.py: DeepSeek-V3 experts (D=7168, F=2048, all 256
    experts, top-8, T=4096: M=32768 rows, about 1 TFLOP per projection) and
@@ -30,20 +35,29 @@ Elsewhere:
    forward and forward+backward of the gate/up-shaped [M, D] x [E, D, F]
    and the down-shaped [M, F] x [E, F, D] grouped GEMMs and of the whole
    expert FFN; then the forward of a small-K GEMM [M, 1024] x [256, 1024,
-   7168]. Methods: a dense `jnp.dot` of the same FLOPs (cuBLAS),
+   7168]; then the low-precision recipes at DeepSeek-V3's gate/up GEMM,
+   forward: the bf16 pallas GEMM again (the baseline of the ratios, in the
+   same row) and each recipe on pallas (its time includes quantising both
+   operands; xla's rows are recorded as skipped there: its float32
+   ragged_dot would be expanded over 256 groups). Methods: a dense
+   `jnp.dot` of the same FLOPs (cuBLAS),
    `jax.lax.ragged_dot`, pallas and mosaic_gpu (for the FFN also each with
    the fused activation). Times are medians of up to --repeats calls after
    a warm-up (fewer past 2 s a phase); ratios are time / baseline time
    (`fwd_time_over_dense`, `fwd_time_over_pallas`, ...: < 1 is faster).
    The timed programs' own output and gradients are checked on a few
-   sampled groups against a float32 per-group `jnp.dot`. "goals" holds
-   mosaic_gpu's targets: forward >= 0.6x dense cuBLAS throughput, and
-   faster than pallas at small K (reported, not failed).
+   sampled groups against a float32 per-group `jnp.dot` (a recipe's,
+   against the reference's quantised product of the group). "goals" holds
+   the targets: mosaic_gpu's forward >= 0.6x dense cuBLAS throughput, and
+   faster than pallas at small K; fp8_tensor's and fp8_block's pallas
+   forward >= 1.5x the bf16 pallas forward's throughput on Hopper; mxfp8's
+   and nvfp4's (emulated) cost over bf16, reported (goals are reported,
+   never failed).
 
 No timed problem starts past --budget_s (360 s) into the run: its row says
 "skipped" (not a failure), so the run ends well under 8 minutes on an H200
 even if compiles are slow; the workloads go in the order of
-`gpu_workloads.FULL` (DeepSeek-V3, small K, Mixtral).
+`gpu_workloads.FULL` (DeepSeek-V3, small K, the recipes, Mixtral).
 
 The shapes, cases and programs of both phases, and of --lower_only
 (bench/gpu_lowering.py, which also checks each program's custom calls:
@@ -239,10 +253,15 @@ def _run_phases(args, workloads, on_gpu, report, path, deadline):
   for workload, entry in zip(workloads, report["workloads"]):
     sizes = entry["group_sizes"]
     shape = workload.shape
+    recipes = sorted(
+        {gpu_workloads.method_recipe(m) for m in workload.methods or ()}
+        - {"bf16"}
+    )
     print(
         f"{workload.name}: T={shape['tokens']} top-{shape['top_k']} -> "
         f"M={entry['rows']} rows, D={shape['hidden']} F={shape['ffn']} "
-        f"E={shape['experts']} ({entry['experts']}), bf16, {args.skew} "
+        f"E={shape['experts']} ({entry['experts']}), bf16"
+        f"{' and ' + ', '.join(recipes) if recipes else ''}, {args.skew} "
         f"group sizes (min {min(sizes)}, max {max(sizes)}), median of up "
         f"to {report['repeats']}"
     )
@@ -256,7 +275,9 @@ def _run_phases(args, workloads, on_gpu, report, path, deadline):
         deadline=deadline,
     )
   gpu_timing.print_timing(report["timing"])
-  gpu_timing.print_goals(gpu_timing.goals(report["timing"]))
+  gpu_timing.print_goals(
+      gpu_timing.goals(report["timing"], report.get("device"))
+  )
 
 
 def main(argv=None):
@@ -296,7 +317,7 @@ def main(argv=None):
   finally:  # Whatever happened (even an interrupt): write what there is.
     report["seconds"] = time.perf_counter() - start
     # From whatever rows there are, even after a crash.
-    report["goals"] = gpu_timing.goals(report["timing"])
+    report["goals"] = gpu_timing.goals(report["timing"], report.get("device"))
     report["triton_deprecation_warnings"] = (
         compat.triton_deprecations_filtered() - filtered
     )

@@ -6,8 +6,9 @@ raises, one with wrong output and a backend that cannot be built each leave
 the JSON written, with the error recorded, the other methods timed and
 their ratios computed. Shapes and cases are cut down (in-process, by
 patching gpu_workloads' tables) so that each run compiles little; mosaic_gpu
-(Mosaic GPU's interpreter, seconds a call) runs in the passing dry run
-only, on one GEMM case and the small-K row.
+(Mosaic GPU's interpreter, seconds a call) and the low-precision recipes
+run in the passing dry run only (the recipes' failures are checked on
+their own, on the xla backend: `QuantizedCorrectnessTest`).
 """
 
 import contextlib
@@ -16,6 +17,7 @@ import io
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 from unittest import mock
@@ -31,7 +33,9 @@ from bench import gpu_check
 from bench import gpu_correctness
 from bench import gpu_report
 from bench import gpu_timing
+from bench import gpu_tolerances
 from bench import gpu_workloads
+from moe_core import precision
 
 _TINY = {"tokens": 16, "top_k": 2, "hidden": 64, "ffn": 32, "experts": 4}
 _TINY_LAYER = {
@@ -64,6 +68,9 @@ _KEYS = {
     "failures",
 }
 _RATIO_BASELINES = ("dense", "ragged_dot", "pallas")
+# A quantised GEMM case: C = 160 leaves fp8_block's 128-wide block and the
+# 128x128 weight block (N = 40) part padding; group 1 is empty.
+_TINY_QUANTIZED = (48, 160, 40, (20, 0, 17))
 
 
 @jax.custom_vjp
@@ -97,6 +104,9 @@ def _run_dry(test, *extra):
       ),
       mock.patch.object(gpu_workloads, "LAYER_CONFIG", _TINY_LAYER),
       mock.patch.object(gpu_workloads, "LAYER_BATCH", (2, 16)),
+      mock.patch.object(
+          gpu_workloads, "QUANTIZED_GEMM_CASES", [_TINY_QUANTIZED]
+      ),
   ):
     code = gpu_check.main(["--dry_run", "--out_dir", out_dir, *extra])
   paths = glob.glob(os.path.join(out_dir, "gpu_dryrun_*.json"))
@@ -113,7 +123,8 @@ class GpuCheckDryRunTest(absltest.TestCase):
     self.assertEqual(set(report), _KEYS)
     self.assertEqual(report["failures"], [])
     self.assertEqual(
-        [w["name"] for w in report["workloads"]], ["dry", "dry_small_k"]
+        [w["name"] for w in report["workloads"]],
+        ["dry", "dry_small_k", "dry_precision"],
     )
     for w in report["workloads"]:
       self.assertEqual(sum(w["group_sizes"]), w["rows"])
@@ -128,7 +139,9 @@ class GpuCheckDryRunTest(absltest.TestCase):
         report["backends"]["mosaic"],
     )
     cases = {r["case"].split()[0] for r in report["correctness"]}
-    self.assertEqual(cases, {"gemm", "expert_ffn", "moe_layer"})
+    self.assertEqual(
+        cases, {"gemm", "expert_ffn", "moe_layer", "quantized_gemm"}
+    )
     for r in report["correctness"]:
       self.assertTrue(r["ok"], r)
     # mosaic_gpu: its bf16 GEMM checked, its float32 one skipped, and why.
@@ -142,6 +155,24 @@ class GpuCheckDryRunTest(absltest.TestCase):
     else:
       self.assertEqual(bf16, {"skipped"})
       self.assertEqual(float32["skipped"], why_not)
+    # Every recipe on pallas and xla, its output within the float32 budget
+    # of the reference's (the same quantised operands).
+    quantized = [
+        r
+        for r in report["correctness"]
+        if r["case"].startswith("quantized_gemm")
+    ]
+    self.assertEqual(
+        sorted((r["recipe"], r["backend"]) for r in quantized),
+        sorted(
+            (recipe, backend)
+            for recipe in precision.QUANTIZED_RECIPES
+            for backend in ("pallas", "xla")
+        ),
+    )
+    for r in quantized:
+      self.assertEqual(r["quantity"], "out", r)
+      self.assertLessEqual(r["rel_err"], gpu_tolerances.FLOAT32, r)
 
     self.assertEqual(
         [
@@ -153,6 +184,7 @@ class GpuCheckDryRunTest(absltest.TestCase):
             ("dry", "gemm_down"),
             ("dry", "expert_ffn"),
             ("dry_small_k", "gemm_down"),
+            ("dry_precision", "gemm_up"),
         ],
     )
     phases = {w["name"]: w["phases"] for w in report["workloads"]}
@@ -160,8 +192,9 @@ class GpuCheckDryRunTest(absltest.TestCase):
       for method, entry in row["methods"].items():
         label = f"{row['workload']} {row['problem']} {method}"
         self.assertNotIn("error", entry, label)
-        if "skipped" in entry:
-          self.assertEqual(entry["skipped"], why_not, label)
+        if "skipped" in entry:  # Unavailable here, or not run by design.
+          why = dict(gpu_workloads.PRECISION.skipped).get(method, why_not)
+          self.assertEqual(entry["skipped"], why, label)
           self.assertIsNone(entry["fwd_time_over_dense"], label)
           continue
         for phase in phases[row["workload"]]:
@@ -188,6 +221,39 @@ class GpuCheckDryRunTest(absltest.TestCase):
     else:
       self.assertIn("skipped", small_k["mosaic_gpu"])
       self.assertIsNone(goals["K"]["met"])
+    # The recipes' row: forward only, each pallas recipe against the bf16
+    # pallas GEMM timed in the same row; xla's skipped, as on the GPU.
+    recipes = report["timing"][4]["methods"]
+    self.assertEqual(list(recipes), list(gpu_workloads.PRECISION_METHODS))
+    self.assertEqual(recipes["pallas"]["fwd_time_over_pallas"], 1.0)
+    for method in gpu_workloads.QUANTIZED_PALLAS_METHODS:
+      self.assertNotIn("fwd_bwd_s", recipes[method], method)
+      self.assertEqual(
+          recipes[method]["fwd_time_over_pallas"],
+          recipes[method]["fwd_s"] / recipes["pallas"]["fwd_s"],
+      )
+    for method in gpu_workloads.QUANTIZED_XLA_METHODS:
+      self.assertIn("256 groups", recipes[method]["skipped"])
+    found = {
+        g["method"]: g
+        for g in report["goals"]
+        if g["workload"] == "dry_precision"
+    }
+    self.assertEqual(
+        sorted(found),
+        sorted(gpu_timing.FP8_METHODS + gpu_timing.EMULATED_METHODS),
+    )
+    for method in gpu_timing.FP8_METHODS:  # Throughput: the inverse ratio.
+      self.assertAlmostEqual(
+          found[method]["value"],
+          1.0 / recipes[method]["fwd_time_over_pallas"],
+      )
+      self.assertIsNone(found[method]["met"])  # Not judged off Hopper.
+    for method in gpu_timing.EMULATED_METHODS:
+      self.assertEqual(
+          found[method]["value"], recipes[method]["fwd_time_over_pallas"]
+      )
+      self.assertIsNone(found[method]["target"])
 
   def test_failures_are_recorded_and_the_rest_still_runs(self):
     real_gemm = gpu_workloads.gemm_methods
@@ -220,8 +286,11 @@ class GpuCheckDryRunTest(absltest.TestCase):
         mock.patch.object(gpu_workloads, "backends", backends),
         mock.patch.object(gpu_correctness, "ffn_case", ffn_case),
         mock.patch.object(gpu_correctness, "layer_cases", lambda *args: None),
+        mock.patch.object(
+            gpu_correctness, "quantized_cases", lambda *args: None
+        ),
     ):
-      code, report = _run_dry(self)
+      code, report = _run_dry(self, "--workloads", "dry,dry_small_k")
     self.assertEqual(code, 1)
     self.assertEqual(set(report), _KEYS)
     self.assertIn("simulated", report["backends"]["mosaic"])
@@ -291,8 +360,8 @@ class VersionsAndLoweringTest(absltest.TestCase):
   def test_lower_only_lowers_every_program_for_cuda(self):
     """--lower_only at the full D and F, fewer rows: no GPU needed.
 
-    DeepSeek-V3's and the small-K programs: Mixtral's are the same programs
-    at other sizes, and would add 10 s.
+    DeepSeek-V3's, the small-K and the recipes' programs: Mixtral's are the
+    same programs at other sizes, and would add 10 s.
     """
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -302,7 +371,7 @@ class VersionsAndLoweringTest(absltest.TestCase):
               "--tokens",
               "256",
               "--workloads",
-              "deepseek_v3,small_k",
+              "deepseek_v3,small_k,deepseek_v3_precision",
           ]
       )
     log = out.getvalue()
@@ -328,6 +397,83 @@ class VersionsAndLoweringTest(absltest.TestCase):
     )
     self.assertRegex(log, r"ok   small_k gemm_down \S+ mosaic_gpu fwd: ")
     self.assertNotIn("small_k gemm_down [M,F]x[E,F,D] mosaic_gpu fwd+bwd", log)
+    # The recipes' forward programs: a pallas one calls Triton whatever
+    # its recipe; xla's, not run at 256 groups, are listed as skipped.
+    lowered = re.findall(
+        r"ok   deepseek_v3_precision gemm_up \S+ (\S+) (\S+):", log
+    )
+    pallas = ("pallas",) + gpu_workloads.QUANTIZED_PALLAS_METHODS
+    self.assertEqual(lowered, [(m, "fwd") for m in pallas])
+    for method in gpu_workloads.QUANTIZED_PALLAS_METHODS:
+      self.assertRegex(log, rf" {method} fwd: .*\d+ triton")
+    skipped = re.findall(r"skip deepseek_v3_precision gemm_up \S+ (\S+):", log)
+    self.assertEqual(skipped, list(gpu_workloads.QUANTIZED_XLA_METHODS))
+    # DeepSeek-V3 (22 programs) and small K (3), then the recipes'.
+    total = 25 + len(pallas)
+    self.assertIn(
+        f"lowered {total}/{total} programs for CUDA ({len(skipped)} methods "
+        "skipped",
+        log,
+    )
+
+
+class _Wrong:
+  """The xla backend, off by one part in a hundred on one recipe, and
+  refusing another the way a backend does (NotImplementedError)."""
+
+  def __init__(self, wrong, refused):
+    self.xla = moe_core.get_backend("xla", use_ragged_dot=True)
+    self.wrong, self.refused = wrong, refused
+
+  def grouped_gemm(self, rows, weights, group_sizes, **kwargs):
+    recipe = kwargs.get("precision", "bf16")
+    if recipe == self.refused:
+      raise NotImplementedError(f"test: precision {recipe!r} not supported")
+    out = self.xla.grouped_gemm(rows, weights, group_sizes, **kwargs)
+    return 1.01 * out if recipe == self.wrong else out
+
+
+class QuantizedCorrectnessTest(absltest.TestCase):
+
+  def test_wrong_refused_and_unbuilt_backends_are_recorded(self):
+    bes = gpu_workloads.Backends(
+        pallas=_Wrong(wrong="mxfp8", refused="nvfp4"),
+        pallas_fused=None,
+        mosaic=None,
+        mosaic_fused=None,
+        ragged=gpu_workloads.Unbuilt("xla", "ImportError: simulated"),
+    )
+    results = []
+    with mock.patch.object(
+        gpu_workloads, "QUANTIZED_GEMM_CASES", [_TINY_QUANTIZED]
+    ):
+      gpu_correctness.quantized_cases(
+          bes, moe_core.get_backend("reference"), results
+      )
+    by = {(r["backend"], r["case"].split()[1]): r for r in results}
+    self.assertLen(results, 2 * len(precision.QUANTIZED_RECIPES))
+    for recipe in ("fp8_tensor", "fp8_block"):  # The same product.
+      self.assertTrue(by["pallas", recipe]["ok"], by["pallas", recipe])
+    # 1 % off is far past the float32 budget.
+    self.assertFalse(by["pallas", "mxfp8"]["ok"])
+    self.assertAlmostEqual(by["pallas", "mxfp8"]["rel_err"], 0.01, places=4)
+    refused = by["pallas", "nvfp4"]
+    self.assertEqual(refused["quantity"], "skipped")
+    self.assertTrue(refused["ok"])
+    self.assertIn(
+        "NotImplementedError: test: precision 'nvfp4'", refused["skipped"]
+    )
+    for recipe in precision.QUANTIZED_RECIPES:
+      entry = by["xla", recipe]
+      self.assertEqual(entry["quantity"], "error")
+      self.assertIn("xla was not built: ImportError", entry["error"])
+    failed = gpu_report.failures({"correctness": results})
+    self.assertLen(failed, 1 + len(precision.QUANTIZED_RECIPES))
+    self.assertIn(
+        "correctness quantized_gemm mxfp8 m=48 k=160 n=40 E=3 pallas "
+        "bfloat16 out",
+        failed,
+    )
 
 
 class TablesTest(absltest.TestCase):
@@ -446,6 +592,61 @@ class TablesTest(absltest.TestCase):
             ("small_k", "mosaic_gpu", 0.9, True),
         ],
     )
+
+  def test_recipe_goals_read_the_ratios(self):
+    row = {
+        "workload": "deepseek_v3_precision",
+        "problem": "gemm_up",
+        "methods": {
+            "pallas": {"fwd_time_over_pallas": 1.0},
+            "pallas_fp8_tensor": {"fwd_time_over_pallas": 0.5},
+            "pallas_fp8_block": {"fwd_time_over_pallas": 1.0},
+            "pallas_mxfp8": {"fwd_time_over_pallas": 1.25},
+            "pallas_nvfp4": {"error": "fwd: boom"},
+        },
+    }
+    for device, judged in (("NVIDIA H200", True), ("cpu", False)):
+      found = gpu_timing.goals([row], device)
+      # FP8: throughput over bf16's, the inverse of the time ratio (2x and
+      # 1x: one meets 1.5x, one misses); judged on Hopper only.
+      self.assertEqual(
+          [(g["method"], g["value"], g["met"]) for g in found],
+          [
+              ("pallas_fp8_tensor", 2.0, True if judged else None),
+              ("pallas_fp8_block", 1.0, False if judged else None),
+              ("pallas_mxfp8", 1.25, None),
+              ("pallas_nvfp4", None, None),
+          ],
+      )
+      self.assertEqual([g["target"] for g in found][2:], [None, None])
+
+  def test_hopper_device_kinds(self):
+    for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA GH200 480GB"):
+      self.assertTrue(gpu_timing.is_hopper(kind), kind)
+    for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA B200", "cpu", None):
+      self.assertFalse(gpu_timing.is_hopper(kind), kind)
+
+  def test_recipe_methods_only_where_named(self):
+    cfg = gpu_workloads.ffn_config(_TINY)
+    bes = gpu_workloads.backends(on_gpu=False)
+    self.assertEqual(
+        list(gpu_workloads.methods_for("gemm", bes, cfg)),
+        list(gpu_workloads.GEMM_METHODS),
+    )
+    workload = gpu_workloads.PRECISION
+    methods = gpu_workloads.methods_for(
+        "gemm", bes, cfg, workload.methods, workload.skipped
+    )
+    self.assertEqual(list(methods), list(gpu_workloads.PRECISION_METHODS))
+    for method, fn in methods.items():
+      recipe = gpu_workloads.method_recipe(method)
+      self.assertEqual(method == "pallas", recipe == "bf16", method)
+      self.assertTrue(method.endswith(recipe) or recipe == "bf16", method)
+      # xla's quantised GEMMs are not timed at 256 groups: why, recorded.
+      skipped = isinstance(fn, gpu_workloads.Skip)
+      self.assertEqual(skipped, method.startswith("xla_"), method)
+      if skipped:
+        self.assertIn("256 groups", fn.reason)
 
   def test_ratios_tolerate_failed_methods(self):
     row = {

@@ -5,10 +5,15 @@ and with the fused activation), with NaN in the padding rows, then a small
 MoE layer and its gradients, for each backend: pallas (Pallas Triton) in
 bf16 and float32, mosaic_gpu (Mosaic GPU forward and dX, Pallas Triton dW)
 in bf16; its float32 cases are recorded as skipped with the
-NotImplementedError it raises for them. Each result is an entry {case,
-backend, dtype, quantity, rel_err, ok, ...} (`gpu_tolerances.rel_err`
-against its budget); each case runs guarded, so one that raises leaves an
-entry with quantity "error" and the next case runs.
+NotImplementedError it raises for them. Then, for pallas and xla, the
+forward grouped GEMM of each quantised recipe of `moe_core.precision`
+against the reference backend's on the same inputs (bf16, NaN padding
+rows), with a float32 output: both multiply the same quantised operands,
+so only the order of float32 sums differs and the float32 budget applies.
+Each result is an entry {case, backend, dtype, quantity, rel_err, ok, ...}
+(`gpu_tolerances.rel_err` against its budget); each case runs guarded, so
+one that raises leaves an entry with quantity "error" and the next case
+runs.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from backends.pallas import tiling
 from bench import gpu_report
 from bench import gpu_tolerances
 from bench import gpu_workloads
+from moe_core import precision
 
 # Outputs whose padding rows (past sum(group sizes)) must come out as zeros.
 _ZERO_PADDED = ("out", "d_rows")
@@ -256,6 +262,91 @@ def mosaic_gemm_case(be, ref, m, c, n, sizes, transpose_rhs, dtype, seed):
   ]
 
 
+def quantized_gemm_name(case, recipe, backend):
+  m, c, n, sizes = case
+  return f"quantized_gemm {recipe} m={m} k={c} n={n} E={len(sizes)} {backend}"
+
+
+def _quantized_output(be, case, recipe, seed, *, trace_only=False):
+  """`be`'s forward on `recipe`: [M, N] float32.
+
+  trace_only gives its jax.ShapeDtypeStruct (nothing compiles). case is
+  (M, C, N, group sizes); the inputs are bf16, rows [M, C] with NaN padding
+  rows and weights [E, C, N], drawn from `seed`.
+  """
+  m, c, n, sizes = case
+  rows, weights, _ = _gemm_operands(m, c, n, sizes, False, seed)
+  nan_rows, _ = _nan_and_zero_padded(rows, sum(sizes))
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+
+  def run(x, w):
+    return be.grouped_gemm(
+        x, w, group_sizes, precision=recipe, out_dtype=jnp.float32
+    )
+
+  bf16 = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
+  if trace_only:
+    program = functools.partial(jax.eval_shape, run)
+  else:
+    program = jax.jit(run)
+  return program(bf16(nan_rows), bf16(weights))
+
+
+def quantized_gemm_case(be, want, case, recipe, seed, backend):
+  """The forward of `be` on `recipe` against the reference's: entries.
+
+  `want()` is the reference's output on the same inputs. One "skipped"
+  entry, with the message, if `be` raises NotImplementedError for the
+  recipe (found by tracing alone); else the output (padding rows zero)
+  within the float32 budget.
+  """
+  name = quantized_gemm_name(case, recipe, backend)
+  try:
+    _quantized_output(be, case, recipe, seed, trace_only=True)
+  except NotImplementedError as e:
+    return [_skipped(name, backend, "bfloat16", gpu_report.error_text(e))]
+  m, c, n, sizes = case
+  entries = _padded_entries(
+      name,
+      backend,
+      "bfloat16",
+      [("out", _quantized_output(be, case, recipe, seed), want())],
+      gpu_tolerances.FLOAT32,
+      sum(sizes),
+      _gpu_fwd_tiles(backend, m, c, n, len(sizes), "bfloat16"),
+  )
+  for entry in entries:
+    entry["recipe"] = recipe
+  return entries
+
+
+def quantized_cases(bes, ref, results):
+  """Each recipe's forward on pallas and xla vs the reference's.
+
+  xla is `bes.ragged` (on jax.lax.ragged_dot: the xla backend's path on a
+  GPU). The reference runs once per case and recipe, for both backends (a
+  failure there fails each backend's entry).
+  """
+  backends = ((PALLAS, bes.pallas), ("xla", bes.ragged))
+  for index, case in enumerate(gpu_workloads.QUANTIZED_GEMM_CASES):
+    seed = 20 + index
+    for recipe in precision.QUANTIZED_RECIPES:
+      want = functools.cache(
+          functools.partial(_quantized_output, ref, case, recipe, seed)
+      )
+      for backend, be in backends:
+        _run_or_skip(
+            results,
+            quantized_gemm_name(case, recipe, backend),
+            backend,
+            "bfloat16",
+            be,
+            functools.partial(
+                quantized_gemm_case, be, want, case, recipe, seed, backend
+            ),
+        )
+
+
 def ffn_case(be, label, m, d, f, sizes, seed, backend=PALLAS):
   """Output and gradients of expert_ffn (bf16) with NaN padding rows."""
   e = len(sizes)
@@ -377,7 +468,9 @@ def layer_cases(cases, ref, results):
 
 
 def check_correctness(bes, results=None, *, mosaic_gemm_cases=None):
-  """pallas and mosaic_gpu vs reference: [{case, backend, dtype, ...}].
+  """pallas, mosaic_gpu, xla vs reference: [{case, backend, dtype, ...}].
+
+  xla only for the quantised recipes (`quantized_cases`).
 
   Args:
     bes: a `gpu_workloads.Backends`.
@@ -449,6 +542,7 @@ def check_correctness(bes, results=None, *, mosaic_gemm_cases=None):
         ("moe_layer mosaic_gpu fused_act", MOSAIC, bes.mosaic_fused),
     ]
   layer_cases(layers, ref, results)
+  quantized_cases(bes, ref, results)
   return results
 
 

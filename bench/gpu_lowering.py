@@ -2,10 +2,13 @@
 
 On any machine, a CPU-only one included (`moe_core.testing.cuda_export`):
 each method of each timed problem of each workload, forward and
-forward+backward, at the timed shapes, with abstract arguments. Each
-program's custom calls are counted: a pallas program must call Triton, a
-mosaic_gpu one Mosaic GPU (`mosaic_gpu_v2`), and its forward+backward also
-Triton (its dW is the Pallas Triton kernel). Needs only jax (no absl).
+forward+backward, at the timed shapes, with abstract arguments, the
+quantised GEMMs ("pallas_fp8_block", ...) included; a method its workload
+records as skipped (`Workload.skipped`) is not run on the GPU, so it is
+listed as skipped here, not lowered. Each program's custom calls are
+counted: a pallas program (of any recipe) must call Triton, a mosaic_gpu
+one Mosaic GPU (`mosaic_gpu_v2`), and its forward+backward also Triton
+(its dW is the Pallas Triton kernel). Needs only jax (no absl).
 """
 
 from __future__ import annotations
@@ -74,7 +77,10 @@ def lower(program, args, expected=()):
 
 
 def lower_only(workloads):
-  """Lowers every timed GPU program for CUDA; returns [(name, ok, detail)]."""
+  """Lowers every timed GPU program for CUDA; returns [(name, ok, detail)].
+
+  ok is None for a method the workload skips (detail: why).
+  """
   bes = gpu_workloads.backends(on_gpu=True)
   out = []
   for workload in workloads:
@@ -88,9 +94,14 @@ def lower_only(workloads):
       rows = s(problem.rows_shape, jnp.bfloat16)
       cot = s(problem.out_shape, jnp.float32)
       methods = gpu_workloads.methods_for(
-          problem.kind, bes, cfg, workload.methods
+          problem.kind, bes, cfg, workload.methods, workload.skipped
       )
       for method, fn in methods.items():
+        if isinstance(fn, gpu_workloads.Skip):
+          out.append(
+              (f"{workload.name} {problem.name} {method}", None, fn.reason)
+          )
+          continue
         if method == "dense":
           weights = gemm_workloads.one_expert(operand)
         else:
@@ -111,14 +122,22 @@ def lower_only(workloads):
   return out
 
 
+_STATUS = {True: "ok  ", False: "FAIL", None: "skip"}
+
+
 def run(workloads):
   """Lowers, prints a line per program and the totals; the exit status."""
   filtered = compat.triton_deprecations_filtered()
   results = lower_only(workloads)
   for label, ok, detail in results:
-    print(f"{'ok  ' if ok else 'FAIL'} {label}: {detail}")
-  failed = sum(not ok for _, ok, _ in results)
-  print(f"lowered {len(results) - failed}/{len(results)} programs for CUDA")
+    print(f"{_STATUS[ok]} {label}: {detail}")
+  lowered = [ok for _, ok, _ in results if ok is not None]
+  failed = lowered.count(False)
+  skipped = len(results) - len(lowered)
+  print(
+      f"lowered {len(lowered) - failed}/{len(lowered)} programs for CUDA "
+      f"({skipped} methods skipped, not run on the GPU either)"
+  )
   print(
       f"Pallas Triton deprecation warnings filtered: "
       f"{compat.triton_deprecations_filtered() - filtered}"

@@ -1,19 +1,26 @@
-"""gpu_check phase 2: bf16 times and TFLOP/s of every method, checked.
+"""gpu_check phase 2: times and TFLOP/s of every method, checked.
 
-For each workload (`gpu_workloads.FULL`: DeepSeek-V3, Mixtral, a small-K
-GEMM), timed problem and method, the median time of the jitted forward and
+For each workload (`gpu_workloads.FULL`: DeepSeek-V3, a small-K GEMM, the
+low-precision recipes at DeepSeek-V3's gate/up GEMM, Mixtral), timed
+problem and method, the median time of the jitted forward and
 forward+backward, their TFLOP/s, and the times over the dense, ragged_dot
 and pallas baselines (`timing.ratio_key`: time / baseline time, < 1
-faster). The timed programs' own output and gradients are then checked on a
-few sampled groups against a float32 per-group `jnp.dot`. Every method is
+faster). Inputs are bf16; a quantised method ("pallas_fp8_block", ...)
+quantises them by its recipe inside the timed program. The timed programs'
+own output and gradients are then checked on a few sampled groups against
+a float32 per-group `jnp.dot`, or for a quantised method against the
+reference backend's product of the same quantised group. Every method is
 guarded: one that raises records its error and the next one runs. `goals`
-reads mosaic_gpu's targets off the rows: forward at >= 0.6x dense cuBLAS
-throughput, and faster than pallas at small K.
+reads the targets off the rows: mosaic_gpu's forward at >= 0.6x dense
+cuBLAS throughput and faster than pallas at small K; the FP8 recipes'
+pallas forward at >= 1.5x the bf16 pallas forward's throughput on Hopper;
+the emulated recipes' (mxfp8, nvfp4) cost over bf16, reported.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import statistics
 import time
 import traceback
@@ -40,6 +47,18 @@ PHASE_BUDGET_S = 2.0
 # mosaic_gpu's targets (`goals`): forward throughput at least this fraction
 # of dense cuBLAS bf16's, i.e. fwd_time_over_dense <= 1 / 0.6.
 FWD_THROUGHPUT_OVER_DENSE = 0.6
+# The FP8 recipes' target on Hopper (H100's dense FP8 tensor-core peak is
+# twice its bf16 one; 1.5x leaves room for quantising both operands): the
+# pallas forward's throughput over the bf16 pallas forward's in the same
+# row, i.e. fwd_time_over_pallas <= 1 / 1.5.
+FP8_THROUGHPUT_OVER_BF16 = 1.5
+FP8_METHODS = ("pallas_fp8_tensor", "pallas_fp8_block")
+# Recipes with no tensor-core path on Hopper: dequantised in the kernel,
+# their cost over bf16 reported, no target.
+EMULATED_METHODS = ("pallas_mxfp8", "pallas_nvfp4")
+# Hopper device kinds: "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA
+# GH200 480GB", "NVIDIA H800", "NVIDIA H20".
+_HOPPER = re.compile(r"\bG?H(20|100|200|800)\b")
 
 
 def _sample_groups(sizes):
@@ -63,12 +82,52 @@ def _group_oracle(kind, activation):
   return expert
 
 
-def _oracle_values(kind, activation, rows, weights, cot, sizes):
+def _quantized_oracle_values(rows, weights, cot, sizes, recipe):
+  """`_oracle_values` of a quantised GEMM: the reference's, on its groups.
+
+  The sampled groups alone, as one small grouped GEMM (one compile): rows
+  are quantised per group and weights per expert, so each quantises as
+  among the others, and this is the reference's product of the timed
+  program's own quantised operands, in float32 (quantising casts to
+  float32 first). Gradients are straight-through, the unquantised GEMM's.
+  """
+  offsets = np.concatenate([[0], np.cumsum(sizes)])
+  groups = _sample_groups(sizes)
+  spans = [(g, int(offsets[g]), int(offsets[g + 1])) for g in groups]
+  f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+  x = f32(jnp.concatenate([rows[lo:hi] for _, lo, hi in spans]))
+  ct = jnp.concatenate([cot[lo:hi] for _, lo, hi in spans])
+  ct = f32(ct.astype(rows.dtype))
+  w = f32(weights[np.asarray(groups, np.int32)])
+  group_sizes = jnp.asarray([hi - lo for _, lo, hi in spans], jnp.int32)
+  reference = moe_core.get_backend("reference")
+
+  def gemm(x, w):
+    return reference.grouped_gemm(
+        x, w, group_sizes, precision=recipe, out_dtype=jnp.float32
+    )
+
+  out, d_x, d_w = jax.jit(
+      functools.partial(gpu_workloads.output_and_grads, gemm)
+  )(x, w, ct)
+  found, start = [], 0
+  for i, (g, lo, hi) in enumerate(spans):
+    end = start + hi - lo
+    found.append((g, lo, hi, out[start:end], d_x[start:end], d_w[i]))
+    start = end
+  return found
+
+
+def _oracle_values(kind, activation, rows, weights, cot, sizes, recipe="bf16"):
   """[(group, lo, hi, out, d_rows, d_weights)] of the sampled groups.
 
-  Computed once per problem, in float32 from the same bf16 inputs; the
-  cotangent is rounded to the output's dtype, as the timed programs see it.
+  Computed once per problem and recipe, in float32 from the same bf16
+  inputs; the cotangent is rounded to the output's dtype, as the timed
+  programs see it. A quantised `recipe` (GEMMs only): the reference's
+  product of the same quantised operands (`_quantized_oracle_values`).
   """
+  if recipe != "bf16":
+    return _quantized_oracle_values(rows, weights, cot, sizes, recipe)
   offsets = np.concatenate([[0], np.cumsum(sizes)])
   values = jax.jit(
       functools.partial(
@@ -242,7 +301,7 @@ def run_timing(
     try:
       rows, cot, operand = _timed_inputs(problem, cfg, keys, dtype)
       methods = gpu_workloads.methods_for(
-          problem.kind, bes, cfg, workload.methods
+          problem.kind, bes, cfg, workload.methods, workload.skipped
       )
     except Exception as e:  # pylint: disable=broad-except
       row["error"] = gpu_report.error_text(e)
@@ -250,19 +309,15 @@ def run_timing(
       on_row()
       continue
     # One GEMM, or the whole expert FFN (three GEMMs and the activation).
+    # A quantised GEMM against the reference's product of the same
+    # quantised operands: as a bf16 GEMM, only the order of the float32
+    # sums and the bf16 output's rounding differ.
     tol = (
         gpu_tolerances.BF16_DEEP
         if problem.kind == "ffn"
         else gpu_tolerances.BF16
     )
-    try:
-      oracle = _oracle_values(
-          problem.kind, cfg.activation, rows, operand, cot, sizes
-      )
-    except Exception as e:  # pylint: disable=broad-except
-      oracle = []  # Every method's check then fails, saying why.
-      row["check_error"] = gpu_report.error_text(e)
-      traceback.print_exc()
+    oracle = _Oracles(problem.kind, cfg.activation, rows, operand, cot, sizes)
     for method, fn in methods.items():
       if isinstance(fn, gpu_workloads.Skip):  # Unavailable here: why.
         row["methods"][method] = {"skipped": fn.reason}
@@ -282,10 +337,12 @@ def run_timing(
           cot,
           repeats,
           problem.fwd_flops,
-          None if dense else oracle,
+          None if dense else oracle.of(gpu_workloads.method_recipe(method)),
           tol,
           workload.phases,
       )
+      if oracle.error:
+        row["check_error"] = oracle.error
       row["methods"][method] = entry
       print(
           f"  {workload.name} {problem.name} {method}: {_summary(entry)}",
@@ -296,6 +353,29 @@ def run_timing(
     del rows, cot, operand, oracle
     on_row()
   return m, sizes, results
+
+
+class _Oracles:
+  """`_oracle_values` of one problem, per recipe, computed when first asked.
+
+  A recipe whose oracle raised gives [] (every method's check then fails,
+  saying why) and leaves the error in `error` (the row's check_error).
+  """
+
+  def __init__(self, kind, activation, rows, weights, cot, sizes):
+    self._args = (kind, activation, rows, weights, cot, sizes)
+    self._found = {}
+    self.error = None
+
+  def of(self, recipe):
+    if recipe not in self._found:
+      try:
+        self._found[recipe] = _oracle_values(*self._args, recipe=recipe)
+      except Exception as e:  # pylint: disable=broad-except
+        self._found[recipe] = []
+        self.error = f"{recipe}: {gpu_report.error_text(e)}"
+        traceback.print_exc()
+    return self._found[recipe]
 
 
 def _summary(entry):
@@ -334,15 +414,67 @@ def add_ratios(row):
         )
 
 
-def goals(results):
-  """mosaic_gpu's targets, read off the timing rows: [{goal, ..., met}].
+def is_hopper(device_kind) -> bool:
+  """Whether a jax device_kind ("NVIDIA H200", ...) names a Hopper GPU."""
+  return bool(device_kind) and bool(_HOPPER.search(str(device_kind)))
+
+
+def _precision_goals(row, hopper):
+  """The recipes' entries of one row: FP8 targets, emulated costs."""
+  out = []
+  for method in FP8_METHODS:
+    entry = row["methods"].get(method)
+    if entry is None:
+      continue
+    ratio = entry.get(timing.ratio_key("fwd", "pallas"))
+    value = None if not ratio else 1.0 / ratio
+    out.append(
+        {
+            "goal": "fwd throughput / bf16 pallas fwd throughput on Hopper",
+            "workload": row.get("workload"),
+            "problem": row["problem"],
+            "method": method,
+            "value": value,
+            "target": f">= {FP8_THROUGHPUT_OVER_BF16} (Hopper only)",
+            # Elsewhere (the CPU's dry run, another GPU) only reported.
+            "met": None
+            if value is None or not hopper
+            else bool(value >= FP8_THROUGHPUT_OVER_BF16),
+        }
+    )
+  for method in EMULATED_METHODS:
+    entry = row["methods"].get(method)
+    if entry is None:
+      continue
+    out.append(
+        {
+            "goal": "emulated: cost vs bf16 (fwd time / bf16 pallas fwd "
+            "time)",
+            "workload": row.get("workload"),
+            "problem": row["problem"],
+            "method": method,
+            "value": entry.get(timing.ratio_key("fwd", "pallas")),
+            "target": None,
+            "met": None,
+        }
+    )
+  return out
+
+
+def goals(results, device_kind=None):
+  """The targets, read off the timing rows: [{goal, ..., met}].
 
   On every row, each mosaic_gpu method's forward throughput over dense
   cuBLAS's (1 / fwd_time_over_dense; target >= 0.6); on the small-K
-  workloads', mosaic_gpu's forward time over pallas' (target < 1). met is
-  None where a time is missing. Targets, not checks: a miss is no failure.
+  workloads', mosaic_gpu's forward time over pallas' (target < 1). Where a
+  row times the recipes: fp8_tensor's and fp8_block's pallas forward
+  throughput over the bf16 pallas forward's (target >= 1.5, judged only
+  when `device_kind` is a Hopper GPU's), and mxfp8's and nvfp4's forward
+  time over bf16's (reported: target None). met is None where a time is
+  missing or nothing is judged. Targets, not checks: a miss is no failure.
   """
   out = []
+  hopper = is_hopper(device_kind)
   for row in results:
     for method in gpu_workloads.MOSAIC_METHODS:
       entry = row["methods"].get(method)
@@ -376,12 +508,19 @@ def goals(results):
                 "met": None if value is None else bool(value < 1),
             }
         )
+    out.extend(_precision_goals(row, hopper))
   return out
 
 
 def print_goals(found):
   for g in found:
     value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
+    if g["target"] is None:
+      print(
+          f"report {g['workload']} {g['problem']} {g['method']}: "
+          f"{g['goal']} = {value}"
+      )
+      continue
     met = {None: "UNKNOWN", True: "met", False: "MISSED"}[g["met"]]
     print(
         f"goal {g['workload']} {g['problem']} {g['method']}: {g['goal']} = "
@@ -451,5 +590,6 @@ def print_timing(results):
       "'time/dense', 'time/ragged', 'time/pallas': the method's time / the "
       "time of a dense jnp.dot of the same FLOPs, of ragged_dot, of pallas, "
       "in this run (< 1 is faster); 'max err': of the timed output and "
-      "gradients on sampled groups vs float32 jnp.dot."
+      "gradients on sampled groups vs float32 jnp.dot (a recipe's output: "
+      "vs the reference's product of the same quantised group)."
   )

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import moe_core
 from bench import gemm_workloads
 from moe_core import ffn
+from moe_core import precision
 
 # The methods a timed problem can have. "dense" is one jnp.dot (cuBLAS) of
 # the same FLOPs; "ragged_dot" is jax.lax.ragged_dot (for the FFN, the xla
@@ -33,6 +34,17 @@ FFN_METHODS = (
     "ragged_dot",
 )
 MOSAIC_METHODS = ("mosaic_gpu", "mosaic_gpu_fused_act")
+# The grouped GEMM on quantised operands (`moe_core.precision`), forward:
+# "<backend>_<recipe>", bf16 inputs and output. Named by a workload only
+# (`PRECISION`): no other row times them.
+QUANTIZED_PALLAS_METHODS = tuple(
+    f"pallas_{r}" for r in precision.QUANTIZED_RECIPES
+)
+QUANTIZED_XLA_METHODS = tuple(f"xla_{r}" for r in precision.QUANTIZED_RECIPES)
+# The recipes' row: the bf16 pallas GEMM first, the baseline of every ratio.
+PRECISION_METHODS = (
+    ("pallas",) + QUANTIZED_PALLAS_METHODS + QUANTIZED_XLA_METHODS
+)
 PHASES = ("fwd", "fwd_bwd")
 
 
@@ -52,6 +64,9 @@ class Workload(NamedTuple):
   phases: tuple[str, ...] = PHASES
   # Why the workload is there, for the JSON.
   note: str = ""
+  # (method, why) of methods recorded as skipped in its timing rows, not
+  # run (they are still lowered by --lower_only).
+  skipped: tuple[tuple[str, str], ...] = ()
 
 
 # Timed shapes on the GPU. DeepSeek-V3 with all 256 experts: its three
@@ -88,8 +103,32 @@ SMALL_K = Workload(
     phases=("fwd",),
     note="K=1024 -> N=7168, 256 groups: mosaic_gpu vs pallas forward",
 )
+# xla's quantised GEMMs are float32 jax.lax.ragged_dot calls (one per K
+# block for fp8_block): at 256 groups that is the expansion DEEPSEEK_V3
+# leaves out, in float32.
+_XLA_AT_256_GROUPS = (
+    "xla's quantised forward is float32 jax.lax.ragged_dot over 256 groups, "
+    "which XLA:GPU (jax <= 0.11) expands into a dense product over every "
+    "group (256x the FLOPs; ~70 GB of float32 output); its quantised GEMMs "
+    "are checked in the correctness phase"
+)
+# The low-precision recipes at DeepSeek-V3's gate/up GEMM, forward only: the
+# bf16 pallas GEMM again (the baseline of the ratios, in the same row), then
+# each quantised recipe. The time includes quantising both operands.
+PRECISION = Workload(
+    "deepseek_v3_precision",
+    dict(DEEPSEEK_V3.shape),
+    model_experts=256,
+    problems=("gemm_up",),
+    methods=PRECISION_METHODS,
+    phases=("fwd",),
+    note="DeepSeek-V3 gate/up GEMM forward, bf16 in and out, each recipe of "
+    "moe_core.precision (quantising both operands included) vs the bf16 "
+    "pallas GEMM",
+    skipped=tuple((m, _XLA_AT_256_GROUPS) for m in QUANTIZED_XLA_METHODS),
+)
 # In this order: past gpu_check's --budget_s the last ones are skipped.
-FULL = (DEEPSEEK_V3, SMALL_K, MIXTRAL)
+FULL = (DEEPSEEK_V3, SMALL_K, PRECISION, MIXTRAL)
 
 # --dry_run: tiny shapes on the CPU, kernels interpreted. Mosaic GPU's
 # interpreter simulates every thread (seconds a call), so mosaic_gpu is
@@ -118,6 +157,16 @@ def dry_workloads(shape=None):
           methods=SMALL_K.methods,
           phases=SMALL_K.phases,
           note="tiny, interpreted: the small-K row's logic",
+      ),
+      Workload(
+          "dry_precision",
+          shape,
+          model_experts=shape["experts"],
+          problems=PRECISION.problems,
+          methods=PRECISION.methods,
+          phases=PRECISION.phases,
+          note="tiny, interpreted: the recipes' row",
+          skipped=PRECISION.skipped,
       ),
   )
 
@@ -153,6 +202,11 @@ LAYER_CONFIG = {
     "shared_ffn_size": 256,
 }
 LAYER_BATCH = (2, 256)
+# Quantised GEMM cases, forward, each recipe on pallas and xla against the
+# reference: (M, C, N, group sizes), bf16 inputs with NaN padding rows, a
+# float32 output. C = 320 leaves fp8_block's last 128-wide block half
+# padding, N = 96 a 128x128 weight block part padding; group 1 is empty.
+QUANTIZED_GEMM_CASES = [(128, 320, 96, (37, 0, 51, 22))]
 
 # The expert FFN's weights, the operand of every FFN method.
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -355,13 +409,49 @@ def ffn_methods(bes: Backends, cfg):
   }
 
 
-def methods_for(kind, bes: Backends, cfg, keep=None):
-  """The methods of a problem of `kind` ("gemm" or "ffn"), those in keep."""
+def method_recipe(method: str) -> str:
+  """The `moe_core.precision` recipe a method multiplies with ("bf16")."""
+  for recipe in precision.QUANTIZED_RECIPES:
+    if method.endswith("_" + recipe):
+      return recipe
+  return "bf16"
+
+
+def quantized_gemm_methods(bes: Backends):
+  """ "<backend>_<recipe>" -> f(rows, weights, group_sizes) -> [M, N].
+
+  pallas and xla (on jax.lax.ragged_dot, as on a GPU), bf16 out.
+  """
+
+  def of(be, recipe):
+    if isinstance(be, Unavailable):
+      return be.grouped_gemm
+    return lambda x, w, g: be.grouped_gemm(x, w, g, precision=recipe)
+
+  methods = {}
+  for recipe in precision.QUANTIZED_RECIPES:
+    methods[f"pallas_{recipe}"] = of(bes.pallas, recipe)
+  for recipe in precision.QUANTIZED_RECIPES:
+    methods[f"xla_{recipe}"] = of(bes.ragged, recipe)
+  return methods
+
+
+def methods_for(kind, bes: Backends, cfg, keep=None, skipped=()):
+  """The methods of a problem of `kind` ("gemm" or "ffn"), in keep's order.
+
+  keep None: every plain (bf16) method of that kind; the quantised GEMMs
+  only where keep names them. A method in `skipped` ((name, why) pairs) is
+  a `Skip` with its reason.
+  """
   if kind == "gemm":
-    methods = gemm_methods(bes)
+    methods = {**gemm_methods(bes), **quantized_gemm_methods(bes)}
+    plain = GEMM_METHODS
   else:
     methods = ffn_methods(bes, cfg)
-  return {k: v for k, v in methods.items() if keep is None or k in keep}
+    plain = FFN_METHODS
+  methods.update((name, Skip(why)) for name, why in skipped)
+  names = plain if keep is None else keep
+  return {k: methods[k] for k in names if k in methods}
 
 
 def output_and_grads(fn, x, w, cotangent):
