@@ -32,6 +32,7 @@ import numpy as np
 
 import moe_core
 from bench import gemm_workloads
+from bench import flag_checks
 from bench import text_table
 from bench import timing
 
@@ -79,24 +80,16 @@ for _holder in (_ROWS, _CONTRACT, _OUTPUT, _EXPERTS, _REPEATS):
 
 @flags.validator("backends")
 def _check_backends(names) -> bool:
-  valid = moe_core.registered_backends()
-  if not names or len(set(names)) < len(names) or set(names) - set(valid):
-    raise flags.ValidationError(
-        f"--backends must list one or more distinct names from {valid}, got "
-        f"{names!r}."
-    )
-  return True
+  return flag_checks.check_distinct_names(
+      "backends", names, moe_core.registered_backends()
+  )
 
 
 @flags.validator("recipes")
 def _check_recipes(names) -> bool:
-  valid = list(moe_core.config.PRECISIONS)
-  if not names or len(set(names)) < len(names) or set(names) - set(valid):
-    raise flags.ValidationError(
-        f"--recipes must list one or more distinct names from {valid}, got "
-        f"{names!r}."
-    )
-  return True
+  return flag_checks.check_distinct_names(
+      "recipes", names, moe_core.config.PRECISIONS
+  )
 
 
 def _takes_precision(backend) -> bool:

@@ -44,6 +44,7 @@ import numpy as np
 
 import moe_core
 import moe_core.flags  # Defines --moe_backend.
+from bench import flag_checks
 from bench import text_table
 from bench import timing
 from train import data as data_lib
@@ -104,13 +105,9 @@ def _check_seed(value) -> bool:
 
 @flags.validator("recipes")
 def _check_recipes(names) -> bool:
-  valid = list(moe_core.config.PRECISIONS)
-  if not names or len(set(names)) < len(names) or set(names) - set(valid):
-    raise flags.ValidationError(
-        f"--recipes must list one or more distinct names from {valid}, got "
-        f"{names!r}."
-    )
-  return True
+  return flag_checks.check_distinct_names(
+      "recipes", names, moe_core.config.PRECISIONS
+  )
 
 
 def recipes_with_baseline(names: list[str]) -> list[str]:
