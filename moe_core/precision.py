@@ -532,7 +532,7 @@ def _dequantize(q, dtype):
   return x.astype(dtype)
 
 
-def _row_groups(group_sizes, num_rows):
+def row_groups(group_sizes, num_rows):
   """Group id of each row [M] int32; rows past sum(group_sizes) get E."""
   ends = jnp.cumsum(group_sizes)
   rows = jnp.arange(num_rows, dtype=ends.dtype)
@@ -594,7 +594,7 @@ def quantize_grouped_rows(
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _quantize_grouped_rows(rows, group_sizes, recipe, dtype):
-  groups = _row_groups(group_sizes, rows.shape[0])
+  groups = row_groups(group_sizes, rows.shape[0])
   in_group = (groups < group_sizes.shape[0])[:, None]
   x = jnp.where(in_group, rows.astype(jnp.float32), 0.0)
   row_amax = _tensor_amax(x, batch_dims=1)

@@ -72,9 +72,8 @@ def row_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
 
   Their output is zero whatever scale they pick up: their quantised data is.
   """
-  ends = jnp.cumsum(group_sizes)
-  ids = jnp.searchsorted(ends, jnp.arange(num_rows), side="right")
-  return jnp.minimum(ids, group_sizes.shape[0] - 1).astype(jnp.int32)
+  groups = precision.row_groups(group_sizes, num_rows)
+  return jnp.minimum(groups, group_sizes.shape[0] - 1)
 
 
 def _contract_major(q_weights) -> tuple[jax.Array, jax.Array]:
