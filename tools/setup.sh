@@ -110,6 +110,10 @@ else
   default_leg=1
 fi
 LOCK="$REPO/requirements/$leg.txt"
+# The triton backend's extras (requirements/triton/README.md), installed
+# --no-deps after the lock: exact pins that pip's resolver would refuse on
+# the GPU machine's leg (jax-triton 0.4.1 declares triton >= 3.7).
+EXTRAS="$REPO/requirements/triton/$leg.txt"
 VENV="$REPO/.venvs/$leg"
 STAMP="$VENV/.requirements.sha256"
 log "leg $leg: $python ($(python_version_of "$python")), pins $LOCK"
@@ -129,8 +133,8 @@ else
   fi
 fi
 
-# 4. The pins, skipped when the stamp matches the lock file's hash.
-want="$(sha256sum "$LOCK" | cut -d' ' -f1)"
+# 4. The pins, skipped when the stamp matches the hash of the lock and extras.
+want="$(cat "$LOCK" "$EXTRAS" 2>/dev/null | sha256sum | cut -d' ' -f1)"
 have="$(cat "$STAMP" 2>/dev/null || true)"
 if [[ "$want" == "$have" && "${FORCE_PIP:-0}" != 1 ]]; then
   log "pins already installed (stamp ${want:0:12})"
@@ -140,6 +144,11 @@ else
   # -qq: errors only (pip's configured indexes warn once per package).
   "$VENV/bin/python" -m pip install -qq --progress-bar off \
     --disable-pip-version-check -r "$LOCK" >&2
+  if [[ -f "$EXTRAS" ]]; then
+    log "pip install --no-deps -r requirements/triton/$leg.txt"
+    "$VENV/bin/python" -m pip install -qq --progress-bar off \
+      --disable-pip-version-check --no-deps -r "$EXTRAS" >&2
+  fi
   echo "$want" > "$STAMP"
   log "pins installed (stamp ${want:0:12})"
 fi
