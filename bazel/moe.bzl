@@ -212,4 +212,7 @@ def moe_conformance_test(
     native.test_suite(
         name = name + "_all",
         tests = [":" + name, ":" + name + "_ep"],
+        # A `manual` suite stays manual: a test_suite found by `//...`
+        # would otherwise run the tests it lists, manual or not.
+        tags = ["manual"] if "manual" in tags else [],
     )

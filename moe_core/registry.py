@@ -16,6 +16,7 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
     "xla": "backends.xla.backend:XlaBackend",
     "pallas": "backends.pallas.backend:PallasBackend",
     "mosaic_gpu": "backends.mosaic_gpu.backend:MosaicGpuBackend",
+    "triton": "backends.triton.backend:TritonBackend",
 }
 
 # What "auto" tries, per platform, first to last. Every order ends at
@@ -24,9 +25,11 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
 # backend that raises NotImplementedError for an input (mosaic_gpu for
 # float32) passes it on to the next. On a GPU, mosaic_gpu comes first:
 # tokamax's H100 data has Mosaic GPU at or above Triton forward and 2.6x
-# it at small K with 256 groups (bench/gpu_check.py measures ours).
+# it at small K with 256 groups (bench/gpu_check.py measures ours). triton
+# (raw Triton through jax-triton) comes after pallas until a GPU run has
+# measured it; it needs jax-triton installed, and says so when it is not.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "gpu": ("mosaic_gpu", "pallas", "xla", "reference"),
+    "gpu": ("mosaic_gpu", "pallas", "triton", "xla", "reference"),
     "cpu": ("xla", "pallas", "reference"),
 }
 _DEFAULT_AUTO_ORDER = ("xla", "reference")

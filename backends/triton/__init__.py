@@ -1,0 +1,1 @@
+"""The triton backend: raw Triton grouped-GEMM and permute kernels."""

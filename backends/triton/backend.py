@@ -1,0 +1,292 @@
+"""TritonBackend: raw Triton kernels over a tile list, through jax-triton."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+from jax import ad_checkpoint
+import jax.numpy as jnp
+
+from backends.triton import configs as configs_lib
+from backends.triton import launch
+from backends.triton import ops
+from moe_core import backend
+from moe_core import checks
+from moe_core import config as config_lib
+from moe_core import ffn
+from moe_core import operands
+from moe_core import permute
+from moe_core import routing
+from moe_core import validation
+
+
+class TritonBackend(backend.Backend):
+  """Grouped GEMMs and the permutation as raw Triton kernels; no host sync.
+
+  Forward and dX run one tile-list gmm kernel, dW a tgmm kernel looping over
+  each group's rows; dispatch and combine are gather kernels
+  (`permute_kernels`). On NVIDIA GPUs the kernels go through jax-triton; with
+  `interpret=True` every kernel runs in Triton's interpreter on the CPU.
+
+  Args:
+    configs: tile sizes and launch settings: None (the table of
+      `configs.TABLE` with its heuristic fallback), a `configs.Config` for
+      every kernel, or a dict kind -> Config (see `configs.choose`).
+    interpret: False compiles for the GPU (unavailable elsewhere); True runs
+      every kernel in Triton's interpreter through a host callback (CPU,
+      slow: for tests at small shapes; needs torch and triton).
+    fuse_activation: compute act(gate) * up in the gated kernel's epilogue
+      (every activation of `ops.GATED_ACTIVATIONS`); gate and up then exist
+      only inside that op, so only the "moe_down" checkpoint name is emitted
+      (`checkpoint_names`), as for pallas.
+    generation: "sm90" or "sm100", the config table's rows; None picks by
+      the first device's compute capability ("sm90" off a GPU).
+    fuse_routing_weights: in `routed_experts`, multiply each row by its
+      combine weight in the down GEMM's epilogue and un-permute with unit
+      weights (dropless configs with the "bf16" precision; others run the
+      unfused path).
+  """
+
+  name: ClassVar[str] = "triton"
+  dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
+      jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)
+  )
+
+  def __init__(
+      self,
+      *,
+      configs=None,
+      interpret: bool = False,
+      fuse_activation: bool = True,
+      generation: str | None = None,
+      fuse_routing_weights: bool = False,
+  ):
+    for option, value in (
+        ("interpret", interpret),
+        ("fuse_activation", fuse_activation),
+        ("fuse_routing_weights", fuse_routing_weights),
+    ):
+      if not isinstance(value, bool):
+        raise TypeError(f"{option} must be a bool, got {type(value).__name__}.")
+    if generation is None:
+      generation = configs_lib.generation() or "sm90"
+    self.runner = launch.Runner(
+        mode="interpret" if interpret else "gpu",
+        configs=configs,
+        generation=generation,
+    )
+    self.fuse_activation = fuse_activation
+    self.fuse_routing_weights = fuse_routing_weights
+
+  @property
+  def interpret(self) -> bool:
+    return self.runner.mode == "interpret"
+
+  def __repr__(self) -> str:
+    return (
+        f"TritonBackend(interpret={self.interpret}, "
+        f"configs={self.runner.configs!r}, "
+        f"fuse_activation={self.fuse_activation}, "
+        f"generation={self.runner.generation!r}, "
+        f"fuse_routing_weights={self.fuse_routing_weights})"
+    )
+
+  def availability(self) -> tuple[bool, str]:
+    return launch.availability(self.runner)
+
+  # --- The grouped GEMM and the expert FFN hooks ------------------------------
+
+  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
+    return ops.grouped_gemm(
+        gemm.rows,
+        gemm.weights,
+        gemm.group_sizes,
+        gemm.transpose_rhs,
+        gemm.out_dtype,
+        self.runner,
+    )
+
+  def _gate_up(
+      self, ffn_in: operands.FfnOperands
+  ) -> tuple[jax.Array, jax.Array]:
+    """Two gmm calls: (rows @ w_gate[g], rows @ w_up[g]), each [M, F]."""
+    return (
+        self._one_gemm(ffn_in.rows, ffn_in.w_gate, ffn_in.group_sizes),
+        self._one_gemm(ffn_in.rows, ffn_in.w_up, ffn_in.group_sizes),
+    )
+
+  def _fuses_activation(self, activation: str) -> bool:
+    return self.fuse_activation and activation in ops.GATED_ACTIVATIONS
+
+  def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
+    """act(gate) * up in the gated kernel's epilogue: one [M, F] output."""
+    return ops.gated_gate_up(
+        ffn_in.rows,
+        ffn_in.w_gate,
+        ffn_in.w_up,
+        ffn_in.group_sizes,
+        ffn_in.activation,
+        self.runner,
+    )
+
+  def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
+    return self._one_gemm(h, ffn_in.w_down, ffn_in.group_sizes)
+
+  def _one_gemm(self, lhs, weights, group_sizes) -> jax.Array:
+    """lhs [M, C] x weights [E, C, N] -> [M, N] in lhs' dtype."""
+    return ops.grouped_gemm(
+        lhs, weights, group_sizes, False, jnp.dtype(lhs.dtype), self.runner
+    )
+
+  # --- Dispatch and combine ---------------------------------------------------
+
+  def _gathers(self, dtype) -> bool:
+    """Whether the permute kernels take `dtype` (else the XLA gather)."""
+    return jnp.dtype(dtype) in self.dtypes
+
+  def dispatch(
+      self, x: jax.Array, aux: routing.MoEAux, cfg: config_lib.MoEConfig
+  ) -> permute.Dispatched:
+    """Token copies sorted by expert: x [T, D] -> rows [T*K, D].
+
+    The sort is `moe_core.permute.dispatch`'s own; only the row gather is
+    the permute kernel.
+    """
+    validation.check_config(cfg)
+    validation.check_aux(aux)
+    kept = None if cfg.dropless else aux.kept
+    validation.check_dispatch(x, aux.expert_ids, cfg.num_experts, kept)
+    if not self._gathers(x.dtype):
+      return permute.dispatch(x, aux.expert_ids, cfg.num_experts, kept)
+    # A zero-width view of x: dispatch validates and sorts exactly as it
+    # does for x, and its gather has no data to move.
+    sorted_meta = permute.dispatch(
+        x[:, :0], aux.expert_ids, cfg.num_experts, kept
+    )
+    rows = ops.permute(
+        x,
+        sorted_meta.assignment,
+        sorted_meta.position,
+        sorted_meta.invalid.astype(jnp.int8),
+        sorted_meta.top_k,
+        self.runner,
+    )
+    return dataclasses.replace(sorted_meta, rows=rows)
+
+  def combine(
+      self,
+      expert_out: jax.Array,
+      dispatched: permute.Dispatched,
+      aux: routing.MoEAux,
+      cfg: config_lib.MoEConfig,
+  ) -> jax.Array:
+    """Undoes `dispatch`, weighting each copy: [T*K, D] -> [T, D]."""
+    validation.check_config(cfg)
+    validation.check_aux(aux)
+    kept = None if cfg.dropless else aux.kept
+    return self._unpermute(expert_out, dispatched, aux.combine_weights, kept)
+
+  def _unpermute(self, expert_out, dispatched, combine_weights, kept):
+    """`permute.combine` (same validation) on the unpermute kernel."""
+    validation.check_combine(expert_out, dispatched, combine_weights, kept)
+    if not self._gathers(expert_out.dtype):
+      return permute.combine(expert_out, dispatched, combine_weights, kept)
+    num_rows = dispatched.position.shape[0]
+    kept_flags = (
+        jnp.ones((num_rows,), jnp.int8)
+        if kept is None
+        else kept.reshape(-1).astype(jnp.int8)
+    )
+    y = ops.unpermute(
+        expert_out,
+        combine_weights.astype(jnp.float32),
+        dispatched.position,
+        dispatched.assignment,
+        kept_flags,
+        dispatched.invalid.astype(jnp.int8),
+        self.runner,
+    )
+    return y
+
+  # --- The routed block, with the weights in the down GEMM --------------------
+
+  def _fuses_routing_weights(self, cfg: config_lib.MoEConfig, x_dtype) -> bool:
+    # Only dropless bf16-precision blocks of a dtype the kernels take: a
+    # capacity config's dropped copies, the quantised FFN (which never
+    # fuses) and other dtypes (NotImplementedError) keep the plain path.
+    return (
+        self.fuse_routing_weights
+        and cfg.dropless
+        and cfg.precision == "bf16"
+        and self._gathers(x_dtype)
+    )
+
+  def routed_experts(
+      self,
+      params: dict,
+      x: jax.Array,
+      aux: routing.MoEAux,
+      cfg: config_lib.MoEConfig,
+  ) -> jax.Array:
+    """The routed experts' weighted output: x [T, D] -> [T, D].
+
+    With `fuse_routing_weights` (dropless, "bf16" precision), each sorted
+    row's combine weight multiplies the down GEMM's float32 accumulator and
+    the combine sums with unit weights; a NaN weight still makes its token
+    NaN (through the scaled row), and an invalid id too (through combine).
+    """
+    if not self.fuse_routing_weights:
+      return super().routed_experts(params, x, aux, cfg)
+    validation.check_routed_experts(x, aux, cfg, params)
+    if not self._fuses_routing_weights(cfg, x.dtype):
+      return super().routed_experts(params, x, aux, cfg)
+    dispatched = self.dispatch(x, aux, cfg)
+    row_weights = aux.combine_weights.astype(jnp.float32).reshape(-1)[
+        dispatched.assignment
+    ]
+    out = self._weighted_expert_ffn(
+        dispatched.rows, dispatched.group_sizes, params, cfg, row_weights
+    )
+    return self._unpermute(
+        out, dispatched, jnp.ones_like(aux.combine_weights), None
+    )
+
+  def _weighted_expert_ffn(self, rows, group_sizes, params, cfg, row_weights):
+    """`Backend.expert_ffn` with out[r] scaled by row_weights[r] [M] float32.
+
+    The template's steps in its order (validation, dtype and precision
+    checks, sanitised sizes, the casts, the gate/up names when unfused,
+    poisoning on bad sizes, the "moe_down" name), with the down projection
+    replaced by `ops.down_weighted`.
+    """
+    validation.check_expert_ffn(rows, group_sizes, params, cfg)
+    self._check_dtype(rows.dtype)
+    self._check_precision(cfg.precision)
+    group_sizes = group_sizes.astype(jnp.int32)
+    bad = checks.check_group_sizes(group_sizes, rows.shape[0])
+    group_sizes = jnp.where(bad, 0, group_sizes)
+    w_gate, w_up, w_down = (
+        params[n].astype(rows.dtype) for n in ("w_gate", "w_up", "w_down")
+    )
+    ffn_in = operands.FfnOperands(
+        rows=rows,
+        group_sizes=group_sizes,
+        w_gate=w_gate,
+        w_up=w_up,
+        w_down=w_down,
+        activation=cfg.activation,
+    )
+    if self._fuses_activation(cfg.activation):
+      h = self._gated_gate_up(ffn_in)
+    else:
+      gate, up = self._gate_up(ffn_in)
+      h = ffn.gated(
+          ad_checkpoint.checkpoint_name(gate, backend.GATE_NAME),
+          ad_checkpoint.checkpoint_name(up, backend.UP_NAME),
+          cfg.activation,
+      )
+    out = ops.down_weighted(h, w_down, group_sizes, row_weights, self.runner)
+    out = checks.poison_if(bad, out, rows, w_gate, w_up, w_down)
+    return ad_checkpoint.checkpoint_name(out, backend.DOWN_NAME)

@@ -1,0 +1,32 @@
+"""The shared conformance suite on triton, every kernel in Triton's interpreter.
+
+The same @triton.jit kernels as on a GPU, run on the CPU through a host
+callback (`launch`'s interpret mode: torch CPU tensors, so the py311 leg
+only; elsewhere every test skips with the reason) with the interpreter's
+small tiles (`configs.INTERPRET`), so the suite's cases hit tiles shared by
+two groups, empty groups and partial tiles. The routing weights are applied
+in the down GEMM's epilogue (`fuse_routing_weights`), the backend's least
+conventional path; the unfused one is the default of ops_interpret_test.
+
+Not part of `bazel test //...` (tag `manual`): about 4 minutes on 2 cores,
+more than CI's budget has room for. Run it with
+`tools/test.sh --leg=py311-jax0.10 //backends/triton:conformance_test_interpret`.
+"""
+
+from conformance import suite
+
+_OPTIONS = {"interpret": True, "fuse_routing_weights": True}
+
+
+class TritonInterpretConformanceTest(suite.ConformanceTest):
+  BACKEND = "triton"
+  BACKEND_OPTIONS = _OPTIONS
+
+
+class TritonInterpretExpertParallelTest(suite.ExpertParallelTest):
+  BACKEND = "triton"
+  BACKEND_OPTIONS = _OPTIONS
+
+
+if __name__ == "__main__":
+  suite.main()
