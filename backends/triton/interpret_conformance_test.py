@@ -9,8 +9,10 @@ in the down GEMM's epilogue (`fuse_routing_weights`), the backend's least
 conventional path; the unfused one is the default of ops_interpret_test.
 
 Not part of `bazel test //...` (tag `manual`): about 4 minutes on 2 cores,
-more than CI's budget has room for. Run it with
-`tools/test.sh --leg=py311-jax0.10 //backends/triton:conformance_test_interpret`.
+more than CI's budget has room for. Run it on the py311 leg with
+`PYTHONPATH=. .venvs/py311-jax0.10/bin/python -m pytest -q \
+    backends/triton/interpret_conformance_test.py` (both classes, on the
+8 devices the root conftest.py makes) or with Bazel by its name.
 """
 
 from conformance import suite
