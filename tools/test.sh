@@ -50,7 +50,14 @@ cache_args=()
 if [[ "${DROPLESS_JAX_CACHE:-1}" != 0 ]]; then
   jax_cache="$PWD/.cache/jax/$(basename "$venv")"
   mkdir -p "$jax_cache"
+  # Triton's kernel cache (backends/triton's compile and interpreter tests)
+  # the same way: in the clone, so a fresh clone compiles cold, as CI does,
+  # instead of reusing ~/.triton from earlier runs on the machine.
+  triton_cache="$PWD/.cache/triton/$(basename "$venv")"
+  mkdir -p "$triton_cache"
   cache_args=(--sandbox_writable_path="$jax_cache"
+    --sandbox_writable_path="$triton_cache"
+    --test_env=TRITON_CACHE_DIR="$triton_cache"
     --test_env=JAX_COMPILATION_CACHE_DIR="$jax_cache"
     --test_env=JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     --test_env=JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1)
