@@ -1,5 +1,7 @@
 """Every triton kernel and shipped config, compiled for sm_90 and sm_100."""
 
+import os
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax.numpy as jnp
@@ -106,6 +108,13 @@ class CompileTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
+    if os.environ.get("DROPLESS_TRITON_COMPILE") == "0":
+      # .ci/run's oldest leg: its triton 3.8.0 is there for the interpreter;
+      # the compile is checked on the GPU machine's 3.6.0 and the newest.
+      self.skipTest(
+          "DROPLESS_TRITON_COMPILE=0: the sm_90/sm_100 compile is checked "
+          "on the legs with triton 3.6.0 (the GPU machine's) and 3.9.0"
+      )
     try:
       self.kernels, self.permute_kernels = _modules()
     except ImportError as e:
