@@ -1,4 +1,4 @@
-"""One short GPU run: pallas and mosaic_gpu vs reference, then TFLOP/s.
+"""One short GPU run: pallas, mosaic_gpu, triton vs reference, then TFLOP/s.
 
 On the device machine, where only $OUT comes back:
 
@@ -12,22 +12,35 @@ Elsewhere:
 
 (`python bench/gpu_check.py ...` from the repository root works the same.)
 
+0. jax-triton (the triton backend's launcher): the GPU machine has none
+   installed, so before anything imports it, an installed jax_triton that
+   imports is kept, else the pure-Python wheel carried in bench/wheels/
+   (jax-triton 0.3.1, with absl-py's where absl is missing: README.md
+   there) goes on sys.path, importable from the zip without pip
+   (`gpu_report.provide_jax_triton`). Which one ran, or why none could, is
+   printed first and recorded with the versions.
 1. Correctness (bench/gpu_correctness.py): the pallas kernels (Pallas
-   Triton) and the mosaic_gpu kernels (Mosaic GPU forward and dX, Pallas
-   Triton dW) against the reference backend with shared tiles, empty
-   groups and NaN in the padding rows: output, dX and dW of the grouped
-   GEMM (both weight layouts) and of the expert FFN (plain and with the
-   fused activation), then a small MoE layer and its gradients. pallas runs
-   in bf16 and float32, mosaic_gpu in bf16 (it raises NotImplementedError
-   for float32: those cases are recorded as skipped, with its message).
-   Two cases have enough rows per expert and a wide enough N for the GPU
-   tile choices the timing runs. Then the forward grouped GEMM of each
-   quantised recipe of moe_core.precision (fp8_tensor, fp8_block, mxfp8,
-   nvfp4) on pallas and on xla against the reference backend's, bf16
-   inputs, a float32 output, ragged groups with an empty one: the same
-   quantised operands, so within the float32 budget (a backend that
-   refuses a recipe: recorded as skipped, with its message). Budgets:
-   bench/gpu_tolerances.py, from conformance/tolerances.py.
+   Triton), the mosaic_gpu kernels (Mosaic GPU forward and dX, Pallas
+   Triton dW) and the triton kernels (raw Triton through jax-triton)
+   against the reference backend with shared tiles, empty groups and NaN
+   in the padding rows: output, dX and dW of the grouped GEMM (both weight
+   layouts) and of the expert FFN (plain and with the fused activation),
+   then a small MoE layer and its gradients (for triton also with the
+   combine weights fused into the down GEMM: fuse_routing_weights). pallas
+   runs in bf16 and float32, mosaic_gpu in bf16 (it raises
+   NotImplementedError for float32: those cases are recorded as skipped,
+   with its message), triton in bf16 and, on a GEMM of each layout, an FFN
+   case and the fused layer, float32 (where Triton's dot must not round to
+   TF32); triton also on a many-rows GEMM and FFN that reach its widest
+   tiles, as Mixtral's shapes do. Two cases have enough rows per expert and
+   a wide enough N for the GPU tile choices the timing runs. Then the
+   forward grouped GEMM of each quantised recipe of moe_core.precision
+   (fp8_tensor, fp8_block, mxfp8, nvfp4) on pallas and on xla against the
+   reference backend's, bf16 inputs, a float32 output, ragged groups with
+   an empty one: the same quantised operands, so within the float32
+   budget (a backend that refuses a recipe: recorded as skipped, with its
+   message). Budgets: bench/gpu_tolerances.py, from
+   conformance/tolerances.py.
 2. Timing (bench/gpu_timing.py), bf16, of the workloads of
    bench/gpu_workloads.py: DeepSeek-V3 experts (D=7168, F=2048, all 256
    experts, top-8, T=4096: M=32768 rows, about 1 TFLOP per projection) and
@@ -39,17 +52,25 @@ Elsewhere:
    forward: the bf16 pallas GEMM again (the baseline of the ratios, in the
    same row) and each recipe on pallas (its time includes quantising both
    operands; xla's rows are recorded as skipped there: its float32
-   ragged_dot would be expanded over 256 groups). Methods: a dense
-   `jnp.dot` of the same FLOPs (cuBLAS),
-   `jax.lax.ragged_dot`, pallas and mosaic_gpu (for the FFN also each with
-   the fused activation). Times are medians of up to --repeats calls after
-   a warm-up (fewer past 2 s a phase); ratios are time / baseline time
-   (`fwd_time_over_dense`, `fwd_time_over_pallas`, ...: < 1 is faster).
-   The timed programs' own output and gradients are checked on a few
-   sampled groups against a float32 per-group `jnp.dot` (a recipe's,
-   against the reference's quantised product of the group). "goals" holds
-   the targets: mosaic_gpu's forward >= 0.6x dense cuBLAS throughput, and
-   faster than pallas at small K; fp8_tensor's and fp8_block's pallas
+   ragged_dot would be expanded over 256 groups); then DeepSeek-V3's two
+   GEMMs with the backward in halves, dX alone and dW alone (the forward
+   is dropped from those programs); then DeepSeek-V3's routed experts
+   (dispatch, expert FFN, combine) from a fixed routing with the same group
+   sizes. Methods: a dense `jnp.dot` of the same FLOPs (cuBLAS),
+   `jax.lax.ragged_dot`, pallas, mosaic_gpu and triton (for the FFN also
+   each with the fused activation; for the routed experts, pallas and
+   triton, and triton with the routing weights fused too). Times are
+   medians of up to --repeats calls after a warm-up (fewer past 2 s a
+   phase); ratios are time / baseline time (`fwd_time_over_dense`,
+   `fwd_time_over_pallas`, ...: < 1 is faster). The timed programs' own
+   output and gradients are checked on a few sampled groups (the routed
+   experts: tokens and experts) against a float32 per-group `jnp.dot` (a
+   recipe's, against the reference's quantised product of the group).
+   "goals" holds the targets: mosaic_gpu's forward >= 0.6x dense cuBLAS
+   throughput, and faster than pallas at small K; triton's forward, dX and
+   dW each >= 0.6x dense cuBLAS throughput, and its fused-activation FFN
+   faster than its unfused one (the fused routing weights' cost over the
+   fused activation alone, reported); fp8_tensor's and fp8_block's pallas
    forward >= 1.5x the bf16 pallas forward's throughput on Hopper; mxfp8's
    and nvfp4's (emulated) cost over bf16, reported (goals are reported,
    never failed).
@@ -57,28 +78,40 @@ Elsewhere:
 No timed problem starts past --budget_s (360 s) into the run: its row says
 "skipped" (not a failure), so the run ends well under 8 minutes on an H200
 even if compiles are slow; the workloads go in the order of
-`gpu_workloads.FULL` (DeepSeek-V3, small K, the recipes, Mixtral).
+`gpu_workloads.FULL` (DeepSeek-V3, small K, the recipes, DeepSeek-V3's
+backward in halves, its routed experts, Mixtral).
 
 The shapes, cases and programs of both phases, and of --lower_only
 (bench/gpu_lowering.py, which also checks each program's custom calls:
 Triton for pallas, mosaic_gpu_v2 for mosaic_gpu and Triton for its dW), are
-in bench/gpu_workloads.py. --workloads picks some of them.
+in bench/gpu_workloads.py. --workloads picks some of them. --lower_only
+cannot lower triton's programs on a CPU-only machine (a jax-triton call is
+lowered by compiling its kernel through the CUDA plugin, which a CPU jaxlib
+lacks): they are listed as skipped, with that reason (gpu_check_test
+lowers them through the carried wheel with the plugin's bindings stubbed).
 
 Every backend, case and method is guarded: a failure (a compile error, a
 backend that cannot be built) is recorded with its error and the run goes
-on. The JSON (date; versions of python, jax, jaxlib, triton and jax-triton,
-also printed first; device; backends; workloads with their group sizes;
-correctness; timing; goals; how many of JAX's Pallas Triton deprecation
-warnings were filtered; failures) is rewritten after every timed method and
-once more at the end, whatever happened, as <out_dir>/gpu_<date>.json
-(gpu_dryrun_<date>.json with --dry_run; out_dir defaults to bench/results/
-in this repository). The exit status is 1 if anything failed, decided after
-the last write. Needs only jax (with its CUDA plugin) and this repository:
-no absl, no network.
+on; a triton backend whose availability() says no (jax-triton not
+importable, no GPU) has its cases and methods recorded as skipped, with
+its reason. The JSON (date; versions of python, jax, jaxlib, triton and
+jax-triton and where jax-triton came from, also printed first; device;
+backends; workloads with their group sizes; correctness; timing; goals;
+how many of JAX's Pallas Triton deprecation warnings were filtered;
+failures) is rewritten after every timed method and once more at the end,
+whatever happened, as <out_dir>/gpu_<date>.json (gpu_dryrun_<date>.json
+with --dry_run; out_dir defaults to bench/results/ in this repository).
+The exit status is 1 if anything failed, decided after the last write.
+Needs only jax (with its CUDA plugin) and this repository: no absl, no
+network.
 
---dry_run interprets both kernels on the CPU at tiny shapes; Mosaic GPU's
+--dry_run interprets the kernels on the CPU at tiny shapes; Mosaic GPU's
 interpreter takes seconds a call, so there mosaic_gpu is checked on one
-GEMM case and timed on the small-K row only.
+GEMM case and timed on the small-K row only; Triton's interpreter (torch
+on the CPU: where torch is missing, triton is skipped with that reason) a
+tenth of a second or more a launch, so there triton is checked on its own
+smaller cases (`gpu_workloads.DRY_TRITON_CASES`) and timed at a smaller
+shape.
 """
 
 from __future__ import annotations
@@ -247,6 +280,7 @@ def _run_phases(args, workloads, on_gpu, report, path, deadline):
         mosaic_gemm_cases=(
             gpu_workloads.DRY_MOSAIC_GEMM_CASES if args.dry_run else None
         ),
+        triton=gpu_workloads.DRY_TRITON_CASES if args.dry_run else None,
     )
     gpu_report.write(path, report)
     gpu_correctness.print_summary(report["correctness"])
@@ -285,6 +319,9 @@ def main(argv=None):
   workloads = _workloads(args)
   if hasattr(sys.stdout, "reconfigure"):  # Lines survive a hard crash.
     sys.stdout.reconfigure(line_buffering=True)
+  # Before any backend imports jax_triton (the triton backend does so
+  # lazily): the GPU machine has none installed, bench/wheels/ carries it.
+  gpu_report.provide_jax_triton()
   versions = gpu_report.versions()
   print(gpu_report.versions_line(versions))
 

@@ -6,25 +6,35 @@ raises, one with wrong output and a backend that cannot be built each leave
 the JSON written, with the error recorded, the other methods timed and
 their ratios computed. Shapes and cases are cut down (in-process, by
 patching gpu_workloads' tables) so that each run compiles little; mosaic_gpu
-(Mosaic GPU's interpreter, seconds a call) and the low-precision recipes
-run in the passing dry run only (the recipes' failures are checked on
-their own, on the xla backend: `QuantizedCorrectnessTest`).
+(Mosaic GPU's interpreter, seconds a call), triton (Triton's interpreter,
+where torch is installed) and the low-precision recipes run in the passing
+dry run only (the recipes' failures are checked on their own, on the xla
+backend: `QuantizedCorrectnessTest`). The jax-triton wheel gpu_check
+carries is imported the way the GPU run imports it, and lowers triton's
+timed programs here with the CUDA plugin's bindings stubbed
+(`CarriedJaxTritonTest`).
 """
 
 import contextlib
 import glob
+import importlib.util
 import io
 import json
 import os
 import platform
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 from unittest import mock
+import zipfile
 
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import moe_core
 from backends.mosaic_gpu import tiling as mosaic_tiling
@@ -52,6 +62,7 @@ _KEYS = {
     "python",
     "triton",
     "jax_triton",
+    "jax_triton_from",
     "platform",
     "device",
     "dry_run",
@@ -96,6 +107,7 @@ def _run_dry(test, *extra):
   test.addCleanup(shutil.rmtree, out_dir, ignore_errors=True)
   with (
       mock.patch.object(gpu_workloads, "DRY", _TINY),
+      mock.patch.object(gpu_workloads, "DRY_TRITON", _TINY),
       mock.patch.object(
           gpu_workloads, "GEMM_CASES", [(64, 32, 48, (10, 0, 23, 21), False)]
       ),
@@ -124,7 +136,14 @@ class GpuCheckDryRunTest(absltest.TestCase):
     self.assertEqual(report["failures"], [])
     self.assertEqual(
         [w["name"] for w in report["workloads"]],
-        ["dry", "dry_small_k", "dry_precision"],
+        [
+            "dry",
+            "dry_triton",
+            "dry_small_k",
+            "dry_precision",
+            "dry_grads",
+            "dry_routed",
+        ],
     )
     for w in report["workloads"]:
       self.assertEqual(sum(w["group_sizes"]), w["rows"])
@@ -138,6 +157,16 @@ class GpuCheckDryRunTest(absltest.TestCase):
         "MosaicGpuBackend" if mosaic_ok else "Unavailable",
         report["backends"]["mosaic"],
     )
+    # Triton's interpreter needs torch: where it is missing, every triton
+    # case and method is skipped, with the backend's reason.
+    triton_ok, triton_why_not = moe_core.get_backend(
+        "triton", interpret=True
+    ).availability()
+    for field in ("triton", "triton_fused", "triton_routed"):
+      self.assertIn(
+          "TritonBackend" if triton_ok else "Unavailable",
+          report["backends"][field],
+      )
     cases = {r["case"].split()[0] for r in report["correctness"]}
     self.assertEqual(
         cases, {"gemm", "expert_ffn", "moe_layer", "quantized_gemm"}
@@ -155,6 +184,33 @@ class GpuCheckDryRunTest(absltest.TestCase):
     else:
       self.assertEqual(bf16, {"skipped"})
       self.assertEqual(float32["skipped"], why_not)
+    # triton: its dry cases, a GEMM of each layout (bf16, float32) and the
+    # layer with both fusions, each quantity within budget.
+    triton = {}
+    for r in report["correctness"]:
+      if r["backend"] == "triton":
+        triton.setdefault((r["case"], r["dtype"]), set()).add(r["quantity"])
+    self.assertEqual(
+        sorted(triton),
+        [
+            ("gemm m=40 k=32 n=24 E=3 t=True triton", "float32"),
+            ("gemm m=48 k=32 n=40 E=3 t=False triton", "bfloat16"),
+            ("moe_layer triton fused_routing", "bfloat16"),
+        ],
+    )
+    for (case, _), quantities in triton.items():
+      if not triton_ok:
+        self.assertEqual(quantities, {"skipped"}, case)
+      elif case.startswith("gemm"):
+        self.assertEqual(quantities, {"out", "d_rows", "d_weights"}, case)
+      else:
+        self.assertContainsSubset(
+            {"y", "d x", "d w_down", "d router"}, quantities
+        )
+    if not triton_ok:
+      for r in report["correctness"]:
+        if r["backend"] == "triton":
+          self.assertEqual(r["skipped"], triton_why_not)
     # Every recipe on pallas and xla, its output within the float32 budget
     # of the reference's (the same quantised operands).
     quantized = [
@@ -183,17 +239,27 @@ class GpuCheckDryRunTest(absltest.TestCase):
             ("dry", "gemm_up"),
             ("dry", "gemm_down"),
             ("dry", "expert_ffn"),
+            ("dry_triton", "expert_ffn"),
             ("dry_small_k", "gemm_down"),
             ("dry_precision", "gemm_up"),
+            ("dry_grads", "gemm_up"),
+            ("dry_routed", "routed_experts"),
         ],
     )
+    rows = {
+        (r["workload"], r["problem"].split()[0]): r for r in report["timing"]
+    }
     phases = {w["name"]: w["phases"] for w in report["workloads"]}
     for row in report["timing"]:
+      self.assertEqual(row["phases"], phases[row["workload"]])
       for method, entry in row["methods"].items():
         label = f"{row['workload']} {row['problem']} {method}"
         self.assertNotIn("error", entry, label)
         if "skipped" in entry:  # Unavailable here, or not run by design.
-          why = dict(gpu_workloads.PRECISION.skipped).get(method, why_not)
+          if method.startswith("triton"):
+            why = triton_why_not
+          else:
+            why = dict(gpu_workloads.PRECISION.skipped).get(method, why_not)
           self.assertEqual(entry["skipped"], why, label)
           self.assertIsNone(entry["fwd_time_over_dense"], label)
           continue
@@ -206,11 +272,15 @@ class GpuCheckDryRunTest(absltest.TestCase):
           self.assertLessEqual(
               entry["max_rel_err"], entry["check"]["tolerance"]
           )
-    small_k = report["timing"][3]["methods"]
+    small_k = rows["dry_small_k", "gemm_down"]["methods"]
     self.assertEqual(list(small_k), ["dense", "pallas", "mosaic_gpu"])
     self.assertIsNotNone(small_k["pallas"]["fwd_time_over_dense"])
     self.assertNotIn("fwd_bwd_s", small_k["pallas"])
-    goals = {g["goal"].split()[-1]: g for g in report["goals"]}
+    goals = {
+        g["goal"].split()[-1]: g
+        for g in report["goals"]
+        if g["method"] == "mosaic_gpu"
+    }
     self.assertEqual(goals["K"]["method"], "mosaic_gpu")
     if mosaic_ok:
       self.assertEqual(
@@ -221,9 +291,64 @@ class GpuCheckDryRunTest(absltest.TestCase):
     else:
       self.assertIn("skipped", small_k["mosaic_gpu"])
       self.assertIsNone(goals["K"]["met"])
+    # dX alone and dW alone: checked against the oracle's gradients only.
+    grads = rows["dry_grads", "gemm_up"]["methods"]
+    self.assertEqual(list(grads), ["dense", "triton"])
+    self.assertNotIn("fwd_s", grads["dense"])
+    if triton_ok:
+      self.assertEqual(
+          set(grads["triton"]["check"]) & {"out", "d_rows", "d_weights"},
+          {"d_rows", "d_weights"},
+      )
+    # The routed experts: checked on sampled tokens and experts.
+    routed = rows["dry_routed", "routed_experts"]["methods"]
+    self.assertEqual(list(routed), ["triton_fused_act", "triton_fused_routing"])
+    if triton_ok:
+      for entry in routed.values():
+        self.assertLen(entry["check"]["tokens"], 3)
+        self.assertContainsSubset(
+            {"out", "d_rows", "d_weights"}, entry["check"]
+        )
+    # triton's goals, read off its rows (met is judged on any device).
+    found = {
+        (g["workload"], g["method"], g["goal"].split(":")[0].split()[0]): g
+        for g in report["goals"]
+        if g["method"].startswith("triton")
+    }
+    self.assertEqual(
+        sorted(found),
+        [
+            ("dry_grads", "triton", "dW"),
+            ("dry_grads", "triton", "dX"),
+            ("dry_routed", "triton_fused_routing", "fused"),
+            ("dry_triton", "triton", "fwd"),
+            ("dry_triton", "triton_fused_act", "fused"),
+            ("dry_triton", "triton_fused_act", "fwd"),
+        ],
+    )
+    ffn = rows["dry_triton", "expert_ffn"]["methods"]
+    if triton_ok:
+      dx = found["dry_grads", "triton", "dX"]
+      self.assertAlmostEqual(
+          dx["value"], 1.0 / grads["triton"]["dx_time_over_dense"]
+      )
+      fused = [
+          g
+          for g in report["goals"]
+          if g["goal"].startswith("fused activation: fwd_bwd")
+      ]
+      self.assertLen(fused, 1)
+      self.assertAlmostEqual(
+          fused[0]["value"],
+          ffn["triton_fused_act"]["fwd_bwd_s"] / ffn["triton"]["fwd_bwd_s"],
+      )
+      self.assertEqual(fused[0]["met"], fused[0]["value"] < 1)
+    else:
+      for g in found.values():
+        self.assertIsNone(g["value"], g)
     # The recipes' row: forward only, each pallas recipe against the bf16
     # pallas GEMM timed in the same row; xla's skipped, as on the GPU.
-    recipes = report["timing"][4]["methods"]
+    recipes = rows["dry_precision", "gemm_up"]["methods"]
     self.assertEqual(list(recipes), list(gpu_workloads.PRECISION_METHODS))
     self.assertEqual(recipes["pallas"]["fwd_time_over_pallas"], 1.0)
     for method in gpu_workloads.QUANTIZED_PALLAS_METHODS:
@@ -285,7 +410,10 @@ class GpuCheckDryRunTest(absltest.TestCase):
         mock.patch.object(gpu_workloads, "ffn_methods", ffn_methods),
         mock.patch.object(gpu_workloads, "backends", backends),
         mock.patch.object(gpu_correctness, "ffn_case", ffn_case),
-        mock.patch.object(gpu_correctness, "layer_cases", lambda *args: None),
+        mock.patch.object(
+            gpu_correctness, "layer_cases", lambda *args, **kwargs: None
+        ),
+        mock.patch.object(gpu_correctness, "triton_cases", lambda *args: None),
         mock.patch.object(
             gpu_correctness, "quantized_cases", lambda *args: None
         ),
@@ -348,6 +476,19 @@ class GpuCheckDryRunTest(absltest.TestCase):
     )
 
 
+def _fake_wheel(directory, body):
+  """A pure-Python wheel of a package "jax_triton" (version 9.9.9) whose
+  __init__ is `body`, in `directory`; returns its path."""
+  path = os.path.join(directory, "jax_triton-9.9.9-py3-none-any.whl")
+  with zipfile.ZipFile(path, "w") as wheel:
+    wheel.writestr("jax_triton/__init__.py", body)
+    wheel.writestr(
+        "jax_triton-9.9.9.dist-info/METADATA",
+        "Metadata-Version: 2.1\nName: jax-triton\nVersion: 9.9.9\n",
+    )
+  return path
+
+
 class VersionsAndLoweringTest(absltest.TestCase):
 
   def test_versions_are_recorded(self):
@@ -355,13 +496,74 @@ class VersionsAndLoweringTest(absltest.TestCase):
     self.assertEqual(versions["python"], platform.python_version())
     self.assertEqual(versions["jax"], jax.__version__)
     self.assertIsNotNone(versions["jaxlib"])
-    self.assertContainsSubset({"triton", "jax_triton"}, versions)
+    self.assertContainsSubset(
+        {"triton", "jax_triton", "jax_triton_from"}, versions
+    )
+
+  def _tempdir(self):
+    path = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+  def _hide_installed_jax_triton(self):
+    """Makes `import jax_triton` fail as on the GPU machine, until cleanup.
+
+    A None entry in sys.modules stops the import (provide_jax_triton then
+    drops it); sys.path and sys.modules are restored afterwards.
+    """
+    self.enter_context(mock.patch.object(sys, "path", list(sys.path)))
+    self.enter_context(mock.patch.dict(sys.modules))
+    for name in [n for n in sys.modules if n.split(".")[0] == "jax_triton"]:
+      del sys.modules[name]
+    sys.modules["jax_triton"] = None
+
+  def test_carried_wheel_is_imported_from_its_zip(self):
+    self._hide_installed_jax_triton()
+    wheels = self._tempdir()
+    wheel = _fake_wheel(wheels, "__version__ = '9.9.9'\n")
+    where = gpu_report.provide_jax_triton(wheels)
+    self.assertTrue(where.startswith(f"carried: {wheel} (installed: "), where)
+    self.assertEqual(sys.path[0], wheel)
+    self.assertEqual(sys.modules["jax_triton"].__version__, "9.9.9")
+    versions = gpu_report.versions()
+    self.assertEqual(versions["jax_triton"], "9.9.9")  # Read in the zip.
+    self.assertEqual(versions["jax_triton_from"], where)
+
+  def test_a_carried_wheel_that_fails_leaves_sys_path_as_it_was(self):
+    self._hide_installed_jax_triton()
+    before = list(sys.path)
+    wheels = self._tempdir()
+    _fake_wheel(wheels, "raise ImportError('needs the CUDA plugin')\n")
+    where = gpu_report.provide_jax_triton(wheels)
+    self.assertTrue(where.startswith("not importable: installed: "), where)
+    self.assertIn(
+        "carried jax_triton-9.9.9-py3-none-any.whl: ImportError: needs the "
+        "CUDA plugin",
+        where,
+    )
+    self.assertEqual(sys.path, before)
+    self.assertNotIn("jax_triton", sys.modules)
+
+  def test_the_real_carried_wheel_needs_the_cuda_plugin(self):
+    """jax-triton 0.3.1 from bench/wheels refuses a CPU jaxlib, cleanly."""
+    if jax.default_backend() == "gpu":
+      self.skipTest("a GPU jaxlib: the carried wheel would import here")
+    self._hide_installed_jax_triton()
+    before = list(sys.path)
+    where = gpu_report.provide_jax_triton()
+    self.assertIn(
+        "carried jax_triton-0.3.1-py3-none-any.whl: ImportError: jax-triton "
+        "requires JAX to be installed with GPU support",
+        where,
+    )
+    self.assertEqual(sys.path, before)
 
   def test_lower_only_lowers_every_program_for_cuda(self):
     """--lower_only at the full D and F, fewer rows: no GPU needed.
 
-    DeepSeek-V3's, the small-K and the recipes' programs: Mixtral's are the
-    same programs at other sizes, and would add 10 s.
+    DeepSeek-V3's, the small-K, the recipes' and the routed experts'
+    programs: Mixtral's are the same programs at other sizes, and would add
+    10 s. triton's are listed as skipped (no CPU lowering).
     """
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -371,7 +573,7 @@ class VersionsAndLoweringTest(absltest.TestCase):
               "--tokens",
               "256",
               "--workloads",
-              "deepseek_v3,small_k,deepseek_v3_precision",
+              "deepseek_v3,small_k,deepseek_v3_precision,deepseek_v3_routed",
           ]
       )
     log = out.getvalue()
@@ -408,13 +610,184 @@ class VersionsAndLoweringTest(absltest.TestCase):
       self.assertRegex(log, rf" {method} fwd: .*\d+ triton")
     skipped = re.findall(r"skip deepseek_v3_precision gemm_up \S+ (\S+):", log)
     self.assertEqual(skipped, list(gpu_workloads.QUANTIZED_XLA_METHODS))
-    # DeepSeek-V3 (22 programs) and small K (3), then the recipes'.
-    total = 25 + len(pallas)
+    # The routed experts on pallas: dispatch, FFN and combine lowered.
+    routed = re.findall(r"ok   deepseek_v3_routed \S+ \S+ (\S+) (\S+):", log)
+    self.assertEqual(
+        routed,
+        [
+            (m, p)
+            for m in ("pallas", "pallas_fused_act")
+            for p in ("fwd", "fwd+bwd")
+        ],
+    )
+    # triton: each method skipped, saying why it cannot be lowered here.
+    triton = re.findall(r"skip (\S+) .+? (triton\S*): (.*)", log)
+    self.assertEqual(
+        [(w, m) for w, m, _ in triton],
+        [
+            ("deepseek_v3", "triton"),
+            ("deepseek_v3", "triton"),
+            ("deepseek_v3", "triton"),
+            ("deepseek_v3", "triton_fused_act"),
+            ("deepseek_v3_routed", "triton"),
+            ("deepseek_v3_routed", "triton_fused_act"),
+            ("deepseek_v3_routed", "triton_fused_routing"),
+        ],
+    )
+    for _, _, why in triton:
+      self.assertIn(gpu_workloads.TRITON_NOT_LOWERED, why)
+    # DeepSeek-V3 (22 programs), small K (3), the recipes', the routed
+    # experts' (4).
+    total = 25 + len(pallas) + 4
     self.assertIn(
-        f"lowered {total}/{total} programs for CUDA ({len(skipped)} methods "
-        "skipped",
+        f"lowered {total}/{total} programs for CUDA "
+        f"({len(skipped) + len(triton)} methods skipped",
         log,
     )
+
+
+# Run in a child process: it gives jaxlib's gpu_triton module stand-ins for
+# the CUDA plugin's Triton bindings, which must not leak into other tests.
+# They only package what jax-triton computed (the kernel's PTX, its launch);
+# everything before them, Triton compiling each kernel for sm_90, is real.
+_CHILD = textwrap.dedent("""
+    import functools
+    import json
+    import sys
+
+    from jax._src.lib import gpu_triton
+
+    compiled = []
+
+    class Kernel:
+      def __init__(self, name, num_warps, num_ctas, shared, ptx, *rest):
+        compiled.append([name, num_warps, shared, len(ptx), rest[-1]])
+
+    class Call:
+      def __init__(self, *args):
+        pass
+
+      def to_proto(self, *args):
+        return b""
+
+    for name, value in {
+        "get_compute_capability": lambda device: 90,
+        "get_serialized_metadata": lambda *args: b"",
+        "TritonKernel": Kernel,
+        "TritonKernelCall": Call,
+        "TritonAutotunedKernelCall": Call,
+        "create_array_parameter": lambda *args: args,
+        "create_scalar_parameter": lambda *args: args,
+    }.items():
+      setattr(gpu_triton, name, value)
+
+    from backends.triton import backend
+    from bench import gpu_lowering
+    from bench import gpu_report
+    from bench import gpu_workloads
+    from moe_core.testing import cuda_export
+
+    # A CPU has no GPU: the backend says so, but it lowers.
+    backend.TritonBackend.availability = lambda self: (True, "")
+    # gpu_lowering allows only Pallas' Triton call (jax-triton's is not
+    # export-stable either).
+    cuda_export.export_for_cuda = functools.partial(
+        cuda_export.export_for_cuda,
+        disabled_custom_calls=("triton_kernel_call",),
+    )
+    where = gpu_report.provide_jax_triton()
+    import jax_triton
+
+    workloads = []
+    for w in gpu_workloads.FULL:
+      if w.name in sys.argv[2].split(","):
+        workloads.append(w._replace(
+            methods=tuple(m for m in w.methods if m.startswith("triton")),
+            shape=dict(w.shape, tokens=int(sys.argv[1])),
+        ))
+    print(json.dumps({
+        "from": where,
+        "version": jax_triton.__version__,
+        "programs": gpu_lowering.lower_only(workloads),
+        "kernels": compiled,
+    }))
+""")
+# The GPU's limits per thread block (sm_90): 227 KiB of shared memory.
+_SHARED_BYTES = 227 * 1024
+
+
+class CarriedJaxTritonTest(absltest.TestCase):
+
+  def test_carried_wheel_lowers_the_timed_triton_programs(self):
+    """jax-triton 0.3.1 from bench/wheels, at DeepSeek-V3's D, F and E.
+
+    Every triton method of the DeepSeek-V3 rows (GEMMs, FFN, routed
+    experts), forward and forward+backward, lowers through the carried
+    wheel's lowering rule, each kernel compiled by this machine's Triton to
+    PTX for sm_90 within the shared memory of a block. On the py312 leg
+    (jax 0.11.2, triton 3.6.0) this is the GPU machine's software but for
+    the CUDA plugin.
+    """
+    if importlib.util.find_spec("triton") is None:
+      self.skipTest("triton is not installed: nothing to compile with")
+    # pylint: disable-next=g-import-not-at-top
+    from jax._src.lib import gpu_triton
+
+    if hasattr(gpu_triton, "TritonKernel"):
+      self.skipTest(
+          "the CUDA plugin is installed: gpu_check --lower_only lowers "
+          "through it"
+      )
+    wheel = glob.glob(
+        os.path.join(gpu_report.WHEELS_DIR, "jax_triton-0.3.1-*.whl")
+    )
+    self.assertLen(wheel, 1)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The wheel first: the installed jax-triton (0.4 on some legs) must not
+    # be the one that imports. Then what this process imports from.
+    path = [wheel[0], repo] + [p for p in sys.path if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            "256",
+            "deepseek_v3,deepseek_v3_routed",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    self.assertEqual(child.returncode, 0, child.stderr[-3000:])
+    found = json.loads(child.stdout.strip().splitlines()[-1])
+    self.assertEqual(found["version"], "0.3.1")
+    self.assertTrue(found["from"].startswith("installed: "), found["from"])
+    self.assertIn(os.path.basename(wheel[0]), found["from"])
+    labels = [label for label, _, _ in found["programs"]]
+    self.assertLen(labels, 2 * (4 + 3))  # fwd and fwd+bwd of each method.
+    for label, ok, detail in found["programs"]:
+      self.assertTrue(ok, (label, detail))
+      self.assertRegex(detail, r"^\d+ triton_kernel_call$", label)
+    names = {name for name, *_ in found["kernels"]}
+    self.assertContainsSubset(
+        {
+            "gmm_kernel",
+            "gated_gmm_kernel",
+            "tgmm_kernel",
+            "permute_kernel",
+            "permute_bwd_kernel",
+            "unpermute_kernel",
+            "unpermute_bwd_rows_kernel",
+        },
+        names,
+    )
+    for name, _, shared, ptx_chars, capability in found["kernels"]:
+      self.assertEqual(capability, 90, name)
+      self.assertGreater(ptx_chars, 0, name)
+      self.assertLessEqual(shared, _SHARED_BYTES, name)
 
 
 class _Wrong:
@@ -483,6 +856,79 @@ class TablesTest(absltest.TestCase):
       self.assertLess(sum(sizes), m, sizes)
     for m, _, _, sizes in gpu_workloads.FFN_CASES:
       self.assertLess(sum(sizes), m, sizes)
+    for cases in (gpu_workloads.triton_cases(), gpu_workloads.DRY_TRITON_CASES):
+      for m, _, _, sizes, _, _ in cases.gemm:
+        self.assertLess(sum(sizes), m, sizes)
+      for m, _, _, sizes, _ in cases.ffn:
+        self.assertLess(sum(sizes), m, sizes)
+
+  def test_triton_is_checked_in_both_dtypes_and_layouts(self):
+    cases = gpu_workloads.triton_cases()
+    self.assertEqual(
+        {(t, dtype) for *_, t, dtype in cases.gemm},
+        {(t, d) for t in (False, True) for d in ("bfloat16", "float32")},
+    )
+    self.assertEqual({c[-1] for c in cases.ffn}, {"bfloat16", "float32"})
+    self.assertEqual(
+        {v for v, d in cases.layers if d == "bfloat16"},
+        set(gpu_workloads.TRITON_LAYERS),
+    )
+    self.assertIn(("fused_routing", "float32"), cases.layers)
+
+  def test_correctness_covers_the_timed_triton_tiles(self):
+    """Every forward and fused gate/up tile triton picks at a timed shape
+    (on sm_90, bf16) is among those its correctness cases pick."""
+    # pylint: disable-next=g-import-not-at-top
+    from backends.triton import configs
+
+    def choose(kind, m, k, n, e):
+      return configs.choose(None, "sm90", kind, m, k, n, e, jnp.bfloat16)
+
+    cases = gpu_workloads.triton_cases()
+    checked = {
+        "fwd": [
+            choose("fwd", m, c, n, len(s))
+            for m, c, n, s, _, d in cases.gemm
+            if d == "bfloat16"
+        ],
+        "gated": [
+            choose("gated", m, dim, f, len(s))
+            for m, dim, f, s, d in cases.ffn
+            if d == "bfloat16"
+        ],
+    }
+    for workload in gpu_workloads.FULL:
+      shape = workload.shape
+      m, _, problems = gpu_workloads.problems(
+          shape, "random", workload.problems
+      )
+      for p in problems:
+        if p.kind == "gemm":
+          (_, c), (e, _, n) = p.rows_shape, p.weights_shape
+          timed = [("fwd", choose("fwd", m, c, n, e))]
+        else:  # The expert FFN and the routed experts: the gated kernel.
+          dims = (m, shape["hidden"], shape["ffn"], shape["experts"])
+          timed = [("gated", choose("gated", *dims))]
+        for kind, config in timed:
+          label = f"{workload.name} {p.name} {kind}"
+          self.assertIn(config, checked[kind], label)
+
+  def test_fixed_routing_gives_the_group_sizes(self):
+    sizes = np.array([5, 0, 9, 2], np.int32)
+    cfg = moe_core.MoEConfig(
+        num_experts=4, top_k=2, hidden_size=8, expert_ffn_size=8
+    )
+    aux = gpu_workloads.fixed_routing(jnp.asarray(sizes), 8, cfg)
+    ids = np.asarray(aux.expert_ids)
+    self.assertEqual(ids.shape, (8, 2))
+    np.testing.assert_array_equal(np.bincount(ids.ravel(), minlength=4), sizes)
+    weights = np.asarray(aux.combine_weights, np.float64)
+    self.assertTrue(np.all(weights > 0))
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+    self.assertTrue(np.all(np.asarray(aux.kept)))
+    # The same routing every time it is built: the oracle rebuilds it.
+    again = gpu_workloads.fixed_routing(jnp.asarray(sizes), 8, cfg)
+    np.testing.assert_array_equal(np.asarray(again.expert_ids), ids)
 
   def test_correctness_covers_the_timed_gpu_tiles(self):
     """Every forward tile choice a timed GEMM makes on a GPU is checked.
@@ -592,6 +1038,77 @@ class TablesTest(absltest.TestCase):
             ("small_k", "mosaic_gpu", 0.9, True),
         ],
     )
+
+  def test_triton_goals_read_the_rows(self):
+    rows = [
+        {
+            "workload": "deepseek_v3",
+            "problem": "expert_ffn",
+            "kind": "ffn",
+            "phases": ["fwd", "fwd_bwd"],
+            "methods": {
+                "dense": {"fwd_time_over_dense": 1.0},
+                "triton": {
+                    "fwd_time_over_dense": 2.0,
+                    "fwd_s": 2.0,
+                    "fwd_bwd_s": 6.0,
+                },
+                "triton_fused_act": {
+                    "fwd_time_over_dense": 1.25,
+                    "fwd_s": 1.5,
+                    "fwd_bwd_s": 6.6,
+                },
+            },
+        },
+        {
+            "workload": "deepseek_v3_grads",
+            "problem": "gemm_up",
+            "kind": "gemm",
+            "phases": ["dx", "dw"],
+            "methods": {
+                "dense": {},
+                "mosaic_gpu": {"dx_time_over_dense": 1.0},
+                "triton": {
+                    "dx_time_over_dense": 1.6,
+                    "dw_time_over_dense": None,
+                },
+            },
+        },
+        {
+            "workload": "deepseek_v3_routed",
+            "problem": "routed_experts",
+            "kind": "routed",
+            "phases": ["fwd", "fwd_bwd"],
+            "methods": {
+                "triton_fused_act": {"fwd_s": 2.0, "fwd_bwd_s": 4.0},
+                "triton_fused_routing": {"fwd_s": 1.0, "fwd_bwd_s": 5.0},
+            },
+        },
+    ]
+    found = [
+        (g["workload"], g["method"], g["goal"].split()[0], g["value"], g["met"])
+        for g in gpu_timing.goals(rows)
+    ]
+    # Throughput over dense: the inverse of the time ratio (0.5 misses 0.6,
+    # 0.8 and 0.625 meet it); a fusion's gain: its time over the other's.
+    expected = [
+        ("deepseek_v3", "triton", "fwd", 0.5, False),
+        ("deepseek_v3", "triton_fused_act", "fwd", 0.8, True),
+        ("deepseek_v3", "triton_fused_act", "fused", 0.75, True),
+        ("deepseek_v3", "triton_fused_act", "fused", 1.1, False),
+        ("deepseek_v3_grads", "triton", "dX", 0.625, True),
+        ("deepseek_v3_grads", "triton", "dW", None, None),
+        ("deepseek_v3_routed", "triton_fused_routing", "fused", 0.5, None),
+        ("deepseek_v3_routed", "triton_fused_routing", "fused", 1.25, None),
+    ]
+    self.assertLen(found, len(expected))
+    for got, want in zip(found, expected):
+      self.assertEqual(got[:3], want[:3])
+      if want[3] is None:
+        self.assertIsNone(got[3])
+      else:
+        self.assertAlmostEqual(got[3], want[3])
+      self.assertEqual(got[4], want[4])
 
   def test_recipe_goals_read_the_ratios(self):
     row = {

@@ -1,19 +1,24 @@
-"""gpu_check phase 1: pallas and mosaic_gpu against the reference backend.
+"""gpu_check phase 1: pallas, mosaic_gpu, triton against the reference.
 
 Output, dX and dW of the grouped GEMM and of the expert FFN (bf16, plain
 and with the fused activation), with NaN in the padding rows, then a small
 MoE layer and its gradients, for each backend: pallas (Pallas Triton) in
 bf16 and float32, mosaic_gpu (Mosaic GPU forward and dX, Pallas Triton dW)
 in bf16; its float32 cases are recorded as skipped with the
-NotImplementedError it raises for them. Then, for pallas and xla, the
-forward grouped GEMM of each quantised recipe of `moe_core.precision`
-against the reference backend's on the same inputs (bf16, NaN padding
-rows), with a float32 output: both multiply the same quantised operands,
-so only the order of float32 sums differs and the float32 budget applies.
-Each result is an entry {case, backend, dtype, quantity, rel_err, ok, ...}
-(`gpu_tolerances.rel_err` against its budget); each case runs guarded, so
-one that raises leaves an entry with quantity "error" and the next case
-runs.
+NotImplementedError it raises for them. triton (raw Triton kernels through
+jax-triton) in bf16 and float32, the GEMMs, the expert FFN with
+fuse_activation False and True, and the layer with fuse_routing_weights
+False and True (on `gpu_workloads.TritonCases`: everyone's cases on a GPU,
+smaller ones of its own when interpreted); where it is unavailable (no
+jax-triton, or no torch for its interpreter) its cases are skipped with
+the reason. Then, for pallas and xla, the forward grouped GEMM of each
+quantised recipe of `moe_core.precision` against the reference backend's
+on the same inputs (bf16, NaN padding rows), with a float32 output: both
+multiply the same quantised operands, so only the order of float32 sums
+differs and the float32 budget applies. Each result is an entry {case,
+backend, dtype, quantity, rel_err, ok, ...} (`gpu_tolerances.rel_err`
+against its budget); each case runs guarded, so one that raises leaves an
+entry with quantity "error" and the next case runs.
 """
 
 from __future__ import annotations
@@ -37,11 +42,35 @@ from moe_core import precision
 _ZERO_PADDED = ("out", "d_rows")
 PALLAS = "pallas"
 MOSAIC = "mosaic_gpu"
+TRITON = "triton"
+# Budgets of one product and of a deep chain (the expert FFN, the layer's
+# gradients), per dtype. float32 has one for both: gpu_tolerances.FLOAT32
+# is above even the conformance float32 gradient row (atol + rtol = 6e-5).
+_SHALLOW_DEEP = {
+    "bfloat16": (gpu_tolerances.BF16, gpu_tolerances.BF16_DEEP),
+    "float32": (gpu_tolerances.FLOAT32, gpu_tolerances.FLOAT32),
+}
 
 
 def _gpu_fwd_tiles(backend, m, c, n, num_groups, dtype, num_operands=1):
   """The forward's tiles on a GPU, whatever runs here: for the record."""
   try:
+    if backend == TRITON:
+      # pylint: disable-next=g-import-not-at-top
+      from backends.triton import configs as triton_configs
+
+      return repr(
+          triton_configs.choose(
+              None,
+              triton_configs.generation() or "sm90",
+              "gated" if num_operands == 2 else "fwd",
+              m,
+              c,
+              n,
+              num_groups,
+              jnp.dtype(dtype),
+          )
+      )
     if backend == MOSAIC:
       return repr(
           mosaic_tiling.choose(
@@ -347,15 +376,15 @@ def quantized_cases(bes, ref, results):
         )
 
 
-def ffn_case(be, label, m, d, f, sizes, seed, backend=PALLAS):
-  """Output and gradients of expert_ffn (bf16) with NaN padding rows."""
+def ffn_case(be, label, m, d, f, sizes, seed, backend=PALLAS, dtype="bfloat16"):
+  """Output and gradients of expert_ffn with NaN padding rows."""
   e = len(sizes)
   used = sum(sizes)
   cfg = moe_core.MoEConfig(
       num_experts=e, top_k=min(2, e), hidden_size=d, expert_ffn_size=f
   )
   params = gpu_workloads.expert_weights(
-      moe_core.init_params(jax.random.key(seed), cfg, dtype=jnp.bfloat16)
+      moe_core.init_params(jax.random.key(seed), cfg, dtype=jnp.dtype(dtype))
   )
   rng = np.random.default_rng(seed)
   rows = rng.standard_normal((m, d)).astype(np.float32)
@@ -367,27 +396,27 @@ def ffn_case(be, label, m, d, f, sizes, seed, backend=PALLAS):
         lambda x, p: be.expert_ffn(x, gs, p, cfg), x, p, ct
     )
 
-  bf16 = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
+  as_dtype = functools.partial(jnp.asarray, dtype=dtype)
   nan_rows, zero_rows = _nan_and_zero_padded(rows, used)
   nan_cot, zero_cot = _nan_and_zero_padded(cot, used)
   got, got_dx, got_dp = jax.jit(functools.partial(run, be))(
-      bf16(nan_rows), params, bf16(nan_cot)
+      as_dtype(nan_rows), params, as_dtype(nan_cot)
   )
   want, want_dx, want_dp = jax.jit(
       functools.partial(run, moe_core.get_backend("reference"))
-  )(bf16(zero_rows), params, bf16(zero_cot))
+  )(as_dtype(zero_rows), params, as_dtype(zero_cot))
   return _padded_entries(
       ffn_name(label, m, d, f, sizes),
       backend,
-      "bfloat16",
+      dtype,
       (
           ("out", got, want),
           ("d_rows", got_dx, want_dx),
           *((f"d {k}", got_dp[k], want_dp[k]) for k in params),
       ),
-      gpu_tolerances.BF16_DEEP,
+      _SHALLOW_DEEP[dtype][1],
       used,
-      _gpu_fwd_tiles(backend, m, d, f, e, "bfloat16", num_operands=2),
+      _gpu_fwd_tiles(backend, m, d, f, e, dtype, num_operands=2),
   )
 
 
@@ -397,12 +426,19 @@ def _named_layer_grads(grads):
   return {**{f"d {k}": v for k, v in param_grads.items()}, "d x": x_grad}
 
 
-def layer_cases(cases, ref, results):
+def layer_cases(cases, ref, results, *, layer=None, dtype="bfloat16"):
   """A small MoE layer and its gradients: each (label, backend name, be).
 
-  The reference runs once, for every case.
+  layer: (MoEConfig fields, the input's [batch, sequence]); None for
+  (LAYER_CONFIG, LAYER_BATCH). Params and input in `dtype`. The reference
+  runs once, for every case.
   """
-  cfg = moe_core.MoEConfig(**gpu_workloads.LAYER_CONFIG)
+  config, batch = layer or (
+      gpu_workloads.LAYER_CONFIG,
+      gpu_workloads.LAYER_BATCH,
+  )
+  cfg = moe_core.MoEConfig(**config)
+  shallow, deep = _SHALLOW_DEEP[dtype]
   memo = {}
 
   def layer_grads(be, p, x):
@@ -416,12 +452,12 @@ def layer_cases(cases, ref, results):
   def run_case(label, backend, be):
     if not memo:  # Shared by every case; a failure fails each of them.
       memo["params"] = moe_core.init_params(
-          jax.random.key(1), cfg, dtype=jnp.bfloat16
+          jax.random.key(1), cfg, dtype=jnp.dtype(dtype)
       )
       memo["x"] = jax.random.normal(
           jax.random.key(2),
-          gpu_workloads.LAYER_BATCH + (cfg.hidden_size,),
-          jnp.bfloat16,
+          tuple(batch) + (cfg.hidden_size,),
+          jnp.dtype(dtype),
       )
       memo["want"] = jax.jit(functools.partial(layer_grads, ref))(
           memo["params"], memo["x"]
@@ -431,29 +467,11 @@ def layer_cases(cases, ref, results):
         memo["params"], memo["x"]
     )
     rel_err = gpu_tolerances.rel_err
-    out = [
-        _entry(
-            label,
-            backend,
-            "bfloat16",
-            "y",
-            rel_err(y, want_y),
-            gpu_tolerances.BF16,
-        )
-    ]
+    out = [_entry(label, backend, dtype, "y", rel_err(y, want_y), shallow)]
     got, want = _named_layer_grads(grads), _named_layer_grads(want_grads)
     for name in got:
       err = rel_err(got[name], want[name])
-      out.append(
-          _entry(
-              label,
-              backend,
-              "bfloat16",
-              name,
-              err,
-              gpu_tolerances.BF16_DEEP,
-          )
-      )
+      out.append(_entry(label, backend, dtype, name, err, deep))
     return out
 
   for label, backend, be in cases:
@@ -461,14 +479,83 @@ def layer_cases(cases, ref, results):
         results,
         label,
         backend,
-        "bfloat16",
+        dtype,
         be,
         functools.partial(run_case, label, backend, be),
     )
 
 
-def check_correctness(bes, results=None, *, mosaic_gemm_cases=None):
-  """pallas, mosaic_gpu, xla vs reference: [{case, backend, dtype, ...}].
+def triton_cases(bes, ref, results, cases):
+  """triton's GEMM and expert FFN cases (`gpu_workloads.TritonCases`).
+
+  With NaN padding rows; the FFN with fuse_activation False and True. Its
+  layer cases are `triton_layers`'.
+  """
+  for seed, (m, c, n, sizes, t, dtype) in enumerate(cases.gemm):
+    _run_or_skip(
+        results,
+        gemm_name(m, c, n, sizes, t, TRITON),
+        TRITON,
+        dtype,
+        bes.triton,
+        functools.partial(
+            gemm_case,
+            bes.triton,
+            ref,
+            m,
+            c,
+            n,
+            sizes,
+            t,
+            dtype,
+            seed,
+            backend=TRITON,
+        ),
+    )
+  ffn_backends = (
+      ("triton", bes.triton),
+      ("triton fused_act", bes.triton_fused),
+  )
+  for seed, (m, d, f, sizes, dtype) in enumerate(cases.ffn):
+    for label, be in ffn_backends:
+      _run_or_skip(
+          results,
+          ffn_name(label, m, d, f, sizes),
+          TRITON,
+          dtype,
+          be,
+          functools.partial(
+              ffn_case, be, label, m, d, f, sizes, 10 + seed, TRITON, dtype
+          ),
+      )
+
+
+def triton_layers(bes, cases):
+  """{dtype: [(label, backend name, be)]}: triton's layer cases.
+
+  The layer with neither fusion ("plain"), the fused activation
+  ("fused_act"), and both the activation and the routing weights fused
+  ("fused_routing": fuse_routing_weights), as `cases.layers` names them.
+  """
+  variants = {
+      "plain": ("moe_layer triton", TRITON, bes.triton),
+      "fused_act": ("moe_layer triton fused_act", TRITON, bes.triton_fused),
+      "fused_routing": (
+          "moe_layer triton fused_routing",
+          TRITON,
+          bes.triton_routed,
+      ),
+  }
+  by_dtype = {}
+  for variant, dtype in cases.layers:
+    by_dtype.setdefault(dtype, []).append(variants[variant])
+  return by_dtype
+
+
+def check_correctness(
+    bes, results=None, *, mosaic_gemm_cases=None, triton=None
+):
+  """pallas, mosaic_gpu, triton, xla vs reference: [{case, backend, ...}].
 
   xla only for the quantised recipes (`quantized_cases`).
 
@@ -478,6 +565,8 @@ def check_correctness(bes, results=None, *, mosaic_gemm_cases=None):
     mosaic_gemm_cases: None checks mosaic_gpu on every case; an int, on
       that many GEMM cases only and no FFN or layer case (--dry_run: its
       interpreter takes seconds a call).
+    triton: the `gpu_workloads.TritonCases` triton is checked on (None:
+      `gpu_workloads.triton_cases()`, everyone's).
 
   Each case runs guarded: one that raises adds an entry with quantity
   "error", ok False and the error, and the next case runs. A backend
@@ -541,7 +630,14 @@ def check_correctness(bes, results=None, *, mosaic_gemm_cases=None):
         ("moe_layer mosaic_gpu", MOSAIC, bes.mosaic),
         ("moe_layer mosaic_gpu fused_act", MOSAIC, bes.mosaic_fused),
     ]
+  triton = triton or gpu_workloads.triton_cases()
+  triton_cases(bes, ref, results, triton)
+  more = triton_layers(bes, triton)
+  if triton.layer is None:  # The same layer: the same reference run.
+    layers += more.pop("bfloat16", [])
   layer_cases(layers, ref, results)
+  for dtype, cases in more.items():
+    layer_cases(cases, ref, results, layer=triton.layer, dtype=dtype)
   quantized_cases(bes, ref, results)
   return results
 

@@ -1,20 +1,25 @@
 """gpu_check phase 2: times and TFLOP/s of every method, checked.
 
 For each workload (`gpu_workloads.FULL`: DeepSeek-V3, a small-K GEMM, the
-low-precision recipes at DeepSeek-V3's gate/up GEMM, Mixtral), timed
-problem and method, the median time of the jitted forward and
-forward+backward, their TFLOP/s, and the times over the dense, ragged_dot
-and pallas baselines (`timing.ratio_key`: time / baseline time, < 1
-faster). Inputs are bf16; a quantised method ("pallas_fp8_block", ...)
+low-precision recipes at DeepSeek-V3's gate/up GEMM, DeepSeek-V3's GEMM
+backward in halves, its routed experts, Mixtral), timed problem and method,
+the median time of the jitted forward and forward+backward (or of dX alone
+and dW alone: `PHASES`), their TFLOP/s, and the times over the dense,
+ragged_dot and pallas baselines (`timing.ratio_key`: time / baseline time,
+< 1 faster). Inputs are bf16; a quantised method ("pallas_fp8_block", ...)
 quantises them by its recipe inside the timed program. The timed programs'
 own output and gradients are then checked on a few sampled groups against
-a float32 per-group `jnp.dot`, or for a quantised method against the
-reference backend's product of the same quantised group. Every method is
-guarded: one that raises records its error and the next one runs. `goals`
-reads the targets off the rows: mosaic_gpu's forward at >= 0.6x dense
-cuBLAS throughput and faster than pallas at small K; the FP8 recipes'
-pallas forward at >= 1.5x the bf16 pallas forward's throughput on Hopper;
-the emulated recipes' (mxfp8, nvfp4) cost over bf16, reported.
+a float32 per-group `jnp.dot` (the routed experts: on sampled tokens and
+experts), or for a quantised method against the reference backend's
+product of the same quantised group. Every method is guarded: one that
+raises records its error and the next one runs. `goals` reads the targets
+off the rows: mosaic_gpu's forward at >= 0.6x dense cuBLAS throughput and
+faster than pallas at small K; triton's forward, dX and dW each at >= 0.6x
+dense cuBLAS throughput and its fused-activation FFN faster than its
+unfused one (the fused routing weights' cost over the fused activation
+alone's, reported); the FP8 recipes' pallas forward at >= 1.5x the bf16
+pallas forward's throughput on Hopper; the emulated recipes' (mxfp8,
+nvfp4) cost over bf16, reported.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import re
 import statistics
 import time
 import traceback
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +65,16 @@ EMULATED_METHODS = ("pallas_mxfp8", "pallas_nvfp4")
 # Hopper device kinds: "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA
 # GH200 480GB", "NVIDIA H800", "NVIDIA H20".
 _HOPPER = re.compile(r"\bG?H(20|100|200|800)\b")
+# What a method can be timed on: bench/timing's forward and forward+backward,
+# and a GEMM's backward in halves, dX alone and dW alone (`_grad_program`),
+# each the forward's FLOPs.
+PHASES = timing.PHASES + gpu_workloads.GRAD_PHASES
+FLOPS_OVER_FWD = {**timing.FLOPS_OVER_FWD, "dx": 1, "dw": 1}
+# triton's target (`goals`), as mosaic_gpu's: forward, dX alone and dW alone
+# each at >= this fraction of dense cuBLAS bf16's throughput.
+TRITON_THROUGHPUT_OVER_DENSE = FWD_THROUGHPUT_OVER_DENSE
+# The triton methods held to it, where a row has a dense method.
+TRITON_DENSE_METHODS = ("triton", "triton_fused_act")
 
 
 def _sample_groups(sizes):
@@ -149,32 +165,74 @@ def _oracle_values(kind, activation, rows, weights, cot, sizes, recipe="bf16"):
   return found
 
 
-def _check_timed(oracle, out, grads, tol):
-  """Max relative errors of a timed method's outputs on the sampled groups.
+class _Compared(NamedTuple):
+  """One comparison of a timed method's outputs with the oracle.
 
-  grads is (d_rows, d_weights), or None when the backward failed: the
-  forward is checked alone (and the entry holds that error).
+  quantity is "out", "d_rows" or "d_weights", the output it reads; pick
+  takes the part compared out of that output (a few rows, one expert's
+  weights); want is the float32 oracle's value there (a pytree like it).
+  """
+
+  quantity: str
+  pick: Callable[[Any], Any]
+  want: Any
+
+
+class _Oracle(NamedTuple):
+  """What the timed outputs are compared with: comparisons and where.
+
+  sampled: what the comparisons cover, for the JSON ({"groups": [...]},
+  and "tokens" for the routed experts). An empty `compared` fails every
+  check (the row's check_error says why).
+  """
+
+  compared: list
+  sampled: dict
+
+
+def _group_comparisons(found):
+  """_Oracle of `_oracle_values`' [(group, lo, hi, out, d_rows, d_w)]."""
+  compared = []
+  for g, lo, hi, want, want_dx, want_dw in found:
+    rows = functools.partial(_rows, lo, hi)
+    compared += [
+        _Compared("out", rows, want),
+        _Compared("d_rows", rows, want_dx),
+        _Compared("d_weights", functools.partial(_expert, g), want_dw),
+    ]
+  return _Oracle(compared, {"groups": [g for g, *_ in found]})
+
+
+def _rows(lo, hi, a):
+  return a[lo:hi]
+
+
+def _expert(g, weights):
+  return jax.tree.map(lambda a: a[g], weights)
+
+
+def _check_timed(oracle, outputs, tol):
+  """Max relative errors of a timed method's outputs against the oracle.
+
+  outputs holds what was computed of "out", "d_rows" and "d_weights" (a
+  phase that failed leaves its outputs out: the others are checked alone,
+  and the entry holds that error).
   """
   rel_err = gpu_tolerances.rel_err
-  errs = {"out": 0.0}
-  if grads is not None:
-    errs.update(d_rows=0.0, d_weights=0.0)
-  for g, lo, hi, want, want_dx, want_dw in oracle:
-    errs["out"] = max(errs["out"], rel_err(out[lo:hi], want))
-    if grads is None:
+  errs = {q: 0.0 for q in ("out", "d_rows", "d_weights") if q in outputs}
+  for c in oracle.compared:
+    if c.quantity not in outputs:
       continue
-    d_rows, d_weights = grads
-    errs["d_rows"] = max(errs["d_rows"], rel_err(d_rows[lo:hi], want_dx))
-    got_dw = jax.tree.leaves(jax.tree.map(lambda a, g=g: a[g], d_weights))
-    for got, want_w in zip(got_dw, jax.tree.leaves(want_dw)):
-      errs["d_weights"] = max(errs["d_weights"], rel_err(got, want_w))
+    got = jax.tree.leaves(c.pick(outputs[c.quantity]))
+    for got_leaf, want_leaf in zip(got, jax.tree.leaves(c.want), strict=True):
+      errs[c.quantity] = max(errs[c.quantity], rel_err(got_leaf, want_leaf))
   worst = max(errs.values())
   return {
-      "groups": [g for g, *_ in oracle],
+      **oracle.sampled,
       **errs,
       "max_rel_err": worst,
       "tolerance": tol,
-      "ok": bool(oracle) and worst <= tol,
+      "ok": bool(oracle.compared) and worst <= tol,
   }
 
 
@@ -197,14 +255,58 @@ def median_seconds(fn, args, repeats, budget_s=PHASE_BUDGET_S):
   return statistics.median(times), len(times), first
 
 
+def _grad_program(fn, argnum):
+  """f(rows, weights, group_sizes, cotangent) -> the gradient of one alone.
+
+  argnum 0 gives d rows (dX), 1 d weights (dW). The forward's output is not
+  used (a grouped GEMM's VJP keeps its inputs, not its output), so XLA
+  drops the forward kernel and this times one half of the backward. The
+  cotangent is rounded to the output's dtype, as in `timing.with_grad`.
+  """
+
+  def grad(rows, weights, group_sizes, cotangent):
+    def of_one(operand):
+      pair = (operand, weights) if argnum == 0 else (rows, operand)
+      return fn(*pair, group_sizes)
+
+    out, vjp = jax.vjp(of_one, (rows, weights)[argnum])
+    return vjp(cotangent.astype(out.dtype))[0]
+
+  return jax.jit(grad)
+
+
+def phase_programs(fn):
+  """{phase: jitted program} of f(rows, weights, group_sizes), `PHASES`."""
+  return {
+      **timing.phase_programs(fn),
+      "dx": _grad_program(fn, 0),
+      "dw": _grad_program(fn, 1),
+  }
+
+
+def _outputs(programs, entry, args, cot):
+  """{"out", "d_rows", "d_weights"} of the phases `entry` timed."""
+  outputs = {}
+  if "fwd_s" in entry:
+    outputs["out"] = programs["fwd"](*args)
+  if "fwd_bwd_s" in entry:
+    outputs["d_rows"], outputs["d_weights"] = programs["fwd_bwd"](*args, cot)[1]
+  if "dx_s" in entry:
+    outputs["d_rows"] = programs["dx"](*args, cot)
+  if "dw_s" in entry:
+    outputs["d_weights"] = programs["dw"](*args, cot)
+  return outputs
+
+
 def _time_method(fn, args, cot, repeats, flops, oracle, tol, phases):
   """One method's entry: times, TFLOP/s, the output check, or the error.
 
   A phase that raises leaves "error" ("fwd: ..." or "fwd_bwd: ...") and no
-  times from there on; what did run is still checked.
+  times from there on; what did run is still checked (oracle None: no
+  check).
   """
   entry = {}
-  programs = timing.phase_programs(fn)
+  programs = phase_programs(fn)
   for phase in phases:
     try:
       seconds, calls, first = median_seconds(
@@ -214,15 +316,15 @@ def _time_method(fn, args, cot, repeats, flops, oracle, tol, phases):
       entry[f"{phase}_calls"] = calls
       # Compile and warm-up: what the method costs a run like this one.
       entry[f"{phase}_first_call_s"] = first
-      flops_run = timing.FLOPS_OVER_FWD[phase] * flops
+      flops_run = FLOPS_OVER_FWD[phase] * flops
       entry[f"{phase}_tflops"] = flops_run / seconds / 1e12
     except Exception as e:  # pylint: disable=broad-except
       entry["error"] = f"{phase}: {gpu_report.error_text(e)}"
       traceback.print_exc()
       break
-  if oracle is None or "fwd_s" not in entry:
+  if oracle is None or not any(f"{p}_s" in entry for p in PHASES):
     return entry
-  if not oracle:
+  if not oracle.compared:
     entry["check"] = {
         "ok": False,
         "error": "no group to check against (the "
@@ -230,9 +332,8 @@ def _time_method(fn, args, cot, repeats, flops, oracle, tol, phases):
     }
     return entry
   try:  # The programs are compiled: one more call of each.
-    out = programs["fwd"](*args)
-    grads = programs["fwd_bwd"](*args, cot)[1] if "fwd_bwd_s" in entry else None
-    entry["check"] = _check_timed(oracle, out, grads, tol)
+    outputs = _outputs(programs, entry, args, cot)
+    entry["check"] = _check_timed(oracle, outputs, tol)
     entry["max_rel_err"] = entry["check"]["max_rel_err"]
   except Exception as e:  # pylint: disable=broad-except
     entry["check"] = {"error": gpu_report.error_text(e), "ok": False}
@@ -289,6 +390,8 @@ def run_timing(
     row = {
         "workload": workload.name,
         "problem": problem.name,
+        "kind": problem.kind,
+        "phases": list(workload.phases),
         "fwd_flops": problem.fwd_flops,
         "methods": {},
     }
@@ -313,11 +416,11 @@ def run_timing(
     # quantised operands: as a bf16 GEMM, only the order of the float32
     # sums and the bf16 output's rounding differ.
     tol = (
-        gpu_tolerances.BF16_DEEP
-        if problem.kind == "ffn"
-        else gpu_tolerances.BF16
+        gpu_tolerances.BF16
+        if problem.kind == "gemm"
+        else gpu_tolerances.BF16_DEEP
     )
-    oracle = _Oracles(problem.kind, cfg.activation, rows, operand, cot, sizes)
+    oracle = _Oracles(problem.kind, cfg, rows, operand, cot, sizes)
     for method, fn in methods.items():
       if isinstance(fn, gpu_workloads.Skip):  # Unavailable here: why.
         row["methods"][method] = {"skipped": fn.reason}
@@ -355,24 +458,84 @@ def run_timing(
   return m, sizes, results
 
 
-class _Oracles:
-  """`_oracle_values` of one problem, per recipe, computed when first asked.
+def _routed_oracle(cfg, tokens, weights, cot, sizes):
+  """_Oracle of the routed experts on `gpu_workloads.fixed_routing(sizes)`.
 
-  A recipe whose oracle raised gives [] (every method's check then fails,
-  saying why) and leaves the error in `error` (the row's check_error).
+  On the first, middle and last token, y[t] = sum_k w[t, k] *
+  ffn_{e[t, k]}(x[t]) and its d x[t]; on the sampled experts
+  (`_sample_groups`), d weights: their FFN over the copies routed to them,
+  each copy's cotangent times its combine weight. In float32 from the same
+  bf16 inputs, one expert at a time with a plain jnp.dot; the cotangent
+  rounded to the output's dtype, as the timed programs see it.
+  """
+  num_tokens = tokens.shape[0]
+  aux = gpu_workloads.fixed_routing(jnp.asarray(sizes), num_tokens, cfg)
+  ids = np.asarray(aux.expert_ids)
+  combine = np.asarray(aux.combine_weights)
+  expert = jax.jit(
+      functools.partial(
+          gpu_workloads.output_and_grads, _group_oracle("ffn", cfg.activation)
+      )
+  )
+  f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+  cot = f32(cot.astype(tokens.dtype))
+
+  def weights_of(e):
+    return jax.tree.map(lambda a: f32(a[e]), weights)
+
+  compared = []
+  sampled_tokens = sorted({0, num_tokens // 2, num_tokens - 1})
+  for t in sampled_tokens:
+    y, d_x = 0.0, 0.0
+    for k in range(cfg.top_k):
+      w = float(combine[t, k])
+      out, d_copy, _ = expert(
+          f32(tokens[t : t + 1]), weights_of(int(ids[t, k])), w * cot[t : t + 1]
+      )
+      y, d_x = y + w * out, d_x + d_copy
+    rows = functools.partial(_rows, t, t + 1)
+    compared += [_Compared("out", rows, y), _Compared("d_rows", rows, d_x)]
+  groups = _sample_groups(sizes)
+  for g in groups:
+    copies = np.flatnonzero(ids.reshape(-1) == g)
+    who = copies // cfg.top_k
+    scale = f32(combine.reshape(-1)[copies])[:, None]
+    _, _, want_dw = expert(f32(tokens[who]), weights_of(g), scale * cot[who])
+    compared.append(
+        _Compared("d_weights", functools.partial(_expert, g), want_dw)
+    )
+  return _Oracle(compared, {"groups": groups, "tokens": sampled_tokens})
+
+
+class _Oracles:
+  """The `_Oracle` of one problem, per recipe, computed when first asked.
+
+  A recipe whose oracle raised gives one with nothing to compare (every
+  method's check then fails, saying why) and leaves the error in `error`
+  (the row's check_error).
   """
 
-  def __init__(self, kind, activation, rows, weights, cot, sizes):
-    self._args = (kind, activation, rows, weights, cot, sizes)
+  def __init__(self, kind, cfg, rows, weights, cot, sizes):
+    self._kind = kind
+    self._args = (cfg, rows, weights, cot, sizes)
     self._found = {}
     self.error = None
+
+  def _oracle(self, recipe):
+    cfg, rows, weights, cot, sizes = self._args
+    if self._kind == "routed":
+      return _routed_oracle(cfg, rows, weights, cot, sizes)
+    found = _oracle_values(
+        self._kind, cfg.activation, rows, weights, cot, sizes, recipe=recipe
+    )
+    return _group_comparisons(found)
 
   def of(self, recipe):
     if recipe not in self._found:
       try:
-        self._found[recipe] = _oracle_values(*self._args, recipe=recipe)
+        self._found[recipe] = self._oracle(recipe)
       except Exception as e:  # pylint: disable=broad-except
-        self._found[recipe] = []
+        self._found[recipe] = _Oracle([], {})
         self.error = f"{recipe}: {gpu_report.error_text(e)}"
         traceback.print_exc()
     return self._found[recipe]
@@ -382,7 +545,7 @@ def _summary(entry):
   parts = [
       f"{k} {1e3 * entry[k + '_s']:.3f} ms (first call "
       f"{entry[k + '_first_call_s']:.1f} s)"
-      for k in timing.PHASES
+      for k in PHASES
       if k + "_s" in entry
   ]
   check = entry.get("check")
@@ -398,7 +561,7 @@ def _summary(entry):
 
 
 def add_ratios(row):
-  """Each method's time over dense's and over ragged_dot's, per phase.
+  """Each method's time over each baseline's (`BASELINES`), per phase.
 
   `timing.ratio_key` names them ("fwd_time_over_dense": < 1 is faster than
   dense); a ratio is None where either time is missing (that method failed,
@@ -408,7 +571,7 @@ def add_ratios(row):
   for base in BASELINES:
     base_entry = methods.get(base, {})
     for entry in methods.values():
-      for phase in timing.PHASES:
+      for phase in PHASES:
         entry[timing.ratio_key(phase, base)] = timing.time_over(
             entry.get(f"{phase}_s"), base_entry.get(f"{phase}_s")
         )
@@ -461,24 +624,102 @@ def _precision_goals(row, hopper):
   return out
 
 
+def _goal(row, method, goal, value, target, met):
+  return {
+      "goal": goal,
+      "workload": row.get("workload"),
+      "problem": row["problem"],
+      "method": method,
+      "value": value,
+      "target": target,
+      "met": met,
+  }
+
+
+def _triton_goals(row):
+  """triton's entries of one row: throughput over dense, fusions' gains.
+
+  Where the row has a dense method: the forward's, dX's and dW's
+  throughput over dense's (the phases the row timed). On the expert FFN:
+  the fused activation's time over the unfused one's, per phase (target
+  < 1). On the routed experts: the fused routing weights' time over the
+  fused activation alone's, per phase (reported).
+  """
+  methods = row["methods"]
+  out = []
+  if "dense" in methods:
+    for method in TRITON_DENSE_METHODS:
+      entry = methods.get(method)
+      if entry is None:
+        continue
+      for phase, label in (("fwd", "fwd"), ("dx", "dX"), ("dw", "dW")):
+        if phase not in row.get("phases", timing.PHASES):
+          continue
+        ratio = entry.get(timing.ratio_key(phase, "dense"))
+        value = None if not ratio else 1.0 / ratio
+        target = TRITON_THROUGHPUT_OVER_DENSE
+        out.append(
+            _goal(
+                row,
+                method,
+                f"{label} throughput / dense cuBLAS bf16 {label} throughput",
+                value,
+                f">= {target}",
+                None if value is None else bool(value >= target),
+            )
+        )
+  pairs = {
+      "ffn": ("triton_fused_act", "triton", "fused activation", "< 1"),
+      "routed": (
+          "triton_fused_routing",
+          "triton_fused_act",
+          "fused routing weights",
+          None,
+      ),
+  }
+  if row.get("kind") in pairs:
+    fused, plain, label, target = pairs[row["kind"]]
+    if fused in methods and plain in methods:
+      for phase in timing.PHASES:
+        value = timing.time_over(
+            methods[fused].get(f"{phase}_s"), methods[plain].get(f"{phase}_s")
+        )
+        met = None if value is None or target is None else bool(value < 1)
+        out.append(
+            _goal(
+                row,
+                fused,
+                f"{label}: {phase} time / {plain} {phase} time",
+                value,
+                target,
+                met,
+            )
+        )
+  return out
+
+
 def goals(results, device_kind=None):
   """The targets, read off the timing rows: [{goal, ..., met}].
 
   On every row, each mosaic_gpu method's forward throughput over dense
   cuBLAS's (1 / fwd_time_over_dense; target >= 0.6); on the small-K
-  workloads', mosaic_gpu's forward time over pallas' (target < 1). Where a
-  row times the recipes: fp8_tensor's and fp8_block's pallas forward
-  throughput over the bf16 pallas forward's (target >= 1.5, judged only
-  when `device_kind` is a Hopper GPU's), and mxfp8's and nvfp4's forward
-  time over bf16's (reported: target None). met is None where a time is
-  missing or nothing is judged. Targets, not checks: a miss is no failure.
+  workloads', mosaic_gpu's forward time over pallas' (target < 1). triton
+  (`_triton_goals`): its forward, dX and dW throughput over dense cuBLAS's
+  (target >= 0.6), its fused-activation FFN's time over its unfused one's
+  (target < 1) and its fused routing weights' time over the fused
+  activation alone's (reported). Where a row times the recipes:
+  fp8_tensor's and fp8_block's pallas forward throughput over the bf16
+  pallas forward's (target >= 1.5, judged only when `device_kind` is a
+  Hopper GPU's), and mxfp8's and nvfp4's forward time over bf16's
+  (reported: target None). met is None where a time is missing or nothing
+  is judged. Targets, not checks: a miss is no failure.
   """
   out = []
   hopper = is_hopper(device_kind)
   for row in results:
     for method in gpu_workloads.MOSAIC_METHODS:
       entry = row["methods"].get(method)
-      if entry is None:
+      if entry is None or "fwd" not in row.get("phases", timing.PHASES):
         continue
       ratio = entry.get(timing.ratio_key("fwd", "dense"))
       value = None if not ratio else 1.0 / ratio
@@ -508,6 +749,7 @@ def goals(results, device_kind=None):
                 "met": None if value is None else bool(value < 1),
             }
         )
+    out.extend(_triton_goals(row))
     out.extend(_precision_goals(row, hopper))
   return out
 
@@ -544,19 +786,27 @@ def _phase_columns(label):
   )
 
 
-_COLUMNS = (
-    text_table.Column("workload", 12, align="<"),
-    text_table.Column("problem", 24, align="<"),
-    text_table.Column("method", 20, align="<"),
-    *_phase_columns("fwd"),
-    *_phase_columns("f+b"),
-    text_table.Column("max err", 8, ".1e"),
+# The table's two phases: a row that times dX and dW alone goes in a
+# second table with these in place of the forward and forward+backward.
+_TABLES = (
+    (timing.PHASES, ("fwd", "f+b")),
+    (gpu_workloads.GRAD_PHASES, ("dX", "dW")),
 )
 
 
-def _table_values(workload, problem, method, entry):
+def _columns(labels):
+  return (
+      text_table.Column("workload", 12, align="<"),
+      text_table.Column("problem", 24, align="<"),
+      text_table.Column("method", 20, align="<"),
+      *(c for label in labels for c in _phase_columns(label)),
+      text_table.Column("max err", 8, ".1e"),
+  )
+
+
+def _table_values(workload, problem, method, entry, phases):
   values = [workload, problem, method]
-  for phase in timing.PHASES:
+  for phase in phases:
     seconds = entry.get(f"{phase}_s")
     values += [
         None if seconds is None else 1e3 * seconds,
@@ -566,30 +816,47 @@ def _table_values(workload, problem, method, entry):
   return values + [entry.get("max_rel_err")]
 
 
+def _table_of(row):
+  """Which of `_TABLES` a row goes in: the one holding its phases."""
+  timed = set(row.get("phases", timing.PHASES))
+  for phases, labels in _TABLES:
+    if timed <= set(phases):
+      return phases, labels
+  return _TABLES[0]
+
+
 def print_timing(results):
-  """The timing table, one line per problem and method, and its legend."""
-  print(text_table.heading(_COLUMNS))
-  for row in results:
-    workload = row.get("workload", "")
-    if "skipped" in row:
-      print(f"{workload:<12} {row['problem']:<24} SKIPPED: {row['skipped']}")
-    if "error" in row:
-      print(f"{workload:<12} {row['problem']:<24} FAILED: {row['error'][:100]}")
-    for method, e in row["methods"].items():
-      line = text_table.row(
-          _COLUMNS, _table_values(workload, row["problem"], method, e)
-      )
-      if not e.get("check", {"ok": True})["ok"]:
-        line += "  CHECK FAILED"
-      if "error" in e:
-        line += f"  FAILED {e['error'][:80]}"
-      if "skipped" in e:
-        line += f"  SKIPPED {e['skipped'][:80]}"
-      print(line)
+  """The timing tables, one line per problem and method, and the legend."""
+  for phases, labels in _TABLES:
+    rows = [r for r in results if _table_of(r)[0] == phases]
+    if not rows and phases != timing.PHASES:
+      continue
+    columns = _columns(labels)
+    print(text_table.heading(columns))
+    for row in rows:
+      workload = row.get("workload", "")
+      if "skipped" in row:
+        print(f"{workload:<12} {row['problem']:<24} SKIPPED: {row['skipped']}")
+      if "error" in row:
+        print(
+            f"{workload:<12} {row['problem']:<24} FAILED: {row['error'][:100]}"
+        )
+      for method, e in row["methods"].items():
+        line = text_table.row(
+            columns, _table_values(workload, row["problem"], method, e, phases)
+        )
+        if not e.get("check", {"ok": True})["ok"]:
+          line += "  CHECK FAILED"
+        if "error" in e:
+          line += f"  FAILED {e['error'][:80]}"
+        if "skipped" in e:
+          line += f"  SKIPPED {e['skipped'][:80]}"
+        print(line)
   print(
       "'time/dense', 'time/ragged', 'time/pallas': the method's time / the "
       "time of a dense jnp.dot of the same FLOPs, of ragged_dot, of pallas, "
-      "in this run (< 1 is faster); 'max err': of the timed output and "
-      "gradients on sampled groups vs float32 jnp.dot (a recipe's output: "
-      "vs the reference's product of the same quantised group)."
+      "in this run (< 1 is faster); 'dX', 'dW': one half of the backward "
+      "alone; 'max err': of the timed output and gradients on sampled "
+      "groups (routed experts: tokens) vs float32 jnp.dot (a recipe's "
+      "output: vs the reference's product of the same quantised group)."
   )

@@ -13,27 +13,43 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import moe_core
 from bench import gemm_workloads
 from moe_core import ffn
 from moe_core import precision
+from moe_core import routing
 
 # The methods a timed problem can have. "dense" is one jnp.dot (cuBLAS) of
 # the same FLOPs; "ragged_dot" is jax.lax.ragged_dot (for the FFN, the xla
 # backend built on it). ragged_dot comes last: on jax <= 0.11 XLA:GPU
 # expands it into a dense product over every group, the method most likely
 # to run out of memory, and every method before it is then already written.
-GEMM_METHODS = ("dense", "pallas", "mosaic_gpu", "ragged_dot")
+GEMM_METHODS = ("dense", "pallas", "mosaic_gpu", "triton", "ragged_dot")
 FFN_METHODS = (
     "dense",
     "pallas",
     "pallas_fused_act",
     "mosaic_gpu",
     "mosaic_gpu_fused_act",
+    "triton",
+    "triton_fused_act",
     "ragged_dot",
 )
 MOSAIC_METHODS = ("mosaic_gpu", "mosaic_gpu_fused_act")
+# The routed experts (dispatch, expert FFN, combine: `routed_experts`) of
+# each backend; "triton_fused_routing" also multiplies the combine weights
+# in the down GEMM's epilogue (the triton backend's fuse_routing_weights).
+# pallas, the first, is the baseline of the row's ratios.
+ROUTED_METHODS = (
+    "pallas",
+    "pallas_fused_act",
+    "triton",
+    "triton_fused_act",
+    "triton_fused_routing",
+)
+TRITON_METHODS = ("triton", "triton_fused_act", "triton_fused_routing")
 # The grouped GEMM on quantised operands (`moe_core.precision`), forward:
 # "<backend>_<recipe>", bf16 inputs and output. Named by a workload only
 # (`PRECISION`): no other row times them.
@@ -46,6 +62,9 @@ PRECISION_METHODS = (
     ("pallas",) + QUANTIZED_PALLAS_METHODS + QUANTIZED_XLA_METHODS
 )
 PHASES = ("fwd", "fwd_bwd")
+# A GEMM's backward in halves: dX alone and dW alone (gpu_timing's
+# programs), each the forward's FLOPs.
+GRAD_PHASES = ("dx", "dw")
 
 
 class Workload(NamedTuple):
@@ -53,7 +72,8 @@ class Workload(NamedTuple):
 
   shape: tokens T, top_k, hidden D, ffn F, experts E (run here; may be a
   slice of the model's `model_experts`). problems, methods: the names kept
-  (None: all); phases: of `PHASES`.
+  (None: the GEMMs and the expert FFN, every plain method); phases: of
+  `PHASES` + `GRAD_PHASES`.
   """
 
   name: str
@@ -127,27 +147,79 @@ PRECISION = Workload(
     "pallas GEMM",
     skipped=tuple((m, _XLA_AT_256_GROUPS) for m in QUANTIZED_XLA_METHODS),
 )
+# DeepSeek-V3's two GEMMs with the backward in halves, dX alone and dW
+# alone, each against dense cuBLAS's (`gpu_timing.goals`: triton's targets).
+DEEPSEEK_V3_GRADS = Workload(
+    "deepseek_v3_grads",
+    dict(DEEPSEEK_V3.shape),
+    model_experts=256,
+    problems=("gemm_up", "gemm_down"),
+    methods=("dense", "pallas", "mosaic_gpu", "triton"),
+    phases=GRAD_PHASES,
+    note="DeepSeek-V3 GEMMs: dX alone and dW alone vs dense cuBLAS",
+)
+# DeepSeek-V3's routed experts (dispatch, expert FFN, combine) from a fixed
+# routing with the workload's group sizes (`fixed_routing`): where the
+# triton backend's fuse_routing_weights acts.
+DEEPSEEK_V3_ROUTED = Workload(
+    "deepseek_v3_routed",
+    dict(DEEPSEEK_V3.shape),
+    model_experts=256,
+    problems=("routed",),
+    methods=ROUTED_METHODS,
+    note="DeepSeek-V3 routed experts (dispatch, FFN, combine), fixed "
+    "routing: triton with and without the combine weights in the down "
+    "GEMM, vs pallas",
+)
 # In this order: past gpu_check's --budget_s the last ones are skipped.
-FULL = (DEEPSEEK_V3, SMALL_K, PRECISION, MIXTRAL)
+FULL = (
+    DEEPSEEK_V3,
+    SMALL_K,
+    PRECISION,
+    DEEPSEEK_V3_GRADS,
+    DEEPSEEK_V3_ROUTED,
+    MIXTRAL,
+)
 
 # --dry_run: tiny shapes on the CPU, kernels interpreted. Mosaic GPU's
 # interpreter simulates every thread (seconds a call), so mosaic_gpu is
 # checked on the first GEMM case only (DRY_MOSAIC_GEMM_CASES) and timed on
-# the small-K row only, forward only.
+# the small-K row only, forward only. Triton's interpreter takes a tenth of
+# a second or more a launch: triton is checked on DRY_TRITON_CASES only and
+# timed at DRY_TRITON's shape.
 DRY = {"tokens": 64, "top_k": 8, "hidden": 256, "ffn": 128, "experts": 8}
 DRY_MOSAIC_GEMM_CASES = 1
+DRY_TRITON = {"tokens": 16, "top_k": 2, "hidden": 64, "ffn": 32, "experts": 4}
 
 
-def dry_workloads(shape=None):
-  """The --dry_run workloads at `shape` (default DRY)."""
+def dry_workloads(shape=None, triton_shape=None):
+  """The --dry_run workloads at `shape` (default DRY).
+
+  The rows that time triton ("dry_triton", "dry_grads", "dry_routed") are
+  at `triton_shape` (default DRY_TRITON).
+  """
   shape = dict(DRY if shape is None else shape)
+  triton_shape = dict(DRY_TRITON if triton_shape is None else triton_shape)
   return (
       Workload(
           "dry",
           shape,
           model_experts=shape["experts"],
-          methods=tuple(m for m in FFN_METHODS if m not in MOSAIC_METHODS),
-          note="tiny, interpreted; mosaic_gpu only in dry_small_k",
+          methods=tuple(
+              m
+              for m in FFN_METHODS
+              if m not in MOSAIC_METHODS and m not in TRITON_METHODS
+          ),
+          note="tiny, interpreted; mosaic_gpu only in dry_small_k, triton "
+          "in dry_triton",
+      ),
+      Workload(
+          "dry_triton",
+          triton_shape,
+          model_experts=triton_shape["experts"],
+          problems=("ffn",),
+          methods=("dense", "triton", "triton_fused_act"),
+          note="tinier, interpreted: triton's FFN row",
       ),
       Workload(
           "dry_small_k",
@@ -167,6 +239,23 @@ def dry_workloads(shape=None):
           phases=PRECISION.phases,
           note="tiny, interpreted: the recipes' row",
           skipped=PRECISION.skipped,
+      ),
+      Workload(
+          "dry_grads",
+          triton_shape,
+          model_experts=triton_shape["experts"],
+          problems=("gemm_up",),
+          methods=("dense", "triton"),
+          phases=DEEPSEEK_V3_GRADS.phases,
+          note="tinier, interpreted: dX and dW alone",
+      ),
+      Workload(
+          "dry_routed",
+          triton_shape,
+          model_experts=triton_shape["experts"],
+          problems=DEEPSEEK_V3_ROUTED.problems,
+          methods=("triton_fused_act", "triton_fused_routing"),
+          note="tinier, interpreted: the routed experts' row",
       ),
   )
 
@@ -202,6 +291,79 @@ LAYER_CONFIG = {
     "shared_ffn_size": 256,
 }
 LAYER_BATCH = (2, 256)
+# triton's correctness cases. On a GPU (`triton_cases`): everyone's cases
+# and two of its own in bf16, and in float32 (where Triton's dot could
+# round to TF32) a GEMM of each weight layout, one expert FFN case and the
+# layer with both fusions. --dry_run runs its kernels in Triton's
+# interpreter, where each launch costs a tenth of a second or more (the
+# layer of LAYER_CONFIG: over three minutes): there two small GEMMs of its
+# own, one per weight layout and dtype, and a smaller layer with both
+# fusions (DRY_TRITON_CASES); the dry timing's FFN row checks the unfused
+# and fused expert FFN.
+TRITON_LAYERS = ("plain", "fused_act", "fused_routing")
+
+
+class TritonCases(NamedTuple):
+  """The cases triton is checked on.
+
+  gemm: (M, C, N, group sizes, transpose_rhs, dtype); ffn: (M, D, F,
+  group sizes, dtype); layers: (variant of TRITON_LAYERS, dtype); layer:
+  None for the layer of LAYER_CONFIG on an input of LAYER_BATCH (in bf16
+  beside the other backends', against the same reference run), or a
+  (config, [batch, sequence]) of its own.
+  """
+
+  gemm: list
+  ffn: list
+  layers: list
+  layer: tuple[dict, tuple[int, int]] | None = None
+
+
+DRY_TRITON_CASES = TritonCases(
+    gemm=[
+        (48, 32, 40, (9, 0, 20), False, "bfloat16"),  # Shared tiles.
+        (40, 32, 24, (0, 13, 17), True, "float32"),  # The dX layout.
+    ],
+    ffn=[],
+    layers=[("fused_routing", "bfloat16")],
+    layer=(
+        {
+            "num_experts": 4,
+            "top_k": 2,
+            "hidden_size": 32,
+            "expert_ffn_size": 64,
+            "shared_ffn_size": 32,
+        },
+        (2, 8),
+    ),
+)
+
+
+# 1109 rows per group and N = 512: triton's "many_rows" tiles (128x256
+# forward, 8 warps), which Mixtral's timed shapes run and no case of
+# everyone's reaches.
+TRITON_MANY_ROWS_GEMM = (3328, 128, 512, (1400, 0, 1800), False)
+TRITON_MANY_ROWS_FFN = (3328, 128, 512, (1400, 0, 1800))
+
+
+def triton_cases() -> TritonCases:
+  """triton's cases on a GPU: everyone's (GEMM_CASES, FFN_CASES, the
+  layer) and the many-rows ones in bf16; some of them in float32.
+
+  Read when called, so that a test patching those tables patches these.
+  """
+  gemm = GEMM_CASES + [TRITON_MANY_ROWS_GEMM]
+  first_of_each_layout = {c[4]: c for c in reversed(GEMM_CASES)}
+  return TritonCases(
+      gemm=[c + ("bfloat16",) for c in gemm]
+      + [c + ("float32",) for c in first_of_each_layout.values()],
+      ffn=[c + ("bfloat16",) for c in FFN_CASES + [TRITON_MANY_ROWS_FFN]]
+      + [FFN_CASES[0] + ("float32",)],
+      layers=[(v, "bfloat16") for v in TRITON_LAYERS]
+      + [("fused_routing", "float32")],
+  )
+
+
 # Quantised GEMM cases, forward, each recipe on pallas and xla against the
 # reference: (M, C, N, group sizes), bf16 inputs with NaN padding rows, a
 # float32 output. C = 320 leaves fp8_block's last 128-wide block half
@@ -239,19 +401,35 @@ def problems(shape, skew, keep=None):
 
   M = T * top_k rows; the gate/up-shaped and down-shaped grouped GEMMs, then
   the whole expert FFN (three such GEMMs); `keep` names those kept (None:
-  all).
+  these three). Only a `keep` naming "routed" adds the routed experts
+  (kind "routed": tokens [T, D] -> [T, D] through dispatch, the expert FFN
+  and combine, `fixed_routing`), where top_k <= E.
   """
-  m = shape["tokens"] * shape["top_k"]
+  t = shape["tokens"]
+  m = t * shape["top_k"]
   d, f, e = shape["hidden"], shape["ffn"], shape["experts"]
   sizes = gemm_workloads.skewed_group_sizes(skew, m, e)
+  ffn_flops = 3 * 2 * m * d * f
   every = [
       _gemm_problem("gemm_up", "gemm_up [M,D]x[E,D,F]", m, d, f, e),
       _gemm_problem("gemm_down", "gemm_down [M,F]x[E,F,D]", m, f, d, e),
-      Problem(
-          "expert_ffn", "ffn", (m, d), None, (m, d), 3 * 2 * m * d * f, "ffn"
-      ),
+      Problem("expert_ffn", "ffn", (m, d), None, (m, d), ffn_flops, "ffn"),
   ]
-  return m, sizes, [p for p in every if keep is None or p.key in keep]
+  if keep is None:
+    return m, sizes, every
+  if shape["top_k"] <= e:  # Else no MoEConfig routes top_k of E experts.
+    every.append(
+        Problem(
+            "routed_experts [T,D]",
+            "routed",
+            (t, d),
+            None,
+            (t, d),
+            ffn_flops,
+            "routed",
+        )
+    )
+  return m, sizes, [p for p in every if p.key in keep]
 
 
 def ffn_config(shape):
@@ -273,6 +451,48 @@ def expert_weights(params):
   return {k: params[k] for k in EXPERT_WEIGHTS}
 
 
+def fixed_routing(group_sizes, num_tokens, cfg) -> routing.MoEAux:
+  """A routing of T tokens' K copies that gives experts `group_sizes`.
+
+  The sorted copies (group_sizes[e] of expert e, in order) are spread over
+  the tokens by a fixed shuffle, so a token's K experts are scattered (two
+  may coincide: dispatch and combine do not mind). The combine weights
+  are a fixed positive draw summing to 1 per token; every copy is kept.
+  Built on the device from the sizes (traced under jit, as the timed
+  programs build it: no host sync); only the fields `routed_experts`
+  reads carry information, the statistics are zeros.
+
+  Args:
+    group_sizes: [E] int32 summing to T * cfg.top_k.
+    num_tokens: T.
+    cfg: the block's MoEConfig (num_experts E, top_k K).
+  """
+  e, k = cfg.num_experts, cfg.top_k
+  copies = num_tokens * k
+  rng = np.random.default_rng(0)
+  shuffle = rng.permutation(copies).astype(np.int32)
+  weights = rng.uniform(0.5, 1.5, (num_tokens, k))
+  weights /= weights.sum(axis=1, keepdims=True)
+  sorted_ids = jnp.repeat(
+      jnp.arange(e, dtype=jnp.int32),
+      group_sizes,
+      total_repeat_length=copies,
+  )
+  zero = jnp.zeros((), jnp.float32)
+  return routing.MoEAux(
+      router_logits=jnp.zeros((num_tokens, e), jnp.float32),
+      router_probs=jnp.zeros((num_tokens, e), jnp.float32),
+      expert_ids=sorted_ids[shuffle].reshape(num_tokens, k),
+      combine_weights=jnp.asarray(weights, jnp.float32),
+      kept=jnp.ones((num_tokens, k), bool),
+      tokens_per_expert=jnp.asarray(group_sizes, jnp.int32),
+      load_balancing_loss=zero,
+      router_z_loss=zero,
+      dropped_tokens=jnp.zeros((), jnp.int32),
+      invalid_assignments=jnp.zeros((), jnp.int32),
+  )
+
+
 class Unbuilt:
   """Stands in for a backend that could not be built: every call raises.
 
@@ -290,7 +510,7 @@ class Unbuilt:
     del args, kwargs
     raise RuntimeError(f"backend {self.name} was not built: {self.error}")
 
-  grouped_gemm = expert_ffn = _raise
+  grouped_gemm = expert_ffn = routed_experts = _raise
 
 
 class Skip:
@@ -320,6 +540,10 @@ class Unavailable:
     return f"Unavailable({self.name!r}: {self.reason})"
 
 
+# What a `Backends` built without triton holds there.
+_TRITON_NOT_BUILT = Unavailable("triton", "triton: not built for this run")
+
+
 class Backends(NamedTuple):
   """Every backend gpu_check checks or times (an `Unbuilt` if it failed)."""
 
@@ -328,6 +552,11 @@ class Backends(NamedTuple):
   mosaic: Any
   mosaic_fused: Any
   ragged: Any  # The xla backend on jax.lax.ragged_dot: the FFN baseline.
+  # triton with fuse_activation False and True, and with both the
+  # activation and the routing weights fused (fuse_routing_weights).
+  triton: Any = _TRITON_NOT_BUILT
+  triton_fused: Any = _TRITON_NOT_BUILT
+  triton_routed: Any = _TRITON_NOT_BUILT
 
   def describe(self) -> dict[str, str]:
     """{field: repr}, for the JSON: options, or why it was not built."""
@@ -347,12 +576,39 @@ def _build(name, **options):
     return Unbuilt(name, f"{type(e).__name__}: {e}"[:500])
 
 
+# Why --lower_only skips triton off a GPU, after its availability reason.
+TRITON_NOT_LOWERED = (
+    " --lower_only cannot lower it here either: a jax-triton call is lowered "
+    "by compiling its kernel through the CUDA plugin's Triton bindings "
+    "(jaxlib's gpu_triton), which a CPU jaxlib lacks."
+)
+
+
+def _build_triton(compiled, **options):
+  """The triton backend, or an `Unbuilt`, or an `Unavailable` with why.
+
+  Unlike pallas and mosaic_gpu, triton needs a package that may be absent
+  (jax-triton) even on a GPU: where `availability()` says no, compiled or
+  interpreted, its cases and methods are skipped with that reason.
+  """
+  be = _build("triton", interpret=not compiled, **options)
+  if isinstance(be, (Unbuilt, Unavailable)):
+    return be
+  ok, reason = be.availability()
+  if ok:
+    return be
+  if compiled and jax.default_backend() != "gpu":
+    reason += TRITON_NOT_LOWERED
+  return Unavailable("triton", reason)
+
+
 def backends(on_gpu) -> Backends:
   """The backends, compiled or interpreted.
 
   on_gpu None lets pallas choose (interpreted off a GPU) and interprets
-  mosaic_gpu off a GPU (it has no automatic mode); True or False forces
-  compiled or interpreted kernels (True: for the CUDA lowering).
+  mosaic_gpu and triton off a GPU (they have no automatic mode); True or
+  False forces compiled or interpreted kernels (True: for the CUDA
+  lowering).
   """
   if on_gpu is None:
     on_gpu = jax.default_backend() == "gpu"
@@ -370,6 +626,11 @@ def backends(on_gpu) -> Backends:
           "mosaic_gpu", interpret=mosaic_interpret, fuse_activation=True
       ),
       ragged=_build("xla", use_ragged_dot=True),
+      triton=_build_triton(on_gpu, fuse_activation=False),
+      triton_fused=_build_triton(on_gpu, fuse_activation=True),
+      triton_routed=_build_triton(
+          on_gpu, fuse_activation=True, fuse_routing_weights=True
+      ),
   )
 
 
@@ -379,6 +640,7 @@ def gemm_methods(bes: Backends):
       "dense": gemm_workloads.dense_gemm,
       "pallas": bes.pallas.grouped_gemm,
       "mosaic_gpu": bes.mosaic.grouped_gemm,
+      "triton": bes.triton.grouped_gemm,
       "ragged_dot": gemm_workloads.ragged_dot_gemm,
   }
 
@@ -405,7 +667,33 @@ def ffn_methods(bes: Backends, cfg):
       "pallas_fused_act": of(bes.pallas_fused),
       "mosaic_gpu": of(bes.mosaic),
       "mosaic_gpu_fused_act": of(bes.mosaic_fused),
+      "triton": of(bes.triton),
+      "triton_fused_act": of(bes.triton_fused),
       "ragged_dot": of(bes.ragged),
+  }
+
+
+def routed_methods(bes: Backends, cfg):
+  """name -> f(tokens [T, D], expert weights, group_sizes) -> [T, D].
+
+  Each backend's `routed_experts` on `fixed_routing(group_sizes)`.
+  """
+
+  def of(be):
+    if isinstance(be, Unavailable):
+      return be.expert_ffn
+
+    def run(x, p, g):
+      return be.routed_experts(p, x, fixed_routing(g, x.shape[0], cfg), cfg)
+
+    return run
+
+  return {
+      "pallas": of(bes.pallas),
+      "pallas_fused_act": of(bes.pallas_fused),
+      "triton": of(bes.triton),
+      "triton_fused_act": of(bes.triton_fused),
+      "triton_fused_routing": of(bes.triton_routed),
   }
 
 
@@ -437,7 +725,8 @@ def quantized_gemm_methods(bes: Backends):
 
 
 def methods_for(kind, bes: Backends, cfg, keep=None, skipped=()):
-  """The methods of a problem of `kind` ("gemm" or "ffn"), in keep's order.
+  """The methods of a problem of `kind` ("gemm", "ffn" or "routed"), in
+  keep's order.
 
   keep None: every plain (bf16) method of that kind; the quantised GEMMs
   only where keep names them. A method in `skipped` ((name, why) pairs) is
@@ -446,6 +735,9 @@ def methods_for(kind, bes: Backends, cfg, keep=None, skipped=()):
   if kind == "gemm":
     methods = {**gemm_methods(bes), **quantized_gemm_methods(bes)}
     plain = GEMM_METHODS
+  elif kind == "routed":
+    methods = routed_methods(bes, cfg)
+    plain = ROUTED_METHODS
   else:
     methods = ffn_methods(bes, cfg)
     plain = FFN_METHODS
