@@ -2,7 +2,16 @@
 
 On the device machine, where only $OUT comes back:
 
-    python -m bench.gpu_check --out_dir "$OUT"  # H200, well under 8 minutes
+    python -m bench.gpu_check --out_dir "$OUT"  # H200, aims at 8 minutes
+
+With triton's correctness cases the whole run may come near the device
+tool's 10 minutes a command (untimed yet: the correctness phase has no
+budget). Two calls split it, at the cost of a second start:
+
+    python -m bench.gpu_check --out_dir "$OUT" \
+        --workloads deepseek_v3,deepseek_v3_grads,deepseek_v3_routed
+    python -m bench.gpu_check --out_dir "$OUT" --skip_correctness \
+        --workloads small_k,deepseek_v3_precision,mixtral_8x7b
 
 Elsewhere:
 
