@@ -139,7 +139,9 @@ def moe_conformance_test(
         shard_count = 4,
         size = "large",
         tags = [],
-        device = "cpu"):
+        device = "cpu",
+        oldest_leg = True,
+        oldest_leg_ep = True):
     """Runs the shared conformance suite against one backend.
 
     One BUILD line per backend folder, e.g. in backends/xla/BUILD:
@@ -170,6 +172,12 @@ def moe_conformance_test(
       size: Bazel test size; "large" gives each shard 15 minutes.
       tags: extra Bazel tags. `matrix` and `conformance` are always added.
       device: "cpu", "gpu" (adds tag requires-gpu) or "tpu" (requires-tpu).
+      oldest_leg: False tags <name> `not-on-oldest-leg`: the oldest JAX leg
+        of .ci/run (`tools/test.sh --matrix=oldest`) leaves it to the newest
+        leg. For a suite whose version-sensitive code another target already
+        checks on the oldest leg (a second configuration of a backend, or
+        kernels that have their own matrix tests).
+      oldest_leg_ep: the same for <name>_ep.
     """
     if not srcs or type(srcs) != "list":
         fail("moe_conformance_test %r: srcs must list the test file, " % name +
@@ -198,7 +206,11 @@ def moe_conformance_test(
         tags = tags,
     )
 
-    moe_py_test(name = name, **common)
+    oldest_leg_tag = ["not-on-oldest-leg"]
+    moe_py_test(
+        name = name,
+        **dict(common, tags = tags + ([] if oldest_leg else oldest_leg_tag))
+    )
 
     # Expert parallelism in a target of its own: the device count is fixed
     # when jax starts. The variable is conformance/suite.py's EP_ENV.
@@ -206,7 +218,7 @@ def moe_conformance_test(
         name = name + "_ep",
         devices = 8,
         env = {"CONFORMANCE_EP": "1"},
-        **common
+        **dict(common, tags = tags + ([] if oldest_leg_ep else oldest_leg_tag))
     )
 
     native.test_suite(

@@ -13,6 +13,9 @@
 #              source checks).
 #   --matrix=no-conformance  the same less the conformance suites (the
 #              targets tagged `conformance`): .ci/run's shortest leg.
+#   --matrix=oldest  the same as --matrix less the targets tagged
+#              `not-on-oldest-leg` (second configurations of a backend's
+#              suite, the GPU machine's rehearsals): .ci/run's oldest leg.
 # Other arguments go to `bazel test`, e.g.
 #   tools/test.sh --test_output=all //moe_core/...
 # (targets given after the flags are added to //...).
@@ -32,6 +35,9 @@ for arg in "$@"; do
     --matrix=no-conformance)
       bazel_args+=(--build_tests_only
         --test_tag_filters=matrix,-conformance,-requires-gpu,-requires-tpu) ;;
+    --matrix=oldest)
+      bazel_args+=(--build_tests_only
+        --test_tag_filters=matrix,-not-on-oldest-leg,-requires-gpu,-requires-tpu) ;;
     *) bazel_args+=("$arg") ;;
   esac
 done
