@@ -167,6 +167,7 @@ class PrecisionSuite(base.BackendTestCase):
   @parameterized.parameters(*RECIPES)
   def test_gradients_are_straight_through(self, recipe):
     case = PRECISION_GEMM_CASES[0]
+    self.skip_unless_computes(case.dtype)
     self.skip_unless_quantizes(recipe)
     _, d_rows, d_weights = self._quantized_gemm(case, recipe, grads=True)
     plain = self.run_gemm(
@@ -183,8 +184,9 @@ class PrecisionSuite(base.BackendTestCase):
   def test_matches_scaled_matmul_per_group(self, recipe):
     """Each group's output equals jax.nn.scaled_matmul of its quantised
     rows and expert (block scales; nvfp4's tensor scales applied after)."""
-    self.skip_unless_quantizes(recipe)
     case = PRECISION_GEMM_CASES[0]
+    self.skip_unless_computes(case.dtype)
+    self.skip_unless_quantizes(recipe)
     rows, weights, group_sizes, _ = cases.gemm_inputs(case)
     q_rows = precision.quantize_grouped_rows(rows, group_sizes, recipe)
     q_weights = precision.quantize_grouped_weights(
@@ -227,6 +229,7 @@ class PrecisionSuite(base.BackendTestCase):
     order may move a value across an element-format rounding boundary (one
     E4M3 step is 2^-3 of it, one E2M1 step up to 2^-1); such a flip moves
     one term of a D- or F-wide sum, well under 2^-6 of the output's size."""
+    self.skip_unless_computes(jnp.float32)  # x below is float32.
     self.skip_unless_quantizes(recipe)
     cfg = config_lib.MoEConfig(
         num_experts=8,

@@ -60,8 +60,9 @@ def moe_layer(
     x: [..., D] activations (float32 or bfloat16).
     cfg: the block's `MoEConfig`.
     backend: a registered name ("auto", "reference", "xla", ...) or a
-      `Backend` instance. "auto" tries `registry.auto_order()` and falls
-      through a backend that raises NotImplementedError.
+      `Backend` instance; its `route` and `routed_experts` compute the
+      block. "auto" tries `registry.auto_order()` and falls through a
+      backend that raises NotImplementedError.
     mesh: None for one device (or plain jit sharding). A `Mesh` runs the
       block with expert parallelism inside `shard_map`: tokens split over
       data_axes x expert_axis, each device holding E / ep experts (see
@@ -90,11 +91,12 @@ def moe_layer(
   if ep_options is not None:
     raise ValueError("ep_options needs a mesh, got mesh=None.")
   tokens = x.reshape(-1, cfg.hidden_size)
-  aux = routing.route(
-      tokens, params["router"], cfg, params.get("correction_bias")
-  )
-  y = registry.call_backend(
-      backend, lambda b: b.routed_experts(params, tokens, aux, cfg)
-  )
+
+  def route_and_compute(b: backend_lib.Backend):
+    # One backend for both ("auto" falls through as a whole).
+    aux = b.route(tokens, params["router"], cfg, params.get("correction_bias"))
+    return b.routed_experts(params, tokens, aux, cfg), aux
+
+  y, aux = registry.call_backend(backend, route_and_compute)
   y = ffn.add_shared_expert(y, params, tokens, cfg)
   return y.reshape(x.shape), aux

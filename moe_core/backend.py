@@ -73,9 +73,9 @@ class Backend(abc.ABC):
   Each hook takes one record of validated operands (`moe_core.operands`:
   `GemmOperands` for `_grouped_gemm`, `FfnOperands` for the FFN hooks).
 
-  Larger stages (`dispatch`, `combine`, the whole `routed_experts`) may be
-  overridden too; a `routed_experts` that does not call `expert_ffn` (the
-  reference oracle) emits no checkpoint names.
+  Larger stages (`route`, `dispatch`, `combine`, the whole
+  `routed_experts`) may be overridden too; a `routed_experts` that does not
+  call `expert_ffn` (the reference oracle) emits no checkpoint names.
 
   Attributes:
     name: the registry name, also the prefix of the backend's errors.
@@ -396,6 +396,25 @@ class Backend(abc.ABC):
             out_dtype=jnp.dtype(lhs.dtype),
         )
     )
+
+  # --- Routing --------------------------------------------------------------
+
+  def route(
+      self,
+      x: jax.Array,
+      router: jax.Array,
+      cfg: config_lib.MoEConfig,
+      correction_bias: jax.Array | None = None,
+  ) -> routing.MoEAux:
+    """Routes tokens: x [T, D], router [D, E] -> `MoEAux` (float32).
+
+    `routing.route` by default. A backend with its own router overrides
+    this and returns the same `MoEAux` fields with `routing.route`'s
+    meaning (or falls back to it). `moe_layer` and the expert-parallel
+    layer call the backend's `route`, from the same backend that computes
+    the routed experts.
+    """
+    return routing.route(x, router, cfg, correction_bias)
 
   # --- Dispatch and combine -------------------------------------------------
 

@@ -187,16 +187,17 @@ def moe_layer(
         for k, v in params.items()
     }
 
-  def body(params, tokens):
+  def route_and_compute(b: backend_lib.Backend, params, tokens):
     aux = stages.route(
         tokens,
         params["router"],
         cfg,
         params.get("correction_bias"),
         token_axes=token_axes,
+        local_route=b.route,
     )
-    y, aux = routed_experts(
-        backend,
+    return routed_experts(
+        b,
         params,
         tokens,
         aux,
@@ -205,6 +206,12 @@ def moe_layer(
         token_axes=token_axes,
         options=options,
         platform=platform,
+    )
+
+  def body(params, tokens):
+    # One backend routes and computes ("auto" falls through as a whole).
+    y, aux = registry.call_backend(
+        backend, lambda b: route_and_compute(b, params, tokens)
     )
     return ffn.add_shared_expert(y, params, tokens, cfg), aux
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,7 @@ def route(
     correction_bias: jax.Array | None = None,
     *,
     token_axes: Sequence[str],
+    local_route: Callable[..., routing.MoEAux] = routing.route,
 ) -> routing.MoEAux:
   """`routing.route` on this shard's tokens, with global statistics.
 
@@ -63,10 +64,13 @@ def route(
       order that shards do not share).
     correction_bias: [E], replicated; iff `cfg.correction_bias`.
     token_axes: the mesh axes the tokens are sharded over.
+    local_route: what routes this shard's tokens, (x, router, cfg,
+      correction_bias) -> `MoEAux` of `routing.route`'s meaning (a
+      backend's `route`); the statistics are then made global here.
   """
   validation.check_dropless(cfg)
   token_axes = tuple(token_axes)
-  aux = routing.route(x, router, cfg, correction_bias)
+  aux = local_route(x, router, cfg, correction_bias)
   num_local = x.shape[0]
   num_tokens = num_local * math.prod(compat.axis_size(a) for a in token_axes)
   tokens_per_expert = psum(aux.tokens_per_expert, token_axes)
