@@ -2,10 +2,11 @@
 # Prints every skipped test method of the last `bazel test` with its reason,
 # grouped by reason, from the logs in bazel-testlogs/. Bazel itself reports
 # a target whose tests all skipped as PASSED; this says what did not run.
+#   tools/skipped_tests.sh [PACKAGE]   # e.g. backends/te: that package only
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-logs="bazel-testlogs"
+logs="bazel-testlogs${1:+/$1}"
 if [[ ! -d "$logs" ]]; then
   exit 0
 fi
