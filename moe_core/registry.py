@@ -17,6 +17,7 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
     "pallas": "backends.pallas.backend:PallasBackend",
     "mosaic_gpu": "backends.mosaic_gpu.backend:MosaicGpuBackend",
     "triton": "backends.triton.backend:TritonBackend",
+    "te": "backends.te.backend:TEBackend",
 }
 
 # What "auto" tries, per platform, first to last. Every order ends at
@@ -28,8 +29,10 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
 # it at small K with 256 groups (bench/gpu_check.py measures ours). triton
 # (raw Triton through jax-triton) comes after pallas until a GPU run has
 # measured it; it needs jax-triton installed, and says so when it is not.
+# te (Transformer Engine's kernels) comes after triton, for the same reason,
+# and only where TE is installed.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "gpu": ("mosaic_gpu", "pallas", "triton", "xla", "reference"),
+    "gpu": ("mosaic_gpu", "pallas", "triton", "te", "xla", "reference"),
     "cpu": ("xla", "pallas", "reference"),
 }
 _DEFAULT_AUTO_ORDER = ("xla", "reference")

@@ -28,6 +28,9 @@ EXCHANGE_CLASSES = {
     "ragged": "moe_core.parallel.ragged:RaggedExchange",
     "padded": "moe_core.parallel.padded:PaddedExchange",
     "ragged_emulated": "moe_core.parallel.ragged:EmulatedRaggedExchange",
+    # Transformer Engine's NCCL-EP (GPU, bf16, a communicator bootstrapped
+    # outside jit): chosen by name only, never by "auto".
+    "te_nccl_ep": "backends.te.nccl_ep:NcclEpExchange",
 }
 EXCHANGES = ("auto", *EXCHANGE_CLASSES)
 OVERFLOW_POLICIES = ("error", "drop")
@@ -47,7 +50,9 @@ class EPOptions:
       "auto" picks "ragged" on GPU/TPU and "padded" elsewhere;
       "ragged_emulated" is the ragged layout with the exchange emulated by an
       all_gather (ep times the traffic): a test aid for platforms without
-      ragged_all_to_all.
+      ragged_all_to_all; "te_nccl_ep" is the ragged layout moved by
+      Transformer Engine's NCCL-EP (bf16 activations, SM90+ GPUs over
+      NVLink; `backends.te.nccl_ep.bootstrap` first).
     buffer_factor: None for the drop-free worst-case buffers. A number f
       bounds them: ceil(f * T_l*K / ep) slots per peer ("padded"), or
       ceil(f * T_l*K) receive rows (ragged), each capped at the worst case.

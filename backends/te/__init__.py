@@ -1,0 +1,1 @@
+"""The te backend: Transformer Engine's router, grouped GEMMs, permutation."""
