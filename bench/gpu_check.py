@@ -1,4 +1,4 @@
-"""One short GPU run: pallas, mosaic_gpu, triton vs reference, then TFLOP/s.
+"""One short GPU run: pallas, mosaic_gpu, triton, te vs reference; TFLOP/s.
 
 On the device machine, where only $OUT comes back:
 
@@ -42,7 +42,14 @@ Elsewhere:
    case and the fused layer, float32 (where Triton's dot must not round to
    TF32); triton also on a many-rows GEMM and FFN that reach its widest
    tiles, as Mixtral's shapes do. Two cases have enough rows per expert and
-   a wide enough N for the GPU tile choices the timing runs. Then the
+   a wide enough N for the GPU tile choices the timing runs. te
+   (Transformer Engine's grouped GEMM, `dense.grouped_dense`) runs
+   everyone's GEMM, FFN and layer cases in bf16 where TE is installed, with
+   the kernel TE picks (`_te.grouped_gemm_path`: cuBLAS's grouped GEMM, or
+   a per-group loop that copies group_sizes to the host) recorded; the GPU
+   machine has no TE (its wheels are too large to carry), and there every
+   te case and method is recorded as skipped: "Transformer Engine is not
+   installed on this machine". Then the
    forward grouped GEMM of each quantised recipe of moe_core.precision
    (fp8_tensor, fp8_block, mxfp8, nvfp4) on pallas and on xla against the
    reference backend's, bf16 inputs, a float32 output, ragged groups with
@@ -66,11 +73,12 @@ Elsewhere:
    is dropped from those programs); then DeepSeek-V3's routed experts
    (dispatch, expert FFN, combine) from a fixed routing with the same group
    sizes. Methods: a dense `jnp.dot` of the same FLOPs (cuBLAS),
-   `jax.lax.ragged_dot`, pallas, mosaic_gpu and triton (for the FFN also
-   each with the fused activation; for the routed experts, pallas and
-   triton, and triton with the routing weights fused too). Times are
-   medians of up to --repeats calls after a warm-up (fewer past 2 s a
-   phase); ratios are time / baseline time (`fwd_time_over_dense`,
+   `jax.lax.ragged_dot`, pallas, mosaic_gpu, triton and te (for the FFN
+   also each but te with the fused activation; for the routed experts,
+   pallas and triton, and triton with the routing weights fused too; te
+   on DeepSeek-V3's and Mixtral's GEMMs and FFN, forward and backward).
+   Times are medians of up to --repeats calls after a warm-up (fewer past
+   2 s a phase); ratios are time / baseline time (`fwd_time_over_dense`,
    `fwd_time_over_pallas`, ...: < 1 is faster). The timed programs' own
    output and gradients are checked on a few sampled groups (the routed
    experts: tokens and experts) against a float32 per-group `jnp.dot` (a
@@ -98,6 +106,8 @@ cannot lower triton's programs on a CPU-only machine (a jax-triton call is
 lowered by compiling its kernel through the CUDA plugin, which a CPU jaxlib
 lacks): they are listed as skipped, with that reason (gpu_check_test
 lowers them through the carried wheel with the plugin's bindings stubbed).
+te's are lowered where TE is installed (off a GPU, with TE told the GPU is
+sm_90) and must call TE's grouped GEMM; elsewhere listed as skipped.
 
 Every backend, case and method is guarded: a failure (a compile error, a
 backend that cannot be built) is recorded with its error and the run goes

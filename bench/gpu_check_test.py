@@ -101,6 +101,11 @@ def _broken_backward_bwd(_, g):
 _broken_backward.defvjp(_broken_backward_fwd, _broken_backward_bwd)
 
 
+def _te_installed() -> bool:
+  """Whether Transformer Engine is installed here (its rows then run)."""
+  return importlib.util.find_spec("transformer_engine") is not None
+
+
 def _run_dry(test, *extra):
   """Runs gpu_check --dry_run at tiny shapes; returns (exit code, JSON)."""
   out_dir = tempfile.mkdtemp()
@@ -211,6 +216,18 @@ class GpuCheckDryRunTest(absltest.TestCase):
       for r in report["correctness"]:
         if r["backend"] == "triton":
           self.assertEqual(r["skipped"], triton_why_not)
+    # te: no kernels off a GPU: its GEMM, FFN and layer cases are skipped,
+    # and why; where TE is not installed, in those words.
+    te = [r for r in report["correctness"] if r["backend"] == "te"]
+    self.assertEqual(
+        [r["case"].split()[0] for r in te], ["gemm", "expert_ffn", "moe_layer"]
+    )
+    self.assertIn("Unavailable", report["backends"]["te"])
+    for r in te:
+      self.assertEqual(r["quantity"], "skipped", r)
+      self.assertIn(r["skipped"], report["backends"]["te"])
+      if not _te_installed():
+        self.assertEqual(r["skipped"], gpu_workloads.TE_NOT_INSTALLED)
     # Every recipe on pallas and xla, its output within the float32 budget
     # of the reference's (the same quantised operands).
     quantized = [
@@ -636,12 +653,25 @@ class VersionsAndLoweringTest(absltest.TestCase):
     )
     for _, _, why in triton:
       self.assertIn(gpu_workloads.TRITON_NOT_LOWERED, why)
-    # DeepSeek-V3 (22 programs), small K (3), the recipes', the routed
-    # experts' (4).
-    total = 25 + len(pallas) + 4
+    # te: DeepSeek-V3's two GEMMs and FFN, lowered (forward and
+    # forward+backward, calling TE's grouped GEMM) where TE is installed,
+    # else each skipped, saying so.
+    te_skipped = re.findall(r"skip deepseek_v3 .+? te: (.*)", log)
+    te_lowered = re.findall(
+        r"ok   deepseek_v3 .+? te (fwd|fwd\+bwd): .*te_", log
+    )
+    if _te_installed():
+      self.assertEqual(te_lowered, ["fwd", "fwd+bwd"] * 3)
+      self.assertEqual(te_skipped, [])
+    else:
+      self.assertEqual(te_skipped, [gpu_workloads.TE_NOT_INSTALLED] * 3)
+      self.assertEqual(te_lowered, [])
+    # DeepSeek-V3 (22 programs, te's aside), small K (3), the recipes', the
+    # routed experts' (4).
+    total = 25 + len(pallas) + 4 + len(te_lowered)
     self.assertIn(
         f"lowered {total}/{total} programs for CUDA "
-        f"({len(skipped) + len(triton)} methods skipped",
+        f"({len(skipped) + len(triton) + len(te_skipped)} methods skipped",
         log,
     )
 

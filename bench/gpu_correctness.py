@@ -1,4 +1,4 @@
-"""gpu_check phase 1: pallas, mosaic_gpu, triton against the reference.
+"""gpu_check phase 1: pallas, mosaic_gpu, triton, te against the reference.
 
 Output, dX and dW of the grouped GEMM and of the expert FFN (bf16, plain
 and with the fused activation), with NaN in the padding rows, then a small
@@ -11,11 +11,15 @@ fuse_activation False and True, and the layer with fuse_routing_weights
 False and True (on `gpu_workloads.TritonCases`: everyone's cases on a GPU,
 smaller ones of its own when interpreted); where it is unavailable (no
 jax-triton, or no torch for its interpreter) its cases are skipped with
-the reason. Then, for pallas and xla, the forward grouped GEMM of each
-quantised recipe of `moe_core.precision` against the reference backend's
-on the same inputs (bf16, NaN padding rows), with a float32 output: both
-multiply the same quantised operands, so only the order of float32 sums
-differs and the float32 budget applies. Each result is an entry {case,
+the reason. te (Transformer Engine's grouped GEMM) in bf16 on everyone's
+GEMM, FFN and layer cases, its grouped-GEMM kernel recorded in place of
+tiles; where TE is not installed (the GPU machine's case) each is skipped
+with `gpu_workloads.TE_NOT_INSTALLED`. Then, for pallas and xla, the
+forward grouped GEMM of each quantised recipe of `moe_core.precision`
+against the reference backend's on the same inputs (bf16, NaN padding
+rows), with a float32 output: both multiply the same quantised operands,
+so only the order of float32 sums differs and the float32 budget applies.
+Each result is an entry {case,
 backend, dtype, quantity, rel_err, ok, ...} (`gpu_tolerances.rel_err`
 against its budget); each case runs guarded, so one that raises leaves an
 entry with quantity "error" and the next case runs.
@@ -43,6 +47,7 @@ _ZERO_PADDED = ("out", "d_rows")
 PALLAS = "pallas"
 MOSAIC = "mosaic_gpu"
 TRITON = "triton"
+TE = "te"
 # Budgets of one product and of a deep chain (the expert FFN, the layer's
 # gradients), per dtype. float32 has one for both: gpu_tolerances.FLOAT32
 # is above even the conformance float32 gradient row (atol + rtol = 6e-5).
@@ -71,6 +76,12 @@ def _gpu_fwd_tiles(backend, m, c, n, num_groups, dtype, num_operands=1):
               jnp.dtype(dtype),
           )
       )
+    if backend == TE:  # No tiles of ours: which kernel TE picks, and why.
+      # pylint: disable-next=g-import-not-at-top
+      from backends.te import _te
+
+      cc = _te.device_compute_capability()
+      return _te.grouped_gemm_path(cc or gpu_workloads.TE_LOWERING_CAPABILITY)
     if backend == MOSAIC:
       return repr(
           mosaic_tiling.choose(
@@ -269,22 +280,24 @@ def gemm_case(
   )
 
 
-def mosaic_gemm_case(be, ref, m, c, n, sizes, transpose_rhs, dtype, seed):
-  """gemm_case for mosaic_gpu, or one "skipped" entry if it refuses dtype.
+def mosaic_gemm_case(
+    be, ref, m, c, n, sizes, transpose_rhs, dtype, seed, backend=MOSAIC
+):
+  """gemm_case, or one "skipped" entry if the backend refuses the case.
 
   mosaic_gpu raises NotImplementedError for float32 (wgmma would take it as
   TF32); the entry keeps that message, so the day it takes float32 the
-  case runs instead.
+  case runs instead. te uses it too, for what TE's grouped GEMM refuses.
   """
   refused = unsupported(be, m, c, n, sizes, transpose_rhs, dtype)
   if refused is None:
     return gemm_case(
-        be, ref, m, c, n, sizes, transpose_rhs, dtype, seed, backend=MOSAIC
+        be, ref, m, c, n, sizes, transpose_rhs, dtype, seed, backend=backend
     )
   return [
       _skipped(
-          gemm_name(m, c, n, sizes, transpose_rhs, MOSAIC),
-          MOSAIC,
+          gemm_name(m, c, n, sizes, transpose_rhs, backend),
+          backend,
           dtype,
           gpu_report.error_text(refused),
       )
@@ -552,10 +565,50 @@ def triton_layers(bes, cases):
   return by_dtype
 
 
+def te_cases(bes, ref, results):
+  """te's (Transformer Engine's) GEMM and expert FFN cases, bf16.
+
+  Everyone's GEMM_CASES (a layout or case TE's grouped GEMM refuses:
+  skipped with the NotImplementedError) and FFN_CASES, NaN padding rows;
+  its layer case is `check_correctness`'s. Where TE is not installed every
+  case is skipped with `gpu_workloads.TE_NOT_INSTALLED`.
+  """
+  for seed, (m, c, n, sizes, t) in enumerate(gpu_workloads.GEMM_CASES):
+    _run_or_skip(
+        results,
+        gemm_name(m, c, n, sizes, t, TE),
+        TE,
+        "bfloat16",
+        bes.te,
+        functools.partial(
+            mosaic_gemm_case,
+            bes.te,
+            ref,
+            m,
+            c,
+            n,
+            sizes,
+            t,
+            "bfloat16",
+            seed,
+            backend=TE,
+        ),
+    )
+  for seed, (m, d, f, sizes) in enumerate(gpu_workloads.FFN_CASES):
+    _run_or_skip(
+        results,
+        ffn_name(TE, m, d, f, sizes),
+        TE,
+        "bfloat16",
+        bes.te,
+        functools.partial(ffn_case, bes.te, TE, m, d, f, sizes, 10 + seed, TE),
+    )
+
+
 def check_correctness(
     bes, results=None, *, mosaic_gemm_cases=None, triton=None
 ):
-  """pallas, mosaic_gpu, triton, xla vs reference: [{case, backend, ...}].
+  """pallas, mosaic_gpu, triton, te, xla vs reference: [{case, ...}].
 
   xla only for the quantised recipes (`quantized_cases`).
 
@@ -632,6 +685,8 @@ def check_correctness(
     ]
   triton = triton or gpu_workloads.triton_cases()
   triton_cases(bes, ref, results, triton)
+  te_cases(bes, ref, results)
+  layers.append(("moe_layer te", TE, bes.te))
   more = triton_layers(bes, triton)
   if triton.layer is None:  # The same layer: the same reference run.
     layers += more.pop("bfloat16", [])

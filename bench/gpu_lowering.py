@@ -8,12 +8,17 @@ records as skipped (`Workload.skipped`) is not run on the GPU, so it is
 listed as skipped here, not lowered. Each program's custom calls are
 counted: a pallas program (of any recipe) must call Triton, a mosaic_gpu
 one Mosaic GPU (`mosaic_gpu_v2`), and its forward+backward also Triton
-(its dW is the Pallas Triton kernel). Needs only jax (no absl).
+(its dW is the Pallas Triton kernel). A te one (Transformer Engine) must call
+the grouped-GEMM kernel TE picks for sm_90 (`_te.grouped_gemm_path`); off a
+GPU it is lowered with TE believing the GPU is sm_90
+(`_te.compute_capability`), and where TE is not installed its methods are
+listed as skipped, with that reason. Needs only jax (no absl).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -54,21 +59,34 @@ def expected_calls(method, mode):
     if mode == "fwd":
       return {MOSAIC_CALL}
     return {MOSAIC_CALL, cuda_export.TRITON_CALL}
+  if method in gpu_workloads.TE_METHODS:
+    # "te_grouped_gemm_v2_ffi: ..." or "te_grouped_gemm_ffi: ...".
+    path = _te().grouped_gemm_path(gpu_workloads.TE_LOWERING_CAPABILITY)
+    return {path.split(":")[0]}
   return set()
+
+
+def _te():
+  """backends.te._te, imported only for te's programs."""
+  # pylint: disable-next=g-import-not-at-top
+  from backends.te import _te as te_helpers
+
+  return te_helpers
 
 
 def _call_names(target):
   return "triton" if target == cuda_export.TRITON_CALL else target
 
 
-def lower(program, args, expected=()):
+def lower(program, args, expected=(), more_calls=()):
   """(ok, what it calls) of `program` lowered for CUDA, or (False, why).
 
-  ok also needs every custom call in `expected` to be there.
+  ok also needs every custom call in `expected` to be there; `more_calls`
+  are custom-call targets allowed besides Triton's.
   """
   try:
     text = cuda_export.export_for_cuda(
-        program, *args, disabled_custom_calls=(JAX_TRITON_CALL,)
+        program, *args, disabled_custom_calls=(JAX_TRITON_CALL, *more_calls)
     ).mlir_module()
   except Exception as e:  # pylint: disable=broad-except
     return False, f"{type(e).__name__}: {e}"[:300]
@@ -121,12 +139,32 @@ def lower_only(workloads):
         if "fwd_bwd" not in workload.phases:
           del modes["fwd+bwd"]
         for mode, (program, program_args) in modes.items():
-          ok, detail = lower(
-              program, program_args, expected_calls(method, mode)
-          )
+          if method in gpu_workloads.TE_METHODS:
+            ok, detail = _lower_te(program, program_args, method, mode)
+          else:
+            ok, detail = lower(
+                program, program_args, expected_calls(method, mode)
+            )
           label = f"{workload.name} {problem.name} {method} {mode}"
           out.append((label, ok, detail))
   return out
+
+
+def _lower_te(program, args, method, mode):
+  """`lower` for a te program: TE's custom calls allowed and, off a GPU,
+  TE's tracing told the GPU is sm_90 (it asks the driver otherwise)."""
+  te = _te()
+  if jax.default_backend() == "gpu":
+    capability = contextlib.nullcontext()
+  else:
+    capability = te.compute_capability(gpu_workloads.TE_LOWERING_CAPABILITY)
+  with capability:
+    return lower(
+        program,
+        args,
+        expected_calls(method, mode),
+        more_calls=te.custom_call_targets(),
+    )
 
 
 _STATUS = {True: "ok  ", False: "FAIL", None: "skip"}

@@ -9,6 +9,7 @@ repository (no absl): it runs alone on the GPU machine.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +27,14 @@ from moe_core import routing
 # backend built on it). ragged_dot comes last: on jax <= 0.11 XLA:GPU
 # expands it into a dense product over every group, the method most likely
 # to run out of memory, and every method before it is then already written.
-GEMM_METHODS = ("dense", "pallas", "mosaic_gpu", "triton", "ragged_dot")
+GEMM_METHODS = (
+    "dense",
+    "pallas",
+    "mosaic_gpu",
+    "triton",
+    "te",
+    "ragged_dot",
+)
 FFN_METHODS = (
     "dense",
     "pallas",
@@ -35,6 +43,7 @@ FFN_METHODS = (
     "mosaic_gpu_fused_act",
     "triton",
     "triton_fused_act",
+    "te",
     "ragged_dot",
 )
 MOSAIC_METHODS = ("mosaic_gpu", "mosaic_gpu_fused_act")
@@ -50,6 +59,9 @@ ROUTED_METHODS = (
     "triton_fused_routing",
 )
 TRITON_METHODS = ("triton", "triton_fused_act", "triton_fused_routing")
+# Transformer Engine's grouped GEMM (the te backend: `dense.grouped_dense`),
+# timed where TE is installed; its rows say why not elsewhere.
+TE_METHODS = ("te",)
 # The grouped GEMM on quantised operands (`moe_core.precision`), forward:
 # "<backend>_<recipe>", bf16 inputs and output. Named by a workload only
 # (`PRECISION`): no other row times them.
@@ -208,10 +220,10 @@ def dry_workloads(shape=None, triton_shape=None):
           methods=tuple(
               m
               for m in FFN_METHODS
-              if m not in MOSAIC_METHODS and m not in TRITON_METHODS
+              if m not in MOSAIC_METHODS + TRITON_METHODS + TE_METHODS
           ),
           note="tiny, interpreted; mosaic_gpu only in dry_small_k, triton "
-          "in dry_triton",
+          "in dry_triton, te (no CPU kernels) nowhere",
       ),
       Workload(
           "dry_triton",
@@ -540,8 +552,15 @@ class Unavailable:
     return f"Unavailable({self.name!r}: {self.reason})"
 
 
-# What a `Backends` built without triton holds there.
+# What a `Backends` built without triton (te) holds there.
 _TRITON_NOT_BUILT = Unavailable("triton", "triton: not built for this run")
+_TE_NOT_BUILT = Unavailable("te", "te: not built for this run")
+# Why te's cases and methods are skipped on a machine without Transformer
+# Engine (the GPU machine has none: its wheels are too large to carry).
+TE_NOT_INSTALLED = "Transformer Engine is not installed on this machine"
+# The GPU --lower_only lowers te's programs for where TE is installed but no
+# GPU is (`backends.te._te.compute_capability`): sm_90, the timed H200's.
+TE_LOWERING_CAPABILITY = 90
 
 
 class Backends(NamedTuple):
@@ -557,6 +576,7 @@ class Backends(NamedTuple):
   triton: Any = _TRITON_NOT_BUILT
   triton_fused: Any = _TRITON_NOT_BUILT
   triton_routed: Any = _TRITON_NOT_BUILT
+  te: Any = _TE_NOT_BUILT  # Transformer Engine's grouped GEMM.
 
   def describe(self) -> dict[str, str]:
     """{field: repr}, for the JSON: options, or why it was not built."""
@@ -602,6 +622,27 @@ def _build_triton(compiled, **options):
   return Unavailable("triton", reason)
 
 
+def _build_te(compiled):
+  """The te backend, or an `Unbuilt`, or an `Unavailable` with why.
+
+  Transformer Engine is a package the GPU machine may not have: then every
+  te case and method is skipped with TE_NOT_INSTALLED. Installed, te runs
+  where `availability()` says so (a CUDA GPU); compiled but off a GPU (the
+  CUDA lowering of --lower_only) it is kept, for `gpu_lowering` to lower
+  under a patched compute capability; interpreted (--dry_run) it has no
+  kernels to run: skipped with its reason.
+  """
+  if importlib.util.find_spec("transformer_engine") is None:
+    return Unavailable("te", TE_NOT_INSTALLED)
+  be = _build("te")
+  if isinstance(be, Unbuilt):
+    return be
+  ok, reason = be.availability()
+  if ok or (compiled and jax.default_backend() != "gpu"):
+    return be
+  return Unavailable("te", reason)
+
+
 def backends(on_gpu) -> Backends:
   """The backends, compiled or interpreted.
 
@@ -631,6 +672,7 @@ def backends(on_gpu) -> Backends:
       triton_routed=_build_triton(
           on_gpu, fuse_activation=True, fuse_routing_weights=True
       ),
+      te=_build_te(on_gpu),
   )
 
 
@@ -641,6 +683,7 @@ def gemm_methods(bes: Backends):
       "pallas": bes.pallas.grouped_gemm,
       "mosaic_gpu": bes.mosaic.grouped_gemm,
       "triton": bes.triton.grouped_gemm,
+      "te": bes.te.grouped_gemm,
       "ragged_dot": gemm_workloads.ragged_dot_gemm,
   }
 
@@ -669,6 +712,7 @@ def ffn_methods(bes: Backends, cfg):
       "mosaic_gpu_fused_act": of(bes.mosaic_fused),
       "triton": of(bes.triton),
       "triton_fused_act": of(bes.triton_fused),
+      "te": of(bes.te),
       "ragged_dot": of(bes.ragged),
   }
 
