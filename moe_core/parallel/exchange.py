@@ -18,9 +18,11 @@ its expert and moves the expert's output back. `stages.dispatch` and
 An `Exchange` supplies steps 3 to 5's data movement, so a new transport is
 a new class and none of the stages branches on it. To add one:
 
-  * subclass `Exchange` in its own module under moe_core/parallel/ (import
-    any vendor package at the top of that module: it is loaded only when
-    the exchange is chosen), set `name`, and implement the six methods;
+  * subclass `Exchange` in its own module under moe_core/parallel/, or in
+    the folder of the backend whose vendor package it needs (TE's NCCL-EP
+    exchange is backends/te/nccl_ep.py); import any vendor package at the
+    top of that module or lazily: it is loaded only when the exchange is
+    chosen. Set `name`, and implement the six methods;
   * add `"name": "moe_core.parallel.module:Class"` to
     `options.EXCHANGE_CLASSES` (that also makes `EPOptions(exchange=name)`
     valid);
