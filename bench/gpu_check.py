@@ -57,6 +57,12 @@ Elsewhere:
    budget (a backend that refuses a recipe: recorded as skipped, with its
    message). Budgets: bench/gpu_tolerances.py, from
    conformance/tolerances.py.
+   Then, where Transformer Engine is installed, the whole shared
+   conformance suite on te (bench/gpu_conformance.py: a child process,
+   stopped after --conformance_timeout_s and then recorded as incomplete;
+   absltest from TE's own dependencies); its counts go in the JSON's
+   "conformance". Where TE is missing (the lent GPU machine) it is recorded
+   as skipped: "Transformer Engine is not installed on this machine".
 2. Timing (bench/gpu_timing.py), bf16, of the workloads of
    bench/gpu_workloads.py: DeepSeek-V3 experts (D=7168, F=2048, all 256
    experts, top-8, T=4096: M=32768 rows, about 1 TFLOP per projection) and
@@ -151,12 +157,14 @@ if _REPO not in sys.path:
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 
+from bench import gpu_conformance
 from bench import gpu_correctness
 from bench import gpu_lowering
 from bench import gpu_report
 from bench import gpu_timing
 from bench import gpu_workloads
 from moe_core import compat
+from moe_core import registry
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -205,6 +213,13 @@ def _parse_args(argv):
       '"$OUT", the only folder that comes back)',
   )
   parser.add_argument("--skip_correctness", action="store_true")
+  parser.add_argument(
+      "--conformance_timeout_s",
+      type=float,
+      default=240.0,
+      help="the te conformance suite (where Transformer Engine is "
+      "installed) is stopped after this long and recorded as incomplete",
+  )
   parser.add_argument(
       "--budget_s",
       type=float,
@@ -281,6 +296,7 @@ def _new_report(args, workloads, versions, now, repeats):
       "triton_deprecation_warnings": None,
       "backends": None,
       "correctness": [],
+      "conformance": [],
       "timing": [],
       "goals": [],
   }
@@ -303,6 +319,13 @@ def _run_phases(args, workloads, on_gpu, report, path, deadline):
     )
     gpu_report.write(path, report)
     gpu_correctness.print_summary(report["correctness"])
+    report["conformance"].append(
+        gpu_conformance.run_suite(
+            "te", args.conformance_timeout_s, _te_availability(on_gpu)
+        )
+    )
+    gpu_report.write(path, report)
+    gpu_conformance.print_summary(report["conformance"])
   for workload, entry in zip(workloads, report["workloads"]):
     sizes = entry["group_sizes"]
     shape = workload.shape
@@ -331,6 +354,18 @@ def _run_phases(args, workloads, on_gpu, report, path, deadline):
   gpu_timing.print_goals(
       gpu_timing.goals(report["timing"], report.get("device"))
   )
+
+
+def _te_availability(on_gpu: bool) -> tuple[bool, str]:
+  """Whether the te conformance suite can run here, and why not."""
+  from backends.te import _te  # pylint: disable=import-outside-toplevel
+
+  installed, _ = _te.installed()
+  if not installed:
+    return False, "Transformer Engine is not installed on this machine"
+  if not on_gpu:
+    return False, "no GPU (a --dry_run): the te suite runs on a GPU only"
+  return registry.availability("te")
 
 
 def main(argv=None):

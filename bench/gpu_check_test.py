@@ -40,6 +40,7 @@ import moe_core
 from backends.mosaic_gpu import tiling as mosaic_tiling
 from backends.pallas import tiling
 from bench import gpu_check
+from bench import gpu_conformance
 from bench import gpu_correctness
 from bench import gpu_report
 from bench import gpu_timing
@@ -74,6 +75,7 @@ _KEYS = {
     "triton_deprecation_warnings",
     "backends",
     "correctness",
+    "conformance",
     "timing",
     "goals",
     "failures",
@@ -153,6 +155,15 @@ class GpuCheckDryRunTest(absltest.TestCase):
     for w in report["workloads"]:
       self.assertEqual(sum(w["group_sizes"]), w["rows"])
       self.assertEqual(w["experts"], "all of the model's")
+    # The te conformance suite runs on a GPU with TE only; a dry run says
+    # why not, in so many words.
+    (te_suite,) = report["conformance"]
+    self.assertEqual(te_suite["backend"], "te")
+    self.assertEqual(te_suite["status"], "skipped")
+    self.assertRegex(
+        te_suite["reason"],
+        "Transformer Engine is not installed on this machine|no GPU",
+    )
     # jax 0.10.2's Mosaic GPU interpreter cannot run the kernels: there
     # every mosaic_gpu case and method is skipped, with the backend's reason.
     mosaic_ok, why_not = moe_core.get_backend(
@@ -504,6 +515,47 @@ def _fake_wheel(directory, body):
         "Metadata-Version: 2.1\nName: jax-triton\nVersion: 9.9.9\n",
     )
   return path
+
+
+class ConformancePhaseTest(absltest.TestCase):
+  """bench/gpu_conformance: the suite as a child process, its counts."""
+
+  def test_summary_lines_are_parsed(self):
+    self.assertEqual(
+        gpu_conformance.parse_summary(
+            "...\n----\nRan 445 tests in 81.250s\n\nOK (skipped=12)\n"
+        ),
+        {"ran": 445, "failures": 0, "errors": 0, "skipped": 12},
+    )
+    self.assertEqual(
+        gpu_conformance.parse_summary(
+            "Ran 3 tests in 1.0s\n\nFAILED (failures=1, errors=2)\n"
+        ),
+        {"ran": 3, "failures": 1, "errors": 2, "skipped": 0},
+    )
+    self.assertIsNone(
+        gpu_conformance.parse_summary("Segmentation fault")["ran"]
+    )
+
+  def test_unavailable_backend_is_skipped_with_the_reason(self):
+    entry = gpu_conformance.run_suite("te", 60, (False, "no TE here"))
+    self.assertEqual(
+        entry, {"backend": "te", "status": "skipped", "reason": "no TE here"}
+    )
+
+  def test_the_real_suite_runs_and_is_counted(self):
+    """The te suite as gpu_check starts it; off a GPU every test skips
+    (with TE missing or no GPU), so it passes with all of them skipped."""
+    entry = gpu_conformance.run_suite("te", 300, (True, ""))
+    self.assertEqual(entry["status"], "passed", entry.get("output_tail"))
+    self.assertGreater(entry["ran"], 400)
+    self.assertEqual(entry["skipped"], entry["ran"])
+    self.assertEqual((entry["failures"], entry["errors"]), (0, 0))
+    failing = {"backend": "te", "status": "failed", "reason": "exit code 1"}
+    self.assertEqual(
+        gpu_report.failures({"conformance": [failing]}),
+        ["conformance te: exit code 1"],
+    )
 
 
 class VersionsAndLoweringTest(absltest.TestCase):

@@ -176,6 +176,9 @@ def failures(report: dict) -> list[str]:
         out.append(f"timing {problem} {method}: {e['error']}")
       if not e.get("check", {"ok": True})["ok"]:
         out.append(f"check {problem} {method}")
+  for entry in report.get("conformance", []):
+    if entry["status"] == "failed":
+      out.append(f"conformance {entry['backend']}: {entry['reason']}")
   if "fatal_error" in report:
     out.append(f"fatal: {report['fatal_error']}")
   return out
