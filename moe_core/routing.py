@@ -121,13 +121,32 @@ def capacity_keep_mask(
   return ((rank < capacity) & (by_choice < num_experts)).reshape(k, t).T
 
 
-def route(
+@dataclasses.dataclass(frozen=True)
+class RouterScores:
+  """The router's float32 scores of T tokens over E experts, before a choice.
+
+  Attributes:
+    logits: [T, E], x @ router.
+    scores: [T, E], softmax of the logits or their sigmoid: what experts are
+      chosen by (plus the bias) and weighted with.
+    probs: [T, E], `MoEAux.router_probs`: the softmax, or the sigmoid scores
+      normalised per token.
+    bias: [E] correction bias (no gradient flows into it), or None.
+  """
+
+  logits: jax.Array
+  scores: jax.Array
+  probs: jax.Array
+  bias: jax.Array | None
+
+
+def router_scores(
     x: jax.Array,
     router: jax.Array,
     cfg: config_lib.MoEConfig,
     correction_bias: jax.Array | None = None,
-) -> MoEAux:
-  """Routes tokens: x [T, D], router [D, E] -> `MoEAux`, all in float32.
+) -> RouterScores:
+  """Checks the routing inputs and scores x [T, D] with router [D, E].
 
   Args:
     x: [T, D] activations, any float dtype.
@@ -142,7 +161,6 @@ def route(
         f"cfg.correction_bias={cfg.correction_bias}, correction_bias="
         f"{'None' if correction_bias is None else 'an array'}."
     )
-  num_tokens = x.shape[0]
   logits = router_logits(x, router)
   if cfg.score_func == "softmax":
     scores = jax.nn.softmax(logits, axis=-1)
@@ -154,13 +172,52 @@ def route(
   if correction_bias is not None:
     # The bias steers selection only; no gradient flows into it.
     bias = jax.lax.stop_gradient(correction_bias.astype(jnp.float32))
-  valid = _finite_selection(logits, scores, bias)
-  expert_ids = select_experts(scores, cfg, bias)
-  weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+  return RouterScores(logits=logits, scores=scores, probs=probs, bias=bias)
+
+
+def route(
+    x: jax.Array,
+    router: jax.Array,
+    cfg: config_lib.MoEConfig,
+    correction_bias: jax.Array | None = None,
+) -> MoEAux:
+  """Routes tokens: x [T, D], router [D, E] -> `MoEAux`, all in float32.
+
+  Args:
+    x: [T, D] activations, any float dtype.
+    router: [D, E] router weights.
+    cfg: the block's config.
+    correction_bias: [E] float32, required iff `cfg.correction_bias`.
+  """
+  scored = router_scores(x, router, cfg, correction_bias)
+  expert_ids = select_experts(scored.scores, cfg, scored.bias)
+  weights = jnp.take_along_axis(scored.scores, expert_ids, axis=-1)
   if cfg.norm_topk_prob:
     weights = weights / (weights.sum(axis=-1, keepdims=True) + cfg.norm_epsilon)
   weights = weights * cfg.routed_scaling_factor
+  return aux_from_choice(scored, expert_ids, weights, cfg)
 
+
+def aux_from_choice(
+    scored: RouterScores,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    cfg: config_lib.MoEConfig,
+) -> MoEAux:
+  """The `MoEAux` of a choice of experts: capacity, invalid tokens, losses.
+
+  What every router shares once it has chosen (a backend's own router, such
+  as TE's fused one, ends here too, so its aux means what `route`'s does).
+
+  Args:
+    scored: `router_scores` of the T tokens.
+    expert_ids: [T, K] int32, the chosen experts, best first.
+    weights: [T, K] float32, their combine weights, normalised and scaled
+      as the config says.
+    cfg: the block's config.
+  """
+  num_tokens = scored.logits.shape[0]
+  valid = _finite_selection(scored.logits, scored.scores, scored.bias)
   capacity = cfg.expert_capacity(num_tokens)
   if capacity is None:
     kept = jnp.broadcast_to(valid[:, None], expert_ids.shape)
@@ -175,13 +232,15 @@ def route(
       valid_ids.reshape(-1), length=cfg.num_experts
   ).astype(jnp.int32)
   fraction = tokens_per_expert.astype(jnp.float32) / (num_tokens * cfg.top_k)
-  load_balancing_loss = cfg.num_experts * jnp.sum(fraction * probs.mean(axis=0))
-  router_z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+  load_balancing_loss = cfg.num_experts * jnp.sum(
+      fraction * scored.probs.mean(axis=0)
+  )
+  router_z_loss = jnp.mean(jax.nn.logsumexp(scored.logits, axis=-1) ** 2)
   invalid = (cfg.top_k * jnp.sum(~valid)).astype(jnp.int32)
   dropped = (expert_ids.size - kept.sum() - invalid).astype(jnp.int32)
   return MoEAux(
-      router_logits=logits,
-      router_probs=probs,
+      router_logits=scored.logits,
+      router_probs=scored.probs,
       expert_ids=expert_ids,
       combine_weights=weights,
       kept=kept,

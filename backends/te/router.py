@@ -9,10 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.te import _te
-from moe_core import checks
 from moe_core import config as config_lib
 from moe_core import routing
-from moe_core import validation
 
 # The epsilon TE's fused router adds to the sum of the chosen sigmoid
 # scores (transformer_engine/common/fused_router/utils.h), in float32.
@@ -124,80 +122,32 @@ def route(
   Returns:
     `MoEAux` as `routing.route` defines it.
   """
-  validation.check_route(x, router, cfg, correction_bias)
-  if cfg.correction_bias != (correction_bias is not None):
-    raise ValueError(
-        "correction_bias must be given iff cfg.correction_bias is True, got "
-        f"cfg.correction_bias={cfg.correction_bias}, correction_bias="
-        f"{'None' if correction_bias is None else 'an array'}."
-    )
+  scored = routing.router_scores(x, router, cfg, correction_bias)
   expressible, why = choice(cfg)
   if not expressible:
     raise NotImplementedError(f"te: fused router: {why}.")
   te_router = _router_module()
-  num_tokens = x.shape[0]
-  logits = routing.router_logits(x, router)
-  if cfg.score_func == "softmax":
-    scores = jax.nn.softmax(logits, axis=-1)
-    probs = scores
-  else:
-    scores = jax.nn.sigmoid(logits)
-    probs = scores / scores.sum(axis=-1, keepdims=True)
-  bias = None
-  if correction_bias is not None:
-    bias = jax.lax.stop_gradient(correction_bias.astype(jnp.float32))
-  # pylint: disable-next=protected-access
-  valid = routing._finite_selection(logits, scores, bias)
-
   grouped = cfg.n_group > 1
   te_weights, chosen = te_router.fused_topk_with_score_function(
-      logits,
+      scored.logits,
       cfg.top_k,
       use_pre_softmax=not cfg.norm_topk_prob,
       num_groups=cfg.n_group if grouped else -1,
       group_topk=cfg.topk_group if grouped else -1,
       scaling_factor=float(cfg.routed_scaling_factor),
       score_function=cfg.score_func,
-      expert_bias=bias,
+      expert_bias=scored.bias,
   )
   # Best first among TE's K: a token with non-finite scores may have fewer
   # than K marked; top_k still returns K distinct ids (it is invalid).
-  selection = jax.lax.stop_gradient(scores if bias is None else scores + bias)
-  ranked = jnp.where(chosen, selection, -jnp.inf)
+  selection = scored.scores
+  if scored.bias is not None:
+    selection = selection + scored.bias
+  ranked = jnp.where(chosen, jax.lax.stop_gradient(selection), -jnp.inf)
   _, expert_ids = jax.lax.top_k(ranked, cfg.top_k)
   expert_ids = expert_ids.astype(jnp.int32)
   weights = jnp.take_along_axis(
       te_weights.astype(jnp.float32), expert_ids, axis=-1
   )
-
   # From here on, what routing.route does with its choice.
-  capacity = cfg.expert_capacity(num_tokens)
-  if capacity is None:
-    kept = jnp.broadcast_to(valid[:, None], expert_ids.shape)
-  else:
-    kept = routing.capacity_keep_mask(
-        expert_ids, cfg.num_experts, capacity, valid
-    )
-  weights = jnp.where(kept, weights, 0.0)
-  weights = checks.nan_rows(~valid, weights)
-  valid_ids = jnp.where(valid[:, None], expert_ids, cfg.num_experts)
-  tokens_per_expert = jnp.bincount(
-      valid_ids.reshape(-1), length=cfg.num_experts
-  ).astype(jnp.int32)
-  fraction = tokens_per_expert.astype(jnp.float32) / (num_tokens * cfg.top_k)
-  load_balancing_loss = cfg.num_experts * jnp.sum(fraction * probs.mean(axis=0))
-  router_z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-  invalid = (cfg.top_k * jnp.sum(~valid)).astype(jnp.int32)
-  dropped = (expert_ids.size - kept.sum() - invalid).astype(jnp.int32)
-  return routing.MoEAux(
-      router_logits=logits,
-      router_probs=probs,
-      expert_ids=expert_ids,
-      combine_weights=weights,
-      kept=kept,
-      tokens_per_expert=tokens_per_expert,
-      load_balancing_loss=load_balancing_loss,
-      router_z_loss=router_z_loss,
-      dropped_tokens=dropped,
-      invalid_assignments=invalid,
-  )
+  return routing.aux_from_choice(scored, expert_ids, weights, cfg)
