@@ -17,7 +17,6 @@ DROPLESS_EXPECT_TE=1, as tools/test_te.sh sets).
 from __future__ import annotations
 
 import dataclasses
-import os
 from unittest import mock
 
 from absl.testing import absltest
@@ -28,6 +27,7 @@ import numpy as np
 
 import moe_core
 from backends.te import _te
+from backends.te.testing import require_te
 from conformance import tolerances
 from moe_core import permute
 from moe_core.parallel import exchange
@@ -48,20 +48,6 @@ _CASES = {
     "odd_tokens": 13,
 }
 _DTYPES = ("float32", "bfloat16")
-
-
-def require_te(test: absltest.TestCase) -> None:
-  """Skips `test` with the reason unless TE imports here.
-
-  Under DROPLESS_EXPECT_TE=1 (the TE step of CI) a missing TE is a failure,
-  so a broken environment cannot pass as a row of skips.
-  """
-  ok, reason = _te.installed()
-  if ok:
-    return
-  if os.environ.get("DROPLESS_EXPECT_TE") == "1":
-    test.fail(f"DROPLESS_EXPECT_TE=1, but {reason}")
-  test.skipTest(reason)
 
 
 def _expert_ids(case: str, num_tokens: int, seed: int = 0) -> np.ndarray:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import re
 
 from absl.testing import absltest
@@ -45,6 +44,7 @@ import numpy as np
 
 import moe_core
 from backends.te import _te
+from backends.te.testing import require_te
 from backends.te import gemm as gemm_lib
 from moe_core.parallel import options
 
@@ -68,17 +68,6 @@ RAGGED_ALL_TO_ALL = "ragged_all_to_all"
 
 _FLOAT8 = ("f8E4M3FN", "f8E5M2")  # MLIR's float8_e4m3fn, float8_e5m2.
 _SCALE_DTYPE = {"fp8_tensor": "f32", "mxfp8": "f8E8M0FNU"}
-
-
-def require_te(test: absltest.TestCase) -> None:
-  """Skips `test` with the reason unless TE imports here (a failure under
-  DROPLESS_EXPECT_TE=1, the TE step of CI). As in helpers_test."""
-  ok, reason = _te.installed()
-  if ok:
-    return
-  if os.environ.get("DROPLESS_EXPECT_TE") == "1":
-    test.fail(f"DROPLESS_EXPECT_TE=1, but {reason}")
-  test.skipTest(reason)
 
 
 # --- Reading the StableHLO text ----------------------------------------------

@@ -38,6 +38,7 @@ import numpy as np
 
 import moe_core
 from backends.te import _te
+from backends.te.testing import require_te
 from backends.te import nccl_ep
 from moe_core import parallel
 from moe_core.parallel import exchange as exchange_lib
@@ -49,17 +50,6 @@ _NAME = "te_nccl_ep"
 # (NCCL-EP reports the real one only after it starts).
 _HANDLE_BYTES = 4096
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-
-
-def require_te(test: absltest.TestCase) -> None:
-  """Skips `test` with the reason unless TE imports here (fails instead
-  under DROPLESS_EXPECT_TE=1, the TE step of CI)."""
-  ok, reason = _te.installed()
-  if ok:
-    return
-  if os.environ.get("DROPLESS_EXPECT_TE") == "1":
-    test.fail(f"DROPLESS_EXPECT_TE=1, but {reason}")
-  test.skipTest(reason)
 
 
 class ShuffledDispatchExchange(nccl_ep.NcclEpExchange):
