@@ -58,8 +58,8 @@ from backends.te import _te
 from moe_core import compat
 from moe_core import config as config_lib
 from moe_core import validation
-from moe_core.parallel import exchange
 from moe_core.parallel import options as options_lib
+from moe_core.parallel import ragged
 
 # NCCL-EP's high-throughput mode pads each expert's receive slab to a
 # multiple of this (TE's moe.py uses the same 128: the HT kernels need it).
@@ -176,30 +176,15 @@ def bootstrap(
   return sizes
 
 
-class NcclEpExchange(exchange.Exchange):
-  """capacity = receive rows (the ragged layout); NCCL-EP moves the rows."""
+class NcclEpExchange(ragged.RaggedExchange):
+  """The ragged exchange's layout and capacity; NCCL-EP moves the rows.
+
+  `capacity`, `describe_capacity`, `admit` and `return_slot` are the ragged
+  exchange's (receivers stack sources in device order, results come back to
+  the send order); `send` and `send_back` are NCCL-EP dispatches.
+  """
 
   name = "te_nccl_ep"
-
-  def capacity(self, tokens, top_k, num_experts, ep, buffer_factor):
-    sizes = options_lib.buffer_sizes(
-        tokens, top_k, num_experts, ep, buffer_factor
-    )
-    return sizes[1]  # The receive rows.
-
-  def describe_capacity(self, capacity):
-    return f"{capacity} receive rows"
-
-  def admit(self, wanted, capacity):
-    # As the ragged exchange: receivers stack sources in device order, so
-    # the rows past the buffer's end, the later sources', are dropped.
-    ahead = exchange.exclusive_cumsum(wanted, axis=0)
-    fits = jnp.clip(capacity - ahead, 0, wanted)
-    return fits, exchange.exclusive_cumsum(fits, axis=0)
-
-  def return_slot(self, copy, dest, slot, capacity):
-    del dest, slot, capacity  # Results come back to the send order itself.
-    return copy
 
   def send(self, rows, sent, layout, axis_name):
     num_copies, hidden = rows.shape
