@@ -73,6 +73,9 @@ class Backend(abc.ABC):
   Each hook takes one record of validated operands (`moe_core.operands`:
   `GemmOperands` for `_grouped_gemm`, `FfnOperands` for the FFN hooks).
 
+  `dispatch` and `combine` check the config and aux and call the hooks
+  `_permute` and `_unpermute` (`moe_core.permute`'s sort-gather and weighted
+  un-permute by default), which a backend with permutation kernels replaces.
   Larger stages (`route`, `dispatch`, `combine`, the whole
   `routed_experts`) may be overridden too; a `routed_experts` that does not
   call `expert_ffn` (the reference oracle) emits no checkpoint names.
@@ -425,7 +428,7 @@ class Backend(abc.ABC):
     validation.check_config(cfg)
     validation.check_aux(aux)
     kept = None if cfg.dropless else aux.kept
-    return permute.dispatch(x, aux.expert_ids, cfg.num_experts, kept)
+    return self._permute(x, aux.expert_ids, cfg.num_experts, kept)
 
   def combine(
       self,
@@ -438,7 +441,36 @@ class Backend(abc.ABC):
     validation.check_config(cfg)
     validation.check_aux(aux)
     kept = None if cfg.dropless else aux.kept
-    return permute.combine(expert_out, dispatched, aux.combine_weights, kept)
+    return self._unpermute(expert_out, dispatched, aux.combine_weights, kept)
+
+  def _permute(
+      self,
+      x: jax.Array,
+      expert_ids: jax.Array,
+      num_experts: int,
+      kept: jax.Array | None,
+  ) -> permute.Dispatched:
+    """`dispatch`'s sort and gather: `permute.dispatch`'s contract.
+
+    x [T, D], expert_ids [T, K], kept [T, K] bool or None (dropless) ->
+    `Dispatched` with rows [T*K, D]. A backend with its own permutation
+    kernel overrides this, not `dispatch`, which checked the config and aux.
+    """
+    return permute.dispatch(x, expert_ids, num_experts, kept)
+
+  def _unpermute(
+      self,
+      expert_out: jax.Array,
+      dispatched: permute.Dispatched,
+      combine_weights: jax.Array,
+      kept: jax.Array | None,
+  ) -> jax.Array:
+    """`combine`'s weighted un-permute: `permute.combine`'s contract.
+
+    expert_out [T*K, D], combine_weights [T, K] -> [T, D]. Overridden like
+    `_permute`.
+    """
+    return permute.combine(expert_out, dispatched, combine_weights, kept)
 
   # --- The routed block -----------------------------------------------------
 

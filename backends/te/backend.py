@@ -15,7 +15,6 @@ from backends.te import router as router_lib
 from moe_core import backend
 from moe_core import config as config_lib
 from moe_core import operands
-from moe_core import permute
 from moe_core import precision as precision_lib
 from moe_core import quantized_gemm
 from moe_core import routing
@@ -259,30 +258,12 @@ class TEBackend(backend.Backend):
 
   # --- Dispatch and combine ---------------------------------------------------
 
-  def dispatch(
-      self, x: jax.Array, aux: routing.MoEAux, cfg: config_lib.MoEConfig
-  ) -> permute.Dispatched:
-    """Token copies sorted by expert: x [T, D] -> rows [T*K, D]."""
+  def _permute(self, x, expert_ids, num_experts, kept):
     if not self.fused_permutation:
-      return super().dispatch(x, aux, cfg)
-    validation.check_config(cfg)
-    validation.check_aux(aux)
-    kept = None if cfg.dropless else aux.kept
-    return permutation.dispatch(x, aux.expert_ids, cfg.num_experts, kept)
+      return super()._permute(x, expert_ids, num_experts, kept)
+    return permutation.dispatch(x, expert_ids, num_experts, kept)
 
-  def combine(
-      self,
-      expert_out: jax.Array,
-      dispatched: permute.Dispatched,
-      aux: routing.MoEAux,
-      cfg: config_lib.MoEConfig,
-  ) -> jax.Array:
-    """Undoes `dispatch`, weighting each copy: [T*K, D] -> [T, D]."""
+  def _unpermute(self, expert_out, dispatched, combine_weights, kept):
     if not self.fused_permutation:
-      return super().combine(expert_out, dispatched, aux, cfg)
-    validation.check_config(cfg)
-    validation.check_aux(aux)
-    kept = None if cfg.dropless else aux.kept
-    return permutation.combine(
-        expert_out, dispatched, aux.combine_weights, kept
-    )
+      return super()._unpermute(expert_out, dispatched, combine_weights, kept)
+    return permutation.combine(expert_out, dispatched, combine_weights, kept)

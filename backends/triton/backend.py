@@ -146,25 +146,18 @@ class TritonBackend(backend.Backend):
     """Whether the permute kernels take `dtype` (else the XLA gather)."""
     return jnp.dtype(dtype) in self.dtypes
 
-  def dispatch(
-      self, x: jax.Array, aux: routing.MoEAux, cfg: config_lib.MoEConfig
-  ) -> permute.Dispatched:
-    """Token copies sorted by expert: x [T, D] -> rows [T*K, D].
+  def _permute(self, x, expert_ids, num_experts, kept):
+    """`permute.dispatch` (same validation) with the permute kernel's gather.
 
     The sort is `moe_core.permute.dispatch`'s own; only the row gather is
     the permute kernel.
     """
-    validation.check_config(cfg)
-    validation.check_aux(aux)
-    kept = None if cfg.dropless else aux.kept
-    validation.check_dispatch(x, aux.expert_ids, cfg.num_experts, kept)
+    validation.check_dispatch(x, expert_ids, num_experts, kept)
     if not self._gathers(x.dtype):
-      return permute.dispatch(x, aux.expert_ids, cfg.num_experts, kept)
+      return permute.dispatch(x, expert_ids, num_experts, kept)
     # A zero-width view of x: dispatch validates and sorts exactly as it
     # does for x, and its gather has no data to move.
-    sorted_meta = permute.dispatch(
-        x[:, :0], aux.expert_ids, cfg.num_experts, kept
-    )
+    sorted_meta = permute.dispatch(x[:, :0], expert_ids, num_experts, kept)
     rows = ops.permute(
         x,
         sorted_meta.assignment,
@@ -174,19 +167,6 @@ class TritonBackend(backend.Backend):
         self.runner,
     )
     return dataclasses.replace(sorted_meta, rows=rows)
-
-  def combine(
-      self,
-      expert_out: jax.Array,
-      dispatched: permute.Dispatched,
-      aux: routing.MoEAux,
-      cfg: config_lib.MoEConfig,
-  ) -> jax.Array:
-    """Undoes `dispatch`, weighting each copy: [T*K, D] -> [T, D]."""
-    validation.check_config(cfg)
-    validation.check_aux(aux)
-    kept = None if cfg.dropless else aux.kept
-    return self._unpermute(expert_out, dispatched, aux.combine_weights, kept)
 
   def _unpermute(self, expert_out, dispatched, combine_weights, kept):
     """`permute.combine` (same validation) on the unpermute kernel."""
