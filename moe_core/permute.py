@@ -60,21 +60,11 @@ def dispatch(
     ValueError; traced ones are marked `invalid` (README, "Guarantees").
   """
   validation.check_dispatch(x, expert_ids, num_experts, kept)
-  t, k = expert_ids.shape
-  flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
-  invalid = checks.check_expert_ids(flat_ids, num_experts)
-  # Sort keys: experts 0..E-1, then dropped copies (E), then invalid (E+1);
-  # bincount(length=E) counts only the experts'.
-  keys = flat_ids
-  if kept is not None:
-    keys = jnp.where(kept.reshape(-1), keys, num_experts)
-  keys = jnp.where(invalid, num_experts + 1, keys)
+  k = expert_ids.shape[1]
+  keys, invalid = sort_keys(expert_ids, num_experts, kept)
   assignment = jnp.argsort(keys, stable=True).astype(jnp.int32)
-  position = (
-      jnp.zeros(t * k, jnp.int32)
-      .at[assignment]
-      .set(jnp.arange(t * k, dtype=jnp.int32))
-  )
+  position = inverse_permutation(assignment)
+  # bincount(length=E) counts only the experts' keys.
   group_sizes = jnp.bincount(keys, length=num_experts).astype(jnp.int32)
   rows = checks.nan_rows(invalid[assignment], x[assignment // k])
   return Dispatched(
@@ -84,6 +74,39 @@ def dispatch(
       position=position,
       invalid=invalid,
       top_k=k,
+  )
+
+
+def sort_keys(
+    expert_ids: jax.Array, num_experts: int, kept: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+  """Each copy's sort key, and whether its id is invalid.
+
+  Keys order the copies as `dispatch` groups them: experts 0..E-1, then
+  copies dropped by capacity (key E), then invalid ones (id outside [0, E):
+  key E+1). Concrete invalid ids raise ValueError (`checks`).
+
+  Args:
+    expert_ids: [T, K] chosen experts.
+    num_experts: E.
+    kept: optional [T, K] bool.
+
+  Returns:
+    (keys [T*K] int32, invalid [T*K] bool), in assignment order t*K + k.
+  """
+  flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
+  invalid = checks.check_expert_ids(flat_ids, num_experts)
+  keys = flat_ids
+  if kept is not None:
+    keys = jnp.where(kept.reshape(-1), keys, num_experts)
+  return jnp.where(invalid, num_experts + 1, keys), invalid
+
+
+def inverse_permutation(assignment: jax.Array) -> jax.Array:
+  """[M] int32 `position` of an [M] permutation: position[assignment[i]] = i."""
+  m = assignment.shape[0]
+  return (
+      jnp.zeros(m, jnp.int32).at[assignment].set(jnp.arange(m, dtype=jnp.int32))
   )
 
 

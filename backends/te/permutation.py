@@ -53,21 +53,13 @@ def dispatch(
   """
   validation.check_dispatch(x, expert_ids, num_experts, kept)
   t, k = expert_ids.shape
-  flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
-  invalid = checks.check_expert_ids(flat_ids, num_experts)
-  keys = flat_ids
-  if kept is not None:
-    keys = jnp.where(kept.reshape(-1), keys, num_experts)
-  keys = jnp.where(invalid, num_experts + 1, keys)
+  # The keys of permute.dispatch, as TE's expert ids over E + 2 experts.
+  keys, invalid = permute.sort_keys(expert_ids, num_experts, kept)
   rows, state, group_sizes = _permutation().pure_jax_token_dispatch(
       x, keys.reshape(t, k), num_experts + 2, k
   )
   assignment = state.sorted_indices.astype(jnp.int32)
-  position = (
-      jnp.zeros(t * k, jnp.int32)
-      .at[assignment]
-      .set(jnp.arange(t * k, dtype=jnp.int32))
-  )
+  position = permute.inverse_permutation(assignment)
   return permute.Dispatched(
       rows=checks.nan_rows(invalid[assignment], rows),
       group_sizes=group_sizes[:num_experts].astype(jnp.int32),
