@@ -21,6 +21,7 @@ from moe_core.registry import registered_backends
 from moe_core.routing import MoEAux
 from moe_core.routing import route
 from moe_core.routing import update_correction_bias
+from moe_core import serialization as _serialization  # noqa: F401 (registers pytrees)
 
 __all__ = [
     "Backend",

@@ -7,9 +7,11 @@ value makes the outputs it touches NaN, and routing counts it in
 `MoEAux.invalid_assignments`; concrete values (eager calls) raise ValueError
 where they are given (`moe_core.validation`).
 
-The same conditions are also written as `checkify.debug_check`s, which cost
-nothing in a plain `jax.jit` and fail only under `checkify.checkify`:
-`checked(fn)` is that opt-in mode, raising a ValueError with the eager text.
+The same conditions are also written as `debug_check`s, which are traced
+only while `checked` traces the function: then they fail under
+`checkify.checkify` with the eager error's words. Outside `checked` they
+leave nothing in the program (no checkify effect), so a plain jitted or
+exported layer is serialisable (`jax.export`'s `Exported.serialize`).
 
     y, aux = moe_core.checked(jax.jit(layer))(params, x)   # raises on bad ids
 """
@@ -23,29 +25,50 @@ import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
 
+from moe_core import compat
+
+# True while `checked` traces: JAX's trace caches key on it, so a function
+# jitted before (without the checks) is traced anew under `checked`.
+_TRACING_CHECKED = compat.trace_context_flag(
+    "dropless_tracing_checked",
+    "Internal to moe_core.checks: whether moe_core.checked is tracing, so "
+    "that the run-time value checks are emitted.",
+)
+
+
+def tracing_checked() -> bool:
+  """Whether the function being traced runs under `checked`."""
+  return bool(_TRACING_CHECKED.value)
+
 
 def debug_check(ok: jax.Array, message: str, *values: jax.Array) -> None:
-  """Fails a `checked` call if `ok` is False; free otherwise.
+  """Fails a `checked` call if `ok` is False; traces nothing otherwise.
 
   `message` has one "{}" per value; the values are formatted on the device.
+  Outside `checked` the check is not traced at all: a checkify check left
+  in a plain program would carry an effect that `jax.export` cannot
+  serialise, and would cost a little in every jitted call.
   """
-  checkify.debug_check(ok, message, *values)
+  if tracing_checked():
+    checkify.debug_check(ok, message, *values)
 
 
 def checked(fn: Callable) -> Callable:
   """`fn` with the run-time value checks of moe_core turned into errors.
 
-  Runs `fn` (jitted or not) under `checkify.checkify` with the user checks
-  only, so its cost is one boolean per check; the first failed check raises
-  `checkify.JaxRuntimeError`, a ValueError whose message is the check's
-  (the same words as the eager ValueError). Arguments and results are
-  `fn`'s.
+  Traces `fn` (jitted or not) with the checks emitted and runs it under
+  `checkify.checkify` with the user checks only, so its cost is one boolean
+  per check; the first failed check raises `checkify.JaxRuntimeError`, a
+  ValueError whose message is the check's (the same words as the eager
+  ValueError). Arguments and results are `fn`'s. A `checked` function may
+  itself be jitted; its program then carries checkify's error outputs.
   """
   checkified = checkify.checkify(fn, errors=checkify.user_checks)
 
   @functools.wraps(fn)
   def run(*args, **kwargs):
-    error, out = checkified(*args, **kwargs)
+    with _TRACING_CHECKED(True):
+      error, out = checkified(*args, **kwargs)
     error.throw()
     return out
 

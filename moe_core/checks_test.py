@@ -157,6 +157,31 @@ class CheckedModeTest(absltest.TestCase):
     # Unchecked under jit: no error, the copy is marked invalid instead.
     self.assertEqual(int(dispatch(x, ids, 8).invalid.sum()), 1)
 
+  def test_checks_are_traced_only_under_checked(self):
+    # A check left in a plain program carries checkify's ErrorEffect, which
+    # jax.export cannot serialise.
+    def f(x):
+      checks.debug_check(jnp.all(x > 0), "x must be > 0, got {}.", x.min())
+      return x * 2
+
+    plain = jax.make_jaxpr(f)(jnp.ones(3))
+    self.assertEmpty(plain.effects)
+    exported = jax.export.export(jax.jit(f))(jnp.ones(3))
+    restored = jax.export.deserialize(exported.serialize())
+    np.testing.assert_array_equal(restored.call(-jnp.ones(3)), -2 * np.ones(3))
+
+  def test_checked_retraces_a_function_jitted_without_checks(self):
+    # The jit cache of a function first traced plainly must not hand
+    # `checked` the program without checks, nor the reverse.
+    ids = jnp.array([[0, 9]], jnp.int32)
+    dispatch = jax.jit(moe_core.dispatch, static_argnums=2)
+    x = jnp.ones((1, 4))
+    self.assertEqual(int(dispatch(x, ids, 8).invalid.sum()), 1)
+    with self.assertRaisesRegex(ValueError, "expert_ids must lie in"):
+      moe_core.checked(dispatch)(x, ids, 8)
+    self.assertEqual(int(dispatch(x, ids, 8).invalid.sum()), 1)
+    self.assertFalse(checks.tracing_checked())
+
 
 if __name__ == "__main__":
   absltest.main()

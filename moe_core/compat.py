@@ -45,6 +45,43 @@ def sharding_of(x):
   return getattr(typeof(x), "sharding", None) if typeof else None
 
 
+# --- Trace-time state ---------------------------------------------------------
+
+
+def trace_context_flag(name: str, help_text: str):
+  """A thread-local bool that JAX's trace caches key on.
+
+  Returns a `jax._src.config` State: `.value` reads it, `flag(True)` is a
+  context manager that sets it. Because it is part of JAX's trace context,
+  a function jitted and traced once with the flag off is traced again when
+  called with it on (and the reverse), so what the flag decides at trace
+  time never comes from a stale cache. The same private constructor on
+  every supported JAX (0.10.2 to 0.12).
+  """
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src import config as jax_config
+
+  return jax_config.bool_state(
+      name, False, help_text, include_in_trace_context=True
+  )
+
+
+def per_device_tracing():
+  """A context in which code is traced as one device's, untyped by mesh.
+
+  Inside `shard_map(check_vma=True)` JAX types every value by the mesh
+  axes it varies over, and Pallas then wants each `pallas_call` out_shape
+  to say how it varies. A kernel traced while its primitive is lowered is
+  one device's computation: this turns that typing off for its trace
+  (`check_vma`, private to shard_map, on every supported JAX).
+  """
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src import config as jax_config
+
+  state = getattr(jax_config, "_check_vma", None)
+  return contextlib.nullcontext() if state is None else state(False)
+
+
 # --- Pallas Triton ------------------------------------------------------------
 
 
