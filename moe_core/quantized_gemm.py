@@ -4,9 +4,9 @@
 (`moe_core.precision`) and hands a backend `QuantizedGemmOperands`. This
 module holds what every backend needs around that:
 
-  * `straight_through`: the forward GEMM on quantised operands, the backward
-    the unquantised GEMM's (the quantiser's derivative taken as 1, the
-    usual straight-through estimator). Gradients are computed in the
+  * `straight_through`: the forward GEMM on quantised operands, the
+    derivatives the unquantised GEMM's (the quantiser's derivative taken as
+    1, the usual straight-through estimator). Gradients are computed in the
     activation dtype from the unquantised operands: what Transformer
     Engine's recipes do for the weights they keep in high precision, and
     the simplest choice whose error does not compound with the forward's.
@@ -43,27 +43,33 @@ def straight_through(
     weights: jax.Array,
     group_sizes: jax.Array,
 ) -> jax.Array:
-  """quantized_forward(rows, weights, group_sizes), with unquantized's VJP.
+  """quantized_forward(rows, weights, group_sizes), with unquantized's
+  derivatives.
 
   Both functions take (rows [M, C], weights, group_sizes [E]) and return
   [M, N]; `unquantized` is the backend's plain grouped GEMM, whose
-  gradients (zero for rows past sum(group_sizes)) are the op's.
+  derivatives (zero for rows past sum(group_sizes)) are the op's. A custom
+  JVP, not a VJP: its tangent is unquantized's, which JAX transposes for
+  reverse mode (the straight-through gradient) and pushes forward for
+  jvp, linearize and Hessians.
   """
 
-  @jax.custom_vjp
+  @jax.custom_jvp
   def op(rows, weights, group_sizes):
     return quantized_forward(rows, weights, group_sizes)
 
-  def forward(rows, weights, group_sizes):
-    return op(rows, weights, group_sizes), (rows, weights, group_sizes)
+  @op.defjvp
+  def op_jvp(primals, tangents):
+    rows, weights, group_sizes = primals
+    d_rows, d_weights, _ = tangents
+    out = quantized_forward(rows, weights, group_sizes)
+    _, d_out = jax.jvp(
+        lambda r, w: unquantized(r, w, group_sizes),
+        (rows, weights),
+        (d_rows, d_weights),
+    )
+    return out, d_out.astype(out.dtype)
 
-  def backward(residuals, d_out):
-    rows, weights, group_sizes = residuals
-    _, vjp = jax.vjp(lambda r, w: unquantized(r, w, group_sizes), rows, weights)
-    d_rows, d_weights = vjp(d_out.astype(rows.dtype))
-    return d_rows, d_weights, None
-
-  op.defvjp(forward, backward)
   return op(rows, weights, group_sizes)
 
 

@@ -1,0 +1,160 @@
+"""The expert FFN's fused ops, on a backend's `GroupedKernels`.
+
+gate_up         (rows @ w_gate[g], rows @ w_up[g]): one `gmm_products` call,
+                so a backend whose kernel reads the rows once for both
+                products does; its dX sums both products in one call and
+                its dW is one tgmm with two outputs (the transposes).
+gated_gate_up   act(rows @ w_gate[g]) * (rows @ w_up[g]) from a backend's
+                fused kernel (the activation in its epilogue). A custom JVP:
+                the primal is the fused kernel; the tangent is gate_up's on
+                the tangents, through the activation's derivative, so
+                reverse mode transposes it into gate_up's fused dX and dW
+                kernels, and forward mode works too.
+row_scaled_gmm  out[r] = scale[r] * (lhs[r] @ rhs[g]) from a kernel that
+                applies the scale in its epilogue (the routing weights in
+                the down projection); a custom JVP the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from moe_core import ffn
+from moe_core.kernels import grouped_matmul as gm
+
+# (rows, w_gate, w_up, group_sizes, activation, with_inputs) -> h, or
+# (h, gate, up) with float32 gate and up when `with_inputs`.
+FusedGatedKernel = Callable[..., tuple[jax.Array, ...]]
+
+
+def gate_up(
+    kernels: gm.GroupedKernels,
+    rows: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    group_sizes: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+  """rows [M, D] x (w_gate, w_up) [E, D, F] -> (gate, up), each [M, F]."""
+  return gm.gmm_products(
+      kernels,
+      (rows,),
+      (w_gate, w_up),
+      group_sizes,
+      products=((0, 0, 0), (0, 1, 1)),
+      out_dtypes=(rows.dtype, rows.dtype),
+  )
+
+
+def _gate_up_tangent(kernels, rows, w_gate, w_up, group_sizes, tangents):
+  """(dgate, dup) in float32 from the tangents of rows, w_gate and w_up.
+
+  One call: dgate = drows @ wg + rows @ dwg (and dup alike), so the
+  transpose gives dX as one gmm summing both products and dW as one tgmm.
+  """
+  d_rows, d_w_gate, d_w_up = tangents
+  f32 = jnp.dtype(jnp.float32)
+  return gm.gmm_products(
+      kernels,
+      (d_rows, rows),
+      (w_gate, w_up, d_w_gate, d_w_up),
+      group_sizes,
+      products=((0, 0, 0), (1, 2, 0), (0, 1, 1), (1, 3, 1)),
+      out_dtypes=(f32, f32),
+  )
+
+
+def gated_gate_up(
+    kernels: gm.GroupedKernels,
+    fused: FusedGatedKernel,
+    rows: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    group_sizes: jax.Array,
+    activation: str,
+) -> jax.Array:
+  """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> h [M, F].
+
+  Args:
+    kernels: the backend's grouped matmuls (the tangent's products).
+    fused: the backend's fused kernel; with `with_inputs` it also returns
+      gate and up in float32 (the residuals of the activation's derivative;
+      a kernel that cannot may recompute them with `gate_up`).
+    rows: [M, D] sorted by group; w_gate, w_up: [E, D, F] of rows' dtype.
+    group_sizes: [E] int32, valid.
+    activation: the gated activation (`moe_core.ffn.activation`).
+  """
+
+  @jax.custom_jvp
+  def op(rows, w_gate, w_up, group_sizes):
+    (h,) = fused(rows, w_gate, w_up, group_sizes, activation, False)
+    return h
+
+  @op.defjvp
+  def op_jvp(primals, tangents):
+    rows, w_gate, w_up, group_sizes = primals
+    h, gate, up = fused(rows, w_gate, w_up, group_sizes, activation, True)
+    d_gate, d_up = _gate_up_tangent(
+        kernels, rows, w_gate, w_up, group_sizes, tangents[:3]
+    )
+    # The activation's derivative on the float32 gate and up, as the
+    # fused epilogue computed h from them.
+    _, d_h = jax.jvp(
+        lambda g, u: ffn.gated(g, u, activation),
+        (gate.astype(jnp.float32), up.astype(jnp.float32)),
+        (d_gate, d_up),
+    )
+    return h, d_h.astype(h.dtype)
+
+  return op(rows, w_gate, w_up, group_sizes)
+
+
+def row_scaled_gmm(
+    kernels: gm.GroupedKernels,
+    scaled_kernel: Callable[..., jax.Array],
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    row_scale: jax.Array,
+) -> jax.Array:
+  """out[r] = row_scale[r] * (lhs[r] @ rhs[g]): [M, C] x [E, C, N] -> [M, N].
+
+  Args:
+    kernels: the backend's grouped matmuls (the tangent's products).
+    scaled_kernel: (lhs, rhs, group_sizes, row_scale) -> out in lhs's
+      dtype, the scale applied to the float32 accumulator.
+    lhs: [M, C] sorted by group; rhs: [E, C, N] of lhs's dtype.
+    group_sizes: [E] int32, valid.
+    row_scale: [M] float32. Rows at or past sum(group_sizes) come out zero
+      and get zero gradient in lhs and row_scale, whatever they hold.
+  """
+
+  @jax.custom_jvp
+  def op(lhs, rhs, group_sizes, row_scale):
+    return scaled_kernel(lhs, rhs, group_sizes, row_scale)
+
+  @op.defjvp
+  def op_jvp(primals, tangents):
+    lhs, rhs, group_sizes, row_scale = primals
+    d_lhs, d_rhs, _, d_scale = tangents
+    out = scaled_kernel(lhs, rhs, group_sizes, row_scale)
+    f32 = jnp.dtype(jnp.float32)
+    (d_product,) = gm.gmm_products(
+        kernels,
+        (d_lhs, lhs),
+        (rhs, d_rhs),
+        group_sizes,
+        products=((0, 0, 0), (1, 1, 0)),
+        out_dtypes=(f32,),
+    )
+    product = gm.gmm(kernels, lhs, rhs, group_sizes, out_dtype=f32)
+    # Rows past the groups: zero, whatever their scale holds (NaN too).
+    used = (jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes))[:, None]
+    scale = jnp.where(used, row_scale.astype(f32)[:, None], 0.0)
+    d_scale = jnp.where(used, d_scale.astype(f32)[:, None], 0.0)
+    d_out = scale * d_product + d_scale * product
+    return out, d_out.astype(out.dtype)
+
+  return op(lhs, rhs, group_sizes, row_scale)

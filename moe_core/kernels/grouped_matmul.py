@@ -1,0 +1,661 @@
+"""Grouped matmuls as one JAX primitive, differentiable in both directions.
+
+A backend hands its raw (non-differentiable) kernels to this module as a
+`GroupedKernels`; `gmm`, `tgmm` and their multi-product forms then work under
+every transformation: jit, grad, forward mode (jvp, linearize, hessian), vmap,
+shard_map with `check_vma=True`, remat, scan and jax.export. Two products,
+per row group g (rows sorted by group, group g owning the rows
+[sum(gs[:g]), sum(gs[:g+1]))):
+
+  gmm    out[o] = sum over products (l, r, o) of lhs[l]_g @ rhs[r][g]
+         lhs [M, C] x rhs [E, C, N] ([E, N, C] with transpose_rhs) -> [M, N];
+         rows at or past sum(group_sizes) come out zero.
+  tgmm   out[o][g] = sum over products (l, r, o) of lhs[l]_g^T @ rhs[r]_g
+         lhs [M, A] x rhs [M, B] -> [E, A, B]; rows past the groups unread.
+
+Both are bilinear, which is why a primitive and not a custom VJP: the
+tangent of either is the same primitive on (dlhs, rhs) and (lhs, drhs), in
+one call; the transpose with respect to one operand is the other product
+(gmm's lhs: a gmm against the transposed rhs; gmm's rhs: a tgmm; tgmm's
+operands: gmms), so reverse mode runs the backend's dX and dW kernels and
+every order of differentiation composes. A custom VJP would give reverse
+mode only (JAX cannot push tangents through one). vmap is a loop over the
+batch (`lax.map`), each step the same primitive. The primitive lowers by
+tracing the kernels (`mlir.lower_fun`), so nothing of it is left in an
+exported program.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from typing import Sequence
+
+import jax
+from jax import extend as jex
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
+import jax.numpy as jnp
+import numpy as np
+
+from moe_core import compat
+
+# (lhs index, rhs index, output index) triples.
+Products = tuple[tuple[int, int, int], ...]
+ONE_PRODUCT: Products = ((0, 0, 0),)
+
+
+class GroupedKernels(abc.ABC):
+  """A backend's raw grouped-matmul kernels.
+
+  Subclasses must be hashable and compare by value (frozen dataclasses):
+  an instance is a static parameter of the primitive, part of jit's cache
+  key. The kernels see operands of one dtype, int32 group sizes that are
+  valid (non-negative, sum <= M: `Backend` sanitises them), and need not be
+  differentiable. Override `gmm` and `tgmm` (one product each); a backend
+  whose kernels sum several products in one pass (the gate and up
+  projections against one read of the rows) also overrides `gmm_products`
+  or `tgmm_products`.
+  """
+
+  @abc.abstractmethod
+  def gmm(
+      self,
+      lhs: jax.Array,
+      rhs: jax.Array,
+      group_sizes: jax.Array,
+      *,
+      transpose_rhs: bool,
+      out_dtype: np.dtype,
+  ) -> jax.Array:
+    """lhs [M, C] x rhs [E, C, N] ([E, N, C] transposed) -> [M, N].
+
+    Rows at or past sum(group_sizes) must come out zero without reading
+    lhs there (it may hold NaN). Accumulate in float32.
+    """
+
+  @abc.abstractmethod
+  def tgmm(
+      self,
+      lhs: jax.Array,
+      rhs: jax.Array,
+      group_sizes: jax.Array,
+      *,
+      num_groups: int,
+      out_dtype: np.dtype,
+  ) -> jax.Array:
+    """Per group lhs_g^T rhs_g: [M, A] x [M, B] -> [E, A, B].
+
+    Rows at or past sum(group_sizes) must not contribute, NaN or not; an
+    empty group gives zeros. Accumulate in float32.
+    """
+
+  def gmm_products(
+      self,
+      lhs: Sequence[jax.Array],
+      rhs: Sequence[jax.Array],
+      group_sizes: jax.Array,
+      *,
+      products: Products,
+      transpose_rhs: bool,
+      out_dtypes: Sequence[np.dtype],
+  ) -> tuple[jax.Array, ...]:
+    """Each out[o] = the sum of its products; default: one `gmm` each."""
+    return _sum_products(
+        lambda l, r, dtype: self.gmm(
+            lhs[l],
+            rhs[r],
+            group_sizes,
+            transpose_rhs=transpose_rhs,
+            out_dtype=dtype,
+        ),
+        products,
+        out_dtypes,
+    )
+
+  def tgmm_products(
+      self,
+      lhs: Sequence[jax.Array],
+      rhs: Sequence[jax.Array],
+      group_sizes: jax.Array,
+      *,
+      products: Products,
+      num_groups: int,
+      out_dtypes: Sequence[np.dtype],
+  ) -> tuple[jax.Array, ...]:
+    """Each out[o] = the sum of its products; default: one `tgmm` each."""
+    return _sum_products(
+        lambda l, r, dtype: self.tgmm(
+            lhs[l],
+            rhs[r],
+            group_sizes,
+            num_groups=num_groups,
+            out_dtype=dtype,
+        ),
+        products,
+        out_dtypes,
+    )
+
+
+def _sum_products(product, products: Products, out_dtypes):
+  """out[o] = sum of product(l, r) over o's products, summed in float32."""
+  outs = []
+  for o, dtype in enumerate(out_dtypes):
+    mine = [(l, r) for l, r, out in products if out == o]
+    if len(mine) == 1:
+      outs.append(product(*mine[0], dtype))
+      continue
+    total = sum(product(l, r, np.dtype(np.float32)) for l, r in mine)
+    outs.append(total.astype(dtype))
+  return tuple(outs)
+
+
+# --- The public entry points -------------------------------------------------
+
+
+def gmm(
+    kernels: GroupedKernels,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = False,
+    out_dtype=None,
+) -> jax.Array:
+  """lhs [M, C] x rhs [E, C, N] ([E, N, C] transposed) -> [M, N].
+
+  Rows at or past sum(group_sizes) come out zero and get zero gradient.
+  """
+  (out,) = gmm_products(
+      kernels,
+      (lhs,),
+      (rhs,),
+      group_sizes,
+      products=ONE_PRODUCT,
+      transpose_rhs=transpose_rhs,
+      out_dtypes=(out_dtype or lhs.dtype,),
+  )
+  return out
+
+
+def tgmm(
+    kernels: GroupedKernels,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    num_groups: int,
+    out_dtype=None,
+) -> jax.Array:
+  """Per group lhs_g^T rhs_g: [M, A] x [M, B] -> [E, A, B]."""
+  (out,) = tgmm_products(
+      kernels,
+      (lhs,),
+      (rhs,),
+      group_sizes,
+      products=ONE_PRODUCT,
+      num_groups=num_groups,
+      out_dtypes=(out_dtype or lhs.dtype,),
+  )
+  return out
+
+
+def gmm_products(
+    kernels: GroupedKernels,
+    lhs: Sequence[jax.Array],
+    rhs: Sequence[jax.Array],
+    group_sizes: jax.Array,
+    *,
+    products: Products,
+    transpose_rhs: bool = False,
+    out_dtypes: Sequence,
+) -> tuple[jax.Array, ...]:
+  """out[o] = sum over (l, r, o) in products of lhs[l] @ rhs[r][group].
+
+  Every lhs is [M, C_l], every rhs [E, C, N] ([E, N, C] transposed), all of
+  one dtype; one output per entry of `out_dtypes`, each [M, N].
+  """
+  return _bind(
+      kernels,
+      "gmm",
+      lhs,
+      rhs,
+      group_sizes,
+      products=products,
+      transpose_rhs=transpose_rhs,
+      num_groups=_num_groups(rhs),
+      out_dtypes=out_dtypes,
+  )
+
+
+def tgmm_products(
+    kernels: GroupedKernels,
+    lhs: Sequence[jax.Array],
+    rhs: Sequence[jax.Array],
+    group_sizes: jax.Array,
+    *,
+    products: Products,
+    num_groups: int,
+    out_dtypes: Sequence,
+) -> tuple[jax.Array, ...]:
+  """out[o][g] = sum over (l, r, o) in products of lhs[l]_g^T rhs[r]_g."""
+  return _bind(
+      kernels,
+      "tgmm",
+      lhs,
+      rhs,
+      group_sizes,
+      products=products,
+      transpose_rhs=False,
+      num_groups=num_groups,
+      out_dtypes=out_dtypes,
+  )
+
+
+def _num_groups(rhs: Sequence[jax.Array]) -> int:
+  if not rhs:
+    raise ValueError("gmm_products needs at least one rhs, got none.")
+  return rhs[0].shape[0]
+
+
+def _bind(
+    kernels,
+    kind,
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    products,
+    transpose_rhs,
+    num_groups,
+    out_dtypes,
+):
+  """Checks the call, matches the operands' mesh variance, binds."""
+  if not isinstance(kernels, GroupedKernels):
+    raise TypeError(
+        f"kernels must be a GroupedKernels, got {type(kernels).__name__}."
+    )
+  lhs, rhs = tuple(lhs), tuple(rhs)
+  products = tuple(tuple(int(i) for i in p) for p in products)
+  out_dtypes = tuple(np.dtype(d) for d in out_dtypes)
+  dtypes = {jnp.dtype(x.dtype) for x in lhs + rhs}
+  if len(dtypes) != 1:
+    raise TypeError(
+        f"{kind} operands must share one dtype, got "
+        f"{sorted(d.name for d in dtypes)}."
+    )
+  for l, r, o in products:
+    if not (
+        0 <= l < len(lhs) and 0 <= r < len(rhs) and 0 <= o < len(out_dtypes)
+    ):
+      raise ValueError(
+          f"product {(l, r, o)} indexes past {len(lhs)} lhs, {len(rhs)} rhs "
+          f"or {len(out_dtypes)} outputs."
+      )
+  if {o for _, _, o in products} != set(range(len(out_dtypes))):
+    raise ValueError(
+        f"every one of the {len(out_dtypes)} outputs needs a product, got "
+        f"products={products}."
+    )
+  operands = _match_variance(lhs + rhs + (group_sizes.astype(jnp.int32),))
+  return tuple(
+      grouped_matmul_p.bind(
+          *operands,
+          kernels=kernels,
+          kind=kind,
+          products=products,
+          num_lhs=len(lhs),
+          transpose_rhs=bool(transpose_rhs),
+          num_groups=int(num_groups),
+          out_dtypes=out_dtypes,
+      )
+  )
+
+
+def _varying(x) -> frozenset:
+  """The manual mesh axes x varies over (inside shard_map), else empty."""
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _match_variance(operands):
+  """Operands made to vary over the same manual axes (their union).
+
+  Inside `shard_map(check_vma=True)` a replicated weight and per-device rows
+  differ in type; the primitive's outputs vary like all its inputs.
+  """
+  axes = frozenset().union(*(_varying(x) for x in operands))
+  if not axes:
+    return operands
+  return tuple(
+      x
+      if _varying(x) == axes
+      else jax.lax.pcast(x, tuple(sorted(axes - _varying(x))), to="varying")
+      for x in operands
+  )
+
+
+# --- The primitive -----------------------------------------------------------
+
+grouped_matmul_p = jex.core.Primitive("dropless_grouped_matmul")
+grouped_matmul_p.multiple_results = True
+
+
+def _split(operands, num_lhs):
+  """(lhs, rhs, group_sizes) from the flat operand list."""
+  return (
+      tuple(operands[:num_lhs]),
+      tuple(operands[num_lhs:-1]),
+      operands[-1],
+  )
+
+
+def _out_shapes(lhs, rhs, *, kind, products, transpose_rhs, num_groups, n_out):
+  """The shape of each output, from the shapes of lhs and rhs."""
+  shapes = [None] * n_out
+  for l, r, o in products:
+    if kind == "gmm":
+      n = rhs[r].shape[1] if transpose_rhs else rhs[r].shape[2]
+      shape = (lhs[l].shape[0], n)
+    else:
+      shape = (num_groups, lhs[l].shape[1], rhs[r].shape[1])
+    if shapes[o] is not None and shapes[o] != shape:
+      raise ValueError(
+          f"{kind} output {o} gets products of shapes {shapes[o]} and {shape}."
+      )
+    shapes[o] = shape
+  return shapes
+
+
+def _abstract_eval(*avals, num_lhs, out_dtypes, kernels, **params):
+  lhs, rhs, _ = _split(avals, num_lhs)
+  shapes = _out_shapes(lhs, rhs, n_out=len(out_dtypes), **params)
+  # The first operand's mesh variance and mesh (all match: _match_variance),
+  # with no partitioning of its own.
+  template = avals[0]
+  replicated = template.sharding.update(spec=jax.sharding.PartitionSpec())
+  out = [
+      template.update(
+          shape=shape, dtype=dtype, weak_type=False, sharding=replicated
+      )
+      for shape, dtype in zip(shapes, out_dtypes)
+  ]
+  effects = _kernel_effects(
+      tuple(_unvarying(a) for a in avals),
+      num_lhs=num_lhs,
+      out_dtypes=out_dtypes,
+      kernels=kernels,
+      **params,
+  )
+  return out, effects
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_effects(avals, **params):
+  """The effects of the kernels' trace: none for compiled kernels; an
+  interpreter's ordered host callbacks (Mosaic GPU's), which the primitive
+  then carries so that its lowering gets their token."""
+  with compat.per_device_tracing():
+    jaxpr = jax.make_jaxpr(functools.partial(_call_kernels, **params))(
+        *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals)
+    )
+  return jaxpr.effects
+
+
+def _call_kernels(
+    *operands,
+    kernels,
+    kind,
+    products,
+    num_lhs,
+    transpose_rhs,
+    num_groups,
+    out_dtypes,
+):
+  """The backend's kernels on the operands: what the primitive computes."""
+  lhs, rhs, group_sizes = _split(operands, num_lhs)
+  if kind == "gmm":
+    outs = kernels.gmm_products(
+        lhs,
+        rhs,
+        group_sizes,
+        products=products,
+        transpose_rhs=transpose_rhs,
+        out_dtypes=out_dtypes,
+    )
+  else:
+    outs = kernels.tgmm_products(
+        lhs,
+        rhs,
+        group_sizes,
+        products=products,
+        num_groups=num_groups,
+        out_dtypes=out_dtypes,
+    )
+  return [out.astype(dtype) for out, dtype in zip(outs, out_dtypes)]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_kernels(**params):
+  return jax.jit(functools.partial(_call_kernels, **params))
+
+
+def _impl(*operands, **params):
+  # Eager calls run the kernels compiled, as lax's primitives do.
+  return _jitted_kernels(**params)(*operands)
+
+
+def _unvarying(aval):
+  """aval without mesh variance (what one device's kernel sees)."""
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is None or not getattr(mat, "varying", None):
+    return aval
+  return aval.update(manual_axis_type=type(mat)())
+
+
+_lower_kernels = mlir.lower_fun(_call_kernels, multiple_results=True)
+
+
+def _lower(ctx, *operands, **params):
+  # Inside shard_map the kernels run per device: traced with the operands'
+  # mesh variance, their own loop carries and pallas_call out_shapes
+  # (which vary over nothing) would not type-check.
+  local = ctx.replace(
+      avals_in=[_unvarying(a) for a in ctx.avals_in],
+      avals_out=[_unvarying(a) for a in ctx.avals_out],
+  )
+  with compat.per_device_tracing():
+    out = _lower_kernels(local, *operands, **params)
+  if local.tokens_out is not None:  # An interpreter's ordered callbacks.
+    ctx.set_tokens_out(local.tokens_out)
+  return out
+
+
+grouped_matmul_p.def_impl(_impl)
+grouped_matmul_p.def_effectful_abstract_eval(_abstract_eval)
+mlir.register_lowering(grouped_matmul_p, _lower)
+
+
+# --- Differentiation ---------------------------------------------------------
+
+
+def _bind_terms(
+    terms,
+    group_sizes,
+    out_avals,
+    *,
+    kind,
+    transpose_rhs,
+    compute_dtype,
+    params,
+):
+  """One primitive call summing `terms` [(lhs, rhs, out index)] per output.
+
+  Operands are cast to `compute_dtype`, the primal operands' (a cotangent
+  arrives in its output's dtype, which may be wider). Outputs without a
+  term are None.
+  """
+  if not terms:
+    return [None] * len(out_avals)
+  lhs, rhs, products = [], [], []
+
+  def index(operands, x):
+    for i, y in enumerate(operands):
+      if y is x:
+        return i
+    operands.append(x)
+    return len(operands) - 1
+
+  used = sorted({o for _, _, o in terms})
+  renumber = {o: i for i, o in enumerate(used)}
+  for l, r, o in terms:
+    products.append((index(lhs, l), index(rhs, r), renumber[o]))
+  operands = _match_variance(
+      tuple(x.astype(compute_dtype) for x in lhs + rhs) + (group_sizes,)
+  )
+  outs = grouped_matmul_p.bind(
+      *operands,
+      kernels=params["kernels"],
+      kind=kind,
+      products=tuple(products),
+      num_lhs=len(lhs),
+      transpose_rhs=transpose_rhs,
+      num_groups=params["num_groups"],
+      out_dtypes=tuple(out_avals[o].dtype for o in used),
+  )
+  result = [None] * len(out_avals)
+  for o, out in zip(used, outs):
+    result[o] = out
+  return result
+
+
+def _jvp(primals, tangents, **params):
+  num_lhs = params["num_lhs"]
+  lhs, rhs, group_sizes = _split(primals, num_lhs)
+  d_lhs, d_rhs, _ = _split(tangents, num_lhs)
+  out = grouped_matmul_p.bind(*primals, **params)
+  # d(lhs @ rhs) = dlhs @ rhs + lhs @ drhs, both in one call (one float32
+  # accumulation per output, as the fused kernels do it).
+  terms = []
+  for l, r, o in params["products"]:
+    if type(d_lhs[l]) is not ad.Zero:
+      terms.append((d_lhs[l], rhs[r], o))
+    if type(d_rhs[r]) is not ad.Zero:
+      terms.append((lhs[l], d_rhs[r], o))
+  out_avals = [jax.typeof(x) for x in out]
+  tangent = _bind_terms(
+      terms,
+      group_sizes,
+      out_avals,
+      kind=params["kind"],
+      transpose_rhs=params["transpose_rhs"],
+      compute_dtype=jax.typeof(primals[0]).dtype,
+      params=params,
+  )
+  tangent = [
+      ad.Zero(a.to_tangent_aval()) if t is None else t
+      for t, a in zip(tangent, out_avals)
+  ]
+  return out, tangent
+
+
+def _aval(x):
+  return x.aval if ad.is_undefined_primal(x) else jax.typeof(x)
+
+
+def _transpose(cotangents, *operands, **params):
+  num_lhs, kind = params["num_lhs"], params["kind"]
+  lhs, rhs, group_sizes = _split(operands, num_lhs)
+  transposed = params["transpose_rhs"]
+  lhs_terms, rhs_terms = [], []
+  for l, r, o in params["products"]:
+    ct = cotangents[o]
+    if type(ct) is ad.Zero:
+      continue
+    lhs_linear = ad.is_undefined_primal(lhs[l])
+    rhs_linear = ad.is_undefined_primal(rhs[r])
+    if lhs_linear and rhs_linear:
+      raise ValueError(
+          "grouped_matmul is bilinear: it cannot be transposed with respect "
+          "to both of a product's operands."
+      )
+    # gmm:   out = L R      ct_L = ct R^T (gmm)    ct_R = L^T ct (tgmm)
+    # gmm^T: out = L R^T    ct_L = ct R   (gmm)    ct_R = ct^T L (tgmm)
+    # tgmm:  out = L^T R    ct_L = R ct^T (gmm^T)  ct_R = L ct   (gmm)
+    if lhs_linear:
+      if kind == "gmm":
+        lhs_terms.append((ct, rhs[r], l))
+      else:
+        lhs_terms.append((rhs[r], ct, l))
+    if rhs_linear:
+      if kind == "gmm" and not transposed:
+        rhs_terms.append((lhs[l], ct, r))
+      elif kind == "gmm":
+        rhs_terms.append((ct, lhs[l], r))
+      else:
+        rhs_terms.append((lhs[l], ct, r))
+  lhs_avals = [_aval(x) for x in lhs]
+  rhs_avals = [_aval(x) for x in rhs]
+  # Every operand has one dtype (checked at the first bind).
+  compute_dtype = lhs_avals[0].dtype
+  ct_lhs = _bind_terms(
+      lhs_terms,
+      group_sizes,
+      lhs_avals,
+      kind="gmm",
+      transpose_rhs=(not transposed) if kind == "gmm" else True,
+      compute_dtype=compute_dtype,
+      params=params,
+  )
+  ct_rhs = _bind_terms(
+      rhs_terms,
+      group_sizes,
+      rhs_avals,
+      kind="tgmm" if kind == "gmm" else "gmm",
+      transpose_rhs=False,
+      compute_dtype=compute_dtype,
+      params=params,
+  )
+  return [
+      *(
+          None if not ad.is_undefined_primal(x) else ct
+          for x, ct in zip(lhs, ct_lhs)
+      ),
+      *(
+          None if not ad.is_undefined_primal(x) else ct
+          for x, ct in zip(rhs, ct_rhs)
+      ),
+      None,
+  ]
+
+
+ad.primitive_jvps[grouped_matmul_p] = _jvp
+ad.primitive_transposes[grouped_matmul_p] = _transpose
+
+
+# --- vmap ---------------------------------------------------------------------
+
+
+def _batch(operands, dims, **params):
+  """A loop over the batch, each step one unbatched call (lax.map).
+
+  Ragged groups differ per batch element, so there is no one bigger
+  grouped matmul to fold the batch into without padding.
+  """
+  batched = [
+      jnp.moveaxis(x, d, 0) for x, d in zip(operands, dims) if d is not None
+  ]
+
+  def step(sliced):
+    sliced = iter(sliced)
+    full = [
+        next(sliced) if d is not None else x for x, d in zip(operands, dims)
+    ]
+    return grouped_matmul_p.bind(*full, **params)
+
+  outs = jax.lax.map(step, batched)
+  return list(outs), [0] * len(outs)
+
+
+batching.primitive_batchers[grouped_matmul_p] = _batch
