@@ -191,6 +191,12 @@ class Backend(abc.ABC):
       )
     out_dtype = validation.check_out_dtype(out_dtype, rows.dtype)
     self._check_dtype(rows.dtype)
+    if weights.shape[0] == 0:
+      # No groups: every row is past sum(group_sizes) = 0, so all zeros
+      # (and zero gradients), the same on every backend without asking
+      # one's kernels to handle an empty grid.
+      n = weights.shape[1] if transpose_rhs else weights.shape[2]
+      return jnp.zeros((rows.shape[0], n), out_dtype)
     group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
     gemm = operands.GemmOperands(
         rows=rows,

@@ -1,4 +1,4 @@
-"""The Mosaic GPU kernels tied into differentiable ops with jax.custom_vjp.
+"""The Mosaic GPU kernels as differentiable ops (`moe_core.kernels`).
 
 grouped_gemm   y = x @ w[g]           forward, dX: Mosaic GPU gmm
                                       dW: the Pallas Triton tgmm
@@ -6,7 +6,7 @@ gate_up        gate, up = x @ wg[g], x @ wu[g] in one pass over x (two
                accumulators); dX: one gmm summing both products; dW: one
                tgmm, two outputs
 gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), the activation in the
-               epilogue; the same backward after the activation's VJP.
+               epilogue; the same derivatives through the activation's.
 
 dW stays on the Pallas Triton kernel (`backends.pallas.kernels.tgmm`):
 tokamax's H100 autotuning data has a Mosaic GPU dW at about 114 TFLOP/s
@@ -17,11 +17,8 @@ Pallas' interpreter.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 
 from backends.mosaic_gpu import kernels
 from backends.mosaic_gpu import kernels_sm100
@@ -29,6 +26,8 @@ from backends.mosaic_gpu import tiling
 from backends.pallas import kernels as triton_kernels
 from backends.pallas import tiling as triton_tiling
 from moe_core import ffn
+from moe_core.kernels import expert_ops
+from moe_core.kernels import grouped_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,98 +119,103 @@ class Launch:
     )
 
 
-# --- grouped_gemm -------------------------------------------------------------
+# --- The kernels, differentiated by moe_core.kernels ------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@dataclasses.dataclass(frozen=True)
+class MosaicKernels(grouped_matmul.GroupedKernels):
+  """The Mosaic GPU gmm and the Pallas Triton tgmm as `GroupedKernels`.
+
+  The gmm sums any products per accumulator in one pass (gate and up read
+  the rows once; their dX is one call); tiles follow the call: "fwd" for
+  [E, C, N] weights, "dgrad" for transposed ones.
+  """
+
+  launch: Launch
+
+  def gmm(self, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+    (out,) = self.gmm_products(
+        (lhs,),
+        (rhs,),
+        group_sizes,
+        products=grouped_matmul.ONE_PRODUCT,
+        transpose_rhs=transpose_rhs,
+        out_dtypes=(out_dtype,),
+    )
+    return out
+
+  def gmm_products(
+      self, lhs, rhs, group_sizes, *, products, transpose_rhs, out_dtypes
+  ):
+    if len(set(out_dtypes)) != 1:  # One output dtype per kernel call.
+      return super().gmm_products(
+          lhs,
+          rhs,
+          group_sizes,
+          products=products,
+          transpose_rhs=transpose_rhs,
+          out_dtypes=out_dtypes,
+      )
+    return self.launch.gmm(
+        "dgrad" if transpose_rhs else "fwd",
+        list(lhs),
+        list(rhs),
+        group_sizes,
+        transpose_rhs=transpose_rhs,
+        products=products,
+        num_outputs=len(out_dtypes),
+        out_dtype=out_dtypes[0],
+    )
+
+  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    (out,) = self.launch.tgmm(lhs, [rhs], group_sizes, num_groups, out_dtype)
+    return out
+
+  def tgmm_products(
+      self, lhs, rhs, group_sizes, *, products, num_groups, out_dtypes
+  ):
+    # The kernel takes one lhs and one rhs per output (dW of gate and up).
+    if (
+        len({l for l, _, _ in products}) == 1
+        and sorted(o for _, _, o in products) == list(range(len(out_dtypes)))
+        and len(set(out_dtypes)) == 1
+    ):
+      by_output = sorted(products, key=lambda p: p[2])
+      return self.launch.tgmm(
+          lhs[products[0][0]],
+          [rhs[r] for _, r, _ in by_output],
+          group_sizes,
+          num_groups,
+          out_dtypes[0],
+      )
+    return super().tgmm_products(
+        lhs,
+        rhs,
+        group_sizes,
+        products=products,
+        num_groups=num_groups,
+        out_dtypes=out_dtypes,
+    )
+
+
 def grouped_gemm(
     rows, weights, group_sizes, transpose_rhs: bool, out_dtype, launch: Launch
 ):
   """rows [M, C] x weights [E, C, N] ([E, N, C] transposed) -> [M, N].
 
-  Rows past sum(group_sizes) come out as zeros and get zero gradient.
+  Rows past sum(group_sizes) come out as zeros and get zero gradient;
+  differentiable in both directions (`moe_core.kernels.grouped_matmul`).
   """
-  (out,) = launch.gmm(
-      "fwd",
-      [rows],
-      [weights],
+  return grouped_matmul.gmm(
+      MosaicKernels(launch),
+      rows,
+      weights,
       group_sizes,
       transpose_rhs=transpose_rhs,
       out_dtype=out_dtype,
   )
-  return out
 
 
-def _grouped_gemm_fwd(
-    rows, weights, group_sizes, transpose_rhs, out_dtype, launch
-):
-  out = grouped_gemm(
-      rows, weights, group_sizes, transpose_rhs, out_dtype, launch
-  )
-  return out, (rows, weights, group_sizes)
-
-
-def _grouped_gemm_bwd(transpose_rhs, out_dtype, launch, residuals, dy):
-  del out_dtype
-  rows, weights, group_sizes = residuals
-  dy = dy.astype(rows.dtype)
-  # dX: the same kernel reading the weights the other way round.
-  (d_rows,) = launch.gmm(
-      "dgrad",
-      [dy],
-      [weights],
-      group_sizes,
-      transpose_rhs=not transpose_rhs,
-      out_dtype=rows.dtype,
-  )
-  # dW[g] = x_g^T dy_g for [C, N] weights, dy_g^T x_g for [N, C] ones.
-  lhs, rhs = (dy, rows) if transpose_rhs else (rows, dy)
-  (d_weights,) = launch.tgmm(
-      lhs, [rhs], group_sizes, weights.shape[0], weights.dtype
-  )
-  return d_rows, d_weights, None
-
-
-grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)
-
-
-# --- gate and up projections in one pass ------------------------------------
-
-
-def _gate_up_bwd_from(rows, w_gate, w_up, group_sizes, launch, d_gate, d_up):
-  """Cotangents of (rows, w_gate, w_up, group_sizes) given dgate and dup."""
-  d_gate = d_gate.astype(rows.dtype)
-  d_up = d_up.astype(rows.dtype)
-  # dX = dgate @ wg[g]^T + dup @ wu[g]^T, both products in one accumulator.
-  (d_rows,) = launch.gmm(
-      "dgrad",
-      [d_gate, d_up],
-      [w_gate, w_up],
-      group_sizes,
-      transpose_rhs=True,
-      products=((0, 0, 0), (1, 1, 0)),
-      out_dtype=rows.dtype,
-  )
-  d_w_gate, d_w_up = launch.tgmm(
-      rows, [d_gate, d_up], group_sizes, w_gate.shape[0], w_gate.dtype
-  )
-  return d_rows, d_w_gate, d_w_up, None
-
-
-def _gate_up_kernel(rows, w_gate, w_up, group_sizes, launch, epilogue, outs):
-  return launch.gmm(
-      "fwd",
-      [rows],
-      [w_gate, w_up],
-      group_sizes,
-      products=((0, 0, 0), (0, 1, 1)),
-      epilogue=epilogue,
-      num_outputs=outs,
-      out_dtype=rows.dtype,
-  )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def gate_up(rows, w_gate, w_up, group_sizes, launch: Launch):
   """(rows @ w_gate[g], rows @ w_up[g]), each [M, F], in one pass over rows.
 
@@ -221,21 +225,9 @@ def gate_up(rows, w_gate, w_up, group_sizes, launch: Launch):
     group_sizes: [E] int32.
     launch: tiles and interpret mode.
   """
-  return _gate_up_kernel(
-      rows, w_gate, w_up, group_sizes, launch, kernels.identity, 2
+  return expert_ops.gate_up(
+      MosaicKernels(launch), rows, w_gate, w_up, group_sizes
   )
-
-
-def _gate_up_fwd(rows, w_gate, w_up, group_sizes, launch):
-  out = gate_up(rows, w_gate, w_up, group_sizes, launch)
-  return out, (rows, w_gate, w_up, group_sizes)
-
-
-def _gate_up_bwd(launch, residuals, cotangents):
-  return _gate_up_bwd_from(*residuals, launch, *cotangents)
-
-
-gate_up.defvjp(_gate_up_fwd, _gate_up_bwd)
 
 
 # --- the activation fused in the epilogue -----------------------------------
@@ -256,54 +248,39 @@ def _gated_epilogue(activation, with_inputs):
   return epilogue
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def gated_gate_up(
     rows, w_gate, w_up, group_sizes, activation: str, launch: Launch
 ):
   """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> [M, F], one pass.
 
   Under differentiation the kernel also writes gate and up, the residuals
-  of the activation's gradient.
+  of the activation's derivative; the tangent goes through `gate_up`'s
+  kernels (`moe_core.kernels.expert_ops`).
   """
   if activation not in EPILOGUE_ACTIVATIONS:
     raise ValueError(
         f"activation must be one of {EPILOGUE_ACTIVATIONS} to run in the "
         f"kernel epilogue, got {activation!r}."
     )
-  (h,) = _gate_up_kernel(
+
+  def fused(rows, w_gate, w_up, group_sizes, activation, with_inputs):
+    return launch.gmm(
+        "fwd",
+        [rows],
+        [w_gate, w_up],
+        group_sizes,
+        products=((0, 0, 0), (0, 1, 1)),
+        epilogue=_gated_epilogue(activation, with_inputs),
+        num_outputs=3 if with_inputs else 1,
+        out_dtype=rows.dtype,
+    )
+
+  return expert_ops.gated_gate_up(
+      MosaicKernels(launch),
+      fused,
       rows,
       w_gate,
       w_up,
       group_sizes,
-      launch,
-      _gated_epilogue(activation, False),
-      1,
+      activation,
   )
-  return h
-
-
-def _gated_fwd(rows, w_gate, w_up, group_sizes, activation, launch):
-  h, gate, up = _gate_up_kernel(
-      rows,
-      w_gate,
-      w_up,
-      group_sizes,
-      launch,
-      _gated_epilogue(activation, True),
-      3,
-  )
-  return h, (rows, w_gate, w_up, group_sizes, gate, up)
-
-
-def _gated_bwd(activation, launch, residuals, d_h):
-  rows, w_gate, w_up, group_sizes, gate, up = residuals
-  _, act_vjp = jax.vjp(
-      lambda g, u: ffn.gated(g.astype(jnp.float32), u, activation), gate, up
-  )
-  d_gate, d_up = act_vjp(d_h.astype(jnp.float32))
-  return _gate_up_bwd_from(
-      rows, w_gate, w_up, group_sizes, launch, d_gate, d_up
-  )
-
-
-gated_gate_up.defvjp(_gated_fwd, _gated_bwd)

@@ -1,11 +1,13 @@
-"""The pallas kernels tied into differentiable ops with jax.custom_vjp.
+"""The pallas kernels as differentiable ops (`moe_core.kernels`).
 
 grouped_gemm   y = x @ w[g]              dX: gmm(dy, w^T)   dW: tgmm(x, dy)
 gate_up        gate, up = x @ wg[g], x @ wu[g] in one pass over x
                                           dX: one gmm summing both products
                                           dW: one tgmm, two outputs
 gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), the activation in the
-               epilogue; the same backward after the activation's VJP.
+               epilogue; the same derivatives through the activation's.
+Forward and reverse mode alike: `PallasKernels` are the raw kernels,
+`moe_core.kernels.grouped_matmul` their derivatives.
 quantized_grouped_gemm
                the forward of a quantised grouped GEMM (moe_core.precision),
                scales applied in the kernel; its gradients are the caller's
@@ -15,7 +17,6 @@ quantized_grouped_gemm
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -26,6 +27,8 @@ from backends.pallas import tiling
 from moe_core import ffn
 from moe_core import operands
 from moe_core import precision
+from moe_core.kernels import expert_ops
+from moe_core.kernels import grouped_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,141 +64,139 @@ class Launch:
     )
 
 
-# --- grouped_gemm -------------------------------------------------------------
+# --- The kernels, differentiated by moe_core.kernels ------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@dataclasses.dataclass(frozen=True)
+class PallasKernels(grouped_matmul.GroupedKernels):
+  """The tile-list gmm and tgmm kernels as `GroupedKernels`.
+
+  `kernels.gmm` sums any products per accumulator in one pass, so the gate
+  and up projections read the rows once and their dX is one call; the
+  tiles follow the call: "fwd" for a product against [E, C, N] weights,
+  "dgrad" against transposed ones, "wgrad" for tgmm.
+  """
+
+  launch: Launch
+
+  def gmm(self, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+    (out,) = self.gmm_products(
+        (lhs,),
+        (rhs,),
+        group_sizes,
+        products=grouped_matmul.ONE_PRODUCT,
+        transpose_rhs=transpose_rhs,
+        out_dtypes=(out_dtype,),
+    )
+    return out
+
+  def gmm_products(
+      self, lhs, rhs, group_sizes, *, products, transpose_rhs, out_dtypes
+  ):
+    if len(set(out_dtypes)) != 1:  # One output dtype per kernel call.
+      return super().gmm_products(
+          lhs,
+          rhs,
+          group_sizes,
+          products=products,
+          transpose_rhs=transpose_rhs,
+          out_dtypes=out_dtypes,
+      )
+    m, c = lhs[0].shape
+    n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
+    tiles = self.launch.choose(
+        "dgrad" if transpose_rhs else "fwd",
+        m,
+        c,
+        n,
+        rhs[0].shape[0],
+        lhs[0].dtype,
+        num_operands=len(products),
+    )
+    return kernels.gmm(
+        list(lhs),
+        list(rhs),
+        group_sizes,
+        tiles=tiles,
+        interpret=self.launch.interpret,
+        transpose_rhs=transpose_rhs,
+        products=products,
+        num_outputs=len(out_dtypes),
+        out_dtype=out_dtypes[0],
+    )
+
+  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    return self._tgmm(lhs, (rhs,), group_sizes, num_groups, out_dtype)[0]
+
+  def tgmm_products(
+      self, lhs, rhs, group_sizes, *, products, num_groups, out_dtypes
+  ):
+    # The kernel takes one lhs and one rhs per output (dW of gate and up).
+    outputs = [o for _, _, o in products]
+    if (
+        len({l for l, _, _ in products}) == 1
+        and sorted(outputs) == list(range(len(out_dtypes)))
+        and len(set(out_dtypes)) == 1
+    ):
+      by_output = sorted(products, key=lambda p: p[2])
+      return self._tgmm(
+          lhs[products[0][0]],
+          tuple(rhs[r] for _, r, _ in by_output),
+          group_sizes,
+          num_groups,
+          out_dtypes[0],
+      )
+    return super().tgmm_products(
+        lhs,
+        rhs,
+        group_sizes,
+        products=products,
+        num_groups=num_groups,
+        out_dtypes=out_dtypes,
+    )
+
+  def _tgmm(self, lhs, rhs, group_sizes, num_groups, out_dtype):
+    tiles = self.launch.choose(
+        "wgrad",
+        lhs.shape[0],
+        lhs.shape[1],
+        rhs[0].shape[1],
+        num_groups,
+        lhs.dtype,
+        num_operands=len(rhs),
+    )
+    return kernels.tgmm(
+        lhs,
+        list(rhs),
+        group_sizes,
+        tiles=tiles,
+        interpret=self.launch.interpret,
+        out_dtype=out_dtype,
+    )
+
+
 def grouped_gemm(
     rows, weights, group_sizes, transpose_rhs: bool, out_dtype, launch: Launch
 ):
   """rows [M, C] x weights [E, C, N] ([E, N, C] transposed) -> [M, N].
 
-  Rows past sum(group_sizes) come out as zeros and get zero gradient.
+  Rows past sum(group_sizes) come out as zeros and get zero gradient;
+  differentiable in both directions (`moe_core.kernels.grouped_matmul`).
   """
-  return _gmm(
-      rows, weights, group_sizes, transpose_rhs, out_dtype, launch, "fwd"
-  )
-
-
-def _gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch, kind):
-  """One gmm kernel call, with the tiles of `kind` ("fwd" or "dgrad")."""
-  m, c = rows.shape
-  n = weights.shape[1] if transpose_rhs else weights.shape[2]
-  tiles = launch.choose(kind, m, c, n, weights.shape[0], rows.dtype)
-  (out,) = kernels.gmm(
-      [rows],
-      [weights],
+  return grouped_matmul.gmm(
+      PallasKernels(launch),
+      rows,
+      weights,
       group_sizes,
-      tiles=tiles,
-      interpret=launch.interpret,
       transpose_rhs=transpose_rhs,
       out_dtype=out_dtype,
   )
-  return out
 
 
-def _grouped_gemm_fwd(
-    rows, weights, group_sizes, transpose_rhs, out_dtype, launch
-):
-  out = _gmm(
-      rows, weights, group_sizes, transpose_rhs, out_dtype, launch, "fwd"
-  )
-  return out, (rows, weights, group_sizes)
-
-
-def _grouped_gemm_bwd(transpose_rhs, out_dtype, launch, residuals, dy):
-  del out_dtype
-  rows, weights, group_sizes = residuals
-  dy = dy.astype(rows.dtype)
-  m = rows.shape[0]
-  num_groups = weights.shape[0]
-  # dX: the forward kernel reading the weights the other way round, so
-  # [M, N] x [E, N, C] -> [M, C] (contracting N) with the dgrad tiles.
-  d_rows = _gmm(
-      dy, weights, group_sizes, not transpose_rhs, rows.dtype, launch, "dgrad"
-  )
-  # dW[g] = lhs_g^T rhs_g: x_g^T dy_g for weights[g] [C, N], dy_g^T x_g for
-  # the transposed layout [N, C].
-  lhs, rhs = (dy, rows) if transpose_rhs else (rows, dy)
-  tiles = launch.choose(
-      "wgrad", m, lhs.shape[1], rhs.shape[1], num_groups, rows.dtype
-  )
-  (d_weights,) = kernels.tgmm(
-      lhs,
-      [rhs],
-      group_sizes,
-      tiles=tiles,
-      interpret=launch.interpret,
-      out_dtype=weights.dtype,
-  )
-  return d_rows, d_weights, None
-
-
-grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)
-
-
-# --- gate and up projections in one pass ------------------------------------
-
-
-def _gate_up_kernel(
-    rows, w_gate, w_up, group_sizes, launch, epilogue, num_outputs
-):
-  m, d = rows.shape
-  f = w_gate.shape[2]
-  tiles = launch.choose(
-      "fwd", m, d, f, w_gate.shape[0], rows.dtype, num_operands=2
-  )
-  return kernels.gmm(
-      [rows],
-      [w_gate, w_up],
-      group_sizes,
-      tiles=tiles,
-      interpret=launch.interpret,
-      products=((0, 0, 0), (0, 1, 1)),
-      epilogue=epilogue,
-      num_outputs=num_outputs,
-      out_dtype=rows.dtype,
-  )
-
-
-def _gate_up_bwd_from(rows, w_gate, w_up, group_sizes, launch, d_gate, d_up):
-  """Cotangents of (rows, w_gate, w_up, group_sizes) given dgate and dup."""
-  m, d = rows.shape
-  f = w_gate.shape[2]
-  num_groups = w_gate.shape[0]
-  d_gate = d_gate.astype(rows.dtype)
-  d_up = d_up.astype(rows.dtype)
-  # dX = dgate @ wg[g]^T + dup @ wu[g]^T, both products in one accumulator.
-  tiles = launch.choose(
-      "dgrad", m, f, d, num_groups, rows.dtype, num_operands=2
-  )
-  (d_rows,) = kernels.gmm(
-      [d_gate, d_up],
-      [w_gate, w_up],
-      group_sizes,
-      tiles=tiles,
-      interpret=launch.interpret,
-      transpose_rhs=True,
-      products=((0, 0, 0), (1, 1, 0)),
-      out_dtype=rows.dtype,
-  )
-  tiles = launch.choose(
-      "wgrad", m, d, f, num_groups, rows.dtype, num_operands=2
-  )
-  d_w_gate, d_w_up = kernels.tgmm(
-      rows,
-      [d_gate, d_up],
-      group_sizes,
-      tiles=tiles,
-      interpret=launch.interpret,
-      out_dtype=w_gate.dtype,
-  )
-  return d_rows, d_w_gate, d_w_up, None
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def gate_up(rows, w_gate, w_up, group_sizes, launch: Launch):
   """(rows @ w_gate[g], rows @ w_up[g]), each [M, F], in one pass over rows.
+
+  dX is one kernel summing both products, dW one tgmm with two outputs.
 
   Args:
     rows: [M, D] sorted by group.
@@ -203,25 +204,9 @@ def gate_up(rows, w_gate, w_up, group_sizes, launch: Launch):
     group_sizes: [E] int32.
     launch: tiles and interpret mode.
   """
-  return _gate_up_kernel(
-      rows, w_gate, w_up, group_sizes, launch, kernels.identity, 2
+  return expert_ops.gate_up(
+      PallasKernels(launch), rows, w_gate, w_up, group_sizes
   )
-
-
-def _gate_up_fwd(rows, w_gate, w_up, group_sizes, launch):
-  out = gate_up(rows, w_gate, w_up, group_sizes, launch)
-  return out, (rows, w_gate, w_up, group_sizes)
-
-
-def _gate_up_bwd(launch, residuals, cotangents):
-  rows, w_gate, w_up, group_sizes = residuals
-  d_gate, d_up = cotangents
-  return _gate_up_bwd_from(
-      rows, w_gate, w_up, group_sizes, launch, d_gate, d_up
-  )
-
-
-gate_up.defvjp(_gate_up_fwd, _gate_up_bwd)
 
 
 # --- the activation fused in the epilogue -----------------------------------
@@ -242,7 +227,6 @@ def _gated_epilogue(activation, with_inputs):
   return epilogue
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def gated_gate_up(
     rows, w_gate, w_up, group_sizes, activation: str, launch: Launch
 ):
@@ -250,7 +234,8 @@ def gated_gate_up(
 
   The activation runs on the float32 accumulators in the kernel's epilogue;
   only h is written. Under differentiation the kernel also writes gate and
-  up, the residuals of the activation's gradient.
+  up, the residuals of the activation's derivative, and the tangent goes
+  through `gate_up`'s kernels (`moe_core.kernels.expert_ops`).
 
   Args:
     rows, w_gate, w_up, group_sizes, launch: as for `gate_up`.
@@ -261,43 +246,39 @@ def gated_gate_up(
         f"activation must be one of {EPILOGUE_ACTIVATIONS} to "
         f"run in the kernel epilogue, got {activation!r}."
     )
-  (h,) = _gate_up_kernel(
+
+  def fused(rows, w_gate, w_up, group_sizes, activation, with_inputs):
+    m, d = rows.shape
+    tiles = launch.choose(
+        "fwd",
+        m,
+        d,
+        w_gate.shape[2],
+        w_gate.shape[0],
+        rows.dtype,
+        num_operands=2,
+    )
+    return kernels.gmm(
+        [rows],
+        [w_gate, w_up],
+        group_sizes,
+        tiles=tiles,
+        interpret=launch.interpret,
+        products=((0, 0, 0), (0, 1, 1)),
+        epilogue=_gated_epilogue(activation, with_inputs),
+        num_outputs=3 if with_inputs else 1,
+        out_dtype=rows.dtype,
+    )
+
+  return expert_ops.gated_gate_up(
+      PallasKernels(launch),
+      fused,
       rows,
       w_gate,
       w_up,
       group_sizes,
-      launch,
-      _gated_epilogue(activation, False),
-      1,
+      activation,
   )
-  return h
-
-
-def _gated_fwd(rows, w_gate, w_up, group_sizes, activation, launch):
-  h, gate, up = _gate_up_kernel(
-      rows,
-      w_gate,
-      w_up,
-      group_sizes,
-      launch,
-      _gated_epilogue(activation, True),
-      3,
-  )
-  return h, (rows, w_gate, w_up, group_sizes, gate, up)
-
-
-def _gated_bwd(activation, launch, residuals, d_h):
-  rows, w_gate, w_up, group_sizes, gate, up = residuals
-  _, act_vjp = jax.vjp(
-      lambda g, u: ffn.gated(g.astype(jnp.float32), u, activation), gate, up
-  )
-  d_gate, d_up = act_vjp(d_h.astype(jnp.float32))
-  return _gate_up_bwd_from(
-      rows, w_gate, w_up, group_sizes, launch, d_gate, d_up
-  )
-
-
-gated_gate_up.defvjp(_gated_fwd, _gated_bwd)
 
 
 # --- grouped GEMM on quantised operands ---------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import jax
@@ -12,6 +13,7 @@ from moe_core import backend
 from moe_core import operands
 from moe_core import precision
 from moe_core import quantized_gemm
+from moe_core.kernels import grouped_matmul
 
 
 class XlaBackend(backend.Backend):
@@ -90,24 +92,68 @@ class XlaBackend(backend.Backend):
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class RaggedDotKernels(grouped_matmul.GroupedKernels):
+  """`jax.lax.ragged_dot` (forward, dX) and `ragged_dot_general` with the
+  rows as the ragged contracting dimension (dW), as `GroupedKernels`.
+
+  Rows past sum(group_sizes) are zeroed before every product, so NaN there
+  never reaches a result, and zeroed in gmm's output.
+  """
+
+  def gmm(self, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+    if transpose_rhs:
+      rhs = jnp.swapaxes(rhs, 1, 2)
+    valid = _used_rows(lhs, group_sizes)
+    out = jax.lax.ragged_dot(
+        jnp.where(valid, lhs, jnp.zeros((), lhs.dtype)),
+        rhs,
+        group_sizes,
+        precision=_precision(lhs.dtype),
+        preferred_element_type=jnp.float32,
+    )
+    return jnp.where(valid, out, 0.0).astype(out_dtype)
+
+  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    del num_groups  # group_sizes' length.
+    valid = _used_rows(lhs, group_sizes)
+    zero = jnp.zeros((), lhs.dtype)
+    out = jax.lax.ragged_dot_general(
+        jnp.where(valid, lhs, zero),
+        jnp.where(valid, rhs, zero),
+        group_sizes,
+        jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())),
+            lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[],
+        ),
+        precision=_precision(lhs.dtype),
+        preferred_element_type=jnp.float32,
+    )
+    return out.astype(out_dtype)
+
+
+def _used_rows(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """[M, 1] bool: the row lies in a group."""
+  return jnp.arange(rows.shape[0])[:, None] < jnp.sum(group_sizes)
+
+
+def _precision(dtype):
+  # float32 inputs ask for full float32 products (no TF32 on GPUs).
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 def _ragged_dot(gemm: operands.GemmOperands) -> jax.Array:
   """jax.lax.ragged_dot, with rows past sum(group_sizes) forced to zero.
 
-  rows [M, C] x weights [E, C, N] ([E, N, C] if `transpose_rhs`) -> [M, N].
+  rows [M, C] x weights [E, C, N] ([E, N, C] if `transpose_rhs`) -> [M, N],
+  differentiable in both directions (`RaggedDotKernels`).
   """
-  rows, weights, group_sizes = gemm.rows, gemm.weights, gemm.group_sizes
-  if gemm.transpose_rhs:
-    weights = jnp.swapaxes(weights, 1, 2)
-  valid = jnp.arange(rows.shape[0])[:, None] < jnp.sum(group_sizes)
-  # Zeroing the rows first keeps NaN in unused rows out of the gradients.
-  rows = jnp.where(valid, rows, jnp.zeros((), rows.dtype))
-  # float32 inputs ask for full float32 products (no TF32 on GPUs).
-  precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else None
-  out = jax.lax.ragged_dot(
-      rows,
-      weights,
-      group_sizes,
-      precision=precision,
-      preferred_element_type=jnp.float32,
+  return grouped_matmul.gmm(
+      RaggedDotKernels(),
+      gemm.rows,
+      gemm.weights,
+      gemm.group_sizes,
+      transpose_rhs=gemm.transpose_rhs,
+      out_dtype=gemm.out_dtype,
   )
-  return jnp.where(valid, out, 0.0).astype(gemm.out_dtype)

@@ -33,12 +33,12 @@ converting all of it to float32 and back, every iteration.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from backends.xla import layout
+from moe_core.kernels import grouped_matmul
 
 # Overflow tile heights, measured on 2 CPU cores (M=4096, D=512, F=1024;
 # bench/grouped_gemm_bench.py): taller tiles amortise per-tile copies,
@@ -164,6 +164,50 @@ def _tgmm(lhs, rhs, group_sizes, num_groups, out_dtype, loop: Loop):
   return out.astype(out_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class XlaKernels(grouped_matmul.GroupedKernels):
+  """The bulk-and-tile-loop products as `GroupedKernels`.
+
+  `moe_core.kernels.grouped_matmul` differentiates them: forward, dX and dW
+  are `_gmm`, `_gmm` transposed and `_tgmm`, each deciding on device
+  whether the routing is balanced enough for its batched bulk.
+
+  Attributes:
+    levels: overflow tile heights, largest first, e.g. (256, 64, 16).
+    compute_dtype: dtype the products run in (None: the operands').
+      XLA:CPU multiplies bfloat16 about half as fast as float32.
+    bulk: rows per group in the batched bulk; None picks
+      `layout.bulk_rows(M, E)`, 0 turns the bulk off (everything goes
+      through the tile loop).
+  """
+
+  levels: tuple[int, ...] = DEFAULT_LEVELS
+  compute_dtype: jnp.dtype | None = None
+  bulk: int | None = None
+
+  def _loop(self, num_rows: int, num_groups: int) -> Loop:
+    bulk = self.bulk
+    if bulk is None:
+      bulk = layout.bulk_rows(num_rows, num_groups)
+    return Loop(tuple(self.levels), self.compute_dtype, bulk)
+
+  def gmm(self, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+    return _with_bulk_if_balanced(
+        lambda lp: _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, lp),
+        group_sizes,
+        self._loop(lhs.shape[0], rhs.shape[0]),
+        lhs.shape[0],
+    )
+
+  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    return _with_bulk_if_balanced(
+        lambda lp: _tgmm(lhs, rhs, group_sizes, num_groups, out_dtype, lp),
+        group_sizes,
+        self._loop(lhs.shape[0], num_groups),
+        lhs.shape[0],
+    )
+
+
 def grouped_gemm(
     rows: jax.Array,
     weights: jax.Array,
@@ -176,62 +220,27 @@ def grouped_gemm(
 ) -> jax.Array:
   """rows [M, C] x weights [E, C, N] -> [M, N] over ragged groups.
 
+  Differentiable in rows and weights, forward and reverse mode (a
+  `grouped_matmul` primitive over `XlaKernels`).
+
   Args:
     rows: [M, C], sorted by group.
     weights: [E, C, N], or [E, N, C] with `transpose_rhs`.
     group_sizes: [E] int32, sum <= M.
     transpose_rhs: contract with weights[e].T.
     out_dtype: result dtype (rows' by default); accumulation is float32.
-    levels: overflow tile heights, largest first, e.g. (256, 64, 16).
-    compute_dtype: dtype the products run in (None: the operands').
-      XLA:CPU multiplies bfloat16 about half as fast as float32.
-    bulk: rows per group in the batched bulk; None picks
-      `layout.bulk_rows(M, E)`, 0 turns the bulk off (everything goes
-      through the tile loop). The bulk runs only when the sizes are
-      balanced enough (`layout.balanced`).
+    levels, compute_dtype, bulk: see `XlaKernels`.
   """
-  if bulk is None:
-    bulk = layout.bulk_rows(rows.shape[0], weights.shape[0])
-  loop = Loop(tuple(levels), compute_dtype, bulk)
-  out_dtype = out_dtype or rows.dtype
-  return _product(rows, weights, group_sizes, transpose_rhs, out_dtype, loop)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _product(rows, weights, group_sizes, transpose_rhs, out_dtype, loop):
-  """`grouped_gemm` with its options resolved, differentiable."""
-  return _with_bulk_if_balanced(
-      lambda lp: _gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, lp),
+  kernels = XlaKernels(
+      tuple(levels),
+      None if compute_dtype is None else jnp.dtype(compute_dtype),
+      bulk,
+  )
+  return grouped_matmul.gmm(
+      kernels,
+      rows,
+      weights,
       group_sizes,
-      loop,
-      rows.shape[0],
+      transpose_rhs=transpose_rhs,
+      out_dtype=out_dtype or rows.dtype,
   )
-
-
-def _product_fwd(rows, weights, group_sizes, transpose_rhs, out_dtype, loop):
-  out = _product(rows, weights, group_sizes, transpose_rhs, out_dtype, loop)
-  return out, (rows, weights, group_sizes)
-
-
-def _product_bwd(transpose_rhs, out_dtype, loop, residuals, dy):
-  del out_dtype
-  rows, weights, group_sizes = residuals
-  num_groups = weights.shape[0]
-  dy = dy.astype(rows.dtype)
-  # dW[g] = lhs_g^T rhs_g: x_g^T dy_g for weights[g] [C, N], dy_g^T x_g for
-  # the transposed layout [N, C].
-  lhs, rhs = (dy, rows) if transpose_rhs else (rows, dy)
-
-  def grads(loop):
-    # dX: the same product against the weights the other way round.
-    d_rows = _gmm(dy, weights, group_sizes, not transpose_rhs, rows.dtype, loop)
-    d_weights = _tgmm(lhs, rhs, group_sizes, num_groups, weights.dtype, loop)
-    return d_rows, d_weights
-
-  d_rows, d_weights = _with_bulk_if_balanced(
-      grads, group_sizes, loop, rows.shape[0]
-  )
-  return d_rows, d_weights, None
-
-
-_product.defvjp(_product_fwd, _product_bwd)
