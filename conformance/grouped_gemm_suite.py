@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from conformance import base
@@ -76,6 +78,30 @@ class GroupedGemmSuite(base.BackendTestCase):
         self.assertAllZero(
             got.d_weights[g], msg=f"d weights of empty group {g}"
         )
+
+  def test_zero_groups_give_zero_rows_and_gradients(self):
+    # No groups (weights [0, C, N], group_sizes [0]): every row is past
+    # sum(group_sizes) = 0, so the contract's zeros, the same everywhere.
+    dtype = jnp.dtype(self.compute_dtype())
+    rows = jnp.ones((5, 3), dtype)
+    weights = jnp.zeros((0, 3, 4), dtype)
+    group_sizes = jnp.zeros((0,), jnp.int32)
+
+    def loss(r, w):
+      out = self.backend.grouped_gemm(r, w, group_sizes)
+      return jnp.sum(out.astype(jnp.float32)), out
+
+    for jit in (False, True):
+      with self.subTest(f"jit={jit}"):
+        fn = jax.value_and_grad(loss, (0, 1), has_aux=True)
+        (_, out), (d_rows, d_weights) = (jax.jit(fn) if jit else fn)(
+            rows, weights
+        )
+        self.assertEqual(out.shape, (5, 4))
+        self.assertEqual(out.dtype, dtype)
+        self.assertAllZero(out, msg="output with zero groups")
+        self.assertAllZero(d_rows, msg="d rows with zero groups")
+        self.assertEqual(d_weights.shape, (0, 3, 4))
 
   def test_jit_and_eager_agree(self):
     case = cases.GEMM_BY_NAME["rows_129"]

@@ -31,6 +31,7 @@ from conformance import layer_suite
 from conformance import precision_suite
 from conformance import routing_suite
 from conformance import stages_suite
+from conformance import transforms_suite
 from conformance import validation_suite
 
 # Every suite a backend must pass on one device. Adding one is one line
@@ -45,6 +46,7 @@ SUITES = [
     checkpoint_names_suite.CheckpointNamesSuite,
     bad_input_suite.BadInputSuite,
     precision_suite.PrecisionSuite,
+    transforms_suite.TransformsSuite,
 ]
 
 # Suites that need 8 devices (--xla_force_host_platform_device_count=8 on
