@@ -24,9 +24,11 @@ import jax.numpy as jnp
 
 from moe_core import ffn
 from moe_core.kernels import grouped_matmul as gm
+from moe_core.kernels import primitive
 
-# (rows, w_gate, w_up, group_sizes, activation, with_inputs) -> h, or
-# (h, gate, up) with float32 gate and up when `with_inputs`.
+# (rows, w_gate, w_up, group_sizes, *, activation, with_inputs) -> (h,) or
+# (h, gate, up); hashable by value, with a `keeps_inputs` attribute that
+# says whether it can be asked for gate and up.
 FusedGatedKernel = Callable[..., tuple[jax.Array, ...]]
 
 
@@ -79,26 +81,33 @@ def gated_gate_up(
 
   Args:
     kernels: the backend's grouped matmuls (the tangent's products).
-    fused: the backend's fused kernel; with `with_inputs` it also returns
-      gate and up in float32 (the residuals of the activation's derivative;
-      a kernel that cannot may recompute them with `gate_up`).
+    fused: the backend's fused kernel, hashable by value (a frozen
+      dataclass): fused(rows, w_gate, w_up, group_sizes, *, activation,
+      with_inputs) returns (h,), or with `with_inputs` (h, gate, up), the
+      residuals of the activation's derivative. A kernel that cannot write
+      them says so with `keeps_inputs = False`: gate and up are then
+      recomputed by `kernels` where the derivative needs them, not kept
+      from the forward.
     rows: [M, D] sorted by group; w_gate, w_up: [E, D, F] of rows' dtype.
     group_sizes: [E] int32, valid.
     activation: the gated activation (`moe_core.ffn.activation`).
   """
+  keeps_inputs = fused.keeps_inputs
+
+  def call(with_inputs, *operands):
+    return primitive.call_kernel(
+        fused, *operands, activation=activation, with_inputs=with_inputs
+    )
 
   @jax.custom_jvp
-  def op(rows, w_gate, w_up, group_sizes):
-    (h,) = fused(rows, w_gate, w_up, group_sizes, activation, False)
-    return h
+  def h_only(rows, w_gate, w_up, group_sizes):
+    return call(False, rows, w_gate, w_up, group_sizes)[0]
 
-  @op.defjvp
-  def op_jvp(primals, tangents):
-    rows, w_gate, w_up, group_sizes = primals
-    h, gate, up = fused(rows, w_gate, w_up, group_sizes, activation, True)
-    d_gate, d_up = _gate_up_tangent(
-        kernels, rows, w_gate, w_up, group_sizes, tangents[:3]
-    )
+  @jax.custom_jvp
+  def with_inputs(rows, w_gate, w_up, group_sizes):
+    return call(True, rows, w_gate, w_up, group_sizes)
+
+  def act_tangent(gate, up, d_gate, d_up):
     # The activation's derivative on the float32 gate and up, as the
     # fused epilogue computed h from them.
     _, d_h = jax.jvp(
@@ -106,14 +115,52 @@ def gated_gate_up(
         (gate.astype(jnp.float32), up.astype(jnp.float32)),
         (d_gate, d_up),
     )
+    return d_h
+
+  def recomputed_act_tangent(rows, w_gate, w_up, group_sizes, d_gate, d_up):
+    f32 = jnp.dtype(jnp.float32)
+    gate, up = gm.gmm_products(
+        kernels,
+        (rows,),
+        (w_gate, w_up),
+        group_sizes,
+        products=((0, 0, 0), (0, 1, 1)),
+        out_dtypes=(f32, f32),
+    )
+    return act_tangent(gate, up, d_gate, d_up)
+
+  # Each rule gets its primal from the custom_jvp function itself, never
+  # from the raw kernel, so a derivative of the rule (a Hessian) goes
+  # through the rules again.
+  @h_only.defjvp
+  def h_only_jvp(primals, tangents):
+    d_gate, d_up = _gate_up_tangent(kernels, *primals, tangents[:3])
+    if keeps_inputs:
+      h, gate, up = with_inputs(*primals)
+      d_h = act_tangent(gate, up, d_gate, d_up)
+    else:
+      # Recomputed where needed: in the backward pass under reverse mode.
+      h = h_only(*primals)
+      d_h = jax.checkpoint(recomputed_act_tangent)(*primals, d_gate, d_up)
     return h, d_h.astype(h.dtype)
 
-  return op(rows, w_gate, w_up, group_sizes)
+  @with_inputs.defjvp
+  def with_inputs_jvp(primals, tangents):
+    h, gate, up = with_inputs(*primals)
+    d_gate, d_up = _gate_up_tangent(kernels, *primals, tangents[:3])
+    d_h = act_tangent(gate, up, d_gate, d_up)
+    return (h, gate, up), (
+        d_h.astype(h.dtype),
+        d_gate.astype(gate.dtype),
+        d_up.astype(up.dtype),
+    )
+
+  return h_only(rows, w_gate, w_up, group_sizes)
 
 
 def row_scaled_gmm(
     kernels: gm.GroupedKernels,
-    scaled_kernel: Callable[..., jax.Array],
+    scaled_kernel: Callable[..., tuple[jax.Array]],
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
@@ -123,8 +170,8 @@ def row_scaled_gmm(
 
   Args:
     kernels: the backend's grouped matmuls (the tangent's products).
-    scaled_kernel: (lhs, rhs, group_sizes, row_scale) -> out in lhs's
-      dtype, the scale applied to the float32 accumulator.
+    scaled_kernel: hashable by value: (lhs, rhs, group_sizes, row_scale) ->
+      (out,) in lhs's dtype, the scale applied to the float32 accumulator.
     lhs: [M, C] sorted by group; rhs: [E, C, N] of lhs's dtype.
     group_sizes: [E] int32, valid.
     row_scale: [M] float32. Rows at or past sum(group_sizes) come out zero
@@ -133,13 +180,16 @@ def row_scaled_gmm(
 
   @jax.custom_jvp
   def op(lhs, rhs, group_sizes, row_scale):
-    return scaled_kernel(lhs, rhs, group_sizes, row_scale)
+    (out,) = primitive.call_kernel(
+        scaled_kernel, lhs, rhs, group_sizes, row_scale
+    )
+    return out
 
   @op.defjvp
   def op_jvp(primals, tangents):
     lhs, rhs, group_sizes, row_scale = primals
     d_lhs, d_rhs, _, d_scale = tangents
-    out = scaled_kernel(lhs, rhs, group_sizes, row_scale)
+    out = op(*primals)
     f32 = jnp.dtype(jnp.float32)
     (d_product,) = gm.gmm_products(
         kernels,

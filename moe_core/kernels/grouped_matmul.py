@@ -28,18 +28,14 @@ exported program.
 from __future__ import annotations
 
 import abc
-import functools
 from typing import Sequence
 
 import jax
-from jax import extend as jex
 from jax.interpreters import ad
-from jax.interpreters import batching
-from jax.interpreters import mlir
 import jax.numpy as jnp
 import numpy as np
 
-from moe_core import compat
+from moe_core.kernels import primitive
 
 # (lhs index, rhs index, output index) triples.
 Products = tuple[tuple[int, int, int], ...]
@@ -298,7 +294,9 @@ def _bind(
         f"every one of the {len(out_dtypes)} outputs needs a product, got "
         f"products={products}."
     )
-  operands = _match_variance(lhs + rhs + (group_sizes.astype(jnp.int32),))
+  operands = primitive.match_variance(
+      lhs + rhs + (group_sizes.astype(jnp.int32),)
+  )
   return tuple(
       grouped_matmul_p.bind(
           *operands,
@@ -313,33 +311,7 @@ def _bind(
   )
 
 
-def _varying(x) -> frozenset:
-  """The manual mesh axes x varies over (inside shard_map), else empty."""
-  mat = getattr(jax.typeof(x), "manual_axis_type", None)
-  return frozenset(getattr(mat, "varying", ()) or ())
-
-
-def _match_variance(operands):
-  """Operands made to vary over the same manual axes (their union).
-
-  Inside `shard_map(check_vma=True)` a replicated weight and per-device rows
-  differ in type; the primitive's outputs vary like all its inputs.
-  """
-  axes = frozenset().union(*(_varying(x) for x in operands))
-  if not axes:
-    return operands
-  return tuple(
-      x
-      if _varying(x) == axes
-      else jax.lax.pcast(x, tuple(sorted(axes - _varying(x))), to="varying")
-      for x in operands
-  )
-
-
 # --- The primitive -----------------------------------------------------------
-
-grouped_matmul_p = jex.core.Primitive("dropless_grouped_matmul")
-grouped_matmul_p.multiple_results = True
 
 
 def _split(operands, num_lhs):
@@ -351,9 +323,21 @@ def _split(operands, num_lhs):
   )
 
 
-def _out_shapes(lhs, rhs, *, kind, products, transpose_rhs, num_groups, n_out):
-  """The shape of each output, from the shapes of lhs and rhs."""
-  shapes = [None] * n_out
+def _out_shapes(
+    avals,
+    *,
+    kernels,
+    kind,
+    products,
+    num_lhs,
+    transpose_rhs,
+    num_groups,
+    out_dtypes,
+):
+  """[(shape, dtype)] of each output, from the operands' shapes."""
+  del kernels
+  lhs, rhs, _ = _split(avals, num_lhs)
+  shapes = [None] * len(out_dtypes)
   for l, r, o in products:
     if kind == "gmm":
       n = rhs[r].shape[1] if transpose_rhs else rhs[r].shape[2]
@@ -365,42 +349,7 @@ def _out_shapes(lhs, rhs, *, kind, products, transpose_rhs, num_groups, n_out):
           f"{kind} output {o} gets products of shapes {shapes[o]} and {shape}."
       )
     shapes[o] = shape
-  return shapes
-
-
-def _abstract_eval(*avals, num_lhs, out_dtypes, kernels, **params):
-  lhs, rhs, _ = _split(avals, num_lhs)
-  shapes = _out_shapes(lhs, rhs, n_out=len(out_dtypes), **params)
-  # The first operand's mesh variance and mesh (all match: _match_variance),
-  # with no partitioning of its own.
-  template = avals[0]
-  replicated = template.sharding.update(spec=jax.sharding.PartitionSpec())
-  out = [
-      template.update(
-          shape=shape, dtype=dtype, weak_type=False, sharding=replicated
-      )
-      for shape, dtype in zip(shapes, out_dtypes)
-  ]
-  effects = _kernel_effects(
-      tuple(_unvarying(a) for a in avals),
-      num_lhs=num_lhs,
-      out_dtypes=out_dtypes,
-      kernels=kernels,
-      **params,
-  )
-  return out, effects
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_effects(avals, **params):
-  """The effects of the kernels' trace: none for compiled kernels; an
-  interpreter's ordered host callbacks (Mosaic GPU's), which the primitive
-  then carries so that its lowering gets their token."""
-  with compat.per_device_tracing():
-    jaxpr = jax.make_jaxpr(functools.partial(_call_kernels, **params))(
-        *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals)
-    )
-  return jaxpr.effects
+  return list(zip(shapes, out_dtypes))
 
 
 def _call_kernels(
@@ -436,45 +385,9 @@ def _call_kernels(
   return [out.astype(dtype) for out, dtype in zip(outs, out_dtypes)]
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_kernels(**params):
-  return jax.jit(functools.partial(_call_kernels, **params))
-
-
-def _impl(*operands, **params):
-  # Eager calls run the kernels compiled, as lax's primitives do.
-  return _jitted_kernels(**params)(*operands)
-
-
-def _unvarying(aval):
-  """aval without mesh variance (what one device's kernel sees)."""
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is None or not getattr(mat, "varying", None):
-    return aval
-  return aval.update(manual_axis_type=type(mat)())
-
-
-_lower_kernels = mlir.lower_fun(_call_kernels, multiple_results=True)
-
-
-def _lower(ctx, *operands, **params):
-  # Inside shard_map the kernels run per device: traced with the operands'
-  # mesh variance, their own loop carries and pallas_call out_shapes
-  # (which vary over nothing) would not type-check.
-  local = ctx.replace(
-      avals_in=[_unvarying(a) for a in ctx.avals_in],
-      avals_out=[_unvarying(a) for a in ctx.avals_out],
-  )
-  with compat.per_device_tracing():
-    out = _lower_kernels(local, *operands, **params)
-  if local.tokens_out is not None:  # An interpreter's ordered callbacks.
-    ctx.set_tokens_out(local.tokens_out)
-  return out
-
-
-grouped_matmul_p.def_impl(_impl)
-grouped_matmul_p.def_effectful_abstract_eval(_abstract_eval)
-mlir.register_lowering(grouped_matmul_p, _lower)
+grouped_matmul_p = primitive.kernel_primitive(
+    "dropless_grouped_matmul", _call_kernels, _out_shapes
+)
 
 
 # --- Differentiation ---------------------------------------------------------
@@ -511,7 +424,7 @@ def _bind_terms(
   renumber = {o: i for i, o in enumerate(used)}
   for l, r, o in terms:
     products.append((index(lhs, l), index(rhs, r), renumber[o]))
-  operands = _match_variance(
+  operands = primitive.match_variance(
       tuple(x.astype(compute_dtype) for x in lhs + rhs) + (group_sizes,)
   )
   outs = grouped_matmul_p.bind(
@@ -632,30 +545,3 @@ def _transpose(cotangents, *operands, **params):
 
 ad.primitive_jvps[grouped_matmul_p] = _jvp
 ad.primitive_transposes[grouped_matmul_p] = _transpose
-
-
-# --- vmap ---------------------------------------------------------------------
-
-
-def _batch(operands, dims, **params):
-  """A loop over the batch, each step one unbatched call (lax.map).
-
-  Ragged groups differ per batch element, so there is no one bigger
-  grouped matmul to fold the batch into without padding.
-  """
-  batched = [
-      jnp.moveaxis(x, d, 0) for x, d in zip(operands, dims) if d is not None
-  ]
-
-  def step(sliced):
-    sliced = iter(sliced)
-    full = [
-        next(sliced) if d is not None else x for x, d in zip(operands, dims)
-    ]
-    return grouped_matmul_p.bind(*full, **params)
-
-  outs = jax.lax.map(step, batched)
-  return list(outs), [0] * len(outs)
-
-
-batching.primitive_batchers[grouped_matmul_p] = _batch
