@@ -114,8 +114,19 @@ class TransformsSuite(base.BackendTestCase):
     }
     for name, fn in programs.items():
       with self.subTest(name):
-        exported = export.export(jax.jit(fn))(params, x)
-        restored = export.deserialize(exported.serialize())
+        try:
+          # Older jax refuses callbacks when exporting, newer when
+          # serialising.
+          serialized = export.export(jax.jit(fn))(params, x).serialize()
+        except NotImplementedError as e:
+          if "host_callbacks" not in str(e):
+            raise
+          self.skipTest(
+              f"{self.BACKEND} with {self.BACKEND_OPTIONS} runs its kernels "
+              "through host callbacks here (an interpreter), which "
+              f"jax.export cannot serialise: {e}"
+          )
+        restored = export.deserialize(serialized)
         _leaves_close(
             self,
             restored.call(params, x),

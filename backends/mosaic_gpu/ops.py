@@ -17,7 +17,7 @@ Pallas' interpreter.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 
 from backends.mosaic_gpu import kernels
@@ -248,6 +248,29 @@ def _gated_epilogue(activation, with_inputs):
   return epilogue
 
 
+@dataclasses.dataclass(frozen=True)
+class _FusedGated:
+  """The gate/up kernel with the activation in its epilogue; with
+  `with_inputs` it also writes gate and up (`expert_ops.gated_gate_up`)."""
+
+  launch: Launch
+  keeps_inputs: ClassVar[bool] = True
+
+  def __call__(
+      self, rows, w_gate, w_up, group_sizes, *, activation, with_inputs
+  ):
+    return self.launch.gmm(
+        "fwd",
+        [rows],
+        [w_gate, w_up],
+        group_sizes,
+        products=((0, 0, 0), (0, 1, 1)),
+        epilogue=_gated_epilogue(activation, with_inputs),
+        num_outputs=3 if with_inputs else 1,
+        out_dtype=rows.dtype,
+    )
+
+
 def gated_gate_up(
     rows, w_gate, w_up, group_sizes, activation: str, launch: Launch
 ):
@@ -263,21 +286,9 @@ def gated_gate_up(
         f"kernel epilogue, got {activation!r}."
     )
 
-  def fused(rows, w_gate, w_up, group_sizes, activation, with_inputs):
-    return launch.gmm(
-        "fwd",
-        [rows],
-        [w_gate, w_up],
-        group_sizes,
-        products=((0, 0, 0), (0, 1, 1)),
-        epilogue=_gated_epilogue(activation, with_inputs),
-        num_outputs=3 if with_inputs else 1,
-        out_dtype=rows.dtype,
-    )
-
   return expert_ops.gated_gate_up(
       MosaicKernels(launch),
-      fused,
+      _FusedGated(launch),
       rows,
       w_gate,
       w_up,

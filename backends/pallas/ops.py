@@ -17,7 +17,7 @@ quantized_grouped_gemm
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -227,6 +227,40 @@ def _gated_epilogue(activation, with_inputs):
   return epilogue
 
 
+@dataclasses.dataclass(frozen=True)
+class _FusedGated:
+  """The gate/up kernel with the activation in its epilogue; with
+  `with_inputs` it also writes gate and up (`expert_ops.gated_gate_up`)."""
+
+  launch: Launch
+  keeps_inputs: ClassVar[bool] = True
+
+  def __call__(
+      self, rows, w_gate, w_up, group_sizes, *, activation, with_inputs
+  ):
+    m, d = rows.shape
+    tiles = self.launch.choose(
+        "fwd",
+        m,
+        d,
+        w_gate.shape[2],
+        w_gate.shape[0],
+        rows.dtype,
+        num_operands=2,
+    )
+    return kernels.gmm(
+        [rows],
+        [w_gate, w_up],
+        group_sizes,
+        tiles=tiles,
+        interpret=self.launch.interpret,
+        products=((0, 0, 0), (0, 1, 1)),
+        epilogue=_gated_epilogue(activation, with_inputs),
+        num_outputs=3 if with_inputs else 1,
+        out_dtype=rows.dtype,
+    )
+
+
 def gated_gate_up(
     rows, w_gate, w_up, group_sizes, activation: str, launch: Launch
 ):
@@ -247,32 +281,9 @@ def gated_gate_up(
         f"run in the kernel epilogue, got {activation!r}."
     )
 
-  def fused(rows, w_gate, w_up, group_sizes, activation, with_inputs):
-    m, d = rows.shape
-    tiles = launch.choose(
-        "fwd",
-        m,
-        d,
-        w_gate.shape[2],
-        w_gate.shape[0],
-        rows.dtype,
-        num_operands=2,
-    )
-    return kernels.gmm(
-        [rows],
-        [w_gate, w_up],
-        group_sizes,
-        tiles=tiles,
-        interpret=launch.interpret,
-        products=((0, 0, 0), (0, 1, 1)),
-        epilogue=_gated_epilogue(activation, with_inputs),
-        num_outputs=3 if with_inputs else 1,
-        out_dtype=rows.dtype,
-    )
-
   return expert_ops.gated_gate_up(
       PallasKernels(launch),
-      fused,
+      _FusedGated(launch),
       rows,
       w_gate,
       w_up,

@@ -20,6 +20,7 @@ from moe_core import operands
 from moe_core import permute
 from moe_core import routing
 from moe_core import validation
+from moe_core.kernels import permutation
 
 
 class TritonBackend(backend.Backend):
@@ -79,6 +80,7 @@ class TritonBackend(backend.Backend):
     )
     self.fuse_activation = fuse_activation
     self.fuse_routing_weights = fuse_routing_weights
+    self.permutation_kernels = ops.TritonPermutationKernels(self.runner)
 
   @property
   def interpret(self) -> bool:
@@ -158,13 +160,11 @@ class TritonBackend(backend.Backend):
     # A zero-width view of x: dispatch validates and sorts exactly as it
     # does for x, and its gather has no data to move.
     sorted_meta = permute.dispatch(x[:, :0], expert_ids, num_experts, kept)
-    rows = ops.permute(
+    rows = permutation.gather(
+        self.permutation_kernels,
         x,
-        sorted_meta.assignment,
-        sorted_meta.position,
-        sorted_meta.invalid.astype(jnp.int8),
-        sorted_meta.top_k,
-        self.runner,
+        _plan(sorted_meta, kept),
+        top_k=sorted_meta.top_k,
     )
     return dataclasses.replace(sorted_meta, rows=rows)
 
@@ -173,22 +173,13 @@ class TritonBackend(backend.Backend):
     validation.check_combine(expert_out, dispatched, combine_weights, kept)
     if not self._gathers(expert_out.dtype):
       return permute.combine(expert_out, dispatched, combine_weights, kept)
-    num_rows = dispatched.position.shape[0]
-    kept_flags = (
-        jnp.ones((num_rows,), jnp.int8)
-        if kept is None
-        else kept.reshape(-1).astype(jnp.int8)
-    )
-    y = ops.unpermute(
+    return permutation.combine(
+        self.permutation_kernels,
         expert_out,
-        combine_weights.astype(jnp.float32),
-        dispatched.position,
-        dispatched.assignment,
-        kept_flags,
-        dispatched.invalid.astype(jnp.int8),
-        self.runner,
+        combine_weights,
+        _plan(dispatched, kept),
+        top_k=dispatched.top_k,
     )
-    return y
 
   # --- The routed block, with the weights in the down GEMM --------------------
 
@@ -270,3 +261,19 @@ class TritonBackend(backend.Backend):
     out = ops.down_weighted(h, w_down, group_sizes, row_weights, self.runner)
     out = checks.poison_if(bad, out, rows, w_gate, w_up, w_down)
     return ad_checkpoint.checkpoint_name(out, backend.DOWN_NAME)
+
+
+def _plan(dispatched: permute.Dispatched, kept) -> permutation.Plan:
+  """The permutation kernels' plan: `dispatched`'s arrays, int8 flags."""
+  num_copies = dispatched.position.shape[0]
+  kept_flags = (
+      jnp.ones((num_copies,), jnp.int8)
+      if kept is None
+      else kept.reshape(-1).astype(jnp.int8)
+  )
+  return permutation.Plan(
+      assignment=dispatched.assignment,
+      position=dispatched.position,
+      kept=kept_flags,
+      invalid=dispatched.invalid.astype(jnp.int8),
+  )

@@ -1,15 +1,17 @@
-"""The triton kernels tied into differentiable ops with jax.custom_vjp.
+"""The triton kernels as differentiable ops (`moe_core.kernels`).
 
 grouped_gemm   y = x @ w[g]                dX: gmm(dy, w^T)   dW: tgmm(x, dy)
 gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), one kernel, two
-               accumulators; backward recomputes gate and up with gmm, then
-               dX = gmm(dgate, wg^T) + gmm(dup, wu^T), dW = tgmm(x, d...)
+               accumulators; its derivatives recompute gate and up with
+               gmm, then dX = gmm(dgate, wg^T) + gmm(dup, wu^T), dW = tgmm
 down_weighted  y[r] = s[r] * (h[r] @ w[g]), s in the gmm epilogue
-               dh: gmm(dy, w^T) scaled by s   dW: tgmm(h, dy) scaled by s
+               dh: gmm(s dy, w^T)   dW: tgmm(h, s dy)
                ds[r] = <dy[r], h[r] @ w[g]> (the product recomputed by gmm)
-permute        rows[i] = x[assignment[i] // K]   dx: permute_bwd
-unpermute      y[t] = sum_k w[t, k] rows[position[t*K + k]]
-               d rows: unpermute_bwd_rows   d w: unpermute_bwd_weights
+permutation    gather, scatter, combine, spread and row_dots: the permute,
+               permute_bwd, unpermute and unpermute_bwd_* kernels
+               (`TritonPermutationKernels`), each the others' transpose.
+Forward and reverse mode alike: `moe_core.kernels` differentiates the raw
+kernels.
 
 Every kernel is launched by `launch.call`, on the GPU through jax-triton or
 on the CPU in Triton's interpreter; the tile list is built here on device,
@@ -18,14 +20,18 @@ so nothing waits on the host.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from backends.triton import configs
 from backends.triton import launch
-from moe_core import ffn
+from moe_core.kernels import expert_ops
+from moe_core.kernels import grouped_matmul
+from moe_core.kernels import permutation
 
 # Activations the gated kernel computes in its epilogue (kernels.py).
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -259,16 +265,38 @@ def tgmm(
   return out
 
 
-# --- grouped_gemm -------------------------------------------------------------
+# --- The kernels, differentiated by moe_core.kernels -------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@dataclasses.dataclass(frozen=True)
+class TritonKernels(grouped_matmul.GroupedKernels):
+  """The gmm and tgmm kernels as `GroupedKernels` (one product per call).
+
+  `moe_core.kernels.grouped_matmul` differentiates them: dX is the gmm
+  kernel against the transposed weights (the "dgrad" configs), dW the tgmm
+  kernel.
+  """
+
+  runner: launch.Runner
+
+  def gmm(self, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+    kind = "dgrad" if transpose_rhs else "fwd"
+    return gmm(
+        lhs, rhs, group_sizes, transpose_rhs, out_dtype, self.runner, kind
+    )
+
+  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    del num_groups  # group_sizes' length.
+    return tgmm(lhs, rhs, group_sizes, out_dtype, self.runner)
+
+
 def grouped_gemm(
     rows, weights, group_sizes, transpose_rhs: bool, out_dtype, runner
 ):
   """rows [M, C] x weights [E, C, N] ([E, N, C] transposed) -> [M, N].
 
-  Rows past sum(group_sizes) come out as zeros and get zero gradient.
+  Rows past sum(group_sizes) come out as zeros and get zero gradient;
+  differentiable in both directions.
 
   Args:
     rows: [M, C] sorted by group.
@@ -278,44 +306,59 @@ def grouped_gemm(
     out_dtype: the output's dtype (accumulation is float32).
     runner: a `launch.Runner` (GPU or interpreter, configs).
   """
-  return gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, runner)
-
-
-def _grouped_gemm_fwd(
-    rows, weights, group_sizes, transpose_rhs, out_dtype, runner
-):
-  out = gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, runner)
-  return out, (rows, weights, group_sizes)
-
-
-def _grouped_gemm_bwd(transpose_rhs, out_dtype, runner, residuals, dy):
-  del out_dtype
-  rows, weights, group_sizes = residuals
-  dy = dy.astype(rows.dtype)
-  # dX: the same kernel reading the weights the other way round.
-  d_rows = gmm(
-      dy, weights, group_sizes, not transpose_rhs, rows.dtype, runner, "dgrad"
+  return grouped_matmul.gmm(
+      TritonKernels(runner),
+      rows,
+      weights,
+      group_sizes,
+      transpose_rhs=transpose_rhs,
+      out_dtype=out_dtype,
   )
-  # dW[g] = x_g^T dy_g for [C, N] weights, dy_g^T x_g for [N, C].
-  lhs, rhs = (dy, rows) if transpose_rhs else (rows, dy)
-  d_weights = tgmm(lhs, rhs, group_sizes, weights.dtype, runner)
-  return d_rows, d_weights, None
 
 
-grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)
+@dataclasses.dataclass(frozen=True)
+class _FusedGated:
+  """The gated kernel: h only; its derivatives recompute gate and up."""
+
+  runner: launch.Runner
+  keeps_inputs: ClassVar[bool] = False
+
+  def __call__(
+      self, rows, w_gate, w_up, group_sizes, *, activation, with_inputs
+  ):
+    del with_inputs  # keeps_inputs is False: never asked for them.
+    return (
+        gated_gmm(rows, w_gate, w_up, group_sizes, activation, self.runner),
+    )
 
 
-# --- gated_gate_up: the activation in the epilogue ----------------------------
+@dataclasses.dataclass(frozen=True)
+class _RowScaledGmm:
+  """The gmm kernel with a per-row scale in its epilogue."""
+
+  runner: launch.Runner
+
+  def __call__(self, h, w_down, group_sizes, row_scale):
+    return (
+        gmm(
+            h,
+            w_down,
+            group_sizes,
+            False,
+            h.dtype,
+            self.runner,
+            row_scale=row_scale,
+        ),
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def gated_gate_up(rows, w_gate, w_up, group_sizes, activation: str, runner):
   """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> h [M, F].
 
   One kernel: two float32 accumulators share each rows tile and only h is
-  written. The backward pass recomputes gate and up (two gmm calls) rather
-  than keeping them, so the forward's memory traffic stays one [M, F]
-  output.
+  written. Its derivatives recompute gate and up (two gmm calls) where
+  they need them rather than keeping them, so the forward's memory traffic
+  stays one [M, F] output (`moe_core.kernels.expert_ops`).
 
   Args:
     rows: [M, D] sorted by group.
@@ -329,40 +372,18 @@ def gated_gate_up(rows, w_gate, w_up, group_sizes, activation: str, runner):
         f"activation must be one of {GATED_ACTIVATIONS} to run in the gated "
         f"kernel's epilogue, got {activation!r}."
     )
-  return gated_gmm(rows, w_gate, w_up, group_sizes, activation, runner)
 
-
-def _gated_fwd(rows, w_gate, w_up, group_sizes, activation, runner):
-  h = gated_gate_up(rows, w_gate, w_up, group_sizes, activation, runner)
-  return h, (rows, w_gate, w_up, group_sizes)
-
-
-def _gated_bwd(activation, runner, residuals, d_h):
-  rows, w_gate, w_up, group_sizes = residuals
-  f32 = jnp.float32
-  # Recomputed in float32, as the kernel's epilogue saw them.
-  gate = gmm(rows, w_gate, group_sizes, False, f32, runner)
-  up = gmm(rows, w_up, group_sizes, False, f32, runner)
-  _, act_vjp = jax.vjp(lambda g, u: ffn.gated(g, u, activation), gate, up)
-  d_gate, d_up = act_vjp(d_h.astype(f32))
-  d_gate = d_gate.astype(rows.dtype)
-  d_up = d_up.astype(rows.dtype)
-  # Both dX products summed in float32, rounded once.
-  d_rows = gmm(d_gate, w_gate, group_sizes, True, f32, runner, "dgrad") + gmm(
-      d_up, w_up, group_sizes, True, f32, runner, "dgrad"
+  return expert_ops.gated_gate_up(
+      TritonKernels(runner),
+      _FusedGated(runner),
+      rows,
+      w_gate,
+      w_up,
+      group_sizes,
+      activation,
   )
-  d_w_gate = tgmm(rows, d_gate, group_sizes, w_gate.dtype, runner)
-  d_w_up = tgmm(rows, d_up, group_sizes, w_up.dtype, runner)
-  return d_rows.astype(rows.dtype), d_w_gate, d_w_up, None
 
 
-gated_gate_up.defvjp(_gated_fwd, _gated_bwd)
-
-
-# --- down_weighted: the routing weights in the epilogue -----------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def down_weighted(h, w_down, group_sizes, row_scale, runner):
   """out[r] = row_scale[r] * (h[r] @ w_down[g]): [M, F] -> [M, D].
 
@@ -378,40 +399,18 @@ def down_weighted(h, w_down, group_sizes, row_scale, runner):
     row_scale: [M] float32, one weight per row.
     runner: a `launch.Runner`.
   """
-  return gmm(
-      h, w_down, group_sizes, False, h.dtype, runner, row_scale=row_scale
+
+  return expert_ops.row_scaled_gmm(
+      TritonKernels(runner),
+      _RowScaledGmm(runner),
+      h,
+      w_down,
+      group_sizes,
+      row_scale,
   )
 
 
-def _down_weighted_fwd(h, w_down, group_sizes, row_scale, runner):
-  out = down_weighted(h, w_down, group_sizes, row_scale, runner)
-  return out, (h, w_down, group_sizes, row_scale)
-
-
-def _down_weighted_bwd(runner, residuals, dy):
-  h, w_down, group_sizes, row_scale = residuals
-  m = h.shape[0]
-  dy = dy.astype(h.dtype)
-  scale = row_scale.astype(jnp.float32)
-  # d h = (s * dy) @ w^T: s applied in the dgrad kernel's epilogue.
-  d_h = gmm(
-      dy, w_down, group_sizes, True, h.dtype, runner, "dgrad", row_scale=scale
-  )
-  d_w = tgmm(h, dy, group_sizes, w_down.dtype, runner, row_scale=scale)
-  # d s[r] = <dy[r], h[r] @ w[g]>, the unscaled product recomputed in
-  # float32 (zero past the groups, where dy may hold anything).
-  product = gmm(h, w_down, group_sizes, False, jnp.float32, runner)
-  used = jnp.arange(m) < jnp.sum(group_sizes)
-  d_scale = jnp.where(
-      used, jnp.sum(dy.astype(jnp.float32) * product, axis=1), 0.0
-  )
-  return d_h, d_w, None, d_scale.astype(row_scale.dtype)
-
-
-down_weighted.defvjp(_down_weighted_fwd, _down_weighted_bwd)
-
-
-# --- permute / unpermute ------------------------------------------------------
+# --- The permutation's gathers ------------------------------------------------
 
 
 def _call_permute(runner, name, args, out_types, tokens, top_k, width, dtype):
@@ -436,140 +435,106 @@ def _call_permute(runner, name, args, out_types, tokens, top_k, width, dtype):
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def permute(x, assignment, position, invalid, top_k: int, runner):
-  """rows[i] = x[assignment[i] // K], NaN for invalid copies: [T, D] -> [A, D].
+@dataclasses.dataclass(frozen=True)
+class TritonPermutationKernels(permutation.PermutationKernels):
+  """The five gather kernels of `permute_kernels` as `PermutationKernels`.
 
-  Equal to `moe_core.permute.dispatch(...).rows` and its gradient.
-
-  Args:
-    x: [T, D] tokens.
-    assignment: [A] int32 (A = T*K), the assignment of each sorted row.
-    position: [A] int32, its inverse (used by the backward pass).
-    invalid: [A] int8 in assignment order, 1 where the expert id was out
-      of range.
-    top_k: K (static).
-    runner: a `launch.Runner`.
+  Each kernel reads `invalid` flags; an op that wants 0 rather than NaN for
+  an invalid copy passes it as dropped (kept 0, invalid 0) where dropped
+  copies give 0, or zeroes the copy's row after the gather.
   """
-  del position
-  tokens, width = x.shape
-  if not (tokens and width):
-    return jnp.zeros((tokens * top_k, width), x.dtype)
-  (rows,) = _call_permute(
-      runner,
-      "permute",
-      (x, assignment, invalid),
-      (jax.ShapeDtypeStruct((tokens * top_k, width), x.dtype),),
-      tokens,
-      top_k,
-      width,
-      x.dtype,
-  )
-  return rows
 
+  runner: launch.Runner
 
-def _permute_fwd(x, assignment, position, invalid, top_k, runner):
-  rows = permute(x, assignment, position, invalid, top_k, runner)
-  return rows, (position, invalid)
-
-
-def _permute_bwd(top_k, runner, residuals, d_rows):
-  position, invalid = residuals
-  tokens = position.shape[0] // top_k
-  width, dtype = d_rows.shape[1], d_rows.dtype  # x's width and dtype.
-  if not (tokens and width):
-    return jnp.zeros((tokens, width), dtype), None, None, None
-  (dx,) = _call_permute(
-      runner,
-      "permute_bwd",
-      (d_rows, position, invalid),
-      (jax.ShapeDtypeStruct((tokens, width), dtype),),
-      tokens,
-      top_k,
-      width,
-      dtype,
-  )
-  return dx, None, None, None
-
-
-permute.defvjp(_permute_fwd, _permute_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def unpermute(rows, weights, position, assignment, kept, invalid, runner):
-  """y[t] = sum_k weights[t, k] * v[t, k]: rows [A, D] -> y [T, D].
-
-  v[t, k] = rows[position[t*K + k]] if kept, else 0; NaN if invalid. Summed
-  in float32, returned in rows' dtype: `moe_core.permute.combine`, and its
-  gradients in rows and weights.
-
-  Args:
-    rows: [A, D] expert outputs in sorted order.
-    weights: [T, K] float32.
-    position: [A] int32, the sorted row of each assignment.
-    assignment: [A] int32, its inverse (used by the backward pass).
-    kept: [A] int8 in assignment order (1: the copy counts).
-    invalid: [A] int8 in assignment order (1: NaN for the token).
-    runner: a `launch.Runner`.
-  """
-  del assignment
-  tokens, top_k = weights.shape
-  width = rows.shape[1]
-  if not (tokens and width):
-    return jnp.zeros((tokens, width), rows.dtype)
-  (y,) = _call_permute(
-      runner,
-      "unpermute",
-      (rows, position, weights, kept, invalid),
-      (jax.ShapeDtypeStruct((tokens, width), rows.dtype),),
-      tokens,
-      top_k,
-      width,
-      rows.dtype,
-  )
-  return y
-
-
-def _unpermute_fwd(rows, weights, position, assignment, kept, invalid, runner):
-  y = unpermute(rows, weights, position, assignment, kept, invalid, runner)
-  return y, (rows, weights, position, assignment, kept, invalid)
-
-
-def _unpermute_bwd(runner, residuals, dy):
-  rows, weights, position, assignment, kept, invalid = residuals
-  tokens, top_k = weights.shape
-  width = rows.shape[1]
-  if not (tokens and width):
-    return (
-        jnp.zeros_like(rows),
-        jnp.zeros_like(weights),
-        None,
-        None,
-        None,
-        None,
+  def _launch(self, name, args, shape, dtype, plan, top_k):
+    tokens = plan.position.shape[0] // top_k
+    width = args[0].shape[1]
+    if not (tokens and width):  # Nothing to launch: empty sums are zero.
+      return jnp.zeros(shape, dtype)
+    (out,) = _call_permute(
+        self.runner,
+        name,
+        args,
+        (jax.ShapeDtypeStruct(shape, dtype),),
+        tokens,
+        top_k,
+        width,
+        args[0].dtype,
     )
-  dy = dy.astype(rows.dtype)
-  (d_rows,) = _call_permute(
-      runner,
-      "unpermute_bwd_rows",
-      (dy, assignment, weights, kept, invalid),
-      (jax.ShapeDtypeStruct(rows.shape, rows.dtype),),
-      tokens,
-      top_k,
-      width,
-      rows.dtype,
-  )
-  (d_weights,) = _call_permute(
-      runner,
-      "unpermute_bwd_weights",
-      (dy, rows, position, kept, invalid),
-      (jax.ShapeDtypeStruct((tokens, top_k), jnp.float32),),
-      tokens,
-      top_k,
-      width,
-      rows.dtype,
-  )
-  return d_rows, d_weights.astype(weights.dtype), None, None, None, None
+    return out
+
+  def gather(self, x, plan, *, top_k, nan_invalid):
+    shape = (plan.position.shape[0], x.shape[1])
+    rows = self._launch(
+        "permute",
+        (x, plan.assignment, plan.invalid),
+        shape,
+        x.dtype,
+        plan,
+        top_k,
+    )
+    if nan_invalid:
+      return rows
+    bad = (plan.invalid != 0)[plan.assignment][:, None]
+    return jnp.where(bad, jnp.zeros((), x.dtype), rows)
+
+  def scatter(self, rows, plan, *, top_k):
+    shape = (plan.position.shape[0] // top_k, rows.shape[1])
+    return self._launch(
+        "permute_bwd",
+        (rows, plan.position, plan.invalid),
+        shape,
+        rows.dtype,
+        plan,
+        top_k,
+    )
+
+  def combine(self, rows, weights, plan, *, top_k, nan_invalid):
+    kept, invalid = _flags(plan, nan_invalid)
+    shape = (plan.position.shape[0] // top_k, rows.shape[1])
+    return self._launch(
+        "unpermute",
+        (rows, plan.position, weights.astype(jnp.float32), kept, invalid),
+        shape,
+        rows.dtype,
+        plan,
+        top_k,
+    )
+
+  def spread(self, dy, weights, plan, *, top_k):
+    shape = (plan.position.shape[0], dy.shape[1])
+    return self._launch(
+        "unpermute_bwd_rows",
+        (
+            dy,
+            plan.assignment,
+            weights.astype(jnp.float32),
+            plan.kept,
+            plan.invalid,
+        ),
+        shape,
+        dy.dtype,
+        plan,
+        top_k,
+    )
+
+  def row_dots(self, dy, rows, plan, *, top_k, nan_invalid):
+    kept, invalid = _flags(plan, nan_invalid)
+    tokens = plan.position.shape[0] // top_k
+    return self._launch(
+        "unpermute_bwd_weights",
+        (dy, rows, plan.position, kept, invalid),
+        (tokens, top_k),
+        jnp.float32,
+        plan,
+        top_k,
+    )
 
 
-unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+def _flags(plan, nan_invalid):
+  """(kept, invalid) for a kernel: an invalid copy that should give 0
+  rather than NaN is passed as dropped instead."""
+  if nan_invalid:
+    return plan.kept, plan.invalid
+  kept = jnp.where(plan.invalid != 0, 0, plan.kept).astype(jnp.int8)
+  return kept, jnp.zeros_like(plan.invalid)
