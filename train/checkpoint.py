@@ -26,6 +26,10 @@ or data setup) and every leaf's path, shape and dtype against the state
 the caller built; any difference raises `CheckpointError` naming it.
 Nothing falls back to a fresh start.
 
+Only directories this module wrote are ever deleted (pruned, replaced, or
+cleared by `remove_checkpoints`): a `step_*` is recognised by its
+meta.json (`is_ours`); anything else in the directory is left alone.
+
 Every process calls `save`, `restore`, `wait` and `close` together, as
 Orbax expects; more than one process needs `jax.distributed`.
 """
@@ -59,6 +63,10 @@ _META_FILE = "meta.json"
 META = os.path.join(_META_ITEM, _META_FILE)  # Relative to a checkpoint.
 _OLD_META = "meta.json"  # Format 1 kept it at the top, beside arrays.npz.
 _META_KEYS = ("format_version", "step", "fingerprint", "leaves", "extra")
+# meta.json's mark of this program, which `is_ours` looks for. Checkpoints
+# written before it existed are recognised by their format_version and step.
+WRITER = "dropless train/checkpoint.py"
+_WRITER_KEY = "writer"
 _META_CHECKSUMS = "field_checksums"  # {field: checksum of its JSON}.
 _LEAF_KEYS = frozenset(("path", "shape", "dtype", "checksum"))
 
@@ -151,12 +159,62 @@ def remove_leftovers(directory: str) -> list[str]:
   return done
 
 
-def remove_all(directory: str) -> None:
-  """Deletes `directory` with its checkpoints, each renamed out of sight
-  first: a crash midway leaves every `step_*` in it whole."""
+def is_ours(path: str) -> bool:
+  """Whether `path`, a `step_*` directory, is a checkpoint this module wrote.
+
+  Its meta.json says so: it carries `WRITER`, or (checkpoints written
+  before the mark) an int format_version and the step of the directory's
+  name. Nothing is verified beyond that; `restore` verifies.
+  """
+  name = os.path.basename(os.path.normpath(path))
+  match = _STEP_DIR.match(name)
+  if match is None:
+    return False
+  for meta_file in (META, _OLD_META):
+    try:
+      with open(os.path.join(path, meta_file)) as f:
+        meta = json.load(f)
+    except (OSError, ValueError):
+      continue
+    if not isinstance(meta, dict):
+      continue
+    if meta.get(_WRITER_KEY) == WRITER:
+      return True
+    version = meta.get("format_version")
+    if isinstance(version, int) and meta.get("step") == int(match[1]):
+      return True
+  return False
+
+
+def foreign_step_dirs(directory: str) -> list[str]:
+  """Names of the `step_*` directories in `directory` not written here.
+
+  A fresh run refuses to start beside them: its own saves could meet
+  their names.
+  """
+  return [
+      os.path.basename(path)
+      for _, path in list_checkpoints(directory)
+      if not is_ours(path)
+  ]
+
+
+def remove_checkpoints(directory: str) -> list[str]:
+  """Deletes the checkpoints in `directory` that this module wrote.
+
+  Each is renamed out of sight first, so a crash midway leaves every
+  `step_*` whole. Other files and directories stay, `step_*` ones that
+  `is_ours` does not recognise too.
+
+  Returns:
+    The names of the checkpoints removed.
+  """
+  removed = []
   for _, path in list_checkpoints(directory):
-    _remove(path)
-  shutil.rmtree(directory, ignore_errors=True)
+    if is_ours(path):
+      _remove(path)
+      removed.append(os.path.basename(path))
+  return removed
 
 
 # --- Reading ------------------------------------------------------------------
@@ -475,6 +533,7 @@ class Checkpointer:
     meta = _with_field_checksums(
         {
             "format_version": FORMAT_VERSION,
+            _WRITER_KEY: WRITER,
             "step": int(step),
             "fingerprint": self.fingerprint,
             "leaves": [
@@ -496,6 +555,12 @@ class Checkpointer:
     # Barriers around the rename: every process must see the same answer
     # here, and none may reach Orbax's own "exists" check before it.
     resaving = os.path.exists(final)
+    if resaving and not is_ours(final):
+      raise CheckpointError(
+          f"cannot save the checkpoint of step {step}: {final!r} exists and "
+          "was not written by this program (its meta.json is not one of "
+          "ours); move it out of --output_dir."
+      )
     self._sync("checked")
     if resaving and distributed.is_main_process():
       # Move the old copy aside rather than delete it first, so that a
@@ -533,7 +598,8 @@ class Checkpointer:
       for aside in self._replaced:
         shutil.rmtree(aside, ignore_errors=True)
       if self.keep:
-        for _, old in list_checkpoints(self.directory)[: -self.keep]:
+        ours = [p for _, p in list_checkpoints(self.directory) if is_ours(p)]
+        for old in ours[: -self.keep]:
           _remove(old)
     self._replaced = []
     self._sync("pruned")

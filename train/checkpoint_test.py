@@ -91,6 +91,7 @@ class ResumeTest(absltest.TestCase):
 
     tr.train_step = step_reading_the_log
     tr.fit()
+    tr.close()
     # Before steps 4, 5 and 6: the steps before the resume, then each new
     # one as soon as it is taken.
     self.assertEqual(on_disk, [[1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 5]])
@@ -120,6 +121,7 @@ class ResumeTest(absltest.TestCase):
     tr.program.train_step = step_hit_by_ctrl_c
     before = signal.getsignal(signal.SIGINT)
     summary = tr.fit(handle_signals=True)
+    tr.close()  # Gives back the output directory, for the resume below.
     self.assertIs(signal.getsignal(signal.SIGINT), before)
     self.assertEqual(summary["interrupted"], "SIGINT")
     self.assertEqual(tr.step, 3)

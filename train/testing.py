@@ -104,6 +104,9 @@ class TempDirs:
 def fit(run: run_config.RunConfig, interrupt_after: int | None = None):
   """Trains `run` in this process; returns (Trainer, summary).
 
+  The trainer comes back closed (its output directory given back, so the
+  caller may resume it); its state, history and program are still there.
+
   With `interrupt_after=n`, a Ctrl-C lands inside step n + 1, after its
   batch was drawn (the trainer then checkpoints step n and stops).
   """
@@ -124,4 +127,5 @@ def fit(run: run_config.RunConfig, interrupt_after: int | None = None):
 
     tr.train_step = interrupted_step
   summary = tr.fit()
+  tr.close()  # Gives back the output directory: the caller may resume it.
   return tr, summary

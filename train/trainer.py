@@ -3,6 +3,10 @@
 Around the compiled steps (`train/steps.py`) it draws batches, evaluates,
 checkpoints, resumes, and logs each step (`train/step_log.py`); signals
 stop it cleanly after the step in flight.
+
+A Trainer owns its --output_dir from `prepare_output_dir` (or `fit`) to
+`close`: process 0 holds the directory's lock (`train/output_lock.py`), and
+a second run on the same directory is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from train import data as data_lib
 from train import distributed
 from train import mesh as mesh_lib
 from train import model as model_lib
+from train import output_lock
 from train import report
 from train import run_config
 from train import sharding
@@ -121,6 +126,10 @@ class Trainer:
     self._checkpointer = None
     self.backend_name = self._resolve_backend()
     self._stop_signal = None
+    # The output directory: taken by prepare_output_dir or fit, given back
+    # by close. Only process 0 holds the lock.
+    self._output_lock: output_lock.OutputDirLock | None = None
+    self._owns_output_dir = False
 
   # --- Host side -------------------------------------------------------------
 
@@ -262,11 +271,64 @@ class Trainer:
           "uninterrupted one."
       )
 
-  def prepare_output_dir(self) -> None:
-    """Resumes from the newest checkpoint, or clears old ones when fresh.
+  # --- The output directory --------------------------------------------------
 
-    First deletes what killed saves left behind (process 0), saying so.
+  def _take_output_dir(self) -> None:
+    """Process 0 takes --output_dir's lock; every process learns if it did.
+
+    Raises:
+      output_lock.OutputDirBusyError: another run holds it (process 0's
+        message names the holder); on the other processes, one line
+        saying that process 0 could not take it.
     """
+    if self._owns_output_dir:
+      return
+    lock, error = None, None
+    if self.is_main:
+      try:
+        lock = output_lock.OutputDirLock(self.run.output_dir).acquire()
+      except (output_lock.OutputDirBusyError, OSError) as e:
+        error = e
+    # All processes stop together, or none does.
+    if not distributed.all_true(error is None):
+      if error is not None:
+        raise error
+      raise output_lock.OutputDirBusyError(
+          f"--output_dir={self.run.output_dir!r}: process 0 of this run "
+          "could not take the directory's lock; its output says why."
+      )
+    self._output_lock, self._owns_output_dir = lock, True
+    if lock is not None and lock.note:
+      self._print(lock.note)
+
+  def _release_output_dir(self) -> None:
+    if self._output_lock is not None:
+      self._output_lock.release()
+    self._output_lock, self._owns_output_dir = None, False
+
+  def prepare_output_dir(self) -> None:
+    """Takes --output_dir, then resumes from the newest checkpoint, or clears
+    this program's old ones when fresh.
+
+    First deletes what killed saves left behind (process 0), saying so. A
+    fresh run deletes only the `step_*` checkpoints this program wrote
+    (`checkpoint.is_ours`); it refuses to start beside `step_*` directories
+    of any other origin, whose names its saves could meet.
+
+    Raises:
+      output_lock.OutputDirBusyError: another run holds --output_dir.
+      checkpoint.CheckpointError: nothing or nothing usable to resume, or
+        foreign `step_*` directories in the way of a fresh run. The
+        directory is given back before it is raised.
+    """
+    self._take_output_dir()
+    try:
+      self._prepare_checkpoints()
+    except BaseException:
+      self._release_output_dir()
+      raise
+
+  def _prepare_checkpoints(self) -> None:
     if self.is_main:
       for line in checkpoint.remove_leftovers(self.checkpoint_dir):
         self._print(f"{self.checkpoint_dir}: {line}")
@@ -282,13 +344,21 @@ class Trainer:
       self.restore_checkpoint(found[-1][1])
       self._print(f"resumed from {found[-1][1]} at step {self.step}")
     elif found:
+      foreign = checkpoint.foreign_step_dirs(self.checkpoint_dir)
+      if foreign:
+        raise checkpoint.CheckpointError(
+            f"{self.checkpoint_dir!r} holds {foreign[:5]} (showing up to 5), "
+            "which this program did not write (no meta.json of its own); a "
+            "fresh run deletes only its own checkpoints, and its saves could "
+            "meet these names: move them out, or pass another --output_dir."
+        )
       self._print(
           f"starting fresh: removing {len(found)} checkpoint(s) of a "
           f"previous run in {self.checkpoint_dir} (pass --resume to "
           "continue it instead)"
       )
       if self.is_main:
-        checkpoint.remove_all(self.checkpoint_dir)
+        checkpoint.remove_checkpoints(self.checkpoint_dir)
       # No process may look for checkpoints until they are gone.
       distributed.barrier("dropless_fresh_output_dir")
 
@@ -311,9 +381,12 @@ class Trainer:
   def fit(self, *, handle_signals: bool = False) -> dict:
     """Trains to `run.steps`, evaluating and checkpointing on the way.
 
+    Takes --output_dir first, if `prepare_output_dir` did not.
+
     Returns:
       A summary dict (also written as summary.json by `train.main`).
     """
+    self._take_output_dir()
     run = self.run
     os.makedirs(run.output_dir, exist_ok=True)
     metrics_path = os.path.join(run.output_dir, "metrics.jsonl")
@@ -327,10 +400,11 @@ class Trainer:
     interrupted = None
     start = time.perf_counter()
     try:
-      # Only process 0 writes the metrics; the others compute the same ones.
-      # A resumed run keeps the records up to the step it resumed from.
+      # Only the holder of --output_dir's lock (process 0) writes the
+      # metrics; the others compute the same ones. A resumed run keeps the
+      # records up to the step it resumed from.
       with step_log.MetricsLog(
-          metrics_path if self.is_main else None,
+          metrics_path if self._output_lock is not None else None,
           resume_step=self.step if run.resume else None,
       ) as log:
         while self.step < run.steps:
@@ -391,10 +465,14 @@ class Trainer:
     )
 
   def close(self) -> None:
-    """Finishes any checkpoint still being written (call before exiting)."""
-    if self._checkpointer is not None:
-      self._checkpointer.close()
-      self._checkpointer = None
+    """Finishes any checkpoint still being written, then gives back
+    --output_dir (call before exiting)."""
+    try:
+      if self._checkpointer is not None:
+        self._checkpointer.close()
+        self._checkpointer = None
+    finally:
+      self._release_output_dir()
 
   def summary(
       self,
