@@ -52,6 +52,24 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return -jnp.mean(picked)
 
 
+def _finite_flags(tree) -> list[jax.Array]:
+  """One bool scalar per floating leaf of `tree`: all its values finite."""
+  return [
+      jnp.all(jnp.isfinite(x))
+      for x in jax.tree.leaves(tree)
+      if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+
+
+def floating_leaf_paths(tree) -> list[str]:
+  """The tree paths of `tree`'s floating leaves, in `_finite_flags` order."""
+  return [
+      jax.tree_util.keystr(path)
+      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+      if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+
+
 class Program:
   """The jitted train and eval steps of one model/optimiser configuration.
 
@@ -65,15 +83,20 @@ class Program:
   `placement`, for a mesh, is a `train.sharding.Placement`: the steps keep
   the state where it says, take batches split as it says, and return
   replicated metrics.
+
+  `finite_flags(state)` returns one bool per floating leaf of the state
+  (see `floating_leaf_paths`): whether all its values are finite.
   """
 
   def __init__(self, run: run_config.RunConfig, graphdef, placement=None):
     self.run = run
     self.graphdef = graphdef
     self.optimizer = make_optimizer(run)
+    finite_fn = lambda state: jnp.stack(_finite_flags(state))
     if placement is None:
       self.train_step = jax.jit(self._step_fn)
       self.eval_step = jax.jit(self._eval_fn)
+      self.finite_flags = jax.jit(finite_fn)
       return
     # On a mesh, the state keeps its sharding from step to step, batches
     # arrive split over the data-parallel axes, and the metrics come back
@@ -88,6 +111,9 @@ class Program:
         self._eval_fn,
         in_shardings=(state["params"], state["bias"], placement.batch),
         out_shardings=placement.replicated,
+    )
+    self.finite_flags = jax.jit(
+        finite_fn, in_shardings=(state,), out_shardings=placement.replicated
     )
 
   def _forward(self, params, bias, batch):
@@ -125,6 +151,7 @@ class Program:
           stats[i]["tokens_per_expert"], self.run.bias_update_rate
       )
     _, params, bias = nnx.split(model, nnx.Param, moe_flax.CorrectionBias)
+    new_state = {"params": params, "opt_state": opt_state, "bias": bias}
     layers = sorted(stats)  # The MoE layers' indices.
     metrics = {
         "loss": ce,
@@ -148,8 +175,12 @@ class Program:
             if layers
             else jnp.zeros((0,), jnp.int32)
         ),
+        # Whether the updated state is all finite: a finite loss can come
+        # with an update that overflows (a huge learning rate), and the
+        # trainer must not keep, let alone save, such a state.
+        "finite": jnp.all(jnp.stack(_finite_flags(new_state))),
     }
-    return {"params": params, "opt_state": opt_state, "bias": bias}, metrics
+    return new_state, metrics
 
   def _eval_fn(self, params, bias, batch):
     return self._forward(params, bias, batch)[0]

@@ -6,11 +6,14 @@ stop it cleanly after the step in flight.
 
 A Trainer owns its --output_dir from `prepare_output_dir` (or `fit`) to
 `close`: process 0 holds the directory's lock (`train/output_lock.py`), and
-a second run on the same directory is refused.
+a second run on the same directory is refused. A non-finite loss or state
+ends a run with one line naming the step (`NonFiniteError`): nothing of it
+is kept or saved.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -40,6 +43,14 @@ RunConfig = run_config.RunConfig
 run_config_from_preset = run_config.run_config_from_preset
 make_optimizer = steps.make_optimizer
 cross_entropy = steps.cross_entropy
+
+
+class TrainingFault(RuntimeError):
+  """A fault that ends a run; its message is the one line to show."""
+
+
+class NonFiniteError(TrainingFault):
+  """The loss or the updated state is not finite (NaN or Inf)."""
 
 
 def _optimizer_step_counts(opt_state) -> dict[str, int]:
@@ -167,11 +178,56 @@ class Trainer:
     The step is committed (state and step counter) only once its metrics
     are on the host: dispatch is asynchronous, so a Ctrl-C most likely lands
     in the wait, and then neither the state nor the step may have moved.
+    Nor is it committed if its loss or its updated state is not finite.
+
+    Raises:
+      NonFiniteError: the loss, or a value of the updated state, is NaN or
+        Inf; one line naming the step. The state stays that of the step
+        before.
     """
     state, metrics = self.program.train_step(self.state, self._put_batch(batch))
     metrics = jax.device_get(metrics)
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss) or not bool(metrics.get("finite", True)):
+      raise NonFiniteError(self._non_finite_message(self.step + 1, loss))
     self.state, self.step = state, self.step + 1
     return metrics
+
+  def _non_finite_message(self, step: int, loss: float) -> str:
+    if math.isfinite(loss):
+      what = (
+          f"the update made the parameters or optimiser state non-finite "
+          f"(the loss, {loss:.4g}, was finite)"
+      )
+    else:
+      what = f"the loss is {loss}"
+    newest = self._newest_checkpoint()
+    resume = (
+        f"--resume continues from {os.path.basename(newest)}"
+        if newest
+        else "no checkpoint was saved yet"
+    )
+    return (
+        f"step {step}: {what}; the run stopped, keeping and saving nothing "
+        f"of this step. Lower --learning_rate (now {self.run.learning_rate:g})"
+        f" or raise --warmup_steps (now {self.run.warmup_steps}); {resume}."
+    )
+
+  def _newest_checkpoint(self) -> str | None:
+    ours = [
+        p
+        for _, p in checkpoint.list_checkpoints(self.checkpoint_dir)
+        if checkpoint.is_ours(p)
+    ]
+    return ours[-1] if ours else None
+
+  def non_finite_leaves(self, state=None) -> list[str]:
+    """Tree paths of the leaves of `state` (default: the run's) that hold a
+    NaN or Inf."""
+    state = self.state if state is None else state
+    flags = np.asarray(jax.device_get(self.program.finite_flags(state)))
+    paths = steps.floating_leaf_paths(state)
+    return [p for p, ok in zip(paths, flags) if not ok]
 
   def evaluate(self) -> float:
     """Mean held-out next-byte loss (nats) over the fixed eval batches."""
@@ -211,18 +267,33 @@ class Trainer:
     return {k: getattr(self.run, k) for k in self._SOFT_SETTINGS}
 
   @property
+  def fingerprint(self) -> dict:
+    """What a checkpoint of this run records, and a resume must match."""
+    return self.run.fingerprint(self.corpus.name)
+
+  @property
   def checkpointer(self) -> checkpoint.Checkpointer:
     """The run's (async, Orbax) checkpointer, made on first use."""
     if self._checkpointer is None:
       self._checkpointer = checkpoint.Checkpointer(
           self.checkpoint_dir,
-          fingerprint=self.run.fingerprint(self.corpus.name),
+          fingerprint=self.fingerprint,
           keep=self.run.keep_checkpoints,
       )
     return self._checkpointer
 
   def save_checkpoint(self) -> str:
-    """Starts saving the state (every process its own shards); see wait."""
+    """Starts saving the state (every process its own shards); see wait.
+
+    Raises:
+      NonFiniteError: the state holds a NaN or Inf (nothing is written).
+    """
+    bad = self.non_finite_leaves()
+    if bad:
+      raise NonFiniteError(
+          f"step {self.step}: not saving a checkpoint of a state with NaN or "
+          f"Inf values ({len(bad)} leaves, first {bad[0]})."
+      )
     return self.checkpointer.save(
         self.step,
         self.state,
@@ -242,6 +313,14 @@ class Trainer:
     # The current state is the template: its leaves' shardings say where
     # each restored leaf goes.
     state, meta = self.checkpointer.restore(path, self.state)
+    bad = self.non_finite_leaves(state)
+    if bad:
+      raise checkpoint.CheckpointError(
+          f"checkpoint {path!r} holds NaN or Inf values ({len(bad)} leaves, "
+          f"first {bad[0]}): it was saved after the run diverged. Move it "
+          "out of the checkpoint directory to resume from the one before, "
+          "or start afresh."
+      )
     extra = meta.get("extra", {})
     if "data" not in extra:
       raise checkpoint.CheckpointError(
@@ -385,6 +464,9 @@ class Trainer:
 
     Returns:
       A summary dict (also written as summary.json by `train.main`).
+
+    Raises:
+      NonFiniteError: a step's loss or state is not finite (not kept).
     """
     self._take_output_dir()
     run = self.run
