@@ -1,14 +1,21 @@
 """The training program's faults: each ends the run in one line, safely.
 
-Faults are staged, not waited for: a diverging run by
---learning_rate=1e30. The tests drive a Trainer of testing.SMALL_DSV3.
+Faults are staged, not waited for: a full disk by replacing
+`checkpoint.free_bytes` (the documented hook of the save's space check) or
+by handing Orbax's background commit a future that fails with ENOSPC; a
+diverging run by --learning_rate=1e30. The tests drive a Trainer of
+testing.SMALL_DSV3 (one compile of its steps, shared).
 """
 
+import dataclasses
+import errno
 import os
+from unittest import mock
 
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 
 from train import checkpoint
 from train import testing
@@ -27,6 +34,101 @@ def _trainer(run, out=None) -> trainer.Trainer:
   tr = trainer.Trainer(run, testing.corpus(), out=out)
   tr.prepare_output_dir()
   return tr
+
+
+def _entries(directory: str) -> list[str]:
+  return sorted(os.listdir(directory))
+
+
+class _FailingCommit:
+  """An Orbax commit future whose write failed: the disk is full."""
+
+  def result(self, timeout=None):
+    del timeout
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  def cancel(self):
+    return False
+
+
+class DiskFullTest(absltest.TestCase):
+
+  def test_full_disk_stops_the_run_at_its_step_and_keeps_the_checkpoints(
+      self,
+  ):
+    out = testing.temp_dir(self)
+    run = _run(out, checkpoint_every=1, keep_checkpoints=1)
+    real_free_bytes, calls = checkpoint.free_bytes, []
+
+    def free_bytes(directory):
+      calls.append(directory)  # One call per save: the third finds 1000 B.
+      return real_free_bytes(directory) if len(calls) < 3 else 1000
+
+    tr = _trainer(run)
+    with mock.patch.object(checkpoint, "free_bytes", free_bytes):
+      with self.assertRaises(checkpoint.CheckpointSaveError) as raised:
+        tr.fit()
+    tr.close()
+    error = raised.exception
+    message = str(error)
+    self.assertNotIn("\n", message)
+    # Noticed at the step whose save failed, before writing anything.
+    self.assertEqual((error.step, tr.step), (3, 3))
+    self.assertIn(f"step 3 in {tr.checkpoint_dir!r}", message)
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(tr.state))
+    self.assertBetween(error.needed, state_bytes, state_bytes + 2**20)
+    self.assertIn(f"({error.needed:,} bytes", message)
+    self.assertIn("has 1000 B free", message)
+    self.assertIn("intact (newest: step_00000002)", message)
+    self.assertEqual(_entries(tr.checkpoint_dir), ["step_00000002"])
+
+    # The checkpoint left resumes the run exactly.
+    resumed, _ = testing.fit(dataclasses.replace(run, resume=True))
+    straight, _ = testing.fit(_run(testing.temp_dir(self)))
+    self.assertEqual(resumed.history["loss"], straight.history["loss"])
+
+  def test_failed_background_write_stops_the_run_at_the_next_step(self):
+    out = testing.temp_dir(self)
+    run = _run(out, checkpoint_every=1, keep_checkpoints=1)
+    real_async_save = ocp.handlers.StandardCheckpointHandler.async_save
+    saves = []
+
+    async def async_save(handler, *args, **kwargs):
+      futures = await real_async_save(handler, *args, **kwargs)
+      saves.append(None)
+      if len(saves) == 2:  # The arrays of step 2's checkpoint.
+        return list(futures or []) + [_FailingCommit()]
+      return futures
+
+    tr = _trainer(run)
+    with mock.patch.object(
+        ocp.handlers.StandardCheckpointHandler, "async_save", async_save
+    ):
+      # Orbax logs the failure with a traceback from each thread it went
+      # through; the checkpointer raises it once, in one line, instead.
+      with self.assertNoLogs("absl", level="ERROR"):
+        with self.assertRaises(checkpoint.CheckpointSaveError) as raised:
+          tr.fit()
+    tr.close()
+    error = raised.exception
+    message = str(error)
+    self.assertNotIn("\n", message)
+    # The save of step 2 failed in the background, during step 3.
+    self.assertEqual((error.step, tr.step), (2, 3))
+    self.assertIn(
+        f"the checkpoint of step 2 could not be written to "
+        f"{tr.checkpoint_dir!r}: no space left on device; it needs about",
+        message,
+    )
+    self.assertIn(f"({error.needed:,} bytes uncompressed)", message)
+    self.assertIn("intact (newest: step_00000001)", message)
+    # What the failed save wrote is gone; step 1 was not pruned.
+    self.assertEqual(_entries(tr.checkpoint_dir), ["step_00000001"])
+    checkpoint.restore(
+        os.path.join(tr.checkpoint_dir, "step_00000001"),
+        tr.state,
+        fingerprint=tr.fingerprint,
+    )
 
 
 class NonFiniteTest(absltest.TestCase):

@@ -8,7 +8,8 @@ A Trainer owns its --output_dir from `prepare_output_dir` (or `fit`) to
 `close`: process 0 holds the directory's lock (`train/output_lock.py`), and
 a second run on the same directory is refused. A non-finite loss or state
 ends a run with one line naming the step (`NonFiniteError`): nothing of it
-is kept or saved.
+is kept or saved. A checkpoint that cannot be written ends it at the step
+whose save failed (`checkpoint.CheckpointSaveError`).
 """
 
 from __future__ import annotations
@@ -287,6 +288,7 @@ class Trainer:
 
     Raises:
       NonFiniteError: the state holds a NaN or Inf (nothing is written).
+      checkpoint.CheckpointSaveError: the checkpoint cannot be written.
     """
     bad = self.non_finite_leaves()
     if bad:
@@ -467,6 +469,8 @@ class Trainer:
 
     Raises:
       NonFiniteError: a step's loss or state is not finite (not kept).
+      checkpoint.CheckpointSaveError: a checkpoint could not be written;
+        raised after the step that started it.
     """
     self._take_output_dir()
     run = self.run
@@ -518,6 +522,10 @@ class Trainer:
             self.history["eval_step"].append(self.step)
             self.history["eval_loss"].append(eval_loss)
             self._print(f"step {self.step:5d} held-out loss {eval_loss:.4f}")
+          if self._checkpointer is not None:
+            # A save started at an earlier step that has failed since stops
+            # the run now, not at the next save.
+            self._checkpointer.poll()
           if (
               run.checkpoint_every
               and self.step % run.checkpoint_every == 0
