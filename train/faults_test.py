@@ -3,27 +3,46 @@
 Faults are staged, not waited for: a full disk by replacing
 `checkpoint.free_bytes` (the documented hook of the save's space check) or
 by handing Orbax's background commit a future that fails with ENOSPC; a
-diverging run by --learning_rate=1e30. The tests drive a Trainer of
-testing.SMALL_DSV3 (one compile of its steps, shared).
+diverging run by --learning_rate=1e30; a signal by os.kill from inside
+the final evaluation. Most tests drive a Trainer of testing.SMALL_DSV3
+(one compile of its steps, shared); `MainTest` runs `train.main` in this
+process with that model in place of the default preset, and two
+subprocesses check what a user sees on a terminal.
 """
 
+import contextlib
 import dataclasses
 import errno
+import io
 import os
+import signal
+import subprocess
+import sys
 from unittest import mock
 
+from absl import flags
 from absl.testing import absltest
+from absl.testing import flagsaver
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from train import checkpoint
+from train import main
+from train import presets
 from train import testing
 from train import trainer
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every run here has this many steps: runs that differ only in host-side
 # settings share one compiled program.
 _STEPS = 4
+
+
+def setUpModule():
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()  # Under pytest nobody parses absl flags.
 
 
 def _run(output_dir: str, **overrides):
@@ -188,6 +207,150 @@ class NonFiniteTest(absltest.TestCase):
         r"\['(params|opt_state)'\]",
     ):
       resumed.prepare_output_dir()
+
+
+@contextlib.contextmanager
+def _small_default_preset():
+  with mock.patch.dict(
+      presets.PRESETS, {presets.DEFAULT_PRESET: testing.SMALL_PRESET}
+  ):
+    yield
+
+
+def _main_flags(test_case, **overrides) -> dict:
+  """train.main's flags for a run of SMALL_DSV3 like `_run`'s."""
+  values = dict(
+      moe_backend="xla",
+      steps=_STEPS,
+      batch_size=4,
+      seq_len=32,
+      eval_every=1000,
+      eval_batches=2,
+      checkpoint_every=0,
+      log_every=1000,
+      output_dir=testing.temp_dir(test_case),
+      progress=False,
+      plot=False,
+  )
+  values.update(overrides)
+  return values
+
+
+class MainTest(absltest.TestCase):
+  """What train.main prints for each fault: one line, status 1."""
+
+  def _main_fails(self, **flag_values) -> str:
+    """Runs main.main; returns its one stderr line (it must exit 1)."""
+    stderr = io.StringIO()
+    with (
+        _small_default_preset(),
+        flagsaver.flagsaver(**_main_flags(self, **flag_values)),
+    ):
+      with contextlib.redirect_stderr(stderr):
+        with self.assertRaises(SystemExit) as raised:
+          main.main(["train.main"])
+    self.assertEqual(raised.exception.code, 1)
+    lines = stderr.getvalue().splitlines()
+    self.assertLen(lines, 1, stderr.getvalue())
+    self.assertStartsWith(lines[0], "error: ")
+    return lines[0]
+
+  def test_usage_errors(self):
+    line = self._main_fails(resume=True)
+    self.assertIn("--resume: no checkpoint in", line)
+    self.assertIn("run without --resume to start a new run", line)
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+      with self.assertRaises(SystemExit):
+        main.main(["train.main", "stray"])
+    self.assertEqual(
+        stderr.getvalue(),
+        "error: unexpected arguments ['stray']: this program takes only "
+        "flags, --name=value (--help lists them).\n",
+    )
+
+  def test_busy_output_dir(self):
+    out = testing.temp_dir(self)
+    with trainer.output_lock.OutputDirLock(out):
+      line = self._main_fails(output_dir=out)
+    self.assertIn(f"--output_dir={out!r} is in use by another training", line)
+    self.assertIn(f"pid {os.getpid()}", line)
+
+  def test_full_disk(self):
+    with mock.patch.object(checkpoint, "free_bytes", return_value=0):
+      line = self._main_fails()
+    self.assertIn(f"cannot save the checkpoint of step {_STEPS}", line)
+    self.assertIn("No earlier checkpoint was saved", line)
+
+  def test_signal_after_the_last_step_finishes_the_run(self):
+    real_evaluate = trainer.Trainer.evaluate
+
+    def evaluate(tr):
+      if tr.step == tr.run.steps:  # The final evaluation.
+        os.kill(os.getpid(), signal.SIGTERM)
+      return real_evaluate(tr)
+
+    flag_values = _main_flags(self)
+    stdout = io.StringIO()
+    with _small_default_preset(), flagsaver.flagsaver(**flag_values):
+      with mock.patch.object(trainer.Trainer, "evaluate", evaluate):
+        with contextlib.redirect_stdout(stdout):
+          main.main(["train.main"])  # Returns: exit status 0.
+    self.assertIn(
+        "note: SIGTERM arrived after the last step; the run finished as "
+        "usual",
+        stdout.getvalue(),
+    )
+    summary = os.path.join(flag_values["output_dir"], "summary.json")
+    self.assertTrue(os.path.isfile(summary))
+    self.assertTrue(
+        os.path.isdir(
+            os.path.join(
+                flag_values["output_dir"], "checkpoints", f"step_{_STEPS:08d}"
+            )
+        )
+    )
+
+
+def _run_main(*args: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  env["PYTHONPATH"] = os.pathsep.join(
+      filter(None, [_ROOT, env.get("PYTHONPATH")])
+  )
+  return subprocess.run(
+      [sys.executable, "-m", "train.main", *args],
+      cwd=_ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      check=False,
+  )
+
+
+class TerminalTest(absltest.TestCase):
+  """The program as a user starts it: a usage error, and --help."""
+
+  def test_usage_error_is_one_line_without_the_flag_list(self):
+    proc = _run_main(
+        "--mesh=data=2",
+        "--batch_size=3",
+        f"--output_dir={testing.temp_dir(self)}",
+    )
+    self.assertEqual(proc.returncode, 1, proc.stderr[-3000:])
+    self.assertEqual(
+        proc.stderr,
+        "error: --batch_size=3 must be divisible by the data-parallel size "
+        "data x fsdp x expert = 2 of --mesh=data=2.\n",
+    )
+
+  def test_help_still_lists_the_flags(self):
+    proc = _run_main("--help")
+    # absl prints the help on stdout and ends --help with status 1.
+    self.assertEqual(proc.returncode, 1, proc.stderr[-3000:])
+    self.assertEqual(proc.stderr, "")
+    for flag in ("--batch_size", "--output_dir", "--dry_run", "--resume"):
+      self.assertIn(flag, proc.stdout)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,14 @@ r"""Trains a small MoE language model with a chosen dropless backend.
 
 Writes to --output_dir: metrics.jsonl (every step), checkpoints/,
 training.png (loss curves and an expert-load heat map) and summary.json.
+One run at a time per --output_dir: a second is refused (a lock file in
+it, .dropless_train.lock, names the holder).
+
+A fault ends the program with one line on stderr, "error: ...", and exit
+status 1: a bad flag, a busy --output_dir, a checkpoint that does not
+match or cannot be written, a non-finite loss. An
+interruption (Ctrl-C, SIGTERM) before the last step checkpoints and exits
+130; after it, the run finishes as usual.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import numpy as np
 import moe_core
 import moe_core.flags  # Defines --moe_backend.
 from moe_core import remat as moe_remat
+from train import checkpoint
 from train import cost_report
 from train import data as data_lib
 from train import distributed
@@ -452,12 +461,24 @@ def _start_devices(run: run_config.RunConfig, out) -> None:
     print(note, file=out, flush=True)
 
 
-def train(out=sys.stdout) -> dict:
+def train(out=None) -> dict:
   """Runs training as the flags say and writes the report files.
 
-  In a multi-process run every process trains; only process 0 prints and
-  writes the metrics, plot and summary (checkpoints are written by all).
+  Prints to `out` (default: sys.stdout).
+
+  In a multi-process run every process trains; only process 0 (which holds
+  --output_dir's lock) prints and writes the metrics, plot and summary
+  (checkpoints are written by all). Ctrl-C and SIGTERM are deferred from
+  the first step to the end of the report (see
+  `trainer.Trainer.deferring_signals`).
+
+  Raises:
+    app.UsageError: a flag the run cannot use, a busy --output_dir, or a
+      checkpoint that does not match the run.
+    trainer.TrainingFault: a non-finite loss or state.
+    checkpoint.CheckpointSaveError: a checkpoint could not be written.
   """
+  out = out or sys.stdout
   try:
     run = _run_config()
     _start_devices(run, out)
@@ -467,12 +488,13 @@ def train(out=sys.stdout) -> dict:
     # one line naming the flag, not a traceback.
     raise app.UsageError(str(e)) from e
   try:
-    summary = tr.fit(handle_signals=True)
+    with tr.deferring_signals():
+      summary = tr.fit(handle_signals=True)
+      return _report(run, tr, summary, out)
   except step_log.MetricsLogError as e:
     raise app.UsageError(str(e)) from e
   finally:
     tr.close()
-  return _report(run, tr, summary, out)
 
 
 def _set_up(run: run_config.RunConfig, out):
@@ -560,16 +582,46 @@ def _report(run: run_config.RunConfig, tr, summary: dict, out) -> dict:
   return summary
 
 
+# Exit status of a run interrupted before its last step (128 + SIGINT, as a
+# shell reports a Ctrl-C).
+INTERRUPTED_EXIT_CODE = 130
+# What ends the program with one line (`_exit_with`) instead of a traceback.
+_FAULTS = (
+    app.UsageError,
+    trainer.TrainingFault,
+    checkpoint.CheckpointError,
+)
+
+
+def _exit_with(error: BaseException) -> None:
+  """Ends the program with `error`'s message as one line on stderr, status 1.
+
+  absl would print the module's docstring and every flag's help (about 95
+  lines) before a UsageError's message; `--help` still lists the flags.
+  """
+  sys.stdout.flush()
+  message = " ".join(str(error).split("\n"))
+  sys.stderr.write(f"error: {message}\n")
+  sys.stderr.flush()
+  sys.exit(getattr(error, "exitcode", None) or 1)
+
+
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _DRY_RUN.value:
-    dry_run()
-    return
-  summary = train()
+  try:
+    if len(argv) > 1:
+      raise app.UsageError(
+          f"unexpected arguments {argv[1:]}: this program takes only flags, "
+          "--name=value (--help lists them)."
+      )
+    if _DRY_RUN.value:
+      dry_run()
+      return
+    summary = train()
+  except _FAULTS as e:
+    _exit_with(e)
   distributed.shutdown()
   if summary["interrupted"]:
-    sys.exit(130)
+    sys.exit(INTERRUPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

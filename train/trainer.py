@@ -6,14 +6,16 @@ stop it cleanly after the step in flight.
 
 A Trainer owns its --output_dir from `prepare_output_dir` (or `fit`) to
 `close`: process 0 holds the directory's lock (`train/output_lock.py`), and
-a second run on the same directory is refused. A non-finite loss or state
-ends a run with one line naming the step (`NonFiniteError`): nothing of it
-is kept or saved. A checkpoint that cannot be written ends it at the step
-whose save failed (`checkpoint.CheckpointSaveError`).
+a second run on the same directory is refused. The faults a run can meet
+end it with one line each (the exception's message, no traceback in
+`train.main`): a non-finite loss or state (`NonFiniteError`, nothing of it
+kept or saved), a checkpoint that cannot be written
+(`checkpoint.CheckpointSaveError`, at the step it failed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -138,6 +140,7 @@ class Trainer:
     self._checkpointer = None
     self.backend_name = self._resolve_backend()
     self._stop_signal = None
+    self._deferring_signals = False
     # The output directory: taken by prepare_output_dir or fit, given back
     # by close. Only process 0 holds the lock.
     self._output_lock: output_lock.OutputDirLock | None = None
@@ -459,10 +462,36 @@ class Trainer:
     if signum == signal.SIGINT:
       signal.signal(signal.SIGINT, signal.default_int_handler)
 
+  @contextlib.contextmanager
+  def deferring_signals(self):
+    """Inside, SIGINT and SIGTERM ask the run to stop after the step in flight.
+
+    Before the last step that is an interruption (checkpointed, resumable);
+    after it, the run finishes as usual: the final evaluation, save and
+    report still happen, and nothing counts as interrupted. The previous
+    handlers come back on exit. Nested uses are one. Main thread only.
+    """
+    if self._deferring_signals:
+      yield
+      return
+    previous = {
+        sig: signal.signal(sig, self._on_signal)
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    self._deferring_signals = True
+    try:
+      yield
+    finally:
+      self._deferring_signals = False
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
   def fit(self, *, handle_signals: bool = False) -> dict:
     """Trains to `run.steps`, evaluating and checkpointing on the way.
 
-    Takes --output_dir first, if `prepare_output_dir` did not.
+    Takes --output_dir first, if `prepare_output_dir` did not. With
+    `handle_signals`, Ctrl-C and SIGTERM are deferred as
+    `deferring_signals` says, up to the end of the final save.
 
     Returns:
       A summary dict (also written as summary.json by `train.main`).
@@ -473,15 +502,16 @@ class Trainer:
         raised after the step that started it.
     """
     self._take_output_dir()
+    signals = (
+        self.deferring_signals() if handle_signals else contextlib.nullcontext()
+    )
+    with signals:
+      return self._fit()
+
+  def _fit(self) -> dict:
     run = self.run
     os.makedirs(run.output_dir, exist_ok=True)
     metrics_path = os.path.join(run.output_dir, "metrics.jsonl")
-    previous = {}
-    if handle_signals:
-      # Ctrl-C and SIGTERM finish the step in flight, then checkpoint: an
-      # exception inside the step could leave a half-logged step behind.
-      for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, self._on_signal)
     self._first_step = self.step
     interrupted = None
     start = time.perf_counter()
@@ -494,53 +524,12 @@ class Trainer:
           resume_step=self.step if run.resume else None,
       ) as log:
         while self.step < run.steps:
-          position = self.sampler.state()
-          batch = self._next_batch()
-          t0 = time.perf_counter()
-          try:
-            metrics = self.train_step(batch)
-          except KeyboardInterrupt:
-            # The step did not happen: its batch must be drawn again.
-            self.sampler.restore(position)
-            raise
-          record = step_log.log_step(
-              self.history, run, self.step, metrics, time.perf_counter() - t0
-          )
-          log.append(record)
-          step_log.show_progress(
-              run,
-              self.step,
-              record["loss"],
-              record["tokens_per_s"],
-              start=start,
-              first_step=self._first_step,
-          )
-          if self.step % run.log_every == 0 or self.step == 1:
-            self._print(step_log.format_record(run, record))
-          if self.step % run.eval_every == 0 or self.step == run.steps:
-            eval_loss = self.evaluate()
-            self.history["eval_step"].append(self.step)
-            self.history["eval_loss"].append(eval_loss)
-            self._print(f"step {self.step:5d} held-out loss {eval_loss:.4f}")
-          if self._checkpointer is not None:
-            # A save started at an earlier step that has failed since stops
-            # the run now, not at the next save.
-            self._checkpointer.poll()
-          if (
-              run.checkpoint_every
-              and self.step % run.checkpoint_every == 0
-              and self.step < run.steps
-          ):
-            self.save_checkpoint()
-            log.sync()  # The log on disk reaches at least the checkpoint.
-          if self._stop_signal is not None:
+          self._one_step(log, start)
+          if self._stop_signal is not None and self.step < run.steps:
             interrupted = signal.Signals(self._stop_signal).name
             break
     except KeyboardInterrupt:
       interrupted = "KeyboardInterrupt"
-    finally:
-      for sig, handler in previous.items():
-        signal.signal(sig, handler)
     path = self.save_checkpoint()  # At the end, and on an interrupt.
     self.checkpointer.wait()
     if interrupted:
@@ -548,11 +537,59 @@ class Trainer:
           f"\ninterrupted ({interrupted}) at step {self.step}; saved "
           f"{path}; continue with --resume"
       )
+    elif self._stop_signal is not None:
+      self._print(
+          f"note: {signal.Signals(self._stop_signal).name} arrived after "
+          "the last step; the run finished as usual"
+      )
     return self.summary(
         wall_seconds=time.perf_counter() - start,
         checkpoint_path=path,
         interrupted=interrupted,
     )
+
+  def _one_step(self, log: step_log.MetricsLog, start: float) -> None:
+    """Trains, logs, evaluates and checkpoints one step, as due."""
+    run = self.run
+    position = self.sampler.state()
+    batch = self._next_batch()
+    t0 = time.perf_counter()
+    try:
+      metrics = self.train_step(batch)
+    except KeyboardInterrupt:
+      # The step did not happen: its batch must be drawn again.
+      self.sampler.restore(position)
+      raise
+    record = step_log.log_step(
+        self.history, run, self.step, metrics, time.perf_counter() - t0
+    )
+    log.append(record)
+    step_log.show_progress(
+        run,
+        self.step,
+        record["loss"],
+        record["tokens_per_s"],
+        start=start,
+        first_step=self._first_step,
+    )
+    if self.step % run.log_every == 0 or self.step == 1:
+      self._print(step_log.format_record(run, record))
+    if self.step % run.eval_every == 0 or self.step == run.steps:
+      eval_loss = self.evaluate()
+      self.history["eval_step"].append(self.step)
+      self.history["eval_loss"].append(eval_loss)
+      self._print(f"step {self.step:5d} held-out loss {eval_loss:.4f}")
+    if self._checkpointer is not None:
+      # A save started at an earlier step that has failed since stops the
+      # run now, not at the next save.
+      self._checkpointer.poll()
+    if (
+        run.checkpoint_every
+        and self.step % run.checkpoint_every == 0
+        and self.step < run.steps
+    ):
+      self.save_checkpoint()
+      log.sync()  # The log on disk reaches at least the checkpoint.
 
   def close(self) -> None:
     """Finishes any checkpoint still being written, then gives back
