@@ -3,14 +3,16 @@
 Faults are staged, not waited for: a full disk by replacing
 `checkpoint.free_bytes` (the documented hook of the save's space check) or
 by handing Orbax's background commit a future that fails with ENOSPC; a
-diverging run by --learning_rate=1e30; a signal by os.kill from inside
-the final evaluation. Most tests drive a Trainer of testing.SMALL_DSV3
-(one compile of its steps, shared); `MainTest` runs `train.main` in this
+diverging run by --learning_rate=1e30; the device's memory by a train step
+that raises XLA's RESOURCE_EXHAUSTED; a signal by os.kill from inside the
+final evaluation. Most tests drive a Trainer of testing.SMALL_DSV3 (one
+compile of its steps, shared); `MainTest` runs `train.main` in this
 process with that model in place of the default preset, and two
 subprocesses check what a user sees on a terminal.
 """
 
 import contextlib
+import copy
 import dataclasses
 import errno
 import io
@@ -28,16 +30,20 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from train import checkpoint
+from train import cost_report
 from train import main
 from train import presets
 from train import testing
 from train import trainer
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 # Every run here has this many steps: runs that differ only in host-side
 # settings share one compiled program.
 _STEPS = 4
+_OOM = (
+    "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 32212254720 "
+    "bytes."
+)
 
 
 def setUpModule():
@@ -209,6 +215,59 @@ class NonFiniteTest(absltest.TestCase):
       resumed.prepare_output_dir()
 
 
+class OutOfMemoryTest(absltest.TestCase):
+
+  def test_resource_exhausted_names_the_estimate_and_the_flags(self):
+    tr = _trainer(_run(testing.temp_dir(self)))
+    tr.program = copy.copy(tr.program)  # Shared between trainers: a copy.
+
+    def out_of_memory(state, batch):
+      del state, batch
+      raise jax.errors.JaxRuntimeError(_OOM)
+
+    tr.program.train_step = out_of_memory
+    with self.assertRaises(trainer.OutOfMemoryError) as raised:
+      tr.fit()
+    tr.close()
+    message = str(raised.exception)
+    self.assertNotIn("\n", message)
+    self.assertStartsWith(message, f"out of device memory at step 1 ({_OOM})")
+    self.assertIsNotNone(tr.memory)
+    self.assertIn(
+        "the compiled train step needs "
+        f"{cost_report.human_bytes(tr.memory.total)} per device (XLA; the "
+        "analytic estimate is ",
+        message,
+    )
+    for flag in (
+        "--batch_size (now 4)",
+        "--seq_len (now 32)",
+        "--remat=full (now none)",
+        "--mesh (now data=1;",
+    ):
+      self.assertIn(flag, message)
+
+  def test_dry_run_memory_is_that_of_the_step_the_run_compiles(self):
+    with _small_default_preset(), flagsaver.flagsaver(**_main_flags(self)):
+      text = main.dry_run(io.StringIO())
+      run = main._run_config()  # pylint: disable=protected-access
+    tr = trainer.Trainer(run, testing.corpus(), out=None)
+    memory = tr.step_memory()
+    self.assertIsNotNone(memory)
+    self.assertEqual(trainer.compiled_step_memory(run), memory)
+    self.assertIn(
+        "compiled train step (XLA memory_analysis): "
+        f"{cost_report.human_bytes(memory.total)} per device = arguments "
+        f"{cost_report.human_bytes(memory.arguments)}",
+        text,
+    )
+    # The analytic estimate stays, beside it.
+    self.assertRegex(text, r"total [\d.]+ [KMG]iB \(analytic estimate\)")
+    self.assertRegex(
+        text, r"; analytic estimate [\d.]+ [KMG]iB \(XLA's is [\d.]+x it\)"
+    )
+
+
 @contextlib.contextmanager
 def _small_default_preset():
   with mock.patch.dict(
@@ -280,6 +339,13 @@ class MainTest(absltest.TestCase):
       line = self._main_fails()
     self.assertIn(f"cannot save the checkpoint of step {_STEPS}", line)
     self.assertIn("No earlier checkpoint was saved", line)
+
+  def test_out_of_memory(self):
+    oom = jax.errors.JaxRuntimeError(_OOM)
+    with mock.patch.object(trainer.Trainer, "train_step", side_effect=oom):
+      line = self._main_fails()
+    self.assertIn("out of device memory at step 1", line)
+    self.assertIn("--batch_size (now 4)", line)
 
   def test_signal_after_the_last_step_finishes_the_run(self):
     real_evaluate = trainer.Trainer.evaluate

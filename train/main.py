@@ -15,7 +15,7 @@ it, .dropless_train.lock, names the holder).
 
 A fault ends the program with one line on stderr, "error: ...", and exit
 status 1: a bad flag, a busy --output_dir, a checkpoint that does not
-match or cannot be written, a non-finite loss. An
+match or cannot be written, a non-finite loss, the device's memory. An
 interruption (Ctrl-C, SIGTERM) before the last step checkpoints and exits
 130; after it, the run finishes as usual.
 """
@@ -132,8 +132,10 @@ _RESUME = flags.DEFINE_bool(
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run",
     False,
-    "Print parameter counts, FLOPs per token and memory "
-    "per device for --mesh, and exit without allocating the model.",
+    "Print parameter counts, FLOPs per token and memory per device for "
+    "--mesh (an analytic estimate and, for models this program trains, "
+    "XLA's figure for the compiled train step), and exit without "
+    "allocating the model.",
 )
 _MESH = flags.DEFINE_string(
     "mesh",
@@ -420,8 +422,18 @@ def _run_config() -> run_config.RunConfig:
   )
 
 
-def dry_run(out=sys.stdout) -> str:
-  """Prints the counts for the chosen preset; allocates no arrays."""
+def dry_run(out=None, *, compile_step: bool = True) -> str:
+  """Prints the counts for the chosen preset; allocates no arrays.
+
+  Args:
+    out: where to print (default: sys.stdout).
+    compile_step: also compile the train step (abstractly, on the devices
+      of --mesh, simulated on a CPU) and print XLA's memory figures for it
+      beside the analytic estimate: the very step a run compiles, so the
+      figure is what the run allocates for it. Only for models this
+      program trains (up to _MAX_TRAINABLE_PARAMS); about as long as a
+      run's first step.
+  """
   preset = presets.get_preset(_MODEL.value)
   preset = dataclasses.replace(
       preset, model=run_config.with_precision(preset.model, _PRECISION.value)
@@ -433,10 +445,43 @@ def dry_run(out=sys.stdout) -> str:
       seq_len=_SEQ.value or preset.train.seq_len,
       remat=_REMAT.value,
   )
+  if compile_step:
+    text += f"\n    {_compiled_memory(preset.model)}"
   if preset.model.moe is not None:
     text += f"\n{_precision_line(_PRECISION.value)}"
-  print(text, file=out, flush=True)
+  print(text, file=out or sys.stdout, flush=True)
   return text
+
+
+def _compiled_memory(model) -> str:
+  """The --dry_run line with XLA's memory figures of the train step."""
+  total = sizing.param_counts(model).total
+  if total > _MAX_TRAINABLE_PARAMS:
+    return (
+        f"compiled train step: not compiled, --model={model.name} has "
+        f"{cost_report.human(total)} parameters and this program trains up "
+        f"to {cost_report.human(_MAX_TRAINABLE_PARAMS)}: the analytic "
+        "estimate above is all"
+    )
+  run = _run_config()
+  try:
+    mesh_lib.simulate_cpu_devices(mesh_lib.parse(run.mesh), 1)
+    memory = trainer.compiled_step_memory(run)
+  except ValueError as e:  # The mesh does not fit the devices.
+    return f"compiled train step: not compiled: {e}"
+  if memory is None:
+    return (
+        "compiled train step: XLA gives no memory figures on "
+        f"{jax.devices()[0].platform}"
+    )
+  analytic = cost_report.analytic_bytes_per_device(
+      run.model,
+      sizing.parse_mesh(run.mesh),
+      run.batch_size,
+      run.seq_len,
+      run.remat,
+  )
+  return cost_report.compiled_memory_line(memory, analytic)
 
 
 def _precision_line(precision: str) -> str:
@@ -475,7 +520,7 @@ def train(out=None) -> dict:
   Raises:
     app.UsageError: a flag the run cannot use, a busy --output_dir, or a
       checkpoint that does not match the run.
-    trainer.TrainingFault: a non-finite loss or state.
+    trainer.TrainingFault: a non-finite loss or state, out of memory.
     checkpoint.CheckpointSaveError: a checkpoint could not be written.
   """
   out = out or sys.stdout
@@ -487,6 +532,12 @@ def train(out=None) -> dict:
     # A flag the run cannot use, or a checkpoint that does not match it:
     # one line naming the flag, not a traceback.
     raise app.UsageError(str(e)) from e
+  except RuntimeError as e:
+    if not trainer.is_out_of_memory(e):
+      raise
+    raise trainer.out_of_memory_error(
+        run, e, when="placing the model on the devices"
+    ) from e
   try:
     with tr.deferring_signals():
       summary = tr.fit(handle_signals=True)

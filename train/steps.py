@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -70,6 +72,34 @@ def floating_leaf_paths(tree) -> list[str]:
   ]
 
 
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+  """XLA's memory figures for one compiled step, in bytes per device.
+
+  From `Compiled.memory_analysis()`: what XLA assigns when it compiles the
+  step, hence what the run allocates for it (the state's buffers are the
+  arguments and outputs).
+  """
+
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+  code: int
+
+  @property
+  def total(self) -> int:
+    """Peak bytes the step holds: inputs, outputs (less those that reuse
+    an input's buffer), temporaries and generated code."""
+    return (
+        self.arguments
+        + self.outputs
+        - self.aliased
+        + self.temporaries
+        + self.code
+    )
+
+
 class Program:
   """The jitted train and eval steps of one model/optimiser configuration.
 
@@ -94,7 +124,7 @@ class Program:
     self.optimizer = make_optimizer(run)
     finite_fn = lambda state: jnp.stack(_finite_flags(state))
     if placement is None:
-      self.train_step = jax.jit(self._step_fn)
+      self.train_step = self._train_jit = jax.jit(self._step_fn)
       self.eval_step = jax.jit(self._eval_fn)
       self.finite_flags = jax.jit(finite_fn)
       return
@@ -102,7 +132,7 @@ class Program:
     # arrive split over the data-parallel axes, and the metrics come back
     # replicated, so every process can read them.
     state = placement.state
-    self.train_step = jax.jit(
+    self.train_step = self._train_jit = jax.jit(
         self._step_fn,
         in_shardings=(state, placement.batch),
         out_shardings=(state, placement.replicated),
@@ -114,6 +144,30 @@ class Program:
     )
     self.finite_flags = jax.jit(
         finite_fn, in_shardings=(state,), out_shardings=placement.replicated
+    )
+
+  def train_step_memory(self, state, batch) -> StepMemory | None:
+    """XLA's memory figures for `train_step(state, batch)`.
+
+    `state` and `batch` may be arrays or jax.ShapeDtypeStructs (with the
+    shardings the run gives them): nothing is allocated. Compiling here
+    costs nothing extra where the run then calls the step with arrays like
+    these: jit and this ahead-of-time compile share their cache.
+
+    Returns:
+      The figures, or None where the backend gives none.
+    """
+    # The jitted step itself: a caller (a test) may wrap `train_step`.
+    compiled = self._train_jit.lower(state, batch).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+      return None
+    return StepMemory(
+        arguments=int(analysis.argument_size_in_bytes),
+        outputs=int(analysis.output_size_in_bytes),
+        aliased=int(analysis.alias_size_in_bytes),
+        temporaries=int(analysis.temp_size_in_bytes),
+        code=int(analysis.generated_code_size_in_bytes),
     )
 
   def _forward(self, params, bias, batch):

@@ -9,7 +9,8 @@ A Trainer owns its --output_dir from `prepare_output_dir` (or `fit`) to
 a second run on the same directory is refused. The faults a run can meet
 end it with one line each (the exception's message, no traceback in
 `train.main`): a non-finite loss or state (`NonFiniteError`, nothing of it
-kept or saved), a checkpoint that cannot be written
+kept or saved), the device's memory (`OutOfMemoryError`, naming the
+estimate and the flags that lower it), a checkpoint that cannot be written
 (`checkpoint.CheckpointSaveError`, at the step it failed).
 """
 
@@ -30,6 +31,7 @@ from flax import nnx
 import moe_core
 from moe_core import flax as moe_flax
 from train import checkpoint
+from train import cost_report
 from train import data as data_lib
 from train import distributed
 from train import mesh as mesh_lib
@@ -38,6 +40,7 @@ from train import output_lock
 from train import report
 from train import run_config
 from train import sharding
+from train import sizing
 from train import step_log
 from train import steps
 
@@ -54,6 +57,151 @@ class TrainingFault(RuntimeError):
 
 class NonFiniteError(TrainingFault):
   """The loss or the updated state is not finite (NaN or Inf)."""
+
+
+class OutOfMemoryError(TrainingFault):
+  """The device ran out of memory (XLA's RESOURCE_EXHAUSTED)."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is XLA running out of device memory.
+
+  XLA raises `jax.errors.JaxRuntimeError` (a RuntimeError) whose message
+  starts with its status, RESOURCE_EXHAUSTED; tensorstore's disk-full
+  errors use that status too, but as ValueErrors.
+  """
+  return isinstance(error, RuntimeError) and (
+      "RESOURCE_EXHAUSTED" in str(error)
+  )
+
+
+def out_of_memory_error(
+    run: RunConfig,
+    error: BaseException,
+    *,
+    when: str,
+    memory: steps.StepMemory | None = None,
+) -> OutOfMemoryError:
+  """The one-line OutOfMemoryError for `error`, met `when`.
+
+  It names XLA's complaint, the estimate for the run's flags (XLA's figure
+  for the compiled step where known, and the analytic one) and the flags
+  that lower it.
+  """
+  said = (str(error).strip().splitlines() or [""])[0][:200]
+  sizes = sizing.parse_mesh(run.mesh)
+  analytic = cost_report.analytic_bytes_per_device(
+      run.model, sizes, run.batch_size, run.seq_len, run.remat
+  )
+  if memory is not None:
+    estimate = (
+        f"the compiled train step needs {cost_report.human_bytes(memory.total)}"
+        f" per device (XLA; the analytic estimate is "
+        f"{cost_report.human_bytes(analytic)})"
+    )
+  else:
+    estimate = (
+        f"the analytic estimate is {cost_report.human_bytes(analytic)} per "
+        "device (--dry_run also prints XLA's figure for the compiled step)"
+    )
+  remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
+  return OutOfMemoryError(
+      f"out of device memory {when} ({said}); {estimate}. Lower it with "
+      f"--batch_size (now {run.batch_size}), --seq_len (now {run.seq_len})"
+      f"{remat}, or more devices on --mesh (now {run.mesh}; fsdp, expert "
+      "and tensor split the weights, data, fsdp and expert the batch)."
+  )
+
+
+def build_state(
+    run: RunConfig,
+    mesh: jax.sharding.Mesh | None,
+    sizes: dict[str, int],
+    *,
+    abstract: bool = False,
+):
+  """The model's graph, the initial training state and its placement.
+
+  Every process builds the same initial values from the seed; on a mesh
+  each then keeps only its devices' shards of them.
+
+  Args:
+    run: the run's config.
+    mesh: the device mesh (`mesh.build`), or None for one device.
+    sizes: the mesh's axis sizes (`mesh.parse(run.mesh)`).
+    abstract: give jax.ShapeDtypeStructs (with the run's shardings)
+      instead of arrays: nothing is computed or allocated (--dry_run).
+
+  Returns:
+    (graphdef, state, placement): the nnx graph of the model, the state
+    {"params", "opt_state", "bias"}, and the `sharding.Placement` (None
+    without a mesh).
+  """
+  moe_mesh = None
+  if mesh is not None:
+    moe_mesh = {
+        "mesh": mesh,
+        "expert_axis": mesh_lib.EXPERT_AXIS,
+        "data_axes": mesh_lib.MOE_DATA_AXES,
+    }
+
+  def make_model():
+    return model_lib.Transformer(
+        run.model,
+        backend=run.backend,
+        compute_dtype=jnp.dtype(run.compute_dtype),
+        remat=run.remat,
+        rngs=nnx.Rngs(params=run.seed),
+        moe_mesh=moe_mesh,
+    )
+
+  model = nnx.eval_shape(make_model) if abstract else make_model()
+  graphdef, params, bias = nnx.split(model, nnx.Param, moe_flax.CorrectionBias)
+  init = steps.make_optimizer(run).init
+  state = {
+      "params": params,
+      "opt_state": jax.eval_shape(init, params) if abstract else init(params),
+      "bias": bias,
+  }
+  placement = None
+  if mesh is not None:
+    placement = sharding.Placement.of(state, mesh, sizes)
+    if abstract:
+      state = jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          state,
+          placement.state,
+      )
+    else:
+      state = sharding.place(state, placement.state)
+  return graphdef, state, placement
+
+
+def _batch_like(run: RunConfig, placement) -> jax.ShapeDtypeStruct:
+  """What a batch [B, T+1] of `run` is, to compile the step for it."""
+  return jax.ShapeDtypeStruct(
+      (run.batch_size, run.seq_len + 1),
+      jnp.int32,
+      sharding=None if placement is None else placement.batch,
+  )
+
+
+def compiled_step_memory(run: RunConfig) -> steps.StepMemory | None:
+  """XLA's memory figures for `run`'s train step, compiled for its mesh.
+
+  Builds the model and state abstractly (nothing allocated) and compiles
+  the very step a Trainer of `run` compiles: the figures are those of the
+  run. Needs the mesh's devices (simulated CPU devices will do).
+
+  Raises:
+    ValueError: the mesh does not fit the devices, or the run the mesh.
+  """
+  sizes = mesh_lib.parse(run.mesh)
+  mesh = mesh_lib.build(sizes)
+  mesh_lib.check_run(sizes, run.model, run.batch_size)
+  graphdef, state, placement = build_state(run, mesh, sizes, abstract=True)
+  program = steps.program(run, graphdef, placement)
+  return program.train_step_memory(state, _batch_like(run, placement))
 
 
 def _optimizer_step_counts(opt_state) -> dict[str, int]:
@@ -93,35 +241,7 @@ class Trainer:
     self.mesh = mesh_lib.build(self.sizes)
     mesh_lib.check_run(self.sizes, run.model, run.batch_size)
     self.is_main = distributed.is_main_process()
-    moe_mesh = None
-    if self.mesh is not None:
-      moe_mesh = {
-          "mesh": self.mesh,
-          "expert_axis": mesh_lib.EXPERT_AXIS,
-          "data_axes": mesh_lib.MOE_DATA_AXES,
-      }
-    model = model_lib.Transformer(
-        run.model,
-        backend=run.backend,
-        compute_dtype=jnp.dtype(run.compute_dtype),
-        remat=run.remat,
-        rngs=nnx.Rngs(params=run.seed),
-        moe_mesh=moe_mesh,
-    )
-    graphdef, params, bias = nnx.split(
-        model, nnx.Param, moe_flax.CorrectionBias
-    )
-    # Every process builds the same initial values from the seed; on a mesh
-    # each then keeps only its devices' shards of them.
-    state = {
-        "params": params,
-        "opt_state": steps.make_optimizer(run).init(params),
-        "bias": bias,
-    }
-    self.placement = None
-    if self.mesh is not None:
-      self.placement = sharding.Placement.of(state, self.mesh, self.sizes)
-      state = sharding.place(state, self.placement.state)
+    graphdef, state, self.placement = build_state(run, self.mesh, self.sizes)
     self.program = steps.program(run, graphdef, self.placement)
     self.state = state
     self.step = 0
@@ -145,6 +265,8 @@ class Trainer:
     # by close. Only process 0 holds the lock.
     self._output_lock: output_lock.OutputDirLock | None = None
     self._owns_output_dir = False
+    # XLA's memory figures of the train step, once fit has compiled it.
+    self.memory: steps.StepMemory | None = None
 
   # --- Host side -------------------------------------------------------------
 
@@ -232,6 +354,17 @@ class Trainer:
     flags = np.asarray(jax.device_get(self.program.finite_flags(state)))
     paths = steps.floating_leaf_paths(state)
     return [p for p, ok in zip(paths, flags) if not ok]
+
+  def step_memory(self) -> steps.StepMemory | None:
+    """XLA's memory figures of this run's train step, per device.
+
+    Compiles the step for the run's state and batches: the compile the
+    first step would do (they share jit's cache).
+    """
+    batch = self._put_batch(
+        np.zeros((self.run.batch_size, self.run.seq_len + 1), np.int32)
+    )
+    return self.program.train_step_memory(self.state, batch)
 
   def evaluate(self) -> float:
     """Mean held-out next-byte loss (nats) over the fixed eval batches."""
@@ -498,6 +631,7 @@ class Trainer:
 
     Raises:
       NonFiniteError: a step's loss or state is not finite (not kept).
+      OutOfMemoryError: the devices ran out of memory.
       checkpoint.CheckpointSaveError: a checkpoint could not be written;
         raised after the step that started it.
     """
@@ -515,6 +649,8 @@ class Trainer:
     self._first_step = self.step
     interrupted = None
     start = time.perf_counter()
+    if self.step < run.steps:
+      self._show_memory()
     try:
       # Only the holder of --output_dir's lock (process 0) writes the
       # metrics; the others compute the same ones. A resumed run keeps the
@@ -530,6 +666,12 @@ class Trainer:
             break
     except KeyboardInterrupt:
       interrupted = "KeyboardInterrupt"
+    except RuntimeError as e:
+      if not is_out_of_memory(e):
+        raise
+      raise out_of_memory_error(
+          run, e, when=f"at step {self.step + 1}", memory=self.memory
+      ) from e
     path = self.save_checkpoint()  # At the end, and on an interrupt.
     self.checkpointer.wait()
     if interrupted:
@@ -547,6 +689,28 @@ class Trainer:
         checkpoint_path=path,
         interrupted=interrupted,
     )
+
+  def _show_memory(self) -> None:
+    """Compiles the train step and prints its memory beside the estimate."""
+    try:
+      self.memory = self.step_memory()
+    except RuntimeError as e:
+      if not is_out_of_memory(e):
+        raise
+      raise out_of_memory_error(
+          self.run, e, when="compiling the train step"
+      ) from e
+    if self.memory is not None:
+      analytic = cost_report.analytic_bytes_per_device(
+          self.run.model,
+          sizing.parse_mesh(self.run.mesh),
+          self.run.batch_size,
+          self.run.seq_len,
+          self.run.remat,
+      )
+      self._print(
+          "memory: " + cost_report.compiled_memory_line(self.memory, analytic)
+      )
 
   def _one_step(self, log: step_log.MetricsLog, start: float) -> None:
     """Trains, logs, evaluates and checkpoints one step, as due."""
