@@ -829,7 +829,7 @@ class Checkpointer:
     except _SAVE_FAILURES as e:
       self._failed(e)
 
-  def restore(self, path: str, target):
+  def restore(self, path: str, target, *, fingerprint: dict | None = None):
     """Loads checkpoint `path` into the structure of `target`.
 
     Args:
@@ -838,6 +838,7 @@ class Checkpointer:
         leaves are jax.ShapeDtypeStructs or arrays (values unused): a leaf
         with a `.sharding` is restored as a jax.Array with that sharding
         (any mesh, whatever mesh saved it); one without (numpy) as numpy.
+      fingerprint: the fingerprint to check, if not the checkpointer's.
 
     Returns:
       (state, meta): the restored pytree and meta.json ("step", "extra",
@@ -848,7 +849,9 @@ class Checkpointer:
         message names the file, field or leaf at fault.
     """
     self.wait()
-    return _read(self._orbax, path, target, self.fingerprint)
+    if fingerprint is None:
+      fingerprint = self.fingerprint
+    return _read(self._orbax, path, target, fingerprint)
 
   def close(self) -> None:
     """Finishes the last save and releases Orbax's threads."""

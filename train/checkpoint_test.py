@@ -175,7 +175,9 @@ class RefusalTest(absltest.TestCase):
     tr = self.trainer
     run = run or self.run_config
     return checkpoint.restore(
-        path, tr.state, fingerprint=run.fingerprint(tr.corpus.name)
+        path,
+        tr.state,
+        fingerprint=run.fingerprint(tr.corpus.name, tr.corpus.sha256),
     )
 
   def test_intact_checkpoint_restores_exactly(self):
@@ -197,7 +199,7 @@ class RefusalTest(absltest.TestCase):
         testing.temp_dir(self),
         1,
         jax.tree.unflatten(treedef, leaves),
-        fingerprint=self.run_config.fingerprint(self.trainer.corpus.name),
+        fingerprint=self.trainer.fingerprint,
     )
     shutil.rmtree(os.path.join(path, checkpoint.ARRAYS))
     shutil.copytree(
@@ -336,7 +338,7 @@ class RefusalTest(absltest.TestCase):
         testing.temp_dir(self),
         2,
         tr.state,
-        fingerprint=self.run_config.fingerprint(tr.corpus.name),
+        fingerprint=tr.fingerprint,
         extra={"data": tr.sampler.state()},
     )
     resumed = trainer.Trainer(self.run_config, testing.corpus(), out=None)
@@ -418,7 +420,7 @@ class RefusalTest(absltest.TestCase):
       checkpoint.restore(
           self._copy(),
           template,
-          fingerprint=self.run_config.fingerprint(self.trainer.corpus.name),
+          fingerprint=self.trainer.fingerprint,
       )
 
   def test_other_leaf_shape_is_refused(self):
@@ -431,7 +433,7 @@ class RefusalTest(absltest.TestCase):
       checkpoint.restore(
           self._copy(),
           jax.tree.unflatten(treedef, leaves),
-          fingerprint=self.run_config.fingerprint(self.trainer.corpus.name),
+          fingerprint=self.trainer.fingerprint,
       )
 
   def test_resume_with_changed_hyperparameters_says_so(self):

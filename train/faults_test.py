@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 
 from train import checkpoint
 from train import cost_report
+from train import data as data_lib
 from train import main
 from train import presets
 from train import testing
@@ -266,6 +267,65 @@ class OutOfMemoryTest(absltest.TestCase):
     self.assertRegex(
         text, r"; analytic estimate [\d.]+ [KMG]iB \(XLA's is [\d.]+x it\)"
     )
+
+
+class DataFingerprintTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.out = testing.temp_dir(self)
+    self.data = os.path.join(testing.temp_dir(self), "text.txt")
+    with open(self.data, "wb") as f:
+      f.write(testing.corpus().train[:60000].tobytes())
+
+  def _saved_at_step_0(self, fingerprint=None) -> trainer.Trainer:
+    run = _run(self.out, data=self.data)
+    tr = trainer.Trainer(run, data_lib.load(self.data), out=None)
+    checkpoint.save(
+        tr.checkpoint_dir,
+        0,
+        tr.state,
+        fingerprint=fingerprint or tr.fingerprint,
+        extra={"data": tr.sampler.state()},
+    )
+    return tr
+
+  def _resume(self, log=None) -> trainer.Trainer:
+    run = _run(self.out, data=self.data, resume=True)
+    return trainer.Trainer(run, data_lib.load(self.data), out=log)
+
+  def test_changed_contents_under_the_same_path_are_refused(self):
+    saved = self._saved_at_step_0()
+    with open(self.data, "r+b") as f:  # Same path, same size, one byte.
+      f.seek(1234)
+      f.write(b"#")
+    resumed = self._resume()
+    self.assertNotEqual(resumed.corpus.sha256, saved.corpus.sha256)
+    with self.assertRaises(checkpoint.CheckpointError) as raised:
+      resumed.prepare_output_dir()
+    message = str(raised.exception)
+    self.assertNotIn("\n", message)
+    self.assertStartsWith(message, f"--data={self.data!r} changed since")
+    self.assertIn(saved.corpus.sha256[:16], message)
+    self.assertIn(resumed.corpus.sha256[:16], message)
+    # The same contents resume.
+    with open(self.data, "wb") as f:
+      f.write(testing.corpus().train[:60000].tobytes())
+    resumed = self._resume()
+    resumed.prepare_output_dir()
+    resumed.close()
+
+  def test_checkpoint_without_a_digest_resumes_with_a_note(self):
+    run = _run(self.out, data=self.data)
+    old = run.fingerprint(self.data)  # As saved before the digest.
+    self.assertNotIn("data_sha256", old)
+    self._saved_at_step_0(fingerprint=old)
+    log = io.StringIO()
+    resumed = self._resume(log)
+    resumed.prepare_output_dir()
+    resumed.close()
+    self.assertIn("records no digest of its text", log.getvalue())
+    self.assertIn("resumed from", log.getvalue())
 
 
 @contextlib.contextmanager

@@ -406,7 +406,7 @@ class Trainer:
   @property
   def fingerprint(self) -> dict:
     """What a checkpoint of this run records, and a resume must match."""
-    return self.run.fingerprint(self.corpus.name)
+    return self.run.fingerprint(self.corpus.name, self.corpus.sha256)
 
   @property
   def checkpointer(self) -> checkpoint.Checkpointer:
@@ -448,9 +448,12 @@ class Trainer:
     The checkpoint may come from another mesh or process count: each leaf
     is read into this run's sharding of it.
     """
+    fingerprint = self._resume_fingerprint(path)
     # The current state is the template: its leaves' shardings say where
     # each restored leaf goes.
-    state, meta = self.checkpointer.restore(path, self.state)
+    state, meta = self.checkpointer.restore(
+        path, self.state, fingerprint=fingerprint
+    )
     bad = self.non_finite_leaves(state)
     if bad:
       raise checkpoint.CheckpointError(
@@ -487,6 +490,42 @@ class Trainer:
           "(checkpoint value, now); the run will not match an "
           "uninterrupted one."
       )
+
+  def _resume_fingerprint(self, path: str) -> dict:
+    """The fingerprint checkpoint `path` must match, after checking that
+    the text has the contents it was trained on.
+
+    Raises:
+      checkpoint.CheckpointError: the same --data path (or the embedded
+        corpus) with other contents than when `path` was saved.
+    """
+    saved = checkpoint.read_meta(path)["fingerprint"]
+    fingerprint = self.fingerprint
+    if "data_sha256" not in saved:
+      # Saved before the digest was recorded: only the name can be checked.
+      del fingerprint["data_sha256"]
+      self._print(
+          f"note: {os.path.basename(path)} records no digest of its text; "
+          "whether the contents of --data changed since cannot be checked."
+      )
+    elif (
+        saved.get("data") == self.corpus.name
+        and saved["data_sha256"] != self.corpus.sha256
+    ):
+      what = (
+          f"--data={self.corpus.name!r}"
+          if self.run.data
+          else f"the embedded corpus {self.corpus.name!r} (another Python "
+          "version ships other text)"
+      )
+      raise checkpoint.CheckpointError(
+          f"{what} changed since checkpoint {path!r} was saved: its SHA-256 "
+          f"was {saved['data_sha256'][:16]}..., now "
+          f"{self.corpus.sha256[:16]}...; --resume needs the text the run "
+          "trained on: put it back, or start a new run (without --resume, or "
+          "in another --output_dir)."
+      )
+    return fingerprint
 
   # --- The output directory --------------------------------------------------
 
