@@ -26,12 +26,25 @@ or data setup) and every leaf's path, shape and dtype against the state
 the caller built; any difference raises `CheckpointError` naming it.
 Nothing falls back to a fresh start.
 
-Every process calls `save`, `restore`, `wait` and `close` together, as
-Orbax expects; more than one process needs `jax.distributed`.
+A failed save (a full disk, most often) raises `CheckpointSaveError`, one
+line naming the step, the directory and the bytes the checkpoint needs:
+`save` refuses at once when the directory's filesystem has less free space
+than one uncompressed copy of the state; a write that fails later, in
+Orbax's background thread, is raised by the next `poll` (the trainer polls
+after every step), `wait`, `save` or `close`. The checkpoints saved before
+it are left as they were: old ones are pruned only after a new one lands.
+
+Only directories this module wrote are ever deleted (pruned, replaced, or
+cleared by `remove_checkpoints`): a `step_*` is recognised by its
+meta.json (`is_ours`); anything else in the directory is left alone.
+
+Every process calls `save`, `restore`, `wait`, `poll` and `close`
+together, as Orbax expects; more than one process needs `jax.distributed`.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import itertools
 import json
@@ -59,6 +72,10 @@ _META_FILE = "meta.json"
 META = os.path.join(_META_ITEM, _META_FILE)  # Relative to a checkpoint.
 _OLD_META = "meta.json"  # Format 1 kept it at the top, beside arrays.npz.
 _META_KEYS = ("format_version", "step", "fingerprint", "leaves", "extra")
+# meta.json's mark of this program, which `is_ours` looks for. Checkpoints
+# written before it existed are recognised by their format_version and step.
+WRITER = "dropless train/checkpoint.py"
+_WRITER_KEY = "writer"
 _META_CHECKSUMS = "field_checksums"  # {field: checksum of its JSON}.
 _LEAF_KEYS = frozenset(("path", "shape", "dtype", "checksum"))
 
@@ -67,16 +84,40 @@ class CheckpointError(ValueError):
   """A checkpoint that cannot be restored: corrupt, partial or mismatched."""
 
 
+class CheckpointSaveError(CheckpointError):
+  """A checkpoint that could not be written (a full disk, most often).
+
+  Attributes:
+    step: the step whose save failed.
+    directory: where it was being written.
+    needed: the bytes it needs on this process (uncompressed), or None.
+  """
+
+  def __init__(self, message: str, *, step: int, directory: str, needed):
+    super().__init__(message)
+    self.step = step
+    self.directory = directory
+    self.needed = needed
+
+
 class _HideOrbaxInfo(logging.Filter):
-  """Drops Orbax's INFO and DEBUG records: several lines per save.
+  """Drops Orbax's INFO and DEBUG records (several lines per save), and the
+  tracebacks it logs for a failed background save.
 
   Orbax logs through absl, whose records all go to the "absl" logger; this
-  filter keeps everyone else's records and Orbax's warnings and errors.
+  filter keeps everyone else's records and Orbax's warnings and errors, but
+  those that carry a traceback: Orbax logs a failed write once per thread
+  it passed through (hundreds of lines), then hands the exception to
+  `wait`, which `Checkpointer` turns into one `CheckpointSaveError` line.
   """
 
   def filter(self, record: logging.LogRecord) -> bool:
     from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
-    return record.levelno >= logging.WARNING or not from_orbax
+    if not from_orbax:
+      return True
+    if record.levelno >= logging.ERROR and record.exc_info:
+      return False
+    return record.levelno >= logging.WARNING
 
 
 def _quiet_orbax() -> None:
@@ -151,12 +192,62 @@ def remove_leftovers(directory: str) -> list[str]:
   return done
 
 
-def remove_all(directory: str) -> None:
-  """Deletes `directory` with its checkpoints, each renamed out of sight
-  first: a crash midway leaves every `step_*` in it whole."""
+def is_ours(path: str) -> bool:
+  """Whether `path`, a `step_*` directory, is a checkpoint this module wrote.
+
+  Its meta.json says so: it carries `WRITER`, or (checkpoints written
+  before the mark) an int format_version and the step of the directory's
+  name. Nothing is verified beyond that; `restore` verifies.
+  """
+  name = os.path.basename(os.path.normpath(path))
+  match = _STEP_DIR.match(name)
+  if match is None:
+    return False
+  for meta_file in (META, _OLD_META):
+    try:
+      with open(os.path.join(path, meta_file)) as f:
+        meta = json.load(f)
+    except (OSError, ValueError):
+      continue
+    if not isinstance(meta, dict):
+      continue
+    if meta.get(_WRITER_KEY) == WRITER:
+      return True
+    version = meta.get("format_version")
+    if isinstance(version, int) and meta.get("step") == int(match[1]):
+      return True
+  return False
+
+
+def foreign_step_dirs(directory: str) -> list[str]:
+  """Names of the `step_*` directories in `directory` not written here.
+
+  A fresh run refuses to start beside them: its own saves could meet
+  their names.
+  """
+  return [
+      os.path.basename(path)
+      for _, path in list_checkpoints(directory)
+      if not is_ours(path)
+  ]
+
+
+def remove_checkpoints(directory: str) -> list[str]:
+  """Deletes the checkpoints in `directory` that this module wrote.
+
+  Each is renamed out of sight first, so a crash midway leaves every
+  `step_*` whole. Other files and directories stay, `step_*` ones that
+  `is_ours` does not recognise too.
+
+  Returns:
+    The names of the checkpoints removed.
+  """
+  removed = []
   for _, path in list_checkpoints(directory):
-    _remove(path)
-  shutil.rmtree(directory, ignore_errors=True)
+    if is_ours(path):
+      _remove(path)
+      removed.append(os.path.basename(path))
+  return removed
 
 
 # --- Reading ------------------------------------------------------------------
@@ -379,6 +470,77 @@ def _read(orbax_checkpointer, path: str, template, fingerprint: dict):
 # --- Writing ------------------------------------------------------------------
 
 
+def free_bytes(directory: str) -> int:
+  """Bytes an unprivileged writer may still put on `directory`'s filesystem.
+
+  `Checkpointer.save` checks this against the bytes a checkpoint needs
+  before it writes anything. Tests replace this function (mock.patch) to
+  stage a full disk.
+  """
+  return shutil.disk_usage(directory).free
+
+
+def _bytes_to_write(leaves: list, meta: dict) -> int:
+  """Uncompressed bytes this process writes for one checkpoint.
+
+  Each process writes one copy of each shard it holds (replica 0);
+  process 0 also writes the host (numpy) leaves and meta.json.
+  """
+  main = distributed.is_main_process()
+  total = len(json.dumps(meta)) if main else 0
+  for leaf in leaves:
+    if isinstance(leaf, jax.Array):
+      total += sum(
+          shard.data.nbytes
+          for shard in leaf.addressable_shards
+          if shard.replica_id == 0
+      )
+    elif main:
+      total += np.asarray(leaf).nbytes
+  return total
+
+
+def _human_bytes(n: float) -> str:
+  for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB")):
+    if n >= scale:
+      return f"{n / scale:.3g} {suffix}"
+  return f"{n / 2**10:.3g} KiB" if n >= 2**10 else f"{n:.0f} B"
+
+
+# errno of a full filesystem or quota, also as tensorstore spells it in its
+# messages ("No space left on device [os_error_code='28']").
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXT = tuple(os.strerror(e) for e in _FULL) + tuple(
+    f"os_error_code='{e}'" for e in _FULL
+)
+
+
+def _is_disk_full(error: BaseException) -> bool:
+  """Whether `error` (or one it was raised from) says the disk is full."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in _FULL:
+      return True
+    if any(text in str(error) for text in _FULL_TEXT):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+  # Tensorstore appends its whole JSON spec: the head says what failed.
+  text = str(error).split(" [tensorstore_spec", 1)[0]
+  text = (text.strip().splitlines() or [""])[0]
+  return f"{type(error).__name__}: {text[:limit]}"
+
+
+# What Orbax, tensorstore and the filesystem raise for a save that failed
+# (tensorstore's write errors are ValueErrors); anything else is a bug,
+# and keeps its traceback.
+_SAVE_FAILURES = (OSError, ValueError, RuntimeError)
+
+
 def _handlers() -> ocp.handlers.CompositeCheckpointHandler:
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
   for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
@@ -439,6 +601,7 @@ class Checkpointer:
     kind = ocp.AsyncCheckpointer if async_save else ocp.Checkpointer
     self._orbax = kind(_handlers())
     self._unfinished = False  # A save whose bookkeeping `wait` still owes.
+    self._pending: tuple[int, int] = (-1, 0)  # (step, bytes) of that save.
     self._replaced: list[str] = []  # Older copies of re-saved steps.
     self._barriers = itertools.count()
 
@@ -475,6 +638,7 @@ class Checkpointer:
     meta = _with_field_checksums(
         {
             "format_version": FORMAT_VERSION,
+            _WRITER_KEY: WRITER,
             "step": int(step),
             "fingerprint": self.fingerprint,
             "leaves": [
@@ -493,9 +657,16 @@ class Checkpointer:
     if distributed.is_main_process():
       os.makedirs(self.directory, exist_ok=True)
     self._sync("directory")
+    self._check_space(step, _bytes_to_write(leaves, meta))
     # Barriers around the rename: every process must see the same answer
     # here, and none may reach Orbax's own "exists" check before it.
     resaving = os.path.exists(final)
+    if resaving and not is_ours(final):
+      raise CheckpointError(
+          f"cannot save the checkpoint of step {step}: {final!r} exists and "
+          "was not written by this program (its meta.json is not one of "
+          "ours); move it out of --output_dir."
+      )
     self._sync("checked")
     if resaving and distributed.is_main_process():
       # Move the old copy aside rather than delete it first, so that a
@@ -506,26 +677,124 @@ class Checkpointer:
       os.rename(final, aside)
       self._replaced.append(aside)
     self._sync("replaced")
-    self._orbax.save(
-        final,
-        args=ocp.args.Composite(
-            **{
-                ARRAYS: ocp.args.StandardSave(
-                    {_leaf_key(i): x for i, x in enumerate(leaves)}
-                ),
-                _META_ITEM: ocp.args.JsonSave(meta),
-            }
-        ),
-    )
     self._unfinished = True
+    try:
+      self._orbax.save(
+          final,
+          args=ocp.args.Composite(
+              **{
+                  ARRAYS: ocp.args.StandardSave(
+                      {_leaf_key(i): x for i, x in enumerate(leaves)}
+                  ),
+                  _META_ITEM: ocp.args.JsonSave(meta),
+              }
+          ),
+      )
+    except _SAVE_FAILURES as e:
+      self._failed(e)
     if not self.async_save:
       self.wait()
     return final
 
+  def _check_space(self, step: int, needed: int) -> None:
+    """Refuses the save of `step` before it writes a byte, if the disk of
+    any process lacks `needed` (its uncompressed bytes) free."""
+    self._pending = (step, needed)
+    free = free_bytes(self.directory)
+    if distributed.all_true(free >= needed):
+      return
+    if free >= needed:
+      where = (
+          "another process of the run lacks the space for its shards there "
+          "(its output says how much)"
+      )
+    else:
+      where = (
+          f"it needs about {_human_bytes(needed)} ({needed:,} bytes, one "
+          "uncompressed copy of the state, written before older checkpoints "
+          f"are pruned) and the filesystem has {_human_bytes(free)} free"
+      )
+    raise CheckpointSaveError(
+        f"cannot save the checkpoint of step {step} in {self.directory!r}: "
+        f"{where}. {self._intact()}",
+        step=step,
+        directory=self.directory,
+        needed=needed,
+    )
+
+  def _intact(self) -> str:
+    """What is left to resume from, and how to go on: the end of a save
+    failure's message."""
+    ours = [p for _, p in list_checkpoints(self.directory) if is_ours(p)]
+    if not ours:
+      return (
+          "No earlier checkpoint was saved. Free space there and run again, "
+          "or pass another --output_dir."
+      )
+    return (
+        "The checkpoints saved before it are intact (newest: "
+        f"{os.path.basename(ours[-1])}). Free space there and rerun with "
+        "--resume, or start again with another --output_dir."
+    )
+
+  def _failed(self, error: BaseException):
+    """Raises CheckpointSaveError for the save in flight, which raised
+    `error`, after putting the directory back as it was before it."""
+    step, needed = self._pending
+    self._unfinished = False
+    try:
+      if isinstance(self._orbax, ocp.AsyncCheckpointer):
+        self._orbax.wait_until_finished()  # Joins its thread; raised once.
+    except Exception:  # pylint: disable=broad-except
+      pass  # `error` is the one to report.
+    if distributed.is_main_process():
+      self._undo(step)
+    self._replaced = []
+    if _is_disk_full(error):
+      free = free_bytes(self.directory)
+      reason = (
+          f"no space left on device; it needs about {_human_bytes(needed)} "
+          f"({needed:,} bytes uncompressed) and {_human_bytes(free)} are "
+          "free now"
+      )
+    else:
+      reason = _first_line(error)
+    raise CheckpointSaveError(
+        f"the checkpoint of step {step} could not be written to "
+        f"{self.directory!r}: {reason}. {self._intact()}",
+        step=step,
+        directory=self.directory,
+        needed=needed,
+    ) from error
+
+  def _undo(self, step: int) -> None:
+    """Deletes what the failed save of `step` wrote and puts back the copy
+    it moved aside: the directory holds what it held before the save."""
+    if not os.path.isdir(self.directory):
+      return
+    prefix = os.path.basename(step_dir(self.directory, step))
+    for name in os.listdir(self.directory):
+      if name.startswith(prefix) and _ORBAX_TEMPORARY in name:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    for aside in self._replaced:
+      name = _REPLACED.match(os.path.basename(aside))[1]
+      final = os.path.join(self.directory, name)
+      if not os.path.exists(final):
+        os.rename(aside, final)
+
   def wait(self) -> None:
-    """Blocks until the last save is on disk, then prunes old ones."""
-    if isinstance(self._orbax, ocp.AsyncCheckpointer):
-      self._orbax.wait_until_finished()
+    """Blocks until the last save is on disk, then prunes old ones.
+
+    Raises:
+      CheckpointSaveError: that save failed (see `poll`).
+    """
+    try:
+      if isinstance(self._orbax, ocp.AsyncCheckpointer):
+        self._orbax.wait_until_finished()
+    except _SAVE_FAILURES as e:
+      if not self._unfinished:
+        raise
+      self._failed(e)
     if not self._unfinished:
       return
     self._unfinished = False
@@ -533,12 +802,34 @@ class Checkpointer:
       for aside in self._replaced:
         shutil.rmtree(aside, ignore_errors=True)
       if self.keep:
-        for _, old in list_checkpoints(self.directory)[: -self.keep]:
+        ours = [p for _, p in list_checkpoints(self.directory) if is_ours(p)]
+        for old in ours[: -self.keep]:
           _remove(old)
     self._replaced = []
     self._sync("pruned")
 
-  def restore(self, path: str, target):
+  def poll(self) -> None:
+    """Raises if the save in flight has already failed; never waits for it.
+
+    Orbax writes in a background thread, whose error otherwise waits for
+    the next `wait`: the trainer polls after every step, so a failed save
+    stops the run at once rather than at the next checkpoint.
+
+    Raises:
+      CheckpointSaveError: the save failed; one line naming its step, the
+        directory and the bytes it needs. The directory then holds what it
+        held before that save.
+    """
+    if not self._unfinished or not isinstance(
+        self._orbax, ocp.AsyncCheckpointer
+    ):
+      return
+    try:
+      self._orbax.check_for_errors()
+    except _SAVE_FAILURES as e:
+      self._failed(e)
+
+  def restore(self, path: str, target, *, fingerprint: dict | None = None):
     """Loads checkpoint `path` into the structure of `target`.
 
     Args:
@@ -547,6 +838,7 @@ class Checkpointer:
         leaves are jax.ShapeDtypeStructs or arrays (values unused): a leaf
         with a `.sharding` is restored as a jax.Array with that sharding
         (any mesh, whatever mesh saved it); one without (numpy) as numpy.
+      fingerprint: the fingerprint to check, if not the checkpointer's.
 
     Returns:
       (state, meta): the restored pytree and meta.json ("step", "extra",
@@ -557,7 +849,9 @@ class Checkpointer:
         message names the file, field or leaf at fault.
     """
     self.wait()
-    return _read(self._orbax, path, target, self.fingerprint)
+    if fingerprint is None:
+      fingerprint = self.fingerprint
+    return _read(self._orbax, path, target, fingerprint)
 
   def close(self) -> None:
     """Finishes the last save and releases Orbax's threads."""

@@ -91,6 +91,7 @@ class ResumeTest(absltest.TestCase):
 
     tr.train_step = step_reading_the_log
     tr.fit()
+    tr.close()
     # Before steps 4, 5 and 6: the steps before the resume, then each new
     # one as soon as it is taken.
     self.assertEqual(on_disk, [[1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 5]])
@@ -120,6 +121,7 @@ class ResumeTest(absltest.TestCase):
     tr.program.train_step = step_hit_by_ctrl_c
     before = signal.getsignal(signal.SIGINT)
     summary = tr.fit(handle_signals=True)
+    tr.close()  # Gives back the output directory, for the resume below.
     self.assertIs(signal.getsignal(signal.SIGINT), before)
     self.assertEqual(summary["interrupted"], "SIGINT")
     self.assertEqual(tr.step, 3)
@@ -173,7 +175,9 @@ class RefusalTest(absltest.TestCase):
     tr = self.trainer
     run = run or self.run_config
     return checkpoint.restore(
-        path, tr.state, fingerprint=run.fingerprint(tr.corpus.name)
+        path,
+        tr.state,
+        fingerprint=run.fingerprint(tr.corpus.name, tr.corpus.sha256),
     )
 
   def test_intact_checkpoint_restores_exactly(self):
@@ -195,7 +199,7 @@ class RefusalTest(absltest.TestCase):
         testing.temp_dir(self),
         1,
         jax.tree.unflatten(treedef, leaves),
-        fingerprint=self.run_config.fingerprint(self.trainer.corpus.name),
+        fingerprint=self.trainer.fingerprint,
     )
     shutil.rmtree(os.path.join(path, checkpoint.ARRAYS))
     shutil.copytree(
@@ -334,7 +338,7 @@ class RefusalTest(absltest.TestCase):
         testing.temp_dir(self),
         2,
         tr.state,
-        fingerprint=self.run_config.fingerprint(tr.corpus.name),
+        fingerprint=tr.fingerprint,
         extra={"data": tr.sampler.state()},
     )
     resumed = trainer.Trainer(self.run_config, testing.corpus(), out=None)
@@ -416,7 +420,7 @@ class RefusalTest(absltest.TestCase):
       checkpoint.restore(
           self._copy(),
           template,
-          fingerprint=self.run_config.fingerprint(self.trainer.corpus.name),
+          fingerprint=self.trainer.fingerprint,
       )
 
   def test_other_leaf_shape_is_refused(self):
@@ -429,7 +433,7 @@ class RefusalTest(absltest.TestCase):
       checkpoint.restore(
           self._copy(),
           jax.tree.unflatten(treedef, leaves),
-          fingerprint=self.run_config.fingerprint(self.trainer.corpus.name),
+          fingerprint=self.trainer.fingerprint,
       )
 
   def test_resume_with_changed_hyperparameters_says_so(self):

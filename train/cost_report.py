@@ -35,6 +35,44 @@ def human_bytes(n: float) -> str:
   return f"{n:.0f} B"
 
 
+# What the analytic estimate counts on a device (the rest is on the host).
+_DEVICE_MEMORY = ("weights", "gradients", "optimizer", "activations")
+
+
+def analytic_bytes_per_device(
+    model, mesh: dict[str, int], batch_size: int, seq_len: int, remat: str
+) -> float:
+  """The analytic estimate of a training step's bytes per device.
+
+  Args:
+    model: a `model_config.ModelConfig`.
+    mesh: {axis: size} for every axis of `sizing.MESH_AXES`.
+    batch_size: sequences per step (global).
+    seq_len: tokens per sequence.
+    remat: the --remat policy.
+  """
+  mem = sizing.memory_per_device(model, mesh, batch_size, seq_len, remat)
+  return sum(mem[k] for k in _DEVICE_MEMORY)
+
+
+def compiled_memory_line(memory, analytic: float) -> str:
+  """One line: XLA's figures for the compiled train step beside the
+  analytic estimate.
+
+  Args:
+    memory: a `steps.StepMemory` (bytes per device).
+    analytic: `analytic_bytes_per_device` for the same flags.
+  """
+  return (
+      f"compiled train step (XLA memory_analysis): {human_bytes(memory.total)}"
+      f" per device = arguments {human_bytes(memory.arguments)} + outputs "
+      f"{human_bytes(memory.outputs)} - aliased {human_bytes(memory.aliased)}"
+      f" + temporaries {human_bytes(memory.temporaries)} + code "
+      f"{human_bytes(memory.code)}; analytic estimate "
+      f"{human_bytes(analytic)} (XLA's is {memory.total / analytic:.2f}x it)"
+  )
+
+
 def describe(
     preset: presets.Preset,
     *,
@@ -49,9 +87,7 @@ def describe(
   fl = sizing.flops_per_token(cfg, seq_len)
   mem = sizing.memory_per_device(cfg, mesh, batch_size, seq_len, remat)
   devices = math.prod(mesh.values())
-  total_bytes = sum(
-      mem[k] for k in ("weights", "gradients", "optimizer", "activations")
-  )
+  total_bytes = sum(mem[k] for k in _DEVICE_MEMORY)
   lines = [
       f"model {cfg.name}: {preset.description}",
       f"  layers {cfg.num_layers} ({cfg.num_dense_layers} dense, "
@@ -94,6 +130,6 @@ def describe(
           if mem["activations_offloaded_to_host"]
           else ""
       ),
-      f"    total {human_bytes(total_bytes)}",
+      f"    total {human_bytes(total_bytes)} (analytic estimate)",
   ]
   return "\n".join(lines)

@@ -399,6 +399,26 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def all_true(flag: bool) -> bool:
+  """Whether `flag` is true in every process of the run.
+
+  Every process must call it at the same point (it gathers one int from
+  each); with one process it returns `flag` and communicates nothing. It
+  lets all processes stop together where only some found a fault (the
+  output directory's lock, a checkpoint that cannot be written), instead
+  of leaving the others waiting at the next barrier.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  if jax.process_count() == 1:
+    return bool(flag)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  gathered = multihost_utils.process_allgather(np.int32(bool(flag)))
+  return bool(np.all(np.asarray(gathered)))
+
+
 def shutdown() -> None:
   """Leaves the run (waits for the others at a barrier); safe to repeat."""
   global _joined

@@ -10,6 +10,14 @@ r"""Trains a small MoE language model with a chosen dropless backend.
 
 Writes to --output_dir: metrics.jsonl (every step), checkpoints/,
 training.png (loss curves and an expert-load heat map) and summary.json.
+One run at a time per --output_dir: a second is refused (a lock file in
+it, .dropless_train.lock, names the holder).
+
+A fault ends the program with one line on stderr, "error: ...", and exit
+status 1: a bad flag, a busy --output_dir, a checkpoint that does not
+match or cannot be written, a non-finite loss, the device's memory. An
+interruption (Ctrl-C, SIGTERM) before the last step checkpoints and exits
+130; after it, the run finishes as usual.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import numpy as np
 import moe_core
 import moe_core.flags  # Defines --moe_backend.
 from moe_core import remat as moe_remat
+from train import checkpoint
 from train import cost_report
 from train import data as data_lib
 from train import distributed
@@ -123,8 +132,10 @@ _RESUME = flags.DEFINE_bool(
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run",
     False,
-    "Print parameter counts, FLOPs per token and memory "
-    "per device for --mesh, and exit without allocating the model.",
+    "Print parameter counts, FLOPs per token and memory per device for "
+    "--mesh (an analytic estimate and, for models this program trains, "
+    "XLA's figure for the compiled train step), and exit without "
+    "allocating the model.",
 )
 _MESH = flags.DEFINE_string(
     "mesh",
@@ -411,8 +422,18 @@ def _run_config() -> run_config.RunConfig:
   )
 
 
-def dry_run(out=sys.stdout) -> str:
-  """Prints the counts for the chosen preset; allocates no arrays."""
+def dry_run(out=None, *, compile_step: bool = True) -> str:
+  """Prints the counts for the chosen preset; allocates no arrays.
+
+  Args:
+    out: where to print (default: sys.stdout).
+    compile_step: also compile the train step (abstractly, on the devices
+      of --mesh, simulated on a CPU) and print XLA's memory figures for it
+      beside the analytic estimate: the very step a run compiles, so the
+      figure is what the run allocates for it. Only for models this
+      program trains (up to _MAX_TRAINABLE_PARAMS); about as long as a
+      run's first step.
+  """
   preset = presets.get_preset(_MODEL.value)
   preset = dataclasses.replace(
       preset, model=run_config.with_precision(preset.model, _PRECISION.value)
@@ -424,10 +445,43 @@ def dry_run(out=sys.stdout) -> str:
       seq_len=_SEQ.value or preset.train.seq_len,
       remat=_REMAT.value,
   )
+  if compile_step:
+    text += f"\n    {_compiled_memory(preset.model)}"
   if preset.model.moe is not None:
     text += f"\n{_precision_line(_PRECISION.value)}"
-  print(text, file=out, flush=True)
+  print(text, file=out or sys.stdout, flush=True)
   return text
+
+
+def _compiled_memory(model) -> str:
+  """The --dry_run line with XLA's memory figures of the train step."""
+  total = sizing.param_counts(model).total
+  if total > _MAX_TRAINABLE_PARAMS:
+    return (
+        f"compiled train step: not compiled, --model={model.name} has "
+        f"{cost_report.human(total)} parameters and this program trains up "
+        f"to {cost_report.human(_MAX_TRAINABLE_PARAMS)}: the analytic "
+        "estimate above is all"
+    )
+  run = _run_config()
+  try:
+    mesh_lib.simulate_cpu_devices(mesh_lib.parse(run.mesh), 1)
+    memory = trainer.compiled_step_memory(run)
+  except ValueError as e:  # The mesh does not fit the devices.
+    return f"compiled train step: not compiled: {e}"
+  if memory is None:
+    return (
+        "compiled train step: XLA gives no memory figures on "
+        f"{jax.devices()[0].platform}"
+    )
+  analytic = cost_report.analytic_bytes_per_device(
+      run.model,
+      sizing.parse_mesh(run.mesh),
+      run.batch_size,
+      run.seq_len,
+      run.remat,
+  )
+  return cost_report.compiled_memory_line(memory, analytic)
 
 
 def _precision_line(precision: str) -> str:
@@ -452,12 +506,24 @@ def _start_devices(run: run_config.RunConfig, out) -> None:
     print(note, file=out, flush=True)
 
 
-def train(out=sys.stdout) -> dict:
+def train(out=None) -> dict:
   """Runs training as the flags say and writes the report files.
 
-  In a multi-process run every process trains; only process 0 prints and
-  writes the metrics, plot and summary (checkpoints are written by all).
+  Prints to `out` (default: sys.stdout).
+
+  In a multi-process run every process trains; only process 0 (which holds
+  --output_dir's lock) prints and writes the metrics, plot and summary
+  (checkpoints are written by all). Ctrl-C and SIGTERM are deferred from
+  the first step to the end of the report (see
+  `trainer.Trainer.deferring_signals`).
+
+  Raises:
+    app.UsageError: a flag the run cannot use, a busy --output_dir, or a
+      checkpoint that does not match the run.
+    trainer.TrainingFault: a non-finite loss or state, out of memory.
+    checkpoint.CheckpointSaveError: a checkpoint could not be written.
   """
+  out = out or sys.stdout
   try:
     run = _run_config()
     _start_devices(run, out)
@@ -466,13 +532,20 @@ def train(out=sys.stdout) -> dict:
     # A flag the run cannot use, or a checkpoint that does not match it:
     # one line naming the flag, not a traceback.
     raise app.UsageError(str(e)) from e
+  except RuntimeError as e:
+    if not trainer.is_out_of_memory(e):
+      raise
+    raise trainer.out_of_memory_error(
+        run, e, when="placing the model on the devices"
+    ) from e
   try:
-    summary = tr.fit(handle_signals=True)
+    with tr.deferring_signals():
+      summary = tr.fit(handle_signals=True)
+      return _report(run, tr, summary, out)
   except step_log.MetricsLogError as e:
     raise app.UsageError(str(e)) from e
   finally:
     tr.close()
-  return _report(run, tr, summary, out)
 
 
 def _set_up(run: run_config.RunConfig, out):
@@ -560,16 +633,46 @@ def _report(run: run_config.RunConfig, tr, summary: dict, out) -> dict:
   return summary
 
 
+# Exit status of a run interrupted before its last step (128 + SIGINT, as a
+# shell reports a Ctrl-C).
+INTERRUPTED_EXIT_CODE = 130
+# What ends the program with one line (`_exit_with`) instead of a traceback.
+_FAULTS = (
+    app.UsageError,
+    trainer.TrainingFault,
+    checkpoint.CheckpointError,
+)
+
+
+def _exit_with(error: BaseException) -> None:
+  """Ends the program with `error`'s message as one line on stderr, status 1.
+
+  absl would print the module's docstring and every flag's help (about 95
+  lines) before a UsageError's message; `--help` still lists the flags.
+  """
+  sys.stdout.flush()
+  message = " ".join(str(error).split("\n"))
+  sys.stderr.write(f"error: {message}\n")
+  sys.stderr.flush()
+  sys.exit(getattr(error, "exitcode", None) or 1)
+
+
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _DRY_RUN.value:
-    dry_run()
-    return
-  summary = train()
+  try:
+    if len(argv) > 1:
+      raise app.UsageError(
+          f"unexpected arguments {argv[1:]}: this program takes only flags, "
+          "--name=value (--help lists them)."
+      )
+    if _DRY_RUN.value:
+      dry_run()
+      return
+    summary = train()
+  except _FAULTS as e:
+    _exit_with(e)
   distributed.shutdown()
   if summary["interrupted"]:
-    sys.exit(130)
+    sys.exit(INTERRUPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

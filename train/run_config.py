@@ -69,9 +69,18 @@ class RunConfig:
     """The routed experts' GEMM recipe ("bf16" for an all-dense model)."""
     return self.model.moe.precision if self.model.moe else "bf16"
 
-  def fingerprint(self, corpus_name: str) -> dict:
-    """What a checkpoint must share with the run that resumes it."""
-    return {
+  def fingerprint(
+      self, corpus_name: str, data_sha256: str | None = None
+  ) -> dict:
+    """What a checkpoint must share with the run that resumes it.
+
+    Args:
+      corpus_name: the text's name (`data.Corpus.name`: the --data path).
+      data_sha256: the text's digest (`data.Corpus.sha256`), so that the
+        same path with other contents is told apart; None leaves it out
+        (checkpoints saved before it was recorded lack it).
+    """
+    fingerprint = {
         "model": json.loads(
             json.dumps(dataclasses.asdict(self.model), default=str)
         ),
@@ -81,6 +90,9 @@ class RunConfig:
         "data": corpus_name,
         "compute_dtype": self.compute_dtype,
     }
+    if data_sha256 is not None:
+      fingerprint["data_sha256"] = data_sha256
+    return fingerprint
 
 
 # (field, minimum, kind): kind "int" (>= minimum), "float" (finite and

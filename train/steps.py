@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -52,6 +54,52 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return -jnp.mean(picked)
 
 
+def _finite_flags(tree) -> list[jax.Array]:
+  """One bool scalar per floating leaf of `tree`: all its values finite."""
+  return [
+      jnp.all(jnp.isfinite(x))
+      for x in jax.tree.leaves(tree)
+      if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+
+
+def floating_leaf_paths(tree) -> list[str]:
+  """The tree paths of `tree`'s floating leaves, in `_finite_flags` order."""
+  return [
+      jax.tree_util.keystr(path)
+      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+      if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+  """XLA's memory figures for one compiled step, in bytes per device.
+
+  From `Compiled.memory_analysis()`: what XLA assigns when it compiles the
+  step, hence what the run allocates for it (the state's buffers are the
+  arguments and outputs).
+  """
+
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+  code: int
+
+  @property
+  def total(self) -> int:
+    """Peak bytes the step holds: inputs, outputs (less those that reuse
+    an input's buffer), temporaries and generated code."""
+    return (
+        self.arguments
+        + self.outputs
+        - self.aliased
+        + self.temporaries
+        + self.code
+    )
+
+
 class Program:
   """The jitted train and eval steps of one model/optimiser configuration.
 
@@ -65,21 +113,26 @@ class Program:
   `placement`, for a mesh, is a `train.sharding.Placement`: the steps keep
   the state where it says, take batches split as it says, and return
   replicated metrics.
+
+  `finite_flags(state)` returns one bool per floating leaf of the state
+  (see `floating_leaf_paths`): whether all its values are finite.
   """
 
   def __init__(self, run: run_config.RunConfig, graphdef, placement=None):
     self.run = run
     self.graphdef = graphdef
     self.optimizer = make_optimizer(run)
+    finite_fn = lambda state: jnp.stack(_finite_flags(state))
     if placement is None:
-      self.train_step = jax.jit(self._step_fn)
+      self.train_step = self._train_jit = jax.jit(self._step_fn)
       self.eval_step = jax.jit(self._eval_fn)
+      self.finite_flags = jax.jit(finite_fn)
       return
     # On a mesh, the state keeps its sharding from step to step, batches
     # arrive split over the data-parallel axes, and the metrics come back
     # replicated, so every process can read them.
     state = placement.state
-    self.train_step = jax.jit(
+    self.train_step = self._train_jit = jax.jit(
         self._step_fn,
         in_shardings=(state, placement.batch),
         out_shardings=(state, placement.replicated),
@@ -88,6 +141,33 @@ class Program:
         self._eval_fn,
         in_shardings=(state["params"], state["bias"], placement.batch),
         out_shardings=placement.replicated,
+    )
+    self.finite_flags = jax.jit(
+        finite_fn, in_shardings=(state,), out_shardings=placement.replicated
+    )
+
+  def train_step_memory(self, state, batch) -> StepMemory | None:
+    """XLA's memory figures for `train_step(state, batch)`.
+
+    `state` and `batch` may be arrays or jax.ShapeDtypeStructs (with the
+    shardings the run gives them): nothing is allocated. Compiling here
+    costs nothing extra where the run then calls the step with arrays like
+    these: jit and this ahead-of-time compile share their cache.
+
+    Returns:
+      The figures, or None where the backend gives none.
+    """
+    # The jitted step itself: a caller (a test) may wrap `train_step`.
+    compiled = self._train_jit.lower(state, batch).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+      return None
+    return StepMemory(
+        arguments=int(analysis.argument_size_in_bytes),
+        outputs=int(analysis.output_size_in_bytes),
+        aliased=int(analysis.alias_size_in_bytes),
+        temporaries=int(analysis.temp_size_in_bytes),
+        code=int(analysis.generated_code_size_in_bytes),
     )
 
   def _forward(self, params, bias, batch):
@@ -125,6 +205,7 @@ class Program:
           stats[i]["tokens_per_expert"], self.run.bias_update_rate
       )
     _, params, bias = nnx.split(model, nnx.Param, moe_flax.CorrectionBias)
+    new_state = {"params": params, "opt_state": opt_state, "bias": bias}
     layers = sorted(stats)  # The MoE layers' indices.
     metrics = {
         "loss": ce,
@@ -148,8 +229,12 @@ class Program:
             if layers
             else jnp.zeros((0,), jnp.int32)
         ),
+        # Whether the updated state is all finite: a finite loss can come
+        # with an update that overflows (a huge learning rate), and the
+        # trainer must not keep, let alone save, such a state.
+        "finite": jnp.all(jnp.stack(_finite_flags(new_state))),
     }
-    return {"params": params, "opt_state": opt_state, "bias": bias}, metrics
+    return new_state, metrics
 
   def _eval_fn(self, params, bias, batch):
     return self._forward(params, bias, batch)[0]

@@ -29,6 +29,26 @@ SMALL_DSV3 = model_config.ModelConfig(
     ),
 )
 
+# SMALL_DSV3 as a preset with small_run's hyper-parameters: tests of
+# train.main put it in place of the default preset (mock.patch.dict on
+# presets.PRESETS), so that the program trains a model that compiles fast.
+SMALL_PRESET = presets.Preset(
+    model=SMALL_DSV3,
+    train=presets.TrainDefaults(
+        steps=8,
+        batch_size=4,
+        seq_len=32,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        bias_update_rate=1e-2,
+        aux_loss_weight=0.0,
+        z_loss_weight=0.0,
+    ),
+    description="testing.SMALL_DSV3",
+)
+
 _CORPUS = None
 
 
@@ -104,6 +124,9 @@ class TempDirs:
 def fit(run: run_config.RunConfig, interrupt_after: int | None = None):
   """Trains `run` in this process; returns (Trainer, summary).
 
+  The trainer comes back closed (its output directory given back, so the
+  caller may resume it); its state, history and program are still there.
+
   With `interrupt_after=n`, a Ctrl-C lands inside step n + 1, after its
   batch was drawn (the trainer then checkpoints step n and stops).
   """
@@ -124,4 +147,5 @@ def fit(run: run_config.RunConfig, interrupt_after: int | None = None):
 
     tr.train_step = interrupted_step
   summary = tr.fit()
+  tr.close()  # Gives back the output directory: the caller may resume it.
   return tr, summary

@@ -3,10 +3,21 @@
 Around the compiled steps (`train/steps.py`) it draws batches, evaluates,
 checkpoints, resumes, and logs each step (`train/step_log.py`); signals
 stop it cleanly after the step in flight.
+
+A Trainer owns its --output_dir from `prepare_output_dir` (or `fit`) to
+`close`: process 0 holds the directory's lock (`train/output_lock.py`), and
+a second run on the same directory is refused. The faults a run can meet
+end it with one line each (the exception's message, no traceback in
+`train.main`): a non-finite loss or state (`NonFiniteError`, nothing of it
+kept or saved), the device's memory (`OutOfMemoryError`, naming the
+estimate and the flags that lower it), a checkpoint that cannot be written
+(`checkpoint.CheckpointSaveError`, at the step it failed).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import signal
 import sys
@@ -20,13 +31,16 @@ from flax import nnx
 import moe_core
 from moe_core import flax as moe_flax
 from train import checkpoint
+from train import cost_report
 from train import data as data_lib
 from train import distributed
 from train import mesh as mesh_lib
 from train import model as model_lib
+from train import output_lock
 from train import report
 from train import run_config
 from train import sharding
+from train import sizing
 from train import step_log
 from train import steps
 
@@ -35,6 +49,159 @@ RunConfig = run_config.RunConfig
 run_config_from_preset = run_config.run_config_from_preset
 make_optimizer = steps.make_optimizer
 cross_entropy = steps.cross_entropy
+
+
+class TrainingFault(RuntimeError):
+  """A fault that ends a run; its message is the one line to show."""
+
+
+class NonFiniteError(TrainingFault):
+  """The loss or the updated state is not finite (NaN or Inf)."""
+
+
+class OutOfMemoryError(TrainingFault):
+  """The device ran out of memory (XLA's RESOURCE_EXHAUSTED)."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is XLA running out of device memory.
+
+  XLA raises `jax.errors.JaxRuntimeError` (a RuntimeError) whose message
+  starts with its status, RESOURCE_EXHAUSTED; tensorstore's disk-full
+  errors use that status too, but as ValueErrors.
+  """
+  return isinstance(error, RuntimeError) and (
+      "RESOURCE_EXHAUSTED" in str(error)
+  )
+
+
+def out_of_memory_error(
+    run: RunConfig,
+    error: BaseException,
+    *,
+    when: str,
+    memory: steps.StepMemory | None = None,
+) -> OutOfMemoryError:
+  """The one-line OutOfMemoryError for `error`, met `when`.
+
+  It names XLA's complaint, the estimate for the run's flags (XLA's figure
+  for the compiled step where known, and the analytic one) and the flags
+  that lower it.
+  """
+  said = (str(error).strip().splitlines() or [""])[0][:200]
+  sizes = sizing.parse_mesh(run.mesh)
+  analytic = cost_report.analytic_bytes_per_device(
+      run.model, sizes, run.batch_size, run.seq_len, run.remat
+  )
+  if memory is not None:
+    estimate = (
+        f"the compiled train step needs {cost_report.human_bytes(memory.total)}"
+        f" per device (XLA; the analytic estimate is "
+        f"{cost_report.human_bytes(analytic)})"
+    )
+  else:
+    estimate = (
+        f"the analytic estimate is {cost_report.human_bytes(analytic)} per "
+        "device (--dry_run also prints XLA's figure for the compiled step)"
+    )
+  remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
+  return OutOfMemoryError(
+      f"out of device memory {when} ({said}); {estimate}. Lower it with "
+      f"--batch_size (now {run.batch_size}), --seq_len (now {run.seq_len})"
+      f"{remat}, or more devices on --mesh (now {run.mesh}; fsdp, expert "
+      "and tensor split the weights, data, fsdp and expert the batch)."
+  )
+
+
+def build_state(
+    run: RunConfig,
+    mesh: jax.sharding.Mesh | None,
+    sizes: dict[str, int],
+    *,
+    abstract: bool = False,
+):
+  """The model's graph, the initial training state and its placement.
+
+  Every process builds the same initial values from the seed; on a mesh
+  each then keeps only its devices' shards of them.
+
+  Args:
+    run: the run's config.
+    mesh: the device mesh (`mesh.build`), or None for one device.
+    sizes: the mesh's axis sizes (`mesh.parse(run.mesh)`).
+    abstract: give jax.ShapeDtypeStructs (with the run's shardings)
+      instead of arrays: nothing is computed or allocated (--dry_run).
+
+  Returns:
+    (graphdef, state, placement): the nnx graph of the model, the state
+    {"params", "opt_state", "bias"}, and the `sharding.Placement` (None
+    without a mesh).
+  """
+  moe_mesh = None
+  if mesh is not None:
+    moe_mesh = {
+        "mesh": mesh,
+        "expert_axis": mesh_lib.EXPERT_AXIS,
+        "data_axes": mesh_lib.MOE_DATA_AXES,
+    }
+
+  def make_model():
+    return model_lib.Transformer(
+        run.model,
+        backend=run.backend,
+        compute_dtype=jnp.dtype(run.compute_dtype),
+        remat=run.remat,
+        rngs=nnx.Rngs(params=run.seed),
+        moe_mesh=moe_mesh,
+    )
+
+  model = nnx.eval_shape(make_model) if abstract else make_model()
+  graphdef, params, bias = nnx.split(model, nnx.Param, moe_flax.CorrectionBias)
+  init = steps.make_optimizer(run).init
+  state = {
+      "params": params,
+      "opt_state": jax.eval_shape(init, params) if abstract else init(params),
+      "bias": bias,
+  }
+  placement = None
+  if mesh is not None:
+    placement = sharding.Placement.of(state, mesh, sizes)
+    if abstract:
+      state = jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          state,
+          placement.state,
+      )
+    else:
+      state = sharding.place(state, placement.state)
+  return graphdef, state, placement
+
+
+def _batch_like(run: RunConfig, placement) -> jax.ShapeDtypeStruct:
+  """What a batch [B, T+1] of `run` is, to compile the step for it."""
+  return jax.ShapeDtypeStruct(
+      (run.batch_size, run.seq_len + 1),
+      jnp.int32,
+      sharding=None if placement is None else placement.batch,
+  )
+
+
+def compiled_step_memory(run: RunConfig) -> steps.StepMemory | None:
+  """XLA's memory figures for `run`'s train step, compiled for its mesh.
+
+  Builds the model and state abstractly (nothing allocated) and compiles
+  the very step a Trainer of `run` compiles: the figures are those of the
+  run. Needs the mesh's devices (simulated CPU devices will do).
+
+  Raises:
+    ValueError: the mesh does not fit the devices, or the run the mesh.
+  """
+  sizes = mesh_lib.parse(run.mesh)
+  mesh = mesh_lib.build(sizes)
+  mesh_lib.check_run(sizes, run.model, run.batch_size)
+  graphdef, state, placement = build_state(run, mesh, sizes, abstract=True)
+  program = steps.program(run, graphdef, placement)
+  return program.train_step_memory(state, _batch_like(run, placement))
 
 
 def _optimizer_step_counts(opt_state) -> dict[str, int]:
@@ -74,35 +241,7 @@ class Trainer:
     self.mesh = mesh_lib.build(self.sizes)
     mesh_lib.check_run(self.sizes, run.model, run.batch_size)
     self.is_main = distributed.is_main_process()
-    moe_mesh = None
-    if self.mesh is not None:
-      moe_mesh = {
-          "mesh": self.mesh,
-          "expert_axis": mesh_lib.EXPERT_AXIS,
-          "data_axes": mesh_lib.MOE_DATA_AXES,
-      }
-    model = model_lib.Transformer(
-        run.model,
-        backend=run.backend,
-        compute_dtype=jnp.dtype(run.compute_dtype),
-        remat=run.remat,
-        rngs=nnx.Rngs(params=run.seed),
-        moe_mesh=moe_mesh,
-    )
-    graphdef, params, bias = nnx.split(
-        model, nnx.Param, moe_flax.CorrectionBias
-    )
-    # Every process builds the same initial values from the seed; on a mesh
-    # each then keeps only its devices' shards of them.
-    state = {
-        "params": params,
-        "opt_state": steps.make_optimizer(run).init(params),
-        "bias": bias,
-    }
-    self.placement = None
-    if self.mesh is not None:
-      self.placement = sharding.Placement.of(state, self.mesh, self.sizes)
-      state = sharding.place(state, self.placement.state)
+    graphdef, state, self.placement = build_state(run, self.mesh, self.sizes)
     self.program = steps.program(run, graphdef, self.placement)
     self.state = state
     self.step = 0
@@ -121,6 +260,13 @@ class Trainer:
     self._checkpointer = None
     self.backend_name = self._resolve_backend()
     self._stop_signal = None
+    self._deferring_signals = False
+    # The output directory: taken by prepare_output_dir or fit, given back
+    # by close. Only process 0 holds the lock.
+    self._output_lock: output_lock.OutputDirLock | None = None
+    self._owns_output_dir = False
+    # XLA's memory figures of the train step, once fit has compiled it.
+    self.memory: steps.StepMemory | None = None
 
   # --- Host side -------------------------------------------------------------
 
@@ -158,11 +304,67 @@ class Trainer:
     The step is committed (state and step counter) only once its metrics
     are on the host: dispatch is asynchronous, so a Ctrl-C most likely lands
     in the wait, and then neither the state nor the step may have moved.
+    Nor is it committed if its loss or its updated state is not finite.
+
+    Raises:
+      NonFiniteError: the loss, or a value of the updated state, is NaN or
+        Inf; one line naming the step. The state stays that of the step
+        before.
     """
     state, metrics = self.program.train_step(self.state, self._put_batch(batch))
     metrics = jax.device_get(metrics)
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss) or not bool(metrics.get("finite", True)):
+      raise NonFiniteError(self._non_finite_message(self.step + 1, loss))
     self.state, self.step = state, self.step + 1
     return metrics
+
+  def _non_finite_message(self, step: int, loss: float) -> str:
+    if math.isfinite(loss):
+      what = (
+          f"the update made the parameters or optimiser state non-finite "
+          f"(the loss, {loss:.4g}, was finite)"
+      )
+    else:
+      what = f"the loss is {loss}"
+    newest = self._newest_checkpoint()
+    resume = (
+        f"--resume continues from {os.path.basename(newest)}"
+        if newest
+        else "no checkpoint was saved yet"
+    )
+    return (
+        f"step {step}: {what}; the run stopped, keeping and saving nothing "
+        f"of this step. Lower --learning_rate (now {self.run.learning_rate:g})"
+        f" or raise --warmup_steps (now {self.run.warmup_steps}); {resume}."
+    )
+
+  def _newest_checkpoint(self) -> str | None:
+    ours = [
+        p
+        for _, p in checkpoint.list_checkpoints(self.checkpoint_dir)
+        if checkpoint.is_ours(p)
+    ]
+    return ours[-1] if ours else None
+
+  def non_finite_leaves(self, state=None) -> list[str]:
+    """Tree paths of the leaves of `state` (default: the run's) that hold a
+    NaN or Inf."""
+    state = self.state if state is None else state
+    flags = np.asarray(jax.device_get(self.program.finite_flags(state)))
+    paths = steps.floating_leaf_paths(state)
+    return [p for p, ok in zip(paths, flags) if not ok]
+
+  def step_memory(self) -> steps.StepMemory | None:
+    """XLA's memory figures of this run's train step, per device.
+
+    Compiles the step for the run's state and batches: the compile the
+    first step would do (they share jit's cache).
+    """
+    batch = self._put_batch(
+        np.zeros((self.run.batch_size, self.run.seq_len + 1), np.int32)
+    )
+    return self.program.train_step_memory(self.state, batch)
 
   def evaluate(self) -> float:
     """Mean held-out next-byte loss (nats) over the fixed eval batches."""
@@ -202,18 +404,34 @@ class Trainer:
     return {k: getattr(self.run, k) for k in self._SOFT_SETTINGS}
 
   @property
+  def fingerprint(self) -> dict:
+    """What a checkpoint of this run records, and a resume must match."""
+    return self.run.fingerprint(self.corpus.name, self.corpus.sha256)
+
+  @property
   def checkpointer(self) -> checkpoint.Checkpointer:
     """The run's (async, Orbax) checkpointer, made on first use."""
     if self._checkpointer is None:
       self._checkpointer = checkpoint.Checkpointer(
           self.checkpoint_dir,
-          fingerprint=self.run.fingerprint(self.corpus.name),
+          fingerprint=self.fingerprint,
           keep=self.run.keep_checkpoints,
       )
     return self._checkpointer
 
   def save_checkpoint(self) -> str:
-    """Starts saving the state (every process its own shards); see wait."""
+    """Starts saving the state (every process its own shards); see wait.
+
+    Raises:
+      NonFiniteError: the state holds a NaN or Inf (nothing is written).
+      checkpoint.CheckpointSaveError: the checkpoint cannot be written.
+    """
+    bad = self.non_finite_leaves()
+    if bad:
+      raise NonFiniteError(
+          f"step {self.step}: not saving a checkpoint of a state with NaN or "
+          f"Inf values ({len(bad)} leaves, first {bad[0]})."
+      )
     return self.checkpointer.save(
         self.step,
         self.state,
@@ -230,9 +448,20 @@ class Trainer:
     The checkpoint may come from another mesh or process count: each leaf
     is read into this run's sharding of it.
     """
+    fingerprint = self._resume_fingerprint(path)
     # The current state is the template: its leaves' shardings say where
     # each restored leaf goes.
-    state, meta = self.checkpointer.restore(path, self.state)
+    state, meta = self.checkpointer.restore(
+        path, self.state, fingerprint=fingerprint
+    )
+    bad = self.non_finite_leaves(state)
+    if bad:
+      raise checkpoint.CheckpointError(
+          f"checkpoint {path!r} holds NaN or Inf values ({len(bad)} leaves, "
+          f"first {bad[0]}): it was saved after the run diverged. Move it "
+          "out of the checkpoint directory to resume from the one before, "
+          "or start afresh."
+      )
     extra = meta.get("extra", {})
     if "data" not in extra:
       raise checkpoint.CheckpointError(
@@ -262,11 +491,100 @@ class Trainer:
           "uninterrupted one."
       )
 
-  def prepare_output_dir(self) -> None:
-    """Resumes from the newest checkpoint, or clears old ones when fresh.
+  def _resume_fingerprint(self, path: str) -> dict:
+    """The fingerprint checkpoint `path` must match, after checking that
+    the text has the contents it was trained on.
 
-    First deletes what killed saves left behind (process 0), saying so.
+    Raises:
+      checkpoint.CheckpointError: the same --data path (or the embedded
+        corpus) with other contents than when `path` was saved.
     """
+    saved = checkpoint.read_meta(path)["fingerprint"]
+    fingerprint = self.fingerprint
+    if "data_sha256" not in saved:
+      # Saved before the digest was recorded: only the name can be checked.
+      del fingerprint["data_sha256"]
+      self._print(
+          f"note: {os.path.basename(path)} records no digest of its text; "
+          "whether the contents of --data changed since cannot be checked."
+      )
+    elif (
+        saved.get("data") == self.corpus.name
+        and saved["data_sha256"] != self.corpus.sha256
+    ):
+      what = (
+          f"--data={self.corpus.name!r}"
+          if self.run.data
+          else f"the embedded corpus {self.corpus.name!r} (another Python "
+          "version ships other text)"
+      )
+      raise checkpoint.CheckpointError(
+          f"{what} changed since checkpoint {path!r} was saved: its SHA-256 "
+          f"was {saved['data_sha256'][:16]}..., now "
+          f"{self.corpus.sha256[:16]}...; --resume needs the text the run "
+          "trained on: put it back, or start a new run (without --resume, or "
+          "in another --output_dir)."
+      )
+    return fingerprint
+
+  # --- The output directory --------------------------------------------------
+
+  def _take_output_dir(self) -> None:
+    """Process 0 takes --output_dir's lock; every process learns if it did.
+
+    Raises:
+      output_lock.OutputDirBusyError: another run holds it (process 0's
+        message names the holder); on the other processes, one line
+        saying that process 0 could not take it.
+    """
+    if self._owns_output_dir:
+      return
+    lock, error = None, None
+    if self.is_main:
+      try:
+        lock = output_lock.OutputDirLock(self.run.output_dir).acquire()
+      except (output_lock.OutputDirBusyError, OSError) as e:
+        error = e
+    # All processes stop together, or none does.
+    if not distributed.all_true(error is None):
+      if error is not None:
+        raise error
+      raise output_lock.OutputDirBusyError(
+          f"--output_dir={self.run.output_dir!r}: process 0 of this run "
+          "could not take the directory's lock; its output says why."
+      )
+    self._output_lock, self._owns_output_dir = lock, True
+    if lock is not None and lock.note:
+      self._print(lock.note)
+
+  def _release_output_dir(self) -> None:
+    if self._output_lock is not None:
+      self._output_lock.release()
+    self._output_lock, self._owns_output_dir = None, False
+
+  def prepare_output_dir(self) -> None:
+    """Takes --output_dir, then resumes from the newest checkpoint, or clears
+    this program's old ones when fresh.
+
+    First deletes what killed saves left behind (process 0), saying so. A
+    fresh run deletes only the `step_*` checkpoints this program wrote
+    (`checkpoint.is_ours`); it refuses to start beside `step_*` directories
+    of any other origin, whose names its saves could meet.
+
+    Raises:
+      output_lock.OutputDirBusyError: another run holds --output_dir.
+      checkpoint.CheckpointError: nothing or nothing usable to resume, or
+        foreign `step_*` directories in the way of a fresh run. The
+        directory is given back before it is raised.
+    """
+    self._take_output_dir()
+    try:
+      self._prepare_checkpoints()
+    except BaseException:
+      self._release_output_dir()
+      raise
+
+  def _prepare_checkpoints(self) -> None:
     if self.is_main:
       for line in checkpoint.remove_leftovers(self.checkpoint_dir):
         self._print(f"{self.checkpoint_dir}: {line}")
@@ -282,13 +600,21 @@ class Trainer:
       self.restore_checkpoint(found[-1][1])
       self._print(f"resumed from {found[-1][1]} at step {self.step}")
     elif found:
+      foreign = checkpoint.foreign_step_dirs(self.checkpoint_dir)
+      if foreign:
+        raise checkpoint.CheckpointError(
+            f"{self.checkpoint_dir!r} holds {foreign[:5]} (showing up to 5), "
+            "which this program did not write (no meta.json of its own); a "
+            "fresh run deletes only its own checkpoints, and its saves could "
+            "meet these names: move them out, or pass another --output_dir."
+        )
       self._print(
           f"starting fresh: removing {len(found)} checkpoint(s) of a "
           f"previous run in {self.checkpoint_dir} (pass --resume to "
           "continue it instead)"
       )
       if self.is_main:
-        checkpoint.remove_all(self.checkpoint_dir)
+        checkpoint.remove_checkpoints(self.checkpoint_dir)
       # No process may look for checkpoints until they are gone.
       distributed.barrier("dropless_fresh_output_dir")
 
@@ -308,75 +634,83 @@ class Trainer:
     if signum == signal.SIGINT:
       signal.signal(signal.SIGINT, signal.default_int_handler)
 
+  @contextlib.contextmanager
+  def deferring_signals(self):
+    """Inside, SIGINT and SIGTERM ask the run to stop after the step in flight.
+
+    Before the last step that is an interruption (checkpointed, resumable);
+    after it, the run finishes as usual: the final evaluation, save and
+    report still happen, and nothing counts as interrupted. The previous
+    handlers come back on exit. Nested uses are one. Main thread only.
+    """
+    if self._deferring_signals:
+      yield
+      return
+    previous = {
+        sig: signal.signal(sig, self._on_signal)
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    self._deferring_signals = True
+    try:
+      yield
+    finally:
+      self._deferring_signals = False
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
   def fit(self, *, handle_signals: bool = False) -> dict:
     """Trains to `run.steps`, evaluating and checkpointing on the way.
 
+    Takes --output_dir first, if `prepare_output_dir` did not. With
+    `handle_signals`, Ctrl-C and SIGTERM are deferred as
+    `deferring_signals` says, up to the end of the final save.
+
     Returns:
       A summary dict (also written as summary.json by `train.main`).
+
+    Raises:
+      NonFiniteError: a step's loss or state is not finite (not kept).
+      OutOfMemoryError: the devices ran out of memory.
+      checkpoint.CheckpointSaveError: a checkpoint could not be written;
+        raised after the step that started it.
     """
+    self._take_output_dir()
+    signals = (
+        self.deferring_signals() if handle_signals else contextlib.nullcontext()
+    )
+    with signals:
+      return self._fit()
+
+  def _fit(self) -> dict:
     run = self.run
     os.makedirs(run.output_dir, exist_ok=True)
     metrics_path = os.path.join(run.output_dir, "metrics.jsonl")
-    previous = {}
-    if handle_signals:
-      # Ctrl-C and SIGTERM finish the step in flight, then checkpoint: an
-      # exception inside the step could leave a half-logged step behind.
-      for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, self._on_signal)
     self._first_step = self.step
     interrupted = None
     start = time.perf_counter()
+    if self.step < run.steps:
+      self._show_memory()
     try:
-      # Only process 0 writes the metrics; the others compute the same ones.
-      # A resumed run keeps the records up to the step it resumed from.
+      # Only the holder of --output_dir's lock (process 0) writes the
+      # metrics; the others compute the same ones. A resumed run keeps the
+      # records up to the step it resumed from.
       with step_log.MetricsLog(
-          metrics_path if self.is_main else None,
+          metrics_path if self._output_lock is not None else None,
           resume_step=self.step if run.resume else None,
       ) as log:
         while self.step < run.steps:
-          position = self.sampler.state()
-          batch = self._next_batch()
-          t0 = time.perf_counter()
-          try:
-            metrics = self.train_step(batch)
-          except KeyboardInterrupt:
-            # The step did not happen: its batch must be drawn again.
-            self.sampler.restore(position)
-            raise
-          record = step_log.log_step(
-              self.history, run, self.step, metrics, time.perf_counter() - t0
-          )
-          log.append(record)
-          step_log.show_progress(
-              run,
-              self.step,
-              record["loss"],
-              record["tokens_per_s"],
-              start=start,
-              first_step=self._first_step,
-          )
-          if self.step % run.log_every == 0 or self.step == 1:
-            self._print(step_log.format_record(run, record))
-          if self.step % run.eval_every == 0 or self.step == run.steps:
-            eval_loss = self.evaluate()
-            self.history["eval_step"].append(self.step)
-            self.history["eval_loss"].append(eval_loss)
-            self._print(f"step {self.step:5d} held-out loss {eval_loss:.4f}")
-          if (
-              run.checkpoint_every
-              and self.step % run.checkpoint_every == 0
-              and self.step < run.steps
-          ):
-            self.save_checkpoint()
-            log.sync()  # The log on disk reaches at least the checkpoint.
-          if self._stop_signal is not None:
+          self._one_step(log, start)
+          if self._stop_signal is not None and self.step < run.steps:
             interrupted = signal.Signals(self._stop_signal).name
             break
     except KeyboardInterrupt:
       interrupted = "KeyboardInterrupt"
-    finally:
-      for sig, handler in previous.items():
-        signal.signal(sig, handler)
+    except RuntimeError as e:
+      if not is_out_of_memory(e):
+        raise
+      raise out_of_memory_error(
+          run, e, when=f"at step {self.step + 1}", memory=self.memory
+      ) from e
     path = self.save_checkpoint()  # At the end, and on an interrupt.
     self.checkpointer.wait()
     if interrupted:
@@ -384,17 +718,91 @@ class Trainer:
           f"\ninterrupted ({interrupted}) at step {self.step}; saved "
           f"{path}; continue with --resume"
       )
+    elif self._stop_signal is not None:
+      self._print(
+          f"note: {signal.Signals(self._stop_signal).name} arrived after "
+          "the last step; the run finished as usual"
+      )
     return self.summary(
         wall_seconds=time.perf_counter() - start,
         checkpoint_path=path,
         interrupted=interrupted,
     )
 
-  def close(self) -> None:
-    """Finishes any checkpoint still being written (call before exiting)."""
+  def _show_memory(self) -> None:
+    """Compiles the train step and prints its memory beside the estimate."""
+    try:
+      self.memory = self.step_memory()
+    except RuntimeError as e:
+      if not is_out_of_memory(e):
+        raise
+      raise out_of_memory_error(
+          self.run, e, when="compiling the train step"
+      ) from e
+    if self.memory is not None:
+      analytic = cost_report.analytic_bytes_per_device(
+          self.run.model,
+          sizing.parse_mesh(self.run.mesh),
+          self.run.batch_size,
+          self.run.seq_len,
+          self.run.remat,
+      )
+      self._print(
+          "memory: " + cost_report.compiled_memory_line(self.memory, analytic)
+      )
+
+  def _one_step(self, log: step_log.MetricsLog, start: float) -> None:
+    """Trains, logs, evaluates and checkpoints one step, as due."""
+    run = self.run
+    position = self.sampler.state()
+    batch = self._next_batch()
+    t0 = time.perf_counter()
+    try:
+      metrics = self.train_step(batch)
+    except KeyboardInterrupt:
+      # The step did not happen: its batch must be drawn again.
+      self.sampler.restore(position)
+      raise
+    record = step_log.log_step(
+        self.history, run, self.step, metrics, time.perf_counter() - t0
+    )
+    log.append(record)
+    step_log.show_progress(
+        run,
+        self.step,
+        record["loss"],
+        record["tokens_per_s"],
+        start=start,
+        first_step=self._first_step,
+    )
+    if self.step % run.log_every == 0 or self.step == 1:
+      self._print(step_log.format_record(run, record))
+    if self.step % run.eval_every == 0 or self.step == run.steps:
+      eval_loss = self.evaluate()
+      self.history["eval_step"].append(self.step)
+      self.history["eval_loss"].append(eval_loss)
+      self._print(f"step {self.step:5d} held-out loss {eval_loss:.4f}")
     if self._checkpointer is not None:
-      self._checkpointer.close()
-      self._checkpointer = None
+      # A save started at an earlier step that has failed since stops the
+      # run now, not at the next save.
+      self._checkpointer.poll()
+    if (
+        run.checkpoint_every
+        and self.step % run.checkpoint_every == 0
+        and self.step < run.steps
+    ):
+      self.save_checkpoint()
+      log.sync()  # The log on disk reaches at least the checkpoint.
+
+  def close(self) -> None:
+    """Finishes any checkpoint still being written, then gives back
+    --output_dir (call before exiting)."""
+    try:
+      if self._checkpointer is not None:
+        self._checkpointer.close()
+        self._checkpointer = None
+    finally:
+      self._release_output_dir()
 
   def summary(
       self,
