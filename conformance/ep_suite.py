@@ -17,6 +17,7 @@ import numpy as np
 from conformance import base
 from conformance import cases
 from conformance import tolerances
+import moe_core
 from moe_core import parallel
 
 NUM_DEVICES = 8
@@ -229,3 +230,43 @@ class ExpertParallelSuite(base.BackendTestCase):
     )
     self.assertTrue(np.all(got.aux["kept"]))
     self.assertMatchesPerTokenMath(_HOT, got)
+
+  # --- What a user gets wrong, said once and first -------------------------
+
+  def _hot_layer(self, **options):
+    """(f(params, x) -> (y, aux) on ep8, params, x) for the hot-expert case:
+    every copy goes to one device."""
+    case = _HOT
+    self.skip_unless_computes(case.dtype)
+    params, x, _ = cases.layer_inputs(case)
+    mesh = _MESH["ep8"].build()
+
+    def layer(params, x):
+      return moe_core.moe_layer(
+          params,
+          x,
+          case.cfg,
+          backend=self.backend,
+          mesh=mesh,
+          data_axes=(),
+          ep_options=parallel.EPOptions(**options),
+      )
+
+    return layer, params, x
+
+  def test_exchange_refuses_a_platform_it_cannot_run_on(self):
+    platform = jax.devices()[0].platform
+    if platform in parallel.RAGGED_PLATFORMS:
+      self.skipTest(f"the ragged exchange runs on {platform!r}")
+    layer, params, x = self._hot_layer(exchange="ragged")
+    message = (
+        f"exchange 'ragged' cannot run on platform '{platform}': it needs "
+        "jax.lax.ragged_all_to_all, which XLA implements on gpu and tpu "
+        f"only. On '{platform}' use exchange='padded'"
+    )
+    for name, fn in (("eager", layer), ("jit", jax.jit(layer))):
+      with (
+          self.subTest(name),
+          self.assertRaisesRegex(NotImplementedError, message),
+      ):
+        jax.block_until_ready(fn(params, x))

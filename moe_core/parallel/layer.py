@@ -23,6 +23,7 @@ from moe_core import params as params_lib
 from moe_core import registry
 from moe_core import routing
 from moe_core import validation
+from moe_core.parallel import exchange as exchange_lib
 from moe_core.parallel import options as options_lib
 from moe_core.parallel import stages
 
@@ -163,6 +164,10 @@ def moe_layer(
   Returns:
     y [..., D] in x's dtype; `MoEAux` whose per-token fields are [T, ...]
     sharded like the tokens and whose statistics are global.
+
+  Raises:
+    NotImplementedError: when the program is lowered for a platform the
+      exchange does not run on (`exchange.refuse_other_platforms`).
   """
   options = options or options_lib.EPOptions()
   token_axes = validation.check_mesh(mesh, cfg, expert_axis, data_axes)
@@ -172,6 +177,18 @@ def moe_layer(
   platform = mesh.devices.flat[0].platform
   exchange = options_lib.resolve_exchange(options.exchange, platform)
   options = dataclasses.replace(options, exchange=exchange)
+  # Called on concrete arrays, the layer runs now, on the mesh's devices;
+  # traced, it may be lowered (exported) for another platform.
+  concrete = not any(
+      isinstance(leaf, jax.core.Tracer)
+      for leaf in jax.tree_util.tree_leaves((params, x))
+  )
+  # The exchange's platform, checked before the backends run: "auto" would
+  # take a NotImplementedError from inside for theirs and try the next one.
+  mover = exchange_lib.get_exchange(exchange)
+  mover.check_platform(platform)
+  if concrete and not mover.runs_on(platform):
+    raise NotImplementedError(mover.unsupported_platform_message(platform))
   explicit = compat.is_explicit(mesh)
   token_spec = P(token_axes)
   tokens = _reshape(

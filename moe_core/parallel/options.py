@@ -47,7 +47,9 @@ class EPOptions:
     exchange: "ragged" moves only the real rows with
       `jax.lax.ragged_all_to_all` (GPU, TPU); "padded" moves a static
       [ep, slots, D] buffer with `jax.lax.all_to_all` (any platform);
-      "auto" picks "ragged" on GPU/TPU and "padded" elsewhere;
+      "auto" picks "ragged" on GPU/TPU and "padded" elsewhere (a program
+      with "ragged" lowered for the CPU raises NotImplementedError naming
+      the platform);
       "ragged_emulated" is the ragged layout with the exchange emulated by an
       all_gather (ep times the traffic): a test aid for platforms without
       ragged_all_to_all; "te_nccl_ep" is the ragged layout moved by

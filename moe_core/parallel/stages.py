@@ -223,7 +223,9 @@ def dispatch(
     local = dataclasses.replace(
         local, rows=_raise_on_overflow(local.rows, total, bound)
     )
-  received = mover.send(local.rows, sent, layout, expert_axis)
+  # Where the exchange cannot run, refused when the program is lowered.
+  rows = exchange_lib.refuse_other_platforms(local.rows, mover)
+  received = mover.send(rows, sent, layout, expert_axis)
   grouped, group_sizes, regroup = _group_by_expert(
       received, layout, counts[:, me, :]
   )
