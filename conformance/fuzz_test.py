@@ -2,8 +2,10 @@
 
 Random valid configs and inputs (every router family, groups, capacity, a
 shared expert, E up to 256, 1 to 8 tokens, float32/bfloat16/float16, traced
-under jax.jit and static) must agree with the reference backend within the
-conformance tolerances; random invalid ones must give the outcome the
+under jax.jit and static; half of them with extreme but finite routing
+inputs, logits up to about +-3e4) must agree with the reference backend
+within the conformance tolerances, finite and with every assignment
+counted; random invalid ones must give the outcome the
 run-time policy documents (README, "Guarantees"), the same on every
 backend. The strategies are in conformance/fuzz_strategies.py.
 
