@@ -6,7 +6,9 @@ before jax is imported); skips with the reason otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import math
 from typing import ClassVar
 
@@ -17,6 +19,7 @@ import numpy as np
 from conformance import base
 from conformance import cases
 from conformance import tolerances
+import moe_core
 from moe_core import parallel
 
 NUM_DEVICES = 8
@@ -229,3 +232,72 @@ class ExpertParallelSuite(base.BackendTestCase):
     )
     self.assertTrue(np.all(got.aux["kept"]))
     self.assertMatchesPerTokenMath(_HOT, got)
+
+  # --- What a user gets wrong, said once and first -------------------------
+
+  def _hot_layer(self, **options):
+    """(f(params, x) -> (y, aux) on ep8, params, x) for the hot-expert case:
+    every copy goes to one device."""
+    case = _HOT
+    self.skip_unless_computes(case.dtype)
+    params, x, _ = cases.layer_inputs(case)
+    mesh = _MESH["ep8"].build()
+
+    def layer(params, x):
+      return moe_core.moe_layer(
+          params,
+          x,
+          case.cfg,
+          backend=self.backend,
+          mesh=mesh,
+          data_axes=(),
+          ep_options=parallel.EPOptions(**options),
+      )
+
+    return layer, params, x
+
+  def test_exchange_refuses_a_platform_it_cannot_run_on(self):
+    platform = jax.devices()[0].platform
+    if platform in parallel.RAGGED_PLATFORMS:
+      self.skipTest(f"the ragged exchange runs on {platform!r}")
+    layer, params, x = self._hot_layer(exchange="ragged")
+    message = (
+        f"exchange 'ragged' cannot run on platform '{platform}': it needs "
+        "jax.lax.ragged_all_to_all, which XLA implements on gpu and tpu "
+        f"only. On '{platform}' use exchange='padded'"
+    )
+    for name, fn in (("eager", layer), ("jit", jax.jit(layer))):
+      with (
+          self.subTest(name),
+          self.assertRaisesRegex(NotImplementedError, message),
+      ):
+        jax.block_until_ready(fn(params, x))
+
+  def test_overflow_error_says_the_message_once(self):
+    # Each of 8 devices holds 2 tokens and may send the hot expert's device
+    # ceil(2 * 2 tokens / 8) = 1 of them: 8 of the 16 copies do not fit.
+    layer, params, x = self._hot_layer(buffer_factor=2.0, overflow="error")
+    message = (
+        "expert-parallel receive buffer overflow: 8 token copies did not "
+        "fit the bounded buffer (buffer_factor=2.0, 1 slots per peer, "
+        "exchange='padded')"
+    )
+    callback_log = logging.getLogger("jax._src.callback")
+    with self.subTest("eager"):
+      # On concrete arrays: the library's error itself, from Python.
+      with self.assertNoLogs(callback_log, logging.ERROR):
+        with self.assertRaises(RuntimeError) as raised:
+          layer(params, x)
+      self.assertIsInstance(raised.exception, parallel.BufferOverflowError)
+      self.assertTrue(str(raised.exception).startswith(message))
+    with self.subTest("jit"):
+      # Traced: a host callback raises on every device; JAX wraps its error
+      # (docs/expert_parallel.md) and logs nothing more of it.
+      with self.assertNoLogs(callback_log, logging.ERROR):
+        with self.assertRaises(Exception) as raised:
+          jax.block_until_ready(jax.jit(layer)(params, x))
+        # A program with effects leaves JAX a token of the failed run,
+        # which would raise the error once more at exit: take it now.
+        with contextlib.suppress(Exception):
+          jax.effects_barrier()
+      self.assertEqual(str(raised.exception).count(message), 1)

@@ -109,6 +109,86 @@ def layer_cases(
   )
 
 
+# --- Extreme but finite routing: finite logits give finite outputs --------
+
+# Every token's logits shifted by this: past -104 every sigmoid score is 0
+# in float32 (-1e4 even in float64), past +17 it is 1.
+LOGIT_OFFSETS = (-1e4, -1e3, -110.0, -104.0, 0.0, 110.0, 1e4)
+# The router's other rows scaled by this: 0 makes all logits equal, 1e-6
+# near-ties them, 1e3 spreads them over about +-1e3.
+LOGIT_SPREADS = (0.0, 1e-6, 1.0, 1e2, 1e3)
+# A one-hot row: one expert's logit this much above the others.
+ONE_HOT_GAPS = (2e4, 200.0)
+# The correction bias scaled by this: 1e4 makes the bias alone choose,
+# often experts whose scores are 0; 0 and 1e-30 leave it no say.
+BIAS_SCALES = (1.0, 1e4, 0.0, 1e-30)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterExtreme:
+  """Finite routing inputs of extreme size, written over a case's inputs.
+
+  Feature 0 of every token becomes 1, and router row 0 the logits' common
+  part: `offset` for every expert, plus `one_hot_gap` for expert `one_hot`.
+  The other router rows are scaled by `spread`, the correction bias by
+  `bias_scale`. Logits stay within about +-3e4, which float16 and bfloat16
+  router weights hold (float16's largest is 65504).
+  """
+
+  offset: float
+  spread: float
+  one_hot: int | None
+  one_hot_gap: float
+  bias_scale: float
+
+
+@st.composite
+def router_extremes(draw, cfg: moe_core.MoEConfig):
+  """None (the case's own inputs) about half the time, else a
+  `RouterExtreme` for `cfg`."""
+  if draw(st.booleans()):
+    return None
+  return RouterExtreme(
+      offset=draw(st.sampled_from(LOGIT_OFFSETS)),
+      spread=draw(st.sampled_from(LOGIT_SPREADS)),
+      one_hot=draw(st.one_of(st.none(), st.integers(0, cfg.num_experts - 1))),
+      one_hot_gap=draw(st.sampled_from(ONE_HOT_GAPS)),
+      bias_scale=draw(st.sampled_from(BIAS_SCALES)),
+  )
+
+
+def layer_cases_with_extremes(**kwargs):
+  """(case, RouterExtreme or None): `layer_cases(**kwargs)` and what
+  `extreme_inputs` writes over its inputs."""
+  return layer_cases(**kwargs).flatmap(
+      lambda case: st.tuples(st.just(case), router_extremes(case.cfg))
+  )
+
+
+def extreme_inputs(
+    case: cases.LayerCase, extreme: RouterExtreme | None
+) -> tuple[dict, jnp.ndarray]:
+  """(params, x) of `case`, with `extreme` written in (see RouterExtreme);
+  x keeps its batch shape. The case's cached inputs are not changed."""
+  params, x, _ = cases.layer_inputs(case)
+  if extreme is None:
+    return params, x
+  arrays = {n: np.array(v).astype(np.float32) for n, v in params.items()}
+  tokens = np.array(x).astype(np.float32)
+  tokens[..., 0] = 1.0
+  router = arrays["router"]
+  router *= extreme.spread
+  router[0] = extreme.offset
+  if extreme.one_hot is not None:
+    router[0, extreme.one_hot] += extreme.one_hot_gap
+  if "correction_bias" in arrays:
+    arrays["correction_bias"] *= extreme.bias_scale
+  return (
+      {n: jnp.asarray(v, params[n].dtype) for n, v in arrays.items()},
+      jnp.asarray(tokens, x.dtype),
+  )
+
+
 # --- Non-finite data (policy R1, R7) -----------------------------------------
 
 

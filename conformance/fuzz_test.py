@@ -2,8 +2,10 @@
 
 Random valid configs and inputs (every router family, groups, capacity, a
 shared expert, E up to 256, 1 to 8 tokens, float32/bfloat16/float16, traced
-under jax.jit and static) must agree with the reference backend within the
-conformance tolerances; random invalid ones must give the outcome the
+under jax.jit and static; half of them with extreme but finite routing
+inputs, logits up to about +-3e4) must agree with the reference backend
+within the conformance tolerances, finite and with every assignment
+counted; random invalid ones must give the outcome the
 run-time policy documents (README, "Guarantees"), the same on every
 backend. The strategies are in conformance/fuzz_strategies.py.
 
@@ -38,7 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_core
-from conformance import base
 from conformance import cases
 from conformance import fuzz_strategies as fs
 from conformance import oracles
@@ -255,9 +256,9 @@ def _nan_aware_equal(a, b) -> bool:
   return bool(np.array_equal(a, b))
 
 
-# Valid cases that passed in this process; each compiles anew, and
-# hypothesis may draw one value twice.
-_PASSED: set[cases.LayerCase] = set()
+# Valid (case, extreme) pairs that passed in this process; each compiles
+# anew, and hypothesis may draw one value twice.
+_PASSED: set[tuple] = set()
 
 # DeepSeek-V3's router on 256 experts, as an explicit example: the largest
 # bucket is one draw in six, and a short profile may miss it.
@@ -350,16 +351,37 @@ class FuzzTest(absltest.TestCase):
 
   # --- (a) Valid inputs agree with the reference ----------------------------
 
-  def _oracle(self, case: cases.LayerCase) -> base.LayerResult:
-    """The reference on `case`, cached per process."""
-    return base.reference_layer(
-        dataclasses.replace(case, jit=_traced("reference", case))
+  def _oracle(self, case: cases.LayerCase, params, x) -> LayerOut:
+    """The reference on `case` with inputs (params, x)."""
+    got = _layer(
+        _backends()["reference"],
+        params,
+        x,
+        case.cfg,
+        _traced("reference", case),
+    )
+    if isinstance(got, Raised):
+      self.fail(f"reference raised {got.kind.__name__}: {got.message}")
+    return got
+
+  def assertFiniteAndCounted(self, got: LayerOut, case, msg):
+    """Finite inputs (logits of any size): finite y and aux, nothing
+    invalid, every assignment kept or dropped (README, "Guarantees")."""
+    bad = np.flatnonzero(~np.all(np.isfinite(got.y), axis=-1))
+    self.assertEqual(bad.size, 0, f"{msg}: non-finite y rows {bad.tolist()}")
+    for name, value in got.aux.items():
+      if np.issubdtype(value.dtype, np.floating):
+        self.assertTrue(np.all(np.isfinite(value)), f"{msg}: aux.{name}")
+    self.assertEqual(int(got.aux["invalid_assignments"]), 0, msg)
+    self.assertEqual(
+        int(got.aux["kept"].sum()) + int(got.aux["dropped_tokens"]),
+        case.num_tokens * case.cfg.top_k,
+        f"{msg}: kept + dropped + invalid != T*K",
     )
 
-  def _check_oracle_against_numpy(self, case, oracle):
+  def _check_oracle_against_numpy(self, case, params, x, oracle):
     """The reference's routing against oracles.route and its y against the
     per-token float64 sum, where no near tie leaves the choice open."""
-    params, x, _ = cases.layer_inputs(case)
     cfg = case.cfg
     tokens = oracles.f64(x).reshape(-1, cfg.hidden_size)
     aux = oracle.aux
@@ -403,9 +425,8 @@ class FuzzTest(absltest.TestCase):
         "reference: y vs per-token float64 sum",
     )
 
-  def _check_backend_matches_oracle(self, name, case, oracle):
+  def _check_backend_matches_oracle(self, name, case, params, x, oracle):
     backend = _backends()[name]
-    params, x, _ = cases.layer_inputs(case)
     traced = _traced(name, case)
     msg = f"{name} ({'traced' if traced else 'static'})"
     got = _layer(backend, params, x, case.cfg, traced)
@@ -417,6 +438,7 @@ class FuzzTest(absltest.TestCase):
       return
     if isinstance(got, Raised):
       self.fail(f"{msg} raised {got.kind.__name__}: {got.message}")
+    self.assertFiniteAndCounted(got, case, msg)
     want_ids = oracle.aux["expert_ids"]
     tied = ~_clear_decisions(
         oracle.aux["router_logits"],
@@ -440,20 +462,27 @@ class FuzzTest(absltest.TestCase):
     )
 
   @_examples(1.75)
-  @hypothesis.example(case=_DEEPSEEK_V3_LIKE)
-  @hypothesis.given(case=fs.layer_cases())
-  def test_valid_layer_matches_reference(self, case):
+  @hypothesis.example(case_and_extreme=(_DEEPSEEK_V3_LIKE, None))
+  @hypothesis.given(case_and_extreme=fs.layer_cases_with_extremes())
+  def test_valid_layer_matches_reference(self, case_and_extreme):
     """(a): y and aux of every backend match the reference's, whose routing
     and y match float64 numpy; a dtype a backend lacks raises
-    NotImplementedError, the documented refusal."""
-    if case in _PASSED:
+    NotImplementedError, the documented refusal. Half the examples write
+    extreme but finite routing inputs in (`fs.RouterExtreme`: logits up to
+    about +-3e4, all equal, one-hot, huge or tiny router weights, a bias
+    that alone chooses): y and aux stay finite and every assignment is
+    counted."""
+    if case_and_extreme in _PASSED:
       return  # Drawn again (hypothesis may build one value twice).
-    oracle = self._oracle(case)
-    self._check_oracle_against_numpy(case, oracle)
+    case, extreme = case_and_extreme
+    params, x = fs.extreme_inputs(case, extreme)
+    oracle = self._oracle(case, params, x)
+    self.assertFiniteAndCounted(oracle, case, f"reference, {extreme}")
+    self._check_oracle_against_numpy(case, params, x, oracle)
     for name in _backends():
       if name != "reference":  # The oracle itself, checked against numpy.
-        self._check_backend_matches_oracle(name, case, oracle)
-    _PASSED.add(case)
+        self._check_backend_matches_oracle(name, case, params, x, oracle)
+    _PASSED.add(case_and_extreme)
 
   # --- (b) Invalid inputs: the documented outcome, alike on every backend ---
 
@@ -808,6 +837,30 @@ class FuzzTest(absltest.TestCase):
       got = _layer(backend, params, x, case.cfg, jit=False)
       self.assertEqual(int(got.aux["invalid_assignments"]), case.num_tokens)
       self.assertTrue(np.all(np.isnan(got.y)), f"{name}: y = {got.y}")
+
+  def test_regression_underflowing_sigmoid_scores_give_finite_rows(self):
+    """Finite logits, finite outputs: sigmoid scores, norm_topk_prob and
+    norm_epsilon 0, every logit near -1e4. Found (issue 28): each score
+    underflowed to 0, the renormalisation was 0/0, and the NaN rows were
+    counted as kept; the strategies then drew logits of about +-3 only."""
+    case = _small_case(score_func="sigmoid", norm_topk_prob=True, top_k=2)
+    params, x = fs.extreme_inputs(
+        case,
+        fs.RouterExtreme(
+            offset=-1e4,
+            spread=1.0,
+            one_hot=None,
+            one_hot_gap=0.0,
+            bias_scale=1.0,
+        ),
+    )
+    for name, backend in _backends().items():
+      got = _layer(backend, params, x, case.cfg, jit=False)
+      self.assertNotIsInstance(got, Raised, name)
+      self.assertFiniteAndCounted(got, case, name)
+      np.testing.assert_allclose(
+          got.aux["combine_weights"].sum(-1), 1.0, rtol=1e-6, err_msg=name
+      )
 
   def test_regression_nan_expert_weights_reach_only_their_tokens(self):
     """R7 and README ("propagates to the tokens that use them"): NaN in

@@ -71,8 +71,41 @@ def _softmax(logits):
   return z / z.sum(axis=-1, keepdims=True)
 
 
+def _log_sigmoid(z):
+  return -np.logaddexp(0.0, -z)
+
+
 def _sigmoid(z):
-  return 1.0 / (1.0 + np.exp(-z))
+  # Through the log: 1 / (1 + exp(-z)) overflows (and warns) for z < -709.
+  return np.exp(_log_sigmoid(z))
+
+
+def score(logits, score_func: str) -> np.ndarray:
+  """[T, E] float64 scores of the logits: softmax or sigmoid."""
+  logits = f64(logits)
+  if score_func == "softmax":
+    return _softmax(logits)
+  return _sigmoid(logits)
+
+
+def renormalised(logits, ids, cfg) -> np.ndarray:
+  """[T, K] w_k / (sum_j w_j + norm_epsilon) of the scores w of `ids`.
+
+  From float64 logs of the scores, which stay finite where the scores
+  underflow (sigmoid(-1e4) is 0 even in float64): finite logits, finite
+  weights (README, "Guarantees").
+  """
+  logits = f64(logits)
+  if cfg.score_func == "softmax":
+    m = logits.max(axis=-1, keepdims=True)
+    lse = m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True))
+    log_w = np.take_along_axis(logits, ids, axis=1) - lse
+  else:
+    log_w = _log_sigmoid(np.take_along_axis(logits, ids, axis=1))
+  log_total = np.logaddexp.reduce(log_w, axis=1, keepdims=True)
+  if cfg.norm_epsilon:
+    log_total = np.logaddexp(log_total, np.log(cfg.norm_epsilon))
+  return np.exp(log_w - log_total)
 
 
 def route(logits, cfg, correction_bias=None) -> dict:
@@ -85,12 +118,15 @@ def route(logits, cfg, correction_bias=None) -> dict:
   """
   logits = f64(logits)
   t, e = logits.shape
+  scores = score(logits, cfg.score_func)
   if cfg.score_func == "softmax":
-    scores = _softmax(logits)
     probs = scores
   else:
-    scores = _sigmoid(logits)
-    probs = scores / scores.sum(axis=-1, keepdims=True)
+    # scores / sum(scores) from their logs, finite where they underflow.
+    log_scores = _log_sigmoid(logits)
+    probs = np.exp(
+        log_scores - np.logaddexp.reduce(log_scores, axis=-1, keepdims=True)
+    )
   bias = np.zeros(e) if correction_bias is None else f64(correction_bias)
   size = e // cfg.n_group
   ids = np.zeros((t, cfg.top_k), np.int64)
@@ -108,9 +144,10 @@ def route(logits, cfg, correction_bias=None) -> dict:
     candidates = [j for j in range(e) if eligible[j]]
     candidates.sort(key=lambda j: (-choice[j], j))
     ids[i] = candidates[: cfg.top_k]
-  weights = np.take_along_axis(scores, ids, axis=1)
   if cfg.norm_topk_prob:
-    weights = weights / (weights.sum(axis=1, keepdims=True) + cfg.norm_epsilon)
+    weights = renormalised(logits, ids, cfg)
+  else:
+    weights = np.take_along_axis(scores, ids, axis=1)
   weights = weights * cfg.routed_scaling_factor
   kept = np.ones(ids.shape, bool)
   capacity = None

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+import moe_core
 from conformance import base
 from conformance import cases
 from conformance import oracles
@@ -15,6 +18,113 @@ from conformance import tolerances
 
 def _named(case_list):
   return parameterized.named_parameters(cases.named(case_list))
+
+
+def _extreme_cfg(**changes) -> moe_core.MoEConfig:
+  fields = dict(num_experts=8, top_k=2, hidden_size=8, expert_ffn_size=8)
+  fields.update(changes)
+  fields["hidden_size"] = fields["num_experts"]  # x = logits / 1e4.
+  return moe_core.MoEConfig(**fields)
+
+
+# Every score function, with and without renormalisation (epsilon 0 and
+# 1e-20), a correction bias strong enough to choose experts whose scores
+# underflow, both group scores, and capacity (so some copies are dropped).
+EXTREME_CONFIGS = {
+    "softmax_norm_eps0": _extreme_cfg(norm_topk_prob=True),
+    "softmax_bias_norm_eps1e-20": _extreme_cfg(
+        correction_bias=True, norm_topk_prob=True, norm_epsilon=1e-20
+    ),
+    "softmax_capacity_1.0": _extreme_cfg(capacity_factor=1.0),
+    "sigmoid": _extreme_cfg(score_func="sigmoid"),
+    "sigmoid_norm_eps0": _extreme_cfg(
+        score_func="sigmoid", norm_topk_prob=True
+    ),
+    "sigmoid_bias_norm_eps0_capacity_1.0": _extreme_cfg(
+        score_func="sigmoid",
+        correction_bias=True,
+        norm_topk_prob=True,
+        capacity_factor=1.0,
+    ),
+    # DeepSeek-V3's router.
+    "groups_sum_top2_sigmoid_bias_norm_eps1e-20_scaled": _extreme_cfg(
+        num_experts=16,
+        top_k=4,
+        n_group=4,
+        topk_group=2,
+        group_score="sum_top2",
+        score_func="sigmoid",
+        correction_bias=True,
+        norm_topk_prob=True,
+        norm_epsilon=1e-20,
+        routed_scaling_factor=2.5,
+    ),
+    "groups_max_softmax_bias_norm_eps0": _extreme_cfg(
+        num_experts=16,
+        top_k=3,
+        n_group=4,
+        topk_group=2,
+        group_score="max",
+        correction_bias=True,
+        norm_topk_prob=True,
+    ),
+}
+
+# The router is 1e4 * I (huge weights), so these rows of x / 1e4 are each
+# token's logits.
+_EXTREME_ROWS = (
+    "all -1e4 (every score underflows, all equal)",
+    "-1e4 + N(0, 1)",
+    "-110 - U(0, 5) (just past sigmoid's float32 underflow at -104)",
+    "all +1e4 (sigmoid saturates at 1, all equal)",
+    "one-hot: +1e4 for one expert, -1e4 for the others",
+    "+-1e4, random signs",
+    "all 0",
+    "1e-30 * N(0, 1) (near ties)",
+    "N(0, 1)",
+    "N(0, 300)",
+)
+
+
+def extreme_inputs(cfg: moe_core.MoEConfig, dtype: str):
+  """(params, x [T, E], cotangent [T, E]) as jax arrays, params and x of
+  `dtype` (the correction bias float32): logits extreme but finite, one
+  token for each of _EXTREME_ROWS."""
+  rng = np.random.default_rng(7)
+  e = cfg.num_experts
+  one_hot = np.full(e, -1.0)
+  one_hot[e // 2] = 1.0
+  logits = np.stack(
+      [
+          np.full(e, -1e4),
+          -1e4 + rng.standard_normal(e),
+          -110.0 - rng.uniform(0.0, 5.0, e),
+          np.full(e, 1e4),
+          1e4 * one_hot,
+          1e4 * np.sign(rng.standard_normal(e) + 1e-9),
+          np.zeros(e),
+          1e-30 * rng.standard_normal(e),
+          rng.standard_normal(e),
+          300.0 * rng.standard_normal(e),
+      ]
+  )
+  params = {}
+  for name, shape in moe_core.param_shapes(cfg).items():
+    if name == "router":
+      params[name] = 1e4 * np.eye(e)
+    elif name == "correction_bias":
+      # Spread 3, against scores in [0, 1]: the bias often chooses experts
+      # whose scores are 0 in float32.
+      params[name] = 3.0 * rng.standard_normal(shape)
+    else:
+      params[name] = rng.standard_normal(shape) * shape[-2] ** -0.5
+  params = {
+      n: jnp.asarray(v, jnp.float32 if n == "correction_bias" else dtype)
+      for n, v in params.items()
+  }
+  x = jnp.asarray(logits / 1e4, dtype)
+  cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  return params, x, cotangent
 
 
 class RoutingSuite(base.BackendTestCase):
@@ -77,3 +187,75 @@ class RoutingSuite(base.BackendTestCase):
           np.array_equal(unbiased["expert_ids"], want["expert_ids"]),
           "the case's correction bias should change some token's experts",
       )
+
+  @parameterized.named_parameters(*EXTREME_CONFIGS.items())
+  def test_extreme_finite_logits_give_finite_outputs(self, cfg):
+    """Finite logits, however large (here up to 1e4 in magnitude, sigmoid
+    and softmax scores underflowing to 0 or saturating), give finite y,
+    aux and gradients, every assignment counted (README, "Guarantees");
+    the combine weights are the renormalised scores of the backend's own
+    choice (oracles.renormalised) and y their weighted sum."""
+    dtype = self.compute_dtype()
+    params, x, cotangent = extreme_inputs(cfg, dtype)
+
+    def loss(params, x):
+      y, aux = moe_core.moe_layer(params, x, cfg, backend=self.backend)
+      return jnp.sum(y.astype(jnp.float32) * cotangent), (y, aux)
+
+    (_, (y, aux)), grads = jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    )(params, x)
+    y = np.asarray(y).astype(np.float64)
+    aux = {
+        f.name: np.asarray(getattr(aux, f.name))
+        for f in dataclasses.fields(aux)
+    }
+    t, k = x.shape[0], cfg.top_k
+    bad_rows = [
+        _EXTREME_ROWS[i] for i in np.flatnonzero(~np.isfinite(y).all(-1))
+    ]
+    self.assertEqual(bad_rows, [], "tokens with a non-finite output row")
+    for name, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+      self.assertTrue(
+          np.all(np.isfinite(np.asarray(g))),
+          f"gradient {jax.tree_util.keystr(name)} is not finite",
+      )
+    for name in (
+        "router_logits",
+        "router_probs",
+        "combine_weights",
+        "load_balancing_loss",
+        "router_z_loss",
+    ):
+      self.assertTrue(np.all(np.isfinite(aux[name])), f"aux.{name}")
+    self.assertEqual(int(aux["invalid_assignments"]), 0)
+    self.assertEqual(
+        int(aux["kept"].sum()) + int(aux["dropped_tokens"]),
+        t * k,
+        "kept + dropped + invalid != T*K",
+    )
+    self.assertEqual(int(aux["tokens_per_expert"].sum()), t * k)
+    if cfg.capacity_factor is None:
+      self.assertTrue(np.all(aux["kept"]))
+
+    ids = aux["expert_ids"].astype(np.int64)
+    logits = aux["router_logits"]
+    if cfg.norm_topk_prob:
+      want = oracles.renormalised(logits, ids, cfg)
+    else:
+      want = np.take_along_axis(
+          oracles.score(logits, cfg.score_func), ids, axis=1
+      )
+    want = np.where(aux["kept"], want * cfg.routed_scaling_factor, 0.0)
+    tol = tolerances.TABLE["float32"]["forward"]
+    problem = tolerances.violation(aux["combine_weights"], want, tol)
+    self.assertIsNone(problem, f"combine_weights vs numpy: {problem}")
+    want_probs = oracles.route(logits, cfg)["router_probs"]
+    problem = tolerances.violation(aux["router_probs"], want_probs, tol)
+    self.assertIsNone(problem, f"router_probs vs numpy: {problem}")
+    self.assertClose(
+        y,
+        oracles.layer_from_routing(params, x, ids, aux["combine_weights"], cfg),
+        dtype,
+        msg="y vs per-token float64 recomputation",
+    )

@@ -37,11 +37,30 @@ _ELEMENTS = {
 _INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Smallest normal float32: the floor of float32 scales (see `quantize`).
 _F32_TINY = float(np.finfo(np.float32).tiny)
-# nvfp4: block_scale * tensor_scale >= 2^-9 * 2^-117 stays a normal float32.
-_NVFP4_TENSOR_SCALE_FLOOR = 2.0**-117
-_E4M3_SMALLEST = 2.0**-9
-# mxfp8 exponents: 2^-126 is float32's smallest normal, 2^127 E8M0's max.
-_MX_MIN_EXP, _MX_MAX_EXP = -126, 127
+
+# The scale rules that are choices, not formats (docs/precision.md,
+# "Scale floors and rounding"; precision_test.py pins each against the
+# quantiser).
+#
+# nvfp4: every E4M3 block scale is at least 2^-9, E4M3's smallest positive
+# (subnormal) value, so no block, all-zero ones included, gets a zero scale
+# (x / 0 would be Inf). A block whose amax / 6 / tensor_scale is below it
+# is quantised on the coarser grid 6 * 2^-9 * tensor_scale allows.
+NVFP4_BLOCK_SCALE_FLOOR = 2.0**-9
+# nvfp4: the float32 tensor scale is at least 2^-117, so that
+# block_scale * tensor_scale >= 2^-9 * 2^-117 = 2^-126 stays a normal
+# float32 (XLA flushes subnormals to zero on the CPU).
+NVFP4_TENSOR_SCALE_FLOOR = 2.0**-117
+# mxfp8: how a block's E8M0 scale rounds amax / 448 to a power of two.
+# "ceil": 2^ceil(log2(amax / 448)), as NVIDIA's MXFP8 recipe and qwix do,
+# so the block's largest element lands in (224, 448] and never clips. The
+# OCP MX v1.0 spec's 2^(floor(log2(amax)) - 8) rounds down instead, leaving
+# amax / scale in [256, 512), which clips above 448.
+MXFP8_SCALE_ROUNDING = "ceil"
+# mxfp8: the E8M0 exponents scales are clamped to. 2^-126 is float32's
+# smallest normal (2^-127 is valid E8M0 but a float32 subnormal), 2^127
+# E8M0's largest; an all-zero block gets 2^0.
+MXFP8_SCALE_EXPONENTS = (-126, 127)
 
 
 def check_recipe(recipe) -> str:
@@ -252,6 +271,9 @@ def _power_of_two(exponent):
 def _mx_exponent(amax, element_max):
   """ceil(log2(amax / element_max)), exact, clamped; 0 where amax is 0.
 
+  The rounding is MXFP8_SCALE_ROUNDING ("ceil"), the clamp
+  MXFP8_SCALE_EXPONENTS.
+
   With amax = m * 2^e (m in [0.5, 1), from frexp) and element_max = m0 *
   2^e0, amax / element_max = (m / m0) * 2^(e - e0) with m / m0 in (0.5, 2):
   the ceiling is e - e0 when m <= m0 and e - e0 + 1 otherwise.
@@ -259,7 +281,7 @@ def _mx_exponent(amax, element_max):
   m0, e0 = math.frexp(element_max)
   m, e = jnp.frexp(amax)
   exponent = e - e0 + (m > m0).astype(jnp.int32)
-  exponent = jnp.clip(exponent, _MX_MIN_EXP, _MX_MAX_EXP)
+  exponent = jnp.clip(exponent, *MXFP8_SCALE_EXPONENTS)
   return jnp.where(amax > 0, exponent, 0)
 
 
@@ -272,11 +294,13 @@ def _mx_scale(amax, element_max):
 def _nvfp4_block_scale(block_amax, tensor_scale):
   """e4m3(clip(amax / 6 * encode, 2^-9, 448)), encode = 1 / tensor_scale.
 
+  2^-9 is NVFP4_BLOCK_SCALE_FLOOR; the E4M3 cast rounds to nearest.
+
   encode is TE's global encode scale (6 * 448 / amax(tensor)); NaN if bad.
   """
   encode = _reciprocal(tensor_scale)
   ratio = block_amax * _reciprocal32(_E2M1_MAX) * encode
-  scale = jnp.clip(ratio, _E4M3_SMALLEST, _E4M3_MAX)
+  scale = jnp.clip(ratio, NVFP4_BLOCK_SCALE_FLOOR, _E4M3_MAX)
   scale = jnp.where(jnp.isnan(ratio), jnp.nan, scale)
   return scale.astype(jnp.float8_e4m3fn)
 
@@ -356,7 +380,7 @@ def _quantize_mxfp8(x, tensor_amax, axis):
 
 def _quantize_nvfp4(x, tensor_amax, axis):
   tensor_scale = _linear_scale(
-      tensor_amax, _E2M1_MAX * _E4M3_MAX, _NVFP4_TENSOR_SCALE_FLOOR
+      tensor_amax, _E2M1_MAX * _E4M3_MAX, NVFP4_TENSOR_SCALE_FLOOR
   )
   padded = _pad_to_blocks(x, axis, BLOCK["nvfp4"])
   amax = _nan_where_bad(_block_max(_abs_or_inf(padded), axis, BLOCK["nvfp4"]))
@@ -444,10 +468,11 @@ def quantize(
     contraction axis, E4M3 elements, one E8M0 scale (a power of two,
     jnp.float8_e8m0fnu) per block. The spec's scale, 2^(floor(log2(amax)) -
     8), leaves amax / scale anywhere in [256, 512), and above 448 the largest
-    element clips; we round UP instead, scale = 2^ceil(log2(amax / 448)), as
-    NVIDIA's MXFP8 recipe and qwix do, so it never saturates. The exponent
-    is computed exactly from jnp.frexp, not through a float log2. Exponents
-    are clamped to [-126, 127] (2^-127 is representable in E8M0 but is a
+    element clips; we round UP instead (MXFP8_SCALE_ROUNDING = "ceil"),
+    scale = 2^ceil(log2(amax / 448)), as NVIDIA's MXFP8 recipe and qwix do,
+    so it never saturates. The exponent is computed exactly from jnp.frexp,
+    not through a float log2. Exponents are clamped to [-126, 127]
+    (MXFP8_SCALE_EXPONENTS; 2^-127 is representable in E8M0 but is a
     float32 subnormal); an all-zero block gets 2^0.
 
   "nvfp4": NVIDIA's NVFP4 as Transformer Engine's
@@ -457,12 +482,13 @@ def quantize(
     decode tensor scale ts = amax(tensor) / (6 * 448) (amax 0 -> 1; TE's
     global encode scale is 1 / ts), block_scale = e4m3(clip(amax(block) / 6 /
     ts, 2^-9, 448)), data = e2m1(clip(x / (block_scale * ts), -6, 6)) and
-    x ~= data * block_scale * ts. ts is floored at 2^-117 so that
-    block_scale * ts stays a normal float32. The block scale rounds to
-    nearest, as TE does, so the largest element of a block may saturate at 6:
-    by at most 1/16 relative while the block scale is a normal E4M3 number,
-    by up to 1/3 when it is subnormal (block amax below 6 * 2^-6 * ts, about
-    2^-15 of the tensor's amax). It is floored at 2^-9, E4M3's smallest
+    x ~= data * block_scale * ts. ts is floored at 2^-117
+    (NVFP4_TENSOR_SCALE_FLOOR) so that block_scale * ts stays a normal
+    float32. The block scale rounds to nearest, as TE does, so the largest
+    element of a block may saturate at 6: by at most 1/16 relative while the
+    block scale is a normal E4M3 number, by up to 1/3 when it is subnormal
+    (block amax below 6 * 2^-6 * ts, about 2^-15 of the tensor's amax). It
+    is floored at 2^-9 (NVFP4_BLOCK_SCALE_FLOOR), E4M3's smallest
     subnormal, so no block (all-zero ones included) gets a zero scale. E2M1
     has no NaN: a NaN element casts to a number, so NaN lives in the scales.
 

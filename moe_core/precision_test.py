@@ -403,6 +403,75 @@ class ExactBlocksTest(parameterized.TestCase):
     self.assertEqual(precision.dequantize(q).shape, _SHAPE)
 
 
+class ScaleRulesTest(absltest.TestCase):
+  """The named scale floors and rounding rule, against the quantiser."""
+
+  def test_nvfp4_block_scale_floor_is_e4m3s_smallest_subnormal(self):
+    self.assertEqual(precision.NVFP4_BLOCK_SCALE_FLOOR, 2.0**-9)
+    self.assertEqual(
+        precision.NVFP4_BLOCK_SCALE_FLOOR,
+        float(ml_dtypes.finfo(_E4M3).smallest_subnormal),
+    )
+    # Tensor amax 6 * 448: tensor scale 1. Block 1 is all zero, block 2's
+    # amax / 6 = 2^-12 asks for a scale under the floor, block 3's
+    # amax / 6 = 2^-9 sits on it and block 4's = 2^-8 is above it.
+    x = np.zeros((1, 80), _F32)
+    x[0, 0] = 6 * 448
+    x[0, 32], x[0, 48], x[0, 64] = 6 * 2.0**-12, 6 * 2.0**-9, -6 * 2.0**-8
+    q, out = _round_trip(x, "nvfp4")
+    floor = precision.NVFP4_BLOCK_SCALE_FLOOR
+    np.testing.assert_array_equal(_np(q.tensor_scale), [[1.0]])
+    np.testing.assert_array_equal(
+        _np(q.scales), [[448, floor, floor, floor, 2 * floor]]
+    )
+    # Under the floor, 6 * 2^-12 is 0.75 elements of 2^-9: E2M1 rounds it
+    # to 1 (ties to even between 0.5 and 1), so it comes back as 2^-9.
+    np.testing.assert_array_equal(
+        out[0, [32, 48, 64]], [floor, 6 * floor, -6 * 2 * floor]
+    )
+
+  def test_nvfp4_tensor_scale_floor_keeps_products_normal(self):
+    self.assertEqual(precision.NVFP4_TENSOR_SCALE_FLOOR, 2.0**-117)
+    self.assertEqual(
+        precision.NVFP4_BLOCK_SCALE_FLOOR * precision.NVFP4_TENSOR_SCALE_FLOOR,
+        float(np.finfo(_F32).tiny),
+    )
+    x = np.zeros((1, 16), _F32)
+    x[0, 0] = 2.0**-120  # amax / (6 * 448) is about 2^-131.6.
+    q = precision.quantize(x, "nvfp4")
+    np.testing.assert_array_equal(
+        _np(q.tensor_scale), [[precision.NVFP4_TENSOR_SCALE_FLOOR]]
+    )
+
+  def test_mxfp8_scale_rounds_up_never_clipping(self):
+    self.assertEqual(precision.MXFP8_SCALE_ROUNDING, "ceil")
+    low, high = precision.MXFP8_SCALE_EXPONENTS
+    self.assertEqual((low, high), (-126, 127))
+    self.assertEqual(2.0**low, float(np.finfo(_F32).tiny))
+    self.assertEqual(
+        2.0**high, float(ml_dtypes.finfo(ml_dtypes.float8_e8m0fnu).max)
+    )
+    # amax 480: "ceil" gives 2^ceil(log2(480 / 448)) = 2, and 480 / 2 = 240
+    # is an E4M3 value; the OCP spec's 2^(floor(log2(480)) - 8) = 1 would
+    # clip 480 to 448. amax 2^-120: ceil(log2(2^-120 / 448)) = -128,
+    # clamped to -126.
+    for amax, exponent in (
+        (480.0, 1),
+        (448.0, 0),
+        (256.0, 0),
+        (2.0**-120, low),
+    ):
+      x = np.zeros((1, 32), _F32)
+      x[0, 5] = amax
+      q, out = _round_trip(x, "mxfp8")
+      self.assertEqual(int(_bits(q.scales)[0, 0]) - 127, exponent, amax)
+      if amax >= 1:
+        self.assertEqual(out[0, 5], amax, "the block's largest element clipped")
+    # An all-zero block: 2^0.
+    q = precision.quantize(np.zeros((1, 32), _F32), "mxfp8")
+    self.assertEqual(int(_bits(q.scales)[0, 0]) - 127, 0)
+
+
 class SaturationTest(parameterized.TestCase):
   """Values at and above the element maximum saturate, never NaN."""
 

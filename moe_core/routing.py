@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,10 @@ class MoEAux:
     expert_ids: [T, K] int32, the experts chosen for each token (best first).
     combine_weights: [T, K] float32, the weight of each chosen expert's
       output (normalised and scaled as the config says); 0 where dropped,
-      NaN where invalid.
+      NaN where invalid. Finite for finite logits: `norm_topk_prob`
+      renormalises from the logs of the scores (`renormalise`), so a
+      token whose chosen scores all underflow to 0 (sigmoid logits below
+      about -104) keeps their exact ratios instead of 0/0.
     kept: [T, K] bool, False where capacity dropped the assignment or it is
       invalid (all True when dropless and every score is finite).
     tokens_per_expert: [E] int32, valid assignments the router made per
@@ -167,7 +171,10 @@ def router_scores(
     probs = scores
   else:
     scores = jax.nn.sigmoid(logits)
-    probs = scores / scores.sum(axis=-1, keepdims=True)
+    # scores / sum(scores), in the max-subtracted form: the sigmoids of
+    # logits below about -104 underflow to 0 in float32, and the plain
+    # quotient is then 0/0.
+    probs = jax.nn.softmax(jax.nn.log_sigmoid(logits), axis=-1)
   bias = None
   if correction_bias is not None:
     # The bias steers selection only; no gradient flows into it.
@@ -191,11 +198,80 @@ def route(
   """
   scored = router_scores(x, router, cfg, correction_bias)
   expert_ids = select_experts(scored.scores, cfg, scored.bias)
-  weights = jnp.take_along_axis(scored.scores, expert_ids, axis=-1)
   if cfg.norm_topk_prob:
-    weights = weights / (weights.sum(axis=-1, keepdims=True) + cfg.norm_epsilon)
+    weights = _renormalised_weights(scored.logits, expert_ids, cfg)
+  else:
+    weights = jnp.take_along_axis(scored.scores, expert_ids, axis=-1)
   weights = weights * cfg.routed_scaling_factor
   return aux_from_choice(scored, expert_ids, weights, cfg)
+
+
+def _renormalised_weights(
+    logits: jax.Array, expert_ids: jax.Array, cfg: config_lib.MoEConfig
+) -> jax.Array:
+  """[T, K] w_k / (sum_j w_j + norm_epsilon) of the chosen scores w.
+
+  Computed from the logits, never from scores that underflowed
+  (`renormalise`). Softmax scores share the token's normaliser
+  lse = logsumexp(logits): w = exp(l - lse), so the chosen logits
+  themselves are renormalised and lse moves into the epsilon term,
+  e^l / (sum e^l + epsilon * e^lse); that is a softmax over the K chosen
+  logits when epsilon is 0, as exact as the logits are. Sigmoid scores have
+  log w = log_sigmoid(l), which is l itself for l << 0.
+  """
+  chosen = jnp.take_along_axis(logits, expert_ids, axis=-1)
+  log_epsilon = None
+  if cfg.norm_epsilon > 0:
+    log_epsilon = math.log(cfg.norm_epsilon)
+  if cfg.score_func == "softmax":
+    if log_epsilon is not None:
+      log_epsilon = log_epsilon + jax.nn.logsumexp(
+          logits, axis=-1, keepdims=True
+      )
+    return renormalise(chosen, log_epsilon)
+  return renormalise(jax.nn.log_sigmoid(chosen), log_epsilon)
+
+
+def renormalise(
+    log_weights: jax.Array, log_epsilon: jax.Array | float | None = None
+) -> jax.Array:
+  """[T, K] log w -> [T, K] w_k / (sum_j w_j + epsilon), never 0/0.
+
+  The `norm_topk_prob` renormalisation, from the logs of the K chosen
+  scores, in the max-subtracted form: with m = max_j log w_j,
+  exp(log w_k - m) / (sum_j exp(log w_j - m) + exp(log epsilon - m)). It is
+  the same quotient, but its denominator is at least 1 (the best term is
+  exp(0)), so it stays finite where every chosen score underflows to 0 in
+  float32 and the plain quotient is 0/0: sigmoid logits all below about
+  -104, or softmax scores that a correction bias chose over the best
+  expert. Such a token gets the exact ratios of its scores (about a
+  softmax over its K chosen logits); with epsilon > 0 its weights shrink
+  towards 0, as w / (sum + epsilon) does.
+
+  Args:
+    log_weights: [T, K] float32 logs of the chosen scores, each row with a
+      finite maximum (a token with NaN or -inf logits is invalid, and
+      `aux_from_choice` makes its weights NaN).
+    log_epsilon: log(epsilon), a float or a [T, 1] array; None for
+      epsilon = 0.
+
+  Returns:
+    [T, K] float32 weights in [0, 1]; each row sums to 1 (to float32
+    rounding) when epsilon is 0.
+  """
+  # The quotient does not depend on m, so no gradient need flow into it
+  # (jax.nn.logsumexp stops it too).
+  m = jax.lax.stop_gradient(jnp.max(log_weights, axis=-1, keepdims=True))
+  # log w - m is exact where the logs are close (which is where it
+  # matters), so the ratios keep float32 precision at any magnitude.
+  terms = jnp.exp(log_weights - m)
+  total = terms.sum(axis=-1, keepdims=True)
+  if log_epsilon is None:
+    return terms / total
+  # Divide by exp(log(total + epsilon * exp(-m))), added in log space: the
+  # epsilon term overflows float32 once m < log(epsilon) - 88, and its
+  # infinite derivative would make the gradient NaN.
+  return terms * jnp.exp(-jnp.logaddexp(jnp.log(total), log_epsilon - m))
 
 
 def aux_from_choice(

@@ -185,6 +185,12 @@ class NcclEpExchange(ragged.RaggedExchange):
   """
 
   name = "te_nccl_ep"
+  platforms = ("cuda",)
+  needs = (
+      "Transformer Engine's NCCL-EP kernels (SM90+ NVIDIA GPUs joined by "
+      "NVLink), which run on"
+  )
+  instead = "exchange='auto' (ragged on GPU and TPU, padded elsewhere)"
 
   def send(self, rows, sent, layout, axis_name):
     num_copies, hidden = rows.shape
@@ -224,6 +230,8 @@ class NcclEpExchange(ragged.RaggedExchange):
 
     Raises NotImplementedError for what NCCL-EP cannot do.
     """
+    # Again for code that calls the stages in its own shard_map.
+    self.check_platform(_platform())
     if jnp.dtype(dtype) != _TOKEN_DTYPE:
       raise NotImplementedError(
           f"exchange {self.name!r} moves bfloat16 rows only (NCCL-EP's "
@@ -245,6 +253,19 @@ class NcclEpExchange(ragged.RaggedExchange):
       )
     self._check_communicator(need, hidden)
     return need.recv_capacity_per_rank
+
+  def check_platform(self, platform):
+    """Raises NotImplementedError, naming `platform`, off NVIDIA GPUs.
+
+    At trace time, before the other checks (which would blame the dtype or
+    the missing communicator). A communicator (made by `bootstrap` on a
+    GPU, or set by a test to trace a program for CUDA on a CPU host)
+    waives it; the program is then refused at lowering instead if it is
+    lowered for another platform (`exchange.refuse_other_platforms`).
+    """
+    if self.runs_on(platform) or _communicator_made():
+      return
+    raise NotImplementedError(self.unsupported_platform_message(platform))
 
   def _check_communicator(self, need: CommunicatorSizes, hidden: int):
     """Raises unless NCCL-EP's communicator was made for these sizes."""
@@ -285,6 +306,20 @@ class NcclEpExchange(ragged.RaggedExchange):
     """
     del axis_name  # The communicator spans the expert axis (`bootstrap`).
     return _dispatch(rows.shape[0], recv_rows, rows, dest, tags)
+
+
+def _platform() -> str:
+  """JAX's default platform ("cpu", "gpu", "tpu"); tests replace it."""
+  return jax.default_backend()
+
+
+def _communicator_made() -> bool:
+  """Whether TE imports here and holds an NCCL-EP communicator."""
+  try:
+    _ep_ops().get_ep_config()
+  except (ImportError, RuntimeError):
+    return False
+  return True
 
 
 def _owner(starts: jax.Array, index: jax.Array) -> jax.Array:

@@ -57,8 +57,11 @@ class ShuffledDispatchExchange(nccl_ep.NcclEpExchange):
 
   Rows reach their device in the reverse of (source, row) order, and the
   receive buffer's rows past them are NaN with tag 0: an order and padding
-  NCCL-EP is free to produce. No communicator is needed.
+  NCCL-EP is free to produce. No communicator is needed, and it runs on
+  every platform.
   """
+
+  platforms = None
 
   def _check_communicator(self, need, hidden):
     del need, hidden  # Nothing to check: no NCCL here.
@@ -293,6 +296,88 @@ class ShuffledLayerTest(testing.LayerTestCase):
       )
 
 
+class PlatformTest(testing.DevicesTestCase):
+  """Off NVIDIA GPUs the exchange is refused first, naming the platform."""
+
+  def test_refused_at_trace_time_naming_the_platform(self):
+    platform = jax.devices()[0].platform
+    if platform == "gpu":
+      self.skipTest("NCCL-EP may run on this GPU")
+    cfg = testing.cfg()
+    mesh = testing.mesh((8,), ("expert",))
+    message = (
+        f"exchange 'te_nccl_ep' cannot run on platform '{platform}': it "
+        "needs Transformer Engine's NCCL-EP kernels .* On "
+        f"'{platform}' use exchange='auto'"
+    )
+    # Before: float32 rows were blamed ("moves bfloat16 rows only ... use
+    # exchange='ragged'"), bfloat16 ones the missing communicator or TE.
+    for dtype in (jnp.float32, jnp.bfloat16):
+      params, x = testing.inputs(cfg, 64, seed=3)
+      params, x = jax.tree.map(
+          lambda a, dtype=dtype: a.astype(dtype), (params, x)
+      )
+
+      def layer(params, x):
+        return moe_core.moe_layer(
+            params,
+            x,
+            cfg,
+            backend="auto",
+            mesh=mesh,
+            data_axes=(),
+            ep_options=parallel.EPOptions(exchange=_NAME),
+        )
+
+      for name, fn in (("eager", layer), ("traced", jax.jit(layer))):
+        with (
+            self.subTest(dtype=jnp.dtype(dtype).name, call=name),
+            self.assertRaisesRegex(NotImplementedError, f"^{message}"),
+        ):
+          jax.eval_shape(fn, params, x) if name == "traced" else fn(params, x)
+
+  def test_lowering_for_another_platform_is_refused(self):
+    # Traceable (as when a test traces for CUDA on a CPU host with a made-up
+    # communicator; here NCCL-EP's dispatch is emulated) but lowered for
+    # the CPU: refused at lowering, before XLA compiles.
+    if jax.devices()[0].platform != "cpu":
+      self.skipTest("lowers for this machine's CPU devices")
+    cfg = testing.cfg()
+    params, x = _bf16_inputs(cfg, 64, seed=3)
+    mesh = testing.mesh((8,), ("expert",))
+
+    class TracedAnywhere(ShuffledDispatchExchange):
+      platforms = nccl_ep.NcclEpExchange.platforms
+
+      def check_platform(self, platform):
+        del platform  # The communicator's waiver.
+
+    def get_exchange(name):
+      return TracedAnywhere() if name == _NAME else real(name)
+
+    def loss(params, x):
+      y, _ = moe_core.moe_layer(
+          params,
+          x,
+          cfg,
+          backend="xla",
+          mesh=mesh,
+          data_axes=(),
+          ep_options=parallel.EPOptions(exchange=_NAME),
+      )
+      return jnp.sum(y.astype(jnp.float32))
+
+    real = exchange_lib.get_exchange
+    with (
+        mock.patch.object(exchange_lib, "get_exchange", get_exchange),
+        self.assertRaisesRegex(
+            NotImplementedError,
+            r"^exchange 'te_nccl_ep' cannot run on platform 'cpu'",
+        ),
+    ):
+      jax.jit(loss).lower(params, x)
+
+
 class TransformerEngineTest(testing.DevicesTestCase):
   """What needs TE: its EP primitives traced and lowered for CUDA."""
 
@@ -330,10 +415,14 @@ class TransformerEngineTest(testing.DevicesTestCase):
     )
 
   def test_tracing_without_a_communicator_says_to_bootstrap(self):
-    with self.assertRaisesRegex(
-        NotImplementedError,
-        r"needs NCCL-EP's communicator, which is created outside jit: call "
-        r"backends.te.nccl_ep.bootstrap",
+    # As on a GPU, where the platform is not what is missing.
+    with (
+        mock.patch.object(nccl_ep.NcclEpExchange, "platforms", None),
+        self.assertRaisesRegex(
+            NotImplementedError,
+            r"needs NCCL-EP's communicator, which is created outside jit: call "
+            r"backends.te.nccl_ep.bootstrap",
+        ),
     ):
       jax.eval_shape(self._layer_loss(), *self._abstract_inputs())
 

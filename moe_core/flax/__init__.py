@@ -12,6 +12,7 @@ Both modules own their parameters in the library's layout
 dict, and both return `(y, aux)` exactly as `moe_layer` does.
 """
 
+from moe_core.flax.linen_moe import ImmutableBiasError
 from moe_core.flax.linen_moe import LINEN_STATE_COLLECTION
 from moe_core.flax.linen_moe import LinenMoE
 from moe_core.flax.nnx_moe import BIAS_NAME
@@ -24,6 +25,7 @@ __all__ = [
     "BIAS_NAME",
     "LINEN_STATE_COLLECTION",
     "CorrectionBias",
+    "ImmutableBiasError",
     "LinenMoE",
     "MoE",
     "call_block",

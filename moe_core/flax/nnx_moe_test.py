@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
+from flax import errors as flax_errors
 from flax import nnx
 
 import moe_core
@@ -150,6 +151,66 @@ class LinenMoETest(absltest.TestCase):
         jnp.zeros(8, jnp.float32), aux.tokens_per_expert, 0.5
     )
     np.testing.assert_array_equal(updated["moe_state"]["correction_bias"], want)
+
+  def test_linen_bias_update_without_mutable_state_raises(self):
+    # Before: apply returned as if it had stepped the bias, and nothing
+    # changed. Linen raises for any write to an immutable collection.
+    module = moe_flax.LinenMoE(CFG, backend="xla")
+    x = _tokens(jnp.float32)
+    variables = module.init(jax.random.key(0), x)
+    for mutable in (False, ["params"]):
+      with (
+          self.subTest(mutable=mutable),
+          self.assertRaisesRegex(
+              flax_errors.ModifyScopeVariableError,
+              r"^LinenMoE: update_bias_rate=0.1 steps the correction bias "
+              r'in collection "moe_state", which this apply\(\) holds '
+              r'immutable: pass mutable=\["moe_state"\]',
+          ),
+      ):
+        module.apply(variables, x, update_bias_rate=0.1, mutable=mutable)
+    self.assertIsInstance(
+        moe_flax.ImmutableBiasError(0.1), flax_errors.ModifyScopeVariableError
+    )
+    # Without update_bias_rate, or with mutable state, no error.
+    module.apply(variables, x)
+    module.apply(variables, x, update_bias_rate=0.1, mutable=True)
+
+  def test_linen_on_a_mesh_equals_one_device(self):
+    # As the nnx module's test: experts split over expert=4, tokens over
+    # data=2 x expert=4; the same variables give the one-device result.
+    mesh = jax.sharding.Mesh(
+        np.array(jax.devices()[:8]).reshape(2, 4), ("data", "expert")
+    )
+    module = moe_flax.LinenMoE(CFG, backend="xla")
+    on_mesh = moe_flax.LinenMoE(
+        CFG,
+        backend="xla",
+        mesh=mesh,
+        expert_axis="expert",
+        data_axes=("data",),
+    )
+    x = _tokens(jnp.float32, shape=(4, 8, 16))
+    variables = module.init(jax.random.key(0), x)
+    mesh_variables = on_mesh.init(jax.random.key(0), x)
+    for a, b in zip(
+        jax.tree.leaves(variables), jax.tree.leaves(mesh_variables)
+    ):
+      np.testing.assert_array_equal(a, b)
+    (y, aux), state = module.apply(
+        variables, x, update_bias_rate=0.5, mutable=["moe_state"]
+    )
+    (y_mesh, aux_mesh), mesh_state = on_mesh.apply(
+        variables, x, update_bias_rate=0.5, mutable=["moe_state"]
+    )
+    np.testing.assert_allclose(y_mesh, y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(
+        aux_mesh.tokens_per_expert, aux.tokens_per_expert
+    )
+    np.testing.assert_array_equal(
+        mesh_state["moe_state"]["correction_bias"],
+        state["moe_state"]["correction_bias"],
+    )
 
 
 if __name__ == "__main__":

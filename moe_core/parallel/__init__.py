@@ -34,6 +34,7 @@ from moe_core.parallel.options import RAGGED_PLATFORMS
 from moe_core.parallel.options import resolve_exchange
 from moe_core.parallel.options import safe_slots_per_peer
 from moe_core.parallel.ragged import emulated_ragged_all_to_all
+from moe_core.parallel.stages import BufferOverflowError
 from moe_core.parallel.stages import combine
 from moe_core.parallel.stages import dispatch
 from moe_core.parallel.stages import EPDispatched
@@ -41,6 +42,7 @@ from moe_core.parallel.stages import route
 from moe_core.validation import check_mesh
 
 __all__ = [
+    "BufferOverflowError",
     "EPDispatched",
     "EPOptions",
     "EXCHANGES",

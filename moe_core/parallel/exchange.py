@@ -26,6 +26,8 @@ a new class and none of the stages branches on it. To add one:
   * add `"name": "moe_core.parallel.module:Class"` to
     `options.EXCHANGE_CLASSES` (that also makes `EPOptions(exchange=name)`
     valid);
+  * if it cannot run everywhere, set `platforms` and `instead`: a program
+    lowered for another platform is refused then, naming it;
   * add it to the tests that loop over exchanges (options_test checks the
     registry, the conformance EP suite compares the layer with one device).
 
@@ -46,6 +48,10 @@ import importlib
 from typing import ClassVar
 
 import jax
+from jax.extend import core as jax_core
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 import jax.numpy as jnp
 
 from moe_core.parallel import options as options_lib
@@ -82,9 +88,59 @@ class Layout:
 
 
 class Exchange(abc.ABC):
-  """Moves rows between the devices of the expert axis, and back."""
+  """Moves rows between the devices of the expert axis, and back.
+
+  Attributes:
+    name: the name `EPOptions(exchange=...)` chooses it by.
+    platforms: the JAX platforms it runs on, as `jax.default_backend()` or
+      a device names them ("cpu", "gpu", "cuda", "rocm", "tpu"; "gpu"
+      stands for both "cuda" and "rocm"), or None for every platform.
+      `stages.dispatch` refuses a program lowered for any other platform
+      (`refuse_other_platforms`).
+    needs: what it needs that the other platforms lack, for that error:
+      "<what>, which runs on" (the platforms follow).
+    instead: what to use on those other platforms, for that error.
+  """
 
   name: ClassVar[str]
+  platforms: ClassVar[tuple[str, ...] | None] = None
+  needs: ClassVar[str] = "collectives that run on"
+  instead: ClassVar[str] = "exchange='padded' (any platform)"
+
+  def runs_on(self, platform: str) -> bool:
+    """Whether the exchange runs on `platform` (a JAX platform name)."""
+    if self.platforms is None:
+      return True
+    if platform == "gpu":  # Either GPU platform will do.
+      return any(_runs_on(p, self.platforms) for p in _GPU_PLATFORMS)
+    return _runs_on(platform, self.platforms)
+
+  def check_platform(self, platform: str) -> None:
+    """Raises NotImplementedError if no program for `platform` can be
+    traced with this exchange.
+
+    Called at trace time with the mesh's platform, before anything else
+    can fail for a reason that would hide this one. By default it never
+    raises: a program traced on one platform may be lowered (exported) for
+    another, so `refuse_other_platforms` refuses at lowering instead. An
+    exchange whose tracing needs its platform overrides it (TE's NCCL-EP
+    needs a communicator that only a GPU makes).
+    """
+    del platform
+
+  def unsupported_platform_message(self, platform: str) -> str:
+    """The error for a program of this exchange lowered for `platform`."""
+    where = " and ".join(
+        dict.fromkeys(
+            "gpu" if p in _GPU_PLATFORMS and "gpu" in self.platforms else p
+            for p in self.platforms
+        )
+    )
+    return (
+        f"exchange {self.name!r} cannot run on platform {platform!r}: it "
+        f"needs {self.needs} {where} only. On {platform!r} use "
+        f"{self.instead}."
+    )
 
   @abc.abstractmethod
   def capacity(
@@ -177,6 +233,89 @@ class Exchange(abc.ABC):
 def exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
   """int32 sums of the entries before each one along `axis` (first: 0)."""
   return (jnp.cumsum(a, axis=axis) - a).astype(jnp.int32)
+
+
+# --- Refusing a platform when the program is lowered -------------------------
+
+# The GPU platforms JAX lowers for; "gpu" (a device's or
+# jax.default_backend()'s name) stands for either.
+_GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def _runs_on(platform: str, platforms: tuple[str, ...]) -> bool:
+  return platform in platforms or (
+      platform in _GPU_PLATFORMS and "gpu" in platforms
+  )
+
+
+def refuse_other_platforms(rows: jax.Array, exchange: Exchange) -> jax.Array:
+  """rows, unchanged, in a program that cannot be lowered where `exchange`
+  does not run.
+
+  An identity whose lowering rule raises NotImplementedError
+  (`Exchange.unsupported_platform_message`) when the program is lowered for
+  a platform outside `exchange.platforms`: at the first call of a jitted
+  function (or `.lower()`, `jax.export`), before XLA compiles, instead of
+  XLA's own error at compile time (XLA:CPU's `UNIMPLEMENTED` for
+  ragged_all_to_all). It is checked at lowering, not at tracing, because
+  only the lowering knows the platform: a program traced on a CPU host may
+  be exported for CUDA (`jax.export(..., platforms=["cuda"])`).
+  """
+  if exchange.platforms is None:
+    return rows
+  return _platform_guard_p.bind(
+      rows,
+      exchange=exchange.name,
+      messages=tuple(
+          (p, exchange.unsupported_platform_message(p))
+          for p in _LOWERING_PLATFORMS
+          if not exchange.runs_on(p)
+      ),
+  )
+
+
+# The platforms JAX lowers for (jax.export's `platforms`).
+_LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+_platform_guard_p = jax_core.Primitive("dropless_exchange_platform_guard")
+
+
+def _guard_impl(rows, *, exchange, messages):
+  # Eagerly: lower it for the platform the rows live on, as jit would.
+  return jax.jit(
+      lambda r: _platform_guard_p.bind(r, exchange=exchange, messages=messages)
+  )(rows)
+
+
+def _guard_lowering(platform):
+  def lower(ctx, rows, *, exchange, messages):
+    del ctx, exchange
+    refused = dict(messages)
+    if platform in refused:
+      raise NotImplementedError(refused[platform])
+    return [rows]
+
+  return lower
+
+
+_platform_guard_p.def_impl(_guard_impl)
+_platform_guard_p.def_abstract_eval(lambda rows, **_: rows)
+for _platform in _LOWERING_PLATFORMS:
+  mlir.register_lowering(
+      _platform_guard_p, _guard_lowering(_platform), platform=_platform
+  )
+# Linear: its tangent and its transpose are the guard again, so gradients
+# (the reverse exchange) are refused alike.
+ad.deflinear2(
+    _platform_guard_p,
+    lambda cotangent, rows, **params: [
+        _platform_guard_p.bind(cotangent, **params)
+    ],
+)
+batching.primitive_batchers[_platform_guard_p] = lambda args, dims, **params: (
+    _platform_guard_p.bind(*args, **params),
+    dims[0],
+)
 
 
 @functools.cache

@@ -14,6 +14,7 @@ import numpy as np
 
 import moe_core
 from moe_core import parallel
+from moe_core.parallel import exchange as exchange_lib
 from moe_core.parallel import testing
 from moe_core.testing import cuda_export
 
@@ -47,6 +48,51 @@ class EmulatedRaggedAllToAllTest(testing.DevicesTestCase):
     np.testing.assert_array_equal(
         np.asarray(got).reshape(2, 4), [[1, 3, 0, 0], [2, 2, 4, 0]]
     )
+
+
+class PlatformGuardTest(absltest.TestCase):
+  """`exchange.refuse_other_platforms`: an identity, refused at lowering."""
+
+  def setUp(self):
+    super().setUp()
+    self.ragged = parallel.get_exchange("ragged")
+
+  def guarded(self, rows):
+    return exchange_lib.refuse_other_platforms(rows, self.ragged)
+
+  def test_exchanges_that_run_everywhere_add_nothing(self):
+    rows = jnp.ones((3, 2))
+    for name in ("padded", "ragged_emulated"):
+      exchange = parallel.get_exchange(name)
+      self.assertIs(exchange_lib.refuse_other_platforms(rows, exchange), rows)
+
+  def test_refused_when_lowered_for_the_cpu_through_transformations(self):
+    if jax.devices()[0].platform != "cpu":
+      self.skipTest("refuses this machine's CPU devices")
+
+    def loss(rows):
+      return jnp.sum(jax.vmap(self.guarded)(rows) ** 2)
+
+    rows = jnp.arange(6.0).reshape(2, 3)
+    message = r"^exchange 'ragged' cannot run on platform 'cpu'"
+    for name, fn in (
+        ("jit", jax.jit(loss)),
+        ("grad", jax.jit(jax.grad(loss))),
+        ("eager", self.guarded),
+    ):
+      with (
+          self.subTest(name),
+          self.assertRaisesRegex(NotImplementedError, message),
+      ):
+        jax.jit(fn).lower(rows) if name != "eager" else fn(rows)
+    # Traced but not lowered, or lowered where the exchange runs: fine.
+    self.assertEqual(jax.eval_shape(jax.grad(loss), rows).shape, (2, 3))
+    for platform in ("cuda", "rocm", "tpu"):
+      with self.subTest(platform):
+        exported = jax.export.export(
+            jax.jit(jax.grad(loss)), platforms=[platform]
+        )(rows)
+        self.assertNotIn("platform_guard", exported.mlir_module())
 
 
 class ExchangeTest(testing.LayerTestCase):

@@ -23,6 +23,7 @@ from moe_core import params as params_lib
 from moe_core import registry
 from moe_core import routing
 from moe_core import validation
+from moe_core.parallel import exchange as exchange_lib
 from moe_core.parallel import options as options_lib
 from moe_core.parallel import stages
 
@@ -68,6 +69,9 @@ def routed_experts(
   Returns:
     ([T_l, D] in x's dtype, aux with kept, combine_weights and dropped_tokens
     updated for copies dropped by a bounded buffer with overflow="drop").
+    With overflow="error", copies that do not fit make the run fail: the
+    devices raise `stages.BufferOverflowError` from a host callback
+    (`stages.raise_on_overflow`), which JAX reports wrapped.
   """
   exchange = options_lib.resolve_exchange(
       options.exchange, platform or jax.default_backend()
@@ -76,6 +80,9 @@ def routed_experts(
   chunks = options.num_chunks
   validation.check_chunks(num_tokens, chunks)
   size = num_tokens // chunks
+  # Dispatch drops what does not fit and counts it; "error" then raises
+  # below, once, on the global count.
+  overflow = "drop" if options.overflow == "error" else options.overflow
   ys, kept = [], []
   # A Python loop, so the chunks are independent ops the scheduler may
   # overlap (one chunk's exchange with another's expert compute).
@@ -88,7 +95,7 @@ def routed_experts(
         expert_axis=expert_axis,
         exchange=exchange,
         buffer_factor=options.buffer_factor,
-        overflow=options.overflow,
+        overflow=overflow,
     )
     out = registry.call_backend(
         backend, lambda b, d=d: b.expert_ffn(d.rows, d.group_sizes, params, cfg)
@@ -103,13 +110,28 @@ def routed_experts(
     # but were never kept: count only valid copies the buffer dropped.
     dropped = jnp.sum(aux.kept & ~kept).astype(jnp.int32)
     kept = kept & aux.kept
+    dropped = stages.psum(dropped, token_axes)
     aux = dataclasses.replace(
         aux,
         kept=kept,
         combine_weights=jnp.where(kept | ~aux.kept, aux.combine_weights, 0.0),
-        dropped_tokens=aux.dropped_tokens + stages.psum(dropped, token_axes),
+        dropped_tokens=aux.dropped_tokens + dropped,
     )
+    if options.overflow == "error":
+      bound = _overflow_bound(
+          exchange, size, cfg, compat.axis_size(expert_axis), options
+      )
+      y = stages.raise_on_overflow(y, dropped, bound)
   return y.astype(x.dtype), aux
+
+
+def _overflow_bound(exchange, tokens_per_chunk, cfg, ep, options) -> str:
+  """`stages.overflow_bound` of the layer's buffers, in Python."""
+  mover = exchange_lib.get_exchange(exchange)
+  capacity = mover.capacity(
+      tokens_per_chunk, cfg.top_k, cfg.num_experts, ep, options.buffer_factor
+  )
+  return stages.overflow_bound(mover, capacity, options.buffer_factor)
 
 
 def param_specs(
@@ -163,6 +185,15 @@ def moe_layer(
   Returns:
     y [..., D] in x's dtype; `MoEAux` whose per-token fields are [T, ...]
     sharded like the tokens and whose statistics are global.
+
+  Raises:
+    stages.BufferOverflowError: (a RuntimeError) overflow="error" and copies
+      did not fit a bounded buffer,
+      when called on concrete arrays (outside jit and grad): the library's
+      message alone, after the run. Under a transformation the run fails
+      from a host callback instead (`routed_experts`).
+    NotImplementedError: when the program is lowered for a platform the
+      exchange does not run on (`exchange.refuse_other_platforms`).
   """
   options = options or options_lib.EPOptions()
   token_axes = validation.check_mesh(mesh, cfg, expert_axis, data_axes)
@@ -172,6 +203,29 @@ def moe_layer(
   platform = mesh.devices.flat[0].platform
   exchange = options_lib.resolve_exchange(options.exchange, platform)
   options = dataclasses.replace(options, exchange=exchange)
+  # Called on concrete arrays, the layer runs now, on the mesh's devices;
+  # traced, it may be lowered (exported) for another platform.
+  concrete = not any(
+      isinstance(leaf, jax.core.Tracer)
+      for leaf in jax.tree_util.tree_leaves((params, x))
+  )
+  # The exchange's platform, checked before the backends run: "auto" would
+  # take a NotImplementedError from inside for theirs and try the next one.
+  mover = exchange_lib.get_exchange(exchange)
+  mover.check_platform(platform)
+  if concrete and not mover.runs_on(platform):
+    raise NotImplementedError(mover.unsupported_platform_message(platform))
+  # overflow="error" on concrete arrays: run with "drop", then raise from
+  # Python on the count. Only a traced program needs the host callback,
+  # whose error JAX wraps.
+  raise_after = (
+      concrete
+      and options.buffer_factor is not None
+      and options.overflow == "error"
+  )
+  inner_options = options
+  if raise_after:
+    inner_options = dataclasses.replace(options, overflow="drop")
   explicit = compat.is_explicit(mesh)
   token_spec = P(token_axes)
   tokens = _reshape(
@@ -204,7 +258,7 @@ def moe_layer(
         cfg,
         expert_axis=expert_axis,
         token_axes=token_axes,
-        options=options,
+        options=inner_options,
         platform=platform,
     )
 
@@ -223,13 +277,27 @@ def moe_layer(
   )
   # check_vma=False: backends build loop carries (zeros) without the
   # varying-axis types that check_vma demands of every value in the body.
-  y, aux = jax.shard_map(
+  sharded = jax.shard_map(
       body,
       mesh=mesh,
       in_specs=(specs, token_spec),
       out_specs=(token_spec, aux_specs),
       check_vma=False,
-  )(params, tokens)
+  )
+  if concrete:
+    # Called on arrays, shard_map would run the body op by op on every
+    # device: about 27 s against 3 s for one compile and run (ep = 8 CPU
+    # devices, jax 0.12). Traced, the body is already part of the caller's
+    # program.
+    sharded = jax.jit(sharded)
+  y, aux = sharded(params, tokens)
+  if raise_after and int(aux.dropped_tokens) > 0:
+    tokens_per_chunk = num_tokens // shards // options.num_chunks
+    ep = mesh.shape[expert_axis]
+    bound = _overflow_bound(exchange, tokens_per_chunk, cfg, ep, options)
+    raise stages.BufferOverflowError(
+        stages.overflow_message(int(aux.dropped_tokens), bound)
+    )
   out_sharding = None
   if explicit:
     out_sharding = _output_sharding(x, mesh, token_spec, shards)

@@ -47,7 +47,9 @@ class EPOptions:
     exchange: "ragged" moves only the real rows with
       `jax.lax.ragged_all_to_all` (GPU, TPU); "padded" moves a static
       [ep, slots, D] buffer with `jax.lax.all_to_all` (any platform);
-      "auto" picks "ragged" on GPU/TPU and "padded" elsewhere;
+      "auto" picks "ragged" on GPU/TPU and "padded" elsewhere (a program
+      with "ragged" lowered for the CPU raises NotImplementedError naming
+      the platform);
       "ragged_emulated" is the ragged layout with the exchange emulated by an
       all_gather (ep times the traffic): a test aid for platforms without
       ragged_all_to_all; "te_nccl_ep" is the ragged layout moved by
@@ -58,8 +60,10 @@ class EPOptions:
       ceil(f * T_l*K) receive rows (ragged), each capped at the worst case.
       f = 1 is the average load; MaxText's `ragged_buffer_factor` is alike.
     overflow: what a bounded buffer does with copies that do not fit:
-      "error" raises at run time (a host callback, so it syncs), "drop"
-      gives them zero weight, marks them `kept=False` and counts them in
+      "error" raises `stages.BufferOverflowError` (from Python after the
+      run when the layer is called on arrays; from a host callback, which
+      syncs and which JAX wraps, in a traced program), "drop" gives them
+      zero weight, marks them `kept=False` and counts them in
       `MoEAux.dropped_tokens`.
     num_chunks: split each device's tokens into this many chunks, each
       dispatched, computed and combined on its own, so the scheduler may

@@ -20,6 +20,12 @@ class RaggedExchange(exchange.Exchange):
   """capacity = receive rows; receive buffer [capacity, D]."""
 
   name = "ragged"
+  platforms = options.RAGGED_PLATFORMS
+  needs = "jax.lax.ragged_all_to_all, which XLA implements on"
+  instead = (
+      "exchange='padded' (what exchange='auto' picks there), or "
+      "exchange='ragged_emulated' to test the ragged layout"
+  )
 
   def capacity(self, tokens, top_k, num_experts, ep, buffer_factor):
     sizes = options.buffer_sizes(tokens, top_k, num_experts, ep, buffer_factor)
@@ -71,6 +77,7 @@ class EmulatedRaggedExchange(RaggedExchange):
   """The ragged layout over an all_gather: ep times the traffic; tests only."""
 
   name = "ragged_emulated"
+  platforms = None  # An all_gather runs anywhere.
 
   @staticmethod
   def _collective(*args, axis_name):

@@ -23,6 +23,7 @@ exchange, which JAX derives.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Callable, Sequence
 
@@ -215,15 +216,16 @@ def dispatch(
   sent = slot_in_peer < layout.send_sizes[dest]
   dropped = (num_copies - jnp.sum(sent)).astype(jnp.int32)
   if buffer_factor is not None and overflow == "error":
-    bound = (
-        f"buffer_factor={buffer_factor}, "
-        f"{mover.describe_capacity(capacity)}, exchange={mover.name!r}"
-    )
     total = jax.lax.psum(dropped, expert_axis)
     local = dataclasses.replace(
-        local, rows=_raise_on_overflow(local.rows, total, bound)
+        local,
+        rows=raise_on_overflow(
+            local.rows, total, overflow_bound(mover, capacity, buffer_factor)
+        ),
     )
-  received = mover.send(local.rows, sent, layout, expert_axis)
+  # Where the exchange cannot run, refused when the program is lowered.
+  rows = exchange_lib.refuse_other_platforms(local.rows, mover)
+  received = mover.send(rows, sent, layout, expert_axis)
   grouped, group_sizes, regroup = _group_by_expert(
       received, layout, counts[:, me, :]
   )
@@ -329,23 +331,69 @@ def _group_by_expert(received, layout, counts_to_me):
   return grouped, group_sizes, regroup
 
 
-def _raise_on_overflow(x, dropped, bound: str):
+def overflow_bound(
+    mover: exchange_lib.Exchange, capacity: int, buffer_factor: float
+) -> str:
+  """The bounded buffer in words, for `overflow_message`."""
+  return (
+      f"buffer_factor={buffer_factor}, {mover.describe_capacity(capacity)}, "
+      f"exchange={mover.name!r}"
+  )
+
+
+def overflow_message(count: int, bound: str) -> str:
+  """The error of overflow="error" when `count` copies did not fit."""
+  return (
+      f"expert-parallel receive buffer overflow: {count} token copies did "
+      f"not fit the bounded buffer ({bound}). Raise buffer_factor, use "
+      "buffer_factor=None (drop-free worst-case buffers) or "
+      "overflow='drop' (dropped copies counted in aux.dropped_tokens)."
+  )
+
+
+class BufferOverflowError(RuntimeError):
+  """overflow="error": token copies did not fit a bounded EP buffer."""
+
+
+class _DropOverflowLogs(logging.Filter):
+  """Drops JAX's log of a host callback that raised `BufferOverflowError`.
+
+  JAX logs every failing callback with its traceback ("jax.pure_callback
+  failed"), once per device, before it raises the run's error; that error
+  holds the same message, so the logs only repeat it.
+  """
+
+  def filter(self, record):
+    error = record.exc_info[1] if record.exc_info else None
+    return not isinstance(error, BufferOverflowError)
+
+
+# The logger of jax/_src/callback.py (jax 0.10 to 0.12).
+logging.getLogger("jax._src.callback").addFilter(_DropOverflowLogs())
+
+
+def raise_on_overflow(x, dropped, bound: str):
   """x, made to depend on a host check that raises when dropped > 0.
 
-  The check's (zero) result is added to x so it runs before the exchange and
-  is never pruned; it fails the computation with the count. `bound` names
-  the buffer's bound for the message.
+  For a traced program, where nothing else can stop the run: a host
+  callback raises `BufferOverflowError(overflow_message(...))`, which JAX
+  reports wrapped (a `JaxRuntimeError`, "INTERNAL: CpuCallback error ...",
+  the callback's traceback with the message last; docs/expert_parallel.md),
+  when the result is read. Every device raises: one that stopped alone
+  would leave its peers waiting in the next collective. JAX's per-device
+  logs of it are dropped (`_DropOverflowLogs`), so the message shows once.
+  The callback's (zero) result is added to x so that it is never pruned.
+
+  Args:
+    x: an array the program goes on to use.
+    dropped: scalar int32, the copies that did not fit (the same on every
+      device).
+    bound: `overflow_bound`.
   """
 
   def check(count):
     if int(count) > 0:
-      raise RuntimeError(
-          f"expert-parallel receive buffer overflow: {int(count)} token "
-          f"copies did not fit the bounded buffer ({bound}). Raise "
-          "buffer_factor, use buffer_factor=None (drop-free worst-case "
-          "buffers) or overflow='drop' (dropped copies counted in "
-          "aux.dropped_tokens)."
-      )
+      raise BufferOverflowError(overflow_message(int(count), bound))
     return np.zeros((), np.float32)
 
   zero = jax.pure_callback(
