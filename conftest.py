@@ -15,6 +15,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
   )
 
 
+# JAX on the CPU where no GPU is attached: the legs carry the CUDA plugin
+# (to compile for GPUs, moe_core.aot), whose start-up check would otherwise
+# fail loudly on every import of jax (Bazel's targets set it the same way).
+if not os.path.exists("/dev/nvidiactl"):
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
 def pytest_terminal_summary(terminalreporter):
   reasons = collections.Counter()
   for report in terminalreporter.stats.get("skipped", []):

@@ -13,6 +13,10 @@ if [[ -n "${DROPLESS_LEG:-}" ]]; then
   setup_args+=("--leg=$DROPLESS_LEG")
 fi
 PY="$(tools/setup.sh "${setup_args[@]}")/bin/python"
+# The leg carries JAX's CUDA plugin; with no GPU here, JAX runs on the CPU.
+if [[ ! -e /dev/nvidiactl ]]; then
+  export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+fi
 if [[ "${1:-}" == "demo" ]]; then
   shift
   exec "$PY" -m bench.demo "$@"

@@ -1,0 +1,138 @@
+"""moe_core.aot: targets as data, topologies, and compiles read back.
+
+Compiles for GPUs that are not here, through XLA's GPU compiler (the CUDA
+plugin of the installed jax); on a leg without the plugin the compiling
+tests skip with that reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+
+from moe_core import aot
+
+
+def _has_plugin() -> bool:
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+  except ModuleNotFoundError:  # No jax_plugins package at all.
+    return False
+
+
+_HAS_PLUGIN = _has_plugin()
+
+
+def _field(text: str, name: str) -> str:
+  match = re.search(rf"\b{name}:\s*([^\s}}]+)", text)
+  assert match, name
+  return match.group(1)
+
+
+class TargetsTest(parameterized.TestCase):
+
+  @parameterized.parameters(*aot.TARGETS)
+  def test_config_agrees_with_the_target(self, name):
+    t = aot.target(name)
+    text = t.config_text()
+    self.assertEqual(int(_field(text, "core_count")), t.num_cores)
+    self.assertEqual(int(_field(text, "device_memory_size")), t.hbm_bytes)
+    major = int(_field(text, "major"))
+    self.assertEqual({9: "sm90", 10: "sm100"}[major], t.generation)
+    self.assertIn(f'device_description_str: "{t.device_kind}"', text)
+    self.assertLess(t.usable_bytes, t.hbm_bytes)
+
+  def test_unknown_target_names_the_known_ones(self):
+    with self.assertRaisesRegex(ValueError, r"one of \['b200', 'h100'"):
+      aot.target("a100")
+
+  @parameterized.parameters("1x2", "0x1x8", "1x128x8x1", "eight", 8)
+  def test_bad_topology_spec_is_refused(self, spec):
+    with self.assertRaisesRegex(ValueError, "topology must be 'SxHxG'"):
+      aot.parse_topology(spec)
+
+  def test_topology_spec(self):
+    self.assertEqual(aot.parse_topology("1x128x8"), (1, 128, 8))
+
+
+def _requires_plugin(test):
+  if not _HAS_PLUGIN:
+    test.skipTest(
+        "compiling for GPUs needs jax's CUDA plugin (jax-cuda13-plugin, "
+        "jax-cuda13-pjrt), which this leg does not install"
+    )
+
+
+class CompileTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    _requires_plugin(self)
+
+  def test_topology_models_hosts_and_meshes(self):
+    topo = aot.gpu_topology("h100", "1x2x4")
+    self.assertEqual(topo.num_devices, 8)
+    self.assertEqual(
+        [d.process_index for d in topo.devices], [0, 0, 0, 0, 1, 1, 1, 1]
+    )
+    self.assertEqual(topo.devices[0].device_kind, "NVIDIA H100 80GB HBM3")
+    mesh = topo.mesh({"data": -1, "expert": 4})
+    self.assertEqual(dict(mesh.shape), {"data": 2, "expert": 4})
+    with self.assertRaisesRegex(ValueError, "multiply to 6, but the topo"):
+      topo.mesh({"data": 2, "expert": 3})
+
+  @parameterized.parameters("h100", "b200")
+  def test_compile_reports_memory_flops_and_fit(self, target):
+    topo = aot.gpu_topology(target, "1x1x1")
+    n = 2048
+    device = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    x = jax.ShapeDtypeStruct((n, n), jnp.bfloat16, sharding=device)
+    # The sort: a B200 target's CUB rewrite fails without a GPU unless
+    # compile turns it off (DEVICELESS_OPTIONS).
+    program = aot.compile(
+        lambda a: jnp.sort(a @ a, axis=-1), x, topology=topo, name="mm"
+    )
+    self.assertEqual(program.argument_bytes, n * n * 2)
+    self.assertEqual(program.output_bytes, n * n * 2)
+    self.assertGreaterEqual(program.peak_bytes, 2 * n * n * 2)
+    self.assertTrue(program.fits)
+    self.assertGreaterEqual(program.flops, 2 * n**3)
+    record = program.to_json()
+    self.assertEqual(record["target"], target)
+    self.assertEqual(record["peak_bytes"], program.peak_bytes)
+
+  def test_over_budget_program_does_not_fit(self):
+    topo = aot.gpu_topology("h100", "1x1x1")
+    device = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    # 96 GiB of float32 arguments on an 80 GB part.
+    x = jax.ShapeDtypeStruct((6, 2**32), jnp.float32, sharding=device)
+    program = aot.compile(lambda a: a * 2, x, topology=topo)
+    self.assertFalse(program.fits)
+
+  def test_collective_bytes_of_an_all_to_all(self):
+    topo = aot.gpu_topology("h100", "1x1x8")
+    mesh = topo.mesh({"x": 8})
+    spec = jax.sharding.PartitionSpec
+    sharding = jax.sharding.NamedSharding(mesh, spec("x"))
+
+    def exchange(a):
+      return jax.shard_map(
+          lambda b: jax.lax.all_to_all(b, "x", 0, 0, tiled=True),
+          mesh=mesh,
+          in_specs=spec("x"),
+          out_specs=spec("x"),
+      )(a)
+
+    x = jax.ShapeDtypeStruct((8 * 64, 256), jnp.float32, sharding=sharding)
+    program = aot.compile(exchange, x, topology=topo, mesh=mesh)
+    # Each device sends its [64, 256] float32 block once.
+    self.assertEqual(program.collective_bytes.get("all-to-all"), 64 * 256 * 4)
+
+
+if __name__ == "__main__":
+  absltest.main()
