@@ -105,6 +105,17 @@ def _store_owned_rows(o_ref, value, r0, n0, row_start, row_end, indexed):
     plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], value, mask=mask)
 
 
+def _loop_bound(computes, steps: int):
+  """`steps` if `computes`, else 0, as an int32 loop bound.
+
+  Both bounds of a dynamic `fori_loop` are int32 on purpose: with a Python
+  int lower bound and a traced upper one, the Triton lowering emitted an
+  `scf.for` whose bounds differ in type, which XLA's Triton compiler
+  rejects (found by compiling for an H100, `moe_core.aot`).
+  """
+  return jnp.where(computes, jnp.int32(steps), jnp.int32(0))
+
+
 def _gmm_kernel(
     group_ref,
     tile_ref,
@@ -165,7 +176,9 @@ def _gmm_kernel(
     return tuple(accs)
 
   zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(num_accs))
-  accs = lax.fori_loop(0, jnp.where(computes, c_steps, 0), c_step, zeros)
+  accs = lax.fori_loop(
+      jnp.int32(0), _loop_bound(computes, c_steps), c_step, zeros
+  )
   for o_ref, value in zip(out_refs, epilogue(accs)):
     _store_owned_rows(
         o_ref, value.astype(o_ref.dtype), r0, n0, row_start, row_end, indexed
@@ -475,7 +488,7 @@ def _scaled_gmm_kernel(
     return acc + partial * row_scales * column_scales[None, :]
 
   acc = jnp.zeros((bm, bn), jnp.float32)
-  acc = lax.fori_loop(0, jnp.where(computes, k_steps, 0), k_step, acc)
+  acc = lax.fori_loop(jnp.int32(0), _loop_bound(computes, k_steps), k_step, acc)
   if tensor_scales:
     row_scales = row_scale_ref[pl.ds(r0, bm)][:, None]
     acc = acc * row_scales * expert_scale_ref[weight]
