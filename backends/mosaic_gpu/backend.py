@@ -88,8 +88,9 @@ class MosaicGpuBackend(backend.Backend):
       True (or an `InterpretGPUParams`) runs Mosaic GPU's interpreter, on
       the CPU too: slow, for tests at small shapes.
     generation: "sm90" (Hopper wgmma kernels) or "sm100" (Blackwell
-      tcgen05 kernels); None picks by the first device's compute
-      capability ("sm90" off a GPU).
+      tcgen05 kernels); None picks, when the program is traced, by the
+      GPU it is lowered for (`moe_core.aot`'s target) or else the first
+      device's compute capability ("sm90" off a GPU).
     fuse_activation: compute act(gate) * up in the gate/up kernel's
       epilogue (for `ops.EPILOGUE_ACTIVATIONS`); as for `pallas`, the
       "moe_gate"/"moe_up" checkpoint names are then not emitted.
@@ -115,12 +116,12 @@ class MosaicGpuBackend(backend.Backend):
           "fuse_activation must be a bool, got "
           f"{type(fuse_activation).__name__}."
       )
-    if generation is None:
-      generation = tiling.generation() or "sm90"
+    if generation is not None:
+      tiling.check_generation(generation)
     self.launch = ops.Launch(
         tiles=tiling.TileConfig.parse(tiles),
         interpret=_resolve_interpret(interpret),
-        generation=tiling.check_generation(generation),
+        generation=generation,
     )
     self.fuse_activation = fuse_activation
 
@@ -147,9 +148,10 @@ class MosaicGpuBackend(backend.Backend):
       return True, ""
     device = jax.devices()[0]
     reason = gpu_unavailable_reason(device)
-    if not reason and tiling.generation(device) != self.launch.generation:
+    wanted = self.launch.generation
+    if not reason and wanted and tiling.generation(device) != wanted:
       reason = (
-          f"mosaic_gpu: built for {self.launch.generation}, but "
+          f"mosaic_gpu: built for {wanted}, but "
           f"{device.device_kind} is {tiling.generation(device)}."
       )
     return not reason, reason

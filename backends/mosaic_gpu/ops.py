@@ -39,16 +39,23 @@ class Launch:
     interpret: False (compiled for the GPU) or Mosaic GPU's
       `InterpretGPUParams` (the CPU).
     generation: "sm90" (wgmma, `kernels`) or "sm100" (tcgen05,
-      `kernels_sm100`): which kernel, and the table's key.
+      `kernels_sm100`): which kernel, and the table's key; None follows
+      the GPU being lowered for (`tiling.generation()`).
   """
 
   tiles: tiling.TileConfig = tiling.TileConfig()
   interpret: Any = False
-  generation: str = "sm90"
+  generation: str | None = "sm90"
 
   @property
   def interpreting(self) -> bool:
     return self.interpret is not False
+
+  def kernel_generation(self) -> str:
+    """The generation whose kernels run: the given one, or the target's."""
+    if self.generation is not None:
+      return self.generation
+    return tiling.generation() or "sm90"
 
   def gmm(
       self,
@@ -64,6 +71,7 @@ class Launch:
       out_dtype=None,
   ):
     """One Mosaic GPU gmm call with the tiles of `kind` ("fwd"/"dgrad")."""
+    generation = self.kernel_generation()
     num_accs = 1 + max(a for _, _, a in products)
     tiles = tiling.choose(
         self.tiles,
@@ -75,9 +83,9 @@ class Launch:
         num_rhs=len(rhs),
         num_accs=num_accs,
         num_outputs=num_accs if num_outputs is None else num_outputs,
-        generation_name=self.generation,
+        generation_name=generation,
     )
-    if self.generation == "sm100":
+    if generation == "sm100":
       kernels_sm100.check_tiles(tiles, num_accs)
       gmm = kernels_sm100.gmm
     else:

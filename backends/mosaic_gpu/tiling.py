@@ -156,20 +156,68 @@ def bucket(m: int, num_groups: int, num_accs: int) -> str:
   return "default"
 
 
-def generation(device=None) -> str | None:
-  """ "sm90" or "sm100" for a GPU `device` (default: the first device).
+# Device kinds of the two generations, for an abstract GPU (one named by
+# kind only, as `moe_core.aot` compiles for).
+_KIND_GENERATIONS = (
+    ("GB200", "sm100"),
+    ("GB300", "sm100"),
+    ("B100", "sm100"),
+    ("B200", "sm100"),
+    ("B300", "sm100"),
+    ("GH200", "sm90"),
+    ("H100", "sm90"),
+    ("H200", "sm90"),
+    ("H800", "sm90"),
+)
 
-  None for a GPU of another compute capability; "sm90" off a GPU (what
-  the interpreter and a CPU-host export run unless told otherwise).
+
+def target_gpu():
+  """The abstract GPU the program is being lowered for, or None.
+
+  `moe_core.aot.compile` lowers inside the target topology's abstract mesh,
+  whose abstract device names the GPU; a kernel chosen from the local
+  device instead (none here, or another model) would not compile for it
+  (wgmma is not an sm_100 instruction).
   """
-  device = device or jax.devices()[0]
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  if device is None or getattr(device, "platform", None) not in ("gpu", "cuda"):
+    return None
+  return device
+
+
+def generation_of_kind(device_kind: str) -> str | None:
+  """ "sm90" or "sm100" for a GPU model's name, None if neither."""
+  for fragment, name in _KIND_GENERATIONS:
+    if fragment in device_kind:
+      return name
+  return None
+
+
+def generation(device=None) -> str | None:
+  """ "sm90" or "sm100" for a GPU `device`; by default the target's.
+
+  Without a device: the abstract GPU being lowered for (`target_gpu`),
+  else the first local device. None for a GPU of another compute
+  capability; "sm90" off a GPU (what the interpreter and a CPU-host export
+  run unless told otherwise).
+  """
+  if device is None:
+    target = target_gpu()
+    if target is not None:
+      return generation_of_kind(target.device_kind)
+    device = jax.devices()[0]
   if device.platform != "gpu":
     return "sm90"
   return GENERATIONS.get(getattr(device, "compute_capability", None))
 
 
 def num_sms(device=None) -> int:
-  """SMs of the attached GPU, else of an H100/H200."""
+  """SMs of the target GPU (or `device`, or the local one), else an H100's."""
+  if device is None and target_gpu() is not None:
+    count = getattr(target_gpu(), "num_cores", None)
+    if isinstance(count, int) and count > 0:
+      return count
   device = device or jax.devices()[0]
   count = getattr(device, "core_count", None)
   if device.platform == "gpu" and isinstance(count, int) and count > 0:
