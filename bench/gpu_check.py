@@ -1,155 +1,67 @@
-"""One short GPU run: pallas, mosaic_gpu, triton, te vs reference; TFLOP/s.
+"""One GPU run: every program of bench/programs.py compiled, checked, timed.
 
-On the device machine, where only $OUT comes back:
+On the device machine (an H200), where only $OUT comes back:
 
-    python -m bench.gpu_check --out_dir "$OUT"  # H200, aims at 8 minutes
-
-With triton's correctness cases the whole run may come near the device
-tool's 10 minutes a command (untimed yet: the correctness phase has no
-budget). Two calls split it, at the cost of a second start:
-
-    python -m bench.gpu_check --out_dir "$OUT" \
-        --workloads deepseek_v3,deepseek_v3_grads,deepseek_v3_routed
-    python -m bench.gpu_check --out_dir "$OUT" --skip_correctness \
-        --workloads small_k,deepseek_v3_precision,mixtral_8x7b
+    python -m bench.gpu_check --out_dir "$OUT"
 
 Elsewhere:
 
-    python -m bench.gpu_check                # GPU; JSON in bench/results/
-    python -m bench.gpu_check --dry_run      # CPU: tiny shapes, interpreted
-    python -m bench.gpu_check --lower_only   # CPU: lower every GPU program
+    python -m bench.gpu_check --dry_run   # CPU rehearsal: tiny, interpreted
+    python -m bench.gpu_check --lower_only  # any host: jax.export for CUDA
+    python -m bench.gpu_compile           # any host: XLA's GPU compiler for
+                                          # H100 and B200 (CI's check)
 
 (`python bench/gpu_check.py ...` from the repository root works the same.)
 
-0. jax-triton (the triton backend's launcher): the GPU machine has none
-   installed, so before anything imports it, an installed jax_triton that
-   imports is kept, else the pure-Python wheel carried in bench/wheels/
-   (jax-triton 0.3.1, with absl-py's where absl is missing: README.md
-   there) goes on sys.path, importable from the zip without pip
-   (`gpu_report.provide_jax_triton`). Which one ran, or why none could, is
-   printed first and recorded with the versions.
-1. Correctness (bench/gpu_correctness.py): the pallas kernels (Pallas
-   Triton), the mosaic_gpu kernels (Mosaic GPU forward and dX, Pallas
-   Triton dW) and the triton kernels (raw Triton through jax-triton)
-   against the reference backend with shared tiles, empty groups and NaN
-   in the padding rows: output, dX and dW of the grouped GEMM (both weight
-   layouts) and of the expert FFN (plain and with the fused activation),
-   then a small MoE layer and its gradients (for triton also with the
-   combine weights fused into the down GEMM: fuse_routing_weights). pallas
-   runs in bf16 and float32, mosaic_gpu in bf16 (it raises
-   NotImplementedError for float32: those cases are recorded as skipped,
-   with its message), triton in bf16 and, on a GEMM of each layout, an FFN
-   case and the fused layer, float32 (where Triton's dot must not round to
-   TF32); triton also on a many-rows GEMM and FFN that reach its widest
-   tiles, as Mixtral's shapes do. Two cases have enough rows per expert and
-   a wide enough N for the GPU tile choices the timing runs. te
-   (Transformer Engine's grouped GEMM, `dense.grouped_dense`) runs
-   everyone's GEMM, FFN and layer cases in bf16 where TE is installed, with
-   the kernel TE picks (`_te.grouped_gemm_path`: cuBLAS's grouped GEMM, or
-   a per-group loop that copies group_sizes to the host) recorded; the GPU
-   machine has no TE (its wheels are too large to carry), and there every
-   te case and method is recorded as skipped: "Transformer Engine is not
-   installed on this machine". Then the
-   forward grouped GEMM of each quantised recipe of moe_core.precision
-   (fp8_tensor, fp8_block, mxfp8, nvfp4) on pallas and on xla against the
-   reference backend's, bf16 inputs, a float32 output, ragged groups with
-   an empty one: the same quantised operands, so within the float32
-   budget (a backend that refuses a recipe: recorded as skipped, with its
-   message). Budgets: bench/gpu_tolerances.py, from
-   conformance/tolerances.py.
-   Then, where Transformer Engine is installed, the whole shared
-   conformance suite on te (bench/gpu_conformance.py: a child process,
-   stopped after --conformance_timeout_s and then recorded as incomplete;
-   absltest from TE's own dependencies); its counts go in the JSON's
-   "conformance". Where TE is missing (the lent GPU machine) it is recorded
-   as skipped: "Transformer Engine is not installed on this machine".
-2. Timing (bench/gpu_timing.py), bf16, of the workloads of
-   bench/gpu_workloads.py: DeepSeek-V3 experts (D=7168, F=2048, all 256
-   experts, top-8, T=4096: M=32768 rows, about 1 TFLOP per projection) and
-   Mixtral 8x7B's (D=4096, F=14336, 8 experts, top-2, T=8192: M=16384),
-   forward and forward+backward of the gate/up-shaped [M, D] x [E, D, F]
-   and the down-shaped [M, F] x [E, F, D] grouped GEMMs and of the whole
-   expert FFN; then the forward of a small-K GEMM [M, 1024] x [256, 1024,
-   7168]; then the low-precision recipes at DeepSeek-V3's gate/up GEMM,
-   forward: the bf16 pallas GEMM again (the baseline of the ratios, in the
-   same row) and each recipe on pallas (its time includes quantising both
-   operands; xla's rows are recorded as skipped there: its float32
-   ragged_dot would be expanded over 256 groups); then DeepSeek-V3's two
-   GEMMs with the backward in halves, dX alone and dW alone (the forward
-   is dropped from those programs); then DeepSeek-V3's routed experts
-   (dispatch, expert FFN, combine) from a fixed routing with the same group
-   sizes. Methods: a dense `jnp.dot` of the same FLOPs (cuBLAS),
-   `jax.lax.ragged_dot`, pallas, mosaic_gpu, triton and te (for the FFN
-   also each but te with the fused activation; for the routed experts,
-   pallas and triton, and triton with the routing weights fused too; te
-   on DeepSeek-V3's and Mixtral's GEMMs and FFN, forward and backward).
-   Times are medians of up to --repeats calls after a warm-up (fewer past
-   2 s a phase); ratios are time / baseline time (`fwd_time_over_dense`,
-   `fwd_time_over_pallas`, ...: < 1 is faster). The timed programs' own
-   output and gradients are checked on a few sampled groups (the routed
-   experts: tokens and experts) against a float32 per-group `jnp.dot` (a
-   recipe's, against the reference's quantised product of the group).
-   "goals" holds the targets: mosaic_gpu's forward >= 0.6x dense cuBLAS
-   throughput, and faster than pallas at small K; triton's forward, dX and
-   dW each >= 0.6x dense cuBLAS throughput, and its fused-activation FFN
-   faster than its unfused one (the fused routing weights' cost over the
-   fused activation alone, reported); fp8_tensor's and fp8_block's pallas
-   forward >= 1.5x the bf16 pallas forward's throughput on Hopper; mxfp8's
-   and nvfp4's (emulated) cost over bf16, reported (goals are reported,
-   never failed).
+The programs are bench/programs.py's table at its full sizes: every variant
+the registry gives (each backend's defaults, its quantised recipes, the
+option rows) x DeepSeek-V3, Mixtral 8x7B and Qwen3-30B-A3B (the layer, the
+grouped GEMMs) x forward and forward+backward. Phases, each written to the
+JSON as soon as it is done:
 
-No timed problem starts past --budget_s (360 s) into the run: its row says
-"skipped" (not a failure), so the run ends well under 8 minutes on an H200
-even if compiles are slow; the workloads go in the order of
-`gpu_workloads.FULL` (DeepSeek-V3, small K, the recipes, DeepSeek-V3's
-backward in halves, its routed experts, Mixtral).
+1. compile: each program compiled on this GPU (XLA autotunes here) and,
+   in --compile_workers child processes started first, without it
+   (`bench.gpu_compile`, deviceless, for this GPU's target: h200); their
+   memory side by side (`peak_ratio`, `temp_ratio`: device / deviceless),
+   which says how far CI's deviceless figures can be trusted. The
+   expert-parallel programs need 8 or 64 GPUs: deviceless only. No
+   compile starts here past --compile_s into the run, and the deviceless
+   children are stopped a minute later (what they compiled is kept).
+2. conformance: the shared suites (conformance/suite.py) on every variant,
+   as child processes sharded over the cores (bench/gpu_conformance.py),
+   with the cases only a GPU runs (the timed shapes' tiles); a variant
+   whose backend cannot run here is skipped with the reason (te: no
+   Transformer Engine on the GPU machine). Children still running at
+   --conformance_s are killed: "incomplete".
+3. run: each one-GPU program timed as compiled in phase 1
+   (bench/gpu_timing.py), with the ratios to the baselines and the goals.
+   No program starts past --budget_s into the run: its row says skipped.
 
-The shapes, cases and programs of both phases, and of --lower_only
-(bench/gpu_lowering.py, which also checks each program's custom calls:
-Triton for pallas, mosaic_gpu_v2 for mosaic_gpu and Triton for its dW), are
-in bench/gpu_workloads.py. --workloads picks some of them. --lower_only
-cannot lower triton's programs on a CPU-only machine (a jax-triton call is
-lowered by compiling its kernel through the CUDA plugin, which a CPU jaxlib
-lacks): they are listed as skipped, with that reason (gpu_check_test
-lowers them through the carried wheel with the plugin's bindings stubbed).
-te's are lowered where TE is installed (off a GPU, with TE told the GPU is
-sm_90) and must call TE's grouped GEMM; elsewhere listed as skipped.
+A program that fails (to build, compile or run) is recorded with its error
+and the run goes on; the JSON (versions, programs, the three phases,
+goals, failures) is rewritten after each step as <out_dir>/gpu_<date>.json
+(gpu_dryrun_<date>.json with --dry_run), whatever happens; exit status 1
+if anything failed.
 
-Every backend, case and method is guarded: a failure (a compile error, a
-backend that cannot be built) is recorded with its error and the run goes
-on; a triton backend whose availability() says no (jax-triton not
-importable, no GPU) has its cases and methods recorded as skipped, with
-its reason. The JSON (date; versions of python, jax, jaxlib, triton and
-jax-triton and where jax-triton came from, also printed first; device;
-backends; workloads with their group sizes; correctness; timing; goals;
-how many of JAX's Pallas Triton deprecation warnings were filtered;
-failures) is rewritten after every timed method and once more at the end,
-whatever happened, as <out_dir>/gpu_<date>.json (gpu_dryrun_<date>.json
-with --dry_run; out_dir defaults to bench/results/ in this repository).
-The exit status is 1 if anything failed, decided after the last write.
-Needs only jax (with its CUDA plugin) and this repository: no absl, no
-network.
-
---dry_run interprets the kernels on the CPU at tiny shapes; Mosaic GPU's
-interpreter takes seconds a call, so there mosaic_gpu is checked on one
-GEMM case and timed on the small-K row only; Triton's interpreter (torch
-on the CPU: where torch is missing, triton is skipped with that reason) a
-tenth of a second or more a launch, so there triton is checked on its own
-smaller cases (`gpu_workloads.DRY_TRITON_CASES`) and timed at a smaller
-shape.
+What the GPU machine has (Python 3.12, jax 0.11.2 with CUDA 13, triton
+3.6, absl, no jax-triton, no Transformer Engine, no network) is enough: the
+triton backend's jax-triton comes from bench/wheels/ when none imports
+(`gpu_report.provide_jax_triton`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
-# Run as a script (python bench/gpu_check.py), only bench/ is on sys.path:
-# put the repository there before importing from it.
+# Run as a script (python bench/gpu_check.py), only bench/ is on sys.path.
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
@@ -158,15 +70,23 @@ if _REPO not in sys.path:
 import jax
 
 from bench import gpu_conformance
-from bench import gpu_correctness
-from bench import gpu_lowering
 from bench import gpu_report
 from bench import gpu_timing
-from bench import gpu_workloads
+from bench import programs as programs_lib
+from moe_core import aot
 from moe_core import compat
-from moe_core import registry
+from moe_core.testing import cuda_export
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
+
+# --dry_run's programs: the layer with few experts and a GEMM, interpreted.
+DRY_PROGRAMS = (
+    "mixtral_8x7b/pallas/*,mixtral_8x7b/xla/*,deepseek_v3_gemm/pallas/fwd,"
+    "deepseek_v3_gemm/pallas_fp8_tensor/fwd"
+)
+# --dry_run's conformance: two variants, a few tests each.
+DRY_CONFORMANCE = ("xla,pallas", "test_forward_matches_numpy_and_reference")
+_MEMORY = ("argument", "output", "alias", "temp", "generated_code")
 
 
 def _parse_args(argv):
@@ -175,253 +95,426 @@ def _parse_args(argv):
   mode.add_argument(
       "--dry_run",
       action="store_true",
-      help="run everything on the CPU at tiny shapes, with the "
-      "kernels interpreted",
+      help="rehearse on the CPU: tiny shapes, interpreted kernels",
   )
   mode.add_argument(
       "--lower_only",
       action="store_true",
-      help="only lower every GPU program for CUDA (works on a "
-      "CPU-only machine)",
+      help="only export every one-GPU program for CUDA (any host)",
+  )
+  parser.add_argument(
+      "--programs",
+      default=None,
+      help="comma-separated fnmatch patterns over <workload>/<variant>/"
+      f"<mode> (default: all; {DRY_PROGRAMS} with --dry_run)",
   )
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument(
-      "--tokens",
-      type=int,
+      "--out_dir", default=os.path.join(_REPO, "bench", "results")
+  )
+  parser.add_argument("--skip_conformance", action="store_true")
+  parser.add_argument(
+      "--conformance_variants",
       default=None,
-      help="T of every workload (default: each workload's; 64 with "
-      "--dry_run)",
+      help="comma-separated variants the suites run on (default: every "
+      "bf16 variant; xla,pallas with --dry_run)",
   )
   parser.add_argument(
-      "--experts",
-      type=int,
+      "--conformance_filter",
       default=None,
-      help="E on this device: a slice of each model's experts, at most "
-      "all of them (default: all)",
+      help="only the tests matching these unittest -k patterns",
   )
-  parser.add_argument(
-      "--workloads",
-      default=None,
-      help="comma-separated workload names (default: all; "
-      f"{','.join(w.name for w in gpu_workloads.FULL)} on a GPU)",
-  )
-  parser.add_argument("--skew", default="random", choices=["random", "zipf"])
-  parser.add_argument(
-      "--out_dir",
-      default=os.path.join(_REPO, "bench", "results"),
-      help="where the JSON goes (on the device machine: "
-      '"$OUT", the only folder that comes back)',
-  )
-  parser.add_argument("--skip_correctness", action="store_true")
-  parser.add_argument(
-      "--conformance_timeout_s",
-      type=float,
-      default=240.0,
-      help="the te conformance suite (where Transformer Engine is "
-      "installed) is stopped after this long and recorded as incomplete",
-  )
+  parser.add_argument("--compile_s", type=float, default=180.0)
+  parser.add_argument("--conformance_s", type=float, default=180.0)
+  parser.add_argument("--compile_workers", type=int, default=4)
   parser.add_argument(
       "--budget_s",
       type=float,
-      default=360.0,
-      help="no timed problem starts this many seconds after the run began "
-      "(its row says skipped; the one running finishes, a minute at most "
-      "at the default shapes)",
+      default=540.0,
+      help="no timed program starts this many seconds after the run began",
   )
   return parser.parse_args(argv)
 
 
-def _workloads(args):
-  """The timed workloads (DRY ones with --dry_run), flags applied.
+def _memory(compiled) -> dict:
+  """memory_analysis() of a compiled program, and its peak (per device)."""
+  m = compiled.memory_analysis()
+  out = {f"{k}_bytes": int(getattr(m, f"{k}_size_in_bytes")) for k in _MEMORY}
+  out["peak_bytes"] = (
+      out["argument_bytes"]
+      + out["output_bytes"]
+      - out["alias_bytes"]
+      + out["temp_bytes"]
+      + out["generated_code_bytes"]
+  )
+  return out
 
-  Raises:
-    ValueError: --workloads names one that does not exist.
-  """
-  every = gpu_workloads.dry_workloads() if args.dry_run else gpu_workloads.FULL
-  if args.workloads:
-    names = [n for n in args.workloads.split(",") if n]
-    unknown = sorted(set(names) - {w.name for w in every})
-    if unknown:
-      raise ValueError(
-          f"unknown workloads {unknown}; there are "
-          f"{[w.name for w in every]}."
+
+def _available(variant, interpret):
+  """(the variant's backend runs here, why not); raises if it cannot be
+  built for another reason than a missing package."""
+  try:
+    return variant.build(interpret=interpret).availability()
+  except ImportError as e:
+    return False, gpu_report.error_text(e)
+
+
+def _target_name() -> str:
+  """The `aot.TARGETS` entry of this GPU (h200 off a GPU: the rehearsal's)."""
+  kind = jax.devices()[0].device_kind
+  for name, t in aot.TARGETS.items():
+    if t.device_kind == kind:
+      return name
+  return "h200"
+
+
+def _start_deviceless(selected, size, target, workers, tmp):
+  """gpu_compile children compiling `selected` for `target`, no GPU used."""
+  patterns = ",".join(p.name for p in selected)
+  # The carried wheels too (jax-triton: `gpu_report.provide_jax_triton`).
+  path = [_REPO, *(p for p in sys.path if p.endswith(".whl"))]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(path))
+  children = []
+  for i in range(workers):
+    out = os.path.join(tmp, f"deviceless_{i}.json")
+    with open(os.path.join(tmp, f"deviceless_{i}.log"), "w") as log:
+      child = subprocess.Popen(  # pylint: disable=consider-using-with
+          [
+              sys.executable,
+              "-m",
+              "bench.gpu_compile",
+              f"--targets={target}",
+              f"--size={size}",
+              f"--programs={patterns}",
+              f"--shard={i}/{workers}",
+              f"--out={out}",
+          ],
+          cwd=_REPO,
+          env=env,
+          stdout=log,
+          stderr=subprocess.STDOUT,
       )
-    every = tuple(w for w in every if w.name in names)
-  out = []
-  for w in every:
-    shape = dict(w.shape)
-    if args.tokens:
-      shape["tokens"] = args.tokens
-    if args.experts:
-      shape["experts"] = min(args.experts, w.model_experts)
-    out.append(w._replace(shape=shape))
-  return tuple(out)
+    children.append((child, out))
+  return children
 
 
-def _workload_entry(workload, skew):
-  """What the JSON says of a workload: shape, rows, group sizes, slice."""
-  m, sizes, problems = gpu_workloads.problems(
-      workload.shape, skew, workload.problems
+def _collect_deviceless(children, deadline) -> tuple[dict, bool]:
+  """(program name -> deviceless record, whether a child was killed):
+  children still running at `deadline` (time.monotonic()) are killed,
+  keeping the records they wrote."""
+  found, killed = {}, False
+  for child, out in children:
+    try:
+      child.wait(max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+      child.kill()
+      child.wait()
+      killed = True
+    if os.path.exists(out):
+      with open(out) as fh:
+        for r in json.load(fh)["programs"]:
+          found[r["program"]] = r
+  return found, killed
+
+
+def compile_phase(selected, size, interpret, report, write, children, deadline):
+  """Compiles each program here, none past `deadline` (time.monotonic());
+  returns {name: compiled} of those that compiled, for the run phase."""
+  compiled_here = {}
+  for program in selected:
+    entry = {"program": program.name}
+    report["compile"].append(entry)
+    if time.monotonic() > deadline:
+      entry["device"] = {"skipped": "not started: past --compile_s"}
+      continue
+    try:
+      ok, why = _available(program.variant, interpret)
+    except Exception as e:  # pylint: disable=broad-except
+      ok, why = False, None
+      entry["device"] = {"error": gpu_report.error_text(e)}
+    if not ok:
+      entry.setdefault("device", {"skipped": why})
+      continue
+    if program.workload.num_devices > jax.device_count():
+      entry["device"] = {
+          "skipped": f"needs {program.workload.num_devices} GPUs"
+      }
+      continue
+    start = time.perf_counter()
+    try:
+      fn, args, _ = program.build(size, interpret=interpret)
+      compiled = jax.jit(fn).lower(*args).compile()
+      entry["device"] = {
+          "compile_seconds": round(time.perf_counter() - start, 2),
+          **_memory(compiled),
+      }
+      compiled_here[program.name] = compiled
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      entry["device"] = {"error": gpu_report.error_text(e)}
+    print(f"compiled {program.name}: {entry['device']}", flush=True)
+    write()
+  deviceless, killed = _collect_deviceless(children, deadline + 60)
+  missing = (
+      {"skipped": "not compiled deviceless by --compile_s + 60 s"}
+      if killed
+      else {"error": "no deviceless record"}
   )
-  experts = workload.shape["experts"]
-  return {
-      "name": workload.name,
-      "note": workload.note,
-      "shape": workload.shape,
-      "model_experts": workload.model_experts,
-      "experts": (
-          "all of the model's"
-          if experts == workload.model_experts
-          else f"a slice: {experts} of the model's {workload.model_experts}"
-      ),
-      "rows": m,
-      "group_sizes": sizes.tolist(),
-      "problems": [p.name for p in problems],
-      "methods": workload.methods,
-      "phases": workload.phases,
-  }
+  for entry in report["compile"]:
+    d = deviceless.get(entry["program"], missing)
+    entry["deviceless"] = d
+    here = entry["device"]
+    for key in ("peak", "temp"):
+      if here.get(f"{key}_bytes") and d.get(f"{key}_bytes"):
+        entry[f"{key}_ratio"] = here[f"{key}_bytes"] / d[f"{key}_bytes"]
+  write()
+  return compiled_here
 
 
-def _new_report(args, workloads, versions, now, repeats):
-  """The report before any phase has run."""
-  return {
-      "date": now.isoformat(),
-      **versions,
-      "dry_run": args.dry_run,
-      "workloads": [_workload_entry(w, args.skew) for w in workloads],
-      "skew": args.skew,
-      "repeats": repeats,
-      "budget_s": args.budget_s,
-      "seconds": None,
-      "triton_deprecation_warnings": None,
-      "backends": None,
-      "correctness": [],
-      "conformance": [],
-      "timing": [],
-      "goals": [],
-  }
-
-
-def _run_phases(args, workloads, on_gpu, report, path, deadline):
-  """Correctness, then timing, each written as soon as it is done."""
-  bes = gpu_workloads.backends(on_gpu=on_gpu if on_gpu else None)
-  report["backends"] = bes.describe()
-  for name, description in report["backends"].items():
-    print(f"{name}: {description}")
-  if not args.skip_correctness:
-    gpu_correctness.check_correctness(
-        bes,
-        report["correctness"],
-        mosaic_gemm_cases=(
-            gpu_workloads.DRY_MOSAIC_GEMM_CASES if args.dry_run else None
-        ),
-        triton=gpu_workloads.DRY_TRITON_CASES if args.dry_run else None,
-    )
-    gpu_report.write(path, report)
-    gpu_correctness.print_summary(report["correctness"])
-    report["conformance"].append(
-        gpu_conformance.run_suite(
-            "te", args.conformance_timeout_s, _te_availability(on_gpu)
+def timing_phase(
+    selected, compiled_here, size, repeats, report, write, deadline
+):
+  """Times every compiled one-GPU program, and each GEMM's dense baseline."""
+  rows = report["timing"]
+  key = jax.random.key(3)
+  dense_done = set()
+  for program in selected:
+    if program.name not in compiled_here:
+      continue
+    w = program.workload
+    todo = [(program.variant.name, program.name, compiled_here[program.name])]
+    if w.kind == "gemm" and (w.name, program.mode) not in dense_done:
+      dense_done.add((w.name, program.mode))
+      fn, args = gpu_timing.dense_program(w, program.mode, size)
+      try:
+        dense = jax.jit(fn).lower(*args).compile()
+        todo.insert(0, ("dense", f"{w.name}/dense/{program.mode}", dense))
+      except Exception as e:  # pylint: disable=broad-except
+        rows.append(
+            {
+                "program": f"{w.name}/dense/{program.mode}",
+                "workload": w.name,
+                "variant": "dense",
+                "mode": program.mode,
+                "error": gpu_report.error_text(e),
+            }
         )
-    )
-    gpu_report.write(path, report)
-    gpu_conformance.print_summary(report["conformance"])
-  for workload, entry in zip(workloads, report["workloads"]):
-    sizes = entry["group_sizes"]
-    shape = workload.shape
-    recipes = sorted(
-        {gpu_workloads.method_recipe(m) for m in workload.methods or ()}
-        - {"bf16"}
-    )
-    print(
-        f"{workload.name}: T={shape['tokens']} top-{shape['top_k']} -> "
-        f"M={entry['rows']} rows, D={shape['hidden']} F={shape['ffn']} "
-        f"E={shape['experts']} ({entry['experts']}), bf16"
-        f"{' and ' + ', '.join(recipes) if recipes else ''}, {args.skew} "
-        f"group sizes (min {min(sizes)}, max {max(sizes)}), median of up "
-        f"to {report['repeats']}"
-    )
-    gpu_timing.run_timing(
-        workload,
-        report["repeats"],
-        args.skew,
-        bes,
-        report["timing"],
-        on_row=lambda: gpu_report.write(path, report),
-        deadline=deadline,
-    )
-  gpu_timing.print_timing(report["timing"])
-  gpu_timing.print_goals(
-      gpu_timing.goals(report["timing"], report.get("device"))
+    for variant, name, compiled in todo:
+      row = {
+          "program": name,
+          "workload": w.name,
+          "variant": variant,
+          "mode": program.mode,
+      }
+      rows.append(row)
+      if time.perf_counter() > deadline:
+        row["skipped"] = "not started: the run was past its time budget"
+        continue
+      if variant == "dense":
+        args = gpu_timing.dense_args(w, program.mode, size, key)
+      else:
+        args = programs_lib.concrete_args(program, size, key)
+      gpu_timing.time_one(
+          row, compiled, args, repeats, program.expert_flops(size)
+      )
+      del args
+      print(f"timed {name}: {row.get('seconds', row.get('error'))}", flush=True)
+      gpu_timing.add_ratios(rows)
+      write()
+
+
+def failures(report: dict) -> list[str]:
+  """What failed, a line each (skips and missed goals are not failures)."""
+  out = []
+  for e in report.get("compile", []):
+    if "error" in e.get("device", {}):
+      out.append(f"compile here {e['program']}: {e['device']['error']}")
+    d = e.get("deviceless", {})
+    if d.get("status") == "failed" or "error" in d:
+      out.append(f"compile deviceless {e['program']}: {d.get('error')}")
+  for e in report.get("conformance", []):
+    if e["status"] == "failed":
+      out.append(f"conformance {e['variant']}: {e.get('failed_tests')}")
+  for r in report.get("timing", []):
+    if "error" in r:
+      out.append(f"run {r['program']}: {r['error']}")
+  if "fatal_error" in report:
+    out.append(f"fatal: {report['fatal_error']}")
+  return out
+
+
+def lower(selected) -> int:
+  """--lower_only: each one-GPU program exported for CUDA, its kernels checked.
+
+  jax.export catches what the compile (bench/gpu_compile.py) cannot where
+  the compile cannot run: on a leg without jax's CUDA plugin (jax 0.10.2)
+  and in Transformer Engine's environment; and it checks that a program
+  can be serialised for CUDA at all (host callbacks, unstable custom calls).
+  A program that fails and has a named exception (`programs.EXCEPTIONS`,
+  for H100) is listed with the reason and its error, not counted failed.
+  """
+  counts = {"ok": 0, "FAIL": 0, "skip": 0}
+  with compat.filter_triton_deprecation():
+    for program in selected:
+      if program.workload.num_devices > 1:
+        continue  # An exported shard_map needs its concrete mesh here.
+      try:
+        fn, args, _ = program.build("full")
+        text = cuda_export.export_for_cuda(
+            fn,
+            *args,
+            disabled_custom_calls=programs_lib.JAX_TRITON_CALLS,
+        ).mlir_module()
+        calls = set(cuda_export.custom_calls(text))
+        lacking = [
+            k
+            for k in program.kernels
+            if not any(c.startswith(k) for c in calls)
+        ]
+        status = "FAIL" if lacking else "ok"
+        detail = ", ".join(sorted(calls)) or "no custom calls"
+        if lacking:
+          detail = f"no {lacking} in {detail}"
+      except Exception as e:  # pylint: disable=broad-except
+        status, detail = "FAIL", gpu_report.error_text(e)
+        reason = programs_lib.exception("h100", program)
+        if reason is not None:
+          status, detail = "skip", f"{reason} ({detail})"
+      counts[status] += 1
+      print(f"{status:4} {program.name}: {detail}", flush=True)
+  print(
+      f"lowered {counts['ok']} of {counts['ok'] + counts['FAIL']} one-GPU "
+      f"programs for CUDA, plus {counts['skip']} named exceptions"
   )
-
-
-def _te_availability(on_gpu: bool) -> tuple[bool, str]:
-  """Whether the te conformance suite can run here, and why not."""
-  from backends.te import _te  # pylint: disable=import-outside-toplevel
-
-  installed, _ = _te.installed()
-  if not installed:
-    return False, "Transformer Engine is not installed on this machine"
-  if not on_gpu:
-    return False, "no GPU (a --dry_run): the te suite runs on a GPU only"
-  return registry.availability("te")
+  return 1 if counts["FAIL"] else 0
 
 
 def main(argv=None):
   args = _parse_args(argv)
-  workloads = _workloads(args)
   if hasattr(sys.stdout, "reconfigure"):  # Lines survive a hard crash.
     sys.stdout.reconfigure(line_buffering=True)
-  # Before any backend imports jax_triton (the triton backend does so
-  # lazily): the GPU machine has none installed, bench/wheels/ carries it.
+  # Before the triton backend imports jax_triton: bench/wheels/ carries it.
   gpu_report.provide_jax_triton()
   versions = gpu_report.versions()
   print(gpu_report.versions_line(versions))
-
+  patterns = args.programs or (DRY_PROGRAMS if args.dry_run else "*")
+  selected = programs_lib.select(patterns)
   if args.lower_only:
-    return gpu_lowering.run(workloads)
-
+    return lower(selected)
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not args.dry_run:
-    print(
-        "no GPU here: run with --dry_run (CPU, tiny shapes, interpreted "
-        "kernels) or --lower_only (CUDA lowering)."
-    )
+    print("no GPU here: --dry_run rehearses on the CPU, --lower_only exports.")
     return 2
+  size = "dry" if args.dry_run else "full"
+  target = _target_name()
   now = datetime.datetime.now(datetime.timezone.utc)
   os.makedirs(args.out_dir, exist_ok=True)
   stem = "gpu_dryrun" if args.dry_run else "gpu"
   path = os.path.join(args.out_dir, f"{stem}_{now:%Y%m%d_%H%M%S}.json")
-  repeats = 1 if args.dry_run else args.repeats
-  report = _new_report(args, workloads, versions, now, repeats)
+  report = {
+      "date": now.isoformat(),
+      **versions,
+      "dry_run": args.dry_run,
+      "size": size,
+      "target": target,
+      "programs": [p.name for p in selected],
+      "seconds": None,
+      "compile": [],
+      "conformance": [],
+      "timing": [],
+      "goals": [],
+  }
   start = time.perf_counter()
   filtered = compat.triton_deprecations_filtered()
+
+  def write():
+    gpu_report.write(path, report)
+
   try:
-    # jax >= 0.11 warns once per Triton kernel compiled: counted in the
-    # JSON, not printed.
-    with compat.filter_triton_deprecation():
-      _run_phases(args, workloads, on_gpu, report, path, start + args.budget_s)
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        compat.filter_triton_deprecation(),
+    ):
+      children = _start_deviceless(
+          selected, size, target, args.compile_workers, tmp
+      )
+      compiled = compile_phase(
+          selected,
+          size,
+          args.dry_run,
+          report,
+          write,
+          children,
+          time.monotonic() + args.compile_s,
+      )
+      if not args.skip_conformance:
+        variants, test_filter = (
+            args.conformance_variants,
+            args.conformance_filter,
+        )
+        if args.dry_run:
+          variants = variants or DRY_CONFORMANCE[0]
+          test_filter = test_filter or DRY_CONFORMANCE[1]
+        conformance_phase(args, variants, test_filter, report, write)
+      timing_phase(
+          selected,
+          compiled,
+          size,
+          1 if args.dry_run else args.repeats,
+          report,
+          write,
+          start + args.budget_s,
+      )
   except Exception as e:  # pylint: disable=broad-except
     report["fatal_error"] = gpu_report.error_text(e)
     traceback.print_exc()
   finally:  # Whatever happened (even an interrupt): write what there is.
     report["seconds"] = time.perf_counter() - start
-    # From whatever rows there are, even after a crash.
     report["goals"] = gpu_timing.goals(report["timing"], report.get("device"))
     report["triton_deprecation_warnings"] = (
         compat.triton_deprecations_filtered() - filtered
     )
-    report["failures"] = gpu_report.failures(report)
-    gpu_report.write(path, report)
-    print(
-        f"Pallas Triton deprecation warnings filtered: "
-        f"{report['triton_deprecation_warnings']}"
-    )
+    report["failures"] = failures(report)
+    write()
+    _print_report(report)
     print(f"wrote {path} ({report['seconds']:.0f} s)")
   for line in report["failures"]:
     print(f"FAILED {line}")
   return 1 if report["failures"] else 0
+
+
+def conformance_phase(args, variants, test_filter, report, write):
+  """The shared suites on the chosen variants (bf16 ones by default)."""
+  chosen = [v for v in programs_lib.variants() if v.precision == "bf16"]
+  if variants:
+    chosen = [v for v in chosen if v.name in variants.split(",")]
+  cores = os.cpu_count() or 2
+  report["conformance"] = gpu_conformance.run_suites(
+      chosen,
+      args.conformance_s,
+      available=lambda v: _available(v, args.dry_run),
+      interpret=args.dry_run,
+      shards=max(1, (cores - 2) // 2),
+      workers=max(1, cores - 2),
+      extra_path=[p for p in sys.path if p.endswith(".whl")],
+      test_filter=test_filter,
+  )
+  write()
+
+
+def _print_report(report) -> None:
+  for e in report["compile"]:
+    d, here = e.get("deviceless", {}), e.get("device", {})
+    ratio = e.get("peak_ratio")
+    print(
+        f"compile {e['program']}: here "
+        f"{here.get('peak_bytes', here.get('skipped', here.get('error')))}, "
+        f"deviceless {d.get('peak_bytes', d.get('reason', d.get('error')))}"
+        + ("" if ratio is None else f", peak here/deviceless {ratio:.3f}")
+    )
+  gpu_conformance.print_summary(report["conformance"])
+  gpu_timing.print_rows(report["timing"])
+  gpu_timing.print_goals(report["goals"])
 
 
 if __name__ == "__main__":

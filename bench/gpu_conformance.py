@@ -1,23 +1,38 @@
-"""gpu_check's conformance phase: the shared suite on a backend, on the GPU.
+"""gpu_check's conformance phase: the shared suites on every variant.
 
-The suite (conformance/) is absltest code; here it runs as a child process,
-`python backends/<name>/conformance_test.py`, so that one failing or
-hanging test cannot take the rest of gpu_check with it, and its counts go
-into the JSON. Only for backends whose numerics the correctness phase does
-not already cover case by case: te, where Transformer Engine is installed.
+The suites (conformance/suite.py) are absltest code. Each variant of
+bench/programs.py (its backend's defaults and options; a recipe is its
+backend's precision suite) runs them in child processes,
+
+    DROPLESS_CONFORMANCE_VARIANT=mosaic_gpu python -m bench.gpu_conformance
+
+which subclass `suite.ConformanceTest` with the variant's backend and
+options, sharded over the host's cores, so that one failing or hanging test
+cannot take the rest of gpu_check with it; their counts go into the JSON.
+Where a GPU is, the suites add the shapes the timing runs
+(conformance/cases.py's GPU cases). A variant whose backend cannot run here
+(`availability()`: no Transformer Engine on the GPU machine) is recorded as
+skipped, with the reason.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import subprocess
 import sys
+import time
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANT_ENV = "DROPLESS_CONFORMANCE_VARIANT"
+INTERPRET_ENV = "DROPLESS_CONFORMANCE_INTERPRET"
 # absltest's summary: "Ran 445 tests in 81.2s", then "OK (skipped=12)" or
 # "FAILED (failures=1, errors=2, skipped=3)".
 _RAN = re.compile(r"^Ran (\d+) tests? in ([\d.]+)s", re.MULTILINE)
+_COUNT = re.compile(r"(failures|errors|skipped|expected failures)=(\d+)")
+# Not the parent's test-runner settings (a Bazel test's shard, filter and
+# XML file), which the child's absltest would obey.
 _RUNNER_VARIABLES = (
     "TESTBRIDGE_TEST_ONLY",
     "TEST_TOTAL_SHARDS",
@@ -26,7 +41,8 @@ _RUNNER_VARIABLES = (
     "XML_OUTPUT_FILE",
     "TEST_PREMATURE_EXIT_FILE",
 )
-_COUNT = re.compile(r"(failures|errors|skipped|expected failures)=(\d+)")
+# A failing test's first line in absltest's output.
+_FAILED = re.compile(r"^(?:FAIL|ERROR): (\S+)", re.MULTILINE)
 
 
 def parse_summary(output: str) -> dict:
@@ -47,58 +63,125 @@ def parse_summary(output: str) -> dict:
   return {"ran": int(last.group(1)) if last else None, **counts}
 
 
-def run_suite(backend: str, timeout_s: float, available: tuple[bool, str]):
-  """Runs backends/<backend>/conformance_test.py; returns its JSON entry.
-
-  Args:
-    backend: the backend's folder and registered name, e.g. "te".
-    timeout_s: the child is killed past this (the entry says so).
-    available: (whether the backend can run here, why not): when it
-      cannot, the suite is not started and the entry is "skipped" with the
-      reason.
-
-  Returns:
-    {"backend", "status": "passed" | "failed" | "incomplete" (killed at
-    the timeout: not a failure, the counts say how far it got) |
-    "skipped", "reason" and/or the counts of `parse_summary`,
-    "output_tail"}.
-  """
-  ok, why = available
-  if not ok:
-    return {"backend": backend, "status": "skipped", "reason": why}
-  path = os.path.join(_REPO, "backends", backend, "conformance_test.py")
-  # Not the parent's test-runner settings (a Bazel test's shard, filter and
-  # XML file), which the child's absltest would obey.
+def _run_shard(
+    variant, index, shards, interpret, deadline, extra_path, test_filter
+):
+  """(returncode or None if killed, output) of one shard of one variant."""
   env = {k: v for k, v in os.environ.items() if k not in _RUNNER_VARIABLES}
-  env["PYTHONPATH"] = _REPO
+  if test_filter:  # unittest -k patterns, split like a shell's words.
+    env["TESTBRIDGE_TEST_ONLY"] = test_filter
+  env.update(
+      {
+          VARIANT_ENV: variant,
+          INTERPRET_ENV: "1" if interpret else "0",
+          "PYTHONPATH": os.pathsep.join([_REPO, *extra_path]),
+          "TEST_TOTAL_SHARDS": str(shards),
+          "TEST_SHARD_INDEX": str(index),
+          # Shards share the GPU: each takes the memory it uses.
+          "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+      }
+  )
   try:
     done = subprocess.run(
-        [sys.executable, path],
+        [sys.executable, "-m", "bench.gpu_conformance"],
         cwd=_REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout_s,
+        timeout=max(deadline - time.monotonic(), 1.0),
         check=False,
     )
-    output = done.stdout + done.stderr
-    returncode = done.returncode
+    return done.returncode, done.stdout + done.stderr
   except subprocess.TimeoutExpired as e:
-    output = _text(e.stdout) + _text(e.stderr)
-    returncode = None
-  entry = {"backend": backend, **parse_summary(output)}
-  if returncode is None:
-    entry["status"] = "incomplete"
-    entry["reason"] = f"killed after {timeout_s:.0f} s"
-  elif returncode != 0 or entry["ran"] is None:
-    entry["status"] = "failed"
-    entry["reason"] = f"exit code {returncode}"
-  elif not entry["ran"]:
-    entry["status"] = "failed"
-    entry["reason"] = "ran no test"
-  else:
-    entry["status"] = "passed"
-  entry["output_tail"] = output[-4000:]
+    return None, _text(e.stdout) + _text(e.stderr)
+
+
+def run_suites(
+    variants,
+    timeout_s: float,
+    *,
+    available,
+    interpret: bool = False,
+    shards: int = 1,
+    workers: int = 1,
+    extra_path=(),
+    test_filter=None,
+):
+  """The suites on each variant; returns one JSON entry per variant.
+
+  Args:
+    variants: `programs.Variant`s.
+    timeout_s: every child still running then is killed (its variant is
+      "incomplete": not a failure, the counts say how far it got).
+    available: variant -> (runs here, why not); a variant that cannot run
+      is "skipped" with the reason, not started (one that raises: failed).
+    interpret: run the kernels interpreted (a CPU rehearsal).
+    shards: absltest shards per variant.
+    workers: children at a time.
+    extra_path: more sys.path entries for the children (carried wheels).
+    test_filter: only the tests matching these unittest -k patterns.
+
+  Returns:
+    [{"variant", "status": "passed" | "failed" | "incomplete" | "skipped",
+    "reason", the summed counts of `parse_summary`, "failed_tests"}].
+  """
+  deadline = time.monotonic() + timeout_s
+  entries, jobs = [], []
+  with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
+    for variant in variants:
+      try:
+        ok, why = available(variant)
+      except Exception as e:  # pylint: disable=broad-except
+        entries.append(
+            {"variant": variant.name, "status": "failed", "reason": repr(e)}
+        )
+        continue
+      if not ok:
+        entries.append(
+            {"variant": variant.name, "status": "skipped", "reason": why}
+        )
+        continue
+      futures = [
+          pool.submit(
+              _run_shard,
+              variant.name,
+              i,
+              shards,
+              interpret,
+              deadline,
+              extra_path,
+              test_filter,
+          )
+          for i in range(shards)
+      ]
+      entry = {"variant": variant.name}
+      entries.append(entry)
+      jobs.append((entry, futures))
+    for entry, futures in jobs:
+      entry.update(_merge([f.result() for f in futures]))
+  return entries
+
+
+def _merge(results) -> dict:
+  """One variant's entry from its shards' (returncode, output)."""
+  merged = {"ran": 0, "failures": 0, "errors": 0, "skipped": 0}
+  status, reasons, failed = "passed", [], []
+  for returncode, output in results:
+    counts = parse_summary(output)
+    for key in merged:
+      merged[key] += counts[key] or 0
+    failed += _FAILED.findall(output)
+    if returncode is None:
+      status = "incomplete" if status == "passed" else status
+      reasons.append("killed at the time budget")
+    elif returncode != 0 or counts["ran"] is None:
+      status = "failed"
+      reasons.append(f"exit code {returncode}: {output[-1500:]}")
+  if status == "passed" and not merged["ran"]:
+    status, reasons = "failed", ["ran no test"]
+  entry = {"status": status, **merged, "failed_tests": failed}
+  if reasons:
+    entry["reason"] = "; ".join(sorted(set(reasons)))[:4000]
   return entry
 
 
@@ -111,10 +194,40 @@ def _text(data) -> str:
 def print_summary(entries) -> None:
   for e in entries:
     if e["status"] == "skipped":
-      print(f"conformance {e['backend']}: skipped: {e['reason']}")
-    else:
-      print(
-          f"conformance {e['backend']}: {e['status']}: ran {e['ran']}, "
-          f"failures {e['failures']}, errors {e['errors']}, skipped "
-          f"{e['skipped']}" + (f" ({e['reason']})" if "reason" in e else "")
-      )
+      print(f"conformance {e['variant']}: skipped: {e['reason']}")
+      continue
+    print(
+        f"conformance {e['variant']}: {e['status']}: ran {e['ran']}, "
+        f"failures {e['failures']}, errors {e['errors']}, skipped "
+        f"{e['skipped']}"
+    )
+    for name in e["failed_tests"]:
+      print(f"  failed: {name}")
+
+
+def _main() -> None:
+  """A child: the single-device suites on the variant of VARIANT_ENV."""
+  # pylint: disable-next=g-import-not-at-top
+  from absl.testing import absltest
+
+  from bench import programs  # pylint: disable=g-import-not-at-top
+  from conformance import suite  # pylint: disable=g-import-not-at-top
+
+  name = os.environ[VARIANT_ENV]
+  variant = {v.name: v for v in programs.variants()}[name]
+  interpret = os.environ.get(INTERPRET_ENV) == "1"
+  options = {
+      **programs.platform_options(variant.backend, interpret),
+      **dict(variant.options),
+  }
+  # The class unittest loads, as if this module had defined it.
+  globals()["ConformanceTest"] = type(
+      "ConformanceTest",
+      (suite.ConformanceTest,),
+      {"BACKEND": variant.backend, "BACKEND_OPTIONS": options},
+  )
+  absltest.main(defaultTest="ConformanceTest")
+
+
+if __name__ == "__main__":
+  _main()

@@ -1,4 +1,4 @@
-"""gpu_check's JSON report: versions, errors as text, writing, failures.
+"""gpu_check's JSON report: versions, errors as text, writing.
 
 The report is one dict, rewritten whole after every phase (`write`), so a
 crash or a lost machine still leaves the last complete one. Needs only jax
@@ -154,31 +154,3 @@ def write(path: str, report: dict) -> None:
   with open(tmp, "w") as fh:
     json.dump(report, fh, indent=1, default=str)
   os.replace(tmp, path)
-
-
-def failures(report: dict) -> list[str]:
-  """What failed, one line each: checks, timed methods, whole phases.
-
-  Skipped correctness cases (ok, with "skipped"), timed problems skipped
-  past the time budget and missed goals are not failures.
-  """
-  out = [
-      f"correctness {r['case']} {r['dtype']} {r['quantity']}"
-      for r in report.get("correctness", [])
-      if not r["ok"]
-  ]
-  for row in report.get("timing", []):
-    problem = " ".join(p for p in (row.get("workload"), row["problem"]) if p)
-    if "error" in row:
-      out.append(f"timing {problem}: {row['error']}")
-    for method, e in row["methods"].items():
-      if "error" in e:
-        out.append(f"timing {problem} {method}: {e['error']}")
-      if not e.get("check", {"ok": True})["ok"]:
-        out.append(f"check {problem} {method}")
-  for entry in report.get("conformance", []):
-    if entry["status"] == "failed":
-      out.append(f"conformance {entry['backend']}: {entry['reason']}")
-  if "fatal_error" in report:
-    out.append(f"fatal: {report['fatal_error']}")
-  return out

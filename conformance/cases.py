@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +108,55 @@ GEMM_CASES = (
         seed=12,
     ),
 )
+# Shapes only a GPU runs (interpreted on a CPU they would take minutes): the
+# kernel tiles bench/gpu_check times at the models' sizes, which the cases
+# above are too small to pick. 288 rows a group and N = 2048 pick pallas'
+# large tiles (Mixtral's); 16 rows a group its small ones (DeepSeek-V3's 256
+# experts); 1109 rows and N = 512 its middle ones (Qwen3-30B-A3B's gate/up)
+# and triton's many-rows tiles. bench/gpu_check_test checks that they cover
+# what is timed.
+GPU_GEMM_CASES = (
+    GemmCase(
+        "gpu_bf16_large_tiles",
+        1152,
+        128,
+        2048,
+        (300, 0, 517, 211),
+        dtype="bfloat16",
+        seed=13,
+    ),
+    GemmCase(
+        "gpu_bf16_32_small_groups",
+        512,
+        256,
+        384,
+        tuple(range(31)) + (0,),
+        dtype="bfloat16",
+        seed=14,
+    ),
+    GemmCase(
+        "gpu_bf16_many_rows",
+        3328,
+        128,
+        512,
+        (1400, 0, 1800),
+        dtype="bfloat16",
+        seed=15,
+    ),
+)
+
+
+def _on_gpu() -> bool:
+  """Whether JAX will run on an NVIDIA GPU here, decided without starting
+  JAX (tests set its platforms and device counts after importing this)."""
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  usable = not platforms or "cuda" in platforms or "gpu" in platforms
+  return usable and os.path.exists("/dev/nvidiactl")
+
+
+ON_GPU = _on_gpu()
+if ON_GPU:
+  GEMM_CASES += GPU_GEMM_CASES
 GEMM_BY_NAME = {c.name: c for c in GEMM_CASES}
 
 # Gradients are checked on a subset to keep compile time down.
@@ -124,7 +174,7 @@ GEMM_GRAD_CASES = tuple(
         "balanced_512",
         "balanced_512_overflow_padded",
     )
-)
+) + (GPU_GEMM_CASES if ON_GPU else ())
 # Cases with padding rows (sum(group_sizes) < M), which hold NaN.
 GEMM_PADDED_CASES = tuple(c for c in GEMM_CASES if c.used_rows < c.m)
 
@@ -364,6 +414,31 @@ CAPACITY_CASES = (
     ),
 )
 
+# Only where a GPU is (see GPU_GEMM_CASES): 1152 rows over 4 experts, F =
+# 2048, so the fused gate/up kernel runs pallas' large tiles fitted to two
+# accumulators, as Mixtral's timed layer does.
+GPU_LAYER_CASES = (
+    LayerCase(
+        "gpu_wide_ffn_bf16",
+        _cfg(num_experts=4, top_k=2, hidden_size=128, expert_ffn_size=2048),
+        (576,),
+        dtype="bfloat16",
+        grads=True,
+        seed=12,
+    ),
+    # 1024 rows an expert: triton's fused gate/up takes the 8-warp tiles of
+    # its many-rows table row, as Mixtral's timed layer does.
+    LayerCase(
+        "gpu_many_rows_ffn_bf16",
+        _cfg(num_experts=2, top_k=1, hidden_size=128, expert_ffn_size=1024),
+        (2048,),
+        dtype="bfloat16",
+        grads=True,
+        seed=13,
+    ),
+)
+if ON_GPU:
+  LAYER_CASES += GPU_LAYER_CASES
 LAYER_BY_NAME = {c.name: c for c in LAYER_CASES}
 LAYER_GRAD_CASES = tuple(c for c in LAYER_CASES + ROUTING_VARIANTS if c.grads)
 

@@ -1,0 +1,218 @@
+"""Every GPU program of bench/programs.py through XLA's GPU compiler.
+
+From any host, a CPU-only one included (`moe_core.aot`: the CUDA plugin of
+the installed jax, no GPU):
+
+    python -m bench.gpu_compile                  # H100 and B200, CI sizes
+    python -m bench.gpu_compile --size full --targets h100,b200,h200
+
+Each program is compiled for each target, on its workload's topology (one
+GPU; 8 or 64 for the expert-parallel layer), and must: compile; contain the
+kernels its backend promises (`programs.KERNELS`) and, for the
+expert-parallel layer, a `ragged-all-to-all`, so that a silent fallback to
+XLA's own ops fails; and peak, per device, within the target's usable HBM
+(`GpuTarget.usable_bytes`). Programs that cannot be compiled yet
+(`programs.EXCEPTIONS`) are listed with the reason, not compiled. Prints a
+line per program and "N of N compiled, plus K named exceptions"; writes
+compile time and memory per program to
+bench/results/gpu_compile_<jax version>.json (or --out), rewritten after
+each program. Exit status 1 if any program failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+
+from bench import programs as programs_lib
+from moe_core import aot
+from moe_core import compat
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TARGETS = ("h100", "b200")
+_MAX_ERROR = 600
+
+
+def _shardings(specs, topology, mesh):
+  """in_shardings for `aot.compile`: the topology's first GPU, or specs."""
+  if mesh is None:
+    return jax.sharding.SingleDeviceSharding(topology.devices[0])
+  return jax.tree.map(
+      lambda spec: jax.sharding.NamedSharding(mesh, spec),
+      specs,
+      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+  )
+
+
+def missing(program, compiled) -> list[str]:
+  """The promised kernels and collectives `compiled` lacks."""
+  calls = compiled.custom_calls
+  lacking = [
+      k for k in program.kernels if not any(c.startswith(k) for c in calls)
+  ]
+  lacking += [
+      c for c in program.collectives if not compiled.collective_bytes.get(c)
+  ]
+  return lacking
+
+
+def compile_one(program, target: str, size: str, topologies: dict) -> dict:
+  """The record of `program` compiled for `target`: "status" is "ok",
+  "failed" (with "error") or "exception" (with "reason")."""
+  record = {
+      "program": program.name,
+      "workload": program.workload.name,
+      "variant": program.variant.name,
+      "mode": program.mode,
+      "target": target,
+      "topology": program.workload.topology,
+      "size": size,
+  }
+  reason = programs_lib.exception(target, program)
+  if reason is not None:
+    return {**record, "status": "exception", "reason": reason}
+  key = (target, program.workload.topology)
+  try:
+    if key not in topologies:
+      topologies[key] = aot.gpu_topology(target, program.workload.topology)
+    topology = topologies[key]
+    mesh = None
+    if program.workload.kind == "ep_layer":
+      mesh = topology.mesh({"expert": topology.num_devices})
+    fn, args, specs = program.build(size, mesh)
+    compiled = aot.compile(
+        fn,
+        *args,
+        topology=topology,
+        mesh=mesh,
+        name=program.name,
+        in_shardings=_shardings(specs, topology, mesh),
+    )
+  except Exception as e:  # pylint: disable=broad-except
+    traceback.print_exc()
+    error = f"{type(e).__name__}: {e}"
+    return {**record, "status": "failed", "error": error[:_MAX_ERROR]}
+  found = compiled.to_json()
+  for k in ("name", "target", "topology"):
+    del found[k]
+  record.update(found)
+  problems = []
+  lacking = missing(program, compiled)
+  if lacking:
+    problems.append(f"no {lacking} in the executable: a fallback")
+  if not compiled.fits:
+    problems.append(
+        f"peak {compiled.peak_bytes / 2**30:.2f} GiB per device > usable "
+        f"{compiled.usable_bytes / 2**30:.2f} GiB"
+    )
+  record["status"] = "failed" if problems else "ok"
+  if problems:
+    record["error"] = "; ".join(problems)
+  return record
+
+
+def run(targets=TARGETS, size="ci", selected=None, on_record=None) -> list:
+  """Records of every (selected) program compiled for every target."""
+  selected = programs_lib.programs() if selected is None else selected
+  topologies = {}
+  records = []
+  with compat.filter_triton_deprecation():
+    for target in targets:
+      for program in selected:
+        record = compile_one(program, target, size, topologies)
+        records.append(record)
+        print(line(record), flush=True)
+        if on_record:
+          on_record(record)
+  return records
+
+
+def line(r: dict) -> str:
+  """One printed line of a record."""
+  head = f"{r['target']} {r['program']}"
+  if r["status"] == "exception":
+    return f"skip {head}: {r['reason']}"
+  if r["status"] == "failed" and "peak_bytes" not in r:
+    return f"FAIL {head}: {r['error'][:300]}"
+  calls = ", ".join(f"{n} {c}" for c, n in sorted(r["custom_calls"].items()))
+  text = (
+      f"{head}: {r['compile_seconds']:.1f} s, peak "
+      f"{r['peak_bytes'] / 2**20:,.0f} MiB ({calls or 'no custom calls'})"
+  )
+  if r["status"] == "failed":
+    return f"FAIL {text}: {r['error']}"
+  return f"ok   {text}"
+
+
+def summary(records) -> str:
+  """ "N of N compiled, plus K named exceptions" and the failures' count."""
+  counts = collections.Counter(r["status"] for r in records)
+  tried = counts["ok"] + counts["failed"]
+  reasons = sorted({r["reason"] for r in records if "reason" in r})
+  text = (
+      f"{counts['ok']} of {tried} programs compiled, plus "
+      f"{counts['exception']} named exceptions"
+  )
+  for reason in reasons:
+    n = sum(r.get("reason") == reason for r in records)
+    text += f"\n  {n}: {reason}"
+  return text
+
+
+def write(path: str, records, seconds: float) -> None:
+  report = {
+      "jax": jax.__version__,
+      "seconds": round(seconds, 1),
+      "summary": summary(records).splitlines()[0],
+      "programs": records,
+  }
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path + ".tmp", "w") as fh:
+    json.dump(report, fh, indent=1)
+  os.replace(path + ".tmp", path)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--targets", default=",".join(TARGETS))
+  parser.add_argument("--size", default="ci", choices=("ci", "full", "dry"))
+  parser.add_argument(
+      "--programs",
+      default="*",
+      help="comma-separated fnmatch patterns over <workload>/<variant>/<mode>",
+  )
+  parser.add_argument(
+      "--shard",
+      default="0/1",
+      help="I/N: compile every N-th program from the I-th (N processes)",
+  )
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  index, count = (int(n) for n in args.shard.split("/"))
+  selected = programs_lib.select(args.programs)[index::count]
+  out = args.out or os.path.join(
+      _REPO, "bench", "results", f"gpu_compile_{jax.__version__}.json"
+  )
+  start = time.perf_counter()
+  done = []
+
+  def on_record(record):  # Rewritten after each: a killed run keeps them.
+    done.append(record)
+    write(out, done, time.perf_counter() - start)
+
+  records = run(args.targets.split(","), args.size, selected, on_record)
+  print(summary(records))
+  print(f"wrote {out}")
+  return 1 if any(r["status"] == "failed" for r in records) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
