@@ -17,6 +17,14 @@ line per program and "N of N compiled, plus K named exceptions"; writes
 compile time and memory per program to
 bench/results/gpu_compile_<jax version>.json (or --out), rewritten after
 each program. Exit status 1 if any program failed.
+
+One target a process: the CUDA plugin's Mosaic GPU pipeline keeps the GPU
+of the first Mosaic GPU kernel it compiles for the whole process (jax
+0.11.2 and 0.12.0.1; `jax.clear_caches()` does not reset it), so a second
+target's kernels fail ("SM version specified by .target is higher than
+default SM version assumed" on 0.12, "Pass pipeline failed" on 0.11). So
+`compile_one` refuses a second target, and `main` compiles each target in a
+child process of its own.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import argparse
 import collections
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -64,9 +73,14 @@ def missing(program, compiled) -> list[str]:
   return lacking
 
 
+# The target this process compiles for (the module docstring says why one).
+_PROCESS_TARGET = []
+
+
 def compile_one(program, target: str, size: str, topologies: dict) -> dict:
   """The record of `program` compiled for `target`: "status" is "ok",
-  "failed" (with "error") or "exception" (with "reason")."""
+  "failed" (with "error") or "exception" (with "reason"). Every call of a
+  process must name the same target."""
   record = {
       "program": program.name,
       "workload": program.workload.name,
@@ -79,6 +93,13 @@ def compile_one(program, target: str, size: str, topologies: dict) -> dict:
   reason = programs_lib.exception(target, program)
   if reason is not None:
     return {**record, "status": "exception", "reason": reason}
+  if _PROCESS_TARGET and _PROCESS_TARGET[0] != target:
+    error = (
+        f"this process compiled for {_PROCESS_TARGET[0]}: compile for "
+        f"{target} in another (Mosaic GPU keeps the first target's arch)"
+    )
+    return {**record, "status": "failed", "error": error}
+  _PROCESS_TARGET[:1] = [target]
   key = (target, program.workload.topology)
   try:
     if key not in topologies:
@@ -119,8 +140,9 @@ def compile_one(program, target: str, size: str, topologies: dict) -> dict:
   return record
 
 
-def run(targets=TARGETS, size="ci", selected=None, on_record=None) -> list:
-  """Records of every (selected) program compiled for every target."""
+def run(targets, size="ci", selected=None, on_record=None) -> list:
+  """Records of every (selected) program compiled for each of `targets`
+  (one, unless it is the last: `compile_one`)."""
   selected = programs_lib.programs() if selected is None else selected
   topologies = {}
   records = []
@@ -196,11 +218,14 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
-  index, count = (int(n) for n in args.shard.split("/"))
-  selected = programs_lib.select(args.programs)[index::count]
   out = args.out or os.path.join(
       _REPO, "bench", "results", f"gpu_compile_{jax.__version__}.json"
   )
+  targets = args.targets.split(",")
+  if len(targets) > 1:
+    return _each_target_apart(args, targets, out)
+  index, count = (int(n) for n in args.shard.split("/"))
+  selected = programs_lib.select(args.programs)[index::count]
   start = time.perf_counter()
   done = []
 
@@ -208,7 +233,45 @@ def main(argv=None) -> int:
     done.append(record)
     write(out, done, time.perf_counter() - start)
 
-  records = run(args.targets.split(","), args.size, selected, on_record)
+  records = run(targets, args.size, selected, on_record)
+  print(summary(records))
+  print(f"wrote {out}")
+  return 1 if any(r["status"] == "failed" for r in records) else 0
+
+
+def _each_target_apart(args, targets, out) -> int:
+  """main for several targets: a child process each, their JSON merged."""
+  start, records = time.perf_counter(), []
+  for target in targets:
+    part = f"{out}.{target}"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_compile",
+            f"--targets={target}",
+            f"--size={args.size}",
+            f"--programs={args.programs}",
+            f"--shard={args.shard}",
+            f"--out={part}",
+        ],
+        cwd=_REPO,
+        check=False,
+    )
+    if os.path.exists(part):
+      with open(part) as fh:
+        records += json.load(fh)["programs"]
+      os.remove(part)
+    else:
+      records.append(
+          {
+              "program": "*",
+              "target": target,
+              "status": "failed",
+              "error": "its child process wrote no records",
+          }
+      )
+  write(out, records, time.perf_counter() - start)
   print(summary(records))
   print(f"wrote {out}")
   return 1 if any(r["status"] == "failed" for r in records) else 0

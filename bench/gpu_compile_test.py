@@ -3,8 +3,8 @@
 CI's strongest check of GPU code, from a CPU host (`bench.gpu_compile`,
 `moe_core.aot`): each program of the table (every variant x workload,
 forward and forward+backward, the expert-parallel layer on 8 and 64 GPUs)
-is compiled for an H100 or a B200 (`targets_of`: each target on one of the
-two legs with the plugin) at the workloads' CI sizes, and must compile,
+is compiled for an H100 or a B200 (`leg_target`: each target on one of
+the two legs with the plugin) at the workloads' CI sizes, and must compile,
 contain its backend's kernels (and the ragged all-to-all) and fit the
 target's HBM. A program the table excepts is counted and listed with its
 reason. One test per workload (Bazel shards them); each prints its "N of
@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import types
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -26,7 +27,6 @@ import jax
 
 from bench import gpu_compile
 from bench import programs
-from moe_core import compat
 
 
 def _plugin_missing() -> str | None:
@@ -47,22 +47,20 @@ def _program(name: str) -> programs.Program:
   return found
 
 
-# Compiling every program for both targets costs about 15 minutes of CPU a
-# leg (bench/results/README.md), too much for CI's budget with two legs. So
-# by default each leg compiles each program once, the targets alternating
-# down the table and swapped between the legs: over the newest leg (jax
-# >= 0.12) and the GPU machine's (0.11.2), every program is compiled for
-# both targets, and on both jax versions. DROPLESS_GPU_COMPILE_ALL=1
-# compiles every program for every target here.
-ALL_ENV = "DROPLESS_GPU_COMPILE_ALL"
+# One target a process (bench/gpu_compile.py: Mosaic GPU keeps the first
+# target's arch), and compiling every program twice would cost two legs'
+# CPU: each leg compiles every program for one target, B200 on the newest
+# leg (jax >= 0.12), H100 on the GPU machine's (jax 0.11.2, an H200 is
+# Hopper too). DROPLESS_GPU_COMPILE_TARGET=h100|b200|h200 picks another.
+TARGET_ENV = "DROPLESS_GPU_COMPILE_TARGET"
 
 
-def targets_of(index: int) -> tuple[str, ...]:
-  """The targets the `index`-th program of a workload is compiled for."""
-  if os.environ.get(ALL_ENV) == "1":
-    return gpu_compile.TARGETS
+def leg_target() -> str:
+  """The target this leg compiles for."""
+  if os.environ.get(TARGET_ENV):
+    return os.environ[TARGET_ENV]
   newest = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
-  return (gpu_compile.TARGETS[(index + newest) % 2],)
+  return "b200" if newest else "h100"
 
 
 class CompileTest(parameterized.TestCase):
@@ -76,22 +74,18 @@ class CompileTest(parameterized.TestCase):
       print(f"skipped: {why}")
       self.skipTest(why)
     table = tuple(p for p in programs.programs() if p.workload.name == workload)
-    records, wanted, topologies = [], [], {}
-    with compat.filter_triton_deprecation():
-      for i, program in enumerate(table):
-        for target in targets_of(i):
-          records.append(
-              gpu_compile.compile_one(program, target, "ci", topologies)
-          )
-          print(gpu_compile.line(records[-1]), flush=True)
-          wanted.append((target, program.name))
-    print(f"{workload}, jax {jax.__version__}: {gpu_compile.summary(records)}")
+    target = leg_target()
+    records = gpu_compile.run((target,), "ci", table)
+    print(
+        f"{workload} for {target}, jax {jax.__version__}: "
+        + gpu_compile.summary(records)
+    )
     out_dir = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR")
     if out_dir:
       seconds = sum(r.get("compile_seconds", 0) for r in records)
-      path = os.path.join(out_dir, f"gpu_compile_{workload}.json")
+      path = os.path.join(out_dir, f"gpu_compile_{target}_{workload}.json")
       gpu_compile.write(path, records, seconds)
-    self.assertEqual([(r["target"], r["program"]) for r in records], wanted)
+    self.assertEqual([r["program"] for r in records], [p.name for p in table])
     failed = [gpu_compile.line(r) for r in records if r["status"] == "failed"]
     self.assertEmpty(failed)
     for r in records:
@@ -126,6 +120,13 @@ class CheckTest(absltest.TestCase):
     self.assertEqual(
         gpu_compile.missing(program, dense), [programs.RAGGED_ALL_TO_ALL]
     )
+
+  def test_a_second_target_in_one_process_is_refused(self):
+    program = _program("small_k/pallas/fwd")
+    with mock.patch.object(gpu_compile, "_PROCESS_TARGET", ["h100"]):
+      record = gpu_compile.compile_one(program, "b200", "ci", {})
+    self.assertEqual(record["status"], "failed")
+    self.assertIn("this process compiled for h100", record["error"])
 
   def test_every_exception_names_programs(self):
     """A row of EXCEPTIONS that matches nothing is stale: delete it."""

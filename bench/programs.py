@@ -76,12 +76,6 @@ EXCEPTIONS = {
         "9.4; py312: cuInit fails, CUDA error 303); fixed on branch "
         "i29-triton, delete this row when it is merged"
     ),
-    "b200/*/mosaic_gpu*/*": (
-        "mosaic_gpu on B200: XLA's Mosaic GPU pipeline runs ptxas on the "
-        "tcgen05 kernels' PTX (.target sm_100a) without that arch: 'SM "
-        "version specified by .target is higher than default SM version "
-        "assumed' (found by this compile, issue 29; H100 compiles)"
-    ),
     "*/*/te*/*": (
         "Transformer Engine is not installed on this leg (its CUDA lowering "
         "is checked in its own environment: tools/test_te.sh)"
