@@ -280,6 +280,105 @@ class PureJaxPermutationTest(parameterized.TestCase):
     _assert_close(self, got, want_y, "float32")
 
 
+class BackendPermutationTest(parameterized.TestCase):
+  """backends.te.permutation (TE's helpers, never differentiated: a custom
+  JVP and moe_core's permutation ops) against moe_core.permute under every
+  transformation: values, jvp, grad, a Hessian and vmap."""
+
+  def setUp(self):
+    super().setUp()
+    require_te(self)
+    # pylint: disable-next=g-import-not-at-top
+    from backends.te import permutation
+
+    self.te = permutation
+
+  def inputs(self, case, with_drops):
+    x, ids, weights = _inputs(case, "float32")
+    kept = None
+    if with_drops:
+      # Every third copy dropped by capacity.
+      kept = jnp.asarray(np.arange(ids.size).reshape(ids.shape) % 3 != 0)
+    rng = np.random.default_rng(6)
+    w = jnp.asarray(0.3 * rng.standard_normal((_E, _D, _D)), jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((x.shape[0], _D)))
+    return x, ids, weights, kept, w, cotangent
+
+  def block(self, dispatch, combine, ids, kept):
+    """(x, w, weights) -> [T, D]: dispatch, a grouped GEMM, combine."""
+
+    def f(x, w, weights):
+      d = dispatch(x, ids, _E, kept)
+      out = reference_backend.grouped_gemm(d.rows, w, d.group_sizes)
+      return combine(jnp.tanh(out), d, weights, kept)
+
+    return f
+
+  def blocks(self, ids, kept):
+    return (
+        self.block(self.te.dispatch, self.te.combine, ids, kept),
+        self.block(permute.dispatch, permute.combine, ids, kept),
+    )
+
+  @parameterized.named_parameters(
+      ("_random", "random", False),
+      ("_odd_tokens_with_drops", "odd_tokens", True),
+      ("_empty_expert_with_drops", "empty_expert", True),
+  )
+  def test_values_jvp_and_grad_match_moe_core(self, case, with_drops):
+    x, ids, weights, kept, w, cotangent = self.inputs(case, with_drops)
+    got_d = self.te.dispatch(x, ids, _E, kept)
+    want_d = permute.dispatch(x, ids, _E, kept)
+    for field in ("rows", "group_sizes", "assignment", "position", "invalid"):
+      np.testing.assert_array_equal(
+          getattr(got_d, field), getattr(want_d, field), err_msg=field
+      )
+    te_block, moe_block = self.blocks(ids, kept)
+    primals = (x, w, weights)
+    tangents = tuple(
+        jnp.asarray(np.random.default_rng(i).standard_normal(p.shape), p.dtype)
+        for i, p in enumerate(primals)
+    )
+    got = jax.jit(lambda p, t: jax.jvp(te_block, p, t))(primals, tangents)
+    want = jax.jvp(moe_block, primals, tangents)
+    for what, g, h in zip(("value", "tangent"), got, want):
+      with self.subTest(what):
+        _assert_close(self, g, h, "float32", "gradient")
+
+    def loss(block):
+      return lambda *a: jnp.sum(block(*a) * cotangent)
+
+    got = jax.jit(jax.grad(loss(te_block), argnums=(0, 1, 2)))(*primals)
+    want = jax.grad(loss(moe_block), argnums=(0, 1, 2))(*primals)
+    for name, g, h in zip(("x", "w", "weights"), got, want):
+      with self.subTest(name):
+        _assert_close(self, g, h, "float32", "gradient")
+
+  def test_hessian_matches_moe_core(self):
+    x, ids, weights, kept, w, cotangent = self.inputs("random", True)
+
+    def loss(block):
+      def f(v):
+        y = block(x * v[0], w * v[1], weights * v[2])
+        return jnp.sum(jnp.tanh(y) * cotangent)
+
+      return f
+
+    te_block, moe_block = self.blocks(ids, kept)
+    v = jnp.array([1.1, 0.9, 1.2])
+    got = jax.jit(jax.hessian(loss(te_block)))(v)
+    want = jax.hessian(loss(moe_block))(v)
+    _assert_close(self, got, want, "float32", "gradient")
+
+  def test_vmap_matches_one_call_per_example(self):
+    x, ids, weights, kept, w, _ = self.inputs("random", True)
+    te_block, _ = self.blocks(ids, kept)
+    xs = jnp.stack([x, -0.5 * x])
+    got = jax.jit(jax.vmap(te_block, (0, None, None)))(xs, w, weights)
+    for i in range(xs.shape[0]):
+      _assert_close(self, got[i], te_block(xs[i], w, weights), "float32")
+
+
 class RaggedAllToAllParamsTest(parameterized.TestCase):
   """TE's ragged all-to-all offsets against moe_core.parallel's layout."""
 
