@@ -598,13 +598,25 @@ def _emulated_fused_topk(
   return probs, routing_map
 
 
+def _emulated_backward(ct, logits, bias, spec):
+  """TE's router backward kernel (`router.te_backward`) as the VJP of the
+  emulation: d_logits [T, E] from the probs' cotangent ct [T, E]."""
+  kwargs = dataclasses.asdict(spec)
+  topk = kwargs.pop("topk")
+  if bias.size:
+    kwargs["expert_bias"] = bias
+  _, vjp = jax.vjp(lambda l: _emulated_fused_topk(l, topk, **kwargs)[0], logits)
+  return vjp(ct)[0]
+
+
 class FusedRouterAuxTest(parameterized.TestCase):
   """The te backend's MoEAux from TE's router outputs, against route().
 
-  TE's fused kernel cannot run here; an emulation of what it returns
-  (dense [T, E] probabilities and a routing map) stands in for it, and
-  everything the backend builds from those (ids best first, weights,
-  capacity, invalid tokens, counts, losses, gradients) must equal
+  TE's fused kernels cannot run here; an emulation of what the forward
+  returns (dense [T, E] probabilities and a routing map) and of the
+  backward (its VJP) stand in for them, and everything the backend builds
+  from those (ids best first, weights, capacity, invalid tokens, counts,
+  losses, gradients, forward-mode derivatives, Hessians, vmap) must equal
   `moe_core.routing.route` for every config `router_choice` accepts.
   """
 
@@ -613,6 +625,8 @@ class FusedRouterAuxTest(parameterized.TestCase):
     require_te(self)
     # pylint: disable-next=g-import-not-at-top
     from transformer_engine.jax import router as te_router
+    # pylint: disable-next=g-import-not-at-top
+    from backends.te import router as router_lib
 
     patcher = mock.patch.object(
         te_router,
@@ -621,6 +635,13 @@ class FusedRouterAuxTest(parameterized.TestCase):
     )
     self.fused_topk = patcher.start()
     self.addCleanup(patcher.stop)
+    # (Not asserted called: moe_core's kernel primitives cache their
+    # traces; unpatched, TE's kernel would fail to lower on the CPU.)
+    backward = mock.patch.object(
+        router_lib, "te_backward", side_effect=_emulated_backward
+    )
+    backward.start()
+    self.addCleanup(backward.stop)
     self.backend = moe_core.get_backend("te")
 
   def inputs(self, cfg, nan_token=False):
@@ -690,6 +711,91 @@ class FusedRouterAuxTest(parameterized.TestCase):
     for what, g, w in zip(("x", "router"), got, want):
       with self.subTest(what):
         _assert_close(self, g, w, "float32", "gradient")
+
+  def aux_loss(self, cfg, bias, cotangent):
+    """(route, x, router) -> a scalar of every differentiable MoEAux field."""
+
+    def loss(route, x, router):
+      aux = route(x, router, cfg, bias)
+      return (
+          jnp.sum(aux.combine_weights * cotangent)
+          + jnp.sum(jnp.tanh(aux.router_probs))
+          + aux.load_balancing_loss
+          + aux.router_z_loss
+      )
+
+    return loss
+
+  @parameterized.named_parameters(*((f"_{n}", n) for n in _ROUTER_CONFIGS))
+  def test_forward_mode_equals_routing_route(self, name):
+    cfg = self.cfg(name)
+    x, router, bias = self.inputs(cfg)
+    rng = np.random.default_rng(9)
+    cotangent = jnp.asarray(
+        rng.standard_normal((x.shape[0], cfg.top_k)), jnp.float32
+    )
+    t_x, t_router = (
+        jnp.asarray(rng.standard_normal(a.shape), jnp.float32)
+        for a in (x, router)
+    )
+    loss = self.aux_loss(cfg, bias, cotangent)
+
+    def te_loss(x, router):
+      return loss(self.backend.route, x, router)
+
+    def moe_loss(x, router):
+      return loss(moe_core.route, x, router)
+
+    primals, tangents = (x, router), (t_x, t_router)
+    got = jax.jit(lambda p, t: jax.jvp(te_loss, p, t))(primals, tangents)
+    want = jax.jvp(moe_loss, primals, tangents)
+    with self.subTest("jvp"):
+      _assert_close(self, got[1], want[1], "float32", "gradient")
+    _, lin = jax.linearize(te_loss, *primals)
+    with self.subTest("linearize"):
+      _assert_close(self, lin(*tangents), want[1], "float32", "gradient")
+    # The jvp (plain JAX) against the emulated backward kernel's grad.
+    grads = jax.grad(te_loss, argnums=(0, 1))(*primals)
+    dot = sum(jnp.sum(g * t) for g, t in zip(grads, tangents))
+    with self.subTest("jvp vs grad"):
+      _assert_close(self, dot, got[1], "float32", "gradient")
+
+  @parameterized.named_parameters(
+      ("_softmax", "softmax"), ("_deepseek_v3", "deepseek_v3_no_groups")
+  )
+  def test_hessian_and_vmap_equal_routing_route(self, name):
+    cfg = self.cfg(name)
+    x, router, bias = self.inputs(cfg)
+    cotangent = jnp.asarray(
+        np.random.default_rng(10).standard_normal((x.shape[0], cfg.top_k)),
+        jnp.float32,
+    )
+    loss = self.aux_loss(cfg, bias, cotangent)
+
+    def scaled(route):
+      return lambda v: loss(route, x * v[0], router * v[1])
+
+    v = jnp.array([1.1, 0.9], jnp.float32)
+    got = jax.jit(jax.hessian(scaled(self.backend.route)))(v)
+    want = jax.hessian(scaled(moe_core.route))(v)
+    with self.subTest("hessian"):
+      _assert_close(self, got, want, "float32", "gradient")
+    xs = jnp.stack([x, -0.5 * x])
+    batched = jax.jit(
+        jax.vmap(lambda x: self.backend.route(x, router, cfg, bias))
+    )(xs)
+    for i in range(xs.shape[0]):
+      want_aux = moe_core.route(xs[i], router, cfg, bias)
+      with self.subTest(f"vmap example {i}"):
+        np.testing.assert_array_equal(
+            batched.expert_ids[i], want_aux.expert_ids
+        )
+        _assert_close(
+            self,
+            batched.combine_weights[i],
+            want_aux.combine_weights,
+            "float32",
+        )
 
 
 _PARAM_NAMES = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
