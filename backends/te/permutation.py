@@ -30,7 +30,6 @@ import importlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from backends.te import _te
 from moe_core import checks
@@ -155,8 +154,9 @@ def _dispatch_jvp(num_keys, primals, tangents):
   d_rows = permutation_lib.gather(
       TEPermutationKernels(), d_x, plan, top_k=keys.shape[1], nan_invalid=False
   )
-  integer_tangents = tuple(
-      np.zeros(a.shape, jax.dtypes.float0) for a in (assignment, group_sizes)
+  # float0 zeros typed like the primals (mesh variance included).
+  integer_tangents = jax.custom_derivatives.zero_from_primal(
+      (assignment, group_sizes)
   )
   return out, (d_rows.astype(rows.dtype), *integer_tangents)
 

@@ -225,7 +225,8 @@ def _fused_topk_jvp(spec, primals, tangents):
   # through the rule again and never through TE's custom VJP.
   probs, routing_map = _fused_topk(logits, bias, spec)
   d_probs = _bind(_tangent_p, d_logits, logits, bias, routing_map, spec)
-  d_map = np.zeros(routing_map.shape, jax.dtypes.float0)
+  # (float0, typed like the map: inside shard_map it varies as the map.)
+  d_map = jax.custom_derivatives.zero_from_primal(routing_map)
   return (probs, routing_map), (d_probs, d_map)
 
 
