@@ -582,6 +582,47 @@ class QuantizedLoweringTest(LoweringTestCase):
     self.assertBackwardGemms(found, forward, cc=cc, target=bf16_target)
     self.assertLen(found, 3 * len(forward))
 
+  @parameterized.named_parameters(
+      ("_fp8_tensor_sm90", "fp8_tensor", 90),
+      ("_mxfp8_sm100", "mxfp8", 100),
+  )
+  def test_forward_mode_tangents_are_bf16_gemms(self, recipe, cc):
+    # Straight-through at every order: the quantised GEMMs are the jvp's
+    # primal only, each tangent is the unquantised GEMM's (dX W + X dW in
+    # TE's bf16 kernel), and a Hessian's backward GEMMs are bf16 too.
+    cfg = _cfg(precision=recipe)
+    bf16_target = expected_bf16_target(cc)
+    fn, args = _transformed(cfg, "jvp")
+    exported, calls = self.lower(cc, fn, *args)
+    found = gemms(calls)
+    quantised = [g for g in found if g.lhs.dtype in _FLOAT8]
+    self.assertForwardGemms(
+        quantised,
+        lhs_dtype="f8E4M3FN",
+        cc=cc,
+        target=expected_quantized_target(recipe, cc),
+        scale=_SCALE_DTYPE[recipe],
+        align=self.group_align(recipe),
+    )
+    self.assertLen(quantised, 3)
+    tangents = [g for g in found if g.lhs.dtype not in _FLOAT8]
+    self.assertLen(tangents, 6)
+    for g in tangents:
+      with self.subTest(tangent=str(g.out)):
+        self.assertEqual(g.role, "forward")
+        self.assertEqual(g.call.target, bf16_target)
+        self.assertEqual((g.lhs.dtype, g.rhs.dtype), ("bf16", "bf16"))
+    self.assertRoundTrips(exported)
+    fn, args = _transformed(cfg, "hessian")
+    _, calls = self.lower(cc, fn, *args)
+    found = gemms(calls)
+    backward = [g for g in found if g.role != "forward"]
+    self.assertEqual({g.role for g in backward}, {"dgrad", "wgrad"})
+    for g in backward:
+      with self.subTest(backward=f"{g.role} {g.out}"):
+        self.assertEqual(g.call.target, bf16_target)
+        self.assertEqual((g.lhs.dtype, g.rhs.dtype), ("bf16", "bf16"))
+
   def test_mxfp8_forward_lowers_on_sm100(self):
     cfg = _cfg(precision="mxfp8")
     forward, _ = _layer(cfg)
