@@ -43,7 +43,7 @@ Elsewhere:
    TF32); triton also on a many-rows GEMM and FFN that reach its widest
    tiles, as Mixtral's shapes do. Two cases have enough rows per expert and
    a wide enough N for the GPU tile choices the timing runs. te
-   (Transformer Engine's grouped GEMM, `dense.grouped_dense`) runs
+   (Transformer Engine's grouped GEMM, `cpp_extensions.grouped_gemm`) runs
    everyone's GEMM, FFN and layer cases in bf16 where TE is installed, with
    the kernel TE picks (`_te.grouped_gemm_path`: cuBLAS's grouped GEMM, or
    a per-group loop that copies group_sizes to the host) recorded; the GPU

@@ -59,8 +59,9 @@ ROUTED_METHODS = (
     "triton_fused_routing",
 )
 TRITON_METHODS = ("triton", "triton_fused_act", "triton_fused_routing")
-# Transformer Engine's grouped GEMM (the te backend: `dense.grouped_dense`),
-# timed where TE is installed; its rows say why not elsewhere.
+# Transformer Engine's grouped GEMM (the te backend: TE's raw
+# `cpp_extensions.grouped_gemm`), timed where TE is installed; its rows say
+# why not elsewhere.
 TE_METHODS = ("te",)
 # The grouped GEMM on quantised operands (`moe_core.precision`), forward:
 # "<backend>_<recipe>", bf16 inputs and output. Named by a workload only
