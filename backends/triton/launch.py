@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import struct
 import threading
 from typing import Any
@@ -120,6 +121,35 @@ class Runner:
     )
 
 
+def compilable() -> tuple[bool, str]:
+  """(True, "") if Triton can compile the kernels here, else (False, why).
+
+  With TRITON_INTERPRET=1, @triton.jit makes every kernel an
+  InterpretedFunction, which Triton's interpreter runs and neither
+  `triton.compile` nor jax-triton can compile (no cache_key, no params).
+  The interpret mode needs no such variable (`_interpreted`).
+  """
+  try:
+    # pylint: disable-next=g-import-not-at-top
+    import triton
+  except ImportError as e:
+    return False, f"triton: not installed, nothing to compile ({e})."
+  runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+  if runtime is not None:
+    interpreting = bool(runtime.interpret)
+  else:
+    value = os.environ.get("TRITON_INTERPRET", "")
+    interpreting = value.strip().lower() in ("1", "true", "yes", "on", "y")
+  if interpreting:
+    return False, (
+        "triton: TRITON_INTERPRET is set, so @triton.jit made every kernel "
+        "an interpreted function, which neither triton.compile nor "
+        "jax-triton can compile; unset it to compile (interpret=True runs "
+        "the kernels in the interpreter without it)."
+    )
+  return True, ""
+
+
 def availability(runner: Runner) -> tuple[bool, str]:
   """(True, "") if `runner` can launch kernels here, else (False, why not)."""
   if runner.interpreting:
@@ -142,6 +172,10 @@ def availability(runner: Runner) -> tuple[bool, str]:
     _jax_triton()
   except ImportError as e:
     reasons.append(str(e).removeprefix("triton: ").rstrip("."))
+  else:
+    ok, why = compilable()
+    if not ok:
+      reasons.append(why.removeprefix("triton: ").rstrip("."))
   device = jax.devices()[0]
   if device.platform != "gpu":
     reasons.append(

@@ -560,16 +560,18 @@ def _device(platform, capability=None, kind="NVIDIA H200"):
 
 class AvailabilityTest(parameterized.TestCase):
 
-  def _gpu_availability(self, device, jax_triton_ok=True):
+  def _gpu_availability(self, device, jax_triton_ok=True, compilable=True):
     error = ImportError(
         "triton: jax_triton is not importable (ValueError: "
         "no gpu_triton); the GPU mode needs jax-triton."
     )
+    why = "" if compilable else "triton: TRITON_INTERPRET is set (...)."
     with (
         mock.patch.object(jax, "devices", return_value=[device]),
         mock.patch.object(
             launch, "_jax_triton", side_effect=None if jax_triton_ok else error
         ),
+        mock.patch.object(launch, "compilable", return_value=(compilable, why)),
     ):
       return launch.availability(_GPU)
 
@@ -600,6 +602,21 @@ class AvailabilityTest(parameterized.TestCase):
     self.assertFalse(ok)
     self.assertIn("AMD MI300X reports no CUDA compute capability", reason)
 
+  @parameterized.parameters(("1", False), ("0", True), ("", True))
+  def test_compilable_unless_triton_interpret(self, value, want):
+    _skip_unless_triton(self)
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": value}):
+      ok, reason = launch.compilable()
+    self.assertEqual(ok, want)
+    if not want:
+      self.assertIn("TRITON_INTERPRET is set", reason)
+
+  def test_triton_interpret_is_named(self):
+    self.assertEqual(
+        self._gpu_availability(_device("gpu", "9.0"), compilable=False),
+        (False, "triton: TRITON_INTERPRET is set (...)."),
+    )
+
   def test_this_machine(self):
     ok, reason = launch.availability(_GPU)
     if jax.devices()[0].platform != "gpu":
@@ -622,6 +639,9 @@ class CompileTest(parameterized.TestCase):
   def setUp(self):
     super().setUp()
     _skip_unless_triton(self)
+    ok, reason = launch.compilable()
+    if not ok:
+      self.skipTest(reason)
 
   def _record(self, dtype, block):
     x = jnp.ones((1000,), dtype)
