@@ -888,11 +888,16 @@ def compile_kernel(
       constexprs=dict(constexprs),
       attrs=attrs,
   )
-  compiled = triton.compile(
-      source,
-      target=triton_backends.GPUTarget("cuda", capability, 32),
-      options={"num_warps": num_warps, "num_stages": num_stages},
-  )
+  # Not while an interpreted launch (a host callback, maybe still running
+  # on another thread) has triton.language patched: the code generator
+  # would meet the interpreter's functions ("'value' object has no
+  # attribute 'dtype'").
+  with _INTERPRETER_LOCK:
+    compiled = triton.compile(
+        source,
+        target=triton_backends.GPUTarget("cuda", capability, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
   name = compiled.metadata.name
   registers, frame = cubin_resources(compiled.asm["cubin"], name)
   return CompiledInfo(
