@@ -665,7 +665,7 @@ def _interpreted(kernel):
 
 @contextlib.contextmanager
 def _interpreter_fixes():
-  """Two corrections to Triton's interpreter (3.6 to 3.9), for one run.
+  """Three corrections to Triton's interpreter (3.6 to 3.9), for one run.
 
   Device functions: without TRITON_INTERPRET=1 at import, every @triton.jit
   function (the kernels' helpers, and tl.zeros and the like from Triton's
@@ -678,6 +678,11 @@ def _interpreter_fixes():
   Rounding: the interpreter casts float32 to bfloat16 by truncation; the GPU
   (and XLA) round to nearest even, which the cast here does too, through
   ml_dtypes.
+
+  Loop bounds: Triton 3.6 turns a scalar into a Python int with int() of
+  its one-element array, which NumPy 2.4 refuses ("only 0-dimensional
+  arrays can be converted to Python scalars"), so every loop with a
+  run-time bound failed; 3.8 and 3.9 take the element first, as this does.
   """
   _, interpreter, triton_jit = _interpreter_modules()
   # pylint: disable=g-import-not-at-top
@@ -687,6 +692,17 @@ def _interpreter_fixes():
   original_call = triton_jit.JITFunction.__call__
   builder = interpreter.InterpreterBuilder
   original_cast = builder.cast_impl
+  original_patch_lang = interpreter._patch_lang  # pylint: disable=protected-access
+
+  def patch_lang(fn):
+    scope = original_patch_lang(fn)
+    if hasattr(scope, "set_attr"):  # Restored with the interpreter's own.
+      scope.set_attr(
+          tl.core.tensor,
+          "__index__",
+          lambda self: int(np.asarray(self.handle.data).item()),
+      )
+    return scope
 
   def device_call(self, *args, **kwargs):
     interpreted = _interpreted(self)
@@ -705,11 +721,13 @@ def _interpreter_fixes():
 
   triton_jit.JITFunction.__call__ = device_call
   builder.cast_impl = cast_impl
+  interpreter._patch_lang = patch_lang  # pylint: disable=protected-access
   try:
     yield
   finally:
     triton_jit.JITFunction.__call__ = original_call
     builder.cast_impl = original_cast
+    interpreter._patch_lang = original_patch_lang  # pylint: disable=protected-access
 
 
 def _to_torch(torch, array: np.ndarray):
