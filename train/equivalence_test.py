@@ -199,6 +199,9 @@ class MeshEquivalenceTest(parameterized.TestCase):
         sys.executable,
         _LAUNCHER,
         "--num_processes=2",
+        # As srun starts them: the processes join through JAX's detection
+        # of SLURM's variables (the JAX_* path: distributed_test).
+        "--env=slurm",
         "--timeout_s=400",
         # Generous: under `bazel test` other targets share the 2 cores.
         "--init_timeout_s=120",
