@@ -15,13 +15,15 @@ from moe_core.kernels import grouped_matmul
 
 
 class CpuBackend(backend.Backend):
-  """One blocked AVX-512 GEMM per (group, row chunk, column block), threaded.
+  """One blocked GEMM per (group, row chunk, column block), threaded.
 
   The forward, dX and dW are the FFI custom calls `library.TARGETS`, which
   read the group sizes inside the call: no padding, no host round trip, no
   loop of copies. `moe_core.kernels.grouped_matmul` differentiates them
-  (grad, jvp, vmap, shard_map, export). Off the CPU, or without the built
-  library or AVX-512 BF16, `availability()` says why and "auto" moves on.
+  (grad, jvp, vmap, shard_map, export). The library picks its kernels from
+  the CPU (`kernels()`: AVX-512 with or without BF16, else portable C++).
+  Off the CPU, or without the built library, `availability()` says why and
+  "auto" moves on.
   """
 
   name: ClassVar[str] = "cpu"
@@ -38,6 +40,13 @@ class CpuBackend(backend.Backend):
     if platform != "cpu":
       return False, f"cpu: the kernels run on the CPU, not {platform}."
     return True, ""
+
+  def kernels(self) -> str:
+    """Which kernels run here: "avx512-bf16", "avx512" or "portable"."""
+    return library.kernels()
+
+  def __repr__(self) -> str:
+    return f"CpuBackend(kernels={self.kernels() or 'unavailable'!r})"
 
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
     return grouped_matmul.gmm(

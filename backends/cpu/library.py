@@ -5,7 +5,9 @@ The library (cc/grouped_gemm.cc, cc/gemm.cc) is built by `pip install .`
 backends/cpu/libdropless_cpu.so); DROPLESS_CPU_LIBRARY names another file.
 `load()` registers its custom-call targets with XLA's CPU platform once per
 process and returns `(True, "")`, or `(False, why)` when there is no
-library, it does not load, or this CPU lacks the instructions it uses.
+library, or none that loads and suits the running jaxlib. Any x86-64 CPU
+runs it: the library picks its kernels from cpuid (`kernels()`), and
+DROPLESS_CPU_KERNELS=portable forces the portable ones.
 """
 
 from __future__ import annotations
@@ -35,16 +37,17 @@ _BUILD_HINT = (
 )
 
 
-def library_path() -> str | None:
-  """The library `load` uses: $DROPLESS_CPU_LIBRARY, else one built here."""
+def library_paths() -> list[str]:
+  """What `load` tries, in order: $DROPLESS_CPU_LIBRARY alone if set, else
+  the libraries built here (pip's `_ffi*.so`, one per Python version built
+  in place, then Bazel's `libdropless_cpu.so`)."""
   explicit = os.environ.get(LIBRARY_ENV)
   if explicit:
-    return explicit
+    return [explicit]
+  found = []
   for pattern in ("_ffi*.so", "libdropless_cpu.so"):
-    found = sorted(glob.glob(os.path.join(_HERE, pattern)))
-    if found:
-      return found[0]
-  return None
+    found += sorted(glob.glob(os.path.join(_HERE, pattern)))
+  return found
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -83,36 +86,59 @@ def _incompatible(lib, path: str) -> str:
   return ""
 
 
-@functools.cache
-def load() -> tuple[bool, str]:
-  """(True, "") once the targets are registered, else (False, why not)."""
-  path = library_path()
-  if path is None:
-    return False, f"cpu: the FFI library was not built; {_BUILD_HINT}."
+def _open(path: str):
+  """(the loaded library, "") if `path` can be registered here, else
+  (None, why not)."""
   try:
     lib = ctypes.CDLL(path)
   except OSError as e:
-    return False, f"cpu: cannot load {path}: {e}; {_BUILD_HINT}."
+    return None, f"cpu: cannot load {path}: {e}; {_BUILD_HINT}."
   try:
-    missing_features = lib.DroplessCpuMissingFeatures
-    gmm, tgmm = lib.DroplessCpuGmm, lib.DroplessCpuTgmm
+    for symbol in ("DroplessCpuGmm", "DroplessCpuTgmm", "DroplessCpuKernels"):
+      getattr(lib, symbol)
   except AttributeError as e:
-    return False, f"cpu: {path} is not the dropless library: {e}."
+    return None, f"cpu: {path} is not the dropless library: {e}."
   why = _incompatible(lib, path)
   if why:
-    return False, why
-  missing_features.restype = ctypes.c_char_p
-  missing = missing_features().decode()
-  if missing:
-    return False, (
-        f"cpu: the kernels need AVX-512 (F, BW, VL, BF16) and FMA; this CPU "
-        f"lacks {missing}."
-    )
-  try:
-    for name, handler in ((GMM_TARGET, gmm), (TGMM_TARGET, tgmm)):
-      jax.ffi.register_ffi_target(
-          name, jax.ffi.pycapsule(handler), platform="cpu"
-      )
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    return False, f"cpu: registering {path} with XLA failed: {e}."
-  return True, ""
+    return None, why
+  return lib, ""
+
+
+_loaded = []  # The registered library, once `load` succeeds.
+
+
+@functools.cache
+def load() -> tuple[bool, str]:
+  """(True, "") once the targets are registered, else (False, why not)."""
+  paths = library_paths()
+  if not paths:
+    return False, f"cpu: the FFI library was not built; {_BUILD_HINT}."
+  reasons = []
+  for path in paths:
+    lib, why = _open(path)
+    if lib is None:
+      reasons.append(why)
+      continue
+    try:
+      for name, handler in (
+          (GMM_TARGET, lib.DroplessCpuGmm),
+          (TGMM_TARGET, lib.DroplessCpuTgmm),
+      ):
+        jax.ffi.register_ffi_target(
+            name, jax.ffi.pycapsule(handler), platform="cpu"
+        )
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      return False, f"cpu: registering {path} with XLA failed: {e}."
+    _loaded.append(lib)
+    return True, ""
+  return False, " ".join(reasons)
+
+
+def kernels() -> str:
+  """The kernels the loaded library runs on this CPU: "avx512-bf16",
+  "avx512" or "portable" (backends/cpu/cc/gemm.h); "" if none is loaded."""
+  if not load()[0]:
+    return ""
+  fn = _loaded[0].DroplessCpuKernels
+  fn.restype = ctypes.c_char_p
+  return fn().decode()

@@ -1,4 +1,7 @@
-// The GEMM core: register-blocked AVX-512 micro-kernels over packed panels.
+// The AVX-512 GEMM core: register-blocked micro-kernels over packed panels.
+// Compiled for baseline x86-64 like the rest of the library: every function
+// that uses AVX-512 carries a target attribute, and gemm_portable.cc's
+// GemmBlock calls GemmBlockAvx512 only on a CPU that cpuid says has it.
 //
 // C (m x n) = A (m x depth) B (depth x n), blocked as in GotoBLAS: the depth
 // is cut into slices of kKc (float32) or 2 * kKc (bfloat16); for each slice
@@ -19,6 +22,8 @@
 // Everything is summed in float32 and rounded once at the end.
 
 #include "backends/cpu/cc/gemm.h"
+
+#if defined(__x86_64__)
 
 #include <immintrin.h>
 
@@ -383,37 +388,9 @@ DROPLESS_TARGET void StoreTile(const float* c, int64_t ldc, int64_t m,
 
 }  // namespace
 
-Scratch::Scratch() {
-  for (int i = 0; i < kSlots; ++i) {
-    buffers_[i] = nullptr;
-    sizes_[i] = 0;
-  }
-}
-
-Scratch::~Scratch() {
-  for (int i = 0; i < kSlots; ++i) std::free(buffers_[i]);
-}
-
-void* Scratch::Get(int slot, size_t bytes) {
-  if (sizes_[slot] < bytes) {
-    std::free(buffers_[slot]);
-    const size_t rounded = (bytes + 4095) / 4096 * 4096;
-    buffers_[slot] = std::aligned_alloc(64, rounded);
-    sizes_[slot] = buffers_[slot] ? rounded : 0;
-  }
-  return buffers_[slot];
-}
-
-DROPLESS_TARGET void ZeroBlock(int64_t m, int64_t n, Out out) {
-  const size_t width = out.type == Type::kF32 ? 4 : 2;
-  char* base = static_cast<char*>(out.data);
-  for (int64_t i = 0; i < m; ++i) {
-    std::memset(base + i * out.ld * width, 0, n * width);
-  }
-}
-
-DROPLESS_TARGET void GemmBlock(Type in, int64_t m, int64_t n, int64_t depth,
-                               View a, View b, Out out, Scratch* scratch) {
+DROPLESS_TARGET void GemmBlockAvx512(Type in, int64_t m, int64_t n,
+                                     int64_t depth, View a, View b, Out out,
+                                     Scratch* scratch) {
   if (m <= 0 || n <= 0) return;
   if (depth <= 0) {
     ZeroBlock(m, n, out);
@@ -517,14 +494,6 @@ DROPLESS_TARGET void GemmBlock(Type in, int64_t m, int64_t n, int64_t depth,
   if (out.stream) _mm_sfence();
 }
 
-const char* MissingCpuFeatures() {
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f")) return "avx512f";
-  if (!__builtin_cpu_supports("avx512bw")) return "avx512bw";
-  if (!__builtin_cpu_supports("avx512vl")) return "avx512vl";
-  if (!__builtin_cpu_supports("avx512bf16")) return "avx512bf16";
-  if (!__builtin_cpu_supports("fma")) return "fma";
-  return "";
-}
-
 }  // namespace dropless_cpu
+
+#endif  // defined(__x86_64__)

@@ -53,19 +53,43 @@ class Scratch {
   size_t sizes_[kSlots];
 };
 
+// The kernels a call can run, fastest first. Which ones this CPU can run
+// is found once, at run time (cpuid), so one build serves every x86-64 CPU
+// and never executes an instruction the CPU lacks:
+//   kAvx512Bf16  AVX-512 F/BW/VL + FMA + AVX512_BF16 (Zen 4, Sapphire
+//                Rapids): float32 and bfloat16 operands and outputs.
+//   kAvx512      the same without AVX512_BF16 (Skylake-X, Ice Lake): float32
+//                operands and outputs only; bfloat16 goes to kPortable.
+//   kPortable    C++ with GCC vector types, compiled for baseline x86-64 and
+//                cloned for x86-64-v3 (AVX2 + FMA) where the compiler can;
+//                any other architecture gets the plain build.
+enum class Kernels { kPortable, kAvx512, kAvx512Bf16 };
+
+// The best kernels this CPU runs, lowered by the environment variable
+// DROPLESS_CPU_KERNELS ("portable" or "avx512"; never raised past what the
+// CPU has). Read once per process.
+Kernels SelectedKernels();
+
+// "avx512-bf16", "avx512" or "portable".
+const char* KernelsName(Kernels kernels);
+
 // out[i, j] = sum_{k < depth} a(i, k) * b(k, j) for i < m, j < n, summed in
 // float32 and written as out.type (bfloat16 rounded to nearest even). a and
 // b are of type `in`. depth == 0 writes zeros. Never reads a or b outside
-// i < m, j < n, k < depth.
+// i < m, j < n, k < depth. Runs the best of SelectedKernels() that handles
+// these types.
 void GemmBlock(Type in, int64_t m, int64_t n, int64_t depth, View a, View b,
                Out out, Scratch* scratch);
 
+// The same, by one implementation: GemmBlockAvx512 only where
+// SelectedKernels() allows it (it is absent off x86-64).
+void GemmBlockAvx512(Type in, int64_t m, int64_t n, int64_t depth, View a,
+                     View b, Out out, Scratch* scratch);
+void GemmBlockPortable(Type in, int64_t m, int64_t n, int64_t depth, View a,
+                       View b, Out out, Scratch* scratch);
+
 // Writes zeros to rows [0, m) x [0, n) of out.
 void ZeroBlock(int64_t m, int64_t n, Out out);
-
-// Whether this CPU has the instructions the kernels use (AVX-512 F, BW, VL
-// and BF16), and if not, which are missing ("" when all are there).
-const char* MissingCpuFeatures();
 
 }  // namespace dropless_cpu
 

@@ -293,11 +293,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DroplessCpuTgmm, dropless_cpu::TgmmImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
 
-// For the Python loader: "" if this CPU runs the kernels, else the first
-// missing instruction set.
+// For the Python loader and the logs: the kernels GemmBlock runs on this CPU
+// ("avx512-bf16", "avx512" or "portable"; gemm.h says what each covers).
 extern "C" __attribute__((visibility("default"))) const char*
-DroplessCpuMissingFeatures() {
-  return dropless_cpu::MissingCpuFeatures();
+DroplessCpuKernels() {
+  return dropless_cpu::KernelsName(dropless_cpu::SelectedKernels());
 }
 
 // The jaxlib whose FFI headers this library was compiled against (the
