@@ -33,20 +33,26 @@ LIBRARY_ENV = "DROPLESS_CPU_LIBRARY"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _BUILD_HINT = (
     "build it with `pip install .` (needs g++) or `bazel build "
-    "//backends/cpu:libdropless_cpu.so`"
+    "//backends/cpu:libdropless_cpu.so` (tools/main.sh does)"
 )
 
 
 def library_paths() -> list[str]:
   """What `load` tries, in order: $DROPLESS_CPU_LIBRARY alone if set, else
   the libraries built here (pip's `_ffi*.so`, one per Python version built
-  in place, then Bazel's `libdropless_cpu.so`)."""
+  in place; Bazel's `libdropless_cpu.so` in a test's runfiles), then the
+  one `bazel build` left in the source tree's bazel-bin (tools/main.sh)."""
   explicit = os.environ.get(LIBRARY_ENV)
   if explicit:
     return [explicit]
   found = []
   for pattern in ("_ffi*.so", "libdropless_cpu.so"):
     found += sorted(glob.glob(os.path.join(_HERE, pattern)))
+  bazel_bin = os.path.join(
+      _HERE, "..", "..", "bazel-bin", "backends", "cpu", "libdropless_cpu.so"
+  )
+  if os.path.exists(bazel_bin):
+    found.append(os.path.normpath(bazel_bin))
   return found
 
 

@@ -174,7 +174,7 @@ ffi::Error GmmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
   const int64_t m = ld[0], c = ld[1], e = rd[0];
   const int64_t n = transpose_rhs ? rd[1] : rd[2];
   if ((transpose_rhs ? rd[2] : rd[1]) != c || od[0] != m || od[1] != n ||
-      group_sizes.element_count() != e) {
+      static_cast<int64_t>(group_sizes.element_count()) != e) {
     return ffi::Error::InvalidArgument(
         "dropless_cpu_gmm: shapes do not match");
   }
@@ -240,7 +240,7 @@ ffi::Error TgmmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
   }
   const int64_t m = ld[0], a_width = ld[1], b_width = rd[1], e = od[0];
   if (od[1] != a_width || od[2] != b_width ||
-      group_sizes.element_count() != e) {
+      static_cast<int64_t>(group_sizes.element_count()) != e) {
     return ffi::Error::InvalidArgument(
         "dropless_cpu_tgmm: shapes do not match");
   }
