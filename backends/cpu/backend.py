@@ -11,6 +11,8 @@ from backends.cpu import kernels
 from backends.cpu import library
 from moe_core import backend
 from moe_core import operands
+from moe_core import precision
+from moe_core import quantized_gemm
 from moe_core.kernels import grouped_matmul
 
 
@@ -28,6 +30,9 @@ class CpuBackend(backend.Backend):
 
   name: ClassVar[str] = "cpu"
   dtypes: ClassVar[tuple[jnp.dtype, ...]] = kernels.DTYPES
+  # FP8/FP4 recipes as the xla backend computes them: the dequantised
+  # values, float32 and exact, through these kernels, scaled per K block.
+  precisions: ClassVar[tuple[str, ...]] = precision.RECIPES
   # Custom calls an exported program of this backend holds (jax.export
   # needs them named in disabled_checks: they are ours, not XLA's stable
   # set).
@@ -47,6 +52,24 @@ class CpuBackend(backend.Backend):
 
   def __repr__(self) -> str:
     return f"CpuBackend(kernels={self.kernels() or 'unavailable'!r})"
+
+  def _quantized_grouped_gemm(
+      self, q: operands.QuantizedGemmOperands
+  ) -> jax.Array:
+    """The float32 custom call on the dequantised blocks, scaled per K."""
+
+    def gemm(rows, weights, group_sizes):
+      return self._grouped_gemm(
+          operands.GemmOperands(
+              rows=rows,
+              weights=weights,
+              group_sizes=group_sizes,
+              transpose_rhs=False,
+              out_dtype=jnp.dtype(jnp.float32),
+          )
+      )
+
+    return quantized_gemm.scaled_grouped_gemm(q, gemm)
 
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
     return grouped_matmul.gmm(
