@@ -38,7 +38,11 @@ _SHAPES = {
     "one_expert_all_rows": (130, 33, 49, (130,)),
     "one_expert_padded": (130, 33, 49, (77,)),
     "empty_groups_only": (24, 16, 24, (0, 0, 0)),
+    # The xla backend's grouped_gemm_test layouts.
     "last_group_takes_all": (100, 16, 24, (0, 0, 0, 0, 100)),
+    "first_takes_all_but_one": (100, 16, 24, (99, 0, 0, 0, 1)),
+    "ragged_with_empty": (100, 16, 24, (30, 0, 7, 41, 12)),
+    "short_of_m": (100, 16, 24, (3, 0, 0, 4, 0)),
 }
 
 
