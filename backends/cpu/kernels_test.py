@@ -8,6 +8,7 @@ runs again in a subprocess on the portable kernels
 (DROPLESS_CPU_KERNELS=portable), the path of CPUs without AVX-512.
 """
 
+import ctypes
 import os
 import re
 import subprocess
@@ -186,6 +187,25 @@ class CpuKernelsTest(parameterized.TestCase):
         jax.tree.leaves(fn(rows, weights)),
     ):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+  def test_a_large_call_runs_on_several_threads_of_xlas_pool(self):
+    if (os.cpu_count() or 1) < 2:
+      self.skipTest("one core: XLA's pool has one thread")
+    rows = jnp.ones((4096, 512))
+    weights = jnp.ones((8, 512, 1024))
+    sizes = jnp.full((8,), 512, jnp.int32)
+    jax.block_until_ready(
+        jax.jit(self.backend.grouped_gemm)(rows, weights, sizes)
+    )
+    lib = library._loaded[0]  # pylint: disable=protected-access
+    counts = {}
+    for name in ("DroplessCpuLastPoolThreads", "DroplessCpuLastWorkers"):
+      getattr(lib, name).restype = ctypes.c_int64
+      counts[name] = getattr(lib, name)()
+    # ~700 blocks of tens of microseconds: the caller and at least one
+    # helper on XLA's pool take some (the caller never takes them all).
+    self.assertGreaterEqual(counts["DroplessCpuLastPoolThreads"], 2, counts)
+    self.assertGreaterEqual(counts["DroplessCpuLastWorkers"], 2, counts)
 
   def test_portable_kernels_pass_this_test_in_a_subprocess(self):
     if os.environ.get(_EXPECT_KERNELS_ENV):
