@@ -47,7 +47,7 @@ _SHAPES = {
 }
 
 
-def _many_experts(rng, m, experts, used):
+def _many_experts(rng, experts, used):
   """Random sizes for `experts` groups summing to `used` (many empty)."""
   return tuple(
       int(s) for s in rng.multinomial(used, rng.dirichlet([0.3] * experts))
@@ -111,7 +111,7 @@ class CpuKernelsTest(parameterized.TestCase):
   @parameterized.parameters("float32", "bfloat16")
   def test_256_experts_with_empty_groups_and_padding(self, dtype):
     rng = np.random.default_rng(1)
-    sizes = _many_experts(rng, 600, 256, 560)
+    sizes = _many_experts(rng, 256, 560)
     self.assertGreater(sizes.count(0), 10)
     self._check(600, 40, 56, sizes, jnp.dtype(dtype), False)
 

@@ -1,13 +1,14 @@
 """Finds, loads and registers the cpu backend's FFI library, never raising.
 
-The library (cc/grouped_gemm.cc, cc/gemm.cc) is built by `pip install .`
+The library (backends/cpu/cc/*.cc) is built by `pip install .`
 (setup.py: backends/cpu/_ffi*.so) or by Bazel (`bazel build //backends/cpu`:
 backends/cpu/libdropless_cpu.so); DROPLESS_CPU_LIBRARY names another file.
 `load()` registers its custom-call targets with XLA's CPU platform once per
 process and returns `(True, "")`, or `(False, why)` when there is no
-library, or none that loads and suits the running jaxlib. Any x86-64 CPU
-runs it: the library picks its kernels from cpuid (`kernels()`), and
-DROPLESS_CPU_KERNELS=portable forces the portable ones.
+library, or none that loads and suits the running jaxlib. Any CPU runs
+it: the library picks its kernels at run time (cpuid on x86-64;
+`kernels()` says which), and DROPLESS_CPU_KERNELS=portable forces the
+portable ones.
 """
 
 from __future__ import annotations
