@@ -14,6 +14,7 @@ from moe_core import backend as backend_lib
 _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
     "reference": "reference.backend:ReferenceBackend",
     "xla": "backends.xla.backend:XlaBackend",
+    "cpu": "backends.cpu.backend:CpuBackend",
     "pallas": "backends.pallas.backend:PallasBackend",
     "mosaic_gpu": "backends.mosaic_gpu.backend:MosaicGpuBackend",
     "triton": "backends.triton.backend:TritonBackend",
