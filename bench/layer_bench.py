@@ -6,9 +6,10 @@ Times the whole MoE layer (route, dispatch, gate/up/down grouped GEMMs,
 SwiGLU, combine) on T tokens, forward and forward+backward (the gradients
 of the parameters and of x), against a dense SwiGLU FFN [D] -> [K*F] -> [D]
 on the same tokens: the same useful expert FLOPs, without routing or
-permutation. Every time is the median of --repeats calls; ratios are time
-over the dense FFN's time in the same run (`<phase>_time_over_dense_ffn`,
-< 1 is faster), and over the xla backend's (`<phase>_time_over_xla`). Writes
+permutation. Every time is the median of --repeats calls, the methods'
+calls interleaved; ratios are time over the dense FFN's time in the same
+run (`<phase>_time_over_dense_ffn`, < 1 is faster), and over the xla
+backend's (`<phase>_time_over_xla`). Writes
 bench/results/layer_<platform>_<date>.json.
 """
 
@@ -18,6 +19,8 @@ import datetime
 import json
 import os
 import platform as platform_lib
+import statistics
+import time
 
 from absl import app
 from absl import flags
@@ -71,11 +74,30 @@ def _programs(fn):
   }
 
 
-def _times(fn, params, x, repeats):
-  programs = _programs(fn)
+def _times(methods, x, repeats):
+  """{name: {"fwd_s", "fwd_bwd_s"}} for methods {name: (fn, params)}.
+
+  The calls are interleaved, every repeat timing each method's phase once
+  in turn, so a shared machine's changing load lands on all of them alike.
+  """
+  calls = {}
+  for name, (fn, params) in methods.items():
+    programs = _programs(fn)
+    for phase in timing.PHASES:
+      calls[name, phase] = programs[phase], params
+  for fn, params in calls.values():  # Compile and warm up.
+    jax.block_until_ready(fn(params, x))
+  seconds = {key: [] for key in calls}
+  for _ in range(repeats):
+    for key, (fn, params) in calls.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(params, x))
+      seconds[key].append(time.perf_counter() - start)
   return {
-      f"{phase}_s": timing.median_seconds(programs[phase], (params, x), repeats)
-      for phase in timing.PHASES
+      name: {
+          f"{p}_s": statistics.median(seconds[name, p]) for p in timing.PHASES
+      }
+      for name in methods
   }
 
 
@@ -99,12 +121,13 @@ def _run(names, repeats, dtype):
         expert_ffn_size=width // top_k,
     )
     params = moe_core.init_params(k_p, cfg, dtype=dtype)
-    timings = {"dense_ffn": _times(dense_ffn, dense_params, x, repeats)}
+    methods = {"dense_ffn": (dense_ffn, dense_params)}
     for name in names:
       layer = lambda p, x, name=name: moe_core.moe_layer(
           p, x, cfg, backend=name
       )[0]
-      timings[name] = _times(layer, params, x, repeats)
+      methods[name] = (layer, params)
+    timings = _times(methods, x, repeats)
     for name, times in timings.items():
       row = {
           "experts": experts,
