@@ -5,8 +5,9 @@
 Times rows [M, D] x weights [E, D, F] -> [M, F] over ragged groups that fill
 all M rows, forward and forward+backward (dX and dW), for E in --experts and
 even, random (multinomial) and Zipf-skewed group sizes. Every time is the
-median of --repeats calls after a warm-up, the methods' calls interleaved. Ratios are time / the time of a
-dense `jnp.dot` [M, D] x [D, F] (the same useful FLOPs) timed in the same
+median of --repeats calls after a warm-up, the methods' calls interleaved.
+Ratios are time / the time of a dense `jnp.dot` [M, D] x [D, F] (the same
+useful FLOPs) timed in the same
 run, so a noisy machine shifts all of them together: `fwd_time_over_dense`
 and `fwd_bwd_time_over_dense` in the JSON, "time/dense" in the table (< 1 is
 faster than dense); where xla is timed too, `<phase>_time_over_xla` compares
