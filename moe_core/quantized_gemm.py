@@ -100,6 +100,29 @@ def _contract_major(q_weights) -> tuple[jax.Array, jax.Array]:
   return data, scales
 
 
+def float32_gemm(
+    grouped_gemm: Callable[[operands.GemmOperands], jax.Array],
+) -> GemmFn:
+  """A backend's `_grouped_gemm` as the GemmFn the functions here take.
+
+  (rows [M, K], weights [E, K, N], group_sizes [E]) -> [M, N] float32,
+  weights not transposed.
+  """
+
+  def gemm(rows, weights, group_sizes):
+    return grouped_gemm(
+        operands.GemmOperands(
+            rows=rows,
+            weights=weights,
+            group_sizes=group_sizes,
+            transpose_rhs=False,
+            out_dtype=jnp.dtype(jnp.float32),
+        )
+    )
+
+  return gemm
+
+
 def dequantized_grouped_gemm(
     q: operands.QuantizedGemmOperands, gemm: GemmFn
 ) -> jax.Array:
