@@ -1,11 +1,10 @@
 """The built step is the run's step, on this host's devices or a topology's."""
 
-import importlib.util
-
 import jax
 import numpy as np
 from absl.testing import absltest
 
+from moe_core import aot
 from train import mesh as mesh_lib
 from train import state as state_lib
 from train import step_builder
@@ -13,13 +12,6 @@ from train import testing
 from train import trainer
 
 MESH = "data=2,expert=4"
-
-
-def _has_cuda_plugin() -> bool:
-  try:
-    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
-  except ModuleNotFoundError:  # No jax_plugins package at all.
-    return False
 
 
 class HereTest(absltest.TestCase):
@@ -68,16 +60,13 @@ class TopologyTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    if not _has_cuda_plugin():
+    if not aot.cuda_plugin_installed():
       self.skipTest(
           "compiling for GPUs needs jax's CUDA plugin (jax-cuda13-plugin), "
           "which this leg does not install"
       )
 
   def test_compiles_for_gpus_that_are_not_here(self):
-    # pylint: disable-next=g-import-not-at-top
-    from moe_core import aot
-
     topology = aot.gpu_topology("h100", "1x1x8")
     mesh = mesh_lib.build(mesh_lib.parse(MESH), devices=topology.devices)
     run = testing.small_run("/unused", mesh=MESH, batch_size=16, microbatches=2)

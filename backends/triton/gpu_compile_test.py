@@ -13,7 +13,6 @@ with that reason.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 import zlib
@@ -44,13 +43,6 @@ _CFG = moe_core.MoEConfig(
     num_experts=8, top_k=2, hidden_size=256, expert_ffn_size=128
 )
 _TOKENS = 256
-
-
-def _has_plugin() -> bool:
-  try:
-    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
-  except ModuleNotFoundError:  # No jax_plugins package at all.
-    return False
 
 
 def _launches(fn, *args) -> int:
@@ -109,7 +101,7 @@ class GpuCompileTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    if not _has_plugin():
+    if not aot.cuda_plugin_installed():
       self.skipTest(
           "compiling for GPUs needs jax's CUDA plugin (jax-cuda13-plugin, "
           "jax-cuda13-pjrt), which this leg does not install"
