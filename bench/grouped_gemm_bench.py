@@ -5,11 +5,13 @@
 Times rows [M, D] x weights [E, D, F] -> [M, F] over ragged groups that fill
 all M rows, forward and forward+backward (dX and dW), for E in --experts and
 even, random (multinomial) and Zipf-skewed group sizes. Every time is the
-median of --repeats calls after a warm-up. Ratios are time / the time of a
-dense `jnp.dot` [M, D] x [D, F] (the same useful FLOPs) timed in the same
+median of --repeats calls after a warm-up, the methods' calls interleaved.
+Ratios are time / the time of a dense `jnp.dot` [M, D] x [D, F] (the same
+useful FLOPs) timed in the same
 run, so a noisy machine shifts all of them together: `fwd_time_over_dense`
 and `fwd_bwd_time_over_dense` in the JSON, "time/dense" in the table (< 1 is
-faster than dense). Prints a table and writes JSON to
+faster than dense); where xla is timed too, `<phase>_time_over_xla` compares
+each method with today's CPU path. Prints a table and writes JSON to
 bench/results/grouped_gemm_<platform>_<date>.json (bench/results/README.md:
 older files name the same ratios `fwd_vs_dense` and `fwd_bwd_vs_dense`).
 """
@@ -20,6 +22,8 @@ import datetime
 import json
 import os
 import platform as platform_lib
+import statistics
+import time
 
 from absl import app
 from absl import flags
@@ -48,7 +52,7 @@ _DTYPE = flags.DEFINE_enum(
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed calls per measurement.")
 _BACKENDS = flags.DEFINE_list(
     "backends",
-    ["dense", "ragged_dot", "xla", "pallas"],
+    ["dense", "ragged_dot", "xla", "cpu", "pallas"],
     "What to time: dense, ragged_dot, or registered backend names.",
 )
 _ZIPF_EXPONENT = flags.DEFINE_float(
@@ -74,17 +78,38 @@ def _gemm_fn(name):
   return moe_core.get_backend(name).grouped_gemm
 
 
-def _measure(name, rows, weights, group_sizes, cotangent, repeats):
-  """{"fwd_s": ..., "fwd_bwd_s": ...}: median times of one method."""
-  programs = timing.phase_programs(_gemm_fn(name))
-  args = (rows, weights, group_sizes)
-  return {
-      f"{phase}_s": timing.median_seconds(
+def _measure(names, weights, rows, group_sizes, cotangent, repeats):
+  """{name: {"fwd_s": ..., "fwd_bwd_s": ...}}: median times of each method.
+
+  The calls are interleaved: every repeat times each method's phase once,
+  in turn, so a change of load on a shared machine (other processes on the
+  same cores) lands on every method alike instead of on whichever method
+  was being timed when it happened.
+  """
+  calls = {}
+  for name in names:
+    programs = timing.phase_programs(_gemm_fn(name))
+    w = gemm_workloads.one_expert(weights) if name == "dense" else weights
+    args = (rows, w, group_sizes)
+    for phase in timing.PHASES:
+      calls[name, phase] = (
           programs[phase],
           timing.phase_args(phase, args, cotangent),
-          repeats,
       )
-      for phase in timing.PHASES
+  for fn, args in calls.values():  # Compile and warm up.
+    jax.block_until_ready(fn(*args))
+  seconds = {key: [] for key in calls}
+  for _ in range(repeats):
+    for key, (fn, args) in calls.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      seconds[key].append(time.perf_counter() - start)
+  return {
+      name: {
+          f"{phase}_s": statistics.median(seconds[name, phase])
+          for phase in timing.PHASES
+      }
+      for name in names
   }
 
 
@@ -108,8 +133,18 @@ def _methods():
   return names
 
 
-def _result(experts, skew, sizes, name, times, dense_times, fwd_flops):
-  """One JSON row: a method's times, their ratios to dense's, GFLOP/s."""
+def _result(experts, skew, sizes, name, times, timings, fwd_flops):
+  """One JSON row: a method's times, their ratios to dense's (and xla's),
+  GFLOP/s."""
+  dense_times = timings["dense"]
+  over_xla = {}
+  if "xla" in timings:
+    over_xla = {
+        timing.ratio_key(p, "xla"): timing.time_over(
+            times[f"{p}_s"], timings["xla"][f"{p}_s"]
+        )
+        for p in timing.PHASES
+    }
   return {
       "experts": experts,
       "skew": skew,
@@ -123,6 +158,7 @@ def _result(experts, skew, sizes, name, times, dense_times, fwd_flops):
           )
           for p in timing.PHASES
       },
+      **over_xla,
       "fwd_gflops": fwd_flops / times["fwd_s"] / 1e9,
   }
 
@@ -142,19 +178,7 @@ def _run(names, m, d, f, dtype, repeats):
           skew, m, experts, zipf_exponent=_ZIPF_EXPONENT.value
       )
       group_sizes = jnp.asarray(sizes)
-      timings = {
-          name: _measure(
-              name,
-              rows,
-              gemm_workloads.one_expert(weights)
-              if name == "dense"
-              else weights,
-              group_sizes,
-              cotangent,
-              repeats,
-          )
-          for name in names
-      }
+      timings = _measure(names, weights, rows, group_sizes, cotangent, repeats)
       results += [
           _result(
               experts,
@@ -162,7 +186,7 @@ def _run(names, m, d, f, dtype, repeats):
               sizes,
               name,
               timings[name],
-              timings["dense"],
+              timings,
               2 * m * d * f,
           )
           for name in names
@@ -213,6 +237,13 @@ def _print_skew_stability(results, names):
         print(f"  {name:<11} E={experts:<3} {max(times) / min(times):5.2f}")
 
 
+def _cpu_kernels(names):
+  """Which kernels the cpu backend ran ("avx512-bf16", ...), or None."""
+  if "cpu" not in names:
+    return None
+  return moe_core.get_backend("cpu").kernels()
+
+
 def main(argv):
   del argv
   repeats = 1 if _QUICK.value else _REPEATS.value
@@ -248,6 +279,7 @@ def main(argv):
             "repeats": repeats,
             "shape": {"rows": m, "hidden": d, "ffn": f},
             "dtype": dtype.name,
+            "cpu_kernels": _cpu_kernels(names),
             "results": results,
         },
         fh,

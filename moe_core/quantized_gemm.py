@@ -51,7 +51,9 @@ def straight_through(
   derivatives (zero for rows past sum(group_sizes)) are the op's. A custom
   JVP, not a VJP: its tangent is unquantized's, which JAX transposes for
   reverse mode (the straight-through gradient) and pushes forward for
-  jvp, linearize and Hessians.
+  jvp, linearize and Hessians. `quantized_forward` is never differentiated
+  (it may be a kernel without derivatives, as Transformer Engine's is):
+  every derivative, of any order, is unquantized's.
   """
 
   @jax.custom_jvp
@@ -62,7 +64,10 @@ def straight_through(
   def op_jvp(primals, tangents):
     rows, weights, group_sizes = primals
     d_rows, d_weights, _ = tangents
-    out = quantized_forward(rows, weights, group_sizes)
+    # The primal comes from `op` itself, not from quantized_forward: a
+    # derivative of this rule (a Hessian) then goes through the rule again
+    # instead of differentiating the quantised forward.
+    out = op(rows, weights, group_sizes)
     _, d_out = jax.jvp(
         lambda r, w: unquantized(r, w, group_sizes),
         (rows, weights),
@@ -93,6 +98,29 @@ def _contract_major(q_weights) -> tuple[jax.Array, jax.Array]:
     data = jnp.swapaxes(data, 1, 2)
     scales = jnp.swapaxes(scales, 1, 2)
   return data, scales
+
+
+def float32_gemm(
+    grouped_gemm: Callable[[operands.GemmOperands], jax.Array],
+) -> GemmFn:
+  """A backend's `_grouped_gemm` as the GemmFn the functions here take.
+
+  (rows [M, K], weights [E, K, N], group_sizes [E]) -> [M, N] float32,
+  weights not transposed.
+  """
+
+  def gemm(rows, weights, group_sizes):
+    return grouped_gemm(
+        operands.GemmOperands(
+            rows=rows,
+            weights=weights,
+            group_sizes=group_sizes,
+            transpose_rhs=False,
+            out_dtype=jnp.dtype(jnp.float32),
+        )
+    )
+
+  return gemm
 
 
 def dequantized_grouped_gemm(

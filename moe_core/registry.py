@@ -14,6 +14,7 @@ from moe_core import backend as backend_lib
 _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
     "reference": "reference.backend:ReferenceBackend",
     "xla": "backends.xla.backend:XlaBackend",
+    "cpu": "backends.cpu.backend:CpuBackend",
     "pallas": "backends.pallas.backend:PallasBackend",
     "mosaic_gpu": "backends.mosaic_gpu.backend:MosaicGpuBackend",
     "triton": "backends.triton.backend:TritonBackend",
@@ -30,10 +31,13 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
 # (raw Triton through jax-triton) comes after pallas until a GPU run has
 # measured it; it needs jax-triton installed, and says so when it is not.
 # te (Transformer Engine's kernels) comes after triton, for the same reason,
-# and only where TE is installed.
+# and only where TE is installed. On the CPU, cpu (native custom calls) comes
+# first where its library was built: it is the fastest there
+# (bench/results/, docs/cpu.md); without the library it is unavailable and
+# xla runs.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "gpu": ("mosaic_gpu", "pallas", "triton", "te", "xla", "reference"),
-    "cpu": ("xla", "pallas", "reference"),
+    "cpu": ("cpu", "xla", "pallas", "reference"),
 }
 _DEFAULT_AUTO_ORDER = ("xla", "reference")
 

@@ -4,7 +4,11 @@ r"""Runs N copies of a command as one multi-process JAX run on this machine.
         python -m train.main --mesh=data=2,expert=4 --steps=20
 
 Each copy gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<a free port>,
-JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i (what train/distributed.py reads),
+JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i (what train/distributed.py reads);
+with --env=slurm it gets instead what srun gives each task of a one-node job
+step (SLURM_JOB_ID, SLURM_STEP_NODELIST=localhost, SLURM_NTASKS,
+SLURM_PROCID, SLURM_LOCALID, ...), the job id chosen so that the port JAX
+derives from it is free, which rehearses a SLURM launch on one machine;
 and, unless the command sets them itself or --no_timeout_flags is given,
 --distributed_init_timeout and --distributed_heartbeat_timeout, short ones:
 the processes of one machine start together. Every output line (stdout and
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -38,11 +43,57 @@ DEFAULT_GRACE_S = 30
 _POLL_S = 0.1
 
 
+_JAX_VARIABLES = (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "JAX_COORDINATOR_PORT",
+)
+
+
 def free_port() -> int:
   """A TCP port on 127.0.0.1 that nothing listens on right now."""
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+# JAX's SLURM detection puts the coordinator at this port plus the job id
+# modulo 4096 (jax._src.clusters.slurm_cluster).
+SLURM_PORT_BASE = 65535 - 2**12 + 1
+
+
+def free_slurm_job_id(port: int = 0) -> int:
+  """A job id whose derived coordinator port is free (or is `port`)."""
+  for _ in range(200):
+    candidate = port or random.randrange(SLURM_PORT_BASE, 65536)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+      try:
+        s.bind(("127.0.0.1", candidate))
+      except OSError:
+        if port:
+          break
+        continue
+    # Any job id with this residue; a realistic size, as SLURM's are.
+    return 4096 * 1000 + candidate - SLURM_PORT_BASE
+  raise RuntimeError("no free port for a SLURM job id in 61440..65535")
+
+
+def slurm_environment(num_processes: int, index: int, job_id: int):
+  """The variables srun sets for task `index` of a one-node job step."""
+  return dict(
+      SLURM_JOB_ID=str(job_id),
+      SLURM_STEP_ID="0",
+      SLURM_STEP_NODELIST="localhost",
+      SLURM_NODELIST="localhost",
+      SLURM_STEP_NUM_NODES="1",
+      SLURM_NNODES="1",
+      SLURM_NODEID="0",
+      SLURM_NTASKS=str(num_processes),
+      SLURM_STEP_NUM_TASKS=str(num_processes),
+      SLURM_PROCID=str(index),
+      SLURM_LOCALID=str(index),
+  )
 
 
 def _parse(argv):
@@ -72,6 +123,13 @@ def _parse(argv):
   )
   parser.add_argument(
       "--heartbeat_timeout_s", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT_S
+  )
+  parser.add_argument(
+      "--env",
+      choices=("jax", "slurm"),
+      default="jax",
+      help="the variables each copy gets: JAX's JAX_COORDINATOR_ADDRESS, "
+      "JAX_NUM_PROCESSES and JAX_PROCESS_ID, or those of a SLURM job step",
   )
   parser.add_argument(
       "--no_timeout_flags",
@@ -178,14 +236,20 @@ def launch(args, out=None) -> int:
       out.write(f"[launch_local] {message}\n".encode())
       out.flush()
 
-  port = args.port or free_port()
+  if args.env == "slurm":
+    job_id = free_slurm_job_id(args.port)
+    port = job_id % 2**12 + SLURM_PORT_BASE
+    coordinator = f"localhost:{port} (SLURM job {job_id})"
+  else:
+    port = args.port or free_port()
+    coordinator = f"127.0.0.1:{port}"
   command = args.command
   if not args.no_timeout_flags:
     command = with_timeout_flags(
         command, args.init_timeout_s, args.heartbeat_timeout_s
     )
   say(
-      f"{args.num_processes} processes, coordinator 127.0.0.1:{port}: "
+      f"{args.num_processes} processes, coordinator {coordinator}: "
       + " ".join(command)
   )
   copies = []
@@ -198,12 +262,18 @@ def launch(args, out=None) -> int:
   try:
     for i in range(args.num_processes):
       env = dict(os.environ)
-      env.update(
-          JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-          JAX_NUM_PROCESSES=str(args.num_processes),
-          JAX_PROCESS_ID=str(i),
-          PYTHONUNBUFFERED="1",
-      )
+      if args.env == "slurm":
+        for name in list(env):
+          if name.startswith("SLURM_") or name in _JAX_VARIABLES:
+            del env[name]
+        env.update(slurm_environment(args.num_processes, i, job_id))
+      else:
+        env.update(
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES=str(args.num_processes),
+            JAX_PROCESS_ID=str(i),
+        )
+      env["PYTHONUNBUFFERED"] = "1"
       try:
         copies.append(_Copy(i, command, env, out, lock))
       except OSError as e:

@@ -17,6 +17,21 @@ PY="$(tools/setup.sh "${setup_args[@]}")/bin/python"
 if [[ ! -e /dev/nvidiactl ]]; then
   export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 fi
+# The cpu backend's grouped GEMM (XLA FFI custom calls, backends/cpu) is a
+# C++ library: Bazel builds it against this leg's jaxlib (seconds once
+# cached), and "auto" then picks it on the CPU. Without it, auto trains on
+# the xla backend, and the line below says why.
+DROPLESS_VENV_STAMP="$(cat "$(dirname "$PY")/../.requirements.sha256" 2>/dev/null || true)"
+export DROPLESS_VENV_STAMP
+if ! PYTHON_BIN_PATH="$PY" bazel build //backends/cpu:libdropless_cpu.so \
+    >/dev/null 2>&1; then
+  echo "main: building the cpu backend's library failed (rerun: bazel build //backends/cpu:libdropless_cpu.so)" >&2
+fi
+"$PY" -c 'from moe_core import registry
+b = registry.get_backend("auto")
+ok, why = registry.availability("cpu")
+print(f"main: grouped GEMM under --moe_backend=auto: {b!r}"
+      + ("" if ok else f" ({why})"))' >&2
 if [[ "${1:-}" == "demo" ]]; then
   shift
   exec "$PY" -m bench.demo "$@"

@@ -5,8 +5,9 @@
 # backend's Bazel targets under that interpreter:
 #   helpers_test   the import; TE's pure-JAX helpers on the CPU against the
 #                  reference;
-#   lowering_test  jax.export of the te backend's layer (forward, jax.grad)
-#                  for CUDA at compute capability 90 and 100: custom-call
+#   lowering_test  jax.export of the te backend's layer (forward, jax.grad,
+#                  jax.jvp, jax.hessian, jax.vmap, a user's shard_map) for
+#                  CUDA at compute capability 90 and 100: custom-call
 #                  targets, operand shapes and dtypes, serialisation;
 #   nccl_ep_test   the NCCL-EP exchange's registration and lowering;
 #   conformance_test(_ep)  the shared suite, which skips on a CPU with the

@@ -4,8 +4,12 @@ A run of N processes (one per host, or N on one machine through
 tools/launch_local.py) names a coordinator, process 0's HOST:PORT, and gives
 every process its id. The flags below win; else the standard environment
 variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID are
-read; with none of them set the run is a single process and nothing is
-joined:
+read; with none of them set, a SLURM job step (srun) is detected the way
+jax.distributed.initialize() detects it (SLURM_JOB_ID, SLURM_STEP_NODELIST,
+SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID: one process per task, the first
+node of the step is the coordinator, the port derives from the job id unless
+JAX_COORDINATOR_PORT is set); else the run is a single process and nothing
+is joined:
 
     spec = distributed.spec_from_flags()   # None for a single process
     distributed.initialize(spec)           # before any other JAX call
@@ -103,11 +107,13 @@ class ProcessSpec:
   process_id: int
   init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S
   heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
+  cluster: str | None = None
 
   def __str__(self) -> str:
+    where = f" (from {self.cluster})" if self.cluster else ""
     return (
         f"process {self.process_id} of {self.num_processes}, coordinator "
-        f"{self.coordinator_address}"
+        f"{self.coordinator_address}{where}"
     )
 
 
@@ -201,7 +207,7 @@ def resolve(
           f"{name} must be a whole number of seconds >= 1; got {value!r}."
       )
   if address is None and count is None and index is None:
-    return None
+    return _from_slurm(environ, init_timeout_s, heartbeat_timeout_s)
   if count is None:
     given = address_src or index_src
     raise ValueError(
@@ -247,6 +253,110 @@ def resolve(
   )
 
 
+# What JAX's SLURM detection reads (jax._src.clusters.slurm_cluster), and
+# the SLURM_JOB_ID-derived coordinator port range it uses.
+_SLURM_JOB_ID = "SLURM_JOB_ID"
+_SLURM_NODELIST = "SLURM_STEP_NODELIST"
+_SLURM_NTASKS = "SLURM_NTASKS"
+_SLURM_PROCID = "SLURM_PROCID"
+_SLURM_LOCALID = "SLURM_LOCALID"
+_SLURM_VARIABLES = (
+    _SLURM_JOB_ID,
+    _SLURM_NODELIST,
+    _SLURM_NTASKS,
+    _SLURM_PROCID,
+    _SLURM_LOCALID,
+)
+ENV_COORDINATOR_PORT = "JAX_COORDINATOR_PORT"
+
+
+def slurm_coordinator_address(environ: Mapping[str, str]) -> str:
+  """HOST:PORT that JAX's SLURM detection picks: the step's first node.
+
+  The node list's forms: "node7", "node7,gpu2", "node[007-015],gpu2" and
+  "node[007,009-011]" (the first node is node007). The port is
+  $JAX_COORDINATOR_PORT, else 61440 + SLURM_JOB_ID mod 4096, as in JAX.
+  """
+  nodes = environ[_SLURM_NODELIST].strip()
+  head, bracket, rest = nodes.partition("[")
+  if "," in head:  # "node7,gpu2" or "node7,gpu[2-3]": the first name.
+    host = head.split(",", 1)[0]
+  elif bracket:  # "node[007-015],...": the prefix and the first number.
+    first = rest.split("]", 1)[0].split(",", 1)[0].split("-", 1)[0]
+    host = head + first
+  else:
+    host = head
+  if not host or any(c.isspace() for c in host):
+    raise ValueError(
+        f"{_SLURM_NODELIST} (environment) must be SLURM's node list, e.g. "
+        f"node[001-128]; got {nodes!r}."
+    )
+  port = environ.get(ENV_COORDINATOR_PORT, "").strip()
+  if not port:
+    job = _as_int(
+        environ[_SLURM_JOB_ID],
+        f"{_SLURM_JOB_ID} (environment)",
+        "SLURM's integer job id",
+    )
+    port = str(job % 2**12 + (65535 - 2**12 + 1))
+  return _check_address(
+      f"{host}:{port}",
+      f"{ENV_COORDINATOR_PORT} " f"(environment) with {_SLURM_NODELIST}",
+  )
+
+
+def _from_slurm(environ, init_timeout_s, heartbeat_timeout_s):
+  """The spec of a SLURM job step's task, or None outside one.
+
+  Only srun sets all five variables JAX's detection reads. A batch script
+  itself (sbatch, before srun) or salloc sets SLURM_JOB_ID alone: one
+  process, unless it says it runs several tasks.
+  """
+  present = [v for v in _SLURM_VARIABLES if environ.get(v, "").strip()]
+  if _SLURM_JOB_ID not in present:
+    return None
+  count_src = f"{_SLURM_NTASKS} (environment)"
+  if len(present) < len(_SLURM_VARIABLES):
+    raw_count = environ.get(_SLURM_NTASKS, "").strip()
+    if not raw_count or _as_int(raw_count, count_src, "an integer >= 1") <= 1:
+      return None  # One task, no step: a single process.
+    missing = [v for v in _SLURM_VARIABLES if v not in present]
+    raise ValueError(
+        f"{', '.join(missing)} must be set in a SLURM job of "
+        f"{_SLURM_NTASKS}={raw_count} tasks: start each task with srun (the "
+        "README's sbatch example), or give --coordinator_address, "
+        "--num_processes and --process_id."
+    )
+  count = _as_int(environ[_SLURM_NTASKS], count_src, "an integer >= 1")
+  if count < 1:
+    raise ValueError(f"{count_src} must be an integer >= 1; got {count}.")
+  index_src = f"{_SLURM_PROCID} (environment)"
+  index = _as_int(
+      environ[_SLURM_PROCID], index_src, f"an integer in [0, {count})"
+  )
+  if not 0 <= index < count:
+    raise ValueError(
+        f"{index_src} must be in [0, {count}) for {_SLURM_NTASKS}={count}; "
+        f"got {index}."
+    )
+  local_src = f"{_SLURM_LOCALID} (environment)"
+  if _as_int(environ[_SLURM_LOCALID], local_src, "an integer >= 0") < 0:
+    raise ValueError(
+        f"{local_src} must be an integer >= 0; got {environ[_SLURM_LOCALID]}."
+    )
+  address = slurm_coordinator_address(environ)
+  if count == 1:
+    return None
+  return ProcessSpec(
+      coordinator_address=address,
+      num_processes=count,
+      process_id=index,
+      init_timeout_s=int(init_timeout_s),
+      heartbeat_timeout_s=int(heartbeat_timeout_s),
+      cluster="slurm",
+  )
+
+
 def spec_from_flags() -> ProcessSpec | None:
   """resolve() with this module's flags (which must have been parsed)."""
   return resolve(
@@ -267,10 +377,17 @@ def _coordinator_accepts_connections(address: str) -> bool:
     return False
 
 
+def _address_source(spec: ProcessSpec) -> str:
+  """Where the coordinator address came from, for error lines."""
+  if spec.cluster:
+    return f"{spec.cluster} job step, coordinator {spec.coordinator_address}"
+  return f"--coordinator_address={spec.coordinator_address}"
+
+
 def _join_failure(spec: ProcessSpec) -> str:
   """The one-line reason a join timed out, with the likeliest cause."""
   head = (
-      f"--coordinator_address={spec.coordinator_address}: process "
+      f"{_address_source(spec)}: process "
       f"{spec.process_id} of {spec.num_processes} could not join the run "
       f"within --distributed_init_timeout={spec.init_timeout_s} s"
   )
@@ -351,19 +468,28 @@ def initialize(spec: ProcessSpec | None) -> None:
       daemon=True,
   )
   watchdog.start()
-  try:
-    jax.distributed.initialize(
+  if spec.cluster:
+    # JAX's own detection reads the job's variables (resolve() checked them
+    # and found what it will find) and sets local_device_ids to the task's
+    # SLURM_LOCALID: one GPU per task.
+    where = dict(cluster_detection_method=spec.cluster)
+  else:
+    where = dict(
         coordinator_address=spec.coordinator_address,
         num_processes=spec.num_processes,
         process_id=spec.process_id,
+        cluster_detection_method="deactivate",
+    )
+  try:
+    jax.distributed.initialize(
         initialization_timeout=spec.init_timeout_s + _JAX_DEADLINE_MARGIN_S,
         heartbeat_timeout_seconds=spec.heartbeat_timeout_s,
-        cluster_detection_method="deactivate",
+        **where,
     )
   except Exception as e:  # pylint: disable=broad-except
     first_line = (str(e).strip().splitlines() or [""])[0]
     raise RuntimeError(
-        f"--coordinator_address={spec.coordinator_address}: process "
+        f"{_address_source(spec)}: process "
         f"{spec.process_id} of {spec.num_processes} could not join the run: "
         f"{type(e).__name__}: {first_line}"
     ) from e

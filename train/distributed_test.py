@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from unittest import mock
 
 from absl import flags
 from absl.testing import absltest
@@ -62,12 +63,14 @@ def _launch(num_processes, command, *launcher_flags):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # The worker sets its own device count.
   env["JAX_PLATFORMS"] = "cpu"
-  for name in (
-      "JAX_COORDINATOR_ADDRESS",
-      "JAX_NUM_PROCESSES",
-      "JAX_PROCESS_ID",
-  ):
-    env.pop(name, None)
+  for name in list(env):
+    if name.startswith("SLURM_") or name in (
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "JAX_COORDINATOR_PORT",
+    ):
+      del env[name]
   proc = subprocess.run(
       [
           sys.executable,
@@ -272,6 +275,117 @@ class ResolveTest(parameterized.TestCase):
     self.assertNotIn("\n", str(caught.exception))
 
 
+def _slurm(**changes):
+  """The variables srun sets for task 1 of 4 of job 70001, with changes."""
+  env = {
+      "SLURM_JOB_ID": "70001",
+      "SLURM_STEP_NODELIST": "gpu[017-020]",
+      "SLURM_NTASKS": "4",
+      "SLURM_PROCID": "1",
+      "SLURM_LOCALID": "1",
+  }
+  env.update(changes)
+  return {k: v for k, v in env.items() if v is not None}
+
+
+class SlurmTest(parameterized.TestCase):
+  """A SLURM job step is read as JAX's own detection reads it."""
+
+  def test_task_of_a_job_step(self):
+    spec = distributed.resolve(environ=_slurm())
+    # The first node of the step; 61440 + 70001 mod 4096 (JAX's formula).
+    self.assertEqual(spec.coordinator_address, f"gpu017:{61440 + 70001 % 4096}")
+    self.assertEqual((spec.num_processes, spec.process_id), (4, 1))
+    self.assertEqual(spec.cluster, "slurm")
+    self.assertIn("(from slurm)", str(spec))
+
+  @parameterized.parameters(
+      ("node7", "node7"),
+      ("node7,gpu2", "node7"),
+      ("node[007-015],gpu2", "node007"),
+      ("node[007,009-011]", "node007"),
+      ("a-b[3-4]", "a-b3"),
+      ("node7,gpu[2-3]", "node7"),
+  )
+  def test_first_node_is_the_coordinator_as_in_jax(self, nodes, host):
+    env = _slurm(SLURM_STEP_NODELIST=nodes)
+    ours = distributed.slurm_coordinator_address(env)
+    self.assertEqual(ours.rpartition(":")[0], host)
+    # JAX's own detection, on the same variables, agrees.
+    # pylint: disable-next=g-import-not-at-top
+    from jax._src.clusters import slurm_cluster
+
+    with mock.patch.dict(os.environ, env, clear=True):
+      self.assertEqual(
+          slurm_cluster.SlurmCluster.get_coordinator_address(None, None), ours
+      )
+
+  def test_coordinator_port_variable_wins(self):
+    spec = distributed.resolve(environ=_slurm(JAX_COORDINATOR_PORT="4321"))
+    self.assertEqual(spec.coordinator_address, "gpu017:4321")
+
+  def test_flags_and_jax_variables_win_over_slurm(self):
+    spec = distributed.resolve("h:1", 2, 0, environ=_slurm())
+    self.assertEqual((spec.coordinator_address, spec.cluster), ("h:1", None))
+    env = _slurm(
+        JAX_COORDINATOR_ADDRESS="h:2", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1"
+    )
+    self.assertEqual(
+        distributed.resolve(environ=env).coordinator_address, "h:2"
+    )
+
+  def test_one_task_or_no_step_is_a_single_process(self):
+    self.assertIsNone(
+        distributed.resolve(environ=_slurm(SLURM_NTASKS="1", SLURM_PROCID="0"))
+    )
+    # A batch script itself, or salloc: the job's variables, no step.
+    batch = {"SLURM_JOB_ID": "70001", "SLURM_NTASKS": "1"}
+    self.assertIsNone(distributed.resolve(environ=batch))
+    self.assertIsNone(distributed.resolve(environ={"SLURM_JOB_ID": "5"}))
+
+  @parameterized.named_parameters(
+      (
+          "not_under_srun",
+          {"SLURM_JOB_ID": "70001", "SLURM_NTASKS": "8"},
+          "SLURM_STEP_NODELIST, SLURM_PROCID, SLURM_LOCALID must be set in a "
+          "SLURM job of SLURM_NTASKS=8 tasks: start each task with srun",
+      ),
+      (
+          "task_id_too_large",
+          _slurm(SLURM_PROCID="4"),
+          "SLURM_PROCID (environment) must be in [0, 4) for SLURM_NTASKS=4; "
+          "got 4.",
+      ),
+      (
+          "count_not_a_number",
+          _slurm(SLURM_NTASKS="4(x2)"),
+          "SLURM_NTASKS (environment) must be an integer >= 1; got '4(x2)'.",
+      ),
+      (
+          "local_id_negative",
+          _slurm(SLURM_LOCALID="-1"),
+          "SLURM_LOCALID (environment) must be an integer >= 0; got -1.",
+      ),
+      (
+          "job_id_not_a_number",
+          _slurm(SLURM_JOB_ID="abc"),
+          "SLURM_JOB_ID (environment) must be SLURM's integer job id; got "
+          "'abc'.",
+      ),
+      (
+          "bad_port",
+          _slurm(JAX_COORDINATOR_PORT="99999"),
+          "JAX_COORDINATOR_PORT (environment) with SLURM_STEP_NODELIST must "
+          "be HOST:PORT",
+      ),
+  )
+  def test_mis_set_variable_is_one_line(self, env, expected):
+    with self.assertRaises(ValueError) as caught:
+      distributed.resolve(environ=env)
+    self.assertStartsWith(str(caught.exception), expected)
+    self.assertNotIn("\n", str(caught.exception))
+
+
 class LauncherTest(absltest.TestCase):
 
   def test_sets_the_environment_and_prefixes_output(self):
@@ -403,6 +517,41 @@ class MultiProcessTest(parameterized.TestCase):
       self.assertEqual(result["main"], i == 0)
       self.assertEqual(result["psum"], want_sum)
       self.assertEqual(result["all_gather"], [rows] * 4)
+
+  def test_slurm_job_step_joins_through_jax_detection(self):
+    """2 tasks with srun's variables only: JAX's detection joins them."""
+    code, output, ended = _launch(2, _worker(), "--env=slurm")
+    self.assertEqual(code, 0, output[-4000:])
+    self.assertEqual({i: c[0] for i, c in ended.items()}, {0: 0, 1: 0})
+    want_sum = [0.0 + 1 + 2 + 3, 0.0 + 1 + 4 + 9]
+    for i in range(2):
+      (line,) = [
+          l for l in output.splitlines() if l.startswith(f"[p{i}] RESULT ")
+      ]
+      result = json.loads(line.split("RESULT ", 1)[1])
+      self.assertEqual((result["process"], result["num_processes"]), (i, 2))
+      self.assertEqual(result["psum"], want_sum)
+
+  def test_slurm_task_count_larger_than_the_step_fails_in_one_line(self):
+    """SLURM_NTASKS says 3, srun started 2: one line each, no hang."""
+    code, output, ended = _launch(
+        2,
+        ["env", "SLURM_NTASKS=3", *_worker()],
+        "--env=slurm",
+        f"--init_timeout_s={_INIT_TIMEOUT_S}",
+    )
+    self.assertEqual(code, distributed.JOIN_FAILED_EXIT_CODE, output[-4000:])
+    errors = [l for l in output.splitlines() if "RuntimeError:" in l]
+    self.assertLen(errors, 2, output[-4000:])
+    for line in errors:
+      self.assertRegex(
+          line,
+          r"RuntimeError: slurm job step, coordinator localhost:\d+: process "
+          rf"\d of 3 could not join the run within "
+          rf"--distributed_init_timeout={_INIT_TIMEOUT_S} s",
+      )
+    self.assertNotIn("Check failure stack trace", output)
+    self.assertLess(max(c[1] for c in ended.values()), _INIT_TIMEOUT_S + 60)
 
   @parameterized.named_parameters(("worker_dies", 1), ("coordinator_dies", 0))
   def test_a_process_that_dies_ends_the_run(self, dying):

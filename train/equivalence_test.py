@@ -5,10 +5,12 @@ same seed (so the same initial weights) on the same batches, on one device,
 on four meshes of 8 simulated devices (data x expert, expert, fsdp x expert,
 data x fsdp x tensor), and as 2 processes x 4 devices started by
 tools/launch_local.py; each step's loss, gradient global norm and
-per-expert token counts must agree. A run resumed onto another mesh must
-continue the same run, one resumed on its own mesh must equal the
-uninterrupted run bit for bit, and the 2-process run's checkpoint must
-restore into one process on another mesh.
+per-expert token counts must agree. The layers run under a scan (the
+default); the same run with unrolled layers, and with each batch in 2
+microbatches (on one device and on a mesh), must agree too. A run resumed
+onto another mesh must continue the same run, one resumed on its own mesh
+must equal the uninterrupted run bit for bit, and the 2-process run's
+checkpoint must restore into one process on another mesh.
 
 The bound, and where it comes from. The meshes compute the same function;
 what differs is the order of float32 sums (a psum over devices against one
@@ -28,6 +30,13 @@ best experts score within that ulp may pick the other one. So:
   another expert (measured: at most 1.3%, a few near-ties per step). A
   dropped token, a lost all-to-all slot or experts on the wrong device
   move far more (a whole device's share: 1/8 or more).
+
+Unrolled layers and microbatches change the same things: XLA fuses an
+unrolled layer differently from the scan's body (in float32 the two give
+the same logits), and microbatches add float32 partial sums in another
+order; the bounds above hold for them too. The load-balancing loss, a
+product of two means, is the one statistic that is not the whole batch's
+under microbatches (train/microbatch.py); tiny_dsv3 does not train on it.
 
 These are per-step bounds over STEPS steps; over hundreds of steps the runs
 drift apart like any two bf16 runs (the README gives the held-out loss of a
@@ -165,6 +174,23 @@ class MeshEquivalenceTest(parameterized.TestCase):
     self.assertIsNotNone(tr.mesh)
     assert_same_run(self, self.expected, _records(tr.run.output_dir))
 
+  # The reference run scans its layers (the default); unrolled, they are
+  # the same model from the same initial values (scan_model_test checks
+  # that in float32), and the same run within the bf16 bounds.
+  def test_unrolled_layers_train_the_same_model(self):
+    tr = _fit(self._run("data=1", scan_layers=False))
+    self.assertNotIn("moe_layers", tr.state["params"])
+    assert_same_run(self, self.expected, _records(tr.run.output_dir))
+
+  # Each step's batch in microbatches, gradients accumulated: the same
+  # run, on one device and on a mesh (BATCH / 2 rows split over data x
+  # fsdp = 4 devices). tokens_per_expert adds up over the microbatches, so
+  # the loads and the bias updates are the whole batch's.
+  @parameterized.parameters("data=1", "data=2,fsdp=2,tensor=2")
+  def test_microbatches_train_the_same_model(self, mesh):
+    tr = _fit(self._run(mesh, microbatches=2))
+    assert_same_run(self, self.expected, _records(tr.run.output_dir))
+
   def test_resume_on_the_same_mesh_is_bit_for_bit(self):
     straight = self._fit_once("data=2,expert=4").run
     run = self._run("data=2,expert=4")
@@ -179,11 +205,12 @@ class MeshEquivalenceTest(parameterized.TestCase):
     moved = dataclasses.replace(run, mesh="expert=8", resume=True)
     resumed = _fit(moved)
     self.assertEqual(resumed.step, STEPS)
-    expert_weights = resumed.state["params"]["blocks"][1]["mlp"]["w_up"][...]
-    # Restored split over expert=8: E / 8 experts per device.
+    expert_weights = resumed.state["params"]["moe_layers"]["mlp"]["w_up"][...]
+    # Restored split over expert=8: E / 8 experts per device (of every MoE
+    # layer: [layers, E, D, F]).
     self.assertEqual(
-        {s.data.shape[0] for s in expert_weights.addressable_shards},
-        {expert_weights.shape[0] // 8},
+        {s.data.shape[1] for s in expert_weights.addressable_shards},
+        {expert_weights.shape[1] // 8},
     )
     assert_same_run(self, self.expected, _records(run.output_dir))
 
@@ -199,6 +226,9 @@ class MeshEquivalenceTest(parameterized.TestCase):
         sys.executable,
         _LAUNCHER,
         "--num_processes=2",
+        # As srun starts them: the processes join through JAX's detection
+        # of SLURM's variables (the JAX_* path: distributed_test).
+        "--env=slurm",
         "--timeout_s=400",
         # Generous: under `bazel test` other targets share the 2 cores.
         "--init_timeout_s=120",

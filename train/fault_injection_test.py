@@ -1,11 +1,12 @@
 """SIGKILLs a training run during its saves, resumes, and checks the result.
 
-One run of testing_fault_worker.py trains SMALL_DSV3 uninterrupted: the
-reference. Another run of the same config is killed 10 times at points of
-its saves and of its metrics log, and resumed after each kill: once before
-its first checkpoint is finalised, then once per phase of the worker, in a
-seeded random order and at seeded steps (`_plan`), then right after its
-last checkpoint lands, then while a resume saves that step again. After
+One run of testing_fault_worker.py trains SMALL_DSV3 (its layers scanned,
+each batch in 2 microbatches) uninterrupted: the reference. Another run of
+the same config is killed 10 times at points of its saves and of its
+metrics log, and resumed after each kill: once before its first checkpoint
+is finalised, then once per phase of the worker, in a seeded random order
+and at seeded steps (`_plan`), then right after its last checkpoint lands,
+then while a resume saves that step again. After
 every kill:
 
   * a resume is refused (CheckpointError) exactly when no checkpoint was

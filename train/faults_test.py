@@ -211,7 +211,8 @@ class NonFiniteTest(absltest.TestCase):
     with self.assertRaisesRegex(
         checkpoint.CheckpointError,
         rf"checkpoint {path!r} holds NaN or Inf values \(\d+ leaves, first "
-        r"\['(params|opt_state)'\]",
+        # The scanned layers' correction biases are matrices, [L, E], too.
+        r"\['(bias|params|opt_state)'\]",
     ):
       resumed.prepare_output_dir()
 

@@ -35,6 +35,8 @@ _BAD = (
     ("steps", "0"),
     ("steps", "-3"),
     ("batch_size", "0"),
+    ("microbatches", "0"),
+    ("microbatches", "-2"),
     ("seq_len", "0"),
     ("seq_len", "-1"),
     ("warmup_steps", "-1"),
@@ -73,6 +75,7 @@ _BAD = (
 _GOOD = (
     ("steps", "1"),
     ("batch_size", "1"),
+    ("microbatches", "1"),
     ("seq_len", "1"),  # One input byte and its next-byte target.
     ("warmup_steps", "0"),
     ("seed", "0"),

@@ -56,6 +56,13 @@ _STEPS = flags.DEFINE_integer(
 _BATCH = flags.DEFINE_integer(
     "batch_size", None, "Sequences per step, >= 1 (preset default if unset)."
 )
+_MICROBATCHES = flags.DEFINE_integer(
+    "microbatches",
+    1,
+    "Gradient accumulation: each step's batch runs as this many equal "
+    "microbatches, one after the other, their gradients summed (>= 1; it "
+    "and the data-parallel size of --mesh must divide --batch_size).",
+)
 _SEQ = flags.DEFINE_integer(
     "seq_len",
     None,
@@ -151,6 +158,13 @@ _REMAT = flags.DEFINE_enum(
     list(moe_remat.POLICIES),
     "Activation rematerialisation policy per block (see moe_core/remat.py).",
 )
+_SCAN_LAYERS = flags.DEFINE_bool(
+    "scan_layers",
+    True,
+    "Run the layers under a scan (one compiled layer per stack: compile "
+    "time does not grow with depth; parameters stacked per layer); "
+    "--noscan_layers unrolls them.",
+)
 _DTYPE = flags.DEFINE_enum(
     "compute_dtype",
     "bfloat16",
@@ -198,6 +212,7 @@ _MAX_SEED = 2**63 - 1
 _INT_RANGES = (
     (_STEPS, 1, None),
     (_BATCH, 1, None),
+    (_MICROBATCHES, 1, None),
     # The sampler reads seq_len + 1 bytes: one next-byte target per input.
     (_SEQ, 1, None),
     (_WARMUP, 0, None),
@@ -386,10 +401,6 @@ def _check_data(path) -> bool:
   return True
 
 
-# A model this large cannot be trained by this CPU program; --dry_run it.
-_MAX_TRAINABLE_PARAMS = 2e9
-
-
 def _run_config() -> run_config.RunConfig:
   return run_config.run_config_from_preset(
       _MODEL.value,
@@ -406,6 +417,8 @@ def _run_config() -> run_config.RunConfig:
       seed=_SEED.value,
       backend=moe_core.flags.MOE_BACKEND.value,
       remat=_REMAT.value,
+      scan_layers=_SCAN_LAYERS.value,
+      microbatches=_MICROBATCHES.value,
       compute_dtype=_DTYPE.value,
       data=_DATA.value,
       output_dir=_OUT.value,
@@ -430,9 +443,8 @@ def dry_run(out=None, *, compile_step: bool = True) -> str:
     compile_step: also compile the train step (abstractly, on the devices
       of --mesh, simulated on a CPU) and print XLA's memory figures for it
       beside the analytic estimate: the very step a run compiles, so the
-      figure is what the run allocates for it. Only for models this
-      program trains (up to _MAX_TRAINABLE_PARAMS); about as long as a
-      run's first step.
+      figure is what the run allocates for it; about as long as a run's
+      first step.
   """
   preset = presets.get_preset(_MODEL.value)
   preset = dataclasses.replace(
@@ -446,25 +458,17 @@ def dry_run(out=None, *, compile_step: bool = True) -> str:
       remat=_REMAT.value,
   )
   if compile_step:
-    text += f"\n    {_compiled_memory(preset.model)}"
+    text += f"\n    {_compiled_memory()}"
   if preset.model.moe is not None:
     text += f"\n{_precision_line(_PRECISION.value)}"
   print(text, file=out or sys.stdout, flush=True)
   return text
 
 
-def _compiled_memory(model) -> str:
+def _compiled_memory() -> str:
   """The --dry_run line with XLA's memory figures of the train step."""
-  total = sizing.param_counts(model).total
-  if total > _MAX_TRAINABLE_PARAMS:
-    return (
-        f"compiled train step: not compiled, --model={model.name} has "
-        f"{cost_report.human(total)} parameters and this program trains up "
-        f"to {cost_report.human(_MAX_TRAINABLE_PARAMS)}: the analytic "
-        "estimate above is all"
-    )
-  run = _run_config()
   try:
+    run = _run_config()
     mesh_lib.simulate_cpu_devices(mesh_lib.parse(run.mesh), 1)
     memory = trainer.compiled_step_memory(run)
   except ValueError as e:  # The mesh does not fit the devices.
@@ -477,7 +481,7 @@ def _compiled_memory(model) -> str:
   analytic = cost_report.analytic_bytes_per_device(
       run.model,
       sizing.parse_mesh(run.mesh),
-      run.batch_size,
+      run.batch_size // run.microbatches,
       run.seq_len,
       run.remat,
   )
@@ -553,14 +557,6 @@ def _set_up(run: run_config.RunConfig, out):
   if not distributed.is_main_process():
     run = dataclasses.replace(run, progress=False, plot=False)
     out = open(os.devnull, "w")  # pylint: disable=consider-using-with
-  total = sizing.param_counts(run.model).total
-  if total > _MAX_TRAINABLE_PARAMS:
-    raise app.UsageError(
-        f"--model={run.model.name} has {cost_report.human(total)} parameters; "
-        "this program trains models up to "
-        f"{cost_report.human(_MAX_TRAINABLE_PARAMS)}. Use --dry_run for the "
-        "full-size presets."
-    )
   corpus = data_lib.load(run.data)
   entropy = data_lib.unigram_entropy(
       np.concatenate([corpus.train, corpus.held_out])
@@ -577,7 +573,9 @@ def _set_up(run: run_config.RunConfig, out):
   print(
       f"model {run.model.name}: {counts.total:,} parameters "
       f"({counts.active:,} active per token); backend {tr.backend_name}; "
-      f"{run.steps} steps of {run.batch_size}x{run.seq_len} tokens; "
+      f"{run.steps} steps of {run.batch_size}x{run.seq_len} tokens"
+      + (f" in {run.microbatches} microbatches" if run.microbatches > 1 else "")
+      + f"; layers {'scanned' if run.scan_layers else 'unrolled'}; "
       f"remat={run.remat}; compute {run.compute_dtype}, params float32, "
       f"expert GEMMs {run.precision}; "
       f"mesh {mesh_lib.describe(tr.sizes)} over {jax.device_count()} "

@@ -124,25 +124,33 @@ def simulate_cpu_devices(sizes: dict[str, int], num_processes: int) -> str:
   )
 
 
-def build(sizes: dict[str, int]) -> jax.sharding.Mesh | None:
+def build(sizes: dict[str, int], devices=None) -> jax.sharding.Mesh | None:
   """The mesh over every process's devices; None for one device.
 
   A one-device mesh (the default, data=1) runs on the default device
   whatever the device count, exactly as a run without a mesh.
 
+  Args:
+    sizes: {axis: size} (`parse`).
+    devices: the devices, process by process (default `jax.devices()`);
+      e.g. a `moe_core.aot` topology's, to compile for GPUs that are not
+      here. Given, even one device makes a mesh.
+
   Raises:
-    ValueError: the sizes do not multiply to `jax.device_count()`.
+    ValueError: the sizes do not multiply to the number of devices.
   """
   total = num_devices(sizes)
-  if total == 1 and jax.process_count() == 1:
-    return None  # The default device, as before meshes existed.
-  devices = jax.devices()
+  if devices is None:
+    if total == 1 and jax.process_count() == 1:
+      return None  # The default device, as before meshes existed.
+    devices = jax.devices()
+  devices = list(devices)
   if total != len(devices):
     raise ValueError(
         f"--mesh={describe(sizes)} multiplies to {total} devices, but "
-        f"there are {len(devices)} ({jax.process_count()} process(es) x "
-        f"{jax.local_device_count()} {devices[0].platform} devices); give "
-        f"axis sizes whose product is {len(devices)}."
+        f"there are {len(devices)} ({_processes(devices)} process(es) x "
+        f"{len(devices) // _processes(devices)} {devices[0].platform} "
+        f"devices); give axis sizes whose product is {len(devices)}."
     )
   # jax.devices() lists each process's devices together, so the innermost
   # axes (tensor, then expert) stay within a process where they fit.
@@ -150,15 +158,33 @@ def build(sizes: dict[str, int]) -> jax.sharding.Mesh | None:
   return jax.sharding.Mesh(grid, AXES)
 
 
+def _processes(devices) -> int:
+  return len({d.process_index for d in devices})
+
+
 def check_run(
-    sizes: dict[str, int], model: model_config.ModelConfig, batch_size: int
+    sizes: dict[str, int],
+    model: model_config.ModelConfig,
+    batch_size: int,
+    microbatches: int = 1,
 ) -> None:
-  """The model and batch split over `sizes`, or a ValueError naming the flag."""
+  """The model and batch split over `sizes`, or a ValueError naming the flag.
+
+  Each of the `microbatches` equal parts of the batch is split over the
+  data-parallel devices.
+  """
   shards = batch_shards(sizes)
   if batch_size % shards:
     raise ValueError(
         f"--batch_size={batch_size} must be divisible by the data-parallel "
         f"size data x fsdp x expert = {shards} of --mesh={describe(sizes)}."
+    )
+  if microbatches < 1 or batch_size % (microbatches * shards):
+    raise ValueError(
+        f"--microbatches must be >= 1 and split --batch_size={batch_size} "
+        f"into microbatches that divide over data x fsdp x expert = "
+        f"{shards} devices of --mesh={describe(sizes)}, got "
+        f"--microbatches={microbatches}."
     )
   expert = sizes[EXPERT_AXIS]
   if expert > 1 and model.moe is None:

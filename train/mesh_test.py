@@ -60,6 +60,33 @@ class MeshFlagTest(absltest.TestCase):
           mesh_lib.parse("expert=16"), testing.SMALL_DSV3, batch_size=16
       )
 
+  def test_microbatches_must_divide_over_the_data_parallel_devices(self):
+    with self.assertRaisesRegex(
+        ValueError,
+        r"^--microbatches must be >= 1 and split --batch_size=16 into "
+        r"microbatches that divide over data x fsdp x expert = 8 devices of "
+        r"--mesh=data=2,expert=4, got --microbatches=4\.$",
+    ):
+      mesh_lib.check_run(
+          mesh_lib.parse("data=2,expert=4"),
+          testing.SMALL_DSV3,
+          batch_size=16,
+          microbatches=4,
+      )
+    mesh_lib.check_run(  # 2 microbatches of 8 rows: one per device.
+        mesh_lib.parse("data=2,expert=4"),
+        testing.SMALL_DSV3,
+        batch_size=16,
+        microbatches=2,
+    )
+
+  def test_a_mesh_over_given_devices(self):
+    devices = jax.devices()[::-1]
+    mesh = mesh_lib.build(mesh_lib.parse("expert=8"), devices=devices)
+    self.assertEqual(list(mesh.devices.flat), devices)
+    one = mesh_lib.build(mesh_lib.parse("data=1"), devices=devices[:1])
+    self.assertEqual(dict(one.shape), dict.fromkeys(mesh_lib.AXES, 1))
+
   def test_batch_must_divide_over_the_data_parallel_devices(self):
     with self.assertRaisesRegex(
         ValueError,
@@ -97,8 +124,9 @@ class PlacementTest(absltest.TestCase):
   def test_experts_split_over_expert_and_moments_follow_params(self):
     specs = self._specs()
     for name in ("w_gate", "w_up", "w_down"):
-      key = f"['params']['blocks'][1]['mlp']['{name}'].value"
-      self.assertEqual(specs[key], P("expert", "fsdp", None))
+      # Stacked [layers, E, D, F]: the layer axis stays whole.
+      key = f"['params']['moe_layers']['mlp']['{name}'].value"
+      self.assertEqual(specs[key], P(None, "expert", "fsdp", None))
     params = [k for k in specs if k.startswith("['params']")]
     self.assertNotEmpty(params)
     for key in params:
@@ -112,22 +140,25 @@ class PlacementTest(absltest.TestCase):
     specs = self._specs()
     self.assertEqual(specs["['params']['embed'].value"], P("fsdp", None))
     self.assertEqual(
-        specs["['params']['blocks'][0]['attn']['wo'].value"], P(None, "fsdp")
+        specs["['params']['dense_layers']['attn']['wo'].value"],
+        P(None, None, "fsdp"),
     )
     self.assertEqual(
-        specs["['params']['blocks'][0]['attn_norm']['scale'].value"], P()
+        specs["['params']['dense_layers']['attn_norm']['scale'].value"],
+        P(None),
     )
     self.assertEqual(
-        specs["['bias']['blocks'][1]['mlp']['correction_bias'].value"], P()
+        specs["['bias']['moe_layers']['mlp']['correction_bias'].value"],
+        P(None),
     )
 
   def test_each_device_holds_its_share_of_the_state(self):
     # 8 experts over expert=4: two experts' weights per device, halved
-    # again over fsdp=2.
-    w = self.trainer.state["params"]["blocks"][1]["mlp"]["w_gate"][...]
-    self.assertEqual(w.shape, (8, 32, 32))
+    # again over fsdp=2, for the one MoE layer.
+    w = self.trainer.state["params"]["moe_layers"]["mlp"]["w_gate"][...]
+    self.assertEqual(w.shape, (1, 8, 32, 32))
     for shard in w.addressable_shards:
-      self.assertEqual(shard.data.shape, (2, 16, 32))
+      self.assertEqual(shard.data.shape, (1, 2, 16, 32))
 
   def test_a_dimension_the_axis_does_not_divide_stays_whole(self):
     spec = sharding.spec_for(
@@ -168,10 +199,15 @@ class MainFlagErrorsTest(parameterized.TestCase):
   @parameterized.parameters(
       ("data=2,expert=2", 16, r"--mesh=data=2,expert=2 multiplies to 4"),
       ("data=2,expert=4", 12, r"--batch_size=12 must be divisible by .* 8"),
+      ("data=2,expert=4", 8, r"--microbatches must be >= 1 and split", 2),
   )
-  def test_one_line_error(self, mesh, batch_size, message):
+  def test_one_line_error(self, mesh, batch_size, message, microbatches=1):
     with flagsaver.flagsaver(
-        mesh=mesh, batch_size=batch_size, model="tiny_dsv3", steps=1
+        mesh=mesh,
+        batch_size=batch_size,
+        microbatches=microbatches,
+        model="tiny_dsv3",
+        steps=1,
     ):
       with self.assertRaisesRegex(app.UsageError, message) as raised:
         main.train(io.StringIO())

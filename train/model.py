@@ -24,7 +24,7 @@ from moe_core import remat as moe_remat
 from train import model_config
 
 
-def _weight(key, shape, fan_in=None):
+def weight(key, shape, fan_in=None):
   """Truncated normal, std 1/sqrt(fan_in) (fan_in: shape[-2] by default)."""
   std = (fan_in or shape[-2]) ** -0.5
   return nnx.Param(
@@ -109,10 +109,10 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
     self.rope_theta = cfg.rope_theta
     self.qk_norm = cfg.qk_norm
-    self.wq = _weight(rngs.params(), (d, h * hd))
-    self.wk = _weight(rngs.params(), (d, hkv * hd))
-    self.wv = _weight(rngs.params(), (d, hkv * hd))
-    self.wo = _weight(rngs.params(), (h * hd, d))
+    self.wq = weight(rngs.params(), (d, h * hd))
+    self.wk = weight(rngs.params(), (d, hkv * hd))
+    self.wv = weight(rngs.params(), (d, hkv * hd))
+    self.wo = weight(rngs.params(), (h * hd, d))
     if cfg.qk_norm == "head":  # Qwen3: one scale per head dimension.
       self.q_norm = RMSNorm(hd, cfg.norm_eps)
       self.k_norm = RMSNorm(hd, cfg.norm_eps)
@@ -157,17 +157,17 @@ class LatentAttention(nnx.Module):
     qk = self.nope + self.rope_dim
     self.q_lora = bool(cfg.q_lora_rank)
     if self.q_lora:
-      self.wq_a = _weight(rngs.params(), (d, cfg.q_lora_rank))
+      self.wq_a = weight(rngs.params(), (d, cfg.q_lora_rank))
       self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-      self.wq_b = _weight(rngs.params(), (cfg.q_lora_rank, h * qk))
+      self.wq_b = weight(rngs.params(), (cfg.q_lora_rank, h * qk))
     else:
-      self.wq = _weight(rngs.params(), (d, h * qk))
-    self.wkv_a = _weight(rngs.params(), (d, self.kv_rank + self.rope_dim))
+      self.wq = weight(rngs.params(), (d, h * qk))
+    self.wkv_a = weight(rngs.params(), (d, self.kv_rank + self.rope_dim))
     self.kv_a_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
-    self.wkv_b = _weight(
+    self.wkv_b = weight(
         rngs.params(), (self.kv_rank, h * (self.nope + self.v_dim))
     )
-    self.wo = _weight(rngs.params(), (h * self.v_dim, d))
+    self.wo = weight(rngs.params(), (h * self.v_dim, d))
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     b, t, _ = x.shape
@@ -200,9 +200,9 @@ class DenseMLP(nnx.Module):
   """SwiGLU: silu(x @ w_gate) * (x @ w_up) @ w_down, [B,T,D] -> same."""
 
   def __init__(self, hidden: int, ffn: int, *, rngs: nnx.Rngs):
-    self.w_gate = _weight(rngs.params(), (hidden, ffn))
-    self.w_up = _weight(rngs.params(), (hidden, ffn))
-    self.w_down = _weight(rngs.params(), (ffn, hidden))
+    self.w_gate = weight(rngs.params(), (hidden, ffn))
+    self.w_up = weight(rngs.params(), (hidden, ffn))
+    self.w_down = weight(rngs.params(), (ffn, hidden))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     gate = _matmul(x, self.w_gate[...]).astype(jnp.float32)
@@ -257,7 +257,10 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
   """The language model: tokens [B, T] int32 -> (logits [B, T, V], stats).
 
-  `stats` maps each MoE layer's index to its `moe_stats`.
+  Every layer is its own module, called in a Python loop (unrolled: compile
+  time grows with depth; `train/scan_model.py` scans them instead). `stats`
+  is the MoE layers' `moe_stats` stacked in layer order, [L_moe, ...]
+  (`stack_stats`), or None for an all-dense model.
 
   Args:
     cfg: the model config.
@@ -301,31 +304,64 @@ class Transformer(nnx.Module):
     )
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     if not cfg.tie_embeddings:
-      self.head = _weight(rngs.params(), (cfg.hidden_size, cfg.vocab_size))
+      self.head = weight(rngs.params(), (cfg.hidden_size, cfg.vocab_size))
 
   def __call__(self, tokens: jax.Array):
-    x = self.embed[...][tokens].astype(self.compute_dtype)
+    x = embed_tokens(self, tokens)
     positions = jnp.arange(tokens.shape[1])
-    stats = {}
-    for i, block in enumerate(self.blocks):
+    stats = []
+    for block in self.blocks:
       x, block_stats = moe_flax.call_block(block, x, positions, self.remat)
       if block_stats is not None:
-        stats[i] = block_stats
-    x = self.final_norm(x)
-    if self.cfg.tie_embeddings:
-      head = self.embed[...].T * self.cfg.hidden_size**-0.5
-    else:
-      head = self.head[...]
-    logits = jnp.dot(
-        x, head.astype(x.dtype), preferred_element_type=jnp.float32
-    )
-    return logits, stats
+        stats.append(block_stats)
+    return output_logits(self, x), stack_stats(stats)
 
   def moe_blocks(self) -> dict[int, moe_flax.MoE]:
     return {i: b.mlp for i, b in enumerate(self.blocks) if b.is_moe}
 
+  def moe_modules(self) -> list[moe_flax.MoE]:
+    """The MoE blocks, in layer order."""
+    return list(self.moe_blocks().values())
 
-def set_backend(model: Transformer, backend: str) -> None:
-  """Points every MoE block of `model` at `backend` (parameters unchanged)."""
-  for block in model.moe_blocks().values():
+  def update_correction_biases(
+      self, tokens_per_expert: jax.Array, rate: float
+  ) -> None:
+    """The aux-loss-free rule on every MoE layer's correction bias.
+
+    Args:
+      tokens_per_expert: [L_moe, E], layer j's counts in row j (the
+        `tokens_per_expert` of the stats `__call__` returns).
+      rate: the rule's step size.
+    """
+    for j, block in enumerate(self.moe_modules()):
+      block.update_correction_bias(tokens_per_expert[j], rate)
+
+
+def embed_tokens(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+  """tokens [B, T] -> x [B, T, D] in the model's compute dtype."""
+  return model.embed[...][tokens].astype(model.compute_dtype)
+
+
+def output_logits(model: nnx.Module, x: jax.Array) -> jax.Array:
+  """The final norm and the output head: x [B, T, D] -> [B, T, V] float32."""
+  x = model.final_norm(x)
+  if model.cfg.tie_embeddings:
+    head = model.embed[...].T * model.cfg.hidden_size**-0.5
+  else:
+    head = model.head[...]
+  return jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def stack_stats(stats: list[dict]) -> dict[str, jax.Array] | None:
+  """Per-layer `moe_stats` as one dict of [L_moe, ...] arrays (None if no
+  layer has an MoE block)."""
+  if not stats:
+    return None
+  return jax.tree.map(lambda *layers: jnp.stack(layers), *stats)
+
+
+def set_backend(model: nnx.Module, backend: str) -> None:
+  """Points every MoE block of `model` (a Transformer or a
+  `scan_model.ScannedTransformer`) at `backend` (parameters unchanged)."""
+  for block in model.moe_modules():
     block.backend = backend

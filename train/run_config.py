@@ -43,6 +43,13 @@ class RunConfig:
   # The device mesh, as --mesh spells it ("data=2,expert=4"). Not in the
   # fingerprint: a checkpoint restores onto any mesh.
   mesh: str = "data=1"
+  # The layers run under a scan (one compiled layer per stack, compile time
+  # independent of depth) or unrolled (one copy per layer, the reference).
+  # The parameter layout differs: stacked [layers, ...] or one per layer.
+  scan_layers: bool = True
+  # Gradient accumulation: each step's batch is split into this many equal
+  # microbatches, run one after the other (a scan), their gradients summed.
+  microbatches: int = 1
   data: str | None = _host_only(None)
   output_dir: str = _host_only("/tmp/dropless_train")
   eval_every: int = _host_only(50)
@@ -63,6 +70,12 @@ class RunConfig:
       if value is None and name in _HOST_ONLY:
         continue
       _check_number(name, value, minimum, kind)
+    if self.batch_size % self.microbatches:
+      raise ValueError(
+          f"--microbatches={self.microbatches} must divide --batch_size="
+          f"{self.batch_size} (each step's batch splits into equal "
+          "microbatches)."
+      )
 
   @property
   def precision(self) -> str:
@@ -90,6 +103,10 @@ class RunConfig:
         "data": corpus_name,
         "compute_dtype": self.compute_dtype,
     }
+    if self.scan_layers:
+      # Stacked parameters: a checkpoint of the unrolled layout (saved
+      # before the scan, which records no such key) does not restore.
+      fingerprint["scan_layers"] = True
     if data_sha256 is not None:
       fingerprint["data_sha256"] = data_sha256
     return fingerprint
@@ -100,6 +117,7 @@ class RunConfig:
 _NUMBER_FIELDS = (
     ("steps", 1, "int"),
     ("batch_size", 1, "int"),
+    ("microbatches", 1, "int"),
     ("seq_len", 1, "int"),
     ("learning_rate", 0, "positive"),
     ("warmup_steps", 0, "int"),

@@ -11,6 +11,10 @@ exactly like its parameter:
     other matrices  embed, router, wq_a, wkv_a      fsdp on dim 0
     vectors         norm scales, correction biases, step counts: replicated
 
+The layers of a scanned model (`train/scan_model.py`) are stacked: their
+leaves carry a leading layer axis, which stays whole (every device holds
+its shard of every layer), and the rule applies to the rest.
+
 An axis is used only where it divides the dimension (otherwise that
 dimension stays whole), so every model fits every mesh. The MoE layer's
 shard_map gathers what it needs replicated (the router, the shared expert,
@@ -44,6 +48,8 @@ COLUMN_PARALLEL = (
     "head",
 )
 ROW_PARALLEL = ("wo", "w_down", "shared_w_down")
+# The scanned model's stacks: their leaves are [layers, ...].
+STACKS = ("dense_layers", "moe_layers")
 
 
 def _name(path) -> str:
@@ -57,6 +63,13 @@ def _name(path) -> str:
 
 def spec_for(path, shape, sizes: dict[str, int]) -> P:
   """The PartitionSpec of the leaf at tree `path` with `shape`."""
+  if any(getattr(key, "key", None) in STACKS for key in path):
+    return P(None, *_spec(path, shape[1:], sizes))
+  return _spec(path, shape, sizes)
+
+
+def _spec(path, shape, sizes: dict[str, int]) -> P:
+  """`spec_for` of one layer's leaf (no layer axis)."""
   name = _name(path)
   if len(shape) == 3 and name in EXPERT_WEIGHTS:
     axes = ["expert", "fsdp", None]

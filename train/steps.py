@@ -10,6 +10,8 @@ import optax
 from flax import nnx
 
 from moe_core import flax as moe_flax
+from train import mesh as mesh_lib
+from train import microbatch
 from train import run_config
 
 
@@ -103,12 +105,19 @@ class StepMemory:
 class Program:
   """The jitted train and eval steps of one model/optimiser configuration.
 
-  Cached per configuration (`program`), so Trainers of equal runs (a run
-  and its resumption, tests) share compiled code.
+  Cached per configuration and mesh (`program`), so Trainers of equal runs
+  (a run and its resumption, tests) share compiled code.
 
   The training state is a dict pytree {"params", "opt_state", "bias"}:
   `train_step(state, batch [B, T+1])` returns (new state, device metrics),
   `eval_step(params, bias, batch)` the mean next-byte loss.
+
+  The train step donates its state argument: the new state takes the old
+  one's buffers, so the device holds one state, not two. A step whose loss
+  or gradients are not finite returns its input state unchanged (the
+  "finite" metric is then False), so nothing of a diverging step is kept.
+  An update that overflows from finite gradients (a learning rate near
+  float32's range) is kept, and "finite" says so.
 
   `placement`, for a mesh, is a `train.sharding.Placement`: the steps keep
   the state where it says, take batches split as it says, and return
@@ -121,10 +130,14 @@ class Program:
   def __init__(self, run: run_config.RunConfig, graphdef, placement=None):
     self.run = run
     self.graphdef = graphdef
+    self.placement = placement
     self.optimizer = make_optimizer(run)
+    self._memory = {}  # train_step_memory's, per argument signature.
     finite_fn = lambda state: jnp.stack(_finite_flags(state))
+    self.train_step = self._train_jit = jax.jit(
+        self.step_fn, **self.train_jit_kwargs()
+    )
     if placement is None:
-      self.train_step = self._train_jit = jax.jit(self._step_fn)
       self.eval_step = jax.jit(self._eval_fn)
       self.finite_flags = jax.jit(finite_fn)
       return
@@ -132,11 +145,6 @@ class Program:
     # arrive split over the data-parallel axes, and the metrics come back
     # replicated, so every process can read them.
     state = placement.state
-    self.train_step = self._train_jit = jax.jit(
-        self._step_fn,
-        in_shardings=(state, placement.batch),
-        out_shardings=(state, placement.replicated),
-    )
     self.eval_step = jax.jit(
         self._eval_fn,
         in_shardings=(state["params"], state["bias"], placement.batch),
@@ -146,17 +154,38 @@ class Program:
         finite_fn, in_shardings=(state,), out_shardings=placement.replicated
     )
 
+  def train_jit_kwargs(self) -> dict:
+    """`jax.jit`'s arguments for `step_fn`: shardings (on a mesh), and
+    the donated state."""
+    kwargs = {"donate_argnums": (0,)}
+    if self.placement is not None:
+      state = self.placement.state
+      kwargs["in_shardings"] = (state, self.placement.batch)
+      kwargs["out_shardings"] = (state, self.placement.replicated)
+    return kwargs
+
   def train_step_memory(self, state, batch) -> StepMemory | None:
     """XLA's memory figures for `train_step(state, batch)`.
 
     `state` and `batch` may be arrays or jax.ShapeDtypeStructs (with the
     shardings the run gives them): nothing is allocated. Compiling here
     costs nothing extra where the run then calls the step with arrays like
-    these: jit and this ahead-of-time compile share their cache.
+    these: jit and this ahead-of-time compile share their cache. The
+    figures are kept per shapes and shardings.
 
     Returns:
       The figures, or None where the backend gives none.
     """
+    signature = jax.tree.map(
+        lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)),
+        (state, batch),
+    )
+    key = str(signature)
+    if key not in self._memory:
+      self._memory[key] = self._compile_memory(state, batch)
+    return self._memory[key]
+
+  def _compile_memory(self, state, batch) -> StepMemory | None:
     # The jitted step itself: a caller (a test) may wrap `train_step`.
     compiled = self._train_jit.lower(state, batch).compile()
     analysis = compiled.memory_analysis()
@@ -179,60 +208,67 @@ class Program:
   def _loss(self, params, bias, batch):
     ce, stats = self._forward(params, bias, batch)
     run = self.run
-    layers = sorted(stats)
-    if layers:
-      lb = jnp.mean(
-          jnp.stack([stats[i]["load_balancing_loss"] for i in layers])
-      )
-      z = jnp.mean(jnp.stack([stats[i]["router_z_loss"] for i in layers]))
+    if stats is not None:
+      lb = jnp.mean(stats["load_balancing_loss"])
+      z = jnp.mean(stats["router_z_loss"])
     else:
       lb = z = jnp.zeros((), jnp.float32)
     total = ce + run.aux_loss_weight * lb + run.z_loss_weight * z
     return total, (ce, lb, z, stats)
 
-  def _step_fn(self, state, batch):
-    grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-    (total, (ce, lb, z, stats)), grads = grad_fn(
-        state["params"], state["bias"], batch
+  def step_fn(self, state, batch):
+    """One optimiser step: (state, batch [B, T+1]) -> (state, metrics).
+
+    Pure (not jitted): `train_step` is its jit, with `train_jit_kwargs`.
+    """
+    placement = self.placement
+    (total, (ce, lb, z, stats)), grads = microbatch.value_and_grad(
+        self._loss,
+        state["params"],
+        state["bias"],
+        batch=batch,
+        microbatches=self.run.microbatches,
+        mesh=None if placement is None else placement.mesh,
+        axes=mesh_lib.BATCH_AXES,
     )
+    grad_norm = _global_norm(grads)
     updates, opt_state = self.optimizer.update(
         grads, state["opt_state"], state["params"]
     )
     params = optax.apply_updates(state["params"], updates)
     model = nnx.merge(self.graphdef, params, state["bias"])
-    for i, block in model.moe_blocks().items():
-      block.update_correction_bias(
-          stats[i]["tokens_per_expert"], self.run.bias_update_rate
+    if stats is not None:
+      model.update_correction_biases(
+          stats["tokens_per_expert"], self.run.bias_update_rate
       )
     _, params, bias = nnx.split(model, nnx.Param, moe_flax.CorrectionBias)
     new_state = {"params": params, "opt_state": opt_state, "bias": bias}
-    layers = sorted(stats)  # The MoE layers' indices.
+    # Known before the update is written: the old state's buffers (donated)
+    # can take the new values in place, or keep the old ones.
+    ok = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+    new_state = jax.tree.map(
+        lambda new, old: jnp.where(ok, new, old), new_state, state
+    )
+
+    def stacked(name, empty_shape):
+      if stats is None:
+        return jnp.zeros(empty_shape, jnp.int32)
+      return stats[name]
+
     metrics = {
         "loss": ce,
         "total_loss": total,
         "load_balancing_loss": lb,
         "router_z_loss": z,
-        "grad_norm": _global_norm(grads),
-        "tokens_per_expert": (
-            jnp.stack([stats[i]["tokens_per_expert"] for i in layers])
-            if layers
-            else jnp.zeros((0, 1), jnp.int32)
-        ),
-        "dropped": (
-            jnp.stack([stats[i]["dropped_tokens"] for i in layers])
-            if layers
-            else jnp.zeros((0,), jnp.int32)
-        ),
+        "grad_norm": grad_norm,
+        "tokens_per_expert": stacked("tokens_per_expert", (0, 1)),
+        "dropped": stacked("dropped_tokens", (0,)),
         # Assignments from NaN/Inf routing scores (README, "Guarantees").
-        "invalid": (
-            jnp.stack([stats[i]["invalid_assignments"] for i in layers])
-            if layers
-            else jnp.zeros((0,), jnp.int32)
-        ),
-        # Whether the updated state is all finite: a finite loss can come
+        "invalid": stacked("invalid_assignments", (0,)),
+        # Whether the step's state is all finite: a finite loss can come
         # with an update that overflows (a huge learning rate), and the
         # trainer must not keep, let alone save, such a state.
-        "finite": jnp.all(jnp.stack(_finite_flags(new_state))),
+        "finite": ok & jnp.all(jnp.stack(_finite_flags(new_state))),
     }
     return new_state, metrics
 
@@ -240,12 +276,17 @@ class Program:
     return self._forward(params, bias, batch)[0]
 
 
-_PROGRAMS: dict[run_config.RunConfig, Program] = {}
+_PROGRAMS: dict[tuple, Program] = {}
 
 
 def program(run: run_config.RunConfig, graphdef, placement=None) -> Program:
-  """The (cached) Program of `run`'s model, optimiser and mesh settings."""
-  key = run_config.compile_key(run)
+  """The (cached) Program of `run`'s model, optimiser and mesh settings.
+
+  Cached per `run_config.compile_key` and mesh: the same run over other
+  devices (another topology's) is another program.
+  """
+  run = run_config.compile_key(run)
+  key = (run, None if placement is None else placement.mesh)
   if key not in _PROGRAMS:
-    _PROGRAMS[key] = Program(key, graphdef, placement)
+    _PROGRAMS[key] = Program(run, graphdef, placement)
   return _PROGRAMS[key]

@@ -4,11 +4,12 @@ train/fault_injection_test.py.
     python train/testing_fault_worker.py --output_dir=DIR --steps=12 \
         [--resume] [--kill=PHASE:STEP[:SECONDS]] [--final=FILE.npz]
 
-Trains testing.SMALL_DSV3 (batch 2, 16 tokens, a checkpoint every step,
-the newest 2 kept) into DIR, as `python -m train.main` would. With
---resume it resumes from the newest checkpoint, then restores the older
-one too, so that a damaged checkpoint cannot hide behind a good one. A
-checkpoint it cannot use ends it with REFUSED_EXIT_CODE after a line
+Trains testing.SMALL_DSV3 (batch 2 in 2 microbatches, 16 tokens, layers
+scanned, a checkpoint every step, the newest 2 kept) into DIR, as `python
+-m train.main` would. With --resume it resumes from the newest checkpoint,
+then restores the older one too, so that a damaged checkpoint cannot hide
+behind a good one. A checkpoint it cannot use ends it with
+REFUSED_EXIT_CODE after a line
 
     REFUSED CheckpointError: <message>
 
@@ -81,6 +82,10 @@ def _run_config(output_dir: str, steps: int, resume: bool):
       keep_checkpoints=2,
       eval_batches=1,
       resume=resume,
+      # The program as it runs at scale: layers scanned (the default) and
+      # gradients accumulated over microbatches.
+      scan_layers=True,
+      microbatches=2,
   )
 
 

@@ -107,9 +107,10 @@ class RoutingStateTest(absltest.TestCase):
     dtypes = {x.dtype for x in jax.tree.leaves(tr.state["params"])}
     self.assertEqual(dtypes, {jnp.dtype(jnp.float32)})
     bias = jax.tree.leaves(tr.state["bias"])
-    self.assertLen(bias, 1)  # One MoE layer.
+    self.assertLen(bias, 1)  # The MoE layers' biases, stacked.
+    self.assertEqual(bias[0].shape, (1, run.model.moe.num_experts))
     self.assertEqual(bias[0].dtype, jnp.float32)
-    np.testing.assert_allclose(bias[0], expected, atol=1e-6)
+    np.testing.assert_allclose(bias[0][0], expected, atol=1e-6)
     self.assertGreater(float(np.abs(bias[0]).max()), 0.0)
 
 

@@ -26,21 +26,20 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import moe_core
-from moe_core import flax as moe_flax
 from train import checkpoint
 from train import cost_report
 from train import data as data_lib
 from train import distributed
+from train import memory_check
 from train import mesh as mesh_lib
-from train import model as model_lib
 from train import output_lock
 from train import report
 from train import run_config
-from train import sharding
 from train import sizing
+from train import state as state_lib
+from train import step_builder
 from train import step_log
 from train import steps
 
@@ -61,6 +60,15 @@ class NonFiniteError(TrainingFault):
 
 class OutOfMemoryError(TrainingFault):
   """The device ran out of memory (XLA's RESOURCE_EXHAUSTED)."""
+
+
+class StepInterrupted(KeyboardInterrupt):
+  """A KeyboardInterrupt during a train step, raised once the step that
+  was under way is committed; `metrics` are its host metrics."""
+
+  def __init__(self, metrics: dict):
+    super().__init__()
+    self.metrics = metrics
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -91,7 +99,11 @@ def out_of_memory_error(
   said = (str(error).strip().splitlines() or [""])[0][:200]
   sizes = sizing.parse_mesh(run.mesh)
   analytic = cost_report.analytic_bytes_per_device(
-      run.model, sizes, run.batch_size, run.seq_len, run.remat
+      run.model,
+      sizes,
+      run.batch_size // run.microbatches,
+      run.seq_len,
+      run.remat,
   )
   if memory is not None:
     estimate = (
@@ -107,101 +119,38 @@ def out_of_memory_error(
   remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
   return OutOfMemoryError(
       f"out of device memory {when} ({said}); {estimate}. Lower it with "
-      f"--batch_size (now {run.batch_size}), --seq_len (now {run.seq_len})"
+      f"--batch_size (now {run.batch_size}), --microbatches (now "
+      f"{run.microbatches}), --seq_len (now {run.seq_len})"
       f"{remat}, or more devices on --mesh (now {run.mesh}; fsdp, expert "
       "and tensor split the weights, data, fsdp and expert the batch)."
-  )
-
-
-def build_state(
-    run: RunConfig,
-    mesh: jax.sharding.Mesh | None,
-    sizes: dict[str, int],
-    *,
-    abstract: bool = False,
-):
-  """The model's graph, the initial training state and its placement.
-
-  Every process builds the same initial values from the seed; on a mesh
-  each then keeps only its devices' shards of them.
-
-  Args:
-    run: the run's config.
-    mesh: the device mesh (`mesh.build`), or None for one device.
-    sizes: the mesh's axis sizes (`mesh.parse(run.mesh)`).
-    abstract: give jax.ShapeDtypeStructs (with the run's shardings)
-      instead of arrays: nothing is computed or allocated (--dry_run).
-
-  Returns:
-    (graphdef, state, placement): the nnx graph of the model, the state
-    {"params", "opt_state", "bias"}, and the `sharding.Placement` (None
-    without a mesh).
-  """
-  moe_mesh = None
-  if mesh is not None:
-    moe_mesh = {
-        "mesh": mesh,
-        "expert_axis": mesh_lib.EXPERT_AXIS,
-        "data_axes": mesh_lib.MOE_DATA_AXES,
-    }
-
-  def make_model():
-    return model_lib.Transformer(
-        run.model,
-        backend=run.backend,
-        compute_dtype=jnp.dtype(run.compute_dtype),
-        remat=run.remat,
-        rngs=nnx.Rngs(params=run.seed),
-        moe_mesh=moe_mesh,
-    )
-
-  model = nnx.eval_shape(make_model) if abstract else make_model()
-  graphdef, params, bias = nnx.split(model, nnx.Param, moe_flax.CorrectionBias)
-  init = steps.make_optimizer(run).init
-  state = {
-      "params": params,
-      "opt_state": jax.eval_shape(init, params) if abstract else init(params),
-      "bias": bias,
-  }
-  placement = None
-  if mesh is not None:
-    placement = sharding.Placement.of(state, mesh, sizes)
-    if abstract:
-      state = jax.tree.map(
-          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-          state,
-          placement.state,
-      )
-    else:
-      state = sharding.place(state, placement.state)
-  return graphdef, state, placement
-
-
-def _batch_like(run: RunConfig, placement) -> jax.ShapeDtypeStruct:
-  """What a batch [B, T+1] of `run` is, to compile the step for it."""
-  return jax.ShapeDtypeStruct(
-      (run.batch_size, run.seq_len + 1),
-      jnp.int32,
-      sharding=None if placement is None else placement.batch,
   )
 
 
 def compiled_step_memory(run: RunConfig) -> steps.StepMemory | None:
   """XLA's memory figures for `run`'s train step, compiled for its mesh.
 
-  Builds the model and state abstractly (nothing allocated) and compiles
-  the very step a Trainer of `run` compiles: the figures are those of the
-  run. Needs the mesh's devices (simulated CPU devices will do).
+  Builds the step abstractly (nothing allocated) and compiles the very
+  step a Trainer of `run` compiles: the figures are those of the run.
+  Needs the mesh's devices (simulated CPU devices will do).
 
   Raises:
     ValueError: the mesh does not fit the devices, or the run the mesh.
   """
   sizes = mesh_lib.parse(run.mesh)
-  mesh = mesh_lib.build(sizes)
-  mesh_lib.check_run(sizes, run.model, run.batch_size)
-  graphdef, state, placement = build_state(run, mesh, sizes, abstract=True)
-  program = steps.program(run, graphdef, placement)
-  return program.train_step_memory(state, _batch_like(run, placement))
+  step = step_builder.build(run, mesh_lib.build(sizes))
+  return step.program.train_step_memory(step.state, step.batch)
+
+
+def _on_default_device(tree):
+  """Abstract leaves without a sharding, placed on the default device (a
+  restore target: each leaf says where it goes)."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.tree.map(
+      lambda x: x
+      if x.sharding is not None
+      else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+      tree,
+  )
 
 
 def _optimizer_step_counts(opt_state) -> dict[str, int]:
@@ -239,11 +188,14 @@ class Trainer:
       )
     self.sizes = mesh_lib.parse(run.mesh)
     self.mesh = mesh_lib.build(self.sizes)
-    mesh_lib.check_run(self.sizes, run.model, run.batch_size)
     self.is_main = distributed.is_main_process()
-    graphdef, state, self.placement = build_state(run, self.mesh, self.sizes)
-    self.program = steps.program(run, graphdef, self.placement)
-    self.state = state
+    # The step and the state's shapes and shardings, built abstractly: the
+    # state is computed (`state`) or restored only once the step is known
+    # to fit.
+    self.built = step_builder.build(run, self.mesh)
+    self.placement = self.built.spec.placement
+    self.program = self.built.program
+    self._state = None
     self.step = 0
     self.sampler = data_lib.BatchSampler(
         self.corpus.train, run.batch_size, run.seq_len, run.seed
@@ -265,8 +217,49 @@ class Trainer:
     # by close. Only process 0 holds the lock.
     self._output_lock: output_lock.OutputDirLock | None = None
     self._owns_output_dir = False
-    # XLA's memory figures of the train step, once fit has compiled it.
-    self.memory: steps.StepMemory | None = None
+    # XLA's memory figures of the train step; a step that does not fit the
+    # devices is refused here, before anything is allocated.
+    self.memory: steps.StepMemory | None = self._compile_and_check()
+
+  @property
+  def state(self):
+    """The training state; computed on first use, sharded as it lives.
+
+    A run that resumes restores it instead (`restore_checkpoint`), so the
+    state is never held twice.
+    """
+    if self._state is None:
+      self._state = state_lib.initialise(self.run, self.built.spec)
+    return self._state
+
+  @state.setter
+  def state(self, value) -> None:
+    self._state = value
+
+  def _abstract_arguments(self):
+    """(state, batch) as the step receives them, abstract. Without a mesh
+    they carry no sharding, as the run's arrays (uncommitted): compiling
+    for them fills the cache the run's first step reads."""
+    return self.built.state, self.built.batch
+
+  def _compile_and_check(self) -> steps.StepMemory | None:
+    """Compiles the train step and refuses it if it does not fit.
+
+    Raises:
+      memory_check.StepDoesNotFitError: XLA's figure exceeds a device's
+        memory (`memory_check`).
+      OutOfMemoryError: the compile itself ran out of device memory.
+    """
+    try:
+      memory = self.program.train_step_memory(*self._abstract_arguments())
+    except RuntimeError as e:
+      if not is_out_of_memory(e):
+        raise
+      raise out_of_memory_error(
+          self.run, e, when="compiling the train step"
+      ) from e
+    memory_check.check(self.run, memory)
+    return memory
 
   # --- Host side -------------------------------------------------------------
 
@@ -301,23 +294,38 @@ class Trainer:
   def train_step(self, batch) -> dict:
     """One optimiser step on `batch` [B, T+1]; returns host metrics.
 
-    The step is committed (state and step counter) only once its metrics
-    are on the host: dispatch is asynchronous, so a Ctrl-C most likely lands
-    in the wait, and then neither the state nor the step may have moved.
-    Nor is it committed if its loss or its updated state is not finite.
+    The step counter moves only once the step's metrics are on the host,
+    and only if its loss and its updated state are finite. The step
+    donates the state: from its dispatch on, the trainer holds the state
+    it returns, which is the state before it when its loss or gradients
+    were not finite (see `steps.Program`).
 
     Raises:
       NonFiniteError: the loss, or a value of the updated state, is NaN or
-        Inf; one line naming the step. The state stays that of the step
-        before.
+        Inf; one line naming the step. The step counter stays, and so does
+        the state unless finite gradients overflowed it (a learning rate
+        near float32's range).
+      StepInterrupted: a KeyboardInterrupt landed while the step ran; the
+        step was finished and committed first (the state it consumed is
+        gone).
     """
     state, metrics = self.program.train_step(self.state, self._put_batch(batch))
-    metrics = jax.device_get(metrics)
+    self.state = state
+    try:
+      metrics = jax.device_get(metrics)
+    except KeyboardInterrupt as interrupt:
+      metrics = jax.device_get(metrics)  # The step is under way: finish it.
+      self._commit(metrics)
+      raise StepInterrupted(metrics) from interrupt
+    self._commit(metrics)
+    return metrics
+
+  def _commit(self, metrics: dict) -> None:
+    """Counts the step whose host `metrics` these are, if finite."""
     loss = float(metrics["loss"])
     if not math.isfinite(loss) or not bool(metrics.get("finite", True)):
       raise NonFiniteError(self._non_finite_message(self.step + 1, loss))
-    self.state, self.step = state, self.step + 1
-    return metrics
+    self.step += 1
 
   def _non_finite_message(self, step: int, loss: float) -> str:
     if math.isfinite(loss):
@@ -358,13 +366,10 @@ class Trainer:
   def step_memory(self) -> steps.StepMemory | None:
     """XLA's memory figures of this run's train step, per device.
 
-    Compiles the step for the run's state and batches: the compile the
-    first step would do (they share jit's cache).
+    Compiles the step for the run's state and batches, abstractly: the
+    compile the first step does (they share jit's cache).
     """
-    batch = self._put_batch(
-        np.zeros((self.run.batch_size, self.run.seq_len + 1), np.int32)
-    )
-    return self.program.train_step_memory(self.state, batch)
+    return self.program.train_step_memory(*self._abstract_arguments())
 
   def evaluate(self) -> float:
     """Mean held-out next-byte loss (nats) over the fixed eval batches."""
@@ -449,10 +454,12 @@ class Trainer:
     is read into this run's sharding of it.
     """
     fingerprint = self._resume_fingerprint(path)
-    # The current state is the template: its leaves' shardings say where
-    # each restored leaf goes.
+    # The abstract state is the template: each leaf's sharding says where
+    # its shards go, and each process reads just its devices' shards. No
+    # initial state is computed to be overwritten.
+    template = _on_default_device(self.built.state)
     state, meta = self.checkpointer.restore(
-        path, self.state, fingerprint=fingerprint
+        path, template, fingerprint=fingerprint
     )
     bad = self.non_finite_leaves(state)
     if bad:
@@ -617,6 +624,10 @@ class Trainer:
         checkpoint.remove_checkpoints(self.checkpoint_dir)
       # No process may look for checkpoints until they are gone.
       distributed.barrier("dropless_fresh_output_dir")
+    if not self.run.resume:
+      # A fresh run computes its initial state now: a failure to place it
+      # on the devices is met before the first step.
+      _ = self.state
 
   # --- The loop --------------------------------------------------------------
 
@@ -730,20 +741,12 @@ class Trainer:
     )
 
   def _show_memory(self) -> None:
-    """Compiles the train step and prints its memory beside the estimate."""
-    try:
-      self.memory = self.step_memory()
-    except RuntimeError as e:
-      if not is_out_of_memory(e):
-        raise
-      raise out_of_memory_error(
-          self.run, e, when="compiling the train step"
-      ) from e
+    """Prints the compiled train step's memory beside the estimate."""
     if self.memory is not None:
       analytic = cost_report.analytic_bytes_per_device(
           self.run.model,
           sizing.parse_mesh(self.run.mesh),
-          self.run.batch_size,
+          self.run.batch_size // self.run.microbatches,
           self.run.seq_len,
           self.run.remat,
       )
@@ -757,8 +760,11 @@ class Trainer:
     position = self.sampler.state()
     batch = self._next_batch()
     t0 = time.perf_counter()
+    interrupted = None
     try:
       metrics = self.train_step(batch)
+    except StepInterrupted as e:
+      metrics, interrupted = e.metrics, e  # Taken: logged, then raised.
     except KeyboardInterrupt:
       # The step did not happen: its batch must be drawn again.
       self.sampler.restore(position)
@@ -767,6 +773,8 @@ class Trainer:
         self.history, run, self.step, metrics, time.perf_counter() - t0
     )
     log.append(record)
+    if interrupted is not None:
+      raise interrupted
     step_log.show_progress(
         run,
         self.step,

@@ -141,29 +141,17 @@ class MosaicKernels(grouped_matmul.GroupedKernels):
 
   launch: Launch
 
-  def gmm(self, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
-    (out,) = self.gmm_products(
-        (lhs,),
-        (rhs,),
-        group_sizes,
-        products=grouped_matmul.ONE_PRODUCT,
-        transpose_rhs=transpose_rhs,
-        out_dtypes=(out_dtype,),
-    )
-    return out
-
-  def gmm_products(
-      self, lhs, rhs, group_sizes, *, products, transpose_rhs, out_dtypes
+  def fused_gmm(
+      self,
+      lhs,
+      rhs,
+      group_sizes,
+      *,
+      products,
+      transpose_rhs,
+      num_outputs,
+      out_dtype,
   ):
-    if len(set(out_dtypes)) != 1:  # One output dtype per kernel call.
-      return super().gmm_products(
-          lhs,
-          rhs,
-          group_sizes,
-          products=products,
-          transpose_rhs=transpose_rhs,
-          out_dtypes=out_dtypes,
-      )
     return self.launch.gmm(
         "dgrad" if transpose_rhs else "fwd",
         list(lhs),
@@ -171,39 +159,12 @@ class MosaicKernels(grouped_matmul.GroupedKernels):
         group_sizes,
         transpose_rhs=transpose_rhs,
         products=products,
-        num_outputs=len(out_dtypes),
-        out_dtype=out_dtypes[0],
+        num_outputs=num_outputs,
+        out_dtype=out_dtype,
     )
 
-  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
-    (out,) = self.launch.tgmm(lhs, [rhs], group_sizes, num_groups, out_dtype)
-    return out
-
-  def tgmm_products(
-      self, lhs, rhs, group_sizes, *, products, num_groups, out_dtypes
-  ):
-    # The kernel takes one lhs and one rhs per output (dW of gate and up).
-    if (
-        len({l for l, _, _ in products}) == 1
-        and sorted(o for _, _, o in products) == list(range(len(out_dtypes)))
-        and len(set(out_dtypes)) == 1
-    ):
-      by_output = sorted(products, key=lambda p: p[2])
-      return self.launch.tgmm(
-          lhs[products[0][0]],
-          [rhs[r] for _, r, _ in by_output],
-          group_sizes,
-          num_groups,
-          out_dtypes[0],
-      )
-    return super().tgmm_products(
-        lhs,
-        rhs,
-        group_sizes,
-        products=products,
-        num_groups=num_groups,
-        out_dtypes=out_dtypes,
-    )
+  def fused_tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    return self.launch.tgmm(lhs, list(rhs), group_sizes, num_groups, out_dtype)
 
 
 def grouped_gemm(

@@ -13,6 +13,8 @@ NCCL-EP exchange and the tests share these helpers:
                            machine without one.
   custom_call_targets()    TE's registered FFI targets.
   grouped_gemm_path(cc)    which bf16 grouped-GEMM kernel TE picks on sm_<cc>.
+  lowering_needs_devices   marks primitives that lower TE's calls as needing
+                           the program's devices (TE's custom_partitioning).
 """
 
 from __future__ import annotations
@@ -224,6 +226,24 @@ def compute_capability(cc: int):
         gemm_module.get_device_compute_capability,
     ) = saved
     _forget_device_facts()
+
+
+def lowering_needs_devices(*primitives) -> None:
+  """Makes JAX lower programs holding `primitives` with their devices.
+
+  TE's primitives lower through `custom_partitioning`, whose rule needs
+  the program's device assignment at a jit's top level; JAX supplies it
+  only to programs holding a primitive of its registry
+  (`prim_requires_devices_during_lowering`, where TE registers its own)
+  and does not look inside other primitives. moe_core's kernel primitives,
+  which trace TE's calls when they lower, are therefore added. Only JAX's
+  lowering cache is affected (such a program is lowered per device
+  assignment).
+  """
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src import dispatch
+
+  dispatch.prim_requires_devices_during_lowering.update(primitives)
 
 
 def cublas_version() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import ClassVar
 
@@ -50,10 +51,14 @@ class TEBackend(backend.Backend):
     dispatch   `transformer_engine.jax.permutation.pure_jax_token_dispatch`
     combine    and `pure_jax_token_combine` (see `backends.te.permutation`
                for why not TE's Triton kernels).
-    GEMMs      `transformer_engine.jax.dense.grouped_dense`, cuBLAS with
-               float32 accumulation: `_te.grouped_gemm_path` says which
-               kernel a GPU gets. Quantised recipes use TE's quantizer
-               sets (`QuantizerFactory.create_set`).
+    GEMMs      `transformer_engine.jax.cpp_extensions.grouped_gemm`, the
+               raw grouped GEMM behind `dense.grouped_dense` (cuBLAS,
+               float32 accumulation), as `gemm.TEKernels`: moe_core's
+               grouped-matmul primitive differentiates it, so forward
+               and reverse mode, vmap and shard_map all run TE's kernel
+               (`_te.grouped_gemm_path` says which one a GPU gets).
+               Quantised recipes: `grouped_dense` with TE's quantizer sets
+               (`QuantizerFactory.create_set`), forward only.
   With expert parallelism (a mesh) only the routing and the expert FFN are
   the backend's; the exchange is moe_core's (or TE's NCCL-EP exchange).
 
@@ -82,8 +87,9 @@ class TEBackend(backend.Backend):
       gradient to E5M2 per group and multiplies it with FP8 copies of the
       operands; moe_core's contract is straight-through gradients in the
       activation dtype. The backend keeps the contract: TE's quantised
-      grouped_dense runs the forward only, and the gradients are those of
-      TE's unquantised grouped_dense (`quantized_gemm.straight_through`).
+      grouped_dense runs the forward only, and the derivatives (of every
+      order, forward mode too) are those of TE's unquantised grouped GEMM
+      (`quantized_gemm.straight_through`).
     * fp8_scaling="delayed": TE's delayed scaling keeps an amax history
       that only a flax module's variables carry between steps; without it
       every call would scale by 1. It raises NotImplementedError.
@@ -216,21 +222,16 @@ class TEBackend(backend.Backend):
     gradients are the unquantised `_grouped_gemm`'s, as the contract says.
     """
     self._check_quantized(recipe)
-    num_groups = gemm.weights.shape[0]
 
     def forward(rows, weights, group_sizes):
-      out = gemm_lib.grouped_gemm(
+      out = gemm_lib.quantized_grouped_gemm(
           rows,
           weights,
           group_sizes,
           transpose_rhs=gemm.transpose_rhs,
           out_dtype=gemm.out_dtype,
-          quantizer_set=gemm_lib.quantizer_set(
-              recipe, num_groups, self.fp8_scaling
-          ),
-          align=gemm_lib.GROUP_ALIGN[recipe],
-          contraction_multiple=gemm_lib.CONTRACTION_MULTIPLE[recipe],
-          output_multiple=gemm_lib.OUTPUT_MULTIPLE[recipe],
+          recipe=recipe,
+          scaling=self.fp8_scaling,
       )
       bad = gemm_lib.non_finite_outputs(
           rows,
@@ -241,15 +242,11 @@ class TEBackend(backend.Backend):
       )
       return jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
 
-    # In rows' dtype: `straight_through` hands this VJP a cotangent cast to
-    # rows' dtype, whatever out_dtype is.
     def unquantized(rows, weights, group_sizes):
-      return gemm_lib.grouped_gemm(
-          rows,
-          weights,
-          group_sizes,
-          transpose_rhs=gemm.transpose_rhs,
-          out_dtype=rows.dtype,
+      return self._grouped_gemm(
+          dataclasses.replace(
+              gemm, rows=rows, weights=weights, group_sizes=group_sizes
+          )
       )
 
     return quantized_gemm.straight_through(

@@ -1,7 +1,8 @@
-"""Grouped GEMMs through TE's `grouped_dense`, held to moe_core's contract."""
+"""TE's grouped GEMMs as moe_core kernels, held to moe_core's contract."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
@@ -9,6 +10,8 @@ import jax.numpy as jnp
 
 from backends.te import _te
 from moe_core import precision as precision_lib
+from moe_core.kernels import grouped_matmul
+from moe_core.kernels import primitive
 
 # moe_core recipe -> the name of TE's ScalingMode member.
 SCALING_MODES = {
@@ -36,7 +39,7 @@ GROUP_ALIGN = {"fp8_tensor": 32, "mxfp8": 128}
 
 
 def _dense():
-  _te.import_te()
+  _cpp_extensions()
   return importlib.import_module("transformer_engine.jax.dense")
 
 
@@ -50,6 +53,92 @@ def used_rows(group_sizes: jax.Array, num_rows: int) -> jax.Array:
   return jnp.arange(num_rows) < jnp.sum(group_sizes)
 
 
+def _cpp_extensions():
+  _te.import_te()
+  # TE's primitives lower through custom_partitioning, which needs the
+  # program's devices; moe_core's kernel primitives hide them from JAX's
+  # check for such primitives, so they are marked too (on first use only:
+  # no other backend's program changes unless te traces in it).
+  _te.lowering_needs_devices(
+      grouped_matmul.grouped_matmul_p, primitive.opaque_kernel_p
+  )
+  return importlib.import_module("transformer_engine.jax.cpp_extensions")
+
+
+def _whole_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+  """group_sizes with the rows past their sum added to the last group.
+
+  TE's kernels require sum(group_sizes) == M (the per-group path checks it
+  on the host); moe_core's rows past the sum are padding, which the
+  callers zero, so the last group's products gain exact zeros.
+  """
+  return group_sizes.at[-1].add(num_rows - jnp.sum(group_sizes))
+
+
+def _ragged(x: jax.Array, group_sizes: jax.Array | None):
+  """x as the grouped operand TE's grouped GEMM takes (unquantised).
+
+  What `grouped_dense` makes of an operand with its no-op quantizer set
+  (`grouped_quantize` with no quantizer): rows ragged by `group_sizes`,
+  or, with None, a weight tensor [E, ...] whose leading axis is the group.
+  """
+  return _cpp_extensions().grouped_quantize(x, None, group_sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class TEKernels(grouped_matmul.GroupedKernels):
+  """TE's unquantised grouped GEMM as moe_core's `GroupedKernels`.
+
+  Each product is one call of `transformer_engine.jax.cpp_extensions.
+  grouped_gemm`, the raw (non-differentiable) op that `grouped_dense`'s
+  forward and backward rules call, with the contracting dimensions they
+  use:
+
+    gmm              lhs [M, C] x rhs [E, C, N]: ((1,), (1,)), the forward;
+    gmm, transposed  lhs [M, C] x rhs [E, N, C]: ((1,), (2,)), the dgrad
+                     (the kernel contracted on its last axis);
+    tgmm             lhs [M, A] x rhs [M, B] -> [E, A, B]: ((0,), (0,)),
+                     the wgrad (both operands ragged by the groups).
+
+  `moe_core.kernels.grouped_matmul` differentiates them (in both
+  directions, to any order), so TE's `grouped_dense` VJP, which forward
+  mode cannot go through, is not used. cuBLAS accumulates in float32; the
+  kernel (per-group loop or cuBLAS's grouped GEMM) is TE's choice at
+  trace time (`_te.grouped_gemm_path`). Rows past sum(group_sizes) are
+  zeroed and given to the last group (TE needs the sizes to sum to M);
+  gmm's outputs there are masked to exact zeros, as TE does not promise
+  to write them.
+  """
+
+  def gmm(self, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+    num_rows = lhs.shape[0]
+    used = used_rows(group_sizes, num_rows)[:, None]
+    lhs = jnp.where(used, lhs, jnp.zeros((), lhs.dtype))
+    out = _cpp_extensions().grouped_gemm(
+        _ragged(lhs, _whole_sizes(group_sizes, num_rows)),
+        _ragged(rhs, None),
+        contracting_dims=((1,), (2,) if transpose_rhs else (1,)),
+        preferred_element_type=out_dtype,
+    )
+    return jnp.where(used, out.astype(out_dtype), jnp.zeros((), out_dtype))
+
+  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    del num_groups  # group_sizes' length.
+    num_rows = lhs.shape[0]
+    used = used_rows(group_sizes, num_rows)[:, None]
+    zero = jnp.zeros((), lhs.dtype)
+    sizes = _whole_sizes(group_sizes, num_rows)
+    # Both operands are zeroed past the groups: a NaN there would survive
+    # a product with the other's zero.
+    out = _cpp_extensions().grouped_gemm(
+        _ragged(jnp.where(used, lhs, zero), sizes),
+        _ragged(jnp.where(used, rhs, zero), sizes),
+        contracting_dims=((0,), (0,)),
+        preferred_element_type=out_dtype,
+    )
+    return out.astype(out_dtype)
+
+
 def grouped_gemm(
     rows: jax.Array,
     weights: jax.Array,
@@ -57,33 +146,12 @@ def grouped_gemm(
     *,
     transpose_rhs: bool,
     out_dtype,
-    quantizer_set=None,
-    align: int = 1,
-    contraction_multiple: int = 1,
-    output_multiple: int = 1,
 ) -> jax.Array:
   """rows [M, C] x weights [E, C, N] ([E, N, C] if transpose_rhs) -> [M, N].
 
-  One `transformer_engine.jax.dense.grouped_dense` call (cuBLAS, float32
-  accumulation), differentiable through TE's VJP. What is done around it,
-  and why:
-    * TE's kernels require sum(group_sizes) == M (the per-group path checks
-      it on the host), while moe_core's rows past the sum are padding that
-      may hold anything, NaN included. Those rows are zeroed and given to
-      the last group, where a zero row adds nothing to a product or an
-      amax; their outputs and row gradients are masked to exact zeros (TE
-      does not promise to write them).
-    * [E, N, C] weights are transposed here: TE 2.20's grouped_dense VJP
-      returns the weight gradient as [E, C, N] when it contracts axis 2.
-    * TE multiplies operands of one dtype, so with out_dtype != rows' dtype
-      the output cotangent is cast to rows' dtype before TE's backward.
-    * `align` > 1 gives every group a multiple of `align` rows (zero rows
-      appended to each), as TE's quantised grouped GEMMs need
-      (`GROUP_ALIGN`).
-    * C and N are padded with zeros to multiples of `contraction_multiple`
-      and `output_multiple` (TE's FP8 and MXFP8 quantisers cannot pad);
-      zeros change no product, amax or block scale (moe_core pads a last
-      block with zeros too), and the padded output columns are dropped.
+  TE's grouped GEMM through `TEKernels`: differentiable in both
+  directions, under vmap, inside shard_map(check_vma=True) and exportable.
+  Rows at or past sum(group_sizes) come out zero with zero gradient.
 
   Args:
     rows: [M, C] bfloat16 or float16.
@@ -91,57 +159,101 @@ def grouped_gemm(
     group_sizes: [E] int32, entries >= 0, sum <= M (sanitised upstream).
     transpose_rhs: weights are [E, N, C] (contract with weights[e].T).
     out_dtype: the output's dtype (TE's preferred_element_type).
-    quantizer_set: a TE QuantizerSet (FP8 / MXFP8), or None for none.
-    align: rows per group are padded to a multiple of this.
-    contraction_multiple: C is padded to a multiple of this.
-    output_multiple: N is padded to a multiple of this.
+  """
+  return grouped_matmul.gmm(
+      TEKernels(),
+      rows,
+      weights,
+      group_sizes.astype(jnp.int32),
+      transpose_rhs=transpose_rhs,
+      out_dtype=jnp.dtype(out_dtype),
+  )
+
+
+def quantized_grouped_gemm(
+    rows: jax.Array,
+    weights: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool,
+    out_dtype,
+    recipe: str,
+    scaling: str = "current",
+) -> jax.Array:
+  """The forward of a quantised grouped GEMM through TE's quantizer sets.
+
+  One `transformer_engine.jax.dense.grouped_dense` call with the recipe's
+  quantizer set (TE quantises both operands itself), run as one device's
+  kernel (`moe_core.kernels.primitive.call_kernel`): vmap, shard_map and
+  export take it like the unquantised kernels. Not differentiable: the te
+  backend calls it as the primal of `quantized_gemm.straight_through`,
+  whose derivatives are the unquantised `grouped_gemm`'s.
+
+  Args:
+    rows, weights, group_sizes, transpose_rhs, out_dtype: as `grouped_gemm`.
+    recipe: "fp8_tensor" or "mxfp8".
+    scaling: "current" or "delayed" (fp8_tensor only; see `quantizer_set`).
 
   Returns:
     [M, N] of out_dtype; zeros at and past row sum(group_sizes).
   """
-  out_dtype = jnp.dtype(out_dtype)
+  (out,) = primitive.call_kernel(
+      _quantized_dense,
+      rows,
+      weights,
+      group_sizes.astype(jnp.int32),
+      transpose_rhs=bool(transpose_rhs),
+      out_dtype=jnp.dtype(out_dtype),
+      recipe=recipe,
+      scaling=scaling,
+  )
+  return out
+
+
+def _quantized_dense(
+    rows, weights, group_sizes, *, transpose_rhs, out_dtype, recipe, scaling
+):
+  """`quantized_grouped_gemm`'s kernel: (out [M, N],).
+
+  What is done around grouped_dense, and why:
+    * Rows past sum(group_sizes) are zeroed and given to the last group
+      (`_whole_sizes`), where a zero row adds nothing to a product or an
+      amax; their outputs are masked to exact zeros.
+    * `GROUP_ALIGN[recipe]` > 1 gives every group a multiple of that many
+      rows (zero rows appended to each), as TE's quantised grouped GEMMs
+      need.
+    * C and N are padded with zeros to multiples of
+      `CONTRACTION_MULTIPLE` and `OUTPUT_MULTIPLE` (TE's FP8 and MXFP8
+      quantisers cannot pad); zeros change no product, amax or block scale
+      (moe_core pads a last block with zeros too), and the padded output
+      columns are dropped.
+    * [E, N, C] weights are transposed to [E, C, N]: the quantizer set
+      quantises the weights along axis 1 as the contraction.
+  """
   num_rows = rows.shape[0]
-  group_sizes = group_sizes.astype(jnp.int32)
   used = used_rows(group_sizes, num_rows)
   if transpose_rhs:
     weights = jnp.swapaxes(weights, 1, 2)
   rows = jnp.where(used[:, None], rows, jnp.zeros((), rows.dtype))
   width = weights.shape[2]
-  rows = _pad_axis(rows, 1, contraction_multiple)
+  rows = _pad_axis(rows, 1, CONTRACTION_MULTIPLE[recipe])
   weights = _pad_axis(
-      _pad_axis(weights, 1, contraction_multiple), 2, output_multiple
+      _pad_axis(weights, 1, CONTRACTION_MULTIPLE[recipe]),
+      2,
+      OUTPUT_MULTIPLE[recipe],
   )
-  if align > 1:
-    rows, te_sizes, gather = _aligned_groups(rows, group_sizes, used, align)
-  else:
-    te_sizes = group_sizes.at[-1].add(num_rows - jnp.sum(group_sizes))
-    gather = None
-
-  def dense(lhs, rhs, sizes, dtype):
-    kwargs = {}
-    if quantizer_set is not None:
-      kwargs["quantizer_set"] = quantizer_set
-    return (
-        _dense()
-        .grouped_dense(
-            lhs,
-            rhs,
-            sizes,
-            contracting_dims=((1,), (1,)),
-            preferred_element_type=dtype,
-            **kwargs,
-        )
-        .astype(dtype)
-    )
-
-  if out_dtype == rows.dtype:
-    out = dense(rows, weights, te_sizes, out_dtype)
-  else:
-    out = _cotangent_in_rows_dtype(dense, out_dtype)(rows, weights, te_sizes)
-  if gather is not None:
-    out = out[gather]
-  out = out[:, :width]
-  return jnp.where(used[:, None], out, jnp.zeros((), out.dtype))
+  align = GROUP_ALIGN[recipe]
+  rows, te_sizes, gather = _aligned_groups(rows, group_sizes, used, align)
+  out = _dense().grouped_dense(
+      rows,
+      weights,
+      te_sizes,
+      contracting_dims=((1,), (1,)),
+      preferred_element_type=out_dtype,
+      quantizer_set=quantizer_set(recipe, weights.shape[0], scaling),
+  )
+  out = out.astype(out_dtype)[gather][:, :width]
+  return (jnp.where(used[:, None], out, jnp.zeros((), out_dtype)),)
 
 
 def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -152,29 +264,6 @@ def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, extra)
   return jnp.pad(x, pad)
-
-
-def _cotangent_in_rows_dtype(dense, out_dtype):
-  """dense(rows, weights, sizes, out_dtype), whose VJP runs TE's in rows'
-  dtype (TE's backward multiplies the cotangent with same-dtype operands)."""
-
-  @jax.custom_vjp
-  def op(rows, weights, sizes):
-    return dense(rows, weights, sizes, out_dtype)
-
-  def forward(rows, weights, sizes):
-    return op(rows, weights, sizes), (rows, weights, sizes)
-
-  def backward(residuals, d_out):
-    rows, weights, sizes = residuals
-    _, vjp = jax.vjp(
-        lambda r, w: dense(r, w, sizes, jnp.dtype(rows.dtype)), rows, weights
-    )
-    d_rows, d_weights = vjp(d_out.astype(rows.dtype))
-    return d_rows, d_weights, None
-
-  op.defvjp(forward, backward)
-  return op
 
 
 def _aligned_groups(rows, group_sizes, used, align):

@@ -280,6 +280,104 @@ class PureJaxPermutationTest(parameterized.TestCase):
     _assert_close(self, got, want_y, "float32")
 
 
+class BackendPermutationTest(parameterized.TestCase):
+  """backends.te.permutation (TE's helpers, never differentiated: a custom
+  JVP and moe_core's permutation ops) against moe_core.permute under every
+  transformation: values, jvp, grad, a Hessian and vmap."""
+
+  def setUp(self):
+    super().setUp()
+    require_te(self)
+    # pylint: disable-next=g-import-not-at-top
+    from backends.te import permutation
+
+    self.te = permutation
+
+  def inputs(self, case, with_drops):
+    x, ids, weights = _inputs(case, "float32")
+    kept = None
+    if with_drops:
+      # Every third copy dropped by capacity.
+      kept = jnp.asarray(np.arange(ids.size).reshape(ids.shape) % 3 != 0)
+    rng = np.random.default_rng(6)
+    w = jnp.asarray(0.3 * rng.standard_normal((_E, _D, _D)), jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((x.shape[0], _D)))
+    return x, ids, weights, kept, w, cotangent
+
+  def block(self, dispatch, combine, ids, kept):
+    """(x, w, weights) -> [T, D]: dispatch, a grouped GEMM, combine."""
+
+    def f(x, w, weights):
+      d = dispatch(x, ids, _E, kept)
+      out = reference_backend.grouped_gemm(d.rows, w, d.group_sizes)
+      return combine(jnp.tanh(out), d, weights, kept)
+
+    return f
+
+  def blocks(self, ids, kept):
+    return (
+        self.block(self.te.dispatch, self.te.combine, ids, kept),
+        self.block(permute.dispatch, permute.combine, ids, kept),
+    )
+
+  @parameterized.named_parameters(
+      ("_random", "random", False),
+      ("_odd_tokens_with_drops", "odd_tokens", True),
+      ("_empty_expert_with_drops", "empty_expert", True),
+  )
+  def test_values_jvp_and_grad_match_moe_core(self, case, with_drops):
+    x, ids, weights, kept, w, cotangent = self.inputs(case, with_drops)
+    got_d = self.te.dispatch(x, ids, _E, kept)
+    want_d = permute.dispatch(x, ids, _E, kept)
+    for field in ("rows", "group_sizes", "assignment", "position", "invalid"):
+      np.testing.assert_array_equal(
+          getattr(got_d, field), getattr(want_d, field), err_msg=field
+      )
+    te_block, moe_block = self.blocks(ids, kept)
+    primals = (x, w, weights)
+    tangents = tuple(
+        jnp.asarray(np.random.default_rng(i).standard_normal(p.shape), p.dtype)
+        for i, p in enumerate(primals)
+    )
+    got = jax.jit(lambda p, t: jax.jvp(te_block, p, t))(primals, tangents)
+    want = jax.jvp(moe_block, primals, tangents)
+    for what, g, h in zip(("value", "tangent"), got, want):
+      with self.subTest(what):
+        _assert_close(self, g, h, "float32", "gradient")
+
+    def loss(block):
+      return lambda *a: jnp.sum(block(*a) * cotangent)
+
+    got = jax.jit(jax.grad(loss(te_block), argnums=(0, 1, 2)))(*primals)
+    want = jax.grad(loss(moe_block), argnums=(0, 1, 2))(*primals)
+    for name, g, h in zip(("x", "w", "weights"), got, want):
+      with self.subTest(name):
+        _assert_close(self, g, h, "float32", "gradient")
+
+  def test_hessian_vector_product_matches_moe_core(self):
+    x, ids, weights, kept, w, cotangent = self.inputs("random", True)
+
+    def loss(block):
+      def f(v):
+        y = block(x * v[0], w * v[1], weights * v[2])
+        return jnp.sum(jnp.tanh(y) * cotangent)
+
+      return f
+
+    te_block, moe_block = self.blocks(ids, kept)
+    got = jax.jit(_hessian_vector_product(loss(te_block)))()
+    want = _hessian_vector_product(loss(moe_block))()
+    _assert_close(self, got, want, "float32", "gradient")
+
+  def test_vmap_matches_one_call_per_example(self):
+    x, ids, weights, kept, w, _ = self.inputs("random", True)
+    te_block, _ = self.blocks(ids, kept)
+    xs = jnp.stack([x, -0.5 * x])
+    got = jax.jit(jax.vmap(te_block, (0, None, None)))(xs, w, weights)
+    for i in range(xs.shape[0]):
+      _assert_close(self, got[i], te_block(xs[i], w, weights), "float32")
+
+
 class RaggedAllToAllParamsTest(parameterized.TestCase):
   """TE's ragged all-to-all offsets against moe_core.parallel's layout."""
 
@@ -499,13 +597,33 @@ def _emulated_fused_topk(
   return probs, routing_map
 
 
+def _hessian_vector_product(f):
+  """() -> H u at v for f of a vector v: forward mode over reverse mode,
+  every second-order rule of a Hessian without jax.hessian's vmap."""
+  v = jnp.array([1.1, 0.9, 1.2], jnp.float32)
+  u = jnp.array([0.3, -0.7, 0.5], jnp.float32)
+  return lambda: jax.jvp(jax.grad(f), (v,), (u,))[1]
+
+
+def _emulated_backward(ct, logits, bias, spec):
+  """TE's router backward kernel (`router.te_backward`) as the VJP of the
+  emulation: d_logits [T, E] from the probs' cotangent ct [T, E]."""
+  kwargs = dataclasses.asdict(spec)
+  topk = kwargs.pop("topk")
+  if bias.size:
+    kwargs["expert_bias"] = bias
+  _, vjp = jax.vjp(lambda l: _emulated_fused_topk(l, topk, **kwargs)[0], logits)
+  return vjp(ct)[0]
+
+
 class FusedRouterAuxTest(parameterized.TestCase):
   """The te backend's MoEAux from TE's router outputs, against route().
 
-  TE's fused kernel cannot run here; an emulation of what it returns
-  (dense [T, E] probabilities and a routing map) stands in for it, and
-  everything the backend builds from those (ids best first, weights,
-  capacity, invalid tokens, counts, losses, gradients) must equal
+  TE's fused kernels cannot run here; an emulation of what the forward
+  returns (dense [T, E] probabilities and a routing map) and of the
+  backward (its VJP) stand in for them, and everything the backend builds
+  from those (ids best first, weights, capacity, invalid tokens, counts,
+  losses, gradients, forward-mode derivatives, Hessians, vmap) must equal
   `moe_core.routing.route` for every config `router_choice` accepts.
   """
 
@@ -514,6 +632,8 @@ class FusedRouterAuxTest(parameterized.TestCase):
     require_te(self)
     # pylint: disable-next=g-import-not-at-top
     from transformer_engine.jax import router as te_router
+    # pylint: disable-next=g-import-not-at-top
+    from backends.te import router as router_lib
 
     patcher = mock.patch.object(
         te_router,
@@ -522,6 +642,13 @@ class FusedRouterAuxTest(parameterized.TestCase):
     )
     self.fused_topk = patcher.start()
     self.addCleanup(patcher.stop)
+    # (Not asserted called: moe_core's kernel primitives cache their
+    # traces; unpatched, TE's kernel would fail to lower on the CPU.)
+    backward = mock.patch.object(
+        router_lib, "te_backward", side_effect=_emulated_backward
+    )
+    backward.start()
+    self.addCleanup(backward.stop)
     self.backend = moe_core.get_backend("te")
 
   def inputs(self, cfg, nan_token=False):
@@ -591,6 +718,92 @@ class FusedRouterAuxTest(parameterized.TestCase):
     for what, g, w in zip(("x", "router"), got, want):
       with self.subTest(what):
         _assert_close(self, g, w, "float32", "gradient")
+
+  def aux_loss(self, cfg, bias, cotangent):
+    """(route, x, router) -> a scalar of every differentiable MoEAux field."""
+
+    def loss(route, x, router):
+      aux = route(x, router, cfg, bias)
+      return (
+          jnp.sum(aux.combine_weights * cotangent)
+          + jnp.sum(jnp.tanh(aux.router_probs))
+          + aux.load_balancing_loss
+          + aux.router_z_loss
+      )
+
+    return loss
+
+  @parameterized.named_parameters(*((f"_{n}", n) for n in _ROUTER_CONFIGS))
+  def test_forward_mode_equals_routing_route(self, name):
+    cfg = self.cfg(name)
+    x, router, bias = self.inputs(cfg)
+    rng = np.random.default_rng(9)
+    cotangent = jnp.asarray(
+        rng.standard_normal((x.shape[0], cfg.top_k)), jnp.float32
+    )
+    t_x, t_router = (
+        jnp.asarray(rng.standard_normal(a.shape), jnp.float32)
+        for a in (x, router)
+    )
+    loss = self.aux_loss(cfg, bias, cotangent)
+
+    def te_loss(x, router):
+      return loss(self.backend.route, x, router)
+
+    def moe_loss(x, router):
+      return loss(moe_core.route, x, router)
+
+    primals, tangents = (x, router), (t_x, t_router)
+    got = jax.jit(lambda p, t: jax.jvp(te_loss, p, t))(primals, tangents)
+    want = jax.jit(lambda p, t: jax.jvp(moe_loss, p, t))(primals, tangents)
+    with self.subTest("jvp"):
+      _assert_close(self, got[1], want[1], "float32", "gradient")
+    _, lin = jax.linearize(te_loss, *primals)
+    with self.subTest("linearize"):
+      _assert_close(
+          self, jax.jit(lin)(*tangents), want[1], "float32", "gradient"
+      )
+    # The jvp (plain JAX) against the emulated backward kernel's grad.
+    grads = jax.jit(jax.grad(te_loss, argnums=(0, 1)))(*primals)
+    dot = sum(jnp.sum(g * t) for g, t in zip(grads, tangents))
+    with self.subTest("jvp vs grad"):
+      _assert_close(self, dot, got[1], "float32", "gradient")
+
+  @parameterized.named_parameters(
+      ("_softmax", "softmax"), ("_deepseek_v3", "deepseek_v3_no_groups")
+  )
+  def test_hessian_and_vmap_equal_routing_route(self, name):
+    cfg = self.cfg(name)
+    x, router, bias = self.inputs(cfg)
+    cotangent = jnp.asarray(
+        np.random.default_rng(10).standard_normal((x.shape[0], cfg.top_k)),
+        jnp.float32,
+    )
+    loss = self.aux_loss(cfg, bias, cotangent)
+
+    def scaled(route):
+      return lambda v: loss(route, x * v[0], router * v[1] * v[2])
+
+    got = jax.jit(_hessian_vector_product(scaled(self.backend.route)))()
+    want = _hessian_vector_product(scaled(moe_core.route))()
+    with self.subTest("hessian"):
+      _assert_close(self, got, want, "float32", "gradient")
+    xs = jnp.stack([x, -0.5 * x])
+    batched = jax.jit(
+        jax.vmap(lambda x: self.backend.route(x, router, cfg, bias))
+    )(xs)
+    for i in range(xs.shape[0]):
+      want_aux = moe_core.route(xs[i], router, cfg, bias)
+      with self.subTest(f"vmap example {i}"):
+        np.testing.assert_array_equal(
+            batched.expert_ids[i], want_aux.expert_ids
+        )
+        _assert_close(
+            self,
+            batched.combine_weights[i],
+            want_aux.combine_weights,
+            "float32",
+        )
 
 
 _PARAM_NAMES = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")

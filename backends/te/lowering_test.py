@@ -3,11 +3,14 @@
 TE's primitives have CUDA lowerings only, but `jax.export(platforms=
 ["cuda"])` produces them anywhere once TE believes in a GPU of some compute
 capability (`_te.compute_capability`). For sm_90 and sm_100 this exports
-`moe_core.moe_layer(..., backend="te")` forward and under `jax.grad`, and
+`moe_core.moe_layer(..., backend="te")` forward, under `jax.grad`, and
+inside the transformations users wrap around it (`jax.jvp`, `jax.hessian`
+of a small loss, `jax.vmap`, a `jax.shard_map` with check_vma=True), and
 reads the StableHLO text: which TE custom calls it holds (and nothing
-else: no Triton kernel), and the operand shapes and dtypes of each grouped
-GEMM, checked against what TE's FFI takes (transformer_engine/jax/
-cpp_extensions/gemm.py, `GroupedGemmPrimitive`):
+else: no Triton kernel, no XLA dot or ragged_dot standing in for an expert
+GEMM), and the operand shapes and dtypes of each grouped GEMM, checked
+against what TE's FFI takes (transformer_engine/jax/cpp_extensions/
+gemm.py, `GroupedGemmPrimitive`):
 
   te_grouped_gemm_ffi     lhs, lhs_scale_inv, rhs, rhs_scale_inv, bias,
                           lhs_first_dims, lhs_last_dims, rhs_first_dims,
@@ -38,7 +41,6 @@ import re
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
-from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
@@ -200,12 +202,14 @@ class Gemm:
 
   @property
   def role(self) -> str:
-    """Which GEMM of TE's grouped_dense: forward, dgrad or wgrad.
+    """Which of the three grouped GEMMs: forward, dgrad or wgrad.
 
-    wgrad contracts the ragged rows: its rhs is ragged too, and its output
-    is [E, C, N]. dgrad multiplies the output's cotangent with the
-    transposed kernel: a float8 e5m2 lhs (TE's own FP8 backward) or
-    rhs_is_trans on unquantised operands.
+    The forms grouped_dense's rules call, and the te backend's TEKernels
+    (its gmm, gmm of transposed weights and tgmm). wgrad contracts the
+    ragged rows: its rhs is ragged too, and its output is [E, C, N]. dgrad
+    multiplies the output's cotangent with the transposed kernel: a float8
+    e5m2 lhs (TE's own FP8 backward) or rhs_is_trans on unquantised
+    operands.
     """
     if self.rhs_first_dims.size:
       return "wgrad"
@@ -218,6 +222,16 @@ class Gemm:
 
 def gemms(calls: list[CustomCall]) -> list[Gemm]:
   return [Gemm(c) for c in calls if c.target in (V1, V2)]
+
+
+def dots(module_text: str) -> list[tuple[Tensor, ...]]:
+  """The operand types of every XLA dot (dot, dot_general, ragged_dot)."""
+  found = []
+  for line in module_text.splitlines():
+    if re.search(r"\b(stablehlo|chlo)\.(dot|dot_general|ragged_dot)\b", line):
+      signature = re.search(r" : \((.*?)\) -> ", line)
+      found.append(_tensors(signature.group(1)) if signature else ())
+  return found
 
 
 # --- What TE should do, from its source --------------------------------------
@@ -297,12 +311,6 @@ def _layer(cfg, backend="te", **layer_kwargs):
   return forward, jax.grad(loss, argnums=(0, 1))
 
 
-def _without_checks(fn):
-  """fn with moe_core's `checks.debug_check`s discharged and ignored."""
-  checked = checkify.checkify(fn, errors=checkify.user_checks)
-  return lambda *args: checked(*args)[1]
-
-
 def export(fn, *args, extra_targets=()) -> jax.export.Exported:
   """`jax.export` of jit(fn) for CUDA, TE's custom calls allowed."""
   targets = (*_te.custom_call_targets(), *extra_targets)
@@ -325,6 +333,20 @@ class LoweringTestCase(parameterized.TestCase):
     with _te.compute_capability(cc):
       exported = export(fn, *args, extra_targets=extra_targets)
     return exported, custom_calls(exported.mlir_module())
+
+  def assertRoundTrips(self, exported: jax.export.Exported):
+    """serialize, deserialize: the same program, signature and calls."""
+    restored = jax.export.deserialize(exported.serialize())
+    self.assertEqual(restored.platforms, ("cuda",))
+    self.assertEqual(restored.in_avals, exported.in_avals)
+    self.assertEqual(restored.out_avals, exported.out_avals)
+    self.assertEqual(restored.in_tree, exported.in_tree)
+    self.assertEqual(restored.out_tree, exported.out_tree)
+    self.assertEqual(restored.mlir_module(), exported.mlir_module())
+    self.assertEqual(
+        [c.target for c in custom_calls(restored.mlir_module())],
+        [c.target for c in custom_calls(exported.mlir_module())],
+    )
 
   def assertTargets(self, calls, *, required, allowed=()):
     """Every `required` target is called, and nothing outside both lists."""
@@ -506,22 +528,12 @@ class Bf16LoweringTest(LoweringTestCase):
   def test_serialization_round_trips(self, cc):
     cfg = _cfg()
     _, grad = _layer(cfg)
-    # moe_core's run-time checks are checkify.debug_checks, whose effect
-    # jax.export cannot serialise (any backend's layer, not TE's):
-    # discharged and dropped, they leave the program a training step runs.
-    exported, calls = self.lower(cc, _without_checks(grad), *_inputs(cfg))
+    # The program as a training step traces it: moe_core's run-time checks
+    # are traced only inside moe_core.checked, so it carries no checkify
+    # effect and serialises as it is.
+    exported, calls = self.lower(cc, grad, *_inputs(cfg))
     self.assertIn(expected_bf16_target(cc), [c.target for c in calls])
-    restored = jax.export.deserialize(exported.serialize())
-    self.assertEqual(restored.platforms, ("cuda",))
-    self.assertEqual(restored.in_avals, exported.in_avals)
-    self.assertEqual(restored.out_avals, exported.out_avals)
-    self.assertEqual(restored.in_tree, exported.in_tree)
-    self.assertEqual(restored.out_tree, exported.out_tree)
-    self.assertEqual(restored.mlir_module(), exported.mlir_module())
-    self.assertEqual(
-        [c.target for c in custom_calls(restored.mlir_module())],
-        [c.target for c in custom_calls(exported.mlir_module())],
-    )
+    self.assertRoundTrips(exported)
 
 
 class QuantizedLoweringTest(LoweringTestCase):
@@ -569,6 +581,47 @@ class QuantizedLoweringTest(LoweringTestCase):
     # Straight-through: the backward GEMMs are unquantised bf16.
     self.assertBackwardGemms(found, forward, cc=cc, target=bf16_target)
     self.assertLen(found, 3 * len(forward))
+
+  @parameterized.named_parameters(
+      ("_fp8_tensor_sm90", "fp8_tensor", 90),
+      ("_mxfp8_sm100", "mxfp8", 100),
+  )
+  def test_forward_mode_tangents_are_bf16_gemms(self, recipe, cc):
+    # Straight-through at every order: the quantised GEMMs are the jvp's
+    # primal only, each tangent is the unquantised GEMM's (dX W + X dW in
+    # TE's bf16 kernel), and a Hessian's backward GEMMs are bf16 too.
+    cfg = _cfg(precision=recipe)
+    bf16_target = expected_bf16_target(cc)
+    fn, args = _transformed(cfg, "jvp")
+    exported, calls = self.lower(cc, fn, *args)
+    found = gemms(calls)
+    quantised = [g for g in found if g.lhs.dtype in _FLOAT8]
+    self.assertForwardGemms(
+        quantised,
+        lhs_dtype="f8E4M3FN",
+        cc=cc,
+        target=expected_quantized_target(recipe, cc),
+        scale=_SCALE_DTYPE[recipe],
+        align=self.group_align(recipe),
+    )
+    self.assertLen(quantised, 3)
+    tangents = [g for g in found if g.lhs.dtype not in _FLOAT8]
+    self.assertLen(tangents, 6)
+    for g in tangents:
+      with self.subTest(tangent=str(g.out)):
+        self.assertEqual(g.role, "forward")
+        self.assertEqual(g.call.target, bf16_target)
+        self.assertEqual((g.lhs.dtype, g.rhs.dtype), ("bf16", "bf16"))
+    self.assertRoundTrips(exported)
+    fn, args = _transformed(cfg, "hessian")
+    _, calls = self.lower(cc, fn, *args)
+    found = gemms(calls)
+    backward = [g for g in found if g.role != "forward"]
+    self.assertEqual({g.role for g in backward}, {"dgrad", "wgrad"})
+    for g in backward:
+      with self.subTest(backward=f"{g.role} {g.out}"):
+        self.assertEqual(g.call.target, bf16_target)
+        self.assertEqual((g.lhs.dtype, g.rhs.dtype), ("bf16", "bf16"))
 
   def test_mxfp8_forward_lowers_on_sm100(self):
     cfg = _cfg(precision="mxfp8")
@@ -648,6 +701,167 @@ class RouterChoiceTest(LoweringTestCase):
     forward, _ = _layer(cfg, backend=backend)
     _, calls = self.lower(90, forward, *_inputs(cfg))
     self.assertTargets(calls, required=(expected_bf16_target(90),))
+
+
+def _transformed(cfg, name: str):
+  """(fn, args): the te layer inside a user's transformation, by name.
+
+  jvp      jax.jvp of the layer's output, params and x both perturbed;
+  hessian  jax.hessian of a small loss in two scalars that scale the
+           input and the down projection (the derivatives of every
+           backward GEMM, as the conformance suite's Hessian);
+  vmap     jax.vmap of the layer over a batch of two inputs.
+  """
+  params, x = _inputs(cfg)
+
+  def layer(params, x):
+    y, _ = moe_core.moe_layer(params, x, cfg, backend="te")
+    return y.astype(jnp.float32)
+
+  if name == "jvp":
+    tangents = jax.tree.map(lambda a: 0.5 * jnp.ones_like(a), (params, x))
+    return (
+        lambda p, x, tp, tx: jax.jvp(layer, (p, x), (tp, tx)),
+        (params, x, *tangents),
+    )
+  if name == "hessian":
+
+    def loss(v):
+      scaled = dict(params, w_down=params["w_down"] * v[1])
+      return jnp.sum(jnp.tanh(layer(scaled, x * v[0].astype(x.dtype))))
+
+    return jax.hessian(loss), (jnp.array([1.1, 0.9], jnp.float32),)
+  if name == "vmap":
+    return jax.vmap(layer, (None, 0)), (params, jnp.stack([x, -x]))
+  raise ValueError(name)
+
+
+class TransformsLoweringTest(LoweringTestCase):
+  """The layer inside users' transformations runs TE's kernels.
+
+  Forward mode, Hessians and vmap go through the te backend's grouped GEMM
+  (moe_core's grouped-matmul primitive over TE's raw grouped GEMM), its
+  router (a custom JVP over TE's forward kernel, TE's backward kernel as
+  the transpose) and its permutation, and lower to TE's custom calls only:
+  no XLA dot stands in for an expert GEMM.
+  """
+
+  def assertTeGemmsOnly(self, exported, calls, cc):
+    """Every grouped GEMM is TE's expected kernel on bf16 operands, and no
+    XLA dot touches an expert's weights (every one is [E, *, F] or
+    [E, F, *]: a dot with an F-wide operand would be an expert GEMM)."""
+    target = expected_bf16_target(cc)
+    found = gemms(calls)
+    self.assertNotEmpty(found)
+    for g in found:
+      with self.subTest(gemm=f"{g.role} {g.out}"):
+        self.assertEqual(g.call.target, target)
+        self.assertEqual((g.lhs.dtype, g.rhs.dtype), ("bf16", "bf16"))
+        self.assertIn(g.out.dtype, ("bf16", "f32"))
+        self.assertAlphaBeta(g, cc)
+    found_dots = dots(exported.mlir_module())
+    # The router's logits (x @ router [D, E], float32) are an XLA dot: the
+    # parser sees dots.
+    router = Tensor((_D, _E), "f32")
+    self.assertTrue(any(router in operands for operands in found_dots))
+    for operands in found_dots:
+      with self.subTest(dot=str(operands)):
+        self.assertNotIn("bf16", [t.dtype for t in operands])
+        self.assertNotIn(_F, [d for t in operands for d in t.shape])
+    return found
+
+  @parameterized.parameters(90, 100)
+  def test_jvp_lowers_to_forward_gemms_and_router_forward(self, cc):
+    fn, args = _transformed(_cfg(), "jvp")
+    exported, calls = self.lower(cc, fn, *args)
+    target = expected_bf16_target(cc)
+    # Forward mode transposes nothing: no dgrad, wgrad or router backward.
+    self.assertTargets(
+        calls, required=(ROUTER_FORWARD, target), allowed=(*AUX_LOSS, D2H)
+    )
+    found = self.assertTeGemmsOnly(exported, calls, cc)
+    self.assertEqual({g.role for g in found}, {"forward"})
+    # Each of the 3 GEMMs, then its tangent dX W + X dW: two more products
+    # of the same shapes, summed in float32.
+    self.assertLen(found, 9)
+    self.assertLen([g for g in found if g.out.dtype == "f32"], 6)
+    self.assertForwardGemms(
+        [g for g in found if g.out.dtype == "bf16"],
+        lhs_dtype="bf16",
+        cc=cc,
+        target=target,
+    )
+    self.assertRoundTrips(exported)
+
+  @parameterized.parameters(90, 100)
+  def test_hessian_lowers_to_every_gemm_and_router_kernel(self, cc):
+    fn, args = _transformed(_cfg(), "hessian")
+    exported, calls = self.lower(cc, fn, *args)
+    target = expected_bf16_target(cc)
+    self.assertTargets(
+        calls,
+        required=(ROUTER_FORWARD, ROUTER_BACKWARD, target),
+        allowed=(*AUX_LOSS, D2H),
+    )
+    found = self.assertTeGemmsOnly(exported, calls, cc)
+    self.assertEqual({g.role for g in found}, {"forward", "dgrad", "wgrad"})
+    self.assertRoundTrips(exported)
+
+  @parameterized.parameters(90, 100)
+  def test_vmap_lowers_to_one_call_per_example(self, cc):
+    fn, args = _transformed(_cfg(), "vmap")
+    exported, calls = self.lower(cc, fn, *args)
+    target = expected_bf16_target(cc)
+    self.assertTargets(
+        calls, required=(ROUTER_FORWARD, target), allowed=(*AUX_LOSS, D2H)
+    )
+    found = self.assertTeGemmsOnly(exported, calls, cc)
+    # A loop over the batch (the groups differ per example): the GEMMs of
+    # one example, M rows each, not one GEMM over the batch's 2M rows.
+    self.assertForwardGemms(found, lhs_dtype="bf16", cc=cc, target=target)
+    self.assertLen(found, 3)
+    self.assertIn("stablehlo.while", exported.mlir_module())
+    self.assertRoundTrips(exported)
+
+  def test_user_shard_map_with_checked_variance_lowers(self):
+    # Tokens split over a "data" axis in the user's own shard_map, with
+    # check_vma=True (the default): TE's calls lower inside it.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    spec = jax.sharding.PartitionSpec
+    cfg = _cfg()
+    params, x = _inputs(cfg)
+
+    def per_device(params, x):
+      y, _ = moe_core.moe_layer(params, x, cfg, backend="te")
+      return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    sharded = jax.shard_map(
+        lambda p, x: jax.lax.psum(per_device(p, x), "data"),
+        mesh=mesh,
+        in_specs=(spec(), spec("data")),
+        out_specs=spec(),
+    )
+    grad = jax.grad(sharded, argnums=(0, 1))
+    exported, calls = self.lower(90, grad, params, x)
+    self.assertEqual(exported.nr_devices, 2)
+    target = expected_bf16_target(90)
+    self.assertTargets(
+        calls,
+        required=(ROUTER_FORWARD, ROUTER_BACKWARD, target),
+        allowed=(*AUX_LOSS, D2H),
+    )
+    for call in calls:
+      self.assertTrue(call.in_shard_map, f"{call.target} outside shard_map")
+    found = self.assertTeGemmsOnly(exported, calls, 90)
+    self.assertBackwardGemms(
+        found,
+        self.assertForwardGemms(
+            found, lhs_dtype="bf16", cc=90, target=target, m=_M // 2
+        ),
+        cc=90,
+        target=target,
+        m=_M // 2,
+    )
 
 
 class ExpertParallelLoweringTest(LoweringTestCase):

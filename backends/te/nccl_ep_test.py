@@ -529,6 +529,62 @@ class TransformerEngineTest(testing.DevicesTestCase):
                 results, ["tensor<1x128x16xbf16>", "tensor<1x128xf32>"]
             )
 
+  def test_forward_mode_lowers_to_a_second_dispatch(self):
+    # jvp: each dispatch's tangent is NCCL-EP's dispatch of the tangent rows
+    # on the same routing state (no second prepare, no dispatch backward);
+    # a Hessian runs dispatch backward too. Both serialise.
+    loss = self._layer_loss("te")
+    params, x = _bf16_inputs(self.cfg, self.num_tokens)
+
+    def jvp(params, x):
+      tangents = jax.tree.map(jnp.ones_like, (params, x))
+      return jax.jvp(loss, (params, x), tangents)
+
+    def hessian(v):
+      return jax.hessian(lambda v: loss(params, x * v[0].astype(x.dtype)))(v)
+
+    with (
+        _pretend_bootstrapped(self.sizes, self.cfg.hidden_size),
+        _te.compute_capability(90),
+    ):
+      exported = {
+          name: jax.export.export(
+              jax.jit(fn),
+              platforms=["cuda"],
+              disabled_checks=_disabled_checks(),
+          )(*args)
+          for name, fn, args in (
+              ("jvp", jvp, self._abstract_inputs()),
+              ("hessian", hessian, (jnp.ones((1,), jnp.float32),)),
+          )
+      }
+    hm = f"tensor<1x{_HANDLE_BYTES}xui8>"
+    jvp_calls = [
+        (t, ops) for t, ops, _ in _ep_calls(exported["jvp"].mlir_module())
+    ]
+    # send and send_back: one prepare each, two dispatches on its handle.
+    for rows in (16, 64):
+      idx, data = f"tensor<{rows}x1xi32>", f"tensor<{rows}x16xbf16>"
+      dispatch = (
+          "te_ep_dispatch_ffi",
+          [hm, idx, data, f"tensor<{rows}x1xf32>"],
+      )
+      with self.subTest(rows=rows):
+        self.assertEqual(jvp_calls.count(("te_ep_prepare_ffi", [idx])), 1)
+        self.assertEqual(jvp_calls.count(dispatch), 2)
+    self.assertNotIn("te_ep_dispatch_bwd_ffi", [t for t, _ in jvp_calls])
+    hessian_targets = {
+        t for t, _, _ in _ep_calls(exported["hessian"].mlir_module())
+    }
+    self.assertEqual(
+        hessian_targets,
+        {"te_ep_prepare_ffi", "te_ep_dispatch_ffi", "te_ep_dispatch_bwd_ffi"},
+    )
+    for name, exp in exported.items():
+      with self.subTest(f"{name} serialises"):
+        restored = jax.export.deserialize(exp.serialize())
+        self.assertEqual(restored.mlir_module(), exp.mlir_module())
+
 
 def _disabled_checks():
   return [

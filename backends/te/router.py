@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 
 import jax
+from jax.interpreters import ad
 import jax.numpy as jnp
 import numpy as np
 
 from backends.te import _te
 from moe_core import config as config_lib
 from moe_core import routing
+from moe_core.kernels import primitive
 
 # The epsilon TE's fused router adds to the sum of the chosen sigmoid
 # scores (transformer_engine/common/fused_router/utils.h), in float32.
@@ -126,17 +130,18 @@ def route(
   expressible, why = choice(cfg)
   if not expressible:
     raise NotImplementedError(f"te: fused router: {why}.")
-  te_router = _router_module()
   grouped = cfg.n_group > 1
-  te_weights, chosen = te_router.fused_topk_with_score_function(
+  te_weights, chosen = fused_topk(
       scored.logits,
-      cfg.top_k,
-      use_pre_softmax=not cfg.norm_topk_prob,
-      num_groups=cfg.n_group if grouped else -1,
-      group_topk=cfg.topk_group if grouped else -1,
-      scaling_factor=float(cfg.routed_scaling_factor),
-      score_function=cfg.score_func,
-      expert_bias=scored.bias,
+      scored.bias,
+      TopK(
+          topk=cfg.top_k,
+          use_pre_softmax=not cfg.norm_topk_prob,
+          num_groups=cfg.n_group if grouped else -1,
+          group_topk=cfg.topk_group if grouped else -1,
+          scaling_factor=float(cfg.routed_scaling_factor),
+          score_function=cfg.score_func,
+      ),
   )
   # Best first among TE's K: a token with non-finite scores may have fewer
   # than K marked; top_k still returns K distinct ids (it is invalid).
@@ -151,3 +156,241 @@ def route(
   )
   # From here on, what routing.route does with its choice.
   return routing.aux_from_choice(scored, expert_ids, weights, cfg)
+
+
+# --- TE's fused top-k, differentiable in both directions ---------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+  """The static arguments of TE's `fused_topk_with_score_function`."""
+
+  topk: int
+  use_pre_softmax: bool
+  num_groups: int
+  group_topk: int
+  scaling_factor: float
+  score_function: str  # "softmax" or "sigmoid".
+
+
+def fused_topk(
+    logits: jax.Array, bias: jax.Array | None, spec: TopK
+) -> tuple[jax.Array, jax.Array]:
+  """TE's fused top-k: (probs [T, E] float32, routing_map [T, E] bool).
+
+  probs holds the chosen experts' weights and zeros elsewhere. TE wraps its
+  kernels in a custom VJP, which forward mode cannot go through; here the
+  forward kernel is the primal of a custom JVP whose tangent is a linear
+  primitive (`_tangent_p`) with TE's backward kernel as its transpose
+  (`_cotangent_p`). So reverse mode runs TE's forward and backward kernels
+  as before, and jvp, linearize, Hessians and vmap work too. The
+  primitives' own derivatives (forward mode's tangent, the Hessian's
+  second-order terms) are those of `_chosen_weights`, the weights as a
+  function of the logits given the choice, in plain JAX.
+
+  Args:
+    logits: [T, E] float32.
+    bias: [E] float32 expert bias (selection only, no derivative), or None.
+    spec: TE's static arguments.
+  """
+  if bias is None:
+    bias = jnp.zeros((0,), jnp.float32)
+  return _fused_topk(logits, jax.lax.stop_gradient(bias), spec)
+
+
+def _te_fused_topk(logits, bias, spec: TopK):
+  """TE's public fused top-k (its custom VJP, evaluated only)."""
+  return _router_module().fused_topk_with_score_function(
+      logits,
+      spec.topk,
+      use_pre_softmax=spec.use_pre_softmax,
+      num_groups=spec.num_groups,
+      group_topk=spec.group_topk,
+      scaling_factor=spec.scaling_factor,
+      score_function=spec.score_function,
+      expert_bias=bias if bias.size else None,
+  )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _fused_topk(logits, bias, spec):
+  return _te_fused_topk(logits, bias, spec)
+
+
+@_fused_topk.defjvp
+def _fused_topk_jvp(spec, primals, tangents):
+  logits, bias = primals
+  d_logits, _ = tangents
+  # The primal from _fused_topk itself, so a derivative of this rule goes
+  # through the rule again and never through TE's custom VJP.
+  probs, routing_map = _fused_topk(logits, bias, spec)
+  d_probs = _bind(_tangent_p, d_logits, logits, bias, routing_map, spec)
+  # (float0, typed like the map: inside shard_map it varies as the map.)
+  d_map = jax.custom_derivatives.zero_from_primal(routing_map)
+  return (probs, routing_map), (d_probs, d_map)
+
+
+def _chosen_weights(logits, routing_map, spec: TopK):
+  """probs [T, E] from the logits, given TE's choice: TE's weights.
+
+  transformer_engine/jax/router.py's pipeline after the top-k: softmax
+  over every expert before the top-k (`use_pre_softmax`) or over the K
+  chosen logits after it; sigmoid scores divided by their sum + 1e-20 when
+  topk > 1; times scaling_factor. The bias only chooses. Only derivatives
+  are taken from this: the values are TE's kernel's.
+  """
+  zero = jnp.zeros((), jnp.float32)
+  if spec.score_function == "softmax":
+    if spec.use_pre_softmax:
+      weights = jnp.where(routing_map, jax.nn.softmax(logits, axis=-1), zero)
+    else:
+      top = jax.lax.stop_gradient(
+          jnp.max(jnp.where(routing_map, logits, -jnp.inf), -1, keepdims=True)
+      )
+      e = jnp.where(routing_map, jnp.exp(logits - top), zero)
+      weights = e / jnp.sum(e, axis=-1, keepdims=True)
+  elif spec.score_function == "sigmoid":
+    weights = jnp.where(routing_map, jax.nn.sigmoid(logits), zero)
+    if spec.topk > 1:
+      total = jnp.sum(weights, axis=-1, keepdims=True)
+      weights = weights / (total + TE_SIGMOID_EPSILON)
+  else:
+    raise NotImplementedError(
+        f"te: score function {spec.score_function!r} in the fused router."
+    )
+  return weights * jnp.float32(spec.scaling_factor)
+
+
+def _tangent(d_logits, logits, bias, routing_map, *, spec):
+  """[d_probs]: the weights' derivative along d_logits (plain JAX)."""
+  del bias
+  _, d_probs = jax.jvp(
+      lambda l: _chosen_weights(l, routing_map, spec), (logits,), (d_logits,)
+  )
+  return [d_probs]
+
+
+def _cotangent(ct, logits, bias, routing_map, *, spec):
+  """[d_logits]: TE's backward kernel on the probs' cotangent ct."""
+  del routing_map  # te_backward recomputes it from the same inputs.
+  return [te_backward(ct, logits, bias, spec).astype(jnp.float32)]
+
+
+def te_backward(ct, logits, bias, spec: TopK) -> jax.Array:
+  """d_logits [T, E] from TE's backward kernel, given probs' cotangent ct.
+
+  Its forward kernel runs again for the scores it saves (a [T, E]
+  elementwise pass, which XLA may share with the forward's identical
+  call), and for the routing map (the same as the forward's).
+  """
+  extensions = _router_extensions()
+  score_function = getattr(
+      extensions.ScoreFunction, spec.score_function.upper()
+  )
+  _, routing_map, saved_scores = extensions.fused_topk_with_score_function_fwd(
+      logits,
+      spec.topk,
+      spec.use_pre_softmax,
+      spec.num_groups,
+      spec.group_topk,
+      spec.scaling_factor,
+      score_function,
+      bias,
+  )
+  return extensions.fused_topk_with_score_function_bwd(
+      routing_map,
+      saved_scores,
+      ct,
+      spec.topk,
+      spec.use_pre_softmax,
+      spec.scaling_factor,
+      score_function,
+  )
+
+
+def _router_extensions():
+  _te.import_te()
+  _te.lowering_needs_devices(_cotangent_p)
+  return importlib.import_module("transformer_engine.jax.cpp_extensions.router")
+
+
+def _logits_shape(avals, *, spec):
+  del spec
+  return [(avals[1].shape, jnp.dtype(jnp.float32))]
+
+
+# Both linear in their first operand, each the other's transpose.
+_tangent_p = primitive.kernel_primitive(
+    "te_router_tangent", _tangent, _logits_shape
+)
+_cotangent_p = primitive.kernel_primitive(
+    "te_router_cotangent", _cotangent, _logits_shape
+)
+_OTHER = {_tangent_p: _cotangent_p, _cotangent_p: _tangent_p}
+
+
+def _bind(prim, linear, logits, bias, routing_map, spec):
+  operands = primitive.match_variance(
+      (linear.astype(jnp.float32), logits, bias, routing_map)
+  )
+  (out,) = prim.bind(*operands, spec=spec)
+  return out
+
+
+def _plain_cotangent(ct, logits, bias, routing_map, *, spec):
+  """`_cotangent` in plain JAX: the transpose of `_tangent`."""
+  del bias
+  _, vjp = jax.vjp(lambda l: _chosen_weights(l, routing_map, spec), logits)
+  return list(vjp(ct))
+
+
+# Each primitive's computation in plain JAX, whose derivative along the
+# logits is the primitive's (TE's backward kernel has none of its own).
+_PLAIN = {_tangent_p: _tangent, _cotangent_p: _plain_cotangent}
+
+
+def _primitive_jvp(prim, primals, tangents, *, spec):
+  linear, logits, bias, routing_map = primals
+  d_linear, d_logits = tangents[:2]
+  out = _bind(prim, linear, logits, bias, routing_map, spec)
+  terms = []
+  if type(d_linear) is not ad.Zero:
+    terms.append(_bind(prim, d_linear, logits, bias, routing_map, spec))
+  if type(d_logits) is not ad.Zero:
+    # Through the logits: the plain-JAX second derivative of the weights.
+    plain = _PLAIN[prim]
+    _, term = jax.jvp(
+        lambda l: plain(linear, l, bias, routing_map, spec=spec)[0],
+        (logits,),
+        (d_logits,),
+    )
+    terms.append(term)
+  if not terms:
+    return [out], [ad.Zero(jax.typeof(out).to_tangent_aval())]
+  return [out], [functools.reduce(jnp.add, terms)]
+
+
+def _primitive_transpose(
+    prim, cotangents, linear, logits, bias, routing_map, *, spec
+):
+  (ct,) = cotangents
+  if not ad.is_undefined_primal(linear) or ad.is_undefined_primal(logits):
+    raise ValueError(
+        f"{prim.name} is linear in its first operand only, and is transposed "
+        "with respect to it."
+    )
+  if type(ct) is ad.Zero:
+    return [None] * 4
+  return [
+      _bind(_OTHER[prim], ct, logits, bias, routing_map, spec),
+      None,
+      None,
+      None,
+  ]
+
+
+for _prim in (_tangent_p, _cotangent_p):
+  ad.primitive_jvps[_prim] = functools.partial(_primitive_jvp, _prim)
+  ad.primitive_transposes[_prim] = functools.partial(
+      _primitive_transpose, _prim
+  )

@@ -119,6 +119,9 @@ class CompileTest(parameterized.TestCase):
       self.kernels, self.permute_kernels = _modules()
     except ImportError as e:
       self.skipTest(f"triton is not installed, nothing to compile: {e}")
+    ok, reason = launch.compilable()
+    if not ok:
+      self.skipTest(reason)
 
   def test_the_cases_cover_every_kernel(self):
     covered = {name for _, _, _, name, _, _, _ in _CASES}

@@ -149,8 +149,11 @@ def gmm_kernel(
     x_ptrs += BLOCK_K
     w_ptrs += w_step
   if HAS_ROW_SCALE:
-    # The tail's scales may be NaN: masked to 0, times the zero acc.
-    scale = tl.load(row_scale_ptr + r0 + rm, mask=row_ok & is_group, other=0.0)
+    # The tail's scales may be NaN: masked to 0, times the zero acc. A
+    # select, not row_ok & is_group: Triton 3.9's interpreter splats the
+    # scalar is_group as int32 and then rejects the int32 mask.
+    scale_ok = tl.where(is_group, row_ok, False)
+    scale = tl.load(row_scale_ptr + r0 + rm, mask=scale_ok, other=0.0)
     acc = acc * scale[:, None]
   out_ptrs = out_ptr + r0.to(tl.int64) * N + rm[:, None] * N + rn[None, :]
   tl.store(

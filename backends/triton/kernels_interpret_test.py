@@ -10,11 +10,12 @@ is set, so it would have to precede the first `import triton` of the whole
 process (and would then turn every kernel of the process, including those
 the AOT compile tests hand to triton.compile, into interpreted ones). An
 InterpretedFunction alone cannot call other @triton.jit functions (the
-kernels' helpers, tl.cdiv, tl.sigmoid): `_interpreting` lets it, for the
-duration of one launch.
+kernels' helpers, tl.cdiv, tl.sigmoid): the launcher's corrections to the
+interpreter (`launch._interpreter_fixes`, those of the backend's interpret
+mode) let it for the duration of one launch, and make loops with run-time
+bounds work on Triton 3.6 with NumPy 2.4.
 """
 
-import contextlib
 import math
 
 from absl.testing import absltest
@@ -25,38 +26,19 @@ try:
   import torch
   import triton
   from triton.runtime import interpreter
-  from triton.runtime import jit as triton_jit
 except ImportError as e:
   _MISSING = f"Triton's interpreter needs torch and triton: {e}"
 else:
   _MISSING = None
   from backends.triton import kernels
+  from backends.triton import launch
 
 _TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
-@contextlib.contextmanager
-def _interpreting():
-  """Runs nested @triton.jit calls in the interpreter too.
-
-  Outside TRITON_INTERPRET, a JITFunction called from an interpreted kernel
-  raises "Cannot call @triton.jit'd outside of the scope of a kernel".
-  """
-  original = triton_jit.JITFunction.__call__
-
-  def call(self, *args, **kwargs):
-    return interpreter.InterpretedFunction(self.fn)(*args, **kwargs)
-
-  triton_jit.JITFunction.__call__ = call
-  try:
-    yield
-  finally:
-    triton_jit.JITFunction.__call__ = original
-
-
 def _launch(kernel, grid, *args, **constexprs):
   fn = interpreter.InterpretedFunction(getattr(kernel, "fn", kernel))
-  with _interpreting():
+  with launch._interpreter_fixes():  # pylint: disable=protected-access
     fn[grid](*args, **constexprs)
 
 

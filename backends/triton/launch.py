@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import struct
 import threading
 from typing import Any
@@ -120,6 +121,35 @@ class Runner:
     )
 
 
+def compilable() -> tuple[bool, str]:
+  """(True, "") if Triton can compile the kernels here, else (False, why).
+
+  With TRITON_INTERPRET=1, @triton.jit makes every kernel an
+  InterpretedFunction, which Triton's interpreter runs and neither
+  `triton.compile` nor jax-triton can compile (no cache_key, no params).
+  The interpret mode needs no such variable (`_interpreted`).
+  """
+  try:
+    # pylint: disable-next=g-import-not-at-top
+    import triton
+  except ImportError as e:
+    return False, f"triton: not installed, nothing to compile ({e})."
+  runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+  if runtime is not None:
+    interpreting = bool(runtime.interpret)
+  else:
+    value = os.environ.get("TRITON_INTERPRET", "")
+    interpreting = value.strip().lower() in ("1", "true", "yes", "on", "y")
+  if interpreting:
+    return False, (
+        "triton: TRITON_INTERPRET is set, so @triton.jit made every kernel "
+        "an interpreted function, which neither triton.compile nor "
+        "jax-triton can compile; unset it to compile (interpret=True runs "
+        "the kernels in the interpreter without it)."
+    )
+  return True, ""
+
+
 def availability(runner: Runner) -> tuple[bool, str]:
   """(True, "") if `runner` can launch kernels here, else (False, why not)."""
   if runner.interpreting:
@@ -142,6 +172,10 @@ def availability(runner: Runner) -> tuple[bool, str]:
     _jax_triton()
   except ImportError as e:
     reasons.append(str(e).removeprefix("triton: ").rstrip("."))
+  else:
+    ok, why = compilable()
+    if not ok:
+      reasons.append(why.removeprefix("triton: ").rstrip("."))
   device = jax.devices()[0]
   if device.platform != "gpu":
     reasons.append(
@@ -175,6 +209,7 @@ def _capability(device) -> tuple[int, int] | None:
 
 def _jax_triton():
   """The jax_triton module, or ImportError saying what to install."""
+  cache_dir = os.environ.get("TRITON_CACHE_DIR")
   try:
     # pylint: disable-next=g-import-not-at-top
     import jax_triton
@@ -186,7 +221,63 @@ def _jax_triton():
         f"({type(e).__name__}: {e}); the GPU mode needs jax-triton and a "
         "CUDA build of jax (pip install '.[triton]')."
     ) from e
+  finally:
+    _restore_cache_dir(cache_dir)
+  _adapt_dce_rule(jax_triton)
   return jax_triton
+
+
+def _restore_cache_dir(cache_dir: str | None) -> None:
+  """Puts TRITON_CACHE_DIR back as it was before jax-triton's import.
+
+  jax-triton 0.3 sets it to "" at import: every later `triton.compile` in
+  the process (`compile_kernel`) then fails with "Could not create or
+  locate cache dir". 0.4 unsets it: Triton then writes to ~/.triton, not
+  to the cache the caller chose (tools/test.sh's, inside the clone).
+  """
+  if cache_dir is not None:
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+  elif os.environ.get("TRITON_CACHE_DIR") == "":
+    del os.environ["TRITON_CACHE_DIR"]
+
+
+def _positional_count(fn) -> int:
+  return sum(
+      p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+      for p in inspect.signature(fn).parameters.values()
+  )
+
+
+def _adapt_dce_rule(jax_triton) -> None:
+  """Registers jax-triton's DCE rule in the form this jax calls.
+
+  jax 0.12 calls a primitive's dead-code rule as (used_outputs, live_ins,
+  eqn); jax-triton 0.4.1 registers one taking (used_outputs, eqn), so any
+  jitted program whose jaxpr holds a triton_call failed to lower
+  ("_triton_kernel_call_dce_rule() takes 2 positional arguments but 3 were
+  given"): the kernel primitives' eager path, and a direct triton_call.
+  The adapter calls jax-triton's own rule; nothing changes where the two
+  agree (jax 0.11, or a fixed jax-triton).
+  """
+  # pylint: disable-next=g-import-not-at-top
+  from jax.interpreters import partial_eval as pe
+
+  primitive = getattr(
+      getattr(jax_triton, "triton_lib", None), "triton_kernel_call_p", None
+  )
+  rule = pe.dce_rules.get(primitive) if primitive is not None else None
+  if rule is None or getattr(rule, "_dropless_adapted", False):
+    return
+  jax_arity = _positional_count(pe.dce_jaxpr_closed_call_rule)
+  if jax_arity != 3 or _positional_count(rule) != 2:
+    return
+
+  def dce_rule(used_outputs, live_ins, eqn):
+    del live_ins  # jax-triton's rule keeps every input and the call.
+    return rule(used_outputs, eqn)
+
+  dce_rule._dropless_adapted = True  # pylint: disable=protected-access
+  pe.dce_rules[primitive] = dce_rule
 
 
 def _out_keyword(jax_triton) -> str:
@@ -422,11 +513,121 @@ def _triton_call(record: LaunchRecord, args) -> tuple[jax.Array, ...]:
       num_warps=record.num_warps,
       num_stages=record.num_stages,
       **{_out_keyword(jax_triton): list(record.out_types)},
+      **_target_options(jax_triton),
       **record.constexprs,
   )
   if hasattr(outputs, "shape"):
     return (outputs,)
   return tuple(outputs)
+
+
+# --- The GPU compiled for ----------------------------------------------------
+
+# Compute capability by GPU model, for a GPU known by its kind alone: the
+# abstract device of a topology that `moe_core.aot` compiles for. Longer
+# names first ("GB200" before "B200").
+_KIND_CAPABILITIES = (
+    ("GB200", 100),
+    ("GB300", 103),
+    ("GH200", 90),
+    ("B200", 100),
+    ("B300", 103),
+    ("H100", 90),
+    ("H200", 90),
+    ("H800", 90),
+)
+
+
+def target_device():
+  """The abstract GPU the program is being lowered for, or None.
+
+  `moe_core.aot.compile` lowers inside the target topology's abstract mesh,
+  whose abstract device names the GPU. jax-triton would otherwise compile
+  each kernel for the local GPU (none on a CPU host, or another model).
+  """
+  get = getattr(jax.sharding, "get_abstract_mesh", None)
+  device = getattr(get(), "abstract_device", None) if get else None
+  if device is None or getattr(device, "platform", None) not in ("gpu", "cuda"):
+    return None
+  return device
+
+
+def target_capability() -> int | None:
+  """The compute capability of the target GPU (90 for an H100), or None.
+
+  None when no target is set or its kind is not one of
+  `_KIND_CAPABILITIES`: jax-triton then asks the local GPU.
+  """
+  device = target_device()
+  kind = str(getattr(device, "device_kind", "") or "")
+  for fragment, capability in _KIND_CAPABILITIES:
+    if fragment in kind:
+      return capability
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _plugin_ptx_version() -> int | None:
+  """The newest PTX ISA that XLA's CUDA plugin compiles, e.g. 90.
+
+  jax-triton hands XLA the kernels' PTX, which XLA assembles with the PTX
+  compiler of the CUDA its plugin was built with (or a newer ptxas): PTX
+  ISA 9.0 for CUDA 13.0, by Triton's own CUDA -> PTX mapping. None when
+  that is unknown (no CUDA plugin).
+  """
+  try:
+    # pylint: disable=g-import-not-at-top
+    from jax._src.lib import cuda_versions
+    from triton.backends.nvidia import compiler as nvidia
+    # pylint: enable=g-import-not-at-top
+
+    build = int(cuda_versions.cuda_runtime_build_version())
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if build <= 0:
+    return None
+  return nvidia.ptx_get_version(f"{build // 1000}.{build % 1000 // 10}")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ptx_version(capability: int) -> int | None:
+  """The PTX ISA Triton emits for sm_<capability> by default (its ptxas')."""
+  try:
+    # pylint: disable-next=g-import-not-at-top
+    from triton.backends.nvidia import compiler as nvidia
+
+    return nvidia.ptx_get_version(nvidia.get_ptxas(capability).version)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def ptx_version(capability: int | None) -> int | None:
+  """The PTX ISA to ask Triton for, or None to leave Triton's default.
+
+  Triton labels its PTX with the ISA of the ptxas it ships (9.4 from
+  Triton 3.9's CUDA 13.4 ptxas), but XLA assembles it with the CUDA
+  plugin's (9.0 for CUDA 13.0), which refuses a newer ISA ("Unsupported
+  .version 9.4; current version is '9.0'"). Asking Triton for the
+  plugin's ISA keeps it within what both accept.
+  """
+  plugin = _plugin_ptx_version()
+  triton_default = _triton_ptx_version(capability or 90)
+  if plugin is None or triton_default is None or triton_default <= plugin:
+    return None
+  return plugin
+
+
+def _target_options(jax_triton) -> dict:
+  """triton_call's compute_capability and PTX ISA for the target GPU."""
+  parameters = inspect.signature(jax_triton.triton_call).parameters
+  capability = target_capability()
+  options = {}
+  if capability is not None and "compute_capability" in parameters:
+    options["compute_capability"] = capability
+  ptx = ptx_version(capability)
+  if ptx is not None and "backend_options" in parameters:
+    options["backend_options"] = {"ptx_version": ptx}
+  return options
 
 
 # --- The interpreter path ----------------------------------------------------
@@ -464,7 +665,7 @@ def _interpreted(kernel):
 
 @contextlib.contextmanager
 def _interpreter_fixes():
-  """Two corrections to Triton's interpreter (3.6 to 3.9), for one run.
+  """Three corrections to Triton's interpreter (3.6 to 3.9), for one run.
 
   Device functions: without TRITON_INTERPRET=1 at import, every @triton.jit
   function (the kernels' helpers, and tl.zeros and the like from Triton's
@@ -477,6 +678,11 @@ def _interpreter_fixes():
   Rounding: the interpreter casts float32 to bfloat16 by truncation; the GPU
   (and XLA) round to nearest even, which the cast here does too, through
   ml_dtypes.
+
+  Loop bounds: Triton 3.6 turns a scalar into a Python int with int() of
+  its one-element array, which NumPy 2.4 refuses ("only 0-dimensional
+  arrays can be converted to Python scalars"), so every loop with a
+  run-time bound failed; 3.8 and 3.9 take the element first, as this does.
   """
   _, interpreter, triton_jit = _interpreter_modules()
   # pylint: disable=g-import-not-at-top
@@ -486,6 +692,17 @@ def _interpreter_fixes():
   original_call = triton_jit.JITFunction.__call__
   builder = interpreter.InterpreterBuilder
   original_cast = builder.cast_impl
+  original_patch_lang = interpreter._patch_lang  # pylint: disable=protected-access
+
+  def patch_lang(fn):
+    scope = original_patch_lang(fn)
+    if hasattr(scope, "set_attr"):  # Restored with the interpreter's own.
+      scope.set_attr(
+          tl.core.tensor,
+          "__index__",
+          lambda self: int(np.asarray(self.handle.data).item()),
+      )
+    return scope
 
   def device_call(self, *args, **kwargs):
     interpreted = _interpreted(self)
@@ -504,11 +721,13 @@ def _interpreter_fixes():
 
   triton_jit.JITFunction.__call__ = device_call
   builder.cast_impl = cast_impl
+  interpreter._patch_lang = patch_lang  # pylint: disable=protected-access
   try:
     yield
   finally:
     triton_jit.JITFunction.__call__ = original_call
     builder.cast_impl = original_cast
+    interpreter._patch_lang = original_patch_lang  # pylint: disable=protected-access
 
 
 def _to_torch(torch, array: np.ndarray):
@@ -687,11 +906,16 @@ def compile_kernel(
       constexprs=dict(constexprs),
       attrs=attrs,
   )
-  compiled = triton.compile(
-      source,
-      target=triton_backends.GPUTarget("cuda", capability, 32),
-      options={"num_warps": num_warps, "num_stages": num_stages},
-  )
+  # Not while an interpreted launch (a host callback, maybe still running
+  # on another thread) has triton.language patched: the code generator
+  # would meet the interpreter's functions ("'value' object has no
+  # attribute 'dtype'").
+  with _INTERPRETER_LOCK:
+    compiled = triton.compile(
+        source,
+        target=triton_backends.GPUTarget("cuda", capability, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
   name = compiled.metadata.name
   registers, frame = cubin_resources(compiled.asm["cubin"], name)
   return CompiledInfo(

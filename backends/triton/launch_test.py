@@ -13,6 +13,7 @@ from unittest import mock
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
+from jax import extend as jex
 import jax.numpy as jnp
 import numpy as np
 
@@ -438,9 +439,10 @@ class RunnerTest(absltest.TestCase):
       launch.Runner(configs=3)
 
 
-def _fake_jax_triton(keyword, returns_list=True):
+def _fake_jax_triton(keyword, returns_list=True, with_options=False):
   """A module with jax-triton 0.3's (out_shape=) or 0.4's (out_type=)
-  triton_call, recording its keyword arguments."""
+  triton_call, recording its keyword arguments; `with_options`: it also
+  names compute_capability= and backend_options= (0.4)."""
   seen = {}
 
   def triton_call(
@@ -459,12 +461,15 @@ def _fake_jax_triton(keyword, returns_list=True):
 
   # The real signatures name the keyword; this one takes it through kwargs.
   parameters = list(inspect.signature(triton_call).parameters.values())
-  if keyword:
+  named = [keyword] if keyword else []
+  if with_options:
+    named += ["compute_capability", "backend_options"]
+  elif keyword == "out_shape":  # 0.3 names the capability too.
+    named += ["compute_capability"]
+  for name in named:
     parameters.insert(
         2,
-        inspect.Parameter(
-            keyword, inspect.Parameter.KEYWORD_ONLY, default=None
-        ),
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None),
     )
   triton_call.__signature__ = inspect.Signature(parameters)
   return (
@@ -552,6 +557,192 @@ class JaxTritonTest(parameterized.TestCase):
     self.assertEqual(launch._out_keyword(module), want)  # pylint: disable=protected-access
 
 
+class TargetTest(parameterized.TestCase):
+  """The GPU jax-triton compiles for: the target's, in the PTX it takes."""
+
+  @parameterized.parameters(
+      ("NVIDIA H100 80GB HBM3", 90),
+      ("NVIDIA H200", 90),
+      ("NVIDIA GH200 480GB", 90),
+      ("NVIDIA B200", 100),
+      ("NVIDIA GB200", 100),
+      ("NVIDIA A100-SXM4-80GB", None),
+  )
+  def test_capability_follows_the_target_kind(self, kind, want):
+    target = types.SimpleNamespace(device_kind=kind, platform="gpu")
+    with mock.patch.object(launch, "target_device", return_value=target):
+      self.assertEqual(launch.target_capability(), want)
+
+  def test_no_target_outside_a_gpu_topology(self):
+    self.assertIsNone(launch.target_device())
+    self.assertIsNone(launch.target_capability())
+
+  @parameterized.parameters(
+      (90, 94, 90),  # Triton 3.9 (ptxas 13.4), CUDA 13.0 plugin.
+      (90, 88, None),  # Triton 3.6 (ptxas 12.9): its default is accepted.
+      (90, 90, None),
+      (None, 94, None),  # No CUDA plugin: Triton's default.
+      (90, None, None),
+  )
+  def test_ptx_version_is_capped_at_the_plugins(self, plugin, triton_ptx, want):
+    with (
+        mock.patch.object(launch, "_plugin_ptx_version", return_value=plugin),
+        mock.patch.object(
+            launch, "_triton_ptx_version", return_value=triton_ptx
+        ),
+    ):
+      self.assertEqual(launch.ptx_version(100), want)
+
+  @parameterized.parameters(
+      ("out_type", 100, 90, {"compute_capability": 100,
+                             "backend_options": {"ptx_version": 90}}),
+      ("out_type", None, None, {}),
+      # jax-triton 0.3: no backend_options, the capability only.
+      ("out_shape", 90, 90, {"compute_capability": 90}),
+  )  # fmt: skip
+  def test_triton_call_gets_the_target(self, keyword, capability, ptx, want):
+    module, seen = _fake_jax_triton(keyword, with_options=keyword == "out_type")
+    x = jnp.ones((8,), jnp.float32)
+    with (
+        mock.patch.object(launch, "_jax_triton", return_value=module),
+        mock.patch.object(launch, "target_capability", return_value=capability),
+        mock.patch.object(launch, "ptx_version", return_value=ptx),
+    ):
+      launch.call(
+          _GPU,
+          _fake_kernel(),
+          (x, x),
+          jax.ShapeDtypeStruct((8,), jnp.float32),
+          (2,),
+          8,
+          4,
+          M=8,
+          BLOCK=4,
+      )
+    got = {
+        k: seen[k]
+        for k in ("compute_capability", "backend_options")
+        if seen.get(k) is not None
+    }
+    self.assertEqual(got, want)
+
+  def test_installed_plugin_and_triton_ptx_versions(self):
+    plugin = launch._plugin_ptx_version()  # pylint: disable=protected-access
+    if plugin is None:
+      self.skipTest("no CUDA plugin of jax, or no triton, here")
+    # CUDA 13.0, the plugins' build, takes PTX ISA 9.0.
+    self.assertGreaterEqual(plugin, 90)
+    ptx = launch.ptx_version(100)
+    self.assertTrue(ptx is None or ptx == plugin, ptx)
+
+
+class CacheDirTest(parameterized.TestCase):
+  """jax-triton's import leaves TRITON_CACHE_DIR as the caller had it."""
+
+  @parameterized.parameters(
+      (None, "", None),  # jax-triton 0.3 sets it to "".
+      ("/tmp/cache", "", "/tmp/cache"),
+      ("/tmp/cache", None, "/tmp/cache"),  # 0.4 unsets it.
+      (None, None, None),
+  )
+  def test_restored(self, before, after_import, want):
+    env = {} if after_import is None else {"TRITON_CACHE_DIR": after_import}
+    with mock.patch.dict(os.environ, env, clear=False):
+      if after_import is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+      launch._restore_cache_dir(before)  # pylint: disable=protected-access
+      self.assertEqual(os.environ.get("TRITON_CACHE_DIR"), want)
+
+  def test_after_importing_jax_triton(self):
+    try:
+      launch._jax_triton()  # pylint: disable=protected-access
+    except ImportError as e:
+      self.skipTest(str(e))
+    # A fresh process: jax-triton changes the variable at its first import.
+    script = (
+        "import os\n"
+        "from backends.triton import launch\n"
+        "launch._jax_triton()\n"
+        "print(repr(os.environ.get('TRITON_CACHE_DIR')))\n"
+    )
+    cache = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, cache, ignore_errors=True)
+    env = dict(
+        os.environ,
+        TRITON_CACHE_DIR=cache,
+        PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+        JAX_PLATFORMS="cpu",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertEqual(done.stdout.strip().splitlines()[-1], repr(cache))
+
+
+class DceRuleTest(absltest.TestCase):
+  """jax-triton 0.4.1's two-argument DCE rule on jax 0.12 (three)."""
+
+  def test_a_two_argument_rule_is_adapted(self):
+    # pylint: disable-next=g-import-not-at-top
+    from jax.interpreters import partial_eval as pe
+
+    primitive = jex.core.Primitive("fake_triton_kernel_call")
+    calls = []
+
+    def rule(used_outputs, eqn):
+      calls.append((used_outputs, eqn))
+      return [True], eqn
+
+    module = types.SimpleNamespace(
+        triton_lib=types.SimpleNamespace(triton_kernel_call_p=primitive)
+    )
+    pe.dce_rules[primitive] = rule
+    self.addCleanup(pe.dce_rules.pop, primitive)
+    launch._adapt_dce_rule(module)  # pylint: disable=protected-access
+    registered = pe.dce_rules[primitive]
+    if launch._positional_count(pe.dce_jaxpr_closed_call_rule) == 3:  # pylint: disable=protected-access
+      self.assertIsNot(registered, rule)
+      self.assertEqual(registered([False], [True], "eqn"), ([True], "eqn"))
+      self.assertEqual(calls, [([False], "eqn")])
+      launch._adapt_dce_rule(module)  # pylint: disable=protected-access
+      self.assertIs(pe.dce_rules[primitive], registered)  # Once only.
+    else:  # jax <= 0.11 calls it with two.
+      self.assertIs(registered, rule)
+
+  def test_a_jitted_triton_call_lowers_for_cuda(self):
+    """jit's DCE calls the rule; the kernel is built for sm_90 here."""
+    _skip_unless_triton(self)
+    ok, reason = launch.compilable()
+    if not ok:
+      self.skipTest(reason)
+    try:
+      launch._jax_triton()  # pylint: disable=protected-access
+    except ImportError as e:
+      self.skipTest(str(e))
+    x = jax.ShapeDtypeStruct((1000,), jnp.float32)
+
+    def f(x, y):
+      (out,) = launch.call(
+          _GPU, add_kernel, (x, y), x, (8,), 4, 3, N=1000, BLOCK=128
+      )
+      return out * 2
+
+    try:
+      with mock.patch.object(launch, "target_capability", return_value=90):
+        lowered = jax.jit(f).trace(x, x).lower(lowering_platforms=("cuda",))
+    except RuntimeError as e:
+      if "jax-triton requires JAX to be installed with GPU support" in str(e):
+        self.skipTest(f"no CUDA plugin of jax here: {e}")
+      raise
+    self.assertIn("triton_kernel_call", lowered.as_text())
+
+
 def _device(platform, capability=None, kind="NVIDIA H200"):
   return types.SimpleNamespace(
       platform=platform, device_kind=kind, compute_capability=capability
@@ -560,16 +751,18 @@ def _device(platform, capability=None, kind="NVIDIA H200"):
 
 class AvailabilityTest(parameterized.TestCase):
 
-  def _gpu_availability(self, device, jax_triton_ok=True):
+  def _gpu_availability(self, device, jax_triton_ok=True, compilable=True):
     error = ImportError(
         "triton: jax_triton is not importable (ValueError: "
         "no gpu_triton); the GPU mode needs jax-triton."
     )
+    why = "" if compilable else "triton: TRITON_INTERPRET is set (...)."
     with (
         mock.patch.object(jax, "devices", return_value=[device]),
         mock.patch.object(
             launch, "_jax_triton", side_effect=None if jax_triton_ok else error
         ),
+        mock.patch.object(launch, "compilable", return_value=(compilable, why)),
     ):
       return launch.availability(_GPU)
 
@@ -600,6 +793,21 @@ class AvailabilityTest(parameterized.TestCase):
     self.assertFalse(ok)
     self.assertIn("AMD MI300X reports no CUDA compute capability", reason)
 
+  @parameterized.parameters(("1", False), ("0", True), ("", True))
+  def test_compilable_unless_triton_interpret(self, value, want):
+    _skip_unless_triton(self)
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": value}):
+      ok, reason = launch.compilable()
+    self.assertEqual(ok, want)
+    if not want:
+      self.assertIn("TRITON_INTERPRET is set", reason)
+
+  def test_triton_interpret_is_named(self):
+    self.assertEqual(
+        self._gpu_availability(_device("gpu", "9.0"), compilable=False),
+        (False, "triton: TRITON_INTERPRET is set (...)."),
+    )
+
   def test_this_machine(self):
     ok, reason = launch.availability(_GPU)
     if jax.devices()[0].platform != "gpu":
@@ -622,6 +830,9 @@ class CompileTest(parameterized.TestCase):
   def setUp(self):
     super().setUp()
     _skip_unless_triton(self)
+    ok, reason = launch.compilable()
+    if not ok:
+      self.skipTest(reason)
 
   def _record(self, dtype, block):
     x = jnp.ones((1000,), dtype)

@@ -61,19 +61,9 @@ class XlaBackend(backend.Backend):
       self, q: operands.QuantizedGemmOperands
   ) -> jax.Array:
     """This backend's float32 grouped GEMM, scaled per K block."""
-
-    def gemm(rows, weights, group_sizes):
-      return self._grouped_gemm(
-          operands.GemmOperands(
-              rows=rows,
-              weights=weights,
-              group_sizes=group_sizes,
-              transpose_rhs=False,
-              out_dtype=jnp.dtype(jnp.float32),
-          )
-      )
-
-    return quantized_gemm.scaled_grouped_gemm(q, gemm)
+    return quantized_gemm.scaled_grouped_gemm(
+        q, quantized_gemm.float32_gemm(self._grouped_gemm)
+    )
 
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
     if self._ragged():

@@ -14,6 +14,7 @@ from moe_core.aot.targets import GpuTarget
 from moe_core.aot.targets import TARGETS
 from moe_core.aot.targets import target
 from moe_core.aot.topology import Topology
+from moe_core.aot.topology import cuda_plugin_installed
 from moe_core.aot.topology import gpu_topology
 from moe_core.aot.topology import parse_topology
 
@@ -24,6 +25,7 @@ __all__ = [
     "Topology",
     "collective_bytes",
     "compile",
+    "cuda_plugin_installed",
     "gpu_topology",
     "parse_topology",
     "target",

@@ -7,7 +7,6 @@ tests skip with that reason.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 from absl.testing import absltest
@@ -17,15 +16,7 @@ import jax.numpy as jnp
 
 from moe_core import aot
 
-
-def _has_plugin() -> bool:
-  try:
-    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
-  except ModuleNotFoundError:  # No jax_plugins package at all.
-    return False
-
-
-_HAS_PLUGIN = _has_plugin()
+_HAS_PLUGIN = aot.cuda_plugin_installed()
 
 
 def _field(text: str, name: str) -> str:

@@ -13,6 +13,7 @@ when it has.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -98,6 +99,14 @@ class Topology:
         ("gpu",),
         axis_types=(jax.sharding.AxisType.Auto,),
     )
+
+
+def cuda_plugin_installed() -> bool:
+  """Whether jax's CUDA 13 plugin, which gpu_topology needs, is installed."""
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+  except ModuleNotFoundError:  # No jax_plugins package at all.
+    return False
 
 
 def gpu_topology(target: str, topology: str = "1x1x1") -> Topology:

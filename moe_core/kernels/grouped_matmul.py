@@ -27,8 +27,7 @@ exported program.
 
 from __future__ import annotations
 
-import abc
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 from jax.interpreters import ad
@@ -42,20 +41,30 @@ Products = tuple[tuple[int, int, int], ...]
 ONE_PRODUCT: Products = ((0, 0, 0),)
 
 
-class GroupedKernels(abc.ABC):
+class GroupedKernels:
   """A backend's raw grouped-matmul kernels.
 
   Subclasses must be hashable and compare by value (frozen dataclasses):
   an instance is a static parameter of the primitive, part of jit's cache
   key. The kernels see operands of one dtype, int32 group sizes that are
   valid (non-negative, sum <= M: `Backend` sanitises them), and need not be
-  differentiable. Override `gmm` and `tgmm` (one product each); a backend
-  whose kernels sum several products in one pass (the gate and up
-  projections against one read of the rows) also overrides `gmm_products`
-  or `tgmm_products`.
+  differentiable. A backend implements either
+    * `gmm` and `tgmm`, one product per call, or
+    * `fused_gmm` and `fused_tgmm`, kernels that sum several products in
+      one pass (the gate and up projections against one read of the rows;
+      their dX as one accumulation; their dW from one read of the rows).
+  The multi-product entry points use the fused kernels where the call's
+  shape fits them and sum single products otherwise.
   """
 
-  @abc.abstractmethod
+  # fused_gmm(lhs, rhs, group_sizes, *, products, transpose_rhs,
+  #           num_outputs, out_dtype) -> tuple of num_outputs arrays:
+  #   acc[o] += lhs[l] @ rhs[r][group] for each (l, r, o), one out dtype.
+  fused_gmm: Callable[..., tuple[jax.Array, ...]] | None = None
+  # fused_tgmm(lhs, rhs, group_sizes, *, num_groups, out_dtype) -> tuple:
+  #   one lhs [M, A], rhs a sequence of [M, B_i]: out[i] = lhs_g^T rhs[i]_g.
+  fused_tgmm: Callable[..., tuple[jax.Array, ...]] | None = None
+
   def gmm(
       self,
       lhs: jax.Array,
@@ -70,8 +79,21 @@ class GroupedKernels(abc.ABC):
     Rows at or past sum(group_sizes) must come out zero without reading
     lhs there (it may hold NaN). Accumulate in float32.
     """
+    if self.fused_gmm is None:
+      raise NotImplementedError(
+          f"{type(self).__name__} implements neither gmm nor fused_gmm."
+      )
+    (out,) = self.fused_gmm(
+        (lhs,),
+        (rhs,),
+        group_sizes,
+        products=ONE_PRODUCT,
+        transpose_rhs=transpose_rhs,
+        num_outputs=1,
+        out_dtype=out_dtype,
+    )
+    return out
 
-  @abc.abstractmethod
   def tgmm(
       self,
       lhs: jax.Array,
@@ -86,6 +108,14 @@ class GroupedKernels(abc.ABC):
     Rows at or past sum(group_sizes) must not contribute, NaN or not; an
     empty group gives zeros. Accumulate in float32.
     """
+    if self.fused_tgmm is None:
+      raise NotImplementedError(
+          f"{type(self).__name__} implements neither tgmm nor fused_tgmm."
+      )
+    (out,) = self.fused_tgmm(
+        lhs, (rhs,), group_sizes, num_groups=num_groups, out_dtype=out_dtype
+    )
+    return out
 
   def gmm_products(
       self,
@@ -97,7 +127,18 @@ class GroupedKernels(abc.ABC):
       transpose_rhs: bool,
       out_dtypes: Sequence[np.dtype],
   ) -> tuple[jax.Array, ...]:
-    """Each out[o] = the sum of its products; default: one `gmm` each."""
+    """Each out[o] = the sum of its products: one `fused_gmm` call where
+    the outputs share a dtype, else one `gmm` per product."""
+    if self.fused_gmm is not None and len(set(out_dtypes)) == 1:
+      return self.fused_gmm(
+          tuple(lhs),
+          tuple(rhs),
+          group_sizes,
+          products=products,
+          transpose_rhs=transpose_rhs,
+          num_outputs=len(out_dtypes),
+          out_dtype=out_dtypes[0],
+      )
     return _sum_products(
         lambda l, r, dtype: self.gmm(
             lhs[l],
@@ -120,7 +161,22 @@ class GroupedKernels(abc.ABC):
       num_groups: int,
       out_dtypes: Sequence[np.dtype],
   ) -> tuple[jax.Array, ...]:
-    """Each out[o] = the sum of its products; default: one `tgmm` each."""
+    """Each out[o] = the sum of its products: one `fused_tgmm` call where
+    one lhs meets one rhs per output in one dtype, else one `tgmm` each."""
+    by_output = sorted(products, key=lambda p: p[2])
+    if (
+        self.fused_tgmm is not None
+        and len({l for l, _, _ in products}) == 1
+        and [o for _, _, o in by_output] == list(range(len(out_dtypes)))
+        and len(set(out_dtypes)) == 1
+    ):
+      return self.fused_tgmm(
+          lhs[products[0][0]],
+          tuple(rhs[r] for _, r, _ in by_output),
+          group_sizes,
+          num_groups=num_groups,
+          out_dtype=out_dtypes[0],
+      )
     return _sum_products(
         lambda l, r, dtype: self.tgmm(
             lhs[l],

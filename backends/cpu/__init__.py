@@ -1,0 +1,1 @@
+"""The cpu backend: a grouped GEMM as XLA FFI custom calls (C++, AVX-512)."""

@@ -1,0 +1,72 @@
+"""CpuBackend: the grouped GEMM as native XLA:CPU custom calls (XLA FFI)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from backends.cpu import kernels
+from backends.cpu import library
+from moe_core import backend
+from moe_core import operands
+from moe_core import precision
+from moe_core import quantized_gemm
+from moe_core.kernels import grouped_matmul
+
+
+class CpuBackend(backend.Backend):
+  """One blocked GEMM per (group, row chunk, column block), threaded.
+
+  The forward, dX and dW are the FFI custom calls `library.TARGETS`, which
+  read the group sizes inside the call: no padding, no host round trip, no
+  loop of copies. `moe_core.kernels.grouped_matmul` differentiates them
+  (grad, jvp, vmap, shard_map, export). The library picks its kernels from
+  the CPU (`kernels()`: AVX-512 with or without BF16, else portable C++).
+  Off the CPU, or without the built library, `availability()` says why and
+  "auto" moves on.
+  """
+
+  name: ClassVar[str] = "cpu"
+  dtypes: ClassVar[tuple[jnp.dtype, ...]] = kernels.DTYPES
+  # FP8/FP4 recipes as the xla backend computes them: the dequantised
+  # values, float32 and exact, through these kernels, scaled per K block.
+  precisions: ClassVar[tuple[str, ...]] = precision.RECIPES
+  # Custom calls an exported program of this backend holds (jax.export
+  # needs them named in disabled_checks: they are ours, not XLA's stable
+  # set).
+  custom_call_targets: ClassVar[tuple[str, ...]] = library.TARGETS
+
+  def availability(self) -> tuple[bool, str]:
+    if not kernels.AVAILABLE:
+      return False, kernels.WHY_NOT
+    platform = jax.default_backend()
+    if platform != "cpu":
+      return False, f"cpu: the kernels run on the CPU, not {platform}."
+    return True, ""
+
+  def kernels(self) -> str:
+    """Which kernels run here: "avx512-bf16", "avx512" or "portable"."""
+    return library.kernels()
+
+  def __repr__(self) -> str:
+    return f"CpuBackend(kernels={self.kernels() or 'unavailable'!r})"
+
+  def _quantized_grouped_gemm(
+      self, q: operands.QuantizedGemmOperands
+  ) -> jax.Array:
+    """The float32 custom call on the dequantised blocks, scaled per K."""
+    return quantized_gemm.scaled_grouped_gemm(
+        q, quantized_gemm.float32_gemm(self._grouped_gemm)
+    )
+
+  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
+    return grouped_matmul.gmm(
+        kernels.CpuKernels(),
+        gemm.rows,
+        gemm.weights,
+        gemm.group_sizes,
+        transpose_rhs=gemm.transpose_rhs,
+        out_dtype=gemm.out_dtype,
+    )

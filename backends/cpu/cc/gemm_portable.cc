@@ -1,0 +1,232 @@
+// The portable GEMM core, the per-CPU choice of kernels, and the scratch
+// buffers both cores use.
+//
+// The portable core runs wherever the library compiles: plain C++ with GCC
+// vector types (16 float32 lanes, which the compiler splits into whatever
+// registers the target has). On x86-64 its micro-kernel is also cloned for
+// x86-64-v3 (AVX2 + FMA), picked by the loader at run time (an ifunc), so a
+// CPU without AVX-512 still gets 256-bit FMAs; the default clone is baseline
+// x86-64 (SSE2). Operands of either type are converted to float32 while
+// packing, so one micro-kernel serves float32 and bfloat16.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "backends/cpu/cc/gemm.h"
+
+namespace dropless_cpu {
+namespace {
+
+// Tile: kRows rows x 16 columns of C in four 16-lane accumulators.
+constexpr int kRows = 4;
+constexpr int kCols = 16;
+// Depth per packed slice: a B slice of kDepth x 96 float32 is 96 KiB.
+constexpr int64_t kDepth = 256;
+
+typedef float Lanes __attribute__((vector_size(4 * kCols)));
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline float Load(Type type, const void* data, int64_t index) {
+  if (type == Type::kF32) return static_cast<const float*>(data)[index];
+  // bfloat16 is the high half of a float32.
+  const uint32_t bits = uint32_t{static_cast<const uint16_t*>(data)[index]}
+                        << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+// float32 -> bfloat16, rounded to nearest even; NaN stays NaN (quietened),
+// as AVX512_BF16's vcvtneps2bf16 does.
+inline uint16_t ToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
+    return static_cast<uint16_t>((bits >> 16) | 0x40);
+  }
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// c[r * ldc + j] (+)= sum_k a[k * kRows + r] * b[k * kCols + j] for a
+// kRows x kCols tile of float32; `load` adds to c instead of overwriting.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    __GNUC__ >= 11
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+void MicroPortable(int64_t kc, const float* a, const float* b, float* c,
+                   int64_t ldc, bool load) {
+  Lanes acc[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    if (load) {
+      std::memcpy(&acc[r], c + r * ldc, sizeof(Lanes));
+    } else {
+      acc[r] = Lanes{};
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    Lanes bv;
+    std::memcpy(&bv, b + k * kCols, sizeof(Lanes));
+    for (int r = 0; r < kRows; ++r) acc[r] += a[k * kRows + r] * bv;
+  }
+  for (int r = 0; r < kRows; ++r) {
+    std::memcpy(c + r * ldc, &acc[r], sizeof(Lanes));
+  }
+}
+
+}  // namespace
+
+void GemmBlockPortable(Type in, int64_t m, int64_t n, int64_t depth, View a,
+                       View b, Out out, Scratch* scratch) {
+  if (m <= 0 || n <= 0) return;
+  if (depth <= 0) {
+    ZeroBlock(m, n, out);
+    return;
+  }
+  const int64_t panels = CeilDiv(n, kCols);
+  const int64_t ldc = panels * kCols;
+  const int64_t row_panels = CeilDiv(m, kRows);
+  const int64_t slice = std::min(depth, kDepth);
+  float* packed_b = static_cast<float*>(scratch->Get(0, 4 * slice * ldc));
+  float* packed_a = static_cast<float*>(scratch->Get(1, 4 * slice * kRows));
+  // The whole block's float32 sums, kept across depth slices.
+  float* acc = static_cast<float*>(
+      scratch->Get(2, 4 * row_panels * kRows * ldc));
+
+  for (int64_t k0 = 0; k0 < depth; k0 += slice) {
+    const int64_t kc = std::min(slice, depth - k0);
+    // B's slice as float32 panels [p][k][kCols], zero past n.
+    for (int64_t p = 0; p < panels; ++p) {
+      float* panel = packed_b + p * kc * kCols;
+      for (int64_t k = 0; k < kc; ++k) {
+        for (int j = 0; j < kCols; ++j) {
+          const int64_t col = p * kCols + j;
+          panel[k * kCols + j] =
+              col < n ? Load(in, b.data, (k0 + k) * b.rows + col * b.cols)
+                      : 0.0f;
+        }
+      }
+    }
+    for (int64_t ip = 0; ip < row_panels; ++ip) {
+      // A's rows as a float32 panel [k][kRows], zero past m (those rows of
+      // acc are computed but never stored).
+      for (int64_t k = 0; k < kc; ++k) {
+        for (int r = 0; r < kRows; ++r) {
+          const int64_t row = ip * kRows + r;
+          packed_a[k * kRows + r] =
+              row < m ? Load(in, a.data, row * a.rows + (k0 + k) * a.cols)
+                      : 0.0f;
+        }
+      }
+      for (int64_t p = 0; p < panels; ++p) {
+        MicroPortable(kc, packed_a, packed_b + p * kc * kCols,
+                      acc + ip * kRows * ldc + p * kCols, ldc, k0 > 0);
+      }
+    }
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = acc + i * ldc;
+    if (out.type == Type::kF32) {
+      std::memcpy(static_cast<float*>(out.data) + i * out.ld, row, 4 * n);
+    } else {
+      uint16_t* to = static_cast<uint16_t*>(out.data) + i * out.ld;
+      for (int64_t j = 0; j < n; ++j) to[j] = ToBf16(row[j]);
+    }
+  }
+}
+
+void ZeroBlock(int64_t m, int64_t n, Out out) {
+  const size_t width = out.type == Type::kF32 ? 4 : 2;
+  char* base = static_cast<char*>(out.data);
+  for (int64_t i = 0; i < m; ++i) {
+    std::memset(base + i * out.ld * width, 0, n * width);
+  }
+}
+
+Scratch::Scratch() {
+  for (int i = 0; i < kSlots; ++i) {
+    buffers_[i] = nullptr;
+    sizes_[i] = 0;
+  }
+}
+
+Scratch::~Scratch() {
+  for (int i = 0; i < kSlots; ++i) std::free(buffers_[i]);
+}
+
+void* Scratch::Get(int slot, size_t bytes) {
+  if (sizes_[slot] < bytes) {
+    std::free(buffers_[slot]);
+    const size_t rounded = (bytes + 4095) / 4096 * 4096;
+    buffers_[slot] = std::aligned_alloc(64, rounded);
+    sizes_[slot] = buffers_[slot] ? rounded : 0;
+  }
+  return buffers_[slot];
+}
+
+namespace {
+
+// What this CPU can run, from cpuid (never an instruction it lacks).
+Kernels CpuKernels() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("fma");
+  if (!avx512) return Kernels::kPortable;
+  return __builtin_cpu_supports("avx512bf16") ? Kernels::kAvx512Bf16
+                                              : Kernels::kAvx512;
+#else
+  return Kernels::kPortable;
+#endif
+}
+
+}  // namespace
+
+Kernels SelectedKernels() {
+  static const Kernels selected = [] {
+    Kernels best = CpuKernels();
+    const char* wanted = std::getenv("DROPLESS_CPU_KERNELS");
+    if (wanted != nullptr && std::strcmp(wanted, "portable") == 0) {
+      return Kernels::kPortable;
+    }
+    if (wanted != nullptr && std::strcmp(wanted, "avx512") == 0 &&
+        best == Kernels::kAvx512Bf16) {
+      return Kernels::kAvx512;
+    }
+    return best;
+  }();
+  return selected;
+}
+
+const char* KernelsName(Kernels kernels) {
+  switch (kernels) {
+    case Kernels::kAvx512Bf16:
+      return "avx512-bf16";
+    case Kernels::kAvx512:
+      return "avx512";
+    case Kernels::kPortable:
+      return "portable";
+  }
+  return "portable";
+}
+
+void GemmBlock(Type in, int64_t m, int64_t n, int64_t depth, View a, View b,
+               Out out, Scratch* scratch) {
+#if defined(__x86_64__)
+  const Kernels kernels = SelectedKernels();
+  const bool bf16 = in == Type::kBF16 || out.type == Type::kBF16;
+  if (kernels == Kernels::kAvx512Bf16 ||
+      (kernels == Kernels::kAvx512 && !bf16)) {
+    GemmBlockAvx512(in, m, n, depth, a, b, out, scratch);
+    return;
+  }
+#endif
+  GemmBlockPortable(in, m, n, depth, a, b, out, scratch);
+}
+
+}  // namespace dropless_cpu

@@ -1,0 +1,276 @@
+"""The cpu backend's custom calls against float64 numpy, on every kernel set.
+
+The conformance suite runs the backend as users do; here the shapes reach
+what it does not: several row chunks and column blocks per group, depths
+past one packed slice, 1 and 256 experts, NaN in the rows and cotangents
+past the groups, export, and the loader's refusals. The whole test class
+runs again in a subprocess on the portable kernels
+(DROPLESS_CPU_KERNELS=portable), the path of CPUs without AVX-512.
+"""
+
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import types
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+from jax import export
+import jax.numpy as jnp
+import numpy as np
+
+from backends.cpu import library
+from conformance import oracles
+from moe_core import registry
+
+# Set in the subprocess that reruns this file on the portable kernels.
+_EXPECT_KERNELS_ENV = "DROPLESS_CPU_TEST_EXPECT_KERNELS"
+_KERNELS_ENV = "DROPLESS_CPU_KERNELS"
+
+# (M, C, N, group sizes): rows, contracted width, output width.
+_SHAPES = {
+    # Three groups of several 256-row chunks and N past one 96-wide block.
+    "big_groups": (700, 72, 200, (300, 0, 390)),
+    # A depth past one packed slice (768 float32, 1536 bfloat16 steps).
+    "deep": (40, 1601, 50, (17, 0, 20)),
+    "one_expert_all_rows": (130, 33, 49, (130,)),
+    "one_expert_padded": (130, 33, 49, (77,)),
+    "empty_groups_only": (24, 16, 24, (0, 0, 0)),
+    # The xla backend's grouped_gemm_test layouts.
+    "last_group_takes_all": (100, 16, 24, (0, 0, 0, 0, 100)),
+    "first_takes_all_but_one": (100, 16, 24, (99, 0, 0, 0, 1)),
+    "ragged_with_empty": (100, 16, 24, (30, 0, 7, 41, 12)),
+    "short_of_m": (100, 16, 24, (3, 0, 0, 4, 0)),
+}
+
+
+def _many_experts(rng, experts, used):
+  """Random sizes for `experts` groups summing to `used` (many empty)."""
+  return tuple(
+      int(s) for s in rng.multinomial(used, rng.dirichlet([0.3] * experts))
+  )
+
+
+def _inputs(m, c, n, sizes, dtype, transpose_rhs, seed=0):
+  """rows with NaN past the groups, weights, sizes, NaN-padded cotangent."""
+  rng = np.random.default_rng(seed)
+  used = sum(sizes)
+  rows = rng.standard_normal((m, c)).astype(np.float32)
+  rows[used:] = np.nan
+  shape = (len(sizes), n, c) if transpose_rhs else (len(sizes), c, n)
+  weights = rng.standard_normal(shape).astype(np.float32)
+  cotangent = rng.standard_normal((m, n)).astype(np.float32)
+  cotangent[used:] = np.nan
+  cast = lambda x: jnp.asarray(x, dtype)
+  return (
+      cast(rows),
+      cast(weights),
+      jnp.asarray(sizes, jnp.int32),
+      cast(cotangent),
+  )
+
+
+def _close(test, got, want, dtype, scale, msg):
+  """bfloat16 operands multiply exactly in float32: both dtypes then differ
+  from float64 by float32 summation, plus rounding to bf16 outputs."""
+  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+  rtol = 1e-2 if dtype == jnp.bfloat16 else 2e-5
+  np.testing.assert_allclose(
+      got, want, rtol=rtol, atol=rtol * scale, err_msg=msg
+  )
+
+
+class CpuKernelsTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.backend = registry.get_backend("cpu")
+    ok, reason = self.backend.availability()
+    if not ok:
+      self.skipTest(reason)
+
+  def test_runs_the_kernels_asked_for(self):
+    expected = os.environ.get(_EXPECT_KERNELS_ENV)
+    got = self.backend.kernels()
+    self.assertIn(got, ("avx512-bf16", "avx512", "portable"))
+    if expected:
+      self.assertEqual(got, expected)
+
+  @parameterized.product(
+      shape=sorted(_SHAPES),
+      dtype=["float32", "bfloat16"],
+      transpose_rhs=[False, True],
+  )
+  def test_forward_and_gradients_match_numpy(self, shape, dtype, transpose_rhs):
+    m, c, n, sizes = _SHAPES[shape]
+    self._check(m, c, n, sizes, jnp.dtype(dtype), transpose_rhs)
+
+  @parameterized.parameters("float32", "bfloat16")
+  def test_256_experts_with_empty_groups_and_padding(self, dtype):
+    rng = np.random.default_rng(1)
+    sizes = _many_experts(rng, 256, 560)
+    self.assertGreater(sizes.count(0), 10)
+    self._check(600, 40, 56, sizes, jnp.dtype(dtype), False)
+
+  def _check(self, m, c, n, sizes, dtype, transpose_rhs):
+    rows, weights, group_sizes, cotangent = _inputs(
+        m, c, n, sizes, dtype, transpose_rhs
+    )
+    used = sum(sizes)
+    gemm = lambda r, w: self.backend.grouped_gemm(
+        r, w, group_sizes, transpose_rhs=transpose_rhs, out_dtype=jnp.float32
+    )
+    out, vjp = jax.jit(lambda r, w: jax.vjp(gemm, r, w))(rows, weights)
+    d_rows, d_weights = jax.jit(vjp)(cotangent.astype(jnp.float32))
+    # NaN rows past the groups are never read: zeros out, zero gradient.
+    self.assertTrue(np.all(np.asarray(out[used:]) == 0))
+    self.assertTrue(np.all(np.asarray(d_rows[used:], np.float32) == 0))
+    want = oracles.grouped_gemm(rows, weights, group_sizes, transpose_rhs)
+    scale = np.sqrt(c)
+    _close(self, out, want, dtype, scale, "forward")
+    want_rows, want_weights = oracles.grouped_gemm_grads(
+        rows, weights, group_sizes, cotangent, transpose_rhs
+    )
+    _close(self, d_rows, want_rows, dtype, np.sqrt(n), "d rows")
+    _close(self, d_weights, want_weights, dtype, np.sqrt(m), "d weights")
+
+  def test_bfloat16_output_is_rounded_float32_sum(self):
+    rows, weights, group_sizes, _ = _inputs(
+        64, 48, 40, (30, 0, 34), jnp.bfloat16, False
+    )
+    got = self.backend.grouped_gemm(rows, weights, group_sizes)
+    self.assertEqual(got.dtype, jnp.bfloat16)
+    exact = self.backend.grouped_gemm(
+        rows, weights, group_sizes, out_dtype=jnp.float32
+    )
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32),
+        np.asarray(exact.astype(jnp.bfloat16), np.float32),
+    )
+
+  def test_export_records_the_versioned_targets_and_round_trips(self):
+    rows, weights, group_sizes, cotangent = _inputs(
+        48, 16, 24, (20, 0, 20), jnp.float32, False
+    )
+
+    def loss(r, w):
+      out = self.backend.grouped_gemm(r, w, group_sizes)
+      return jnp.sum(jnp.where(jnp.isnan(cotangent), 0.0, cotangent) * out)
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    rows = jnp.nan_to_num(rows)
+    # Our targets are not in jax.export's list of stable custom calls.
+    with self.assertRaisesRegex(ValueError, "custom calls"):
+      export.export(fn)(rows, weights)
+    exported = export.export(
+        fn,
+        disabled_checks=[
+            export.DisabledSafetyCheck.custom_call(t)
+            for t in self.backend.custom_call_targets
+        ],
+    )(rows, weights)
+    text = exported.mlir_module()
+    # Forward and dX are the gmm target, dW the tgmm one; each name carries
+    # its calling convention's version, and the typed FFI API (4).
+    for target in library.TARGETS:
+      self.assertRegex(text, rf"custom_call @{target}\(")
+      self.assertTrue(target.endswith("_v1"))
+    self.assertEqual(
+        set(re.findall(r"api_version = (\d+)", text)) - {"4"}, set()
+    )
+    restored = export.deserialize(exported.serialize())
+    for got, want in zip(
+        jax.tree.leaves(restored.call(rows, weights)),
+        jax.tree.leaves(fn(rows, weights)),
+    ):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+  def test_a_large_call_runs_on_several_threads_of_xlas_pool(self):
+    if (os.cpu_count() or 1) < 2:
+      self.skipTest("one core: XLA's pool has one thread")
+    rows = jnp.ones((4096, 512))
+    weights = jnp.ones((8, 512, 1024))
+    sizes = jnp.full((8,), 512, jnp.int32)
+    jax.block_until_ready(
+        jax.jit(self.backend.grouped_gemm)(rows, weights, sizes)
+    )
+    lib = library._loaded[0]  # pylint: disable=protected-access
+    counts = {}
+    for name in ("DroplessCpuLastPoolThreads", "DroplessCpuLastWorkers"):
+      getattr(lib, name).restype = ctypes.c_int64
+      counts[name] = getattr(lib, name)()
+    # ~700 blocks of tens of microseconds: the caller and at least one
+    # helper on XLA's pool take some (the caller never takes them all).
+    self.assertGreaterEqual(counts["DroplessCpuLastPoolThreads"], 2, counts)
+    self.assertGreaterEqual(counts["DroplessCpuLastWorkers"], 2, counts)
+
+  def test_portable_kernels_pass_this_test_in_a_subprocess(self):
+    if os.environ.get(_EXPECT_KERNELS_ENV):
+      self.skipTest("already the subprocess")
+    env = dict(
+        os.environ,
+        **{
+            _KERNELS_ENV: "portable",
+            _EXPECT_KERNELS_ENV: "portable",
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        },
+    )
+    result = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "CpuKernelsTest"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    self.assertEqual(result.returncode, 0, result.stderr[-4000:])
+    self.assertRegex(result.stderr, r"\nOK")
+
+
+class LoaderTest(absltest.TestCase):
+
+  def test_missing_library_is_unavailable_and_auto_falls_through(self):
+    script = (
+        "from moe_core import registry\n"
+        "print(registry.get_backend('cpu').availability())\n"
+        "print(registry.get_backend('auto').name)\n"
+    )
+    env = dict(
+        os.environ,
+        **{
+            library.LIBRARY_ENV: "/nonexistent/libdropless_cpu.so",
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        },
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    availability, auto = result.stdout.strip().splitlines()[-2:]
+    self.assertIn("(False, 'cpu: cannot load /nonexistent", availability)
+    self.assertEqual(auto, "xla")
+
+  def test_library_for_a_newer_jaxlib_is_refused(self):
+    def built_for():
+      return b"99.0.0"
+
+    lib = types.SimpleNamespace(DroplessCpuBuiltForJaxlib=built_for)
+    why = library._incompatible(lib, "lib.so")  # pylint: disable=protected-access
+    self.assertRegex(why, r"built against jaxlib 99\.0\.0's FFI headers")
+
+  def test_library_for_this_or_an_older_jaxlib_is_accepted(self):
+    def built_for():
+      return b"0.10.2"
+
+    lib = types.SimpleNamespace(DroplessCpuBuiltForJaxlib=built_for)
+    self.assertEqual(library._incompatible(lib, "lib.so"), "")  # pylint: disable=protected-access
+
+
+if __name__ == "__main__":
+  absltest.main()

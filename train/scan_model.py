@@ -1,0 +1,187 @@
+"""The transformer with its layers under a scan: compile time flat in depth.
+
+    tokens [B, T] -> embed -> scan over dense_layers -> scan over moe_layers
+      -> norm -> head -> logits [B, T, V] (float32)
+
+The same model as `model.Transformer` (same blocks, same initial values
+from the same seed), but each run of identical layers is one `Block`
+whose variables carry a leading layer axis, [L, ...], and the forward runs
+it under `jax.lax.scan`: XLA compiles one layer per stack, whatever the
+depth. DeepSeek-V3's dense first layers are a stack of their own, before
+the MoE stack. Each layer runs under the run's remat policy
+(`moe_core.remat`), so the backward pass keeps per layer what the policy
+says, stacked over the layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import moe_core
+from moe_core import flax as moe_flax
+from moe_core import remat as moe_remat
+from train import model as model_lib
+from train import model_config
+
+
+class _KeySource:
+  """Stands in for `nnx.Rngs` in a layer's constructor.
+
+  Draw n returns fold_in(root, start + n): the key `nnx.Rngs(params=seed)`
+  returns for its (start + n)-th draw, so a stacked layer gets the keys its
+  unrolled twin gets. `start` may be traced (one value per layer, vmapped).
+  """
+
+  def __init__(self, root: jax.Array, start):
+    self._root, self._start, self.count = root, start, 0
+
+  def params(self) -> jax.Array:
+    key = jax.random.fold_in(self._root, self._start + self.count)
+    self.count += 1
+    return key
+
+
+def stacked_block(
+    cfg: model_config.ModelConfig,
+    layer: int,
+    num_layers: int,
+    rngs: nnx.Rngs,
+    **block_kwargs,
+) -> model_lib.Block:
+  """`num_layers` Blocks like layer `layer`, as one with stacked variables.
+
+  Their values are those of `num_layers` Blocks built one after the other
+  from `rngs` (which advances past them), computed under `jax.vmap`.
+
+  Args:
+    cfg: the model config.
+    layer: the index of the first layer (a dense or an MoE one).
+    num_layers: L, the stack's depth.
+    rngs: the model's `nnx.Rngs`, with a "params" stream.
+    **block_kwargs: `backend`, `moe_mesh` for `model.Block`.
+
+  Returns:
+    A `model.Block` whose every variable is [L, ...].
+  """
+
+  def make(keys):
+    return model_lib.Block(cfg, layer, rngs=keys, **block_kwargs)
+
+  stream = rngs.params
+  root, start = stream.key[...], stream.count[...]
+  probe = _KeySource(root, 0)  # Counts one layer's draws.
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(probe)))
+  per_layer = probe.count
+  offsets = jnp.arange(num_layers, dtype=jnp.uint32) * per_layer
+  state = jax.vmap(
+      lambda offset: nnx.state(make(_KeySource(root, start + offset)))
+  )(offsets)
+  stream.count[...] = start + num_layers * per_layer
+  return nnx.merge(graphdef, state)
+
+
+def run_stack(
+    stack: model_lib.Block, x: jax.Array, positions: jax.Array, remat: str
+):
+  """x through every layer of `stack` in turn, under `jax.lax.scan`.
+
+  Returns:
+    (x, stats): stats are the layers' `moe_stats` stacked [L, ...], or
+    None for dense layers.
+  """
+  graphdef, state = nnx.split(stack)
+
+  def layer(layer_state, x):
+    return nnx.merge(graphdef, layer_state)(x, positions)
+
+  if remat != "none":
+    # Inside a scan CSE cannot merge the recomputation with the forward
+    # (the scan keeps them apart), so jax need not guard against it.
+    layer = jax.checkpoint(
+        layer, policy=moe_remat.policy(remat), prevent_cse=False
+    )
+
+  def body(x, layer_state):
+    return layer(layer_state, x)
+
+  return jax.lax.scan(body, x, state)
+
+
+class ScannedTransformer(nnx.Module):
+  """The language model with scanned layers: tokens [B, T] -> (logits, stats).
+
+  Attributes: `embed`, `dense_layers` (a stacked `model.Block` of the
+  first dense layers, or None), `moe_layers` (a stacked Block of the MoE
+  layers, or None for an all-dense model), `final_norm`, `head`.
+
+  Args: as `model.Transformer`'s. `stats` is the MoE layers' `moe_stats`
+  stacked [L_moe, ...], or None for an all-dense model, as there.
+  """
+
+  def __init__(
+      self,
+      cfg: model_config.ModelConfig,
+      *,
+      backend: str = "auto",
+      compute_dtype=jnp.bfloat16,
+      remat: str = "none",
+      rngs: nnx.Rngs,
+      moe_mesh: dict | None = None,
+  ):
+    moe_remat.check_policy_name(remat)
+    self.cfg = cfg
+    self.compute_dtype = compute_dtype
+    self.remat = remat
+    # The draws of `model.Transformer`, in its order: the embedding, the
+    # layers in turn, the head.
+    self.embed = nnx.Param(
+        jax.random.normal(
+            rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32
+        )
+    )
+    kwargs = {"backend": backend, "moe_mesh": moe_mesh}
+    dense, moe = cfg.num_dense_layers, cfg.num_moe_layers
+    self.dense_layers = (
+        stacked_block(cfg, 0, dense, rngs, **kwargs) if dense else None
+    )
+    self.moe_layers = (
+        stacked_block(cfg, dense, moe, rngs, **kwargs) if moe else None
+    )
+    self.final_norm = model_lib.RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    if not cfg.tie_embeddings:
+      self.head = model_lib.weight(
+          rngs.params(), (cfg.hidden_size, cfg.vocab_size)
+      )
+
+  def __call__(self, tokens: jax.Array):
+    x = model_lib.embed_tokens(self, tokens)
+    positions = jnp.arange(tokens.shape[1])
+    stats = None
+    if self.dense_layers is not None:
+      x, _ = run_stack(self.dense_layers, x, positions, self.remat)
+    if self.moe_layers is not None:
+      x, stats = run_stack(self.moe_layers, x, positions, self.remat)
+    return model_lib.output_logits(self, x), stats
+
+  def moe_modules(self) -> list[moe_flax.MoE]:
+    """The MoE blocks: one, whose variables are stacked over the layers."""
+    return [] if self.moe_layers is None else [self.moe_layers.mlp]
+
+  def update_correction_biases(
+      self, tokens_per_expert: jax.Array, rate: float
+  ) -> None:
+    """The aux-loss-free rule on each MoE layer's bias, row by row.
+
+    Args:
+      tokens_per_expert: [L_moe, E]: layer j's counts in row j.
+      rate: the rule's step size.
+    """
+    if self.moe_layers is None or not self.cfg.moe.correction_bias:
+      return
+    bias = getattr(self.moe_layers.mlp, moe_flax.BIAS_NAME)
+    new = jax.vmap(
+        lambda b, counts: moe_core.update_correction_bias(b, counts, rate)
+    )(bias[...], tokens_per_expert)
+    moe_flax.set_value(bias, new.astype(jnp.float32))

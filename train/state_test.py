@@ -1,0 +1,116 @@
+"""The state is initialised by one sharded program, to the eager values."""
+
+import math
+
+import jax
+import numpy as np
+from absl.testing import absltest
+from absl.testing import parameterized
+from flax import nnx
+
+from moe_core import flax as moe_flax
+from train import mesh as mesh_lib
+from train import state as state_lib
+from train import steps
+from train import testing
+
+MESH = "fsdp=2,expert=4"
+
+
+def _eager_state(run):
+  """The state as the program built it before: eagerly, op by op, on the
+  default device."""
+  model = state_lib.make_model(run, None)
+  _, params, bias = nnx.split(model, nnx.Param, moe_flax.CorrectionBias)
+  opt_state = steps.make_optimizer(run).init(params)
+  return {"params": params, "opt_state": opt_state, "bias": bias}
+
+
+def _assert_same_values(test, got, want):
+  got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
+  test.assertEqual(len(got_leaves), len(jax.tree.leaves(want)))
+  for (path, g), w in zip(got_leaves, jax.tree.leaves(want)):
+    np.testing.assert_array_equal(
+        np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path)
+    )
+
+
+class OneDeviceTest(parameterized.TestCase):
+
+  @parameterized.parameters(True, False)
+  def test_values_equal_the_eager_init(self, scan_layers):
+    run = testing.small_run("/unused", scan_layers=scan_layers, seed=5)
+    spec = state_lib.abstract(run, None)
+    state = state_lib.initialise(run, spec)
+    _assert_same_values(self, state, _eager_state(run))
+    for leaf, shape in zip(jax.tree.leaves(state), jax.tree.leaves(spec.state)):
+      self.assertEqual((leaf.shape, leaf.dtype), (shape.shape, shape.dtype))
+
+  def test_abstract_allocates_nothing(self):
+    before = len(jax.live_arrays())
+    spec = state_lib.abstract(testing.small_run("/unused"), None)
+    self.assertEqual(len(jax.live_arrays()), before)
+    self.assertIsNone(spec.placement)
+    self.assertTrue(
+        all(
+            isinstance(x, jax.ShapeDtypeStruct)
+            for x in jax.tree.leaves(spec.state)
+        )
+    )
+
+
+class ShardedInitTest(absltest.TestCase):
+  """On a (fsdp=2, expert=4) mesh of 8 CPU devices."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.train_run = testing.small_run("/unused", mesh=MESH, batch_size=8)
+    cls.mesh = mesh_lib.build(mesh_lib.parse(MESH))
+    cls.spec = state_lib.abstract(cls.train_run, cls.mesh)
+    init = state_lib.initializer(cls.train_run, cls.spec)
+    cls.compiled = init.lower().compile()
+
+  def test_outputs_have_the_placements_shardings(self):
+    want = jax.tree.leaves(self.spec.placement.state)
+    got = jax.tree.leaves(self.compiled.output_shardings)
+    self.assertLen(got, len(want))
+    for g, w, x in zip(got, want, jax.tree.leaves(self.spec.state)):
+      self.assertTrue(g.is_equivalent_to(w, len(x.shape)), f"{g} != {w}")
+
+  def test_each_device_computes_only_its_shards(self):
+    leaves = jax.tree.leaves(self.spec.state)
+    whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+    shards = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for x in leaves
+    )
+    self.assertLess(shards, whole / 2)
+    memory = self.compiled.memory_analysis()
+    # XLA's output size also counts the output tuple: a pointer per leaf.
+    self.assertBetween(
+        memory.output_size_in_bytes, shards, shards + 8 * len(leaves)
+    )
+    # No buffer of the per-device program is as large as a whole expert
+    # weight or the embedding: they never exist in one place.
+    self.assertLess(memory.temp_size_in_bytes, whole / 2)
+    text = self.compiled.as_text()
+    params = self.spec.state["params"]
+    for value in (params["moe_layers"]["mlp"]["w_up"], params["embed"]):
+      whole_shape = ",".join(map(str, value.shape))
+      shard_shape = value.sharding.shard_shape(value.shape)
+      self.assertNotEqual(shard_shape, value.shape)
+      self.assertNotIn(f"[{whole_shape}]", text)
+      self.assertIn(f"[{','.join(map(str, shard_shape))}]", text)
+
+  def test_values_equal_the_one_device_init(self):
+    state = self.compiled()
+    w = state["params"]["moe_layers"]["mlp"]["w_gate"][...]
+    self.assertEqual(
+        {s.data.shape for s in w.addressable_shards}, {(1, 2, 16, 32)}
+    )
+    _assert_same_values(self, state, _eager_state(self.train_run))
+
+
+if __name__ == "__main__":
+  absltest.main()
