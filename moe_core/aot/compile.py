@@ -30,7 +30,14 @@ from moe_core.aot import topology as topology_lib
 # the CUDA runtime for while compiling: without a GPU that fails
 # (cudaErrorInvalidDevice; every sort on a B200 target, large ones on an
 # H100). XLA's own sort kernel needs no device.
-DEVICELESS_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+# Nor can the autotuner time anything: XLA keeps its default tilings
+# either way, yet at the default level the autotuner still takes a third of
+# a compile here (bench/results/README.md: level 0 gives the same memory,
+# FLOPs, kernels and collectives).
+DEVICELESS_OPTIONS = {
+    "xla_gpu_enable_cub_radix_sort": False,
+    "xla_gpu_autotune_level": 0,
+}
 
 # Collectives whose operand bytes `CompiledProgram.collective_bytes` sums.
 COLLECTIVES = (
