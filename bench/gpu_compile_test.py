@@ -3,21 +3,31 @@
 CI's strongest check of GPU code, from a CPU host (`bench.gpu_compile`,
 `moe_core.aot`): each program of the table (every variant x workload,
 forward and forward+backward, the expert-parallel layer on 8 and 64 GPUs)
-is compiled for an H100 or a B200 (`leg_target`: each target on one of
-the two legs with the plugin) at the workloads' CI sizes, and must compile,
-contain its backend's kernels (and the ragged all-to-all) and fit the
-target's HBM. A program the table excepts is counted and listed with its
-reason. One test per workload (Bazel shards them); each prints its "N of
-N compiled" line, and its records go to Bazel's undeclared outputs as
-JSON. Where jax has no CUDA plugin (the oldest leg)
-the compile tests skip with that reason; the checks of the checks run
-everywhere.
+is compiled at the workloads' CI sizes and must compile, contain its
+backend's kernels (and the ragged all-to-all) and fit the target's HBM. A
+program the table excepts is counted and listed with its reason.
+
+Both targets on both legs with the CUDA plugin, at a cost that fits CI:
+each leg compiles every program for one target (`leg_target`: B200 on the
+newest leg, H100 on the GPU machine's jax 0.11.2, whose H200 is Hopper) and
+the DeepSeek-V3 layer's forward+backward on every variant, and its
+8-GPU exchange, for the other (`CROSS`). Every program on both targets on
+both legs costs about twice the CPU (bench/results/README.md). Each test
+compiles in a child process of its own (Mosaic GPU keeps the first
+target's arch for the whole process) and prints "gpu compile: ... N of N
+compiled, plus K named exceptions", which .ci/run repeats; the records go
+to Bazel's undeclared outputs as JSON. Where jax has no CUDA plugin (the
+oldest leg) the compile tests skip with that reason; the checks of the
+checks run everywhere.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import types
 from unittest import mock
 
@@ -27,19 +37,28 @@ import jax
 
 from bench import gpu_compile
 from bench import programs
+from moe_core import aot
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The other target's programs on each leg: every variant's layer,
+# forward+backward, and the exchange between 8 GPUs.
+CROSS = "deepseek_v3/*/fwd_bwd,deepseek_v3_ep8/pallas/fwd_bwd"
+
+# DROPLESS_GPU_COMPILE_TARGET=h100|b200|h200 picks the leg's full target.
+TARGET_ENV = "DROPLESS_GPU_COMPILE_TARGET"
 
 
-def _plugin_missing() -> str | None:
-  """Why this leg cannot compile for a GPU, or None."""
-  try:
-    if importlib.util.find_spec("jax_plugins.xla_cuda13") is not None:
-      return None
-  except ModuleNotFoundError:  # No jax_plugins package at all.
-    pass
-  return (
-      "compiling for GPUs needs jax's CUDA plugin (jax-cuda13-plugin, "
-      "jax-cuda13-pjrt), which this leg does not install"
-  )
+def leg_target() -> str:
+  """The target this leg compiles every program for."""
+  if os.environ.get(TARGET_ENV):
+    return os.environ[TARGET_ENV]
+  newest = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
+  return "b200" if newest else "h100"
+
+
+def other_target() -> str:
+  return "h100" if leg_target() == "b200" else "b200"
 
 
 def _program(name: str) -> programs.Program:
@@ -47,43 +66,60 @@ def _program(name: str) -> programs.Program:
   return found
 
 
-# One target a process (bench/gpu_compile.py: Mosaic GPU keeps the first
-# target's arch), and compiling every program twice would cost two legs'
-# CPU: each leg compiles every program for one target, B200 on the newest
-# leg (jax >= 0.12), H100 on the GPU machine's (jax 0.11.2, an H200 is
-# Hopper too). DROPLESS_GPU_COMPILE_TARGET=h100|b200|h200 picks another.
-TARGET_ENV = "DROPLESS_GPU_COMPILE_TARGET"
-
-
-def leg_target() -> str:
-  """The target this leg compiles for."""
-  if os.environ.get(TARGET_ENV):
-    return os.environ[TARGET_ENV]
-  newest = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
-  return "b200" if newest else "h100"
+def compile_in_child(target: str, patterns: str) -> list[dict]:
+  """Records of the programs matching `patterns` compiled for `target` by
+  `python -m bench.gpu_compile` in a process of its own."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "records.json")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_compile",
+            f"--targets={target}",
+            f"--programs={patterns}",
+            f"--out={out}",
+        ],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
+    )
+    print(
+        "\n".join(
+            l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL"))
+        )
+    )
+    if not os.path.exists(out):
+      raise AssertionError(f"no records; its output:\n{proc.stdout[-4000:]}")
+    with open(out) as fh:
+      return json.load(fh)["programs"]
 
 
 class CompileTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(
-      *((w.name, w.name) for w in programs.WORKLOADS)
-  )
-  def test_every_program_compiles_with_its_kernels(self, workload):
-    why = _plugin_missing()
-    if why:
+  def setUp(self):
+    super().setUp()
+    if not aot.cuda_plugin_installed():
+      why = (
+          "compiling for GPUs needs jax's CUDA plugin (jax-cuda13-plugin, "
+          "jax-cuda13-pjrt), which this leg does not install"
+      )
       print(f"skipped: {why}")
       self.skipTest(why)
-    table = tuple(p for p in programs.programs() if p.workload.name == workload)
-    target = leg_target()
-    records = gpu_compile.run((target,), "ci", table)
+
+  def _check(self, label: str, target: str, patterns: str):
+    table = programs.select(patterns)
+    records = compile_in_child(target, patterns)
     print(
-        f"{workload} for {target}, jax {jax.__version__}: "
-        + gpu_compile.summary(records)
+        f"gpu compile: {label} for {target}, jax {jax.__version__}: "
+        + gpu_compile.summary(records).replace("\n", "\ngpu compile: ")
     )
     out_dir = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR")
     if out_dir:
       seconds = sum(r.get("compile_seconds", 0) for r in records)
-      path = os.path.join(out_dir, f"gpu_compile_{target}_{workload}.json")
+      path = os.path.join(out_dir, f"gpu_compile_{target}_{label}.json")
       gpu_compile.write(path, records, seconds)
     self.assertEqual([r["program"] for r in records], [p.name for p in table])
     failed = [gpu_compile.line(r) for r in records if r["status"] == "failed"]
@@ -92,6 +128,15 @@ class CompileTest(parameterized.TestCase):
       if r["status"] == "ok":
         self.assertTrue(r["fits"], r["program"])
         self.assertGreater(r["peak_bytes"], 0, r["program"])
+
+  @parameterized.named_parameters(
+      *((w.name, w.name) for w in programs.WORKLOADS)
+  )
+  def test_every_program_compiles_for_the_leg_target(self, workload):
+    self._check(workload, leg_target(), f"{workload}/*/*")
+
+  def test_each_variant_compiles_for_the_other_target(self):
+    self._check("cross", other_target(), CROSS)
 
 
 class CheckTest(absltest.TestCase):
