@@ -35,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -239,38 +240,59 @@ def main(argv=None) -> int:
   return 1 if any(r["status"] == "failed" for r in records) else 0
 
 
-def _each_target_apart(args, targets, out) -> int:
-  """main for several targets: a child process each, their JSON merged."""
-  start, records = time.perf_counter(), []
-  for target in targets:
-    part = f"{out}.{target}"
-    subprocess.run(
+def compile_apart(
+    target: str,
+    patterns: str = "*",
+    size: str = "ci",
+    shard: str = "0/1",
+    quiet: bool = False,
+):
+  """(records, output): the programs matching `patterns` compiled for
+  `target` by `python -m bench.gpu_compile` in a child process of its own
+  (one target a process). records is None if the child wrote none; output
+  is its stdout and stderr when `quiet`, else they pass through and it is
+  ""."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "records.json")
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "bench.gpu_compile",
             f"--targets={target}",
-            f"--size={args.size}",
-            f"--programs={args.programs}",
-            f"--shard={args.shard}",
-            f"--out={part}",
+            f"--size={size}",
+            f"--programs={patterns}",
+            f"--shard={shard}",
+            f"--out={out}",
         ],
         cwd=_REPO,
         check=False,
+        text=True,
+        **(pipes if quiet else {}),
     )
-    if os.path.exists(part):
-      with open(part) as fh:
-        records += json.load(fh)["programs"]
-      os.remove(part)
-    else:
-      records.append(
+    output = proc.stdout or ""
+    if not os.path.exists(out):
+      return None, output
+    with open(out) as fh:
+      return json.load(fh)["programs"], output
+
+
+def _each_target_apart(args, targets, out) -> int:
+  """main for several targets: a child process each, their JSON merged."""
+  start, records = time.perf_counter(), []
+  for target in targets:
+    found, _ = compile_apart(target, args.programs, args.size, args.shard)
+    if found is None:
+      found = [
           {
               "program": "*",
               "target": target,
               "status": "failed",
               "error": "its child process wrote no records",
           }
-      )
+      ]
+    records += found
   write(out, records, time.perf_counter() - start)
   print(summary(records))
   print(f"wrote {out}")
