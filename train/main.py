@@ -4,6 +4,8 @@ r"""Trains a small MoE language model with a chosen dropless backend.
     python -m train.main --moe_backend=reference --steps=20
     python -m train.main --precision=mxfp8      # expert GEMMs in MXFP8
     python -m train.main --model=deepseek_v3 --dry_run --mesh=fsdp=4,expert=64
+    python -m train.main --model=mixtral_8x7b --dry_run --target=h100 \
+        --topology=1x1x8 --mesh=fsdp=8   # the real step, compiled for GPUs
     python -m train.main --resume               # continue the last run
     python -m train.main --mesh=data=2,expert=4 # 8 devices (simulated on CPU)
     tools/launch_local.sh 2 --mesh=data=2,expert=4   # 2 processes x 4 devices
@@ -33,12 +35,14 @@ import jax
 import numpy as np
 
 import moe_core
+from moe_core import aot
 import moe_core.flags  # Defines --moe_backend.
 from moe_core import remat as moe_remat
 from train import checkpoint
 from train import cost_report
 from train import data as data_lib
 from train import distributed
+from train import dry_run_target
 from train import mesh as mesh_lib
 from train import presets
 from train import report
@@ -143,6 +147,26 @@ _DRY_RUN = flags.DEFINE_bool(
     "--mesh (an analytic estimate and, for models this program trains, "
     "XLA's figure for the compiled train step), and exit without "
     "allocating the model.",
+)
+_TARGET = flags.DEFINE_enum(
+    "target",
+    None,
+    sorted(aot.TARGETS),
+    "With --dry_run and --topology: compile the real train step for these "
+    "GPUs (they need not be here; moe_core.aot) and report its memory, "
+    "FLOPs and all-to-all bytes per device beside the analytic estimate.",
+)
+_TOPOLOGY = flags.DEFINE_string(
+    "topology",
+    None,
+    "With --target: the GPUs as 'SxHxG' (slices x hosts x GPUs per host, "
+    "e.g. 1x128x8); their count must be the product of --mesh.",
+)
+_DRY_RUN_JSON = flags.DEFINE_string(
+    "dry_run_json",
+    None,
+    "Where --dry_run --target writes its figures as JSON (default: "
+    "--output_dir/dry_run_<target>_<topology>.json).",
 )
 _MESH = flags.DEFINE_string(
     "mesh",
@@ -351,6 +375,42 @@ def _check_mesh_splits_experts(values: dict) -> bool:
   return True
 
 
+@flags.multi_flags_validator(("target", "topology", "dry_run", "mesh"))
+def _check_target(values: dict) -> bool:
+  """--target and --topology come together, with --dry_run, and the
+  topology's GPUs are the mesh's devices."""
+  target, topology = values["target"], values["topology"]
+  if target is None and topology is None:
+    return True
+  if target is None:
+    raise flags.ValidationError(
+        f"--topology={topology} needs --target (one of {sorted(aot.TARGETS)})"
+        " to say which GPUs to compile for."
+    )
+  if topology is None:
+    raise flags.ValidationError(
+        f"--target={target} needs --topology=SxHxG (slices x hosts x GPUs "
+        "per host, e.g. 1x1x8) to say how many GPUs."
+    )
+  if not values["dry_run"]:
+    raise flags.ValidationError(
+        f"--target={target} --topology={topology} compiles for GPUs that "
+        "are not here: it needs --dry_run."
+    )
+  try:
+    slices, hosts, gpus = aot.parse_topology(topology)
+  except ValueError as e:
+    raise flags.ValidationError(f"--{e}") from e
+  sizes = _mesh_sizes(values["mesh"])
+  if slices * hosts * gpus != mesh_lib.num_devices(sizes):
+    raise flags.ValidationError(
+        f"--topology={topology} has {slices * hosts * gpus} GPUs, but --mesh="
+        f"{values['mesh']} multiplies to {mesh_lib.num_devices(sizes)}; give "
+        "a mesh whose sizes multiply to the topology's GPUs."
+    )
+  return True
+
+
 @flags.multi_flags_validator(("precision", "model"))
 def _check_precision_has_experts(values: dict) -> bool:
   """A quantised recipe needs routed experts: --model must have MoE blocks."""
@@ -369,7 +429,7 @@ def _check_precision_has_experts(values: dict) -> bool:
 def _check_output_dir(path) -> bool:
   """A directory, or a path whose missing folders can be made (not made here).
 
-  Creating it waits for the run: --dry_run writes nothing.
+  Creating it waits for the run (or for --dry_run --target's JSON).
   """
   if not isinstance(path, str) or not path:
     raise flags.ValidationError(
@@ -457,11 +517,44 @@ def dry_run(out=None, *, compile_step: bool = True) -> str:
       seq_len=_SEQ.value or preset.train.seq_len,
       remat=_REMAT.value,
   )
-  if compile_step:
+  if compile_step and not _TARGET.value:
     text += f"\n    {_compiled_memory()}"
   if preset.model.moe is not None:
     text += f"\n{_precision_line(_PRECISION.value)}"
   print(text, file=out or sys.stdout, flush=True)
+  if _TARGET.value:
+    text += "\n" + _target_dry_run(out or sys.stdout)
+  return text
+
+
+def _target_dry_run(out) -> str:
+  """Compiles the run's step for --target x --topology, prints and writes
+  its figures; the printed text.
+
+  Raises:
+    app.UsageError: the run does not split over the mesh, the GPUs cannot
+      be described here, or the step does not fit (one line).
+  """
+  run = dry_run_target.resolve_backend(_run_config())
+  path = _DRY_RUN_JSON.value or dry_run_target.default_json_path(
+      run.output_dir, _TARGET.value, _TOPOLOGY.value
+  )
+  try:
+    record, _, _ = dry_run_target.compile_for(
+        run, _TARGET.value, _TOPOLOGY.value
+    )
+  except (ValueError, RuntimeError) as e:
+    # A run that does not split over --mesh; no CUDA plugin to describe
+    # the GPUs with.
+    raise app.UsageError(str(e)) from e
+  text = dry_run_target.describe(record)
+  dry_run_target.write_json(record, path)
+  text += f"\n  wrote {path}"
+  print(text, file=out, flush=True)
+  try:
+    dry_run_target.check_fits(record, run)
+  except dry_run_target.TargetDoesNotFitError as e:
+    raise app.UsageError(str(e)) from e
   return text
 
 

@@ -3,13 +3,16 @@
 `gpu_topology(target, "SxHxG")` describes GPUs that need not be here,
 `Topology.mesh` lays a mesh over them, and `compile` runs XLA's GPU
 compiler on a program for them and reads back its memory, FLOPs, kernels
-and collectives. Targets (`TARGETS`): H100 SXM and H200 (sm_90), B200
+and collectives (`per_step_collective_bytes`: per execution, loops
+counted). Targets (`TARGETS`): H100 SXM and H200 (sm_90), B200
 (sm_100). Needs the CUDA plugin of the installed jax version.
 """
 
 from moe_core.aot.compile import CompiledProgram
 from moe_core.aot.compile import collective_bytes
 from moe_core.aot.compile import compile  # pylint: disable=redefined-builtin
+from moe_core.aot.per_step import PerStep
+from moe_core.aot.per_step import per_step_collective_bytes
 from moe_core.aot.targets import GpuTarget
 from moe_core.aot.targets import TARGETS
 from moe_core.aot.targets import target
@@ -21,6 +24,7 @@ from moe_core.aot.topology import parse_topology
 __all__ = [
     "CompiledProgram",
     "GpuTarget",
+    "PerStep",
     "TARGETS",
     "Topology",
     "collective_bytes",
@@ -28,5 +32,6 @@ __all__ = [
     "cuda_plugin_installed",
     "gpu_topology",
     "parse_topology",
+    "per_step_collective_bytes",
     "target",
 ]

@@ -1,0 +1,148 @@
+"""Collective bytes of one execution of a compiled module, loops counted.
+
+`moe_core.aot.collective_bytes` counts each collective instruction once: the
+exchange of a scanned layer counts once, not once per layer. This module
+weights each instruction by how often it runs per execution of the module:
+the product of the known trip counts of the while loops around it (XLA
+records `known_trip_count` in a loop's backend_config; a loop without one
+counts once, and `per_step_collective_bytes` says how many such loops hold
+a collective).
+
+It counts what a device hands to each collective: the bytes of its
+operands (for an all-to-all the rows it sends, its own chunk included; for
+a ragged-all-to-all the smaller of its send and receive buffers: the
+exact side, where XLA sizes the other for the worst case).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+# The package's `compile` is the function: import the module's names.
+from moe_core.aot.compile import COLLECTIVES
+from moe_core.aot.compile import _shape_bytes  # pylint: disable=protected-access
+
+# "%name = <type> op(operands), attributes": one instruction of HLO text.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(.*)$")
+# The header of a computation: "%name (params) -> type {" or "ENTRY %name ...".
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?(%[\w.\-]+)\s.*\{\s*$")
+# Computations an instruction calls, and how (a while's body is the loop).
+_CALLEE = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation|"
+    r"branch_computations|called_computations)=\{?(%[\w.\-]+(?:,\s*%[\w.\-]+)*)"
+)
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OPERAND = re.compile(r"%[\w.\-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class PerStep:
+  """Collective bytes per execution of a module (per device).
+
+  Attributes:
+    bytes: collective op -> operand bytes, each instruction times the
+      trip counts of the loops around it.
+    unknown_loops: collective instructions inside a loop whose trip count
+      XLA does not know (counted once per enclosing execution).
+  """
+
+  bytes: dict[str, int]
+  unknown_loops: int
+
+
+def per_step_collective_bytes(hlo_text: str) -> PerStep:
+  """Operand bytes of each collective kind per execution of `hlo_text`.
+
+  Args:
+    hlo_text: a compiled module's text (`Compiled.as_text()`).
+  """
+  computations, entry = _computations(hlo_text)
+  types = {
+      name: result
+      for lines in computations.values()
+      for name, result, _ in lines
+  }
+  runs, unknown = _runs_per_execution(computations, entry)
+  totals = collections.Counter()
+  unknown_loops = 0
+  for comp, lines in computations.items():
+    for _, result, rest in lines:
+      op = _collective(rest)
+      if op is None or runs.get(comp, 0) == 0:
+        continue
+      totals[op] += runs[comp] * _operand_bytes(rest, op, types)
+      unknown_loops += comp in unknown
+  return PerStep(dict(totals), unknown_loops)
+
+
+def _computations(hlo_text: str):
+  """({computation: [(name, result type text, rest of line)]}, entry)."""
+  computations: dict[str, list] = {}
+  entry = None
+  current = None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header and "=" not in line.split("(", 1)[0]:
+      current = header.group(2)
+      computations[current] = []
+      if header.group(1):
+        entry = current
+      continue
+    match = _INSTRUCTION.match(line)
+    if match and current is not None:
+      name, rhs = match.groups()
+      op = re.search(r"\s([a-z][\w\-]*)\(", " " + rhs)
+      result = rhs[: op.start()] if op else rhs
+      computations[current].append((name, result, rhs))
+  return computations, entry
+
+
+def _runs_per_execution(computations, entry):
+  """({computation: runs per execution of the entry}, {under an unknown loop}).
+
+  HLO text defines each computation before its callers, so walking the
+  computations backwards from the entry visits every caller before its
+  callees.
+  """
+  runs = collections.Counter({entry: 1})
+  unknown: set[str] = set()
+  for comp in reversed(list(computations)):
+    if not runs.get(comp):
+      continue
+    for _, _, rest in computations[comp]:
+      trip = _TRIP_COUNT.search(rest)
+      for kind, names in _CALLEE.findall(rest):
+        factor = 1
+        if kind == "body":
+          factor = int(trip.group(1)) if trip else 1
+        for callee in _OPERAND.findall(names):
+          runs[callee] += runs[comp] * factor
+          if comp in unknown or (kind == "body" and trip is None):
+            unknown.add(callee)
+  return runs, unknown
+
+
+def _collective(rhs: str) -> str | None:
+  """The collective op of an instruction (its "-start" half counts)."""
+  for op in COLLECTIVES:
+    if re.search(rf"\s{op}(-start)?\(", " " + rhs):
+      return op
+  return None
+
+
+def _operand_bytes(rhs: str, op: str, types: dict[str, str]) -> int:
+  """Bytes of the data operands of a collective (for a ragged-all-to-all,
+  the smaller of its send and receive buffers)."""
+  inside = re.split(rf"\s{op}(?:-start)?\(", " " + rhs, maxsplit=1)[1]
+  operands = _OPERAND.findall(inside.split(")", 1)[0])
+  sizes = [_shape_bytes(types.get(o, "")) for o in operands]
+  if op == "ragged-all-to-all":
+    # (input, output, offsets and sizes...): the rows that travel are as
+    # many, over all devices, as the rows received. One of the two buffers
+    # is exact (every token's rows: the dispatch's input, the combine's
+    # output); XLA sizes the other for the worst case. The smaller is
+    # the exact one.
+    return min(sizes[:2])
+  return sum(sizes)

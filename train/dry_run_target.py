@@ -1,0 +1,300 @@
+"""`--dry_run --target=h100 --topology=1x1x8`: the real step, compiled for GPUs.
+
+The run's train step (model, optimiser, microbatches, remat, scan, the
+mesh, the MoE backend's kernels and expert-parallel exchange) is built on
+a `moe_core.aot` topology's devices (`step_builder`) and compiled by XLA's
+GPU compiler for that target, on any host. What it reports, per device,
+each beside the analytic estimate (`train.sizing`) and their ratio:
+
+    params, optimizer, gradients   bytes of the state's trees, from their
+                                   shardings (gradients: the params' shapes,
+                                   dtypes and shardings)
+    temporaries, peak              XLA's memory_analysis (peak: arguments +
+                                   outputs not aliased + temporaries + code),
+                                   against the target's usable HBM
+    flops, bytes_accessed          XLA's cost analysis of the compiled module
+    all_to_all                     all-to-all and ragged-all-to-all operand
+                                   bytes per step, loops counted
+                                   (`aot.per_step_collective_bytes`): the
+                                   expert-parallel exchange, and any
+                                   resharding XLA does with all-to-alls
+                                   (the analytic figure is the exchange)
+
+XLA's cost analysis of the compiled module falls short of the step under
+--scan_layers (compiled/analytic FLOPs: 1.03x for tiny_dsv3, 0.07x for
+mixtral_8x7b on 8 H100s, 0.42-0.46x for deepseek_v3 on 1,024): it does
+not seem to count every iteration of the layer loop (not yet checked
+against --noscan_layers); the ratio says how far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import numpy as np
+
+from moe_core import aot
+from train import cost_report
+from train import mesh as mesh_lib
+from train import memory_check
+from train import run_config
+from train import sizing
+from train import step_builder
+
+_GIB = 2**30
+# The collectives of the expert-parallel exchange.
+EXCHANGES = ("all-to-all", "ragged-all-to-all")
+
+
+class TargetDoesNotFitError(memory_check.StepDoesNotFitError):
+  """The step's compiled peak exceeds the target's usable memory."""
+
+
+def tree_bytes_per_device(tree) -> int:
+  """Bytes one device holds of a tree of sharded jax.ShapeDtypeStructs.
+
+  Each leaf counts its shard (`sharding.shard_shape`); a replicated leaf
+  counts whole. Every device of these shardings holds equal shards.
+  """
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.shape
+    if leaf.sharding is not None:
+      shape = leaf.sharding.shard_shape(shape)
+    total += int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize
+  return total
+
+
+def resolve_backend(run: run_config.RunConfig) -> run_config.RunConfig:
+  """`run` with --moe_backend=auto made concrete for a GPU target.
+
+  "auto" picks by the platform JAX runs on, here the host's CPU, whose
+  native kernels do not compile for a GPU: the dry run takes "xla", which
+  compiles for every target. A named backend (pallas, mosaic_gpu, triton)
+  compiles its own kernels.
+  """
+  if run.backend != "auto":
+    return run
+  return dataclasses.replace(run, backend="xla")
+
+
+def analytic_all_to_all_bytes(run: run_config.RunConfig) -> float:
+  """The analytic exchange per step, in bytes a device sends.
+
+  Each MoE layer sends every token's top_k rows of width hidden (in the
+  compute dtype) to their experts and back: twice forward, twice backward
+  (the transposes), twice more when --remat=full recomputes the forward.
+  A device's tokens: batch x seq_len / (data x fsdp x expert).
+  """
+  moe = run.model.moe
+  sizes = mesh_lib.parse(run.mesh)
+  if moe is None or sizes[mesh_lib.EXPERT_AXIS] == 1:
+    return 0.0
+  tokens = run.batch_size * run.seq_len / mesh_lib.batch_shards(sizes)
+  row = run.model.hidden_size * np.dtype(run.compute_dtype).itemsize
+  exchanges = 4 + (2 if run.remat == "full" else 0)
+  return exchanges * run.model.num_moe_layers * tokens * moe.top_k * row
+
+
+def analytic(run: run_config.RunConfig) -> dict[str, float | None]:
+  """The analytic figure of each reported quantity, per device."""
+  sizes = sizing.parse_mesh(run.mesh)
+  mem = sizing.memory_per_device(
+      run.model,
+      sizes,
+      run.batch_size // run.microbatches,
+      run.seq_len,
+      run.remat,
+  )
+  devices = math.prod(sizes.values())
+  tokens = run.batch_size * run.seq_len
+  train_flops = sizing.flops_per_token(run.model, run.seq_len)["train"]
+  return {
+      "params": mem["weights"],
+      "optimizer": mem["optimizer"],
+      "gradients": mem["gradients"],
+      # The compiled step's gradients are temporaries (neither arguments
+      # nor outputs), beside the activations saved for the backward.
+      "temporaries": mem["gradients"] + mem["activations"],
+      "peak": cost_report.analytic_bytes_per_device(
+          run.model,
+          sizes,
+          run.batch_size // run.microbatches,
+          run.seq_len,
+          run.remat,
+      ),
+      "flops": train_flops * tokens / devices,
+      "bytes_accessed": None,  # No analytic model of it.
+      "all_to_all": analytic_all_to_all_bytes(run),
+  }
+
+
+def _figure(compiled: float, estimate: float | None) -> dict:
+  """{compiled, analytic, ratio (compiled / analytic)}; ratio None if 0."""
+  ratio = compiled / estimate if estimate else None
+  return {"compiled": compiled, "analytic": estimate, "ratio": ratio}
+
+
+def report(
+    run: run_config.RunConfig,
+    step: step_builder.TrainStep,
+    program: aot.CompiledProgram,
+) -> dict:
+  """The figures of a compiled step, per device, as the JSON records them."""
+  params = tree_bytes_per_device(step.state["params"])
+  per_step = aot.per_step_collective_bytes(program.compiled.as_text())
+  compiled = {
+      "params": params,
+      "optimizer": tree_bytes_per_device(step.state["opt_state"]),
+      # The gradients have the params' shapes, dtypes and shardings.
+      "gradients": params,
+      "temporaries": program.temp_bytes,
+      "peak": program.peak_bytes,
+      "flops": program.flops,
+      "bytes_accessed": program.bytes_accessed,
+      "all_to_all": sum(per_step.bytes.get(op, 0) for op in EXCHANGES),
+  }
+  estimate = analytic(run)
+  return {
+      "model": run.model.name,
+      "target": program.target,
+      "topology": program.topology,
+      "mesh": run.mesh,
+      "moe_backend": run.backend,
+      "batch_size": run.batch_size,
+      "seq_len": run.seq_len,
+      "microbatches": run.microbatches,
+      "remat": run.remat,
+      "scan_layers": run.scan_layers,
+      "precision": run.precision,
+      "compile_seconds": program.compile_seconds,
+      "hbm_bytes": program.hbm_bytes,
+      "usable_bytes": program.usable_bytes,
+      "fits": program.fits,
+      "figures": {k: _figure(v, estimate[k]) for k, v in compiled.items()},
+      "memory_analysis": {
+          "argument_bytes": program.argument_bytes,
+          "output_bytes": program.output_bytes,
+          "alias_bytes": program.alias_bytes,
+          "temp_bytes": program.temp_bytes,
+          "code_bytes": program.code_bytes,
+      },
+      "collective_bytes_per_step": per_step.bytes,
+      "collectives_in_unknown_loops": per_step.unknown_loops,
+      "collective_bytes_per_instruction": program.collective_bytes,
+      "custom_calls": program.custom_calls,
+  }
+
+
+def compile_for(
+    run: run_config.RunConfig, target: str, topology: str
+) -> tuple[dict, step_builder.TrainStep, aot.CompiledProgram]:
+  """(report, step, compiled program) of `run`'s step on the topology.
+
+  Raises:
+    ValueError: the mesh does not cover the topology, or the run does not
+      split over the mesh.
+  """
+  topo = aot.gpu_topology(target, topology)
+  mesh = mesh_lib.build(mesh_lib.parse(run.mesh), devices=topo.devices)
+  step = step_builder.build(run, mesh)
+  program = aot.compile(
+      step.fn,
+      step.state,
+      step.batch,
+      topology=topo,
+      mesh=mesh,
+      name=f"{run.model.name} train step",
+      **step.jit_kwargs,
+  )
+  return report(run, step, program), step, program
+
+
+# --- Words -------------------------------------------------------------------
+
+_BYTE_ROWS = (
+    ("params", "parameters (f32)"),
+    ("optimizer", "optimiser state"),
+    ("gradients", "gradients"),
+    ("temporaries", "temporaries (vs gradients + activations)"),
+    ("peak", "peak"),
+)
+
+
+def _versus(figure: dict, fmt) -> str:
+  """ "<compiled>  (analytic <estimate>, 1.23x)"."""
+  if figure["analytic"] is None:
+    return f"{fmt(figure['compiled'])}  (no analytic estimate)"
+  ratio = "n/a" if figure["ratio"] is None else f"{figure['ratio']:.2f}x"
+  return (
+      f"{fmt(figure['compiled'])}  (analytic {fmt(figure['analytic'])}, "
+      f"compiled/analytic {ratio})"
+  )
+
+
+def describe(record: dict) -> str:
+  """The report in lines, per device."""
+  figures = record["figures"]
+  lines = [
+      f"compiled for {record['target']} {record['topology']} in "
+      f"{record['compile_seconds']:.1f} s: --model={record['model']} "
+      f"--mesh={record['mesh']} --moe_backend={record['moe_backend']}, "
+      f"batch {record['batch_size']} x {record['seq_len']} in "
+      f"{record['microbatches']} microbatch(es), remat={record['remat']}, "
+      f"layers {'scanned' if record['scan_layers'] else 'unrolled'}",
+      "  per device:",
+  ]
+  for key, label in _BYTE_ROWS:
+    lines.append(
+        f"    {label}: {_versus(figures[key], cost_report.human_bytes)}"
+    )
+  peak = cost_report.human_bytes(figures["peak"]["compiled"])
+  usable = cost_report.human_bytes(record["usable_bytes"])
+  lines += [
+      f"    peak vs usable HBM: {peak} of {usable} usable "
+      f"({cost_report.human_bytes(record['hbm_bytes'])} HBM): "
+      + ("fits" if record["fits"] else "DOES NOT FIT"),
+      f"    FLOPs per step: {_versus(figures['flops'], cost_report.human)}",
+      "    bytes accessed per step: "
+      f"{_versus(figures['bytes_accessed'], cost_report.human_bytes)}",
+      "    all-to-all per step (all-to-all + ragged-all-to-all, sent): "
+      f"{_versus(figures['all_to_all'], cost_report.human_bytes)}",
+  ]
+  return "\n".join(lines)
+
+
+def check_fits(record: dict, run: run_config.RunConfig) -> None:
+  """Raises TargetDoesNotFitError (one line) if the peak exceeds usable HBM."""
+  if record["fits"]:
+    return
+  peak = record["figures"]["peak"]["compiled"]
+  usable = record["usable_bytes"]
+  remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
+  raise TargetDoesNotFitError(
+      f"peak {peak / _GIB:.1f} GiB per device > {usable / _GIB:.1f} GiB "
+      f"usable on {record['target']} by {(peak - usable) / _GIB:.1f} GiB: "
+      f"--model={run.model.name} does not fit on --topology="
+      f"{record['topology']} with --mesh={run.mesh}; lower it with "
+      f"--batch_size (now {run.batch_size}), --microbatches (now "
+      f"{run.microbatches}), --seq_len (now {run.seq_len}){remat}, or more "
+      "GPUs (--topology and --mesh)."
+  )
+
+
+def default_json_path(output_dir: str, target: str, topology: str) -> str:
+  """Where the JSON goes without --dry_run_json: in --output_dir."""
+  return os.path.join(output_dir, f"dry_run_{target}_{topology}.json")
+
+
+def write_json(record: dict, path: str) -> None:
+  """Writes `record` to `path` (its folders made), whole or not at all."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  temp = f"{path}.tmp"
+  with open(temp, "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=2, sort_keys=True)
+    f.write("\n")
+  os.replace(temp, path)

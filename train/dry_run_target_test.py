@@ -1,0 +1,267 @@
+"""`--dry_run --target --topology`: the real step compiled for GPUs not here.
+
+Two compiles of tiny_dsv3 (about 1 min each on 2 busy cores), where the
+leg has jax's CUDA plugin: on 8 H100s with expert parallelism (fits), and
+on one H100 with a batch of a million tokens (does not). The flag checks,
+the one-line refusal and the per-step collective count need no compile.
+"""
+
+import contextlib
+import io
+import json
+import os
+
+from absl import flags
+from absl.testing import absltest
+from absl.testing import flagsaver
+import jax
+import numpy as np
+
+from moe_core import aot
+from train import dry_run_target
+from train import main
+from train import mesh as mesh_lib
+from train import run_config
+from train import step_builder
+from train import testing
+
+FLAGS = flags.FLAGS
+MESH = "data=2,expert=4"
+
+
+def setUpModule():
+  if not FLAGS.is_parsed():
+    FLAGS.mark_as_parsed()  # Under pytest nobody parses absl flags.
+
+
+def _run_main(**flag_values) -> tuple[int, str, str]:
+  """(exit status, stdout, stderr) of train.main with these flags."""
+  out, err = io.StringIO(), io.StringIO()
+  status = 0
+  with flagsaver.flagsaver(**flag_values):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      try:
+        main.main(["train.main"])
+      except SystemExit as e:
+        status = e.code
+  return status, out.getvalue(), err.getvalue()
+
+
+class UsageTest(absltest.TestCase):
+  """Bad combinations are one line naming the flag, at parse time."""
+
+  def _refused(self, flag: str, **values) -> str:
+    with self.assertRaises(flags.IllegalFlagValueError) as raised:
+      with flagsaver.as_parsed(**values):
+        pass
+    message = str(raised.exception)
+    self.assertNotIn("\n", message)
+    self.assertIn(f"--{flag}", message)
+    return message
+
+  def test_unknown_target(self):
+    message = self._refused(
+        "target", target="h800", topology="1x1x8", dry_run="true"
+    )
+    self.assertIn("h800", message)
+
+  def test_target_without_topology(self):
+    message = self._refused("topology", target="h100", dry_run="true")
+    self.assertIn("--target=h100 needs --topology=SxHxG", message)
+
+  def test_topology_without_target(self):
+    message = self._refused("target", topology="1x1x8", dry_run="true")
+    self.assertIn("--topology=1x1x8 needs --target", message)
+
+  def test_target_without_dry_run(self):
+    message = self._refused(
+        "dry_run", target="h100", topology="1x1x8", mesh=MESH
+    )
+    self.assertIn("it needs --dry_run", message)
+
+  def test_topology_that_is_not_sxhxg(self):
+    message = self._refused(
+        "topology", target="h100", topology="8", dry_run="true"
+    )
+    self.assertIn("--topology must be 'SxHxG'", message)
+
+  def test_topology_whose_gpus_are_not_the_mesh(self):
+    message = self._refused(
+        "topology",
+        target="h100",
+        topology="1x1x4",
+        dry_run="true",
+        mesh=MESH,
+    )
+    self.assertIn("--topology=1x1x4 has 4 GPUs, but --mesh=", message)
+    self.assertIn("multiplies to 8", message)
+
+  def test_consistent_flags_accepted(self):
+    with flagsaver.as_parsed(
+        target="b200", topology="1x2x4", dry_run="true", mesh=MESH
+    ):
+      pass
+
+
+class WordsTest(absltest.TestCase):
+  """The refusal and the per-step count, on records and text made here."""
+
+  def test_does_not_fit_is_one_line_naming_figures_and_flags(self):
+    gib = 2**30
+    run = run_config.run_config_from_preset("tiny_dsv3", mesh=MESH)
+    record = {
+        "fits": False,
+        "target": "h100",
+        "topology": "1x1x8",
+        "usable_bytes": int(76 * gib),
+        "figures": {"peak": {"compiled": int(90.5 * gib)}},
+    }
+    with self.assertRaises(dry_run_target.TargetDoesNotFitError) as raised:
+      dry_run_target.check_fits(record, run)
+    message = str(raised.exception)
+    self.assertNotIn("\n", message)
+    self.assertTrue(
+        message.startswith(
+            "peak 90.5 GiB per device > 76.0 GiB usable on h100 by 14.5 GiB:"
+        ),
+        message,
+    )
+    for flag in ("--batch_size", "--microbatches", "--remat", "--topology"):
+      self.assertIn(flag, message)
+    record["fits"] = True
+    dry_run_target.check_fits(record, run)  # No error.
+
+  def test_per_step_counts_loops_and_the_exact_ragged_buffer(self):
+    hlo = "\n".join(
+        [
+            "%body (p: (s32[], bf16[8,4])) -> (s32[], bf16[8,4]) {",
+            "  %p = (s32[], bf16[8,4]) parameter(0)",
+            "  %x = bf16[8,4]{1,0} get-tuple-element(%p), index=1",
+            "  %out = bf16[32,4]{1,0} broadcast(%x)",
+            "  %o = s64[4]{0} constant({0,0,0,0})",
+            "  %r = bf16[32,4]{1,0} ragged-all-to-all(%x, %out, %o, %o, %o, %o)",
+            "  %a = bf16[8,4]{1,0} all-to-all(%x), dimensions={0}",
+            "}",
+            "ENTRY %main (q: bf16[8,4]) -> bf16[8,4] {",
+            "  %q = bf16[8,4]{1,0} parameter(0)",
+            "  %w = (s32[], bf16[8,4]) while(%t), condition=%c, body=%body,"
+            ' backend_config={"known_trip_count":{"n":"5"}}',
+            "  %b = bf16[8,4]{1,0} all-to-all(%q), dimensions={0}",
+            "}",
+        ]
+    )
+    counted = aot.per_step_collective_bytes(hlo)
+    row_bytes = 8 * 4 * 2  # bf16[8,4]
+    # The ragged one sends its 8 rows (not the 32-row worst case), 5 times.
+    self.assertEqual(counted.bytes["ragged-all-to-all"], 5 * row_bytes)
+    self.assertEqual(counted.bytes["all-to-all"], 5 * row_bytes + row_bytes)
+    self.assertEqual(counted.unknown_loops, 0)
+
+
+def _shard_bytes(leaf) -> int:
+  """Bytes device 0 holds of `leaf`, from the sharding's index map."""
+  index = leaf.sharding.devices_indices_map(leaf.shape)[
+      leaf.sharding.mesh.devices.flat[0]
+  ]
+  shape = [
+      len(range(*s.indices(n))) if isinstance(s, slice) else 1
+      for s, n in zip(index, leaf.shape)
+  ]
+  return int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize
+
+
+class CompiledTest(absltest.TestCase):
+  """tiny_dsv3 compiled for H100s through train.main."""
+
+  def setUp(self):
+    super().setUp()
+    if not aot.cuda_plugin_installed():
+      self.skipTest(
+          "compiling for GPUs needs jax's CUDA plugin (jax-cuda13-plugin), "
+          "which this leg does not install"
+      )
+    self.out_dir = testing.temp_dir(self)
+
+  def test_eight_h100s_with_expert_parallelism(self):
+    path = os.path.join(self.out_dir, "figures.json")
+    status, out, err = _run_main(
+        model="tiny_dsv3",
+        dry_run=True,
+        target="h100",
+        topology="1x1x8",
+        mesh=MESH,
+        batch_size=16,
+        moe_backend="xla",
+        dry_run_json=path,
+    )
+    self.assertEqual(status, 0, err[-3000:])
+    self.assertIn("compiled for h100 1x1x8 in", out)
+    self.assertIn(f"wrote {path}", out)
+    with open(path) as f:
+      record = json.load(f)
+    for key in (
+        "params",
+        "optimizer",
+        "gradients",
+        "temporaries",
+        "peak",
+        "flops",
+        "bytes_accessed",
+        "all_to_all",
+    ):
+      figure = record["figures"][key]
+      self.assertGreater(figure["compiled"], 0, key)
+      if key != "bytes_accessed":  # No analytic model of it.
+        self.assertGreater(figure["analytic"], 0, key)
+        self.assertAlmostEqual(
+            figure["ratio"], figure["compiled"] / figure["analytic"]
+        )
+    self.assertTrue(record["fits"])
+    self.assertGreater(record["compile_seconds"], 0)
+    self.assertEqual(record["usable_bytes"], aot.target("h100").usable_bytes)
+    # Expert parallelism: the tokens travel.
+    self.assertGreater(record["figures"]["all_to_all"]["compiled"], 0)
+    # Parameters per device: the abstract params' shards, summed.
+    with flagsaver.flagsaver(
+        model="tiny_dsv3", mesh=MESH, batch_size=16, moe_backend="xla"
+    ):
+      run = main._run_config()  # pylint: disable=protected-access
+    topology = aot.gpu_topology("h100", "1x1x8")
+    mesh = mesh_lib.build(mesh_lib.parse(MESH), devices=topology.devices)
+    params = step_builder.build(run, mesh).state["params"]
+    self.assertEqual(
+        record["figures"]["params"]["compiled"],
+        sum(_shard_bytes(x) for x in jax.tree.leaves(params)),
+    )
+
+  def test_step_that_does_not_fit_one_h100_exits_with_one_line(self):
+    status, out, err = _run_main(
+        model="tiny_dsv3",
+        dry_run=True,
+        target="h100",
+        topology="1x1x1",
+        mesh="data=1",
+        batch_size=256,
+        seq_len=4096,  # A million tokens on one GPU.
+        moe_backend="xla",
+        output_dir=self.out_dir,
+    )
+    self.assertEqual(status, 1)
+    # One line says why (JAX may log warnings around it).
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    self.assertLen(lines, 1, err)
+    self.assertRegex(
+        lines[0],
+        r"^error: peak [\d.]+ GiB per device > 76\.0 GiB usable on h100 by "
+        r"[\d.]+ GiB: --model=tiny_dsv3 ",
+    )
+    self.assertIn("DOES NOT FIT", out)
+    # The figures are written all the same, at the default path.
+    with open(
+        dry_run_target.default_json_path(self.out_dir, "h100", "1x1x1")
+    ) as f:
+      self.assertFalse(json.load(f)["fits"])
+
+
+if __name__ == "__main__":
+  absltest.main()
