@@ -21,9 +21,11 @@ class XlaBackend(backend.Backend):
 
   Args:
     levels: tile heights of the group-aligned tile loop, largest first.
-    use_ragged_dot: None picks by platform: `jax.lax.ragged_dot` off the CPU
-      (GPU and TPU have native lowerings), the tile loop on the CPU, where
-      ragged_dot becomes a dense masked product.
+    use_ragged_dot: None picks by the platform the program is lowered for
+      (`jax.lax.platform_dependent`, not the host that traces it):
+      `jax.lax.ragged_dot` off the CPU (GPU and TPU have native lowerings),
+      the tile loop on the CPU, where ragged_dot becomes a dense masked
+      product.
     compute_dtype: what the tile loop multiplies in. None picks float32 on
       the CPU (XLA:CPU multiplies bfloat16 about half as fast as float32)
       and the operands' dtype elsewhere. Accumulation is float32 always.
@@ -51,12 +53,6 @@ class XlaBackend(backend.Backend):
     self.use_ragged_dot = use_ragged_dot
     self.compute_dtype = compute_dtype
 
-  def _ragged(self) -> bool:
-    """Whether products go through jax.lax.ragged_dot (not the tile loop)."""
-    if self.use_ragged_dot is None:
-      return jax.default_backend() != "cpu"
-    return self.use_ragged_dot
-
   def _quantized_grouped_gemm(
       self, q: operands.QuantizedGemmOperands
   ) -> jax.Array:
@@ -66,10 +62,21 @@ class XlaBackend(backend.Backend):
     )
 
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
-    if self._ragged():
+    if self.use_ragged_dot is None:
+      # Chosen for the platform the program is lowered for, not the host
+      # that traces it: a step traced on a CPU host and compiled for GPUs
+      # (moe_core.aot, jax.export) must multiply through ragged_dot there.
+      return jax.lax.platform_dependent(
+          cpu=lambda: self._tile_loop(gemm, on_cpu=True),
+          default=lambda: _ragged_dot(gemm),
+      )
+    if self.use_ragged_dot:
       return _ragged_dot(gemm)
+    return self._tile_loop(gemm, on_cpu=jax.default_backend() == "cpu")
+
+  def _tile_loop(self, gemm: operands.GemmOperands, on_cpu: bool):
     compute_dtype = self.compute_dtype
-    if compute_dtype is None and jax.default_backend() == "cpu":
+    if compute_dtype is None and on_cpu:
       compute_dtype = "float32"
     return gmm.grouped_gemm(
         gemm.rows,
