@@ -139,7 +139,8 @@ class WordsTest(absltest.TestCase):
             "  %x = bf16[8,4]{1,0} get-tuple-element(%p), index=1",
             "  %out = bf16[32,4]{1,0} broadcast(%x)",
             "  %o = s64[4]{0} constant({0,0,0,0})",
-            "  %r = bf16[32,4]{1,0} ragged-all-to-all(%x, %out, %o, %o, %o, %o)",
+            "  %r = bf16[32,4]{1,0} ragged-all-to-all(%x, %out, %o, %o, %o,"
+            " %o)",
             "  %a = bf16[8,4]{1,0} all-to-all(%x), dimensions={0}",
             "}",
             "ENTRY %main (q: bf16[8,4]) -> bf16[8,4] {",

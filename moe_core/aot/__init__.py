@@ -12,7 +12,9 @@ from moe_core.aot.compile import CompiledProgram
 from moe_core.aot.compile import collective_bytes
 from moe_core.aot.compile import compile  # pylint: disable=redefined-builtin
 from moe_core.aot.per_step import PerStep
+from moe_core.aot.per_step import MatmulFlops
 from moe_core.aot.per_step import per_step_collective_bytes
+from moe_core.aot.per_step import per_step_matmul_flops
 from moe_core.aot.targets import GpuTarget
 from moe_core.aot.targets import TARGETS
 from moe_core.aot.targets import target
@@ -24,6 +26,7 @@ from moe_core.aot.topology import parse_topology
 __all__ = [
     "CompiledProgram",
     "GpuTarget",
+    "MatmulFlops",
     "PerStep",
     "TARGETS",
     "Topology",
@@ -33,5 +36,6 @@ __all__ = [
     "gpu_topology",
     "parse_topology",
     "per_step_collective_bytes",
+    "per_step_matmul_flops",
     "target",
 ]

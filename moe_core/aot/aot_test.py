@@ -125,5 +125,93 @@ class CompileTest(parameterized.TestCase):
     self.assertEqual(program.collective_bytes.get("all-to-all"), 64 * 256 * 4)
 
 
+def _scanned_matmuls(layers: int, m: int, k: int):
+  """(loss, args): `layers` [m,k]x[k,k] matmuls under a scan."""
+
+  def loss(x, ws):
+    def layer(h, w):
+      return jnp.tanh(h @ w), None
+
+    return jax.lax.scan(layer, x, ws)[0].sum()
+
+  return loss, (jnp.zeros((m, k)), jnp.zeros((layers, k, k)))
+
+
+class MatmulFlopsTest(absltest.TestCase):
+  """`per_step_matmul_flops` against the arithmetic of known programs."""
+
+  def test_every_iteration_of_a_scanned_gradient_counts(self):
+    layers, m, k = 7, 64, 128
+    loss, args = _scanned_matmuls(layers, m, k)
+    grad = jax.grad(loss, argnums=(0, 1))
+    text = jax.jit(grad).lower(*args).compile().as_text()
+    counted = aot.per_step_matmul_flops(text)
+    # Per layer: the forward product, and dX and dW in the backward.
+    self.assertEqual(counted.flops, 3 * layers * 2 * m * k * k)
+    self.assertEqual(counted.unknown_loops, 0)
+
+  def test_gemm_calls_fusions_ragged_dots_and_kernels(self):
+    hlo = "\n".join(
+        [
+            "%fused (a: bf16[16,8], b: bf16[8,32]) -> bf16[16,32] {",
+            "  %a = bf16[16,8]{1,0} parameter(0)",
+            "  %b = bf16[8,32]{1,0} parameter(1)",
+            "  ROOT %d = bf16[16,32]{1,0} dot(bf16[16,8]{1,0} %a,"
+            " bf16[8,32]{1,0} %b), lhs_contracting_dims={1},"
+            " rhs_contracting_dims={0}",
+            "}",
+            "%body (p: (s32[], bf16[16,8])) -> (s32[], bf16[16,8]) {",
+            "  %p = (s32[], bf16[16,8]) parameter(0)",
+            "  %x = bf16[16,8]{1,0} get-tuple-element(%p), index=1",
+            "  %w = bf16[8,32]{1,0} constant({...})",
+            "  %f = bf16[16,32]{1,0} fusion(%x, %w), kind=kCustom,"
+            " calls=%fused",
+            "  %g = (bf16[16,32]{1,0}, s8[64]{0}) custom-call(%x, %w),"
+            ' custom_call_target="__cublas$gemm", backend_config={'
+            '"gemm_backend_config":{"dot_dimension_numbers":{'
+            '"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":'
+            '["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}',
+            "  %k = bf16[16,32]{1,0} custom-call(%x, %w),"
+            ' custom_call_target="mosaic_gpu_v2"',
+            "}",
+            "ENTRY %main (q: bf16[16,8], e: bf16[4,8,32], s: s32[4])"
+            " -> f32[] {",
+            "  %q = bf16[16,8]{1,0} parameter(0)",
+            "  %e = bf16[4,8,32]{2,1,0} parameter(1)",
+            "  %s = s32[4]{0} parameter(2)",
+            "  %loop = (s32[], bf16[16,8]) while(%t), condition=%c, body=%body,"
+            ' backend_config={"known_trip_count":{"n":"3"}}',
+            "  %r = bf16[16,32]{1,0} ragged-dot(%q, %e, %s),"
+            " lhs_contracting_dims={1}, rhs_contracting_dims={1},"
+            " lhs_ragged_dims={0}, rhs_group_dims={0}",
+            "}",
+        ]
+    )
+    counted = aot.per_step_matmul_flops(hlo)
+    product = 2 * 16 * 32 * 8
+    # The fused dot and the cuBLAS call, 3 times; the ragged dot (each row
+    # meets one group) once.
+    self.assertEqual(counted.flops, 3 * 2 * product + product)
+    self.assertEqual(counted.kernel_launches, {"mosaic_gpu_v2": 3})
+
+  @absltest.skipUnless(_HAS_PLUGIN, "no CUDA plugin on this leg")
+  def test_a_gpu_compile_counts_its_gemm_calls_per_iteration(self):
+    topo = aot.gpu_topology("h100", "1x1x1")
+    layers, m, k = 5, 256, 512
+    loss, args = _scanned_matmuls(layers, m, k)
+    device = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    abstract = [
+        jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=device)
+        for a in args
+    ]
+    program = aot.compile(
+        jax.grad(loss, argnums=(0, 1)), *abstract, topology=topo
+    )
+    counted = aot.per_step_matmul_flops(program.compiled.as_text())
+    self.assertEqual(counted.flops, 3 * layers * 2 * m * k * k)
+    # XLA's own analysis sees one loop body.
+    self.assertLess(program.flops, counted.flops / 2)
+
+
 if __name__ == "__main__":
   absltest.main()

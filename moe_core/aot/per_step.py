@@ -1,4 +1,5 @@
-"""Collective bytes of one execution of a compiled module, loops counted.
+"""Collective bytes and matmul FLOPs of one execution of a compiled module,
+loops counted.
 
 `moe_core.aot.collective_bytes` counts each collective instruction once: the
 exchange of a scanned layer counts once, not once per layer. This module
@@ -12,16 +13,24 @@ It counts what a device hands to each collective: the bytes of its
 operands (for an all-to-all the rows it sends, its own chunk included; for
 a ragged-all-to-all the smaller of its send and receive buffers: the
 exact side, where XLA sizes the other for the worst case).
+
+`per_step_matmul_flops` counts the same way what XLA's cost analysis counts
+once per loop body: 2 x (output elements) x (contracted size) of every dot,
+ragged dot and cuBLAS GEMM call, times the runs of its computation. Custom
+kernels (Pallas, Mosaic GPU, Triton) are opaque to it: their launches per
+step are counted instead.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 
 # The package's `compile` is the function: import the module's names.
 from moe_core.aot.compile import COLLECTIVES
+from moe_core.aot.compile import _SHAPE  # pylint: disable=protected-access
 from moe_core.aot.compile import _shape_bytes  # pylint: disable=protected-access
 
 # "%name = <type> op(operands), attributes": one instruction of HLO text.
@@ -146,3 +155,112 @@ def _operand_bytes(rhs: str, op: str, types: dict[str, str]) -> int:
     # the exact one.
     return min(sizes[:2])
   return sum(sizes)
+
+
+# GEMM library calls XLA:GPU emits for dots, with the dot's dimension
+# numbers in their backend_config.
+GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul")
+_CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_LHS_CONTRACTING_JSON = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_LHS_RAGGED = re.compile(r"lhs_ragged_dims=\{([0-9,]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulFlops:
+  """Matmul FLOPs per execution of a module (per device).
+
+  Attributes:
+    flops: 2 x output elements x contracted size of each dot, ragged dot
+      and GEMM call, times the trip counts of the loops around it.
+    kernel_launches: custom-call target -> launches per execution, for the
+      calls whose FLOPs this cannot see (Pallas, Mosaic GPU, Triton
+      kernels; GEMM calls excluded).
+    unknown_loops: matmuls inside a loop whose trip count XLA does not know
+      (counted once per enclosing execution).
+  """
+
+  flops: float
+  kernel_launches: dict[str, int]
+  unknown_loops: int
+
+
+def per_step_matmul_flops(hlo_text: str) -> MatmulFlops:
+  """Matmul FLOPs of one execution of `hlo_text`, loops counted.
+
+  Args:
+    hlo_text: a compiled module's text (`Compiled.as_text()`).
+  """
+  computations, entry = _computations(hlo_text)
+  types = {
+      name: result
+      for lines in computations.values()
+      for name, result, _ in lines
+  }
+  runs, unknown = _runs_per_execution(computations, entry)
+  flops = 0.0
+  launches = collections.Counter()
+  unknown_loops = 0
+  for comp, lines in computations.items():
+    times = runs.get(comp, 0)
+    if not times:
+      continue
+    for _, result, rest in lines:
+      found = _matmul_flops(result, rest, types)
+      if found is None:
+        call = _CUSTOM_CALL_TARGET.search(rest)
+        if call and re.search(r"\scustom-call\(", " " + rest):
+          launches[call.group(1)] += times
+        continue
+      flops += times * found
+      unknown_loops += comp in unknown
+  return MatmulFlops(flops, dict(launches), unknown_loops)
+
+
+def _dims(shape_text: str) -> list[int] | None:
+  """The dimensions of the first array shape in `shape_text`."""
+  match = _SHAPE.search(shape_text)
+  if match is None:
+    return None
+  return [int(d) for d in match.group(2).split(",") if d]
+
+
+def _lhs_dims(rhs: str, op: str, types: dict[str, str]) -> list[int] | None:
+  """The first operand's dimensions: its inline type ("dot(bf16[8,4]{1,0}
+  %a, ...") or, without one, its definition's."""
+  inside = re.split(rf"\s{re.escape(op)}\(", " " + rhs, maxsplit=1)[1]
+  before_name, _, _ = inside.partition("%")
+  if "[" in before_name:
+    return _dims(before_name)
+  name = _OPERAND.search(inside)
+  return _dims(types.get(name.group(0), "")) if name else None
+
+
+def _matmul_flops(result: str, rhs: str, types: dict[str, str]):
+  """FLOPs of one dot / ragged-dot / GEMM call instruction, else None."""
+  if re.search(r"\sdot\(", " " + rhs):
+    op, contracting = "dot", _LHS_CONTRACTING.search(rhs)
+  elif re.search(r"\sragged-dot\(", " " + rhs):
+    op, contracting = "ragged-dot", _LHS_CONTRACTING.search(rhs)
+  else:
+    call = _CUSTOM_CALL_TARGET.search(rhs)
+    if not (call and call.group(1) in GEMM_CALLS):
+      return None
+    op, contracting = "custom-call", _LHS_CONTRACTING_JSON.search(rhs)
+  out = _dims(result)
+  lhs = _lhs_dims(rhs, op, types)
+  if out is None or lhs is None:
+    return None
+  axes = [
+      int(a.strip('" '))
+      for a in (contracting.group(1) if contracting else "").split(",")
+      if a.strip('" ')
+  ]
+  contracted = math.prod(lhs[a] for a in axes)
+  flops = 2.0 * math.prod(out) * contracted
+  ragged = _LHS_RAGGED.search(rhs) if op == "ragged-dot" else None
+  if ragged and any(int(a) in axes for a in ragged.group(1).split(",") if a):
+    # Rows are the contracted (ragged) dimension: each row meets one group,
+    # not all of the output's leading group dimension.
+    flops /= out[0]
+  return flops
