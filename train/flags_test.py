@@ -37,6 +37,8 @@ _BAD = (
     ("batch_size", "0"),
     ("microbatches", "0"),
     ("microbatches", "-2"),
+    ("ep_chunks", "0"),
+    ("num_layers", "0"),
     ("seq_len", "0"),
     ("seq_len", "-1"),
     ("warmup_steps", "-1"),
@@ -76,6 +78,8 @@ _GOOD = (
     ("steps", "1"),
     ("batch_size", "1"),
     ("microbatches", "1"),
+    ("ep_chunks", "16"),
+    ("num_layers", "4"),
     ("seq_len", "1"),  # One input byte and its next-byte target.
     ("warmup_steps", "0"),
     ("seed", "0"),
@@ -308,6 +312,21 @@ class PrecisionFlagTest(parameterized.TestCase):
         run.model.replace(moe=run.model.moe.replace(precision="bf16")),
         preset.model,
     )
+
+  def test_num_layers_sets_the_depth_and_keeps_the_width(self):
+    with flagsaver.as_parsed(model="deepseek_v3", num_layers="5"):
+      run = main._run_config()
+    preset = presets.get_preset("deepseek_v3").model
+    self.assertEqual(run.model.num_layers, 5)
+    self.assertEqual(run.model.replace(num_layers=preset.num_layers), preset)
+    self.assertEqual(run.model.num_moe_layers, 2)  # 3 dense + 2 MoE.
+
+  def test_num_layers_below_the_dense_layers_is_refused(self):
+    model = presets.get_preset("deepseek_v3").model
+    with self.assertRaisesRegex(
+        ValueError, r"^num_layers must be >= 4 for 'deepseek_v3'.*got 3\.$"
+    ):
+      run_config.with_depth(model, 3)
 
   def test_default_is_bf16_the_unquantised_model(self):
     with flagsaver.flagsaver():

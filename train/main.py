@@ -67,6 +67,24 @@ _MICROBATCHES = flags.DEFINE_integer(
     "microbatches, one after the other, their gradients summed (>= 1; it "
     "and the data-parallel size of --mesh must divide --batch_size).",
 )
+_NUM_LAYERS = flags.DEFINE_integer(
+    "num_layers",
+    None,
+    "The preset model at this depth (blocks), full width, its first dense "
+    "layers kept: e.g. --model=deepseek_v3 --num_layers=5 --dry_run "
+    "compiles the real mesh's step in a fraction of the time (preset depth "
+    "if unset).",
+)
+_EP_CHUNKS = flags.DEFINE_integer(
+    "ep_chunks",
+    1,
+    "Expert parallelism: exchange each device's tokens of an MoE layer in "
+    "this many chunks (>= 1, dividing the tokens a device holds per "
+    "microbatch). The drop-free receive buffer is sized for the worst case, "
+    "every peer's tokens sent to one device; chunks shrink it by this "
+    "factor, and the scheduler may overlap one chunk's exchange with "
+    "another's expert GEMMs.",
+)
 _SEQ = flags.DEFINE_integer(
     "seq_len",
     None,
@@ -237,6 +255,8 @@ _INT_RANGES = (
     (_STEPS, 1, None),
     (_BATCH, 1, None),
     (_MICROBATCHES, 1, None),
+    (_EP_CHUNKS, 1, None),
+    (_NUM_LAYERS, 1, None),
     # The sampler reads seq_len + 1 bytes: one next-byte target per input.
     (_SEQ, 1, None),
     (_WARMUP, 0, None),
@@ -479,6 +499,8 @@ def _run_config() -> run_config.RunConfig:
       remat=_REMAT.value,
       scan_layers=_SCAN_LAYERS.value,
       microbatches=_MICROBATCHES.value,
+      ep_chunks=_EP_CHUNKS.value,
+      num_layers=_NUM_LAYERS.value,
       compute_dtype=_DTYPE.value,
       data=_DATA.value,
       output_dir=_OUT.value,

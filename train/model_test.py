@@ -130,6 +130,24 @@ class ForwardTest(parameterized.TestCase):
           weights /= weights.sum()
           want[bi, ti, hi] = weights @ v[bi, : ti + 1, kv]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # In query blocks (as long sequences run), the same rows.
+    blocked = model_lib.causal_attention(*map(jnp.asarray, (q, k, v)), 1)
+    np.testing.assert_allclose(blocked, want, rtol=1e-5, atol=1e-5)
+
+  def test_query_blocks_give_the_whole_attention_and_its_gradients(self):
+    b, t, h, hkv, d = 2, 64, 4, 2, 8
+    keys = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(keys[0], (b, t, h, d))
+    k = jax.random.normal(keys[1], (b, t, hkv, d))
+    v = jax.random.normal(keys[2], (b, t, hkv, d))
+
+    def loss(block):
+      return lambda *qkv: jnp.sum(model_lib.causal_attention(*qkv, block) ** 2)
+
+    whole = jax.value_and_grad(loss(t), (0, 1, 2))(q, k, v)
+    blocks = jax.jit(jax.value_and_grad(loss(16), (0, 1, 2)))(q, k, v)
+    for a, c in zip(jax.tree.leaves(whole), jax.tree.leaves(blocks)):
+      np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5)
 
   def test_returns_stats_for_moe_layers_only(self):
     cfg = testing.SMALL_DSV3

@@ -50,6 +50,11 @@ class RunConfig:
   # Gradient accumulation: each step's batch is split into this many equal
   # microbatches, run one after the other (a scan), their gradients summed.
   microbatches: int = 1
+  # Each device's tokens of an MoE layer are exchanged in this many chunks
+  # (`moe_core.parallel.EPOptions.num_chunks`): the drop-free receive
+  # buffer, sized for the worst case (every peer's tokens to one device),
+  # shrinks by this factor. The math is the same: not in the fingerprint.
+  ep_chunks: int = 1
   data: str | None = _host_only(None)
   output_dir: str = _host_only("/tmp/dropless_train")
   eval_every: int = _host_only(50)
@@ -118,6 +123,7 @@ _NUMBER_FIELDS = (
     ("steps", 1, "int"),
     ("batch_size", 1, "int"),
     ("microbatches", 1, "int"),
+    ("ep_chunks", 1, "int"),
     ("seq_len", 1, "int"),
     ("learning_rate", 0, "positive"),
     ("warmup_steps", 0, "int"),
@@ -194,11 +200,35 @@ def with_precision(
   return model.replace(moe=model.moe.replace(precision=precision))
 
 
+def with_depth(
+    model: model_config.ModelConfig, num_layers: int
+) -> model_config.ModelConfig:
+  """`model` with `num_layers` blocks, its width and first dense layers kept.
+
+  Raises:
+    ValueError: `num_layers` is not an int >= 1, or leaves no room for the
+      model's first dense layers plus one MoE layer (a MoE model).
+  """
+  if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+    raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}.")
+  least = model.first_dense_layers + (1 if model.moe is not None else 0)
+  if num_layers < max(1, least):
+    raise ValueError(
+        f"num_layers must be >= {max(1, least)} for {model.name!r} (its "
+        f"{model.first_dense_layers} first dense layers"
+        + (" and one MoE layer" if model.moe is not None else "")
+        + f"), got {num_layers}."
+    )
+  return model.replace(num_layers=num_layers)
+
+
 def run_config_from_preset(name: str, **overrides) -> RunConfig:
   """A RunConfig from preset `name`; `overrides` set (non-None) fields.
 
   `precision` (a recipe of `moe_core.config.PRECISIONS`) is an override too:
-  it sets the preset model's `moe.precision` (see `with_precision`).
+  it sets the preset model's `moe.precision` (see `with_precision`). So is
+  `num_layers`: the preset model at that depth, full width (its first dense
+  layers kept), e.g. to compile a reduced-depth DeepSeek-V3 on its real mesh.
   """
   preset = presets.get_preset(name)
   fields = dataclasses.asdict(preset.train)
@@ -206,5 +236,8 @@ def run_config_from_preset(name: str, **overrides) -> RunConfig:
   precision = overrides.pop("precision", None)
   if precision is not None:
     fields["model"] = with_precision(preset.model, precision)
+  num_layers = overrides.pop("num_layers", None)
+  if num_layers is not None:
+    fields["model"] = with_depth(fields["model"], num_layers)
   fields.update({k: v for k, v in overrides.items() if v is not None})
   return RunConfig(**fields)

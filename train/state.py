@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import moe_core
 from moe_core import flax as moe_flax
 from train import mesh as mesh_lib
 from train import model as model_lib
@@ -49,6 +50,10 @@ def make_model(run: run_config.RunConfig, mesh: jax.sharding.Mesh | None):
         "expert_axis": mesh_lib.EXPERT_AXIS,
         "data_axes": mesh_lib.MOE_DATA_AXES,
     }
+    if run.ep_chunks > 1:
+      moe_mesh["ep_options"] = moe_core.parallel.EPOptions(
+          num_chunks=run.ep_chunks
+      )
   kind = (
       scan_model.ScannedTransformer
       if run.scan_layers

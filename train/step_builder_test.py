@@ -49,6 +49,24 @@ class HereTest(absltest.TestCase):
     for g, w in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
       np.testing.assert_array_equal(g, w)
 
+  def test_ep_chunks_change_the_buffers_not_the_step(self):
+    results = {}
+    for chunks in (1, 2):
+      run = testing.small_run(
+          "/unused", mesh=MESH, batch_size=8, ep_chunks=chunks
+      )
+      step = step_builder.build(run, self.mesh)
+      state = state_lib.initialise(run, step.spec)
+      batch = jax.device_put(
+          np.arange(8 * 33, dtype=np.int32).reshape(8, 33) % 251,
+          step.batch.sharding,
+      )
+      results[chunks] = jax.jit(step.fn, **step.jit_kwargs)(state, batch)[1]
+    for key in ("loss", "grad_norm", "tokens_per_expert"):
+      np.testing.assert_allclose(
+          results[2][key], results[1][key], rtol=1e-5, err_msg=key
+      )
+
   def test_run_that_does_not_split_over_the_mesh_is_refused(self):
     run = testing.small_run("/unused", mesh=MESH, batch_size=8, microbatches=4)
     with self.assertRaisesRegex(ValueError, r"^--microbatches must be"):

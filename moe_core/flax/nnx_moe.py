@@ -50,6 +50,8 @@ class MoE(nnx.Module):
       Static (part of the graph definition), like `backend`.
     expert_axis: the mesh axis the experts are split over.
     data_axes: further mesh axes the tokens are split over.
+    ep_options: `moe_core.parallel.EPOptions` for the exchange (chunks,
+      bounded buffers); None for the defaults. Static, with `mesh`.
   """
 
   def __init__(
@@ -62,12 +64,14 @@ class MoE(nnx.Module):
       mesh: jax.sharding.Mesh | None = None,
       expert_axis: str = "expert",
       data_axes: tuple[str, ...] = ("data",),
+      ep_options: moe_core.parallel.EPOptions | None = None,
   ):
     self.cfg = cfg
     self.backend = backend
     self.mesh = mesh
     self.expert_axis = expert_axis
     self.data_axes = tuple(data_axes)
+    self.ep_options = ep_options
     values = moe_core.init_params(rngs.params(), cfg, dtype=param_dtype)
     for name, value in values.items():
       wrap = CorrectionBias if name == BIAS_NAME else nnx.Param
@@ -93,6 +97,7 @@ class MoE(nnx.Module):
         mesh=self.mesh,
         expert_axis=self.expert_axis,
         data_axes=self.data_axes,
+        ep_options=self.ep_options,
     )
 
   def update_correction_bias(
