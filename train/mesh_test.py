@@ -136,12 +136,15 @@ class PlacementTest(absltest.TestCase):
             specs[f"['opt_state'][1][0].{moment}{path}"], specs[key]
         )
 
-  def test_other_matrices_split_over_fsdp_vectors_replicated(self):
+  def test_other_matrices_split_over_fsdp_and_expert_vectors_replicated(
+      self,
+  ):
     specs = self._specs()
-    self.assertEqual(specs["['params']['embed'].value"], P("fsdp", None))
+    shards = ("fsdp", "expert")
+    self.assertEqual(specs["['params']['embed'].value"], P(shards, None))
     self.assertEqual(
         specs["['params']['dense_layers']['attn']['wo'].value"],
-        P(None, None, "fsdp"),
+        P(None, None, shards),
     )
     self.assertEqual(
         specs["['params']['dense_layers']['attn_norm']['scale'].value"],
@@ -165,6 +168,18 @@ class PlacementTest(absltest.TestCase):
         (jax.tree_util.DictKey("wq"),), (30, 64), mesh_lib.parse("fsdp=4")
     )
     self.assertEqual(spec, P(None, None))
+
+  def test_fsdp_alone_where_fsdp_times_expert_does_not_divide(self):
+    sizes = mesh_lib.parse("fsdp=2,expert=4")
+    key = (jax.tree_util.DictKey("wq"),)
+    self.assertEqual(
+        sharding.spec_for(key, (8, 6), sizes), P(("fsdp", "expert"), None)
+    )
+    self.assertEqual(sharding.spec_for(key, (6, 6), sizes), P("fsdp", None))
+    self.assertEqual(
+        sharding.spec_for(key, (8, 6), mesh_lib.parse("expert=4")),
+        P("expert", None),
+    )
 
   def test_batches_are_split_over_the_data_parallel_devices(self):
     tr = self.trainer

@@ -100,20 +100,18 @@ class FlopsTest(absltest.TestCase):
 
 class MemoryTest(absltest.TestCase):
 
-  def test_expert_axis_divides_only_routed_expert_weights(self):
+  def test_expert_and_fsdp_axes_divide_every_weight_tensor_the_rest(self):
+    # Routed experts over expert x fsdp; the rest over fsdp x expert too
+    # (train.sharding: the expert axis is a data axis outside the MoE
+    # blocks); data replicates.
     cfg = presets.QWEN3_30B_A3B.model
     one = sizing.memory_per_device(cfg, sizing.parse_mesh("data=1"), 8, 128)
     ep = sizing.memory_per_device(cfg, sizing.parse_mesh("expert=8"), 8, 128)
-    routed = (
-        cfg.num_moe_layers
-        * 3
-        * (cfg.moe.num_experts * cfg.hidden_size * cfg.moe.expert_ffn_size)
-    )
+    dp = sizing.memory_per_device(cfg, sizing.parse_mesh("data=8"), 8, 128)
     counts = sizing.param_counts(cfg)
     self.assertEqual(one["weights"], 4.0 * counts.total)
-    self.assertAlmostEqual(
-        ep["weights"], 4.0 * (counts.total - routed + routed / 8)
-    )
+    self.assertAlmostEqual(ep["weights"], 4.0 * counts.total / 8)
+    self.assertEqual(dp["weights"], one["weights"])
     self.assertEqual(ep["tokens_per_device"], one["tokens_per_device"] / 8)
 
   def test_remat_orders_activation_memory(self):

@@ -239,7 +239,8 @@ def memory_per_device(
 
   Layout assumed: float32 master weights and gradients, AdamW's two float32
   moments; routed-expert weights sharded over expert x fsdp x tensor, the
-  rest over fsdp x tensor; the batch split over data x fsdp x expert (the
+  rest over fsdp x expert x tensor (`train.sharding`: where they divide);
+  the batch split over data x fsdp x expert (the
   expert axis is a data axis outside the MoE blocks); activations as in
   `_activation_bytes_per_token_layer`, plus the float32 logits of the
   output head.
@@ -251,7 +252,7 @@ def memory_per_device(
   other = counts.total - routed
   per_device = routed / (
       mesh["expert"] * mesh["fsdp"] * mesh["tensor"]
-  ) + other / (mesh["fsdp"] * mesh["tensor"])
+  ) + other / (mesh["fsdp"] * mesh["expert"] * mesh["tensor"])
   batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
   tokens = batch_size * seq_len / batch_shards
   device_act = host_act = 0.0

@@ -26,13 +26,19 @@ def _eager_state(run):
   return {"params": params, "opt_state": opt_state, "bias": bias}
 
 
-def _assert_same_values(test, got, want):
+def _assert_same_values(test, got, want, ulps: int = 0):
+  """Equal leaves; `ulps` > 0 allows that many float32 ulps of difference."""
   got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
   test.assertEqual(len(got_leaves), len(jax.tree.leaves(want)))
   for (path, g), w in zip(got_leaves, jax.tree.leaves(want)):
-    np.testing.assert_array_equal(
-        np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path)
-    )
+    g, w = np.asarray(g), np.asarray(w)
+    if ulps and g.dtype == np.float32:
+      # (No err_msg here: the traceback shows the path's loop variable.)
+      np.testing.assert_array_max_ulp(g, w, maxulp=ulps)
+    else:
+      np.testing.assert_array_equal(
+          g, w, err_msg=jax.tree_util.keystr(path)
+      )
 
 
 class OneDeviceTest(parameterized.TestCase):
@@ -109,7 +115,11 @@ class ShardedInitTest(absltest.TestCase):
     self.assertEqual(
         {s.data.shape for s in w.addressable_shards}, {(1, 2, 16, 32)}
     )
-    _assert_same_values(self, state, _eager_state(self.train_run))
+    # The same random bits, but XLA:CPU rounds the truncated-normal
+    # transform of a narrow shard differently: up to 3 ulps measured on the
+    # row-parallel weights, 4 columns a shard on fsdp=2 x expert=4 (bitwise
+    # equal at 16 columns, on fsdp=2 alone).
+    _assert_same_values(self, state, _eager_state(self.train_run), ulps=4)
 
 
 if __name__ == "__main__":
