@@ -36,9 +36,7 @@ def _assert_same_values(test, got, want, ulps: int = 0):
       # (No err_msg here: the traceback shows the path's loop variable.)
       np.testing.assert_array_max_ulp(g, w, maxulp=ulps)
     else:
-      np.testing.assert_array_equal(
-          g, w, err_msg=jax.tree_util.keystr(path)
-      )
+      np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
 
 
 class OneDeviceTest(parameterized.TestCase):
