@@ -23,7 +23,7 @@ from absl import app
 from absl import flags
 
 _GPU = flags.DEFINE_enum(
-    "gpu", "h100", ["h100", "h800"], "Link bandwidths of which cluster."
+    "gpu", "h100", ["h100", "h800", "b200"], "Link bandwidths of which cluster."
 )
 _MARKDOWN = flags.DEFINE_bool("markdown", False, "Print markdown tables.")
 
@@ -106,6 +106,11 @@ CLUSTERS = {
     # (DeepSeek-V3 report, section 3.2.2); DeepEP measured 153-158 GB/s on
     # NVLink (docs/legacy.md); 20 of 132 SMs drive both links (report 3.2.2).
     "h800": Cluster("H800, CX7 IB", 445.0, 890.0, 155.0, 45.0, 20 / 132),
+    # B200: 2,250 dense BF16 TFLOP/s, 4,500 FP8 (NVIDIA DGX B200 datasheet),
+    # taken at the same 45%; NVLink 5: 1,800 GB/s both directions, 80% of
+    # 900 each way; ConnectX-8 800 Gb/s = 100 GB/s per GPU, taken at 90%; 20
+    # of its 148 SMs for communication. Assumptions, not measurements.
+    "b200": Cluster("B200, CX8 IB", 1012.0, 2025.0, 720.0, 90.0, 20 / 148),
 }
 
 

@@ -40,7 +40,12 @@ _DEVICE_MEMORY = ("weights", "gradients", "optimizer", "activations")
 
 
 def analytic_bytes_per_device(
-    model, mesh: dict[str, int], batch_size: int, seq_len: int, remat: str
+    model,
+    mesh: dict[str, int],
+    batch_size: int,
+    seq_len: int,
+    remat: str,
+    moment_bytes: int = 4,
 ) -> float:
   """The analytic estimate of a training step's bytes per device.
 
@@ -50,8 +55,11 @@ def analytic_bytes_per_device(
     batch_size: sequences per step (global).
     seq_len: tokens per sequence.
     remat: the --remat policy.
+    moment_bytes: bytes of each AdamW moment (--opt_state_dtype).
   """
-  mem = sizing.memory_per_device(model, mesh, batch_size, seq_len, remat)
+  mem = sizing.memory_per_device(
+      model, mesh, batch_size, seq_len, remat, moment_bytes
+  )
   return sum(mem[k] for k in _DEVICE_MEMORY)
 
 

@@ -110,12 +110,14 @@ def analytic_all_to_all_bytes(run: run_config.RunConfig) -> float:
 def analytic(run: run_config.RunConfig) -> dict[str, float | None]:
   """The analytic figure of each reported quantity, per device."""
   sizes = sizing.parse_mesh(run.mesh)
+  moment_bytes = np.dtype(run.opt_state_dtype).itemsize
   mem = sizing.memory_per_device(
       run.model,
       sizes,
       run.batch_size // run.microbatches,
       run.seq_len,
       run.remat,
+      moment_bytes,
   )
   devices = math.prod(sizes.values())
   tokens = run.batch_size * run.seq_len
@@ -133,6 +135,7 @@ def analytic(run: run_config.RunConfig) -> dict[str, float | None]:
           run.batch_size // run.microbatches,
           run.seq_len,
           run.remat,
+          moment_bytes,
       ),
       "flops": train_flops * tokens / devices,
       "bytes_accessed": None,  # No analytic model of it.
@@ -179,6 +182,7 @@ def report(
       "seq_len": run.seq_len,
       "microbatches": run.microbatches,
       "ep_chunks": run.ep_chunks,
+      "opt_state_dtype": run.opt_state_dtype,
       "remat": run.remat,
       "scan_layers": run.scan_layers,
       "precision": run.precision,

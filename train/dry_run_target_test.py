@@ -1,9 +1,10 @@
 """`--dry_run --target --topology`: the real step compiled for GPUs not here.
 
-Two compiles where the leg has jax's CUDA plugin: tiny_dsv3 on one H100
+Three compiles where the leg has jax's CUDA plugin: tiny_dsv3 on one H100
 with a batch of a million tokens (does not fit; about 1 min on 2 busy
-cores), and DeepSeek-V3 at 4 layers, full width, on 1,024 H100s with the
-committed layout, expert parallelism and Mosaic GPU kernels (fits). The
+cores); DeepSeek-V3 at 4 layers, full width, on 1,024 H100s with the
+committed layout, expert parallelism and Mosaic GPU kernels, and Mixtral
+8x7B at 2 layers on 8 H100s with bfloat16 moments (both fit). The
 flag checks, the one-line refusal and the per-step collective count need no
 compile.
 """
@@ -287,6 +288,38 @@ class SeedScaleTest(absltest.TestCase):
     self.assertEqual(
         figures["params"]["compiled"], figures["gradients"]["compiled"]
     )
+
+  def test_mixtral_layers_on_one_host_of_8_h100s(self):
+    # The committed one-host Mixtral plan (docs/scaling.md) at 2 layers.
+    path = os.path.join(self.out_dir, "mixtral.json")
+    status, _, err = _run_main(
+        model="mixtral_8x7b",
+        num_layers=2,
+        dry_run=True,
+        target="h100",
+        topology="1x1x8",
+        mesh="expert=8",
+        batch_size=8,
+        seq_len=4096,
+        remat="full",
+        moe_backend="mosaic_gpu",
+        opt_state_dtype="bfloat16",
+        dry_run_json=path,
+    )
+    self.assertEqual(status, 0, err[-3000:])
+    with open(path) as f:
+      record = json.load(f)
+    self.assertTrue(record["fits"])
+    figures = record["figures"]
+    # Two bfloat16 moments: the parameters' float32 bytes (and AdamW's
+    # step counts).
+    self.assertAlmostEqual(
+        figures["optimizer"]["compiled"],
+        figures["params"]["compiled"],
+        delta=1024,
+    )
+    self.assertAlmostEqual(figures["optimizer"]["ratio"], 1.0, delta=1e-3)
+    self.assertAlmostEqual(figures["all_to_all"]["ratio"], 1.0, delta=1e-3)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,13 @@ _MICROBATCHES = flags.DEFINE_integer(
     "microbatches, one after the other, their gradients summed (>= 1; it "
     "and the data-parallel size of --mesh must divide --batch_size).",
 )
+_OPT_STATE_DTYPE = flags.DEFINE_enum(
+    "opt_state_dtype",
+    "float32",
+    list(run_config.OPT_STATE_DTYPES),
+    "The dtype AdamW's moments are stored in: bfloat16 halves them (as "
+    "DeepSeek-V3 trained), updated in float32 either way.",
+)
 _NUM_LAYERS = flags.DEFINE_integer(
     "num_layers",
     None,
@@ -500,6 +507,7 @@ def _run_config() -> run_config.RunConfig:
       scan_layers=_SCAN_LAYERS.value,
       microbatches=_MICROBATCHES.value,
       ep_chunks=_EP_CHUNKS.value,
+      opt_state_dtype=_OPT_STATE_DTYPE.value,
       num_layers=_NUM_LAYERS.value,
       compute_dtype=_DTYPE.value,
       data=_DATA.value,

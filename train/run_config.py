@@ -55,6 +55,9 @@ class RunConfig:
   # buffer, sized for the worst case (every peer's tokens to one device),
   # shrinks by this factor. The math is the same: not in the fingerprint.
   ep_chunks: int = 1
+  # The dtype AdamW's moments are stored in ("float32" or "bfloat16", as
+  # DeepSeek-V3 trained): updated in float32 either way.
+  opt_state_dtype: str = "float32"
   data: str | None = _host_only(None)
   output_dir: str = _host_only("/tmp/dropless_train")
   eval_every: int = _host_only(50)
@@ -75,6 +78,11 @@ class RunConfig:
       if value is None and name in _HOST_ONLY:
         continue
       _check_number(name, value, minimum, kind)
+    if self.opt_state_dtype not in OPT_STATE_DTYPES:
+      raise ValueError(
+          f"opt_state_dtype must be one of {OPT_STATE_DTYPES}, got "
+          f"{self.opt_state_dtype!r}."
+      )
     if self.batch_size % self.microbatches:
       raise ValueError(
           f"--microbatches={self.microbatches} must divide --batch_size="
@@ -114,8 +122,14 @@ class RunConfig:
       fingerprint["scan_layers"] = True
     if data_sha256 is not None:
       fingerprint["data_sha256"] = data_sha256
+    if self.opt_state_dtype != "float32":
+      # The checkpoint's moments are of this dtype.
+      fingerprint["opt_state_dtype"] = self.opt_state_dtype
     return fingerprint
 
+
+# What --opt_state_dtype takes.
+OPT_STATE_DTYPES = ("float32", "bfloat16")
 
 # (field, minimum, kind): kind "int" (>= minimum), "float" (finite and
 # >= minimum) or "positive" (finite and > minimum).

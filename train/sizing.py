@@ -234,13 +234,15 @@ def memory_per_device(
     batch_size: int,
     seq_len: int,
     remat: str = "full",
+    moment_bytes: int = 4,
 ) -> dict[str, float]:
   """Bytes per device for weights, gradients, optimiser state, activations.
 
-  Layout assumed: float32 master weights and gradients, AdamW's two float32
-  moments; routed-expert weights sharded over expert x fsdp x tensor, the
-  rest over fsdp x expert x tensor (`train.sharding`: where they divide);
-  the batch split over data x fsdp x expert (the
+  Layout assumed: float32 master weights and gradients, AdamW's two
+  moments of `moment_bytes` each (4: float32; 2: --opt_state_dtype=
+  bfloat16); routed-expert weights sharded over expert x fsdp x tensor,
+  the rest over fsdp x expert x tensor (`train.sharding`: where they
+  divide); the batch split over data x fsdp x expert (the
   expert axis is a data axis outside the MoE blocks); activations as in
   `_activation_bytes_per_token_layer`, plus the float32 logits of the
   output head.
@@ -267,7 +269,7 @@ def memory_per_device(
       "params_per_device": per_device,
       "weights": 4.0 * per_device,
       "gradients": 4.0 * per_device,
-      "optimizer": 8.0 * per_device,
+      "optimizer": 2.0 * moment_bytes * per_device,
       "activations": tokens * (device_act + logits),
       "activations_offloaded_to_host": tokens * host_act,
       "tokens_per_device": tokens,

@@ -28,17 +28,43 @@ def make_optimizer(run: run_config.RunConfig) -> optax.GradientTransformation:
       end_value=0.1 * run.learning_rate,
   )
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.chain(
-      optax.clip_by_global_norm(run.grad_clip),
-      optax.adamw(
-          schedule,
-          b1=0.9,
-          b2=0.95,
-          eps=1e-8,
-          weight_decay=run.weight_decay,
-          mask=decay_mask,
-      ),
+  adamw = optax.adamw(
+      schedule,
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      weight_decay=run.weight_decay,
+      mask=decay_mask,
   )
+  if run.opt_state_dtype != "float32":
+    adamw = stored_as(adamw, jnp.dtype(run.opt_state_dtype))
+  return optax.chain(optax.clip_by_global_norm(run.grad_clip), adamw)
+
+
+def stored_as(
+    inner: optax.GradientTransformation, dtype
+) -> optax.GradientTransformation:
+  """`inner` with its floating state stored in `dtype`, updated in float32.
+
+  Each update reads the stored state as float32, runs `inner` and rounds
+  the new state to `dtype`: the moments of AdamW in bfloat16 take half the
+  memory (DeepSeek-V3's recipe), the arithmetic stays float32.
+  """
+
+  def cast(tree, to):
+    return jax.tree.map(
+        lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        tree,
+    )
+
+  def init(params):
+    return cast(inner.init(params), dtype)
+
+  def update(updates, state, params=None):
+    updates, state = inner.update(updates, cast(state, jnp.float32), params)
+    return updates, cast(state, dtype)
+
+  return optax.GradientTransformation(init, update)
 
 
 def _global_norm(tree) -> jax.Array:

@@ -3,9 +3,9 @@
 `gpu_topology(target, "SxHxG")` describes GPUs that need not be here,
 `Topology.mesh` lays a mesh over them, and `compile` runs XLA's GPU
 compiler on a program for them and reads back its memory, FLOPs, kernels
-and collectives (`per_step_collective_bytes`: per execution, loops
-counted). Targets (`TARGETS`): H100 SXM and H200 (sm_90), B200
-(sm_100). Needs the CUDA plugin of the installed jax version.
+and collectives (`per_step_collective_bytes` and `per_step_matmul_flops`:
+per execution, loops counted). Targets (`TARGETS`): H100 SXM and H200
+(sm_90), B200 (sm_100). Needs the CUDA plugin of the installed jax version.
 """
 
 from moe_core.aot.compile import CompiledProgram
