@@ -67,13 +67,7 @@ def per_step_collective_bytes(hlo_text: str) -> PerStep:
   Args:
     hlo_text: a compiled module's text (`Compiled.as_text()`).
   """
-  computations, entry = _computations(hlo_text)
-  types = {
-      name: result
-      for lines in computations.values()
-      for name, result, _ in lines
-  }
-  runs, unknown = _runs_per_execution(computations, entry)
+  computations, types, runs, unknown = _parse(hlo_text)
   totals = collections.Counter()
   unknown_loops = 0
   for comp, lines in computations.items():
@@ -84,6 +78,19 @@ def per_step_collective_bytes(hlo_text: str) -> PerStep:
       totals[op] += runs[comp] * _operand_bytes(rest, op, types)
       unknown_loops += comp in unknown
   return PerStep(dict(totals), unknown_loops)
+
+
+def _parse(hlo_text: str):
+  """(computations, result types by instruction name, runs per execution of
+  each computation, computations under a loop of unknown trip count)."""
+  computations, entry = _computations(hlo_text)
+  types = {
+      name: result
+      for lines in computations.values()
+      for name, result, _ in lines
+  }
+  runs, unknown = _runs_per_execution(computations, entry)
+  return computations, types, runs, unknown
 
 
 def _computations(hlo_text: str):
@@ -191,13 +198,7 @@ def per_step_matmul_flops(hlo_text: str) -> MatmulFlops:
   Args:
     hlo_text: a compiled module's text (`Compiled.as_text()`).
   """
-  computations, entry = _computations(hlo_text)
-  types = {
-      name: result
-      for lines in computations.values()
-      for name, result, _ in lines
-  }
-  runs, unknown = _runs_per_execution(computations, entry)
+  computations, types, runs, unknown = _parse(hlo_text)
   flops = 0.0
   launches = collections.Counter()
   unknown_loops = 0
