@@ -6,6 +6,7 @@ import math
 
 from train import presets
 from train import published
+from train import run_config
 from train import sizing
 
 
@@ -39,28 +40,32 @@ def human_bytes(n: float) -> str:
 _DEVICE_MEMORY = ("weights", "gradients", "optimizer", "activations")
 
 
-def analytic_bytes_per_device(
-    model,
-    mesh: dict[str, int],
-    batch_size: int,
-    seq_len: int,
-    remat: str,
-    moment_bytes: int = 4,
-) -> float:
-  """The analytic estimate of a training step's bytes per device.
+def moment_bytes(run) -> int:
+  """Bytes of each AdamW moment of a `RunConfig` (--opt_state_dtype)."""
+  return run_config.MOMENT_BYTES[run.opt_state_dtype]
 
-  Args:
-    model: a `model_config.ModelConfig`.
-    mesh: {axis: size} for every axis of `sizing.MESH_AXES`.
-    batch_size: sequences per step (global).
-    seq_len: tokens per sequence.
-    remat: the --remat policy.
-    moment_bytes: bytes of each AdamW moment (--opt_state_dtype).
-  """
-  mem = sizing.memory_per_device(
-      model, mesh, batch_size, seq_len, remat, moment_bytes
+
+def run_memory_per_device(run) -> dict[str, float]:
+  """`sizing.memory_per_device` for a `RunConfig`: its model, mesh, one
+  microbatch of its batch, remat policy and moment dtype."""
+  return sizing.memory_per_device(
+      run.model,
+      sizing.parse_mesh(run.mesh),
+      run.batch_size // run.microbatches,
+      run.seq_len,
+      run.remat,
+      moment_bytes(run),
   )
+
+
+def device_bytes(mem: dict[str, float]) -> float:
+  """What of `sizing.memory_per_device`'s figures lives on a device."""
   return sum(mem[k] for k in _DEVICE_MEMORY)
+
+
+def analytic_bytes_per_device(run) -> float:
+  """The analytic estimate of a `RunConfig`'s step, bytes per device."""
+  return device_bytes(run_memory_per_device(run))
 
 
 def compiled_memory_line(memory, analytic: float) -> str:
@@ -88,14 +93,21 @@ def describe(
     batch_size: int,
     seq_len: int,
     remat: str,
+    moment_bytes: int = 4,
 ) -> str:
-  """The `--dry_run` report: counts, FLOPs per token and memory per device."""
+  """The `--dry_run` report: counts, FLOPs per token and memory per device.
+
+  `moment_bytes`: bytes of each AdamW moment (2 for --opt_state_dtype=
+  bfloat16).
+  """
   cfg = preset.model
   c = sizing.param_counts(cfg)
   fl = sizing.flops_per_token(cfg, seq_len)
-  mem = sizing.memory_per_device(cfg, mesh, batch_size, seq_len, remat)
+  mem = sizing.memory_per_device(
+      cfg, mesh, batch_size, seq_len, remat, moment_bytes
+  )
   devices = math.prod(mesh.values())
-  total_bytes = sum(mem[k] for k in _DEVICE_MEMORY)
+  total_bytes = device_bytes(mem)
   lines = [
       f"model {cfg.name}: {preset.description}",
       f"  layers {cfg.num_layers} ({cfg.num_dense_layers} dense, "

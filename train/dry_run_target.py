@@ -110,15 +110,7 @@ def analytic_all_to_all_bytes(run: run_config.RunConfig) -> float:
 def analytic(run: run_config.RunConfig) -> dict[str, float | None]:
   """The analytic figure of each reported quantity, per device."""
   sizes = sizing.parse_mesh(run.mesh)
-  moment_bytes = np.dtype(run.opt_state_dtype).itemsize
-  mem = sizing.memory_per_device(
-      run.model,
-      sizes,
-      run.batch_size // run.microbatches,
-      run.seq_len,
-      run.remat,
-      moment_bytes,
-  )
+  mem = cost_report.run_memory_per_device(run)
   devices = math.prod(sizes.values())
   tokens = run.batch_size * run.seq_len
   train_flops = sizing.flops_per_token(run.model, run.seq_len)["train"]
@@ -129,14 +121,7 @@ def analytic(run: run_config.RunConfig) -> dict[str, float | None]:
       # The compiled step's gradients are temporaries (neither arguments
       # nor outputs), beside the activations saved for the backward.
       "temporaries": mem["gradients"] + mem["activations"],
-      "peak": cost_report.analytic_bytes_per_device(
-          run.model,
-          sizes,
-          run.batch_size // run.microbatches,
-          run.seq_len,
-          run.remat,
-          moment_bytes,
-      ),
+      "peak": cost_report.device_bytes(mem),
       "flops": train_flops * tokens / devices,
       "bytes_accessed": None,  # No analytic model of it.
       "all_to_all": analytic_all_to_all_bytes(run),

@@ -537,15 +537,17 @@ def dry_run(out=None, *, compile_step: bool = True) -> str:
       first step.
   """
   preset = presets.get_preset(_MODEL.value)
-  preset = dataclasses.replace(
-      preset, model=run_config.with_precision(preset.model, _PRECISION.value)
-  )
+  model = run_config.with_precision(preset.model, _PRECISION.value)
+  if _NUM_LAYERS.value is not None:
+    model = run_config.with_depth(model, _NUM_LAYERS.value)
+  preset = dataclasses.replace(preset, model=model)
   text = cost_report.describe(
       preset,
       mesh=sizing.parse_mesh(_MESH.value),
       batch_size=_BATCH.value or preset.train.batch_size,
       seq_len=_SEQ.value or preset.train.seq_len,
       remat=_REMAT.value,
+      moment_bytes=run_config.MOMENT_BYTES[_OPT_STATE_DTYPE.value],
   )
   if compile_step and not _TARGET.value:
     text += f"\n    {_compiled_memory()}"
@@ -601,13 +603,7 @@ def _compiled_memory() -> str:
         "compiled train step: XLA gives no memory figures on "
         f"{jax.devices()[0].platform}"
     )
-  analytic = cost_report.analytic_bytes_per_device(
-      run.model,
-      sizing.parse_mesh(run.mesh),
-      run.batch_size // run.microbatches,
-      run.seq_len,
-      run.remat,
-  )
+  analytic = cost_report.analytic_bytes_per_device(run)
   return cost_report.compiled_memory_line(memory, analytic)
 
 

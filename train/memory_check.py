@@ -23,7 +23,6 @@ import jax
 
 from train import cost_report
 from train import run_config
-from train import sizing
 from train import steps
 
 
@@ -81,13 +80,7 @@ def check(
   have = f"{cost_report.human_bytes(limit_bytes)} ({source})"
   if memory.total <= limit_bytes:
     return f"memory: the step needs {need} per device of {have}"
-  analytic = cost_report.analytic_bytes_per_device(
-      run.model,
-      sizing.parse_mesh(run.mesh),
-      run.batch_size // run.microbatches,
-      run.seq_len,
-      run.remat,
-  )
+  analytic = cost_report.analytic_bytes_per_device(run)
   remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
   raise StepDoesNotFitError(
       f"--model={run.model.name} does not fit: its compiled train step needs "

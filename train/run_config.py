@@ -128,8 +128,9 @@ class RunConfig:
     return fingerprint
 
 
-# What --opt_state_dtype takes.
-OPT_STATE_DTYPES = ("float32", "bfloat16")
+# What --opt_state_dtype takes, and the bytes of a moment in each.
+MOMENT_BYTES = {"float32": 4, "bfloat16": 2}
+OPT_STATE_DTYPES = tuple(MOMENT_BYTES)
 
 # (field, minimum, kind): kind "int" (>= minimum), "float" (finite and
 # >= minimum) or "positive" (finite and > minimum).

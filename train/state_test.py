@@ -11,6 +11,7 @@ from absl.testing import parameterized
 from flax import nnx
 
 from moe_core import flax as moe_flax
+from train import cost_report
 from train import mesh as mesh_lib
 from train import state as state_lib
 from train import steps
@@ -102,6 +103,18 @@ class BfloatMomentsTest(absltest.TestCase):
           # further off relative to itself).
           scale = float(jnp.max(jnp.abs(b)))
           np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * scale)
+
+  def test_the_estimates_count_two_bytes_a_moment(self):
+    run = testing.small_run("/unused")
+    half = dataclasses.replace(run, opt_state_dtype="bfloat16")
+    full_mem = cost_report.run_memory_per_device(run)
+    half_mem = cost_report.run_memory_per_device(half)
+    self.assertEqual(half_mem["optimizer"], full_mem["optimizer"] / 2)
+    self.assertEqual(
+        cost_report.analytic_bytes_per_device(run)
+        - cost_report.analytic_bytes_per_device(half),
+        full_mem["optimizer"] / 2,
+    )
 
   def test_unknown_dtype_is_refused(self):
     with self.assertRaisesRegex(ValueError, "opt_state_dtype must be one of"):

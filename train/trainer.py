@@ -37,7 +37,6 @@ from train import mesh as mesh_lib
 from train import output_lock
 from train import report
 from train import run_config
-from train import sizing
 from train import state as state_lib
 from train import step_builder
 from train import step_log
@@ -97,14 +96,7 @@ def out_of_memory_error(
   that lower it.
   """
   said = (str(error).strip().splitlines() or [""])[0][:200]
-  sizes = sizing.parse_mesh(run.mesh)
-  analytic = cost_report.analytic_bytes_per_device(
-      run.model,
-      sizes,
-      run.batch_size // run.microbatches,
-      run.seq_len,
-      run.remat,
-  )
+  analytic = cost_report.analytic_bytes_per_device(run)
   if memory is not None:
     estimate = (
         f"the compiled train step needs {cost_report.human_bytes(memory.total)}"
@@ -743,13 +735,7 @@ class Trainer:
   def _show_memory(self) -> None:
     """Prints the compiled train step's memory beside the estimate."""
     if self.memory is not None:
-      analytic = cost_report.analytic_bytes_per_device(
-          self.run.model,
-          sizing.parse_mesh(self.run.mesh),
-          self.run.batch_size // self.run.microbatches,
-          self.run.seq_len,
-          self.run.remat,
-      )
+      analytic = cost_report.analytic_bytes_per_device(self.run)
       self._print(
           "memory: " + cost_report.compiled_memory_line(self.memory, analytic)
       )
