@@ -45,28 +45,27 @@ MEGATRON_TOKENS_PER_GPU = 1297
 MEGATRON_TFLOPS_PER_GPU = 338
 
 
-def kernel_expert_flops(record: dict) -> float:
-  """Routed experts' GEMM FLOPs per device and step (inside kernels)."""
-  run = run_config.run_config_from_preset(
-      record["model"], num_layers=record["num_layers"]
-  )
+def kernel_expert_flops(run, tokens: float) -> float:
+  """Routed experts' GEMM FLOPs per device and step (inside kernels), for
+  `tokens` a device per step of `run` (a `RunConfig`)."""
   moe = run.model.moe
-  devices = math.prod(mesh_lib.parse(record["mesh"]).values())
-  tokens = record["batch_size"] * record["seq_len"] / devices
-  passes = 3 + (1 if record["remat"] == "full" else 0)
+  passes = 3 + (1 if run.remat == "full" else 0)
   per_token = moe.top_k * 3 * run.model.hidden_size * moe.expert_ffn_size
   return tokens * run.model.num_moe_layers * per_token * 2 * passes
 
 
 def model_step(record: dict, cluster: scaling_model.Cluster) -> dict:
   """The modelled step of one compiled record (seconds, tokens/s/GPU)."""
+  run = run_config.run_config_from_preset(
+      record["model"], num_layers=record["num_layers"], remat=record["remat"]
+  )
   sizes = mesh_lib.parse(record["mesh"])
   devices = math.prod(sizes.values())
   ep = sizes["expert"]
   tokens = record["batch_size"] * record["seq_len"] / devices
   flops = record["figures"]["flops"]["compiled"]
   if record["moe_backend"] in ("mosaic_gpu", "pallas", "triton", "te"):
-    flops += kernel_expert_flops(record)
+    flops += kernel_expert_flops(run, tokens)
   compute = flops / (cluster.gemm_tflops_bf16 * 1e12)
   sent = record["figures"]["all_to_all"]["compiled"]
   per_node = scaling_model.GPUS_PER_NODE
@@ -76,9 +75,6 @@ def model_step(record: dict, cluster: scaling_model.Cluster) -> dict:
   serial = compute + exchange
   overlap = max(compute / (1 - cluster.sm_fraction_for_comm), exchange)
   overlap = min(overlap, serial)
-  run = run_config.run_config_from_preset(
-      record["model"], num_layers=record["num_layers"]
-  )
   model_flops = (
       sizing.flops_per_token(run.model, record["seq_len"])["train"] * tokens
   )
