@@ -141,9 +141,10 @@ def _backend_class(name: str):
 def platform_options(backend: str, interpret: bool = False) -> dict:
   """Options that make `backend`, built here, what it is on a GPU.
 
-  The defaults of some backends follow the host (`jax.default_backend()`),
-  not the GPU a program is compiled for: pallas interprets off a GPU, and
-  xla multiplies through `jax.lax.ragged_dot` only off the CPU. So every
+  Pallas's default follows the host (`jax.default_backend()`), not the
+  GPU a program is compiled for: it interprets off a GPU. xla's follows
+  the platform a program is lowered for (ragged_dot on GPUs, its tile loop
+  on the CPU), so a CPU rehearsal would time the tile loop. So every
   `interpret` is set (False: the GPU's compiled kernels; True for a CPU
   rehearsal) and xla's `use_ragged_dot` is True.
   """
