@@ -21,6 +21,114 @@ from moe_core.testing import cuda_export
 P = jax.sharding.PartitionSpec
 
 
+# Primitives that wait for every device of their axes (jax 0.10 to 0.12).
+_COLLECTIVES = (
+    "all_to_all",
+    "ragged_all_to_all",
+    "psum",
+    "all_gather",
+    "ppermute",
+    "reduce_scatter",
+    "pmax",
+    "pmin",
+)
+
+
+def _sub_jaxprs(eqn):
+  """The jaxprs in an equation's parameters (open), in order."""
+  found = []
+  for value in eqn.params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(item, jax.extend.core.ClosedJaxpr):
+        found.append(item.jaxpr)
+      elif isinstance(item, jax.extend.core.Jaxpr):
+        found.append(item)
+  return found
+
+
+def overlapping_collectives(jaxpr, callback="pure_callback"):
+  """Collectives that may run beside the host callback.
+
+  Walks the program (nested jaxprs included) and tracks, for every value,
+  the collectives and callbacks it depends on. A collective is ordered
+  with the callback when the callback's operands depend on it, or it on
+  the callback; any other may run at the same time on some device.
+
+  Args:
+    jaxpr: a ClosedJaxpr with exactly one `callback` equation.
+
+  Returns:
+    the names of the collectives ordered neither way (a list).
+  """
+  names = []  # Event id -> primitive name.
+  operands_of = {}  # Event id -> the events its operands depend on.
+
+  def walk(jaxpr, in_deps):
+    deps = dict(zip(jaxpr.invars, in_deps))
+    for var in jaxpr.constvars:
+      deps[var] = frozenset()
+
+    def of(atoms):
+      return frozenset().union(
+          *(
+              deps.get(a, frozenset())
+              for a in atoms
+              if not isinstance(a, jax.extend.core.Literal)
+          )
+      )
+
+    for eqn in jaxpr.eqns:
+      ins = [
+          frozenset()
+          if isinstance(a, jax.extend.core.Literal)
+          else deps.get(a, frozenset())
+          for a in eqn.invars
+      ]
+      subs = _sub_jaxprs(eqn)
+      name = eqn.primitive.name
+      if any(name.startswith(c) for c in _COLLECTIVES) or name == callback:
+        event = len(names)
+        names.append(name)
+        operands_of[event] = frozenset().union(*ins)
+        outs = [operands_of[event] | {event}] * len(eqn.outvars)
+      elif (
+          len(subs) == 1
+          and len(subs[0].invars) == len(ins)
+          and len(subs[0].outvars) == len(eqn.outvars)
+      ):
+        outs = walk(subs[0], ins)  # A call: operands map one to one.
+      elif subs:
+        # Loops and branches: every output may depend on every operand and
+        # on everything inside.
+        everything = frozenset().union(*ins)
+        for sub in subs:
+          inner = walk(sub, [everything] * len(sub.invars))
+          everything = everything.union(*inner)
+        outs = [everything] * len(eqn.outvars)
+      else:
+        outs = [frozenset().union(*ins)] * len(eqn.outvars)
+      deps.update(zip(eqn.outvars, outs))
+    return [
+        frozenset()
+        if isinstance(v, jax.extend.core.Literal)
+        else deps.get(v, frozenset())
+        for v in jaxpr.outvars
+    ]
+
+  walk(jaxpr.jaxpr, [frozenset()] * len(jaxpr.jaxpr.invars))
+  checks = [e for e, n in enumerate(names) if n == callback]
+  if len(checks) != 1:
+    raise AssertionError(f"expected one {callback}, found {len(checks)}")
+  (check,) = checks
+  return [
+      name
+      for event, name in enumerate(names)
+      if name != callback
+      and event not in operands_of[check]
+      and check not in operands_of[event]
+  ]
+
+
 class EmulatedRaggedAllToAllTest(testing.DevicesTestCase):
 
   def test_matches_the_jax_docstring_example(self):
@@ -223,6 +331,70 @@ class ExchangeTest(testing.LayerTestCase):
         ep_options=parallel.EPOptions(buffer_factor=8.0),
     )
     self.assertLayerMatches(got, self.run_layer(cfg, params, x))
+
+  @parameterized.named_parameters(
+      ("padded", "padded"), ("ragged", "ragged_emulated")
+  )
+  def test_overflow_check_overlaps_no_collective(self, exchange):
+    # Every device raises from the check; one that raises while a peer
+    # waits for it in a collective hangs that peer, and XLA:CPU aborts the
+    # process (a rendezvous timeout). So each collective of the layer must
+    # come before the check or after it, forward and in the gradient, with
+    # the statistics' psums (data axis) and two chunks of exchanges. (Under
+    # jax.jvp the tangents' own collectives are not ordered with the check:
+    # docs/expert_parallel.md.)
+    cfg = testing.cfg()
+    params, x = testing.inputs(cfg, 32, seed=6, hot_expert=3)
+    mesh = testing.mesh((2, 4), ("data", "expert"))
+
+    def layer(params, x):
+      return moe_core.moe_layer(
+          params,
+          x,
+          cfg,
+          backend=testing.BACKEND,
+          mesh=mesh,
+          data_axes=("data",),
+          ep_options=parallel.EPOptions(
+              exchange=exchange, buffer_factor=2.0, num_chunks=2
+          ),
+      )
+
+    def loss(params, x):
+      y, aux = layer(params, x)
+      return jnp.sum(y) + aux.load_balancing_loss + aux.router_z_loss
+
+    programs = {
+        "forward": (layer, (params, x)),
+        "grad": (jax.grad(loss, argnums=(0, 1)), (params, x)),
+    }
+    for name, (fn, args) in programs.items():
+      with self.subTest(name):
+        jaxpr = jax.make_jaxpr(fn)(*args)
+        self.assertEqual(overlapping_collectives(jaxpr), [])
+
+  def test_overlap_finder_sees_an_unordered_collective(self):
+    # The finder itself: a psum beside the callback is reported, one that
+    # feeds it or follows it is not.
+    mesh = testing.mesh((8,), ("i",))
+
+    def body(a):
+      check = lambda v: jax.pure_callback(
+          lambda v: np.zeros((), np.float32),
+          jax.ShapeDtypeStruct((), jnp.float32),
+          v,
+      )
+      before = jax.lax.psum(a, "i")
+      zero = check(before.sum())
+      after = jax.lax.all_gather(a * zero, "i")
+      beside = jax.lax.all_to_all(a, "i", 0, 0, tiled=True)
+      return after.sum() + beside.sum() + zero
+
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=False
+    )
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(64, jnp.float32))
+    self.assertEqual(overlapping_collectives(jaxpr), ["all_to_all"])
 
   def test_ragged_exchange_lowers_for_gpu(self):
     cfg = testing.cfg()

@@ -121,7 +121,9 @@ def routed_experts(
       bound = _overflow_bound(
           exchange, size, cfg, compat.axis_size(expert_axis), options
       )
-      y = stages.raise_on_overflow(y, dropped, bound)
+      # Every output, so that no collective of this layer (the exchanges,
+      # the statistics' psums, their transposes) overlaps the check.
+      y, aux = stages.raise_on_overflow((y, aux), dropped, bound)
   return y.astype(x.dtype), aux
 
 
