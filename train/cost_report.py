@@ -94,17 +94,27 @@ def describe(
     seq_len: int,
     remat: str,
     moment_bytes: int = 4,
+    microbatches: int = 1,
+    published_layers: int | None = None,
 ) -> str:
   """The `--dry_run` report: counts, FLOPs per token and memory per device.
 
-  `moment_bytes`: bytes of each AdamW moment (2 for --opt_state_dtype=
-  bfloat16).
+  Args:
+    preset: the preset, its model as the run builds it (precision, depth).
+    mesh, batch_size, seq_len, remat: the run's.
+    moment_bytes: bytes of each AdamW moment (2 for --opt_state_dtype=
+      bfloat16).
+    microbatches: the batch is computed in this many parts, one at a time:
+      the activations are one microbatch's (`run_memory_per_device`).
+    published_layers: the depth the published counts are for; at another
+      depth (--num_layers) they are named as the full model's, not
+      compared. None: the model's own.
   """
   cfg = preset.model
   c = sizing.param_counts(cfg)
   fl = sizing.flops_per_token(cfg, seq_len)
   mem = sizing.memory_per_device(
-      cfg, mesh, batch_size, seq_len, remat, moment_bytes
+      cfg, mesh, batch_size // microbatches, seq_len, remat, moment_bytes
   )
   devices = math.prod(mesh.values())
   total_bytes = device_bytes(mem)
@@ -130,8 +140,15 @@ def describe(
   ]
   if cfg.name in published.PUBLISHED:
     pub = published.PUBLISHED[cfg.name]
+    full_depth = published_layers in (None, cfg.num_layers)
     lines.append(
-        f"  published: {human(pub.total)} total, {human(pub.active)} active "
+        (
+            "  published"
+            if full_depth
+            else f"  published, for all {published_layers} layers (not this "
+            f"{cfg.num_layers}-layer model)"
+        )
+        + f": {human(pub.total)} total, {human(pub.active)} active "
         f"({'with' if pub.active_counts_embedding else 'without'} the input "
         f"embedding); source: {pub.source}"
     )
@@ -140,7 +157,14 @@ def describe(
       f"{human(fl['forward'])}, training {human(fl['train'])} (6 x active "
       f"matmul params + attention; remat recompute not included)",
       f"  per device, mesh {mesh} ({devices} devices), global batch "
-      f"{batch_size} x {seq_len} tokens, remat={remat}:",
+      f"{batch_size} x {seq_len} tokens"
+      + (
+          f" in {microbatches} microbatches (activations of one, "
+          f"{batch_size // microbatches} rows)"
+          if microbatches > 1
+          else ""
+      )
+      + f", remat={remat}:",
       f"    weights (f32) {human_bytes(mem['weights'])}, gradients "
       f"{human_bytes(mem['gradients'])}, AdamW state "
       f"{human_bytes(mem['optimizer'])}, activations "

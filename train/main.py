@@ -540,6 +540,7 @@ def dry_run(out=None, *, compile_step: bool = True) -> str:
   model = run_config.with_precision(preset.model, _PRECISION.value)
   if _NUM_LAYERS.value is not None:
     model = run_config.with_depth(model, _NUM_LAYERS.value)
+  full_depth = preset.model.num_layers
   preset = dataclasses.replace(preset, model=model)
   text = cost_report.describe(
       preset,
@@ -548,6 +549,8 @@ def dry_run(out=None, *, compile_step: bool = True) -> str:
       seq_len=_SEQ.value or preset.train.seq_len,
       remat=_REMAT.value,
       moment_bytes=run_config.MOMENT_BYTES[_OPT_STATE_DTYPE.value],
+      microbatches=_MICROBATCHES.value,
+      published_layers=full_depth,
   )
   if compile_step and not _TARGET.value:
     text += f"\n    {_compiled_memory()}"

@@ -162,6 +162,31 @@ class DryRunTest(absltest.TestCase):
     self.assertIn("256 devices", text)
     self.assertIn("AdamW state", text)
 
+  @flagsaver.flagsaver(
+      model="deepseek_v3",
+      dry_run=True,
+      mesh="fsdp=4,expert=64",
+      batch_size=1024,
+      seq_len=4096,
+      microbatches=8,
+      num_layers=4,
+  )
+  def test_dry_run_sizes_one_microbatch_and_names_the_full_depth(self):
+    text = main.dry_run(io.StringIO(), compile_step=False)
+    model = presets.DEEPSEEK_V3.model.replace(num_layers=4)
+    mesh = sizing.parse_mesh("fsdp=4,expert=64")
+
+    def activations(rows):
+      mem = sizing.memory_per_device(model, mesh, rows, 4096, "none", 4)
+      return cost_report.human_bytes(mem["activations"])
+
+    # The activations of 128 rows, not of the whole batch (which differ).
+    self.assertNotEqual(activations(128), activations(1024))
+    self.assertIn(f"activations {activations(128)}", text)
+    self.assertIn("in 8 microbatches (activations of one, 128 rows)", text)
+    # The published counts are the 61-layer model's: named, not compared.
+    self.assertIn("published, for all 61 layers (not this 4-layer", text)
+
 
 if __name__ == "__main__":
   absltest.main()
