@@ -6,7 +6,7 @@ under jax.jit and static; half of them with extreme but finite routing
 inputs, logits up to about +-3e4) must agree with the reference backend
 within the conformance tolerances, finite and with every assignment
 counted; random invalid ones must give the outcome the
-run-time policy documents (README, "Guarantees"), the same on every
+run-time policy documents (docs/api.md, "Guarantees"), the same on every
 backend. The strategies are in conformance/fuzz_strategies.py.
 
 Profiles, chosen by the environment variable DROPLESS_FUZZ_PROFILE:
@@ -366,7 +366,7 @@ class FuzzTest(absltest.TestCase):
 
   def assertFiniteAndCounted(self, got: LayerOut, case, msg):
     """Finite inputs (logits of any size): finite y and aux, nothing
-    invalid, every assignment kept or dropped (README, "Guarantees")."""
+    invalid, every assignment kept or dropped (docs/api.md, "Guarantees")."""
     bad = np.flatnonzero(~np.all(np.isfinite(got.y), axis=-1))
     self.assertEqual(bad.size, 0, f"{msg}: non-finite y rows {bad.tolist()}")
     for name, value in got.aux.items():
@@ -863,7 +863,7 @@ class FuzzTest(absltest.TestCase):
       )
 
   def test_regression_nan_expert_weights_reach_only_their_tokens(self):
-    """R7 and README ("propagates to the tokens that use them"): NaN in
+    """R7 and docs/api.md ("propagates to the tokens that use them"): NaN in
     the weights of an expert no token chose leaves every output finite.
     Found: the reference's y was NaN everywhere (it runs every expert on
     every token and multiplies the unchosen ones by 0)."""
@@ -938,7 +938,7 @@ def _value_and_vjp(fn):
 def _invalid_tokens(logits, cfg, bias) -> np.ndarray:
   """[T] bool: the tokens R1 makes invalid, from float64 logits [T, E].
 
-  README, "Guarantees": NaN or Inf in x, the router or the correction bias
+  docs/api.md, "Guarantees": NaN or Inf in x, the router or the correction bias
   makes the tokens it touches invalid, i.e. those with a non-finite logit
   or selection score (scores + bias). A sigmoid maps an infinite logit to
   a finite score, so the logits count on their own.

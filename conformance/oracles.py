@@ -93,7 +93,7 @@ def renormalised(logits, ids, cfg) -> np.ndarray:
 
   From float64 logs of the scores, which stay finite where the scores
   underflow (sigmoid(-1e4) is 0 even in float64): finite logits, finite
-  weights (README, "Guarantees").
+  weights (docs/api.md, "Guarantees").
   """
   logits = f64(logits)
   if cfg.score_func == "softmax":

@@ -170,7 +170,7 @@ class RoutingSuite(base.BackendTestCase):
         aux["tokens_per_expert"], want["tokens_per_expert"]
     )
     self.assertEqual(int(aux["dropped_tokens"]), want["dropped_tokens"])
-    # Finite inputs: nothing is invalid (README, "Guarantees").
+    # Finite inputs: nothing is invalid (docs/api.md, "Guarantees").
     self.assertEqual(int(aux["invalid_assignments"]), 0)
     for name in (
         "combine_weights",
@@ -192,7 +192,7 @@ class RoutingSuite(base.BackendTestCase):
   def test_extreme_finite_logits_give_finite_outputs(self, cfg):
     """Finite logits, however large (here up to 1e4 in magnitude, sigmoid
     and softmax scores underflowing to 0 or saturating), give finite y,
-    aux and gradients, every assignment counted (README, "Guarantees");
+    aux and gradients, every assignment counted (docs/api.md, "Guarantees");
     the combine weights are the renormalised scores of the backend's own
     choice (oracles.renormalised) and y their weighted sum."""
     dtype = self.compute_dtype()

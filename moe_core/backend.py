@@ -9,7 +9,7 @@ The contract every backend keeps, whatever it overrides:
     `_down`). A hook sees validated inputs only.
   * Rows past sum(group_sizes) come out as zeros and get zero gradient,
     whatever they hold (NaN included).
-  * Values only the device knows follow the run-time policy (README,
+  * Values only the device knows follow the run-time policy (docs/api.md,
     "Guarantees"; `moe_core.checks`), in the templates, so every backend
     gives the same answer: group sizes with a negative entry or a sum past
     the rows make the whole GEMM/FFN output NaN (and NaN reaches the

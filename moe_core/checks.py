@@ -1,6 +1,6 @@
 """Values known only on the device: NaN-and-count by default, errors if checked.
 
-The run-time policy (README, "Guarantees"). A value that only the device
+The run-time policy (docs/api.md, "Guarantees"). A value that only the device
 knows (expert ids, group sizes, token counts, a rate under jit) cannot raise
 without a host sync, which a training step must not pay. So by default a bad
 value makes the outputs it touches NaN, and routing counts it in

@@ -17,8 +17,8 @@ class MoEConfig:
   """Every knob of a routed-expert block, validated on construction.
 
   The routing fields express the routers of Mixtral, Qwen2-MoE, Qwen3-MoE,
-  OLMoE, DeepSeek-V2 and DeepSeek-V3 exactly (the table in README.md;
-  checked by `reference/hf_parity_test.py`).
+  OLMoE, DeepSeek-V2 and DeepSeek-V3 exactly (the table in docs/api.md,
+  "Every real router"; checked by `reference/hf_parity_test.py`).
 
   Attributes:
     num_experts: E, routed experts.

@@ -57,7 +57,7 @@ def dispatch(
 
   Returns:
     `Dispatched` with rows [T*K, D]. Concrete ids outside [0, E) raise
-    ValueError; traced ones are marked `invalid` (README, "Guarantees").
+    ValueError; traced ones are marked `invalid` (docs/api.md, "Guarantees").
   """
   validation.check_dispatch(x, expert_ids, num_experts, kept)
   k = expert_ids.shape[1]

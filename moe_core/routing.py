@@ -43,7 +43,7 @@ class MoEAux:
       selection scores (scores + correction bias) hold NaN or Inf: from
       NaN/Inf in the token's x, in the router or in the correction bias.
       Their combine weights are NaN, so those tokens' outputs are NaN
-      (README, "Guarantees"). sum(kept) + dropped_tokens +
+      (docs/api.md, "Guarantees"). sum(kept) + dropped_tokens +
       invalid_assignments = T*K.
   """
 
@@ -370,7 +370,7 @@ def update_correction_bias(
     The new [E] bias. Concrete bad counts (negative, NaN, Inf) or a bad
     Python rate raise ValueError; under jit, a bad count or a traced rate
     that is negative, NaN or Inf gives an all-NaN bias (the next `route`
-    then marks every token invalid: README, "Guarantees"). NaN in
+    then marks every token invalid: docs/api.md, "Guarantees"). NaN in
     correction_bias stays where it is.
   """
   validation.check_correction_bias_update(

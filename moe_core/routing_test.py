@@ -282,9 +282,9 @@ def _route_logits(logits, cfg, bias=None):
 
 
 class ExtremeLogitsTest(parameterized.TestCase):
-  """Finite logits give finite weights, probabilities and losses (README,
-  "Guarantees"): where the scores underflow to 0 the renormalisation is
-  computed from their logs (`routing.renormalise`)."""
+  """Finite logits give finite weights, probabilities and losses
+  (docs/api.md, "Guarantees"): where the scores underflow to 0 the
+  renormalisation is computed from their logs (`routing.renormalise`)."""
 
   def assertCounted(self, aux, cfg, num_tokens):
     self.assertEqual(int(aux.invalid_assignments), 0)

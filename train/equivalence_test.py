@@ -39,8 +39,8 @@ product of two means, is the one statistic that is not the whole batch's
 under microbatches (train/microbatch.py); tiny_dsv3 does not train on it.
 
 These are per-step bounds over STEPS steps; over hundreds of steps the runs
-drift apart like any two bf16 runs (the README gives the held-out loss of a
-full run on one device and on a mesh).
+drift apart like any two bf16 runs (docs/training.md, "Same model on every
+mesh", gives the held-out loss of a full run on one device and on a mesh).
 """
 
 import dataclasses

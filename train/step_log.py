@@ -80,7 +80,7 @@ def log_step(
       "load_max": load.max(axis=-1).round(3).tolist() if load.size else [],
       "dropped_fraction": dropped.tolist(),
       # Per MoE layer: assignments of tokens with NaN/Inf routing scores
-      # (README, "Guarantees"); the loss is then NaN too.
+      # (docs/api.md, "Guarantees"); the loss is then NaN too.
       "invalid_assignments": np.asarray(metrics["invalid"]).tolist(),
   }
   history["step"].append(step)

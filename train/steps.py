@@ -289,7 +289,7 @@ class Program:
         "grad_norm": grad_norm,
         "tokens_per_expert": stacked("tokens_per_expert", (0, 1)),
         "dropped": stacked("dropped_tokens", (0,)),
-        # Assignments from NaN/Inf routing scores (README, "Guarantees").
+        # Assignments from NaN/Inf routing scores (docs/api.md, "Guarantees").
         "invalid": stacked("invalid_assignments", (0,)),
         # Whether the step's state is all finite: a finite loss can come
         # with an update that overflows (a huge learning rate), and the
