@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, ClassVar
 
 import jax
@@ -9,8 +10,7 @@ import jax.numpy as jnp
 
 from backends.mosaic_gpu import ops
 from backends.mosaic_gpu import tiling
-from moe_core import backend
-from moe_core import operands
+from moe_core.kernels import tile_backend
 
 # Compute capabilities the kernels are built for: wgmma on sm_90
 # (kernels.py), tcgen05 on sm_100 (kernels_sm100.py).
@@ -74,7 +74,7 @@ def gpu_unavailable_reason(device) -> str:
   return ""
 
 
-class MosaicGpuBackend(backend.Backend):
+class MosaicGpuBackend(tile_backend.TileKernelBackend):
   """Grouped GEMMs as Mosaic GPU kernels over a tile list; no host sync.
 
   Forward and dX run on warpgroup MMAs fed by TMA pipelines
@@ -97,6 +97,7 @@ class MosaicGpuBackend(backend.Backend):
   """
 
   name: ClassVar[str] = "mosaic_gpu"
+  ops: ClassVar[ModuleType] = ops
   # wgmma takes float32 only as TF32, which would not meet the float32
   # contract: float32 raises NotImplementedError, and "auto" falls through.
   dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
@@ -155,33 +156,3 @@ class MosaicGpuBackend(backend.Backend):
           f"{device.device_kind} is {tiling.generation(device)}."
       )
     return not reason, reason
-
-  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
-    return ops.grouped_gemm(
-        gemm.rows,
-        gemm.weights,
-        gemm.group_sizes,
-        gemm.transpose_rhs,
-        gemm.out_dtype,
-        self.launch,
-    )
-
-  def _gate_up(
-      self, ffn_in: operands.FfnOperands
-  ) -> tuple[jax.Array, jax.Array]:
-    """Gate and up in one kernel pass over the rows: two [M, F] outputs."""
-    return ops.gate_up(*_gate_up_operands(ffn_in), self.launch)
-
-  def _fuses_activation(self, activation: str) -> bool:
-    return self.fuse_activation and activation in ops.EPILOGUE_ACTIVATIONS
-
-  def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
-    """act(gate) * up in the gate/up kernel's epilogue: one [M, F] output."""
-    return ops.gated_gate_up(
-        *_gate_up_operands(ffn_in), ffn_in.activation, self.launch
-    )
-
-
-def _gate_up_operands(ffn_in: operands.FfnOperands) -> tuple[jax.Array, ...]:
-  """(rows, w_gate, w_up, group_sizes): the gate/up kernels' operands."""
-  return ffn_in.rows, ffn_in.w_gate, ffn_in.w_up, ffn_in.group_sizes

@@ -25,7 +25,6 @@ from backends.mosaic_gpu import kernels_sm100
 from backends.mosaic_gpu import tiling
 from backends.pallas import kernels as triton_kernels
 from backends.pallas import tiling as triton_tiling
-from moe_core import ffn
 from moe_core.kernels import expert_ops
 from moe_core.kernels import grouped_matmul
 
@@ -206,17 +205,6 @@ def gate_up(rows, w_gate, w_up, group_sizes, launch: Launch):
 EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def _gated_epilogue(activation, with_inputs):
-  act = ffn.activation(activation)
-
-  def epilogue(accs):
-    gate, up = accs
-    h = act(gate) * up  # On the float32 accumulators.
-    return (h, gate, up) if with_inputs else (h,)
-
-  return epilogue
-
-
 @dataclasses.dataclass(frozen=True)
 class _FusedGated:
   """The gate/up kernel with the activation in its epilogue; with
@@ -234,7 +222,7 @@ class _FusedGated:
         [w_gate, w_up],
         group_sizes,
         products=((0, 0, 0), (0, 1, 1)),
-        epilogue=_gated_epilogue(activation, with_inputs),
+        epilogue=expert_ops.gated_epilogue(activation, with_inputs),
         num_outputs=3 if with_inputs else 1,
         out_dtype=rows.dtype,
     )
@@ -249,12 +237,7 @@ def gated_gate_up(
   of the activation's derivative; the tangent goes through `gate_up`'s
   kernels (`moe_core.kernels.expert_ops`).
   """
-  if activation not in EPILOGUE_ACTIVATIONS:
-    raise ValueError(
-        f"activation must be one of {EPILOGUE_ACTIVATIONS} to run in the "
-        f"kernel epilogue, got {activation!r}."
-    )
-
+  expert_ops.check_epilogue_activation(activation, EPILOGUE_ACTIVATIONS)
   return expert_ops.gated_gate_up(
       MosaicKernels(launch),
       _FusedGated(launch),

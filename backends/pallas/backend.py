@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, ClassVar
 
 import jax
@@ -9,9 +10,9 @@ import jax.numpy as jnp
 
 from backends.pallas import ops
 from backends.pallas import tiling
-from moe_core import backend
 from moe_core import operands
 from moe_core import precision
+from moe_core.kernels import tile_backend
 
 
 def _resolve_interpret(interpret):
@@ -35,7 +36,7 @@ def _resolve_interpret(interpret):
   )
 
 
-class PallasBackend(backend.Backend):
+class PallasBackend(tile_backend.TileKernelBackend):
   """Grouped GEMMs as Pallas kernels over a tile list; no host sync, no padding.
 
   Args:
@@ -54,6 +55,7 @@ class PallasBackend(backend.Backend):
   """
 
   name: ClassVar[str] = "pallas"
+  ops: ClassVar[ModuleType] = ops
   # FP8 recipes: the E4M3 data go into the kernel (an FP8 MMA on Hopper),
   # the scales applied there after each K block's product; MXFP8 and NVFP4
   # dequantised per block in the kernel (`ops.quantized_grouped_gemm`).
@@ -107,33 +109,3 @@ class PallasBackend(backend.Backend):
   ) -> jax.Array:
     """The quantised data into the kernel, scales applied there: [M, N]."""
     return ops.quantized_grouped_gemm(q, self.launch)
-
-  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
-    return ops.grouped_gemm(
-        gemm.rows,
-        gemm.weights,
-        gemm.group_sizes,
-        gemm.transpose_rhs,
-        gemm.out_dtype,
-        self.launch,
-    )
-
-  def _gate_up(
-      self, ffn_in: operands.FfnOperands
-  ) -> tuple[jax.Array, jax.Array]:
-    """Gate and up in one kernel pass over the rows: two [M, F] outputs."""
-    return ops.gate_up(*_gate_up_operands(ffn_in), self.launch)
-
-  def _fuses_activation(self, activation: str) -> bool:
-    return self.fuse_activation and activation in ops.EPILOGUE_ACTIVATIONS
-
-  def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
-    """act(gate) * up in the gate/up kernel's epilogue: one [M, F] output."""
-    return ops.gated_gate_up(
-        *_gate_up_operands(ffn_in), ffn_in.activation, self.launch
-    )
-
-
-def _gate_up_operands(ffn_in: operands.FfnOperands) -> tuple[jax.Array, ...]:
-  """(rows, w_gate, w_up, group_sizes): the gate/up kernels' operands."""
-  return ffn_in.rows, ffn_in.w_gate, ffn_in.w_up, ffn_in.group_sizes

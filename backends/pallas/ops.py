@@ -24,7 +24,6 @@ import jax.numpy as jnp
 
 from backends.pallas import kernels
 from backends.pallas import tiling
-from moe_core import ffn
 from moe_core import operands
 from moe_core import precision
 from moe_core.kernels import expert_ops
@@ -174,17 +173,6 @@ def gate_up(rows, w_gate, w_up, group_sizes, launch: Launch):
 EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def _gated_epilogue(activation, with_inputs):
-  act = ffn.activation(activation)
-
-  def epilogue(accs):
-    gate, up = accs
-    h = act(gate) * up  # On the float32 accumulators.
-    return (h, gate, up) if with_inputs else (h,)
-
-  return epilogue
-
-
 @dataclasses.dataclass(frozen=True)
 class _FusedGated:
   """The gate/up kernel with the activation in its epilogue; with
@@ -213,7 +201,7 @@ class _FusedGated:
         tiles=tiles,
         interpret=self.launch.interpret,
         products=((0, 0, 0), (0, 1, 1)),
-        epilogue=_gated_epilogue(activation, with_inputs),
+        epilogue=expert_ops.gated_epilogue(activation, with_inputs),
         num_outputs=3 if with_inputs else 1,
         out_dtype=rows.dtype,
     )
@@ -233,12 +221,7 @@ def gated_gate_up(
     rows, w_gate, w_up, group_sizes, launch: as for `gate_up`.
     activation: one of EPILOGUE_ACTIVATIONS.
   """
-  if activation not in EPILOGUE_ACTIVATIONS:
-    raise ValueError(
-        f"activation must be one of {EPILOGUE_ACTIVATIONS} to "
-        f"run in the kernel epilogue, got {activation!r}."
-    )
-
+  expert_ops.check_epilogue_activation(activation, EPILOGUE_ACTIVATIONS)
   return expert_ops.gated_gate_up(
       PallasKernels(launch),
       _FusedGated(launch),

@@ -4,6 +4,9 @@ gate_up         (rows @ w_gate[g], rows @ w_up[g]): one `gmm_products` call,
                 so a backend whose kernel reads the rows once for both
                 products does; its dX sums both products in one call and
                 its dW is one tgmm with two outputs (the transposes).
+gated_epilogue  the fused kernel's epilogue, act(gate) * up on the float32
+                accumulators (`check_epilogue_activation`: the activations
+                a backend's epilogue computes).
 gated_gate_up   act(rows @ w_gate[g]) * (rows @ w_up[g]) from a backend's
                 fused kernel (the activation in its epilogue). A custom JVP:
                 the primal is the fused kernel; the tangent is gate_up's on
@@ -66,6 +69,35 @@ def _gate_up_tangent(kernels, rows, w_gate, w_up, group_sizes, tangents):
       products=((0, 0, 0), (1, 2, 0), (0, 1, 1), (1, 3, 1)),
       out_dtypes=(f32, f32),
   )
+
+
+def gated_epilogue(activation: str, with_inputs: bool) -> Callable:
+  """A fused gate/up kernel's epilogue on its float32 accumulators:
+  (gate, up) -> (h,), or (h, gate, up) with `with_inputs`, h = act(gate) *
+  up (`moe_core.ffn.activation`)."""
+  act = ffn.activation(activation)
+
+  def epilogue(accs):
+    gate, up = accs
+    h = act(gate) * up
+    return (h, gate, up) if with_inputs else (h,)
+
+  return epilogue
+
+
+def check_epilogue_activation(activation: str, supported) -> None:
+  """Raises ValueError unless a kernel epilogue computes `activation`.
+
+  Args:
+    activation: the gated activation asked for.
+    supported: the backend's epilogue activations (its ops module's
+      EPILOGUE_ACTIVATIONS).
+  """
+  if activation not in supported:
+    raise ValueError(
+        f"activation must be one of {tuple(supported)} to run in the "
+        f"kernel epilogue, got {activation!r}."
+    )
 
 
 def gated_gate_up(
