@@ -68,15 +68,6 @@ def overlapping_collectives(jaxpr, callback="pure_callback"):
     for var in jaxpr.constvars:
       deps[var] = frozenset()
 
-    def of(atoms):
-      return frozenset().union(
-          *(
-              deps.get(a, frozenset())
-              for a in atoms
-              if not isinstance(a, jax.extend.core.Literal)
-          )
-      )
-
     for eqn in jaxpr.eqns:
       ins = [
           frozenset()
