@@ -537,11 +537,13 @@ def dry_run(out=None, *, compile_step: bool = True) -> str:
       first step.
   """
   preset = presets.get_preset(_MODEL.value)
-  model = run_config.with_precision(preset.model, _PRECISION.value)
-  if _NUM_LAYERS.value is not None:
-    model = run_config.with_depth(model, _NUM_LAYERS.value)
   full_depth = preset.model.num_layers
-  preset = dataclasses.replace(preset, model=model)
+  preset = dataclasses.replace(
+      preset,
+      model=run_config.preset_model(
+          preset, _PRECISION.value, _NUM_LAYERS.value
+      ),
+  )
   text = cost_report.describe(
       preset,
       mesh=sizing.parse_mesh(_MESH.value),

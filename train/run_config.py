@@ -247,12 +247,25 @@ def run_config_from_preset(name: str, **overrides) -> RunConfig:
   """
   preset = presets.get_preset(name)
   fields = dataclasses.asdict(preset.train)
-  fields["model"] = preset.model
-  precision = overrides.pop("precision", None)
-  if precision is not None:
-    fields["model"] = with_precision(preset.model, precision)
-  num_layers = overrides.pop("num_layers", None)
-  if num_layers is not None:
-    fields["model"] = with_depth(fields["model"], num_layers)
+  fields["model"] = preset_model(
+      preset,
+      overrides.pop("precision", None),
+      overrides.pop("num_layers", None),
+  )
   fields.update({k: v for k, v in overrides.items() if v is not None})
   return RunConfig(**fields)
+
+
+def preset_model(
+    preset: presets.Preset,
+    precision: str | None = None,
+    num_layers: int | None = None,
+) -> model_config.ModelConfig:
+  """`preset`'s model as a run builds it: at `precision` (`with_precision`)
+  and `num_layers` deep (`with_depth`), each where not None."""
+  model = preset.model
+  if precision is not None:
+    model = with_precision(model, precision)
+  if num_layers is not None:
+    model = with_depth(model, num_layers)
+  return model
