@@ -74,12 +74,11 @@ def _gate_up_tangent(kernels, rows, w_gate, w_up, group_sizes, tangents):
 def gated_epilogue(activation: str, with_inputs: bool) -> Callable:
   """A fused gate/up kernel's epilogue on its float32 accumulators:
   (gate, up) -> (h,), or (h, gate, up) with `with_inputs`, h = act(gate) *
-  up (`moe_core.ffn.activation`)."""
-  act = ffn.activation(activation)
+  up (`moe_core.ffn.gated`)."""
 
   def epilogue(accs):
     gate, up = accs
-    h = act(gate) * up
+    h = ffn.gated(gate, up, activation)  # float32 in, float32 out.
     return (h, gate, up) if with_inputs else (h,)
 
   return epilogue
