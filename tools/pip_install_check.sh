@@ -227,6 +227,8 @@ venv_pip "$TMP/venv-wheel" install "${PIP_FLAGS[@]}" "$SRC" \
 step "pip install <repo> (non-editable)"
 check "$TMP/venv-wheel" wheel || fail "the wheel install"
 step "wheel install: contents, imports and moe_layer checked"
+# Its ~0.6 GB are not needed for step 4 (the disk may be shared and full).
+rm -rf "$TMP/venv-wheel"
 
 # 4. pip install -e <copy>.
 make_venv "$TMP/venv-editable" || fail "python -m venv"
