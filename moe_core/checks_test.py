@@ -1,6 +1,6 @@
 """The run-time policy's building blocks (moe_core/checks.py) and routing's
 accounting of invalid assignments. The policy on every backend is the
-conformance suite's (conformance/bad_input_suite.py)."""
+conformance suite's (conformance/bad_input_table.py)."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
