@@ -25,6 +25,8 @@ import jax.numpy as jnp
 
 import moe_core
 from backends.triton import launch
+from backends.triton import launch_record
+from backends.triton import target as target_lib
 from moe_core import aot
 from moe_core.kernels import primitive
 
@@ -50,7 +52,7 @@ def _launches(fn, *args) -> int:
   # The kernel primitives' abstract evaluation traces their kernels once
   # (for their effects, then cached): done here, outside the recorder.
   jax.make_jaxpr(fn)(*args)
-  with launch.recording() as calls:
+  with launch_record.recording() as calls:
     primitive.trace_kernel_calls(fn, *args)
   return sum(
       math.prod(c.grid) > 0 and any(math.prod(o.shape) > 0 for o in c.out_types)
@@ -165,7 +167,7 @@ class GpuCompileTest(parameterized.TestCase):
     backend = moe_core.get_backend("triton", generation=_GENERATIONS[target])
     mesh = topo.single_device_mesh()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      self.assertEqual(launch.target_capability(), int(arch[3:-1]))
+      self.assertEqual(target_lib.target_capability(), int(arch[3:-1]))
       text = (
           jax.jit(
               lambda p, x: moe_core.moe_layer(p, x, _CFG, backend=backend)[0]
@@ -175,7 +177,7 @@ class GpuCompileTest(parameterized.TestCase):
       )
     headers = _ptx_headers(text)
     self.assertNotEmpty(headers)
-    plugin = launch._plugin_ptx_version()  # pylint: disable=protected-access
+    plugin = target_lib._plugin_ptx_version()  # pylint: disable=protected-access
     for got_arch, version in headers:
       self.assertEqual(got_arch, arch)
       major, minor = (int(v) for v in version.split("."))

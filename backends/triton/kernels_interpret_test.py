@@ -10,8 +10,8 @@ is set, so it would have to precede the first `import triton` of the whole
 process (and would then turn every kernel of the process, including those
 the AOT compile tests hand to triton.compile, into interpreted ones). An
 InterpretedFunction alone cannot call other @triton.jit functions (the
-kernels' helpers, tl.cdiv, tl.sigmoid): the launcher's corrections to the
-interpreter (`launch._interpreter_fixes`, those of the backend's interpret
+kernels' helpers, tl.cdiv, tl.sigmoid): the backend's corrections to the
+interpreter (`backends.triton.interpreter.fixes`, those of its interpret
 mode) let it for the duration of one launch, and make loops with run-time
 bounds work on Triton 3.6 with NumPy 2.4.
 """
@@ -25,20 +25,20 @@ import numpy as np
 try:
   import torch
   import triton
-  from triton.runtime import interpreter
+  from triton.runtime import interpreter as triton_interpreter
 except ImportError as e:
   _MISSING = f"Triton's interpreter needs torch and triton: {e}"
 else:
   _MISSING = None
   from backends.triton import kernels
-  from backends.triton import launch
+  from backends.triton import interpreter
 
 _TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
 def _launch(kernel, grid, *args, **constexprs):
-  fn = interpreter.InterpretedFunction(getattr(kernel, "fn", kernel))
-  with launch._interpreter_fixes():  # pylint: disable=protected-access
+  fn = triton_interpreter.InterpretedFunction(getattr(kernel, "fn", kernel))
+  with interpreter.fixes():
     fn[grid](*args, **constexprs)
 
 

@@ -19,6 +19,9 @@ import numpy as np
 
 from backends.triton import configs
 from backends.triton import launch
+from backends.triton.testing import aot_compile
+from backends.triton import target as target_lib
+from backends.triton import launch_record
 
 try:
   import triton  # pylint: disable=g-import-not-at-top
@@ -244,7 +247,7 @@ class InterpretTest(parameterized.TestCase):
         "BLOCK": "constexpr",
         "SCALE": "constexpr",
     }
-    info = launch.compile_kernel(
+    info = aot_compile.compile_kernel(
         add_kernel, signature, {"N": 64, "BLOCK": 64, "SCALE": 1.0}, 90, 1, 1
     )
     self.assertGreater(info.registers, 0)
@@ -267,7 +270,7 @@ class RecorderTest(parameterized.TestCase):
     )
 
   def test_records_the_launch_and_returns_zeros(self):
-    with launch.recording() as calls:
+    with launch_record.recording() as calls:
       (out,) = self._call()
     self.assertLen(calls, 1)
     record = calls[0]
@@ -293,7 +296,7 @@ class RecorderTest(parameterized.TestCase):
     np.testing.assert_array_equal(out, np.zeros((8, 2), np.float32))
 
   def test_dot_f32_follows_the_mode(self):
-    with launch.recording() as calls:
+    with launch_record.recording() as calls:
       self._call(_INTERPRET, DOT_F32=False)
       self._call(_GPU, DOT_F32=True)
     self.assertTrue(calls[0].constexprs["DOT_F32"])  # The interpreter's.
@@ -301,9 +304,9 @@ class RecorderTest(parameterized.TestCase):
 
   def test_traces_record_once_and_nest(self):
     f = jax.jit(lambda: self._call()[0])
-    with launch.recording() as outer:
+    with launch_record.recording() as outer:
       jax.eval_shape(f)
-      with launch.recording() as inner:
+      with launch_record.recording() as inner:
         self._call()
         self._call()
     self.assertLen(outer, 1)
@@ -376,7 +379,7 @@ class RecorderTest(parameterized.TestCase):
       args.append(x)
     constexprs = {"M": 4, "BLOCK": 16, **change.get("constexprs", {})}
     constexprs = {k: v for k, v in constexprs.items() if v is not None}
-    with launch.recording(), self.assertRaisesRegex(error, message):
+    with launch_record.recording(), self.assertRaisesRegex(error, message):
       launch.call(
           change.get("runner", _GPU),
           _fake_kernel(),
@@ -570,12 +573,12 @@ class TargetTest(parameterized.TestCase):
   )
   def test_capability_follows_the_target_kind(self, kind, want):
     target = types.SimpleNamespace(device_kind=kind, platform="gpu")
-    with mock.patch.object(launch, "target_device", return_value=target):
-      self.assertEqual(launch.target_capability(), want)
+    with mock.patch.object(target_lib, "target_device", return_value=target):
+      self.assertEqual(target_lib.target_capability(), want)
 
   def test_no_target_outside_a_gpu_topology(self):
-    self.assertIsNone(launch.target_device())
-    self.assertIsNone(launch.target_capability())
+    self.assertIsNone(target_lib.target_device())
+    self.assertIsNone(target_lib.target_capability())
 
   @parameterized.parameters(
       (90, 94, 90),  # Triton 3.9 (ptxas 13.4), CUDA 13.0 plugin.
@@ -586,12 +589,14 @@ class TargetTest(parameterized.TestCase):
   )
   def test_ptx_version_is_capped_at_the_plugins(self, plugin, triton_ptx, want):
     with (
-        mock.patch.object(launch, "_plugin_ptx_version", return_value=plugin),
         mock.patch.object(
-            launch, "_triton_ptx_version", return_value=triton_ptx
+            target_lib, "_plugin_ptx_version", return_value=plugin
+        ),
+        mock.patch.object(
+            target_lib, "_triton_ptx_version", return_value=triton_ptx
         ),
     ):
-      self.assertEqual(launch.ptx_version(100), want)
+      self.assertEqual(target_lib.ptx_version(100), want)
 
   @parameterized.parameters(
       ("out_type", 100, 90, {"compute_capability": 100,
@@ -605,8 +610,10 @@ class TargetTest(parameterized.TestCase):
     x = jnp.ones((8,), jnp.float32)
     with (
         mock.patch.object(launch, "_jax_triton", return_value=module),
-        mock.patch.object(launch, "target_capability", return_value=capability),
-        mock.patch.object(launch, "ptx_version", return_value=ptx),
+        mock.patch.object(
+            target_lib, "target_capability", return_value=capability
+        ),
+        mock.patch.object(target_lib, "ptx_version", return_value=ptx),
     ):
       launch.call(
           _GPU,
@@ -627,12 +634,12 @@ class TargetTest(parameterized.TestCase):
     self.assertEqual(got, want)
 
   def test_installed_plugin_and_triton_ptx_versions(self):
-    plugin = launch._plugin_ptx_version()  # pylint: disable=protected-access
+    plugin = target_lib._plugin_ptx_version()  # pylint: disable=protected-access
     if plugin is None:
       self.skipTest("no CUDA plugin of jax, or no triton, here")
     # CUDA 13.0, the plugins' build, takes PTX ISA 9.0.
     self.assertGreaterEqual(plugin, 90)
-    ptx = launch.ptx_version(100)
+    ptx = target_lib.ptx_version(100)
     self.assertTrue(ptx is None or ptx == plugin, ptx)
 
 
@@ -734,7 +741,7 @@ class DceRuleTest(absltest.TestCase):
       return out * 2
 
     try:
-      with mock.patch.object(launch, "target_capability", return_value=90):
+      with mock.patch.object(target_lib, "target_capability", return_value=90):
         lowered = jax.jit(f).trace(x, x).lower(lowering_platforms=("cuda",))
     except RuntimeError as e:
       if "jax-triton requires JAX to be installed with GPU support" in str(e):
@@ -836,7 +843,7 @@ class CompileTest(parameterized.TestCase):
 
   def _record(self, dtype, block):
     x = jnp.ones((1000,), dtype)
-    with launch.recording() as calls:
+    with launch_record.recording() as calls:
       launch.call(
           _GPU,
           add_kernel,
@@ -852,7 +859,7 @@ class CompileTest(parameterized.TestCase):
 
   @parameterized.product(capability=(90, 100), dtype=("bfloat16", "float32"))
   def test_compile_for_a_record(self, capability, dtype):
-    info = launch.compile_for(self._record(dtype, 1024), capability)
+    info = aot_compile.compile_for(self._record(dtype, 1024), capability)
     self.assertEqual(
         (
             info.name,
@@ -864,7 +871,7 @@ class CompileTest(parameterized.TestCase):
         ("add_kernel", capability, 4, 3, 128),
     )
     self.assertGreater(info.registers, 0)
-    self.assertLessEqual(info.registers, launch.MAX_REGISTERS_PER_THREAD)
+    self.assertLessEqual(info.registers, aot_compile.MAX_REGISTERS_PER_THREAD)
     self.assertEqual(info.local_bytes, 0)
     self.assertEqual(info.violations(), [])
 
@@ -910,13 +917,13 @@ class CompileTest(parameterized.TestCase):
     match = re.search(r"Function add_kernel:\s*REG:(\d+) STACK:(\d+)", dump)
     self.assertIsNotNone(match, dump)
     self.assertEqual(
-        launch.cubin_resources(compiled.asm["cubin"], "add_kernel"),
+        aot_compile.cubin_resources(compiled.asm["cubin"], "add_kernel"),
         (int(match.group(1)), int(match.group(2))),
     )
 
   def test_cubin_resources_rejects_other_files(self):
     with self.assertRaisesRegex(ValueError, r"Not a 64-bit little-endian ELF"):
-      launch.cubin_resources(b"\x7fELF\x01\x01" + bytes(64), "k")
+      aot_compile.cubin_resources(b"\x7fELF\x01\x01" + bytes(64), "k")
 
 
 class ViolationsTest(absltest.TestCase):
@@ -931,7 +938,7 @@ class ViolationsTest(absltest.TestCase):
         registers=128,
         local_bytes=0,
     )
-    return launch.CompiledInfo(**{**fields, **change})
+    return aot_compile.CompiledInfo(**{**fields, **change})
 
   def test_within_limits(self):
     self.assertEqual(

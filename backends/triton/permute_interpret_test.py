@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from backends.triton import launch
+from backends.triton.testing import aot_compile
+from backends.triton import interpreter
 from moe_core import permute
 
 try:
@@ -470,7 +471,7 @@ class SignatureTest(parameterized.TestCase):
       with self.subTest(name):
         # Through launch, which waits for any interpreted launch still
         # running (it patches triton.language for the whole process).
-        info = launch.compile_kernel(kernel, sig, constexprs, 90, 4, 3)
+        info = aot_compile.compile_kernel(kernel, sig, constexprs, 90, 4, 3)
         self.assertGreater(info.registers, 0)
 
 

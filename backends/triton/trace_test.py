@@ -4,7 +4,7 @@
 (fused and not) and a whole layer, forward and `jax.grad`: every kernel call
 goes through `jax_triton.triton_call` (which traces on a CPU jaxlib; only
 lowering needs CUDA), and the results have the contract's shapes and
-dtypes, those of the reference backend. Under `launch.recording()` the
+dtypes, those of the reference backend. Under `launch_record.recording()` the
 kernels launched are checked one by one (names, layouts, flags, blocks from
 the GPU config table).
 
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import moe_core
 from backends.triton import backend as triton_backend
 from backends.triton import launch
+from backends.triton import launch_record
 from conformance import cases
 from moe_core.kernels import primitive
 
@@ -87,7 +88,7 @@ class TraceTest(parameterized.TestCase):
     out = jax.eval_shape(fn, *args)
     with mock.patch.object(jax_triton, "triton_call", spy):
       primitive.trace_kernel_calls(fn, *args)
-    with launch.recording() as calls:
+    with launch_record.recording() as calls:
       primitive.trace_kernel_calls(fn, *args)
     self.assertEqual(traced, [c.kernel for c in calls])
     for call in calls:
