@@ -27,6 +27,7 @@ from train import mesh as mesh_lib
 from train import run_config
 from train import step_builder
 from train import testing
+from train import train_flags
 
 FLAGS = flags.FLAGS
 MESH = "data=2,expert=4"
@@ -277,7 +278,7 @@ class SeedScaleTest(absltest.TestCase):
         k: v for k, v in SEED_FLAGS.items() if k not in ("target", "topology")
     }
     with flagsaver.flagsaver(**flag_values):
-      run = main._run_config()  # pylint: disable=protected-access
+      run = train_flags.run_config_from_flags()
     topology = aot.gpu_topology("h100", SEED_FLAGS["topology"])
     mesh = mesh_lib.build(mesh_lib.parse(run.mesh), devices=topology.devices)
     params = step_builder.build(run, mesh).state["params"]

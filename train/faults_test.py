@@ -35,6 +35,7 @@ from train import data as data_lib
 from train import main
 from train import presets
 from train import testing
+from train import train_flags
 from train import trainer
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -252,7 +253,7 @@ class OutOfMemoryTest(absltest.TestCase):
   def test_dry_run_memory_is_that_of_the_step_the_run_compiles(self):
     with _small_default_preset(), flagsaver.flagsaver(**_main_flags(self)):
       text = main.dry_run(io.StringIO())
-      run = main._run_config()  # pylint: disable=protected-access
+      run = train_flags.run_config_from_flags()
     tr = trainer.Trainer(run, testing.corpus(), out=None)
     memory = tr.step_memory()
     self.assertIsNotNone(memory)

@@ -26,6 +26,7 @@ from train import report
 from train import run_config
 from train import step_log
 from train import testing
+from train import train_flags
 
 FLAGS = flags.FLAGS
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,12 +114,14 @@ def _own_message(error: Exception) -> str:
 
 
 def _main_number_flags() -> list[str]:
-  """The names of train.main's int and float flags."""
-  return [
+  """The names of train.main's int and float flags (train_flags')."""
+  names = [
       f.name
-      for f in FLAGS.get_flags_for_module(main)
+      for f in FLAGS.get_flags_for_module(train_flags)
       if f.flag_type() in ("int", "float")
   ]
+  assert names, "train_flags defines no number flag"
+  return names
 
 
 class NumberAndMeshFlagTest(parameterized.TestCase):
@@ -182,6 +185,70 @@ class NumberAndMeshFlagTest(parameterized.TestCase):
     self.assertLen(lines, 2)
     self.assertIn("--steps", lines[0])
     self.assertIn("--learning_rate", lines[1])
+
+
+class RunConfigFlagsTest(absltest.TestCase):
+  """The flags set every RunConfig field, under its own name where they can."""
+
+  def test_every_field_has_its_flag(self):
+    for name in train_flags.SAME_NAME:
+      self.assertIn(name, FLAGS, f"RunConfig.{name} has no --{name}")
+
+  def test_flag_defaults_are_the_run_config_defaults(self):
+    # A flag that defaults to None takes the preset's value; any other
+    # default must be RunConfig's, or a run from code and one from the
+    # command line would differ.
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(run_config.RunConfig)
+        if f.default is not dataclasses.MISSING
+    }
+    checked = 0
+    for name in train_flags.SAME_NAME + ("mesh",):
+      flag_default = FLAGS[name].default
+      if flag_default is None or name not in defaults:
+        continue
+      self.assertEqual(flag_default, defaults[name], f"--{name}")
+      checked += 1
+    self.assertGreater(checked, 10)
+    self.assertEqual(FLAGS["moe_backend"].default, defaults["backend"])
+
+  def test_each_flag_reaches_its_field(self):
+    values = dict(
+        steps=3,
+        batch_size=16,
+        seq_len=48,
+        learning_rate=1e-4,
+        warmup_steps=7,
+        weight_decay=0.05,
+        grad_clip=0.5,
+        bias_update_rate=2e-3,
+        aux_loss_weight=1e-3,
+        z_loss_weight=1e-4,
+        seed=11,
+        remat="full",
+        compute_dtype="float32",
+        scan_layers=False,
+        microbatches=2,
+        ep_chunks=2,
+        opt_state_dtype="bfloat16",
+        output_dir="/tmp/dropless_flags_test",
+        eval_every=9,
+        eval_batches=3,
+        checkpoint_every=5,
+        keep_checkpoints=4,
+        log_every=6,
+        resume=True,
+        progress=False,
+        plot=False,
+        moe_backend="reference",
+        mesh="data=2,expert=4",
+    )
+    with flagsaver.flagsaver(**values):
+      run = train_flags.run_config_from_flags()
+    values["backend"] = values.pop("moe_backend")
+    for name, value in values.items():
+      self.assertEqual(getattr(run, name), value, name)
 
 
 class MeshFitsModelTest(parameterized.TestCase):
@@ -303,7 +370,7 @@ class PrecisionFlagTest(parameterized.TestCase):
   @parameterized.parameters(*moe_core.config.PRECISIONS)
   def test_recipe_reaches_the_run_config_model(self, recipe):
     with flagsaver.as_parsed(precision=recipe):
-      run = main._run_config()
+      run = train_flags.run_config_from_flags()
     self.assertEqual(run.model.moe.precision, recipe)
     self.assertEqual(run.precision, recipe)
     # Nothing else of the preset's model changes.
@@ -315,7 +382,7 @@ class PrecisionFlagTest(parameterized.TestCase):
 
   def test_num_layers_sets_the_depth_and_keeps_the_width(self):
     with flagsaver.as_parsed(model="deepseek_v3", num_layers="5"):
-      run = main._run_config()
+      run = train_flags.run_config_from_flags()
     preset = presets.get_preset("deepseek_v3").model
     self.assertEqual(run.model.num_layers, 5)
     self.assertEqual(run.model.replace(num_layers=preset.num_layers), preset)
@@ -330,7 +397,7 @@ class PrecisionFlagTest(parameterized.TestCase):
 
   def test_default_is_bf16_the_unquantised_model(self):
     with flagsaver.flagsaver():
-      run = main._run_config()
+      run = train_flags.run_config_from_flags()
     self.assertEqual(FLAGS.precision, "bf16")
     self.assertEqual(
         run.model, presets.get_preset(presets.DEFAULT_PRESET).model
@@ -358,7 +425,7 @@ class PrecisionFlagTest(parameterized.TestCase):
         with flagsaver.as_parsed(precision="nvfp4"):
           pass
       with flagsaver.as_parsed(precision="bf16"):  # Nothing to quantise.
-        self.assertEqual(main._run_config().precision, "bf16")
+        self.assertEqual(train_flags.run_config_from_flags().precision, "bf16")
     self.assertNotIn("\n", str(raised.exception))
     own = _own_message(raised.exception)
     self.assertTrue(own.startswith("--precision"), own)
@@ -375,7 +442,9 @@ class PrecisionFlagTest(parameterized.TestCase):
     self.assertIs(run_config.with_precision(dense, "bf16"), dense)
 
   def test_every_recipe_is_described(self):
-    self.assertCountEqual(main.PRECISION_RECIPES, moe_core.config.PRECISIONS)
+    self.assertCountEqual(
+        train_flags.PRECISION_RECIPES, moe_core.config.PRECISIONS
+    )
     for recipe in moe_core.config.PRECISIONS:
       self.assertIn(f"{recipe}:", FLAGS["precision"].help)
 
@@ -384,7 +453,7 @@ class PrecisionFlagTest(parameterized.TestCase):
       # The recipe's line only: compiling the step is faults_test's.
       text = main.dry_run(io.StringIO(), compile_step=False)
     self.assertIn("--precision=fp8_block", text)
-    self.assertIn(main.PRECISION_RECIPES["fp8_block"], text)
+    self.assertIn(train_flags.PRECISION_RECIPES["fp8_block"], text)
 
   def test_summary_records_the_recipe(self):
     run = testing.small_run(testing.temp_dir(self))

@@ -1,0 +1,480 @@
+"""Every flag of `python -m train.main`, its parse-time check, and the
+RunConfig the flags make (`run_config_from_flags`). Over 400 lines: some 40
+flags with their help texts and checks, in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from absl import flags
+
+import moe_core
+from moe_core import aot
+import moe_core.flags  # Defines --moe_backend.
+from moe_core import remat as moe_remat
+from train import mesh as mesh_lib
+from train import presets
+from train import run_config
+
+MODEL = flags.DEFINE_enum(
+    "model", presets.DEFAULT_PRESET, list(presets.PRESETS), "Model preset."
+)
+STEPS = flags.DEFINE_integer(
+    "steps", None, "Optimiser steps, >= 1 (preset default if unset)."
+)
+BATCH_SIZE = flags.DEFINE_integer(
+    "batch_size", None, "Sequences per step, >= 1 (preset default if unset)."
+)
+MICROBATCHES = flags.DEFINE_integer(
+    "microbatches",
+    1,
+    "Gradient accumulation: each step's batch runs as this many equal "
+    "microbatches, one after the other, their gradients summed (>= 1; it "
+    "and the data-parallel size of --mesh must divide --batch_size).",
+)
+OPT_STATE_DTYPE = flags.DEFINE_enum(
+    "opt_state_dtype",
+    "float32",
+    list(run_config.OPT_STATE_DTYPES),
+    "The dtype AdamW's moments are stored in: bfloat16 halves them (as "
+    "DeepSeek-V3 trained), updated in float32 either way.",
+)
+NUM_LAYERS = flags.DEFINE_integer(
+    "num_layers",
+    None,
+    "The preset model at this depth (blocks), full width, its first dense "
+    "layers kept: e.g. --model=deepseek_v3 --num_layers=5 --dry_run "
+    "compiles the real mesh's step in a fraction of the time (preset depth "
+    "if unset).",
+)
+EP_CHUNKS = flags.DEFINE_integer(
+    "ep_chunks",
+    1,
+    "Expert parallelism: exchange each device's tokens of an MoE layer in "
+    "this many chunks (>= 1, dividing the tokens a device holds per "
+    "microbatch). The drop-free receive buffer is sized for the worst case, "
+    "every peer's tokens sent to one device; chunks shrink it by this "
+    "factor, and the scheduler may overlap one chunk's exchange with "
+    "another's expert GEMMs.",
+)
+SEQ_LEN = flags.DEFINE_integer(
+    "seq_len",
+    None,
+    "Tokens (bytes) per sequence, >= 1 (preset default if unset).",
+)
+LEARNING_RATE = flags.DEFINE_float(
+    "learning_rate", None, "Peak AdamW learning rate, > 0 (preset default)."
+)
+WARMUP_STEPS = flags.DEFINE_integer(
+    "warmup_steps", None, "Linear warmup steps, >= 0 (preset default)."
+)
+WEIGHT_DECAY = flags.DEFINE_float(
+    "weight_decay", None, "AdamW weight decay, >= 0 (preset default)."
+)
+GRAD_CLIP = flags.DEFINE_float(
+    "grad_clip", None, "Global gradient-norm clip, > 0 (preset default)."
+)
+BIAS_UPDATE_RATE = flags.DEFINE_float(
+    "bias_update_rate",
+    None,
+    "Step of the aux-loss-free correction-bias rule (sigmoid presets), "
+    ">= 0 (preset default).",
+)
+AUX_LOSS_WEIGHT = flags.DEFINE_float(
+    "aux_loss_weight",
+    None,
+    "Weight of the load-balancing loss, >= 0 (preset default).",
+)
+Z_LOSS_WEIGHT = flags.DEFINE_float(
+    "z_loss_weight", None, "Weight of the router z-loss, >= 0 (preset default)."
+)
+SEED = flags.DEFINE_integer(
+    "seed", 0, "Initialisation and data-order seed, in [0, 2**63 - 1]."
+)
+DATA = flags.DEFINE_string(
+    "data",
+    None,
+    "A text file to train on (bytes); default: the embedded "
+    "pydoc_data corpus that ships with Python.",
+)
+OUTPUT_DIR = flags.DEFINE_string(
+    "output_dir",
+    "/tmp/dropless_train",
+    "Where metrics, checkpoints and plots go: a directory, or a path where "
+    "one can be created.",
+)
+EVAL_EVERY = flags.DEFINE_integer(
+    "eval_every",
+    50,
+    "Held-out evaluation interval in steps, >= 1 (the last step is always "
+    "evaluated).",
+)
+EVAL_BATCHES = flags.DEFINE_integer(
+    "eval_batches", 8, "Held-out batches per evaluation, >= 1."
+)
+CHECKPOINT_EVERY = flags.DEFINE_integer(
+    "checkpoint_every",
+    100,
+    "Checkpoint interval in steps, >= 0 (0: only at the end and on "
+    "interrupt).",
+)
+KEEP_CHECKPOINTS = flags.DEFINE_integer(
+    "keep_checkpoints", 2, "Checkpoints kept, newest first, >= 0 (0: all)."
+)
+LOG_EVERY = flags.DEFINE_integer(
+    "log_every", 25, "Print a log line every N steps, N >= 1."
+)
+RESUME = flags.DEFINE_bool(
+    "resume",
+    False,
+    "Continue from the newest checkpoint in --output_dir "
+    "(an error if there is none or it does not match this run).",
+)
+DRY_RUN = flags.DEFINE_bool(
+    "dry_run",
+    False,
+    "Print parameter counts, FLOPs per token and memory per device for "
+    "--mesh (an analytic estimate and, for models this program trains, "
+    "XLA's figure for the compiled train step), and exit without "
+    "allocating the model.",
+)
+TARGET = flags.DEFINE_enum(
+    "target",
+    None,
+    sorted(aot.TARGETS),
+    "With --dry_run and --topology: compile the real train step for these "
+    "GPUs (they need not be here; moe_core.aot) and report its memory, "
+    "FLOPs and all-to-all bytes per device beside the analytic estimate.",
+)
+TOPOLOGY = flags.DEFINE_string(
+    "topology",
+    None,
+    "With --target: the GPUs as 'SxHxG' (slices x hosts x GPUs per host, "
+    "e.g. 1x128x8); their count must be the product of --mesh.",
+)
+DRY_RUN_JSON = flags.DEFINE_string(
+    "dry_run_json",
+    None,
+    "Where --dry_run --target writes its figures as JSON (default: "
+    "--output_dir/dry_run_<target>_<topology>.json).",
+)
+MESH = flags.DEFINE_string(
+    "mesh",
+    "data=1",
+    "Device mesh to train on (and for --dry_run estimates), e.g. "
+    "'data=2,expert=4': axes data, fsdp, expert, tensor (see train/mesh.py), "
+    "each at most once; expert must divide the model's experts; the sizes "
+    "multiply to the device count of all processes.",
+)
+REMAT = flags.DEFINE_enum(
+    "remat",
+    "none",
+    list(moe_remat.POLICIES),
+    "Activation rematerialisation policy per block (see moe_core/remat.py).",
+)
+SCAN_LAYERS = flags.DEFINE_bool(
+    "scan_layers",
+    True,
+    "Run the layers under a scan (one compiled layer per stack: compile "
+    "time does not grow with depth; parameters stacked per layer); "
+    "--noscan_layers unrolls them.",
+)
+COMPUTE_DTYPE = flags.DEFINE_enum(
+    "compute_dtype",
+    "bfloat16",
+    ["bfloat16", "float32"],
+    "Activation dtype; parameters stay float32.",
+)
+# What each --precision recipe does to the routed experts' GEMMs (both
+# operands of every forward GEMM; moe_core/precision.py has the details).
+PRECISION_RECIPES = {
+    "bf16": "no quantisation: the GEMMs run in --compute_dtype",
+    "fp8_tensor": "E4M3 with one float32 scale per tensor",
+    "fp8_block": (
+        "E4M3 with float32 scales per 1x128 activation tile and per 128x128 "
+        "weight block, as DeepSeek-V3"
+    ),
+    "mxfp8": "E4M3 with one power-of-two (E8M0) scale per 32 elements",
+    "nvfp4": (
+        "E2M1 with one E4M3 scale per 16 elements and a float32 scale per "
+        "tensor"
+    ),
+}
+PRECISION = flags.DEFINE_enum(
+    "precision",
+    "bf16",
+    list(moe_core.config.PRECISIONS),
+    "Recipe of the routed experts' GEMMs: "
+    + "; ".join(f"{k}: {v}" for k, v in PRECISION_RECIPES.items())
+    + ". Routing stays float32; the shared expert, attention and dense "
+    "layers run in --compute_dtype. An all-dense --model takes only bf16.",
+)
+PROGRESS = flags.DEFINE_bool(
+    "progress", True, "Show a progress bar on a terminal."
+)
+PLOT = flags.DEFINE_bool("plot", True, "Write training.png at the end.")
+
+# --- Flag checks --------------------------------------------------------------
+# absl runs these as it parses the command line: a bad value ends the program
+# with one line per bad flag (and exit status 1) before JAX sets up a device
+# or compiles anything. Setting a flag in code (flagsaver) runs them too.
+
+# The largest seed nnx.Rngs and jax.random.key accept (a C long).
+_MAX_SEED = 2**63 - 1
+
+# (flag, smallest value, largest value or None): the integer flags.
+_INT_RANGES = (
+    (STEPS, 1, None),
+    (BATCH_SIZE, 1, None),
+    (MICROBATCHES, 1, None),
+    (EP_CHUNKS, 1, None),
+    (NUM_LAYERS, 1, None),
+    # The sampler reads seq_len + 1 bytes: one next-byte target per input.
+    (SEQ_LEN, 1, None),
+    (WARMUP_STEPS, 0, None),
+    (SEED, 0, _MAX_SEED),
+    (EVAL_EVERY, 1, None),
+    (EVAL_BATCHES, 1, None),
+    (CHECKPOINT_EVERY, 0, None),
+    (KEEP_CHECKPOINTS, 0, None),
+    (LOG_EVERY, 1, None),
+)
+
+# (flag, whether 0 is allowed): the float flags, all finite and not negative.
+_FLOAT_ZERO_ALLOWED = (
+    (LEARNING_RATE, False),
+    (WEIGHT_DECAY, True),
+    (GRAD_CLIP, False),
+    (BIAS_UPDATE_RATE, True),
+    (AUX_LOSS_WEIGHT, True),
+    (Z_LOSS_WEIGHT, True),
+)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value) -> bool:
+  return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _register_int_check(
+    holder: flags.FlagHolder, low: int, high: int | None
+) -> None:
+  """--name must be an int in [low, high]; None where None is the default."""
+  expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+
+  def check(value) -> bool:
+    if value is None and holder.default is None:
+      return True  # The preset's value.
+    if not _is_int(value) or value < low or (high is not None and value > high):
+      raise flags.ValidationError(
+          f"--{holder.name} must be an int {expected}, got {value!r}."
+      )
+    return True
+
+  flags.register_validator(holder, check)
+
+
+def _register_float_check(holder: flags.FlagHolder, zero_ok: bool) -> None:
+  """--name must be finite and > 0 (>= 0 if zero_ok); None if the default."""
+  expected = ">= 0" if zero_ok else "> 0"
+
+  def check(value) -> bool:
+    if value is None and holder.default is None:
+      return True  # The preset's value.
+    # absl's float parser takes "nan" and "inf": refuse them here.
+    if (
+        not _is_finite_number(value)
+        or value < 0
+        or (value == 0 and not zero_ok)
+    ):
+      raise flags.ValidationError(
+          f"--{holder.name} must be a finite number {expected}, got {value!r}."
+      )
+    return True
+
+  flags.register_validator(holder, check)
+
+
+def _register_number_checks() -> None:
+  for holder, low, high in _INT_RANGES:
+    _register_int_check(holder, low, high)
+  for holder, zero_ok in _FLOAT_ZERO_ALLOWED:
+    _register_float_check(holder, zero_ok)
+
+
+_register_number_checks()
+
+
+def _mesh_sizes(spec) -> dict[str, int]:
+  """--mesh as {axis: size}, or a flags.ValidationError naming the flag."""
+  if not isinstance(spec, str):
+    raise flags.ValidationError(
+        f"--mesh must be a string like 'data=2,expert=4', got {spec!r}."
+    )
+  try:
+    sizes = mesh_lib.parse(spec)
+  except ValueError as e:
+    message = str(e)
+    if "--mesh" not in message:
+      message = f"--mesh={spec!r}: {message}"
+    raise flags.ValidationError(message) from e
+  # parse() lets a later entry overwrite an earlier one; a repeated axis is
+  # a typo, not a choice.
+  axes = [item.partition("=")[0].strip() for item in spec.split(",")]
+  repeated = sorted({a for a in axes if a and axes.count(a) > 1})
+  if repeated:
+    raise flags.ValidationError(
+        f"--mesh must give each axis at most once, got {repeated} more "
+        f"than once in {spec!r}."
+    )
+  return sizes
+
+
+@flags.validator("mesh")
+def _check_mesh_syntax(spec) -> bool:
+  _mesh_sizes(spec)
+  return True
+
+
+@flags.multi_flags_validator(("mesh", "model"))
+def _check_mesh_splits_experts(values: dict) -> bool:
+  """The expert axis divides the experts of --model (with --dry_run too).
+
+  The device count is checked when the mesh is built (JAX's devices are not
+  known at parse time), the batch split with the run (mesh.check_run).
+  """
+  sizes = _mesh_sizes(values["mesh"])
+  if values["model"] not in presets.PRESETS:
+    raise flags.ValidationError(
+        f"--model must be one of {sorted(presets.PRESETS)}, got "
+        f"{values['model']!r}."
+    )
+  moe = presets.get_preset(values["model"]).model.moe
+  expert = sizes[mesh_lib.EXPERT_AXIS]
+  if expert > 1 and moe is None:
+    raise flags.ValidationError(
+        f"--mesh expert={expert} splits experts, but --model="
+        f"{values['model']} is dense; use data or fsdp instead."
+    )
+  if moe is not None and moe.num_experts % expert:
+    raise flags.ValidationError(
+        f"--mesh expert size must divide the {moe.num_experts} experts of "
+        f"--model={values['model']}, got expert={expert}."
+    )
+  return True
+
+
+@flags.multi_flags_validator(("target", "topology", "dry_run", "mesh"))
+def _check_target(values: dict) -> bool:
+  """--target and --topology come together, with --dry_run, and the
+  topology's GPUs are the mesh's devices."""
+  target, topology = values["target"], values["topology"]
+  if target is None and topology is None:
+    return True
+  if target is None:
+    raise flags.ValidationError(
+        f"--topology={topology} needs --target (one of {sorted(aot.TARGETS)})"
+        " to say which GPUs to compile for."
+    )
+  if topology is None:
+    raise flags.ValidationError(
+        f"--target={target} needs --topology=SxHxG (slices x hosts x GPUs "
+        "per host, e.g. 1x1x8) to say how many GPUs."
+    )
+  if not values["dry_run"]:
+    raise flags.ValidationError(
+        f"--target={target} --topology={topology} compiles for GPUs that "
+        "are not here: it needs --dry_run."
+    )
+  try:
+    slices, hosts, gpus = aot.parse_topology(topology)
+  except ValueError as e:
+    raise flags.ValidationError(f"--{e}") from e
+  sizes = _mesh_sizes(values["mesh"])
+  if slices * hosts * gpus != mesh_lib.num_devices(sizes):
+    raise flags.ValidationError(
+        f"--topology={topology} has {slices * hosts * gpus} GPUs, but --mesh="
+        f"{values['mesh']} multiplies to {mesh_lib.num_devices(sizes)}; give "
+        "a mesh whose sizes multiply to the topology's GPUs."
+    )
+  return True
+
+
+@flags.multi_flags_validator(("precision", "model"))
+def _check_precision_has_experts(values: dict) -> bool:
+  """A quantised recipe needs routed experts: --model must have MoE blocks."""
+  precision, model = values["precision"], values["model"]
+  if precision == "bf16" or model not in presets.PRESETS:
+    return True  # An unknown --model is the mesh check's line.
+  if presets.get_preset(model).model.moe is None:
+    raise flags.ValidationError(
+        f"--precision must be bf16 for --model={model}, which is dense (no "
+        f"routed experts' GEMMs to quantise), got {precision!r}."
+    )
+  return True
+
+
+@flags.validator("output_dir")
+def _check_output_dir(path) -> bool:
+  """A directory, or a path whose missing folders can be made (not made here).
+
+  Creating it waits for the run (or for --dry_run --target's JSON).
+  """
+  if not isinstance(path, str) or not path:
+    raise flags.ValidationError(
+        f"--output_dir must be a directory path, got {path!r}."
+    )
+  existing = os.path.abspath(path)  # The path itself, or its nearest ancestor.
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise flags.ValidationError(
+        f"--output_dir must be a directory or a new path under one, got "
+        f"{path!r}, but {existing!r} exists and is not a directory."
+    )
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise flags.ValidationError(
+        f"--output_dir must be writable, got {path!r}, but {existing!r} is "
+        "not writable."
+    )
+  return True
+
+
+@flags.validator("data")
+def _check_data(path) -> bool:
+  """None or '' (the embedded corpus), or a readable file."""
+  if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+    raise flags.ValidationError(
+        f"--data must name a readable file, got {path!r}."
+    )
+  return True
+
+
+# RunConfig's fields that no flag of the same name sets: --model picks the
+# preset, --moe_backend sets backend, and --mesh is canonicalised.
+_NOT_SAME_NAME = ("model", "backend", "mesh")
+# The flags passed to run_config_from_preset under their own names: every
+# other RunConfig field, generated from the dataclass (a field without its
+# flag fails flags_test), and the two that shape the preset's model.
+SAME_NAME = tuple(
+    f.name
+    for f in dataclasses.fields(run_config.RunConfig)
+    if f.name not in _NOT_SAME_NAME
+) + ("precision", "num_layers")
+
+
+def run_config_from_flags() -> run_config.RunConfig:
+  """The RunConfig the parsed flags describe (the preset's values where a
+  flag is unset)."""
+  return run_config.run_config_from_preset(
+      MODEL.value,
+      backend=moe_core.flags.MOE_BACKEND.value,
+      mesh=mesh_lib.canonical(mesh_lib.parse(MESH.value)),
+      **{name: flags.FLAGS[name].value for name in SAME_NAME},
+  )
