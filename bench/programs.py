@@ -18,6 +18,9 @@ options worth programs, a row each. A new backend needs no edit here; a row
 of `KERNELS` makes a silent fallback to XLA's own ops fail its compile
 check. Programs that cannot be compiled yet are `EXCEPTIONS`, with why.
 Needs only jax and this repository: it runs on the GPU machine too.
+
+Over 400 lines because it is the one table of GPU programs (variants x
+workloads x modes) that every GPU check reads.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Hypothesis strategies for conformance/fuzz_test.py: configs, faults."""
+"""Hypothesis strategies for conformance/fuzz_test.py: configs, faults.
+
+Over 400 lines because it is one job: the strategies of valid configs and
+inputs, router extremes, run-time faults and static mistakes, which share
+the size buckets.
+"""
 
 # Shapes come from a few small buckets: under jit every new shape compiles
 # anew (about a second on two cores), so the fuzzer explores the routing

@@ -23,6 +23,9 @@ The contract every backend keeps, whatever it overrides:
     `conformance/checkpoint_names_suite.py` checks what is saved.
   * A backend raises NotImplementedError only for valid inputs it cannot
     handle; `backend="auto"` then falls through to the next backend.
+
+Over 400 lines because it is one job: the template every backend fills,
+its template methods and its hooks.
 """
 
 from __future__ import annotations

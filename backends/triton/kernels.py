@@ -20,6 +20,9 @@ there; on a GPU it is False and bf16 goes to the tensor cores. Float32
 operands use IEEE products ("ieee"), not TF32, matching the reference.
 
 This module imports triton at the top; import it lazily.
+
+Over 400 lines because it is one job: the three kernels share their tile
+helpers, and the tile list and signatures are built for them.
 """
 
 import inspect
