@@ -19,9 +19,9 @@ import numpy as np
 
 from backends.triton import configs
 from backends.triton import launch
-from backends.triton.testing import aot_compile
-from backends.triton import target as target_lib
 from backends.triton import launch_record
+from backends.triton import target as target_lib
+from backends.triton.testing import aot_compile
 
 try:
   import triton  # pylint: disable=g-import-not-at-top

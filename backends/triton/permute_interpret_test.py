@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.triton.testing import aot_compile
-from backends.triton import interpreter
 from moe_core import permute
 
 try:
@@ -469,7 +468,7 @@ class SignatureTest(parameterized.TestCase):
           name, dtype, T=4096, K=8, D=7168, BLOCK_D=128, **{rows: 32}
       )
       with self.subTest(name):
-        # Through launch, which waits for any interpreted launch still
+        # Through aot_compile, which waits for any interpreted launch still
         # running (it patches triton.language for the whole process).
         info = aot_compile.compile_kernel(kernel, sig, constexprs, 90, 4, 3)
         self.assertGreater(info.registers, 0)
