@@ -9,6 +9,7 @@ package, one concern a module:
   padded.py    `jax.lax.all_to_all` of a static padded buffer (any platform)
   ragged.py    `jax.lax.ragged_all_to_all`, native or emulated
   stages.py    route, dispatch, combine: call them inside `jax.shard_map`
+  overflow.py  BufferOverflowError and its check, for bounded buffers
   layer.py     routed_experts (per device), moe_layer (under shard_map),
                param_specs, shard_params
 
@@ -33,8 +34,8 @@ from moe_core.parallel.options import OVERFLOW_POLICIES
 from moe_core.parallel.options import RAGGED_PLATFORMS
 from moe_core.parallel.options import resolve_exchange
 from moe_core.parallel.options import safe_slots_per_peer
+from moe_core.parallel.overflow import BufferOverflowError
 from moe_core.parallel.ragged import emulated_ragged_all_to_all
-from moe_core.parallel.stages import BufferOverflowError
 from moe_core.parallel.stages import combine
 from moe_core.parallel.stages import dispatch
 from moe_core.parallel.stages import EPDispatched

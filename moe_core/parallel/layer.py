@@ -25,6 +25,7 @@ from moe_core import routing
 from moe_core import validation
 from moe_core.parallel import exchange as exchange_lib
 from moe_core.parallel import options as options_lib
+from moe_core.parallel import overflow as overflow_lib
 from moe_core.parallel import stages
 
 P = jax.sharding.PartitionSpec
@@ -70,8 +71,8 @@ def routed_experts(
     ([T_l, D] in x's dtype, aux with kept, combine_weights and dropped_tokens
     updated for copies dropped by a bounded buffer with overflow="drop").
     With overflow="error", copies that do not fit make the run fail: the
-    devices raise `stages.BufferOverflowError` from a host callback
-    (`stages.raise_on_overflow`), which JAX reports wrapped.
+    devices raise `parallel.BufferOverflowError` from a host callback
+    (`overflow.raise_on_overflow`), which JAX reports wrapped.
   """
   exchange = options_lib.resolve_exchange(
       options.exchange, platform or jax.default_backend()
@@ -123,17 +124,17 @@ def routed_experts(
       )
       # Every output, so that no collective of this layer (the exchanges,
       # the statistics' psums, their transposes) overlaps the check.
-      y, aux = stages.raise_on_overflow((y, aux), dropped, bound)
+      y, aux = overflow_lib.raise_on_overflow((y, aux), dropped, bound)
   return y.astype(x.dtype), aux
 
 
 def _overflow_bound(exchange, tokens_per_chunk, cfg, ep, options) -> str:
-  """`stages.overflow_bound` of the layer's buffers, in Python."""
+  """`overflow.overflow_bound` of the layer's buffers, in Python."""
   mover = exchange_lib.get_exchange(exchange)
   capacity = mover.capacity(
       tokens_per_chunk, cfg.top_k, cfg.num_experts, ep, options.buffer_factor
   )
-  return stages.overflow_bound(mover, capacity, options.buffer_factor)
+  return overflow_lib.overflow_bound(mover, capacity, options.buffer_factor)
 
 
 def param_specs(
@@ -189,8 +190,8 @@ def moe_layer(
     sharded like the tokens and whose statistics are global.
 
   Raises:
-    stages.BufferOverflowError: (a RuntimeError) overflow="error" and copies
-      did not fit a bounded buffer,
+    parallel.BufferOverflowError: (a RuntimeError) overflow="error" and
+      copies did not fit a bounded buffer,
       when called on concrete arrays (outside jit and grad): the library's
       message alone, after the run. Under a transformation the run fails
       from a host callback instead (`routed_experts`).
@@ -297,8 +298,8 @@ def moe_layer(
     tokens_per_chunk = num_tokens // shards // options.num_chunks
     ep = mesh.shape[expert_axis]
     bound = _overflow_bound(exchange, tokens_per_chunk, cfg, ep, options)
-    raise stages.BufferOverflowError(
-        stages.overflow_message(int(aux.dropped_tokens), bound)
+    raise overflow_lib.BufferOverflowError(
+        overflow_lib.overflow_message(int(aux.dropped_tokens), bound)
     )
   out_sharding = None
   if explicit:

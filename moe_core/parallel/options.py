@@ -60,7 +60,7 @@ class EPOptions:
       ceil(f * T_l*K) receive rows (ragged), each capped at the worst case.
       f = 1 is the average load; MaxText's `ragged_buffer_factor` is alike.
     overflow: what a bounded buffer does with copies that do not fit:
-      "error" raises `stages.BufferOverflowError` (from Python after the
+      "error" raises `overflow.BufferOverflowError` (from Python after the
       run when the layer is called on arrays; from a host callback, which
       syncs and which JAX wraps, in a traced program), "drop" gives them
       zero weight, marks them `kept=False` and counts them in
