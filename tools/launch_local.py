@@ -4,7 +4,7 @@ r"""Runs N copies of a command as one multi-process JAX run on this machine.
         python -m train.main --mesh=data=2,expert=4 --steps=20
 
 Each copy gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<a free port>,
-JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i (what train/distributed.py reads);
+JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i (what train/process_spec.py reads);
 with --env=slurm it gets instead what srun gives each task of a one-node job
 step (SLURM_JOB_ID, SLURM_STEP_NODELIST=localhost, SLURM_NTASKS,
 SLURM_PROCID, SLURM_LOCALID, ...), the job id chosen so that the port JAX

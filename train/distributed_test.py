@@ -1,7 +1,7 @@
 """Joining processes (train/distributed.py) and tools/launch_local.py.
 
-The resolve() tests need no process. The launcher tests run tiny python -c
-commands. The multi-process tests start 2 copies of
+The resolve() tests (train/process_spec.py) need no process. The launcher
+tests run tiny python -c commands. The multi-process tests start 2 copies of
 train/testing_distributed_worker.py (2 CPU devices each) through the
 launcher and check a cross-process psum and all_gather against the formula,
 and that a dead or missing process ends the run within the runtime's
@@ -25,6 +25,7 @@ from absl.testing import flagsaver
 from absl.testing import parameterized
 
 from train import distributed
+from train import process_spec
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCHER = os.path.join(_ROOT, "tools", "launch_local.py")
@@ -106,7 +107,7 @@ def _worker(*flags_):
 class ResolveTest(parameterized.TestCase):
 
   def test_nothing_set_is_a_single_process(self):
-    self.assertIsNone(distributed.resolve(environ={}))
+    self.assertIsNone(process_spec.resolve(environ={}))
 
   def test_environment_alone(self):
     env = {
@@ -114,12 +115,12 @@ class ResolveTest(parameterized.TestCase):
         "JAX_NUM_PROCESSES": "4",
         "JAX_PROCESS_ID": "3",
     }
-    spec = distributed.resolve(
+    spec = process_spec.resolve(
         environ=env, init_timeout_s=7, heartbeat_timeout_s=9
     )
     self.assertEqual(
         spec,
-        distributed.ProcessSpec("10.0.0.1:1234", 4, 3, 7, 9),
+        process_spec.ProcessSpec("10.0.0.1:1234", 4, 3, 7, 9),
     )
 
   def test_each_flag_wins_over_its_variable(self):
@@ -129,26 +130,26 @@ class ResolveTest(parameterized.TestCase):
         "JAX_PROCESS_ID": "3",
     }
     self.assertEqual(
-        distributed.resolve("host-a:99", environ=env).coordinator_address,
+        process_spec.resolve("host-a:99", environ=env).coordinator_address,
         "host-a:99",
     )
-    spec = distributed.resolve(num_processes=8, process_id=5, environ=env)
+    spec = process_spec.resolve(num_processes=8, process_id=5, environ=env)
     self.assertEqual(
         (spec.coordinator_address, spec.num_processes, spec.process_id),
         ("10.0.0.1:1234", 8, 5),
     )
     # A flag of 0 is a value, not "unset".
     self.assertEqual(
-        distributed.resolve(process_id=0, environ=env).process_id, 0
+        process_spec.resolve(process_id=0, environ=env).process_id, 0
     )
 
   def test_empty_variables_are_unset(self):
     env = {"JAX_COORDINATOR_ADDRESS": "", "JAX_NUM_PROCESSES": " "}
-    self.assertIsNone(distributed.resolve(environ=env))
+    self.assertIsNone(process_spec.resolve(environ=env))
 
   def test_one_process(self):
-    self.assertIsNone(distributed.resolve(num_processes=1, environ={}))
-    spec = distributed.resolve("[::1]:80", 1, environ={})
+    self.assertIsNone(process_spec.resolve(num_processes=1, environ={}))
+    spec = process_spec.resolve("[::1]:80", 1, environ={})
     self.assertEqual((spec.num_processes, spec.process_id), (1, 0))
 
   @parameterized.parameters(
@@ -163,7 +164,7 @@ class ResolveTest(parameterized.TestCase):
   )
   def test_bad_address_flag(self, address):
     with self.assertRaisesRegex(ValueError, "HOST:PORT") as caught:
-      distributed.resolve(address, 2, 0, environ={})
+      process_spec.resolve(address, 2, 0, environ={})
     message = str(caught.exception)
     self.assertStartsWith(message, "--coordinator_address must be HOST:PORT")
     self.assertIn(repr(address), message)
@@ -226,7 +227,7 @@ class ResolveTest(parameterized.TestCase):
   )
   def test_bad_input(self, kwargs, env, expected):
     with self.assertRaises(ValueError) as caught:
-      distributed.resolve(**kwargs, environ=env)
+      process_spec.resolve(**kwargs, environ=env)
     self.assertStartsWith(str(caught.exception), expected)
     self.assertNotIn("\n", str(caught.exception))
 
@@ -241,7 +242,7 @@ class ResolveTest(parameterized.TestCase):
           f"^{flag} must be a whole number of seconds >= 1; got "
           f"{re.escape(repr(value))}.$",
       ):
-        distributed.resolve("h:1", 2, 0, environ={}, **{keyword: value})
+        process_spec.resolve("h:1", 2, 0, environ={}, **{keyword: value})
 
   def test_spec_from_flags(self):
     with flagsaver.flagsaver(
@@ -252,8 +253,8 @@ class ResolveTest(parameterized.TestCase):
         distributed_heartbeat_timeout=12,
     ):
       self.assertEqual(
-          distributed.spec_from_flags(),
-          distributed.ProcessSpec("127.0.0.1:5000", 2, 1, 11, 12),
+          process_spec.spec_from_flags(),
+          process_spec.ProcessSpec("127.0.0.1:5000", 2, 1, 11, 12),
       )
 
   def test_single_process_needs_no_join(self):
@@ -265,7 +266,7 @@ class ResolveTest(parameterized.TestCase):
     import jax  # pylint: disable=g-import-not-at-top
 
     jax.devices()  # The backend is up: JAX refuses to join.
-    spec = distributed.ProcessSpec(f"127.0.0.1:{_free_port()}", 2, 0, 5, 5)
+    spec = process_spec.ProcessSpec(f"127.0.0.1:{_free_port()}", 2, 0, 5, 5)
     with self.assertRaisesRegex(
         RuntimeError,
         r"^--coordinator_address=127\.0\.0\.1:\d+: process 0 of 2 could "
@@ -292,7 +293,7 @@ class SlurmTest(parameterized.TestCase):
   """A SLURM job step is read as JAX's own detection reads it."""
 
   def test_task_of_a_job_step(self):
-    spec = distributed.resolve(environ=_slurm())
+    spec = process_spec.resolve(environ=_slurm())
     # The first node of the step; 61440 + 70001 mod 4096 (JAX's formula).
     self.assertEqual(spec.coordinator_address, f"gpu017:{61440 + 70001 % 4096}")
     self.assertEqual((spec.num_processes, spec.process_id), (4, 1))
@@ -309,7 +310,7 @@ class SlurmTest(parameterized.TestCase):
   )
   def test_first_node_is_the_coordinator_as_in_jax(self, nodes, host):
     env = _slurm(SLURM_STEP_NODELIST=nodes)
-    ours = distributed.slurm_coordinator_address(env)
+    ours = process_spec.slurm_coordinator_address(env)
     self.assertEqual(ours.rpartition(":")[0], host)
     # JAX's own detection, on the same variables, agrees.
     # pylint: disable-next=g-import-not-at-top
@@ -321,27 +322,27 @@ class SlurmTest(parameterized.TestCase):
       )
 
   def test_coordinator_port_variable_wins(self):
-    spec = distributed.resolve(environ=_slurm(JAX_COORDINATOR_PORT="4321"))
+    spec = process_spec.resolve(environ=_slurm(JAX_COORDINATOR_PORT="4321"))
     self.assertEqual(spec.coordinator_address, "gpu017:4321")
 
   def test_flags_and_jax_variables_win_over_slurm(self):
-    spec = distributed.resolve("h:1", 2, 0, environ=_slurm())
+    spec = process_spec.resolve("h:1", 2, 0, environ=_slurm())
     self.assertEqual((spec.coordinator_address, spec.cluster), ("h:1", None))
     env = _slurm(
         JAX_COORDINATOR_ADDRESS="h:2", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1"
     )
     self.assertEqual(
-        distributed.resolve(environ=env).coordinator_address, "h:2"
+        process_spec.resolve(environ=env).coordinator_address, "h:2"
     )
 
   def test_one_task_or_no_step_is_a_single_process(self):
     self.assertIsNone(
-        distributed.resolve(environ=_slurm(SLURM_NTASKS="1", SLURM_PROCID="0"))
+        process_spec.resolve(environ=_slurm(SLURM_NTASKS="1", SLURM_PROCID="0"))
     )
     # A batch script itself, or salloc: the job's variables, no step.
     batch = {"SLURM_JOB_ID": "70001", "SLURM_NTASKS": "1"}
-    self.assertIsNone(distributed.resolve(environ=batch))
-    self.assertIsNone(distributed.resolve(environ={"SLURM_JOB_ID": "5"}))
+    self.assertIsNone(process_spec.resolve(environ=batch))
+    self.assertIsNone(process_spec.resolve(environ={"SLURM_JOB_ID": "5"}))
 
   @parameterized.named_parameters(
       (
@@ -381,7 +382,7 @@ class SlurmTest(parameterized.TestCase):
   )
   def test_mis_set_variable_is_one_line(self, env, expected):
     with self.assertRaises(ValueError) as caught:
-      distributed.resolve(environ=env)
+      process_spec.resolve(environ=env)
     self.assertStartsWith(str(caught.exception), expected)
     self.assertNotIn("\n", str(caught.exception))
 

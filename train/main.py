@@ -41,6 +41,7 @@ from train import distributed
 from train import dry_run_target
 from train import mesh as mesh_lib
 from train import presets
+from train import process_spec
 from train import report
 from train import run_config
 from train import sizing
@@ -154,7 +155,7 @@ def _start_devices(run: run_config.RunConfig, out) -> None:
 
   Runs before anything initialises JAX's backends.
   """
-  spec = distributed.spec_from_flags()
+  spec = process_spec.spec_from_flags()
   note = mesh_lib.simulate_cpu_devices(
       mesh_lib.parse(run.mesh), spec.num_processes if spec else 1
   )

@@ -35,7 +35,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
-from train import distributed  # noqa: E402  pylint: disable=g-import-not-at-top
+# pylint: disable=g-import-not-at-top
+from train import distributed  # noqa: E402
+from train import process_spec  # noqa: E402
+
+# pylint: enable=g-import-not-at-top
 
 DIED_EXIT_CODE = 17
 
@@ -107,7 +111,7 @@ def main(argv):
       kept + [f"--xla_force_host_platform_device_count={_LOCAL_DEVICES.value}"]
   )
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  spec = distributed.spec_from_flags()
+  spec = process_spec.spec_from_flags()
   distributed.initialize(spec)
   import jax  # pylint: disable=g-import-not-at-top
 

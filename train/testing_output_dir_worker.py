@@ -33,6 +33,7 @@ if _ROOT not in sys.path:
 
 # pylint: disable=g-import-not-at-top
 from train import distributed  # noqa: E402
+from train import process_spec  # noqa: E402
 
 # pylint: enable=g-import-not-at-top
 
@@ -52,7 +53,7 @@ def main(argv):
       kept + ["--xla_force_host_platform_device_count=1"]
   )
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  distributed.initialize(distributed.spec_from_flags())
+  distributed.initialize(process_spec.spec_from_flags())
   # pylint: disable=g-import-not-at-top
   import jax
   from train import output_lock
