@@ -1,56 +1,29 @@
-"""Atomic, verified, sharded checkpoints of a training state pytree (Orbax).
+"""Sharded, async, verified checkpoints of a training state pytree (Orbax).
 
-Layout of one checkpoint, `<dir>/step_00000300/`, written by Orbax:
-
-    state/           every leaf of the state as a tensorstore array; each
-                     process writes the shards it holds
-    meta/meta.json   step, data position, run fingerprint and one entry per
-                     leaf (tree path, shape, dtype, checksum), and a
-                     checksum of each of these fields; written by process 0
-
-Orbax writes a checkpoint into `step_00000300.orbax-checkpoint-tmp` and
-renames it into place once every process has finished, so a crash mid-save
-leaves the previous checkpoints intact and never a half-written `step_*`.
-What a killed save leaves behind (Orbax's temporary directory, this
-module's hidden ones) is never listed, and `remove_leftovers` deletes it.
-Saving may be asynchronous: `Checkpointer.save` returns once the arrays are
-copied off the devices, and `wait()` blocks until they are on disk.
-
-Tensorstore keeps no checksum, so `save` records one per leaf, computed on
-the devices from the global array (see `checksums`): it does not depend on
-the sharding or the number of processes, and `restore` recomputes it on
-the arrays it read, whatever mesh they were restored onto. Every field of
-meta.json has a checksum too, and its step must be the one the directory
-is named after. Restoring also checks the fingerprint (a different model
-or data setup) and every leaf's path, shape and dtype against the state
-the caller built; any difference raises `CheckpointError` naming it.
-Nothing falls back to a fresh start.
-
-A failed save (a full disk, most often) raises `CheckpointSaveError`, one
-line naming the step, the directory and the bytes the checkpoint needs:
-`save` refuses at once when the directory's filesystem has less free space
-than one uncompressed copy of the state; a write that fails later, in
-Orbax's background thread, is raised by the next `poll` (the trainer polls
-after every step), `wait`, `save` or `close`. The checkpoints saved before
-it are left as they were: old ones are pruned only after a new one lands.
-
-Only directories this module wrote are ever deleted (pruned, replaced, or
-cleared by `remove_checkpoints`): a `step_*` is recognised by its
-meta.json (`is_ours`); anything else in the directory is left alone.
-
-Every process calls `save`, `restore`, `wait`, `poll` and `close`
-together, as Orbax expects; more than one process needs `jax.distributed`.
+`Checkpointer` saves the checkpoints of one run into a directory and
+restores them (`save` and `restore` are its synchronous one-call forms);
+the directory's layout and cleanup are `train/checkpoint_dirs.py`'s, the
+checks of meta.json `train/checkpoint_meta.py`'s. Saving may be
+asynchronous: `Checkpointer.save` returns once the arrays are copied off
+the devices, and `wait()` blocks until they are on disk. Tensorstore keeps
+no checksum, so `save` records one per leaf, computed on the devices from
+the global array (`train/checksum.py`): it does not depend on the sharding
+or the number of processes, and `restore` recomputes it on the arrays it
+read, whatever mesh they were restored onto; any difference raises
+`CheckpointError`. A failed save (a full disk, most often) raises
+`CheckpointSaveError` (`train/checkpoint_failures.py`) and leaves the
+checkpoints saved before it as they were: old ones are pruned only after a
+new one lands. Every process calls `save`, `restore`, `wait`, `poll` and
+`close` together, as Orbax expects; more than one process needs
+`jax.distributed`. About 400 lines because `Checkpointer`'s save, poll,
+wait, prune and undo share one state machine (a save in flight).
 """
 
 from __future__ import annotations
 
-import errno
 import functools
 import itertools
-import json
-import logging
 import os
-import re
 import shutil
 import uuid
 
@@ -58,199 +31,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from train import checkpoint_dirs
+from train import checkpoint_failures
+from train import checkpoint_meta
+from train import checkpoint_orbax
 from train import checksum
 from train import distributed
 
-# Version 3 added the checksums of meta.json's fields. Version 2 is refused:
-# without them its step, data position and history cannot be verified, and
-# a resume from an edited or damaged meta.json would go unnoticed.
-FORMAT_VERSION = 3
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-ARRAYS = "state"  # The Orbax item holding the arrays.
-_META_ITEM = "meta"  # The Orbax item holding meta.json.
-_META_FILE = "meta.json"
-META = os.path.join(_META_ITEM, _META_FILE)  # Relative to a checkpoint.
-_OLD_META = "meta.json"  # Format 1 kept it at the top, beside arrays.npz.
-_META_KEYS = ("format_version", "step", "fingerprint", "leaves", "extra")
-# meta.json's mark of this program, which `is_ours` looks for. Checkpoints
-# written before it existed are recognised by their format_version and step.
-WRITER = "dropless train/checkpoint.py"
-_WRITER_KEY = "writer"
-_META_CHECKSUMS = "field_checksums"  # {field: checksum of its JSON}.
-_LEAF_KEYS = frozenset(("path", "shape", "dtype", "checksum"))
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be restored: corrupt, partial or mismatched."""
-
-
-class CheckpointSaveError(CheckpointError):
-  """A checkpoint that could not be written (a full disk, most often).
-
-  Attributes:
-    step: the step whose save failed.
-    directory: where it was being written.
-    needed: the bytes it needs on this process (uncompressed), or None.
-  """
-
-  def __init__(self, message: str, *, step: int, directory: str, needed):
-    super().__init__(message)
-    self.step = step
-    self.directory = directory
-    self.needed = needed
-
-
-class _HideOrbaxInfo(logging.Filter):
-  """Drops Orbax's INFO and DEBUG records (several lines per save), and the
-  tracebacks it logs for a failed background save.
-
-  Orbax logs through absl, whose records all go to the "absl" logger; this
-  filter keeps everyone else's records and Orbax's warnings and errors, but
-  those that carry a traceback: Orbax logs a failed write once per thread
-  it passed through (hundreds of lines), then hands the exception to
-  `wait`, which `Checkpointer` turns into one `CheckpointSaveError` line.
-  """
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
-    if not from_orbax:
-      return True
-    if record.levelno >= logging.ERROR and record.exc_info:
-      return False
-    return record.levelno >= logging.WARNING
-
-
-def _quiet_orbax() -> None:
-  absl_logger = logging.getLogger("absl")
-  if not any(isinstance(f, _HideOrbaxInfo) for f in absl_logger.filters):
-    absl_logger.addFilter(_HideOrbaxInfo())
-
-
-_quiet_orbax()
-
-
-def step_dir(directory: str, step: int) -> str:
-  return os.path.join(directory, f"step_{step:08d}")
-
-
-def list_checkpoints(directory: str) -> list[tuple[int, str]]:
-  """(step, path) of every finalised checkpoint in `directory`, oldest first.
-
-  Only directories named `step_<8 digits>` are listed: Orbax gives that
-  name to a save by its last act, a rename. Unfinished saves
-  (`step_*.orbax-checkpoint-tmp`) and this module's hidden directories are
-  not; whether a listed one is whole, `restore` checks.
-  """
-  if not os.path.isdir(directory):
-    return []
-  found = []
-  for name in os.listdir(directory):
-    match = _STEP_DIR.match(name)
-    path = os.path.join(directory, name)
-    if match and os.path.isdir(path):
-      found.append((int(match.group(1)), path))
-  return sorted(found)
-
-
-def latest(directory: str) -> str | None:
-  found = list_checkpoints(directory)
-  return found[-1][1] if found else None
-
-
-# Names of what an interrupted save or deletion leaves in the directory.
-_ORBAX_TEMPORARY = ".orbax-checkpoint-tmp"  # Orbax 0.12: step_*<this>[-ts].
-_DELETING = ".deleting-"  # `_remove`: a checkpoint being deleted.
-_REPLACED = re.compile(r"^\.replaced-(step_\d{8})-[0-9a-f]+$")  # `save`.
-
-
-def remove_leftovers(directory: str) -> list[str]:
-  """Clears what killed saves left in `directory`; returns what it did.
-
-  Deletes Orbax's unfinished saves and half-deleted checkpoints. An old
-  copy that a save of the same step moved aside (see `Checkpointer.save`)
-  is put back if the new one never landed, else deleted. Call it on one
-  process, while no save is running.
-
-  Returns:
-    One line per directory removed or put back, for the run's log.
-  """
-  if not os.path.isdir(directory):
-    return []
-  done = []
-  for name in sorted(os.listdir(directory)):
-    path = os.path.join(directory, name)
-    replaced = _REPLACED.match(name)
-    if replaced and not os.path.exists(os.path.join(directory, replaced[1])):
-      os.rename(path, os.path.join(directory, replaced[1]))
-      done.append(
-          f"put back {replaced[1]} from {name}: a save of the same step "
-          "was interrupted"
-      )
-    elif replaced or name.startswith(_DELETING) or _ORBAX_TEMPORARY in name:
-      shutil.rmtree(path, ignore_errors=True)
-      done.append(f"removed {name}, left by an interrupted save or deletion")
-  return done
-
-
-def is_ours(path: str) -> bool:
-  """Whether `path`, a `step_*` directory, is a checkpoint this module wrote.
-
-  Its meta.json says so: it carries `WRITER`, or (checkpoints written
-  before the mark) an int format_version and the step of the directory's
-  name. Nothing is verified beyond that; `restore` verifies.
-  """
-  name = os.path.basename(os.path.normpath(path))
-  match = _STEP_DIR.match(name)
-  if match is None:
-    return False
-  for meta_file in (META, _OLD_META):
-    try:
-      with open(os.path.join(path, meta_file)) as f:
-        meta = json.load(f)
-    except (OSError, ValueError):
-      continue
-    if not isinstance(meta, dict):
-      continue
-    if meta.get(_WRITER_KEY) == WRITER:
-      return True
-    version = meta.get("format_version")
-    if isinstance(version, int) and meta.get("step") == int(match[1]):
-      return True
-  return False
-
-
-def foreign_step_dirs(directory: str) -> list[str]:
-  """Names of the `step_*` directories in `directory` not written here.
-
-  A fresh run refuses to start beside them: its own saves could meet
-  their names.
-  """
-  return [
-      os.path.basename(path)
-      for _, path in list_checkpoints(directory)
-      if not is_ours(path)
-  ]
-
-
-def remove_checkpoints(directory: str) -> list[str]:
-  """Deletes the checkpoints in `directory` that this module wrote.
-
-  Each is renamed out of sight first, so a crash midway leaves every
-  `step_*` whole. Other files and directories stay, `step_*` ones that
-  `is_ours` does not recognise too.
-
-  Returns:
-    The names of the checkpoints removed.
-  """
-  removed = []
-  for _, path in list_checkpoints(directory):
-    if is_ours(path):
-      _remove(path)
-      removed.append(os.path.basename(path))
-  return removed
-
-
-# --- Reading ------------------------------------------------------------------
+# Orbax's INFO lines and failure tracebacks stay off the log from the
+# moment checkpoints may be used.
+checkpoint_orbax.quiet_orbax()
 
 
 def _leaves(tree):
@@ -259,310 +49,51 @@ def _leaves(tree):
   return paths, [leaf for _, leaf in with_path], treedef
 
 
-def _leaf_key(i: int) -> str:
-  return f"leaf_{i:05d}"
-
-
-def _field_checksum(value) -> int:
-  """The checksum of one meta.json field: of its canonical JSON text."""
-  text = json.dumps(value, sort_keys=True, separators=(",", ":"))
-  return checksum.of_bytes(text.encode())
-
-
-def _with_field_checksums(meta: dict) -> dict:
-  """`meta` as JSON will read it back, plus the checksums of its fields."""
-  # The round trip turns tuples into lists and keys into strings first, so
-  # that the checksums are those of what a reader will find.
-  meta = json.loads(json.dumps(meta))
-  meta[_META_CHECKSUMS] = {k: _field_checksum(v) for k, v in meta.items()}
-  return meta
-
-
-def _load_meta_json(path: str) -> dict:
-  """meta.json of checkpoint `path` as a dict, unchecked."""
-  meta_path = os.path.join(path, META)
-  try:
-    with open(meta_path) as f:
-      meta = json.load(f)
-  except FileNotFoundError as e:
-    if os.path.isfile(os.path.join(path, _OLD_META)):
-      raise CheckpointError(
-          f"checkpoint {path!r} has format version 1 (arrays.npz); this "
-          f"program reads version {FORMAT_VERSION}."
-      ) from e
-    raise CheckpointError(
-        f"checkpoint {path!r} is incomplete or corrupt: {META} is missing."
-    ) from e
-  except (OSError, ValueError) as e:
-    raise CheckpointError(
-        f"checkpoint {path!r} is corrupt: {META} is not valid JSON ({e})."
-    ) from e
-  if not isinstance(meta, dict):
-    raise CheckpointError(
-        f"checkpoint {path!r} is corrupt: {META} holds a "
-        f"{type(meta).__name__}, expected an object."
-    )
-  return meta
-
-
-def _check_field_checksums(path: str, meta: dict) -> None:
-  recorded = meta.get(_META_CHECKSUMS)
-  if not isinstance(recorded, dict):
-    raise CheckpointError(
-        f"checkpoint {path!r} is corrupt: {META} lacks {_META_CHECKSUMS!r}."
-    )
-  fields = set(meta) - {_META_CHECKSUMS}
-  if set(recorded) != fields:
-    raise CheckpointError(
-        f"checkpoint {path!r} is corrupt or was edited: {META} has the "
-        f"fields {sorted(fields)}, its checksums cover {sorted(recorded)}."
-    )
-  for key in sorted(fields):
-    found = _field_checksum(meta[key])
-    if found != recorded[key]:
-      raise CheckpointError(
-          f"checkpoint {path!r} is corrupt or was edited: {META} field "
-          f"{key!r} has checksum {found}, the checkpoint recorded "
-          f"{recorded[key]}."
-      )
-
-
-def _check_step(path: str, meta: dict) -> None:
-  """The recorded step must be the one the directory is named after."""
-  step = meta["step"]
-  if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-    raise CheckpointError(
-        f"checkpoint {path!r} is corrupt: {META} records step {step!r}, "
-        "expected an int >= 0."
-    )
-  name = os.path.basename(os.path.normpath(path))
-  match = _STEP_DIR.match(name)
-  if match is None or int(match[1]) != step:
-    raise CheckpointError(
-        f"checkpoint {path!r}: {META} records step {step}, but the "
-        f"directory is named {name!r}; expected {step_dir('', step)!r}."
-    )
-
-
-def read_meta(path: str) -> dict:
-  """meta.json of checkpoint `path`, verified; or CheckpointError.
-
-  Every field must match its recorded checksum, and the step the name of
-  the directory (`step_<8 digits>`).
-  """
-  meta = _load_meta_json(path)
-  if "format_version" not in meta:
-    raise CheckpointError(
-        f"checkpoint {path!r} is corrupt: {META} lacks 'format_version'."
-    )
-  version = meta["format_version"]
-  if version != FORMAT_VERSION:
-    why = " (its meta.json has no checksums)" if version == 2 else ""
-    raise CheckpointError(
-        f"checkpoint {path!r} has format version {version}{why}; this "
-        f"program reads version {FORMAT_VERSION}. Resume it with the "
-        "program that wrote it, or start a new --output_dir."
-    )
-  _check_field_checksums(path, meta)
-  for key in _META_KEYS:
-    if key not in meta:
-      raise CheckpointError(
-          f"checkpoint {path!r} is corrupt: {META} lacks {key!r}."
-      )
-  _check_step(path, meta)
-  for i, entry in enumerate(meta["leaves"]):
-    if not isinstance(entry, dict) or not _LEAF_KEYS <= set(entry):
-      raise CheckpointError(
-          f"checkpoint {path!r} is corrupt: {META} leaf entry {i} must "
-          f"have {sorted(_LEAF_KEYS)}, got {entry!r}."
-      )
-  return meta
-
-
-def _fingerprint_diff(saved: dict, expected: dict, prefix="") -> list[str]:
-  diffs = []
-  for key in sorted(set(saved) | set(expected)):
-    a, b = saved.get(key, "<absent>"), expected.get(key, "<absent>")
-    if isinstance(a, dict) and isinstance(b, dict):
-      diffs += _fingerprint_diff(a, b, f"{prefix}{key}.")
-    elif a != b:
-      diffs.append(f"{prefix}{key}: checkpoint has {a!r}, this run has {b!r}")
-  return diffs
-
-
-def _restore_target(leaf):
-  """What Orbax restores a template leaf as: its sharding, or numpy."""
-  sharding = getattr(leaf, "sharding", None)
-  shape, dtype = tuple(np.shape(leaf)), _dtype(leaf)
-  if sharding is None:
-    return np.zeros(shape, dtype)
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-def _dtype(leaf) -> np.dtype:
-  dtype = getattr(leaf, "dtype", None)
-  return np.dtype(np.asarray(leaf).dtype if dtype is None else dtype)
-
-
-def _check_layout(path: str, meta: dict, paths: list[str], leaves: list):
-  saved = meta["leaves"]
-  saved_paths = [s["path"] for s in saved]
-  if saved_paths != paths:
-    missing = sorted(set(paths) - set(saved_paths))
-    unexpected = sorted(set(saved_paths) - set(paths))
-    raise CheckpointError(
-        f"checkpoint {path!r} holds a different state structure: missing "
-        f"{missing[:5]}, unexpected {unexpected[:5]} (showing up to 5)."
-    )
-  for leaf_path, leaf, entry in zip(paths, leaves, saved):
-    shape, dtype = tuple(np.shape(leaf)), _dtype(leaf)
-    if tuple(entry["shape"]) != shape or entry["dtype"] != dtype.name:
-      raise CheckpointError(
-          f"checkpoint {path!r}: leaf {leaf_path} must be {dtype.name}"
-          f"{list(shape)}, got {entry['dtype']}{entry['shape']}."
-      )
-
-
 def _read(orbax_checkpointer, path: str, template, fingerprint: dict):
   """Checks and loads checkpoint `path`; see `restore`."""
   if not os.path.isdir(path):
-    raise CheckpointError(f"checkpoint {path!r} does not exist.")
-  meta = read_meta(path)
-  if not os.path.isdir(os.path.join(path, ARRAYS)):
-    raise CheckpointError(
-        f"checkpoint {path!r} is incomplete: {ARRAYS}/ is missing."
+    raise checkpoint_meta.CheckpointError(
+        f"checkpoint {path!r} does not exist."
     )
-  diffs = _fingerprint_diff(meta["fingerprint"], fingerprint)
-  if diffs:
-    raise CheckpointError(
-        f"checkpoint {path!r} was saved by a different run configuration; "
-        "resume with the same settings or start a new --output_dir: "
-        + "; ".join(diffs)
-        + "."
+  meta = checkpoint_meta.read_meta(path)
+  if not os.path.isdir(os.path.join(path, checkpoint_dirs.ARRAYS)):
+    raise checkpoint_meta.CheckpointError(
+        f"checkpoint {path!r} is incomplete: {checkpoint_dirs.ARRAYS}/ is "
+        "missing."
     )
+  checkpoint_meta.check_fingerprint(path, meta, fingerprint)
   paths, leaves, treedef = _leaves(template)
-  _check_layout(path, meta, paths, leaves)
-  target = {_leaf_key(i): _restore_target(x) for i, x in enumerate(leaves)}
+  checkpoint_meta.check_layout(path, meta, paths, leaves)
+  target = {
+      checkpoint_orbax.leaf_key(i): checkpoint_orbax.restore_target(x)
+      for i, x in enumerate(leaves)
+  }
   try:
     loaded = orbax_checkpointer.restore(
         path,
-        args=ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(target)}),
-    )[ARRAYS]
-    restored = [loaded[_leaf_key(i)] for i in range(len(leaves))]
+        args=ocp.args.Composite(
+            **{checkpoint_dirs.ARRAYS: ocp.args.StandardRestore(target)}
+        ),
+    )[checkpoint_dirs.ARRAYS]
+    restored = [
+        loaded[checkpoint_orbax.leaf_key(i)] for i in range(len(leaves))
+    ]
   except Exception as e:  # Tensorstore and Orbax raise many kinds.
     # Tensorstore appends its whole JSON spec: the head says what failed.
     reason = str(e).split(" [tensorstore_spec", 1)[0][:300]
-    raise CheckpointError(
+    raise checkpoint_meta.CheckpointError(
         f"checkpoint {path!r} is incomplete or corrupt: cannot read "
-        f"{ARRAYS}/ ({type(e).__name__}: {reason})."
+        f"{checkpoint_dirs.ARRAYS}/ ({type(e).__name__}: {reason})."
     ) from e
   for leaf_path, found, entry in zip(
       paths, checksum.checksums(restored), meta["leaves"]
   ):
     if found != entry["checksum"]:
-      raise CheckpointError(
+      raise checkpoint_meta.CheckpointError(
           f"checkpoint {path!r} is corrupt: leaf {leaf_path} has checksum "
           f"{found}, the checkpoint recorded {entry['checksum']}."
       )
   return jax.tree_util.tree_unflatten(treedef, restored), meta
-
-
-# --- Writing ------------------------------------------------------------------
-
-
-def free_bytes(directory: str) -> int:
-  """Bytes an unprivileged writer may still put on `directory`'s filesystem.
-
-  `Checkpointer.save` checks this against the bytes a checkpoint needs
-  before it writes anything. Tests replace this function (mock.patch) to
-  stage a full disk.
-  """
-  return shutil.disk_usage(directory).free
-
-
-def _bytes_to_write(leaves: list, meta: dict) -> int:
-  """Uncompressed bytes this process writes for one checkpoint.
-
-  Each process writes one copy of each shard it holds (replica 0);
-  process 0 also writes the host (numpy) leaves and meta.json.
-  """
-  main = distributed.is_main_process()
-  total = len(json.dumps(meta)) if main else 0
-  for leaf in leaves:
-    if isinstance(leaf, jax.Array):
-      total += sum(
-          shard.data.nbytes
-          for shard in leaf.addressable_shards
-          if shard.replica_id == 0
-      )
-    elif main:
-      total += np.asarray(leaf).nbytes
-  return total
-
-
-def _human_bytes(n: float) -> str:
-  for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB")):
-    if n >= scale:
-      return f"{n / scale:.3g} {suffix}"
-  return f"{n / 2**10:.3g} KiB" if n >= 2**10 else f"{n:.0f} B"
-
-
-# errno of a full filesystem or quota, also as tensorstore spells it in its
-# messages ("No space left on device [os_error_code='28']").
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-_FULL_TEXT = tuple(os.strerror(e) for e in _FULL) + tuple(
-    f"os_error_code='{e}'" for e in _FULL
-)
-
-
-def _is_disk_full(error: BaseException) -> bool:
-  """Whether `error` (or one it was raised from) says the disk is full."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if isinstance(error, OSError) and error.errno in _FULL:
-      return True
-    if any(text in str(error) for text in _FULL_TEXT):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
-
-
-def _first_line(error: BaseException, limit: int = 300) -> str:
-  # Tensorstore appends its whole JSON spec: the head says what failed.
-  text = str(error).split(" [tensorstore_spec", 1)[0]
-  text = (text.strip().splitlines() or [""])[0]
-  return f"{type(error).__name__}: {text[:limit]}"
-
-
-# What Orbax, tensorstore and the filesystem raise for a save that failed
-# (tensorstore's write errors are ValueErrors); anything else is a bug,
-# and keeps its traceback.
-_SAVE_FAILURES = (OSError, ValueError, RuntimeError)
-
-
-def _handlers() -> ocp.handlers.CompositeCheckpointHandler:
-  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-  for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
-    registry.add(ARRAYS, args, ocp.handlers.StandardCheckpointHandler)
-  meta_handler = ocp.handlers.JsonCheckpointHandler(filename=_META_FILE)
-  for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
-    registry.add(_META_ITEM, args, meta_handler)
-  return ocp.handlers.CompositeCheckpointHandler(handler_registry=registry)
-
-
-def _remove(path: str) -> None:
-  """Deletes a checkpoint: renamed out of sight first, so a crash midway
-  never leaves a half-deleted `step_*` that looks complete."""
-  hidden = os.path.join(
-      os.path.dirname(path),
-      f"{_DELETING}{os.path.basename(path)}-{uuid.uuid4().hex}",
-  )
-  try:
-    os.rename(path, hidden)
-  except FileNotFoundError:
-    return
-  shutil.rmtree(hidden, ignore_errors=True)
 
 
 class Checkpointer:
@@ -599,7 +130,7 @@ class Checkpointer:
     self.keep = keep
     self.async_save = async_save
     kind = ocp.AsyncCheckpointer if async_save else ocp.Checkpointer
-    self._orbax = kind(_handlers())
+    self._orbax = kind(checkpoint_orbax.handlers())
     self._unfinished = False  # A save whose bookkeeping `wait` still owes.
     self._pending: tuple[int, int] = (-1, 0)  # (step, bytes) of that save.
     self._replaced: list[str] = []  # Older copies of re-saved steps.
@@ -635,34 +166,19 @@ class Checkpointer:
         x if isinstance(x, jax.Array) else np.array(x, copy=True)
         for x in leaves
     ]
-    meta = _with_field_checksums(
-        {
-            "format_version": FORMAT_VERSION,
-            _WRITER_KEY: WRITER,
-            "step": int(step),
-            "fingerprint": self.fingerprint,
-            "leaves": [
-                {
-                    "path": p,
-                    "shape": list(np.shape(x)),
-                    "dtype": _dtype(x).name,
-                    "checksum": c,
-                }
-                for p, x, c in zip(paths, leaves, checksum.checksums(leaves))
-            ],
-            "extra": extra or {},
-        }
+    meta = checkpoint_meta.new_meta(
+        step, self.fingerprint, paths, leaves, extra
     )
-    final = step_dir(self.directory, step)
+    final = checkpoint_dirs.step_dir(self.directory, step)
     if distributed.is_main_process():
       os.makedirs(self.directory, exist_ok=True)
     self._sync("directory")
-    self._check_space(step, _bytes_to_write(leaves, meta))
+    self._check_space(step, checkpoint_failures.bytes_to_write(leaves, meta))
     # Barriers around the rename: every process must see the same answer
     # here, and none may reach Orbax's own "exists" check before it.
     resaving = os.path.exists(final)
-    if resaving and not is_ours(final):
-      raise CheckpointError(
+    if resaving and not checkpoint_dirs.is_ours(final):
+      raise checkpoint_meta.CheckpointError(
           f"cannot save the checkpoint of step {step}: {final!r} exists and "
           "was not written by this program (its meta.json is not one of "
           "ours); move it out of --output_dir."
@@ -683,14 +199,17 @@ class Checkpointer:
           final,
           args=ocp.args.Composite(
               **{
-                  ARRAYS: ocp.args.StandardSave(
-                      {_leaf_key(i): x for i, x in enumerate(leaves)}
+                  checkpoint_dirs.ARRAYS: ocp.args.StandardSave(
+                      {
+                          checkpoint_orbax.leaf_key(i): x
+                          for i, x in enumerate(leaves)
+                      }
                   ),
-                  _META_ITEM: ocp.args.JsonSave(meta),
+                  checkpoint_dirs.META_ITEM: ocp.args.JsonSave(meta),
               }
           ),
       )
-    except _SAVE_FAILURES as e:
+    except checkpoint_failures.SAVE_FAILURES as e:
       self._failed(e)
     if not self.async_save:
       self.wait()
@@ -700,7 +219,7 @@ class Checkpointer:
     """Refuses the save of `step` before it writes a byte, if the disk of
     any process lacks `needed` (its uncompressed bytes) free."""
     self._pending = (step, needed)
-    free = free_bytes(self.directory)
+    free = checkpoint_failures.free_bytes(self.directory)
     if distributed.all_true(free >= needed):
       return
     if free >= needed:
@@ -709,32 +228,19 @@ class Checkpointer:
           "(its output says how much)"
       )
     else:
+      human = checkpoint_failures.human_bytes
       where = (
-          f"it needs about {_human_bytes(needed)} ({needed:,} bytes, one "
+          f"it needs about {human(needed)} ({needed:,} bytes, one "
           "uncompressed copy of the state, written before older checkpoints "
-          f"are pruned) and the filesystem has {_human_bytes(free)} free"
+          f"are pruned) and the filesystem has {human(free)} free"
       )
-    raise CheckpointSaveError(
+    intact = checkpoint_failures.what_is_intact(self.directory)
+    raise checkpoint_failures.CheckpointSaveError(
         f"cannot save the checkpoint of step {step} in {self.directory!r}: "
-        f"{where}. {self._intact()}",
+        f"{where}. {intact}",
         step=step,
         directory=self.directory,
         needed=needed,
-    )
-
-  def _intact(self) -> str:
-    """What is left to resume from, and how to go on: the end of a save
-    failure's message."""
-    ours = [p for _, p in list_checkpoints(self.directory) if is_ours(p)]
-    if not ours:
-      return (
-          "No earlier checkpoint was saved. Free space there and run again, "
-          "or pass another --output_dir."
-      )
-    return (
-        "The checkpoints saved before it are intact (newest: "
-        f"{os.path.basename(ours[-1])}). Free space there and rerun with "
-        "--resume, or start again with another --output_dir."
     )
 
   def _failed(self, error: BaseException):
@@ -750,18 +256,20 @@ class Checkpointer:
     if distributed.is_main_process():
       self._undo(step)
     self._replaced = []
-    if _is_disk_full(error):
-      free = free_bytes(self.directory)
+    if checkpoint_failures.is_disk_full(error):
+      free = checkpoint_failures.free_bytes(self.directory)
+      human = checkpoint_failures.human_bytes
       reason = (
-          f"no space left on device; it needs about {_human_bytes(needed)} "
-          f"({needed:,} bytes uncompressed) and {_human_bytes(free)} are "
+          f"no space left on device; it needs about {human(needed)} "
+          f"({needed:,} bytes uncompressed) and {human(free)} are "
           "free now"
       )
     else:
-      reason = _first_line(error)
-    raise CheckpointSaveError(
+      reason = checkpoint_failures.first_line(error)
+    intact = checkpoint_failures.what_is_intact(self.directory)
+    raise checkpoint_failures.CheckpointSaveError(
         f"the checkpoint of step {step} could not be written to "
-        f"{self.directory!r}: {reason}. {self._intact()}",
+        f"{self.directory!r}: {reason}. {intact}",
         step=step,
         directory=self.directory,
         needed=needed,
@@ -772,12 +280,12 @@ class Checkpointer:
     it moved aside: the directory holds what it held before the save."""
     if not os.path.isdir(self.directory):
       return
-    prefix = os.path.basename(step_dir(self.directory, step))
+    prefix = os.path.basename(checkpoint_dirs.step_dir(self.directory, step))
     for name in os.listdir(self.directory):
-      if name.startswith(prefix) and _ORBAX_TEMPORARY in name:
+      if name.startswith(prefix) and checkpoint_dirs.ORBAX_TEMPORARY in name:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
     for aside in self._replaced:
-      name = _REPLACED.match(os.path.basename(aside))[1]
+      name = checkpoint_dirs.REPLACED.match(os.path.basename(aside))[1]
       final = os.path.join(self.directory, name)
       if not os.path.exists(final):
         os.rename(aside, final)
@@ -791,7 +299,7 @@ class Checkpointer:
     try:
       if isinstance(self._orbax, ocp.AsyncCheckpointer):
         self._orbax.wait_until_finished()
-    except _SAVE_FAILURES as e:
+    except checkpoint_failures.SAVE_FAILURES as e:
       if not self._unfinished:
         raise
       self._failed(e)
@@ -802,9 +310,13 @@ class Checkpointer:
       for aside in self._replaced:
         shutil.rmtree(aside, ignore_errors=True)
       if self.keep:
-        ours = [p for _, p in list_checkpoints(self.directory) if is_ours(p)]
+        ours = [
+            p
+            for _, p in checkpoint_dirs.list_checkpoints(self.directory)
+            if checkpoint_dirs.is_ours(p)
+        ]
         for old in ours[: -self.keep]:
-          _remove(old)
+          checkpoint_dirs.remove_checkpoint(old)
     self._replaced = []
     self._sync("pruned")
 
@@ -826,7 +338,7 @@ class Checkpointer:
       return
     try:
       self._orbax.check_for_errors()
-    except _SAVE_FAILURES as e:
+    except checkpoint_failures.SAVE_FAILURES as e:
       self._failed(e)
 
   def restore(self, path: str, target, *, fingerprint: dict | None = None):
@@ -894,7 +406,7 @@ def save(
 
 @functools.cache
 def _reader() -> ocp.Checkpointer:
-  return ocp.Checkpointer(_handlers())
+  return ocp.Checkpointer(checkpoint_orbax.handlers())
 
 
 def restore(path: str, template, *, fingerprint: dict):

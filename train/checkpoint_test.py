@@ -19,6 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from train import checkpoint
+from train import checkpoint_dirs
+from train import checkpoint_meta
 from train import checksum
 from train import step_log
 from train import testing
@@ -39,7 +41,7 @@ class ResumeTest(absltest.TestCase):
     self.assertEqual(summary["interrupted"], "KeyboardInterrupt")
     self.assertEqual(first.step, 4)
     self.assertEqual(
-        checkpoint.latest(os.path.join(out, "checkpoints")),
+        checkpoint_dirs.latest(os.path.join(out, "checkpoints")),
         os.path.join(out, "checkpoints", "step_00000004"),
     )
 
@@ -127,7 +129,7 @@ class ResumeTest(absltest.TestCase):
     self.assertEqual(tr.step, 3)
     self.assertEqual(tr.history["loss"], straight.history["loss"][:3])
     self.assertEqual(
-        checkpoint.latest(os.path.join(out, "checkpoints")),
+        checkpoint_dirs.latest(os.path.join(out, "checkpoints")),
         os.path.join(out, "checkpoints", "step_00000003"),
     )
 
@@ -142,7 +144,7 @@ class ResumeTest(absltest.TestCase):
     run = testing.small_run(testing.temp_dir(self), resume=True)
     tr = trainer.Trainer(run, testing.corpus(), out=None)
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"--resume: no checkpoint in .*; run without",
     ):
       tr.prepare_output_dir()
@@ -159,7 +161,9 @@ class RefusalTest(absltest.TestCase):
         cls._dir.name, steps=1, checkpoint_every=1
     )
     cls.trainer, _ = testing.fit(cls.run_config)
-    cls.path = checkpoint.latest(os.path.join(cls._dir.name, "checkpoints"))
+    cls.path = checkpoint_dirs.latest(
+        os.path.join(cls._dir.name, "checkpoints")
+    )
 
   @classmethod
   def tearDownClass(cls):
@@ -201,16 +205,16 @@ class RefusalTest(absltest.TestCase):
         jax.tree.unflatten(treedef, leaves),
         fingerprint=self.trainer.fingerprint,
     )
-    shutil.rmtree(os.path.join(path, checkpoint.ARRAYS))
+    shutil.rmtree(os.path.join(path, checkpoint_dirs.ARRAYS))
     shutil.copytree(
-        os.path.join(other, checkpoint.ARRAYS),
-        os.path.join(path, checkpoint.ARRAYS),
+        os.path.join(other, checkpoint_dirs.ARRAYS),
+        os.path.join(path, checkpoint_dirs.ARRAYS),
     )
     first_path = jax.tree_util.keystr(
         jax.tree_util.tree_flatten_with_path(self.trainer.state)[0][0][0]
     )
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"is corrupt: leaf "
         + re.escape(first_path)
         + r" has checksum \d+, the checkpoint recorded \d+",
@@ -221,7 +225,9 @@ class RefusalTest(absltest.TestCase):
     path = self._copy()
     files = [
         os.path.join(root, name)
-        for root, _, names in os.walk(os.path.join(path, checkpoint.ARRAYS))
+        for root, _, names in os.walk(
+            os.path.join(path, checkpoint_dirs.ARRAYS)
+        )
         for name in names
     ]
     data = max(files, key=os.path.getsize)  # The bulk of the leaves' bytes.
@@ -232,7 +238,7 @@ class RefusalTest(absltest.TestCase):
       f.write(bytes([byte[0] ^ 0xFF]))
     # Compressed chunks may fail to decode, or decode to other values.
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"is (incomplete or )?corrupt: (cannot read state/|leaf .* has "
         r"checksum)",
     ):
@@ -240,20 +246,20 @@ class RefusalTest(absltest.TestCase):
 
   def test_truncated_meta_is_refused(self):
     path = self._copy()
-    meta = os.path.join(path, checkpoint.META)
+    meta = os.path.join(path, checkpoint_dirs.META)
     with open(meta) as f:
       text = f.read()
     with open(meta, "w") as f:
       f.write(text[: len(text) // 2])
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"is corrupt: meta/meta.json is not valid JSON",
     ):
       self._restore(path)
 
   def _edit_meta(self, path, edit):
     """Applies `edit` (a function of the meta dict) to meta.json in place."""
-    meta_path = os.path.join(path, checkpoint.META)
+    meta_path = os.path.join(path, checkpoint_dirs.META)
     with open(meta_path) as f:
       meta = json.load(f)
     edit(meta)
@@ -264,7 +270,7 @@ class RefusalTest(absltest.TestCase):
     path = self._copy()
     self._edit_meta(path, lambda meta: meta.update(step=-5))
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"step_00000001' is corrupt or was edited: meta/meta.json field "
         r"'step' has checksum \d+, the checkpoint recorded \d+",
     ):
@@ -274,20 +280,20 @@ class RefusalTest(absltest.TestCase):
     path = self._copy()
     self._edit_meta(path, lambda meta: meta["fingerprint"].update(batch_size=2))
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError, r"field 'fingerprint' has checksum"
+        checkpoint_meta.CheckpointError, r"field 'fingerprint' has checksum"
     ):
       self._restore(path)
 
   def test_edited_data_position_is_refused_by_its_checksum(self):
     path = self._copy()
-    with open(os.path.join(path, checkpoint.META)) as f:
+    with open(os.path.join(path, checkpoint_dirs.META)) as f:
       data = json.load(f)["extra"]["data"]
     self.assertIsInstance(data, dict)
     edited = {k: (v + 1 if isinstance(v, int) else v) for k, v in data.items()}
     self.assertNotEqual(edited, data)
     self._edit_meta(path, lambda meta: meta["extra"].update(data=edited))
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError, r"field 'extra' has checksum"
+        checkpoint_meta.CheckpointError, r"field 'extra' has checksum"
     ):
       self._restore(path)
 
@@ -295,13 +301,13 @@ class RefusalTest(absltest.TestCase):
     path = self._copy()
     self._edit_meta(path, lambda meta: meta.update(note="hand-made"))
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"has the fields \[.*'note'.*\], its checksums cover \[",
     ):
       self._restore(path)
     self._edit_meta(path, lambda meta: meta.pop("field_checksums"))
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError, r"lacks 'field_checksums'"
+        checkpoint_meta.CheckpointError, r"lacks 'field_checksums'"
     ):
       self._restore(path)
 
@@ -309,7 +315,7 @@ class RefusalTest(absltest.TestCase):
     path = os.path.join(os.path.dirname(self._copy()), "step_00000007")
     os.rename(os.path.join(os.path.dirname(path), "step_00000001"), path)
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"meta/meta.json records step 1, but the directory is named "
         r"'step_00000007'; expected 'step_00000001'",
     ):
@@ -324,7 +330,7 @@ class RefusalTest(absltest.TestCase):
 
     self._edit_meta(path, as_version_2)
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"has format version 2 \(its meta.json has no checksums\); this "
         r"program reads version 3",
     ):
@@ -343,7 +349,7 @@ class RefusalTest(absltest.TestCase):
     )
     resumed = trainer.Trainer(self.run_config, testing.corpus(), out=None)
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"records step 2, but the step counters of the optimiser state in "
         r"state/ say \{.*count': 1",
     ):
@@ -373,17 +379,17 @@ class RefusalTest(absltest.TestCase):
 
   def test_missing_arrays_are_refused(self):
     path = self._copy()
-    shutil.rmtree(os.path.join(path, checkpoint.ARRAYS))
+    shutil.rmtree(os.path.join(path, checkpoint_dirs.ARRAYS))
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError, r"is incomplete: state/ is missing"
+        checkpoint_meta.CheckpointError, r"is incomplete: state/ is missing"
     ):
       self._restore(path)
 
   def test_missing_array_file_is_refused(self):
     path = self._copy()
-    os.remove(os.path.join(path, checkpoint.ARRAYS, "manifest.ocdbt"))
+    os.remove(os.path.join(path, checkpoint_dirs.ARRAYS, "manifest.ocdbt"))
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"is incomplete or corrupt: cannot read state/",
     ):
       self._restore(path)
@@ -396,7 +402,7 @@ class RefusalTest(absltest.TestCase):
     )
     other = dataclasses.replace(self.run_config, model=model)
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"different run configuration.*model\.moe\.num_experts: checkpoint "
         r"has 8, this run has 4",
     ):
@@ -405,7 +411,7 @@ class RefusalTest(absltest.TestCase):
   def test_other_batch_size_is_refused(self):
     other = dataclasses.replace(self.run_config, batch_size=2)
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"batch_size: checkpoint has 4, this run has 2",
     ):
       self._restore(self._copy(), other)
@@ -414,7 +420,7 @@ class RefusalTest(absltest.TestCase):
     template = dict(self.trainer.state)
     template["extra_leaf"] = np.zeros(3, np.float32)
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"different state structure: missing " r"\[\"\['extra_leaf'\]\"\]",
     ):
       checkpoint.restore(
@@ -428,7 +434,7 @@ class RefusalTest(absltest.TestCase):
     leaves, treedef = jax.tree.flatten(template)
     leaves[0] = np.zeros((7,) + np.shape(leaves[0]), np.float32)
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError, r"leaf .* must be float32\[7, "
+        checkpoint_meta.CheckpointError, r"leaf .* must be float32\[7, "
     ):
       checkpoint.restore(
           self._copy(),
@@ -454,7 +460,7 @@ class RefusalTest(absltest.TestCase):
         os.path.dirname(self.path), os.path.join(out, "checkpoints")
     )
     os.remove(
-        os.path.join(out, "checkpoints", "step_00000001", checkpoint.META)
+        os.path.join(out, "checkpoints", "step_00000001", checkpoint_dirs.META)
     )
     tr = trainer.Trainer(
         dataclasses.replace(self.run_config, output_dir=out, resume=True),
@@ -462,7 +468,7 @@ class RefusalTest(absltest.TestCase):
         out=None,
     )
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError, "meta.json is missing"
+        checkpoint_meta.CheckpointError, "meta.json is missing"
     ):
       tr.prepare_output_dir()
 
@@ -477,12 +483,12 @@ class AtomicityTest(absltest.TestCase):
     # A save killed before Orbax's final rename leaves its temporary
     # directory behind, with part of the files.
     unfinished = os.path.join(directory, "step_00000004.orbax-checkpoint-tmp")
-    shutil.copytree(checkpoint.step_dir(directory, 3), unfinished)
-    os.remove(os.path.join(unfinished, checkpoint.META))
+    shutil.copytree(checkpoint_dirs.step_dir(directory, 3), unfinished)
+    os.remove(os.path.join(unfinished, checkpoint_dirs.META))
     self.assertEqual(
-        [s for s, _ in checkpoint.list_checkpoints(directory)], [2, 3]
+        [s for s, _ in checkpoint_dirs.list_checkpoints(directory)], [2, 3]
     )
-    self.assertTrue(checkpoint.latest(directory).endswith("step_00000003"))
+    self.assertTrue(checkpoint_dirs.latest(directory).endswith("step_00000003"))
     # Saving that step again replaces the leftover with a whole checkpoint.
     checkpoint.save(directory, 4, state, fingerprint={}, keep=2)
     self.assertEqual(
@@ -490,7 +496,7 @@ class AtomicityTest(absltest.TestCase):
         ["step_00000003", "step_00000004"],
     )
     _, meta = checkpoint.restore(
-        checkpoint.latest(directory), state, fingerprint={}
+        checkpoint_dirs.latest(directory), state, fingerprint={}
     )
     self.assertEqual(meta["step"], 4)
 
@@ -506,22 +512,22 @@ class AtomicityTest(absltest.TestCase):
     )
     os.rename(elsewhere, os.path.join(directory, ".replaced-step_00000003-ab"))
     shutil.copytree(
-        checkpoint.step_dir(directory, 2),
+        checkpoint_dirs.step_dir(directory, 2),
         os.path.join(directory, ".replaced-step_00000002-cd"),
     )
     # An unfinished save, a half-deleted checkpoint, and a user's file.
     leftovers = ["step_00000004.orbax-checkpoint-tmp", ".deleting-step_0-ef"]
     for name in leftovers:
       shutil.copytree(
-          checkpoint.step_dir(directory, 1), os.path.join(directory, name)
+          checkpoint_dirs.step_dir(directory, 1), os.path.join(directory, name)
       )
     with open(os.path.join(directory, "notes.txt"), "w") as f:
       f.write("kept")
     self.assertEqual(
-        [s for s, _ in checkpoint.list_checkpoints(directory)], [1, 2]
+        [s for s, _ in checkpoint_dirs.list_checkpoints(directory)], [1, 2]
     )
 
-    done = checkpoint.remove_leftovers(directory)
+    done = checkpoint_dirs.remove_leftovers(directory)
 
     self.assertEqual(
         sorted(os.listdir(directory)),
@@ -538,10 +544,10 @@ class AtomicityTest(absltest.TestCase):
           f"removed {name}, left by an interrupted save or deletion", done
       )
     _, meta = checkpoint.restore(
-        checkpoint.latest(directory), state, fingerprint={}
+        checkpoint_dirs.latest(directory), state, fingerprint={}
     )
     self.assertEqual(meta["step"], 3)
-    self.assertEqual(checkpoint.remove_leftovers(directory), [])
+    self.assertEqual(checkpoint_dirs.remove_leftovers(directory), [])
 
   def test_negative_or_non_int_step_is_refused(self):
     state = {"w": np.zeros(2, np.float32)}
@@ -731,10 +737,10 @@ class ShardedTest(absltest.TestCase):
           leaf.delete()
       saver.wait()
       self.assertEqual(
-          [s for s, _ in checkpoint.list_checkpoints(directory)], [2, 3]
+          [s for s, _ in checkpoint_dirs.list_checkpoints(directory)], [2, 3]
       )
       target = self._target(lambda k: self.state[k].sharding)
-      restored, meta = saver.restore(checkpoint.latest(directory), target)
+      restored, meta = saver.restore(checkpoint_dirs.latest(directory), target)
     self.assertEqual(meta["extra"], {"step": 3})
     self._assert_restored(restored, target)
     self.assertEqual(

@@ -55,7 +55,7 @@ import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from train import checkpoint
+from train import checkpoint_dirs
 from train import run_config
 from train import testing
 from train import trainer
@@ -269,7 +269,7 @@ class MeshEquivalenceTest(parameterized.TestCase):
         testing.corpus(),
         out=None,
     )
-    tr.restore_checkpoint(checkpoint.latest(tr.checkpoint_dir))
+    tr.restore_checkpoint(checkpoint_dirs.latest(tr.checkpoint_dir))
     self.assertEqual(tr.step, STEPS)
     np.testing.assert_allclose(
         tr.evaluate(), summary["final_held_out_loss"], rtol=LOSS_RTOL

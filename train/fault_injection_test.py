@@ -40,7 +40,8 @@ import tempfile
 from absl.testing import absltest
 import numpy as np
 
-from train import checkpoint
+from train import checkpoint_dirs
+from train import checkpoint_meta
 from train import testing_fault_worker
 
 _WORKER = os.path.join(
@@ -88,7 +89,7 @@ def _resume_step(checkpoint_dir: str) -> int | None:
   The newest finalised checkpoint, or an older copy of it that a killed
   re-save moved aside (the resume puts it back).
   """
-  steps = [s for s, _ in checkpoint.list_checkpoints(checkpoint_dir)]
+  steps = [s for s, _ in checkpoint_dirs.list_checkpoints(checkpoint_dir)]
   if os.path.isdir(checkpoint_dir):
     steps += [
         int(m[1])
@@ -150,7 +151,7 @@ class FaultInjectionTest(absltest.TestCase):
       phase = "replaced"
     elif phase == "prune":
       # The first prune comes with the third checkpoint in the directory.
-      saved = len(checkpoint.list_checkpoints(_checkpoints(output_dir)))
+      saved = len(checkpoint_dirs.list_checkpoints(_checkpoints(output_dir)))
       if start + 3 - saved > _STEPS:
         phase = "committed"
     elif phase == "trim":
@@ -170,8 +171,8 @@ class FaultInjectionTest(absltest.TestCase):
     by the next resume); the log holds steps 1, 2, ... up to at least the
     newest checkpoint, and at most a cut last line."""
     checkpoint_dir = _checkpoints(output_dir)
-    for _, path in checkpoint.list_checkpoints(checkpoint_dir):
-      checkpoint.read_meta(path)
+    for _, path in checkpoint_dirs.list_checkpoints(checkpoint_dir):
+      checkpoint_meta.read_meta(path)
     steps = [r["step"] for r in _log_lines(output_dir)[0]]
     self.assertEqual(steps, list(range(1, len(steps) + 1)))
     self.assertGreaterEqual(len(steps), _resume_step(checkpoint_dir) or 0)
@@ -184,7 +185,7 @@ class FaultInjectionTest(absltest.TestCase):
     code, output = self._worker(output_dir, "--resume", *flags)
     context = f"{flags}:\n{output[-3000:]}"
     self.assertIn(
-        f"resumed from {checkpoint.step_dir(checkpoint_dir, start)} at "
+        f"resumed from {checkpoint_dirs.step_dir(checkpoint_dir, start)} at "
         f"step {start}\n",
         output,
         context,
@@ -208,7 +209,9 @@ class FaultInjectionTest(absltest.TestCase):
     )
     self.assertIn("REFUSED CheckpointError: --resume: no checkpoint", output)
     self.assertEqual(_log_lines(output_dir)[0], records)
-    self.assertEqual(checkpoint.list_checkpoints(_checkpoints(output_dir)), [])
+    self.assertEqual(
+        checkpoint_dirs.list_checkpoints(_checkpoints(output_dir)), []
+    )
 
   def _assert_same_run(self, output_dir, npz, reference_dir, reference_npz):
     """State, loss history and metrics records equal, bit for bit."""

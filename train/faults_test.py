@@ -1,14 +1,14 @@
 """The training program's faults: each ends the run in one line, safely.
 
 Faults are staged, not waited for: a full disk by replacing
-`checkpoint.free_bytes` (the documented hook of the save's space check) or
-by handing Orbax's background commit a future that fails with ENOSPC; a
-diverging run by --learning_rate=1e30; the device's memory by a train step
-that raises XLA's RESOURCE_EXHAUSTED; a signal by os.kill from inside the
-final evaluation. Most tests drive a Trainer of testing.SMALL_DSV3 (one
-compile of its steps, shared); `MainTest` runs `train.main` in this
-process with that model in place of the default preset, and two
-subprocesses check what a user sees on a terminal.
+`checkpoint_failures.free_bytes` (the documented hook of the save's space
+check) or by handing Orbax's background commit a future that fails with
+ENOSPC; a diverging run by --learning_rate=1e30; the device's memory by a
+train step that raises XLA's RESOURCE_EXHAUSTED; a signal by os.kill from
+inside the final evaluation. Most tests drive a Trainer of
+testing.SMALL_DSV3 (one compile of its steps, shared); `MainTest` runs
+`train.main` in this process with that model in place of the default
+preset, and two subprocesses check what a user sees on a terminal.
 """
 
 import contextlib
@@ -30,6 +30,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from train import checkpoint
+from train import checkpoint_dirs
+from train import checkpoint_failures
+from train import checkpoint_meta
 from train import cost_report
 from train import data as data_lib
 from train import main
@@ -85,15 +88,15 @@ class DiskFullTest(absltest.TestCase):
   ):
     out = testing.temp_dir(self)
     run = _run(out, checkpoint_every=1, keep_checkpoints=1)
-    real_free_bytes, calls = checkpoint.free_bytes, []
+    real_free_bytes, calls = checkpoint_failures.free_bytes, []
 
     def free_bytes(directory):
       calls.append(directory)  # One call per save: the third finds 1000 B.
       return real_free_bytes(directory) if len(calls) < 3 else 1000
 
     tr = _trainer(run)
-    with mock.patch.object(checkpoint, "free_bytes", free_bytes):
-      with self.assertRaises(checkpoint.CheckpointSaveError) as raised:
+    with mock.patch.object(checkpoint_failures, "free_bytes", free_bytes):
+      with self.assertRaises(checkpoint_failures.CheckpointSaveError) as raised:
         tr.fit()
     tr.close()
     error = raised.exception
@@ -134,7 +137,9 @@ class DiskFullTest(absltest.TestCase):
       # Orbax logs the failure with a traceback from each thread it went
       # through; the checkpointer raises it once, in one line, instead.
       with self.assertNoLogs("absl", level="ERROR"):
-        with self.assertRaises(checkpoint.CheckpointSaveError) as raised:
+        with self.assertRaises(
+            checkpoint_failures.CheckpointSaveError
+        ) as raised:
           tr.fit()
     tr.close()
     error = raised.exception
@@ -176,7 +181,7 @@ class NonFiniteTest(absltest.TestCase):
     self.assertIn("--learning_rate (now 1e+30)", message)
     self.assertGreaterEqual(tr.step, 1)
     self.assertEqual(tr.non_finite_leaves(), [])
-    saved = checkpoint.list_checkpoints(tr.checkpoint_dir)
+    saved = checkpoint_dirs.list_checkpoints(tr.checkpoint_dir)
     self.assertEqual([s for s, _ in saved], list(range(1, tr.step + 1)))
     for _, path in saved:
       state, _ = checkpoint.restore(path, tr.state, fingerprint=tr.fingerprint)
@@ -210,7 +215,7 @@ class NonFiniteTest(absltest.TestCase):
         _run(out, resume=True), testing.corpus(), out=None
     )
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         rf"checkpoint {path!r} holds NaN or Inf values \(\d+ leaves, first "
         # The scanned layers' correction biases are matrices, [L, E], too.
         r"\['(bias|params|opt_state)'\]",
@@ -303,7 +308,7 @@ class DataFingerprintTest(absltest.TestCase):
       f.write(b"#")
     resumed = self._resume()
     self.assertNotEqual(resumed.corpus.sha256, saved.corpus.sha256)
-    with self.assertRaises(checkpoint.CheckpointError) as raised:
+    with self.assertRaises(checkpoint_meta.CheckpointError) as raised:
       resumed.prepare_output_dir()
     message = str(raised.exception)
     self.assertNotIn("\n", message)
@@ -397,7 +402,7 @@ class MainTest(absltest.TestCase):
     self.assertIn(f"pid {os.getpid()}", line)
 
   def test_full_disk(self):
-    with mock.patch.object(checkpoint, "free_bytes", return_value=0):
+    with mock.patch.object(checkpoint_failures, "free_bytes", return_value=0):
       line = self._main_fails()
     self.assertIn(f"cannot save the checkpoint of step {_STEPS}", line)
     self.assertIn("No earlier checkpoint was saved", line)

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 import moe_core.flags
-from train import checkpoint
+from train import checkpoint_meta
 from train import cost_report
 from train import data as data_lib
 from train import distributed
@@ -179,7 +179,7 @@ def train(out=None) -> dict:
     app.UsageError: a flag the run cannot use, a busy --output_dir, or a
       checkpoint that does not match the run.
     trainer.TrainingFault: a non-finite loss or state, out of memory.
-    checkpoint.CheckpointSaveError: a checkpoint could not be written.
+    checkpoint_failures.CheckpointSaveError: a checkpoint could not be written.
   """
   out = out or sys.stdout
   try:
@@ -292,7 +292,7 @@ INTERRUPTED_EXIT_CODE = 130
 _FAULTS = (
     app.UsageError,
     trainer.TrainingFault,
-    checkpoint.CheckpointError,
+    checkpoint_meta.CheckpointError,
 )
 
 

@@ -24,7 +24,8 @@ from unittest import mock
 
 from absl.testing import absltest
 
-from train import checkpoint
+from train import checkpoint_dirs
+from train import checkpoint_meta
 from train import output_lock
 from train import testing
 from train import trainer
@@ -153,7 +154,7 @@ class TrainerOwnsOutputDirTest(absltest.TestCase):
     self.addCleanup(live.close)
     with open(os.path.join(out, "metrics.jsonl"), "rb") as f:
       log = f.read()
-    saved = checkpoint.list_checkpoints(live.checkpoint_dir)
+    saved = checkpoint_dirs.list_checkpoints(live.checkpoint_dir)
     self.assertLen(saved, 2)
 
     second = trainer.Trainer(run, testing.corpus(), out=io.StringIO())
@@ -167,7 +168,9 @@ class TrainerOwnsOutputDirTest(absltest.TestCase):
           f"pid {os.getpid()} on host {socket.gethostname()}", message
       )
     # The live run's checkpoints and log are as it left them.
-    self.assertEqual(checkpoint.list_checkpoints(live.checkpoint_dir), saved)
+    self.assertEqual(
+        checkpoint_dirs.list_checkpoints(live.checkpoint_dir), saved
+    )
     with open(os.path.join(out, "metrics.jsonl"), "rb") as f:
       self.assertEqual(f.read(), log)
     self.assertNotIn("starting fresh", second.out.getvalue())
@@ -204,10 +207,10 @@ class TrainerOwnsOutputDirTest(absltest.TestCase):
     os.makedirs(foreign)
     with open(os.path.join(foreign, "weights.bin"), "wb") as f:
       f.write(b"not ours")
-    self.assertFalse(checkpoint.is_ours(foreign))
+    self.assertFalse(checkpoint_dirs.is_ours(foreign))
     tr = trainer.Trainer(testing.small_run(out), testing.corpus(), out=None)
     with self.assertRaisesRegex(
-        checkpoint.CheckpointError,
+        checkpoint_meta.CheckpointError,
         r"holds \['step_00000001'\] .*which this program did not write",
     ):
       tr.prepare_output_dir()

@@ -51,6 +51,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from train import checkpoint  # noqa: E402
+from train import checkpoint_dirs  # noqa: E402
+from train import checkpoint_meta  # noqa: E402
 from train import step_log  # noqa: E402
 from train import testing  # noqa: E402
 from train import trainer  # noqa: E402
@@ -177,7 +179,7 @@ def _parse_kill(text: str) -> _KillSwitch:
 
 def _restore_older_checkpoints(tr: trainer.Trainer) -> None:
   """Restores (verifies) all checkpoints but the newest, which resumed."""
-  for _, path in checkpoint.list_checkpoints(tr.checkpoint_dir)[:-1]:
+  for _, path in checkpoint_dirs.list_checkpoints(tr.checkpoint_dir)[:-1]:
     tr.checkpointer.restore(path, tr.state)
 
 
@@ -200,7 +202,7 @@ def main(argv: list[str]) -> None:
     tr.prepare_output_dir()
     if args.resume:
       _restore_older_checkpoints(tr)
-  except checkpoint.CheckpointError as e:
+  except checkpoint_meta.CheckpointError as e:
     print(f"REFUSED {type(e).__name__}: {e}", flush=True)
     sys.exit(REFUSED_EXIT_CODE)
   tr.fit()

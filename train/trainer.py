@@ -11,7 +11,7 @@ end it with one line each (the exception's message, no traceback in
 `train.main`): a non-finite loss or state (`NonFiniteError`, nothing of it
 kept or saved), the device's memory (`OutOfMemoryError`, naming the
 estimate and the flags that lower it), a checkpoint that cannot be written
-(`checkpoint.CheckpointSaveError`, at the step it failed).
+(`checkpoint_failures.CheckpointSaveError`, at the step it failed).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import numpy as np
 
 import moe_core
 from train import checkpoint
+from train import checkpoint_dirs
+from train import checkpoint_meta
 from train import cost_report
 from train import data as data_lib
 from train import distributed
@@ -342,8 +344,8 @@ class Trainer:
   def _newest_checkpoint(self) -> str | None:
     ours = [
         p
-        for _, p in checkpoint.list_checkpoints(self.checkpoint_dir)
-        if checkpoint.is_ours(p)
+        for _, p in checkpoint_dirs.list_checkpoints(self.checkpoint_dir)
+        if checkpoint_dirs.is_ours(p)
     ]
     return ours[-1] if ours else None
 
@@ -421,7 +423,7 @@ class Trainer:
 
     Raises:
       NonFiniteError: the state holds a NaN or Inf (nothing is written).
-      checkpoint.CheckpointSaveError: the checkpoint cannot be written.
+      checkpoint_failures.CheckpointSaveError: the checkpoint cannot be written.
     """
     bad = self.non_finite_leaves()
     if bad:
@@ -455,7 +457,7 @@ class Trainer:
     )
     bad = self.non_finite_leaves(state)
     if bad:
-      raise checkpoint.CheckpointError(
+      raise checkpoint_meta.CheckpointError(
           f"checkpoint {path!r} holds NaN or Inf values ({len(bad)} leaves, "
           f"first {bad[0]}): it was saved after the run diverged. Move it "
           "out of the checkpoint directory to resume from the one before, "
@@ -463,16 +465,16 @@ class Trainer:
       )
     extra = meta.get("extra", {})
     if "data" not in extra:
-      raise checkpoint.CheckpointError(
+      raise checkpoint_meta.CheckpointError(
           f"checkpoint {path!r} lacks the data position; cannot resume "
           "exactly."
       )
     counts = _optimizer_step_counts(state["opt_state"])
     if any(count != meta["step"] for count in counts.values()):
-      raise checkpoint.CheckpointError(
-          f"checkpoint {path!r}: {checkpoint.META} records step "
+      raise checkpoint_meta.CheckpointError(
+          f"checkpoint {path!r}: {checkpoint_dirs.META} records step "
           f"{meta['step']}, but the step counters of the optimiser state in "
-          f"{checkpoint.ARRAYS}/ say {counts}."
+          f"{checkpoint_dirs.ARRAYS}/ say {counts}."
       )
     self.state, self.step = state, meta["step"]
     self.sampler.restore(extra["data"])
@@ -495,10 +497,10 @@ class Trainer:
     the text has the contents it was trained on.
 
     Raises:
-      checkpoint.CheckpointError: the same --data path (or the embedded
+      checkpoint_meta.CheckpointError: the same --data path (or the embedded
         corpus) with other contents than when `path` was saved.
     """
-    saved = checkpoint.read_meta(path)["fingerprint"]
+    saved = checkpoint_meta.read_meta(path)["fingerprint"]
     fingerprint = self.fingerprint
     if "data_sha256" not in saved:
       # Saved before the digest was recorded: only the name can be checked.
@@ -517,7 +519,7 @@ class Trainer:
           else f"the embedded corpus {self.corpus.name!r} (another Python "
           "version ships other text)"
       )
-      raise checkpoint.CheckpointError(
+      raise checkpoint_meta.CheckpointError(
           f"{what} changed since checkpoint {path!r} was saved: its SHA-256 "
           f"was {saved['data_sha256'][:16]}..., now "
           f"{self.corpus.sha256[:16]}...; --resume needs the text the run "
@@ -567,12 +569,12 @@ class Trainer:
 
     First deletes what killed saves left behind (process 0), saying so. A
     fresh run deletes only the `step_*` checkpoints this program wrote
-    (`checkpoint.is_ours`); it refuses to start beside `step_*` directories
-    of any other origin, whose names its saves could meet.
+    (`checkpoint_dirs.is_ours`); it refuses to start beside `step_*`
+    directories of any other origin, whose names its saves could meet.
 
     Raises:
       output_lock.OutputDirBusyError: another run holds --output_dir.
-      checkpoint.CheckpointError: nothing or nothing usable to resume, or
+      checkpoint_meta.CheckpointError: nothing or nothing usable to resume, or
         foreign `step_*` directories in the way of a fresh run. The
         directory is given back before it is raised.
     """
@@ -585,23 +587,23 @@ class Trainer:
 
   def _prepare_checkpoints(self) -> None:
     if self.is_main:
-      for line in checkpoint.remove_leftovers(self.checkpoint_dir):
+      for line in checkpoint_dirs.remove_leftovers(self.checkpoint_dir):
         self._print(f"{self.checkpoint_dir}: {line}")
     # No process may list the checkpoints before the leftovers are gone.
     distributed.barrier("dropless_checkpoint_leftovers")
-    found = checkpoint.list_checkpoints(self.checkpoint_dir)
+    found = checkpoint_dirs.list_checkpoints(self.checkpoint_dir)
     if self.run.resume:
       if not found:
-        raise checkpoint.CheckpointError(
+        raise checkpoint_meta.CheckpointError(
             f"--resume: no checkpoint in {self.checkpoint_dir!r}; run without "
             "--resume to start a new run."
         )
       self.restore_checkpoint(found[-1][1])
       self._print(f"resumed from {found[-1][1]} at step {self.step}")
     elif found:
-      foreign = checkpoint.foreign_step_dirs(self.checkpoint_dir)
+      foreign = checkpoint_dirs.foreign_step_dirs(self.checkpoint_dir)
       if foreign:
-        raise checkpoint.CheckpointError(
+        raise checkpoint_meta.CheckpointError(
             f"{self.checkpoint_dir!r} holds {foreign[:5]} (showing up to 5), "
             "which this program did not write (no meta.json of its own); a "
             "fresh run deletes only its own checkpoints, and its saves could "
@@ -613,7 +615,7 @@ class Trainer:
           "continue it instead)"
       )
       if self.is_main:
-        checkpoint.remove_checkpoints(self.checkpoint_dir)
+        checkpoint_dirs.remove_checkpoints(self.checkpoint_dir)
       # No process may look for checkpoints until they are gone.
       distributed.barrier("dropless_fresh_output_dir")
     if not self.run.resume:
@@ -674,8 +676,8 @@ class Trainer:
     Raises:
       NonFiniteError: a step's loss or state is not finite (not kept).
       OutOfMemoryError: the devices ran out of memory.
-      checkpoint.CheckpointSaveError: a checkpoint could not be written;
-        raised after the step that started it.
+      checkpoint_failures.CheckpointSaveError: a checkpoint could not be
+        written; raised after the step that started it.
     """
     self._take_output_dir()
     signals = (
