@@ -5,6 +5,7 @@ the installed jax, no GPU):
 
     python -m bench.gpu_compile                  # H100 and B200, CI sizes
     python -m bench.gpu_compile --size full --targets h100,b200,h200
+    python -m bench.gpu_compile --xla_options quick   # CI's, 0.3-0.8x the time
 
 Each program is compiled for each target, on its workload's topology (one
 GPU; 8 or 64 for the expert-parallel layer), and must: compile; contain the
@@ -15,7 +16,7 @@ XLA's own ops fails; and peak, per device, within the target's usable HBM
 (`programs.EXCEPTIONS`) are listed with the reason, not compiled. Prints a
 line per program and "N of N compiled, plus K named exceptions"; writes
 compile time and memory per program to
-bench/results/gpu_compile_<jax version>.json (or --out), rewritten after
+bench/results/gpu_compile_[quick_]<jax version>.json (or --out), rewritten after
 each program. Exit status 1 if any program failed.
 
 One target a process: the CUDA plugin's Mosaic GPU pipeline keeps the GPU
@@ -48,6 +49,9 @@ from moe_core import compat
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TARGETS = ("h100", "b200")
+# --xla_options: XLA's defaults (no GPU to autotune on), or `aot.QUICK_OPTIONS`
+# (cuBLAS for XLA's own GEMMs; CI's).
+XLA_OPTIONS = {"default": None, "quick": aot.QUICK_OPTIONS}
 _MAX_ERROR = 600
 
 
@@ -78,10 +82,12 @@ def missing(program, compiled) -> list[str]:
 _PROCESS_TARGET = []
 
 
-def compile_one(program, target: str, size: str, topologies: dict) -> dict:
-  """The record of `program` compiled for `target`: "status" is "ok",
-  "failed" (with "error") or "exception" (with "reason"). Every call of a
-  process must name the same target."""
+def compile_one(
+    program, target: str, size: str, topologies: dict, options="default"
+) -> dict:
+  """The record of `program` compiled for `target` with `XLA_OPTIONS[options]`:
+  "status" is "ok", "failed" (with "error") or "exception" (with "reason").
+  Every call of a process must name the same target."""
   record = {
       "program": program.name,
       "workload": program.workload.name,
@@ -90,6 +96,7 @@ def compile_one(program, target: str, size: str, topologies: dict) -> dict:
       "target": target,
       "topology": program.workload.topology,
       "size": size,
+      "xla_options": options,
   }
   reason = programs_lib.exception(target, program)
   if reason is not None:
@@ -116,6 +123,7 @@ def compile_one(program, target: str, size: str, topologies: dict) -> dict:
         topology=topology,
         mesh=mesh,
         name=program.name,
+        xla_options=XLA_OPTIONS[options],
         in_shardings=_shardings(specs, topology, mesh),
     )
   except Exception as e:  # pylint: disable=broad-except
@@ -141,7 +149,9 @@ def compile_one(program, target: str, size: str, topologies: dict) -> dict:
   return record
 
 
-def run(targets, size="ci", selected=None, on_record=None) -> list:
+def run(
+    targets, size="ci", selected=None, on_record=None, options="default"
+) -> list:
   """Records of every (selected) program compiled for each of `targets`
   (one, unless it is the last: `compile_one`)."""
   selected = programs_lib.programs() if selected is None else selected
@@ -150,7 +160,7 @@ def run(targets, size="ci", selected=None, on_record=None) -> list:
   with compat.filter_triton_deprecation():
     for target in targets:
       for program in selected:
-        record = compile_one(program, target, size, topologies)
+        record = compile_one(program, target, size, topologies, options)
         records.append(record)
         print(line(record), flush=True)
         if on_record:
@@ -217,10 +227,17 @@ def main(argv=None) -> int:
       default="0/1",
       help="I/N: compile every N-th program from the I-th (N processes)",
   )
+  parser.add_argument(
+      "--xla_options",
+      default="default",
+      choices=tuple(XLA_OPTIONS),
+      help="quick: aot.QUICK_OPTIONS (cuBLAS for XLA's own GEMMs)",
+  )
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
+  quick = "quick_" if args.xla_options == "quick" else ""
   out = args.out or os.path.join(
-      _REPO, "bench", "results", f"gpu_compile_{jax.__version__}.json"
+      _REPO, "bench", "results", f"gpu_compile_{quick}{jax.__version__}.json"
   )
   targets = args.targets.split(",")
   if len(targets) > 1:
@@ -234,7 +251,7 @@ def main(argv=None) -> int:
     done.append(record)
     write(out, done, time.perf_counter() - start)
 
-  records = run(targets, args.size, selected, on_record)
+  records = run(targets, args.size, selected, on_record, args.xla_options)
   print(summary(records))
   print(f"wrote {out}")
   return 1 if any(r["status"] == "failed" for r in records) else 0
@@ -246,6 +263,7 @@ def compile_apart(
     size: str = "ci",
     shard: str = "0/1",
     quiet: bool = False,
+    options: str = "default",
 ):
   """(records, output): the programs matching `patterns` compiled for
   `target` by `python -m bench.gpu_compile` in a child process of its own
@@ -264,6 +282,7 @@ def compile_apart(
             f"--size={size}",
             f"--programs={patterns}",
             f"--shard={shard}",
+            f"--xla_options={options}",
             f"--out={out}",
         ],
         cwd=_REPO,
@@ -282,7 +301,13 @@ def _each_target_apart(args, targets, out) -> int:
   """main for several targets: a child process each, their JSON merged."""
   start, records = time.perf_counter(), []
   for target in targets:
-    found, _ = compile_apart(target, args.programs, args.size, args.shard)
+    found, _ = compile_apart(
+        target,
+        args.programs,
+        args.size,
+        args.shard,
+        options=args.xla_options,
+    )
     if found is None:
       found = [
           {

@@ -3,26 +3,18 @@
 CI's strongest check of GPU code, from a CPU host (`bench.gpu_compile`,
 `moe_core.aot`): each program of the table (every variant x workload,
 forward and forward+backward, the expert-parallel layer on 8 and 64 GPUs)
-is compiled at the workloads' CI sizes and must compile, contain its
-backend's kernels (and the ragged all-to-all) and fit the target's HBM. A
-program the table excepts is counted and listed with its reason.
-
-Both targets on both legs with the CUDA plugin, at a cost that fits CI:
-each leg compiles, for one target (`leg_target`: B200 on the newest leg,
-H100 on the GPU machine's jax 0.11.2, whose H200 is Hopper), every
-forward+backward program and the forward of every variant that has no
-backward program (`ci_programs`: a forward alone is part of its
-forward+backward program, kernels included), and for the other target the
-DeepSeek-V3 layer's forward+backward on every variant and its 8-GPU
-exchange (`CROSS`). The forwards alone, and every program on both targets,
-are `python -m bench.gpu_compile`'s (bench/results/README.md: what each
-costs). Each test
-compiles in a child process of its own (Mosaic GPU keeps the first
-target's arch for the whole process) and prints "gpu compile: ... N of N
-compiled, plus K named exceptions", which .ci/run repeats; the records go
-to Bazel's undeclared outputs as JSON. Where jax has no CUDA plugin (the
-oldest leg) the compile tests skip with that reason; the checks of the
-checks run everywhere.
+is compiled for H100 and for B200 at the workloads' CI sizes and must
+compile, contain its backend's kernels (and the ragged all-to-all) and fit
+the target's HBM. A program the table excepts is counted and listed with
+its reason. CI compiles with `aot.QUICK_OPTIONS` (cuBLAS for XLA's own
+GEMMs: the backends' kernels compile as under the defaults, at 0.3-0.8x the
+time; bench/results/README.md compares the two). Each test compiles one
+target's group of workloads in a child process of its own (Mosaic GPU
+keeps the first target's arch for the whole process) and prints "gpu
+compile: ... N of N compiled, plus K named exceptions", which .ci/run
+repeats; the records go to Bazel's undeclared outputs as JSON. Where jax
+has no CUDA plugin (the oldest leg) the compile tests skip with that
+reason; the checks of the checks run everywhere.
 """
 
 from __future__ import annotations
@@ -39,13 +31,9 @@ from bench import gpu_compile
 from bench import programs
 from moe_core import aot
 
-# The other target's programs on each leg: every variant's layer,
-# forward+backward, and the exchange between 8 GPUs.
-CROSS = "deepseek_v3/*/fwd_bwd,deepseek_v3_ep8/pallas/fwd_bwd"
-
-# Two children a leg for its target (each child's start, jax and the
-# plugin, costs seconds of CPU): the one-GPU layers, and the rest.
-LEG_GROUPS = {
+# A child process per target and group (each child's start, jax and the
+# plugin, costs seconds of CPU; four tests balance the test's four shards).
+GROUPS = {
     "layers": ("deepseek_v3", "mixtral_8x7b", "qwen3_30b_a3b"),
     "gemms_and_exchange": (
         "deepseek_v3_gemm",
@@ -55,48 +43,10 @@ LEG_GROUPS = {
     ),
 }
 
-# DROPLESS_GPU_COMPILE_TARGET=h100|b200|h200 picks the leg's full target.
-TARGET_ENV = "DROPLESS_GPU_COMPILE_TARGET"
-
-
-def leg_target() -> str:
-  """The target this leg compiles every program for."""
-  if os.environ.get(TARGET_ENV):
-    return os.environ[TARGET_ENV]
-  newest = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
-  return "b200" if newest else "h100"
-
-
-def other_target() -> str:
-  return "h100" if leg_target() == "b200" else "b200"
-
-
-def ci_programs(workload: str) -> list[programs.Program]:
-  """`workload`'s forward+backward programs, and the forward of each variant
-  that has no backward (the quantised recipes, the small-K GEMM)."""
-  table = programs.select(f"{workload}/*/*")
-  trained = {p.variant.name for p in table if p.mode == "fwd_bwd"}
-  return [
-      p for p in table if p.mode == "fwd_bwd" or p.variant.name not in trained
-  ]
-
 
 def _program(name: str) -> programs.Program:
   (found,) = programs.select(name)
   return found
-
-
-def compile_in_child(target: str, patterns: str) -> list[dict]:
-  """Records of the programs matching `patterns` compiled for `target` in
-  a process of its own (`gpu_compile.compile_apart`); its ok and FAIL
-  lines are printed."""
-  records, output = gpu_compile.compile_apart(target, patterns, quiet=True)
-  print(
-      "\n".join(l for l in output.splitlines() if l.startswith(("ok", "FAIL")))
-  )
-  if records is None:
-    raise AssertionError(f"no records; its output:\n{output[-4000:]}")
-  return records
 
 
 class CompileTest(parameterized.TestCase):
@@ -113,7 +63,13 @@ class CompileTest(parameterized.TestCase):
 
   def _check(self, label: str, target: str, patterns: str):
     table = programs.select(patterns)
-    records = compile_in_child(target, patterns)
+    records, output = gpu_compile.compile_apart(
+        target, patterns, quiet=True, options="quick"
+    )
+    lines = output.splitlines()
+    print("\n".join(l for l in lines if l.startswith(("ok", "FAIL"))))
+    if records is None:
+      raise AssertionError(f"no records; its output:\n{output[-4000:]}")
     for workload in dict.fromkeys(r["workload"] for r in records):
       mine = [r for r in records if r["workload"] == workload]
       print(
@@ -130,24 +86,26 @@ class CompileTest(parameterized.TestCase):
     failed = [gpu_compile.line(r) for r in records if r["status"] == "failed"]
     self.assertEmpty(failed)
     for r in records:
+      self.assertEqual(r["xla_options"], "quick", r["program"])
       if r["status"] == "ok":
         self.assertTrue(r["fits"], r["program"])
         self.assertGreater(r["peak_bytes"], 0, r["program"])
 
-  @parameterized.named_parameters(*((group, group) for group in LEG_GROUPS))
-  def test_every_program_compiles_for_the_leg_target(self, group):
-    names = [p.name for w in LEG_GROUPS[group] for p in ci_programs(w)]
-    self._check(group, leg_target(), ",".join(names))
-
-  def test_each_variant_compiles_for_the_other_target(self):
-    self._check("cross", other_target(), CROSS)
+  @parameterized.named_parameters(
+      (f"{target}_{group}", target, group)
+      for target in gpu_compile.TARGETS
+      for group in GROUPS
+  )
+  def test_every_program_compiles(self, target, group):
+    patterns = ",".join(f"{workload}/*/*" for workload in GROUPS[group])
+    self._check(group, target, patterns)
 
 
 class CheckTest(absltest.TestCase):
   """What the compile test asserts, on stand-ins of compiled programs."""
 
   def test_the_groups_hold_every_workload_once(self):
-    grouped = [w for group in LEG_GROUPS.values() for w in group]
+    grouped = [w for group in GROUPS.values() for w in group]
     self.assertCountEqual(grouped, [w.name for w in programs.WORKLOADS])
 
   def test_a_fallback_to_xla_ops_is_caught(self):

@@ -4,11 +4,13 @@
 `Topology.mesh` lays a mesh over them, and `compile` runs XLA's GPU
 compiler on a program for them and reads back its memory, FLOPs, kernels
 and collectives (`per_step_collective_bytes` and `per_step_matmul_flops`:
-per execution, loops counted). Targets (`TARGETS`): H100 SXM and H200
+per execution, loops counted); `QUICK_OPTIONS` compiles quicker, for checks
+that a program compiles and fits. Targets (`TARGETS`): H100 SXM and H200
 (sm_90), B200 (sm_100). Needs the CUDA plugin of the installed jax version.
 """
 
 from moe_core.aot.compile import CompiledProgram
+from moe_core.aot.compile import QUICK_OPTIONS
 from moe_core.aot.compile import collective_bytes
 from moe_core.aot.compile import compile  # pylint: disable=redefined-builtin
 from moe_core.aot.per_step import PerStep
@@ -28,6 +30,7 @@ __all__ = [
     "GpuTarget",
     "MatmulFlops",
     "PerStep",
+    "QUICK_OPTIONS",
     "TARGETS",
     "Topology",
     "collective_bytes",

@@ -124,6 +124,24 @@ class CompileTest(parameterized.TestCase):
     # Each device sends its [64, 256] float32 block once.
     self.assertEqual(program.collective_bytes.get("all-to-all"), 64 * 256 * 4)
 
+  def test_quick_options_reach_the_compiler(self):
+    """Under QUICK_OPTIONS XLA's own GEMM is a cuBLAS call, not a Triton
+    GEMM fusion, and the memory figures are still read."""
+    topo = aot.gpu_topology("h100", "1x1x1")
+    device = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    x = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=device)
+    default = aot.compile(lambda a: a @ a, x, topology=topo)
+    quick = aot.compile(
+        lambda a: a @ a, x, topology=topo, xla_options=aot.QUICK_OPTIONS
+    )
+    text = quick.compiled.as_text()
+    triton_gemm = '"kind":"__triton'  # __triton_gemm, __triton_nested_gemm...
+    self.assertIn(triton_gemm, default.compiled.as_text())
+    self.assertNotIn(triton_gemm, text)
+    self.assertTrue(any("cublas" in c for c in quick.custom_calls), text)
+    self.assertEqual(quick.output_bytes, default.output_bytes)
+    self.assertGreaterEqual(quick.peak_bytes, 2 * 512 * 512 * 2)
+
 
 def _scanned_matmuls(layers: int, m: int, k: int):
   """(loss, args): `layers` [m,k]x[k,k] matmuls under a scan."""

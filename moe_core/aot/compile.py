@@ -30,10 +30,22 @@ from moe_core.aot import topology as topology_lib
 # the CUDA runtime for while compiling: without a GPU that fails
 # (cudaErrorInvalidDevice; every sort on a B200 target, large ones on an
 # H100). XLA's own sort kernel needs no device.
-# (The autotuner cannot time anything here either, but it is left at its
-# default level: level 0 made XLA fail on jax 0.11.2, "No supported config
-# found" for the xla backend's ragged_dot GEMM fusion; bench/results.)
 DEVICELESS_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+
+# A quicker compile for checks that a program compiles, holds its kernels
+# and fits (CI's): XLA's own dense GEMMs go to cuBLAS instead of Triton GEMM
+# fusions, and the autotuner, which cannot time anything without a GPU,
+# stops compiling candidate tilings. The backends' kernels (Pallas Triton,
+# Mosaic GPU, jax-triton) and the collectives compile as under the defaults;
+# per-device peaks move by cuBLAS's workspace and XLA's other fusions
+# (bench/results/README.md: 0.3-0.8x the compile time, the peaks compared).
+# XLA's cost analysis counts no cuBLAS call: read flops under the defaults.
+# Level 0 alone fails on jax 0.11.2 ("No supported config found" for the
+# ragged_dot's Triton GEMM fusion); with the Triton GEMMs off it compiles.
+QUICK_OPTIONS = {
+    "xla_gpu_autotune_level": 0,
+    "xla_gpu_enable_triton_gemm": False,
+}
 
 # Collectives whose operand bytes `CompiledProgram.collective_bytes` sums.
 COLLECTIVES = (
@@ -125,6 +137,7 @@ def compile(  # pylint: disable=redefined-builtin
     topology: topology_lib.Topology,
     mesh: jax.sharding.Mesh | None = None,
     name: str = "",
+    xla_options: dict[str, Any] | None = None,
     **jit_kwargs,
 ) -> CompiledProgram:
   """`jax.jit(fn, **jit_kwargs)` compiled for `topology` on abstract args.
@@ -137,6 +150,8 @@ def compile(  # pylint: disable=redefined-builtin
     mesh: the mesh the program's shardings and shard_maps use (a
       `topology.mesh`); None for a one-GPU program.
     name: a label for the record.
+    xla_options: XLA debug options over `DEVICELESS_OPTIONS` (e.g.
+      `QUICK_OPTIONS`); None compiles with XLA's defaults otherwise.
     **jit_kwargs: in_shardings, out_shardings, donate_argnums,
       static_argnums...
   """
@@ -147,7 +162,7 @@ def compile(  # pylint: disable=redefined-builtin
   # names the target's devices, so its abstract mesh carries it.
   with _abstract_mesh(context_mesh):
     lowered = jax.jit(fn, **jit_kwargs).lower(*args)
-  compiled = lowered.compile(DEVICELESS_OPTIONS)
+  compiled = lowered.compile({**DEVICELESS_OPTIONS, **(xla_options or {})})
   seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
   text = compiled.as_text()
