@@ -235,9 +235,10 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
-  quick = "quick_" if args.xla_options == "quick" else ""
+  # The default options' records keep their name; another set's carry it.
+  options = "" if args.xla_options == "default" else f"{args.xla_options}_"
   out = args.out or os.path.join(
-      _REPO, "bench", "results", f"gpu_compile_{quick}{jax.__version__}.json"
+      _REPO, "bench", "results", f"gpu_compile_{options}{jax.__version__}.json"
   )
   targets = args.targets.split(",")
   if len(targets) > 1:
