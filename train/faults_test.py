@@ -36,10 +36,13 @@ from train import checkpoint_meta
 from train import cost_report
 from train import data as data_lib
 from train import main
+from train import output_lock
 from train import presets
+from train import step_builder
 from train import testing
 from train import train_flags
 from train import trainer
+from train import training_faults
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every run here has this many steps: runs that differ only in host-side
@@ -171,7 +174,7 @@ class NonFiniteTest(absltest.TestCase):
     out = testing.temp_dir(self)
     run = _run(out, learning_rate=1e30, checkpoint_every=1, keep_checkpoints=0)
     tr = _trainer(run)
-    with self.assertRaises(trainer.NonFiniteError) as raised:
+    with self.assertRaises(training_faults.NonFiniteError) as raised:
       tr.fit()
     tr.close()
     message = str(raised.exception)
@@ -196,7 +199,7 @@ class NonFiniteTest(absltest.TestCase):
         lambda x: x * jnp.nan if x.ndim >= 2 else x, tr.state
     )
     with self.assertRaisesRegex(
-        trainer.NonFiniteError,
+        training_faults.NonFiniteError,
         r"^step 0: not saving a checkpoint of a state with NaN or Inf values",
     ):
       tr.save_checkpoint()
@@ -234,7 +237,7 @@ class OutOfMemoryTest(absltest.TestCase):
       raise jax.errors.JaxRuntimeError(_OOM)
 
     tr.program.train_step = out_of_memory
-    with self.assertRaises(trainer.OutOfMemoryError) as raised:
+    with self.assertRaises(training_faults.OutOfMemoryError) as raised:
       tr.fit()
     tr.close()
     message = str(raised.exception)
@@ -262,7 +265,7 @@ class OutOfMemoryTest(absltest.TestCase):
     tr = trainer.Trainer(run, testing.corpus(), out=None)
     memory = tr.step_memory()
     self.assertIsNotNone(memory)
-    self.assertEqual(trainer.compiled_step_memory(run), memory)
+    self.assertEqual(step_builder.compiled_step_memory(run), memory)
     self.assertIn(
         "compiled train step (XLA memory_analysis): "
         f"{cost_report.human_bytes(memory.total)} per device = arguments "
@@ -396,7 +399,7 @@ class MainTest(absltest.TestCase):
 
   def test_busy_output_dir(self):
     out = testing.temp_dir(self)
-    with trainer.output_lock.OutputDirLock(out):
+    with output_lock.OutputDirLock(out):
       line = self._main_fails(output_dir=out)
     self.assertIn(f"--output_dir={out!r} is in use by another training", line)
     self.assertIn(f"pid {os.getpid()}", line)

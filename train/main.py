@@ -45,9 +45,11 @@ from train import process_spec
 from train import report
 from train import run_config
 from train import sizing
+from train import step_builder
 from train import step_log
 from train import train_flags
 from train import trainer
+from train import training_faults
 
 # --help lists the program's flags, defined in train_flags (and
 # --moe_backend, in moe_core.flags), as its own.
@@ -130,7 +132,7 @@ def _compiled_memory() -> str:
   try:
     run = train_flags.run_config_from_flags()
     mesh_lib.simulate_cpu_devices(mesh_lib.parse(run.mesh), 1)
-    memory = trainer.compiled_step_memory(run)
+    memory = step_builder.compiled_step_memory(run)
   except ValueError as e:  # The mesh does not fit the devices.
     return f"compiled train step: not compiled: {e}"
   if memory is None:
@@ -178,7 +180,7 @@ def train(out=None) -> dict:
   Raises:
     app.UsageError: a flag the run cannot use, a busy --output_dir, or a
       checkpoint that does not match the run.
-    trainer.TrainingFault: a non-finite loss or state, out of memory.
+    training_faults.TrainingFault: a non-finite loss or state, out of memory.
     checkpoint_failures.CheckpointSaveError: a checkpoint could not be written.
   """
   out = out or sys.stdout
@@ -191,9 +193,9 @@ def train(out=None) -> dict:
     # one line naming the flag, not a traceback.
     raise app.UsageError(str(e)) from e
   except RuntimeError as e:
-    if not trainer.is_out_of_memory(e):
+    if not training_faults.is_out_of_memory(e):
       raise
-    raise trainer.out_of_memory_error(
+    raise training_faults.out_of_memory_error(
         run, e, when="placing the model on the devices"
     ) from e
   try:
@@ -291,7 +293,7 @@ INTERRUPTED_EXIT_CODE = 130
 # What ends the program with one line (`_exit_with`) instead of a traceback.
 _FAULTS = (
     app.UsageError,
-    trainer.TrainingFault,
+    training_faults.TrainingFault,
     checkpoint_meta.CheckpointError,
 )
 

@@ -10,7 +10,8 @@
                 **step.jit_kwargs)
 
 The training program uses the same object (`train.trainer.Trainer`): what
-the dry run compiles is what the run runs.
+the dry run compiles is what the run runs (`compiled_step_memory`: XLA's
+memory figures of it).
 """
 
 from __future__ import annotations
@@ -97,3 +98,20 @@ def build(
       program=program,
       spec=spec,
   )
+
+
+def compiled_step_memory(
+    run: run_config.RunConfig,
+) -> steps.StepMemory | None:
+  """XLA's memory figures for `run`'s train step, compiled for its mesh.
+
+  Builds the step abstractly (nothing allocated) and compiles the very
+  step a Trainer of `run` compiles: the figures are those of the run.
+  Needs the mesh's devices (simulated CPU devices will do).
+
+  Raises:
+    ValueError: the mesh does not fit the devices, or the run the mesh.
+  """
+  sizes = mesh_lib.parse(run.mesh)
+  step = build(run, mesh_lib.build(sizes))
+  return step.program.train_step_memory(step.state, step.batch)

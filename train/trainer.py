@@ -1,17 +1,22 @@
 """The training loop: a Trainer builds the model and trains it.
 
 Around the compiled steps (`train/steps.py`) it draws batches, evaluates,
-checkpoints, resumes, and logs each step (`train/step_log.py`); signals
-stop it cleanly after the step in flight.
+checkpoints, resumes (`train/resume.py`), and logs each step
+(`train/step_log.py`); signals stop it cleanly after the step in flight
+(`train/stop_signals.py`).
 
 A Trainer owns its --output_dir from `prepare_output_dir` (or `fit`) to
-`close`: process 0 holds the directory's lock (`train/output_lock.py`), and
+`close`: process 0 holds the directory's lock (`train/output_dir.py`), and
 a second run on the same directory is refused. The faults a run can meet
-end it with one line each (the exception's message, no traceback in
-`train.main`): a non-finite loss or state (`NonFiniteError`, nothing of it
-kept or saved), the device's memory (`OutOfMemoryError`, naming the
-estimate and the flags that lower it), a checkpoint that cannot be written
-(`checkpoint_failures.CheckpointSaveError`, at the step it failed).
+(`train/training_faults.py`) end it with one line each (the exception's
+message, no traceback in `train.main`): a non-finite loss or state
+(`NonFiniteError`, nothing of it kept or saved), the device's memory
+(`OutOfMemoryError`, naming the estimate and the flags that lower it), a
+checkpoint that cannot be written (`checkpoint_failures.CheckpointSaveError`,
+at the step it failed).
+
+Longer than 400 lines: one class, whose public methods (steps, evaluation,
+checkpoints, the output directory, the loop) are the program's and tests' API.
 """
 
 from __future__ import annotations
@@ -30,132 +35,28 @@ import numpy as np
 import moe_core
 from train import checkpoint
 from train import checkpoint_dirs
-from train import checkpoint_meta
 from train import cost_report
 from train import data as data_lib
 from train import distributed
 from train import memory_check
 from train import mesh as mesh_lib
+from train import output_dir
 from train import output_lock
 from train import report
+from train import resume
 from train import run_config
 from train import state as state_lib
 from train import step_builder
 from train import step_log
 from train import steps
+from train import stop_signals
+from train import training_faults
 
 # Their old home: the run config and the compiled steps used to live here.
 RunConfig = run_config.RunConfig
 run_config_from_preset = run_config.run_config_from_preset
 make_optimizer = steps.make_optimizer
 cross_entropy = steps.cross_entropy
-
-
-class TrainingFault(RuntimeError):
-  """A fault that ends a run; its message is the one line to show."""
-
-
-class NonFiniteError(TrainingFault):
-  """The loss or the updated state is not finite (NaN or Inf)."""
-
-
-class OutOfMemoryError(TrainingFault):
-  """The device ran out of memory (XLA's RESOURCE_EXHAUSTED)."""
-
-
-class StepInterrupted(KeyboardInterrupt):
-  """A KeyboardInterrupt during a train step, raised once the step that
-  was under way is committed; `metrics` are its host metrics."""
-
-  def __init__(self, metrics: dict):
-    super().__init__()
-    self.metrics = metrics
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-  """Whether `error` is XLA running out of device memory.
-
-  XLA raises `jax.errors.JaxRuntimeError` (a RuntimeError) whose message
-  starts with its status, RESOURCE_EXHAUSTED; tensorstore's disk-full
-  errors use that status too, but as ValueErrors.
-  """
-  return isinstance(error, RuntimeError) and (
-      "RESOURCE_EXHAUSTED" in str(error)
-  )
-
-
-def out_of_memory_error(
-    run: RunConfig,
-    error: BaseException,
-    *,
-    when: str,
-    memory: steps.StepMemory | None = None,
-) -> OutOfMemoryError:
-  """The one-line OutOfMemoryError for `error`, met `when`.
-
-  It names XLA's complaint, the estimate for the run's flags (XLA's figure
-  for the compiled step where known, and the analytic one) and the flags
-  that lower it.
-  """
-  said = (str(error).strip().splitlines() or [""])[0][:200]
-  analytic = cost_report.analytic_bytes_per_device(run)
-  if memory is not None:
-    estimate = (
-        f"the compiled train step needs {cost_report.human_bytes(memory.total)}"
-        f" per device (XLA; the analytic estimate is "
-        f"{cost_report.human_bytes(analytic)})"
-    )
-  else:
-    estimate = (
-        f"the analytic estimate is {cost_report.human_bytes(analytic)} per "
-        "device (--dry_run also prints XLA's figure for the compiled step)"
-    )
-  remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
-  return OutOfMemoryError(
-      f"out of device memory {when} ({said}); {estimate}. Lower it with "
-      f"--batch_size (now {run.batch_size}), --microbatches (now "
-      f"{run.microbatches}), --seq_len (now {run.seq_len})"
-      f"{remat}, or more devices on --mesh (now {run.mesh}; fsdp, expert "
-      "and tensor split the weights, data, fsdp and expert the batch)."
-  )
-
-
-def compiled_step_memory(run: RunConfig) -> steps.StepMemory | None:
-  """XLA's memory figures for `run`'s train step, compiled for its mesh.
-
-  Builds the step abstractly (nothing allocated) and compiles the very
-  step a Trainer of `run` compiles: the figures are those of the run.
-  Needs the mesh's devices (simulated CPU devices will do).
-
-  Raises:
-    ValueError: the mesh does not fit the devices, or the run the mesh.
-  """
-  sizes = mesh_lib.parse(run.mesh)
-  step = step_builder.build(run, mesh_lib.build(sizes))
-  return step.program.train_step_memory(step.state, step.batch)
-
-
-def _on_default_device(tree):
-  """Abstract leaves without a sharding, placed on the default device (a
-  restore target: each leaf says where it goes)."""
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return jax.tree.map(
-      lambda x: x
-      if x.sharding is not None
-      else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-      tree,
-  )
-
-
-def _optimizer_step_counts(opt_state) -> dict[str, int]:
-  """{tree path: value} of the optax state's step counters ("count")."""
-  counts = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-    if getattr(path[-1], "name", None) == "count":
-      # Replicated: every process holds the whole scalar.
-      local = leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf
-      counts[jax.tree_util.keystr(path)] = int(np.asarray(local))
-  return counts
 
 
 class Trainer:
@@ -205,8 +106,7 @@ class Trainer:
     self.history = step_log.new_history()
     self._checkpointer = None
     self.backend_name = self._resolve_backend()
-    self._stop_signal = None
-    self._deferring_signals = False
+    self._signals = stop_signals.StopSignals()
     # The output directory: taken by prepare_output_dir or fit, given back
     # by close. Only process 0 holds the lock.
     self._output_lock: output_lock.OutputDirLock | None = None
@@ -242,14 +142,15 @@ class Trainer:
     Raises:
       memory_check.StepDoesNotFitError: XLA's figure exceeds a device's
         memory (`memory_check`).
-      OutOfMemoryError: the compile itself ran out of device memory.
+      training_faults.OutOfMemoryError: the compile itself ran out of
+        device memory.
     """
     try:
       memory = self.program.train_step_memory(*self._abstract_arguments())
     except RuntimeError as e:
-      if not is_out_of_memory(e):
+      if not training_faults.is_out_of_memory(e):
         raise
-      raise out_of_memory_error(
+      raise training_faults.out_of_memory_error(
           self.run, e, when="compiling the train step"
       ) from e
     memory_check.check(self.run, memory)
@@ -295,13 +196,13 @@ class Trainer:
     were not finite (see `steps.Program`).
 
     Raises:
-      NonFiniteError: the loss, or a value of the updated state, is NaN or
-        Inf; one line naming the step. The step counter stays, and so does
-        the state unless finite gradients overflowed it (a learning rate
-        near float32's range).
-      StepInterrupted: a KeyboardInterrupt landed while the step ran; the
-        step was finished and committed first (the state it consumed is
-        gone).
+      training_faults.NonFiniteError: the loss, or a value of the updated
+        state, is NaN or Inf; one line naming the step. The step counter
+        stays, and so does the state unless finite gradients overflowed it
+        (a learning rate near float32's range).
+      training_faults.StepInterrupted: a KeyboardInterrupt landed while the
+        step ran; the step was finished and committed first (the state it
+        consumed is gone).
     """
     state, metrics = self.program.train_step(self.state, self._put_batch(batch))
     self.state = state
@@ -310,7 +211,7 @@ class Trainer:
     except KeyboardInterrupt as interrupt:
       metrics = jax.device_get(metrics)  # The step is under way: finish it.
       self._commit(metrics)
-      raise StepInterrupted(metrics) from interrupt
+      raise training_faults.StepInterrupted(metrics) from interrupt
     self._commit(metrics)
     return metrics
 
@@ -318,28 +219,12 @@ class Trainer:
     """Counts the step whose host `metrics` these are, if finite."""
     loss = float(metrics["loss"])
     if not math.isfinite(loss) or not bool(metrics.get("finite", True)):
-      raise NonFiniteError(self._non_finite_message(self.step + 1, loss))
-    self.step += 1
-
-  def _non_finite_message(self, step: int, loss: float) -> str:
-    if math.isfinite(loss):
-      what = (
-          f"the update made the parameters or optimiser state non-finite "
-          f"(the loss, {loss:.4g}, was finite)"
+      raise training_faults.NonFiniteError(
+          training_faults.non_finite_message(
+              self.run, self.step + 1, loss, self._newest_checkpoint()
+          )
       )
-    else:
-      what = f"the loss is {loss}"
-    newest = self._newest_checkpoint()
-    resume = (
-        f"--resume continues from {os.path.basename(newest)}"
-        if newest
-        else "no checkpoint was saved yet"
-    )
-    return (
-        f"step {step}: {what}; the run stopped, keeping and saving nothing "
-        f"of this step. Lower --learning_rate (now {self.run.learning_rate:g})"
-        f" or raise --warmup_steps (now {self.run.warmup_steps}); {resume}."
-    )
+    self.step += 1
 
   def _newest_checkpoint(self) -> str | None:
     ours = [
@@ -384,24 +269,6 @@ class Trainer:
   def checkpoint_dir(self) -> str:
     return os.path.join(self.run.output_dir, "checkpoints")
 
-  # Settings a run may be resumed with changed (with a note): they change
-  # the trajectory but not the shapes of the state.
-  _SOFT_SETTINGS = (
-      "steps",
-      "learning_rate",
-      "warmup_steps",
-      "weight_decay",
-      "grad_clip",
-      "bias_update_rate",
-      "aux_loss_weight",
-      "z_loss_weight",
-      "backend",
-      "remat",
-  )
-
-  def _soft_settings(self) -> dict:
-    return {k: getattr(self.run, k) for k in self._SOFT_SETTINGS}
-
   @property
   def fingerprint(self) -> dict:
     """What a checkpoint of this run records, and a resume must match."""
@@ -422,12 +289,13 @@ class Trainer:
     """Starts saving the state (every process its own shards); see wait.
 
     Raises:
-      NonFiniteError: the state holds a NaN or Inf (nothing is written).
+      training_faults.NonFiniteError: the state holds a NaN or Inf (nothing
+        is written).
       checkpoint_failures.CheckpointSaveError: the checkpoint cannot be written.
     """
     bad = self.non_finite_leaves()
     if bad:
-      raise NonFiniteError(
+      raise training_faults.NonFiniteError(
           f"step {self.step}: not saving a checkpoint of a state with NaN or "
           f"Inf values ({len(bad)} leaves, first {bad[0]})."
       )
@@ -437,7 +305,7 @@ class Trainer:
         extra={
             "data": self.sampler.state(),
             "history": self.history,
-            "settings": self._soft_settings(),
+            "settings": resume.soft_settings(self.run),
         },
     )
 
@@ -447,86 +315,23 @@ class Trainer:
     The checkpoint may come from another mesh or process count: each leaf
     is read into this run's sharding of it.
     """
-    fingerprint = self._resume_fingerprint(path)
-    # The abstract state is the template: each leaf's sharding says where
-    # its shards go, and each process reads just its devices' shards. No
-    # initial state is computed to be overwritten.
-    template = _on_default_device(self.built.state)
-    state, meta = self.checkpointer.restore(
-        path, template, fingerprint=fingerprint
+    fingerprint = resume.resume_fingerprint(
+        path, self.fingerprint, self.corpus, self.run, self._print
     )
-    bad = self.non_finite_leaves(state)
-    if bad:
-      raise checkpoint_meta.CheckpointError(
-          f"checkpoint {path!r} holds NaN or Inf values ({len(bad)} leaves, "
-          f"first {bad[0]}): it was saved after the run diverged. Move it "
-          "out of the checkpoint directory to resume from the one before, "
-          "or start afresh."
-      )
-    extra = meta.get("extra", {})
-    if "data" not in extra:
-      raise checkpoint_meta.CheckpointError(
-          f"checkpoint {path!r} lacks the data position; cannot resume "
-          "exactly."
-      )
-    counts = _optimizer_step_counts(state["opt_state"])
-    if any(count != meta["step"] for count in counts.values()):
-      raise checkpoint_meta.CheckpointError(
-          f"checkpoint {path!r}: {checkpoint_dirs.META} records step "
-          f"{meta['step']}, but the step counters of the optimiser state in "
-          f"{checkpoint_dirs.ARRAYS}/ say {counts}."
-      )
+    state, meta = resume.restore(
+        self.checkpointer,
+        path,
+        self.built.state,
+        fingerprint=fingerprint,
+        non_finite_leaves=self.non_finite_leaves,
+    )
+    extra = meta["extra"]
     self.state, self.step = state, meta["step"]
     self.sampler.restore(extra["data"])
     self.history = extra.get("history", self.history)
-    settings = extra.get("settings", {})
-    changed = {
-        k: (settings[k], v)
-        for k, v in self._soft_settings().items()
-        if k in settings and settings[k] != v
-    }
-    if changed:
-      self._print(
-          f"note: resuming with changed settings {changed} "
-          "(checkpoint value, now); the run will not match an "
-          "uninterrupted one."
-      )
-
-  def _resume_fingerprint(self, path: str) -> dict:
-    """The fingerprint checkpoint `path` must match, after checking that
-    the text has the contents it was trained on.
-
-    Raises:
-      checkpoint_meta.CheckpointError: the same --data path (or the embedded
-        corpus) with other contents than when `path` was saved.
-    """
-    saved = checkpoint_meta.read_meta(path)["fingerprint"]
-    fingerprint = self.fingerprint
-    if "data_sha256" not in saved:
-      # Saved before the digest was recorded: only the name can be checked.
-      del fingerprint["data_sha256"]
-      self._print(
-          f"note: {os.path.basename(path)} records no digest of its text; "
-          "whether the contents of --data changed since cannot be checked."
-      )
-    elif (
-        saved.get("data") == self.corpus.name
-        and saved["data_sha256"] != self.corpus.sha256
-    ):
-      what = (
-          f"--data={self.corpus.name!r}"
-          if self.run.data
-          else f"the embedded corpus {self.corpus.name!r} (another Python "
-          "version ships other text)"
-      )
-      raise checkpoint_meta.CheckpointError(
-          f"{what} changed since checkpoint {path!r} was saved: its SHA-256 "
-          f"was {saved['data_sha256'][:16]}..., now "
-          f"{self.corpus.sha256[:16]}...; --resume needs the text the run "
-          "trained on: put it back, or start a new run (without --resume, or "
-          "in another --output_dir)."
-      )
-    return fingerprint
+    resume.note_changed_settings(
+        self.run, extra.get("settings", {}), self._print
+    )
 
   # --- The output directory --------------------------------------------------
 
@@ -540,20 +345,7 @@ class Trainer:
     """
     if self._owns_output_dir:
       return
-    lock, error = None, None
-    if self.is_main:
-      try:
-        lock = output_lock.OutputDirLock(self.run.output_dir).acquire()
-      except (output_lock.OutputDirBusyError, OSError) as e:
-        error = e
-    # All processes stop together, or none does.
-    if not distributed.all_true(error is None):
-      if error is not None:
-        raise error
-      raise output_lock.OutputDirBusyError(
-          f"--output_dir={self.run.output_dir!r}: process 0 of this run "
-          "could not take the directory's lock; its output says why."
-      )
+    lock = output_dir.take(self.run.output_dir, self.is_main)
     self._output_lock, self._owns_output_dir = lock, True
     if lock is not None and lock.note:
       self._print(lock.note)
@@ -586,39 +378,16 @@ class Trainer:
       raise
 
   def _prepare_checkpoints(self) -> None:
-    if self.is_main:
-      for line in checkpoint_dirs.remove_leftovers(self.checkpoint_dir):
-        self._print(f"{self.checkpoint_dir}: {line}")
-    # No process may list the checkpoints before the leftovers are gone.
-    distributed.barrier("dropless_checkpoint_leftovers")
-    found = checkpoint_dirs.list_checkpoints(self.checkpoint_dir)
-    if self.run.resume:
-      if not found:
-        raise checkpoint_meta.CheckpointError(
-            f"--resume: no checkpoint in {self.checkpoint_dir!r}; run without "
-            "--resume to start a new run."
-        )
-      self.restore_checkpoint(found[-1][1])
-      self._print(f"resumed from {found[-1][1]} at step {self.step}")
-    elif found:
-      foreign = checkpoint_dirs.foreign_step_dirs(self.checkpoint_dir)
-      if foreign:
-        raise checkpoint_meta.CheckpointError(
-            f"{self.checkpoint_dir!r} holds {foreign[:5]} (showing up to 5), "
-            "which this program did not write (no meta.json of its own); a "
-            "fresh run deletes only its own checkpoints, and its saves could "
-            "meet these names: move them out, or pass another --output_dir."
-        )
-      self._print(
-          f"starting fresh: removing {len(found)} checkpoint(s) of a "
-          f"previous run in {self.checkpoint_dir} (pass --resume to "
-          "continue it instead)"
-      )
-      if self.is_main:
-        checkpoint_dirs.remove_checkpoints(self.checkpoint_dir)
-      # No process may look for checkpoints until they are gone.
-      distributed.barrier("dropless_fresh_output_dir")
-    if not self.run.resume:
+    newest = output_dir.prepare_checkpoints(
+        self.checkpoint_dir,
+        resume=self.run.resume,
+        is_main=self.is_main,
+        say=self._print,
+    )
+    if newest is not None:
+      self.restore_checkpoint(newest)
+      self._print(f"resumed from {newest} at step {self.step}")
+    else:
       # A fresh run computes its initial state now: a failure to place it
       # on the devices is met before the first step.
       _ = self.state
@@ -629,39 +398,16 @@ class Trainer:
     if self.out is not None:
       print(text, file=self.out, flush=True)
 
-  def _on_signal(self, signum, frame):
-    """Asks the loop to stop after the current step (then it checkpoints).
-
-    A second Ctrl-C is not deferred: it raises KeyboardInterrupt at once.
-    """
-    del frame
-    self._stop_signal = signum
-    if signum == signal.SIGINT:
-      signal.signal(signal.SIGINT, signal.default_int_handler)
-
-  @contextlib.contextmanager
-  def deferring_signals(self):
+  def deferring_signals(self) -> contextlib.AbstractContextManager[None]:
     """Inside, SIGINT and SIGTERM ask the run to stop after the step in flight.
 
     Before the last step that is an interruption (checkpointed, resumable);
     after it, the run finishes as usual: the final evaluation, save and
     report still happen, and nothing counts as interrupted. The previous
-    handlers come back on exit. Nested uses are one. Main thread only.
+    handlers come back on exit. Nested uses are one. Main thread only
+    (`stop_signals.StopSignals`).
     """
-    if self._deferring_signals:
-      yield
-      return
-    previous = {
-        sig: signal.signal(sig, self._on_signal)
-        for sig in (signal.SIGINT, signal.SIGTERM)
-    }
-    self._deferring_signals = True
-    try:
-      yield
-    finally:
-      self._deferring_signals = False
-      for sig, handler in previous.items():
-        signal.signal(sig, handler)
+    return self._signals.deferring()
 
   def fit(self, *, handle_signals: bool = False) -> dict:
     """Trains to `run.steps`, evaluating and checkpointing on the way.
@@ -674,8 +420,9 @@ class Trainer:
       A summary dict (also written as summary.json by `train.main`).
 
     Raises:
-      NonFiniteError: a step's loss or state is not finite (not kept).
-      OutOfMemoryError: the devices ran out of memory.
+      training_faults.NonFiniteError: a step's loss or state is not finite
+        (not kept).
+      training_faults.OutOfMemoryError: the devices ran out of memory.
       checkpoint_failures.CheckpointSaveError: a checkpoint could not be
         written; raised after the step that started it.
     """
@@ -705,15 +452,16 @@ class Trainer:
       ) as log:
         while self.step < run.steps:
           self._one_step(log, start)
-          if self._stop_signal is not None and self.step < run.steps:
-            interrupted = signal.Signals(self._stop_signal).name
+          received = self._signals.received
+          if received is not None and self.step < run.steps:
+            interrupted = signal.Signals(received).name
             break
     except KeyboardInterrupt:
       interrupted = "KeyboardInterrupt"
     except RuntimeError as e:
-      if not is_out_of_memory(e):
+      if not training_faults.is_out_of_memory(e):
         raise
-      raise out_of_memory_error(
+      raise training_faults.out_of_memory_error(
           run, e, when=f"at step {self.step + 1}", memory=self.memory
       ) from e
     path = self.save_checkpoint()  # At the end, and on an interrupt.
@@ -723,10 +471,10 @@ class Trainer:
           f"\ninterrupted ({interrupted}) at step {self.step}; saved "
           f"{path}; continue with --resume"
       )
-    elif self._stop_signal is not None:
+    elif self._signals.received is not None:
       self._print(
-          f"note: {signal.Signals(self._stop_signal).name} arrived after "
-          "the last step; the run finished as usual"
+          f"note: {signal.Signals(self._signals.received).name} arrived "
+          "after the last step; the run finished as usual"
       )
     return self.summary(
         wall_seconds=time.perf_counter() - start,
@@ -751,7 +499,7 @@ class Trainer:
     interrupted = None
     try:
       metrics = self.train_step(batch)
-    except StepInterrupted as e:
+    except training_faults.StepInterrupted as e:
       metrics, interrupted = e.metrics, e  # Taken: logged, then raised.
     except KeyboardInterrupt:
       # The step did not happen: its batch must be drawn again.
