@@ -17,16 +17,15 @@ Pallas' interpreter.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
-
+from typing import Any
 
 from backends.mosaic_gpu import kernels
 from backends.mosaic_gpu import kernels_sm100
 from backends.mosaic_gpu import tiling
 from backends.pallas import kernels as triton_kernels
 from backends.pallas import tiling as triton_tiling
-from moe_core.kernels import expert_ops
 from moe_core.kernels import grouped_matmul
+from moe_core.kernels import tile_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +134,8 @@ class MosaicKernels(grouped_matmul.GroupedKernels):
 
   The gmm sums any products per accumulator in one pass (gate and up read
   the rows once; their dX is one call); tiles follow the call: "fwd" for
-  [E, C, N] weights, "dgrad" for transposed ones.
+  [E, C, N] weights, "dgrad" for transposed ones. `fused_gmm`'s `epilogue`
+  (float32 accumulators -> outputs) fuses the activation.
   """
 
   launch: Launch
@@ -150,6 +150,7 @@ class MosaicKernels(grouped_matmul.GroupedKernels):
       transpose_rhs,
       num_outputs,
       out_dtype,
+      epilogue=kernels.identity,
   ):
     return self.launch.gmm(
         "dgrad" if transpose_rhs else "fwd",
@@ -158,6 +159,7 @@ class MosaicKernels(grouped_matmul.GroupedKernels):
         group_sizes,
         transpose_rhs=transpose_rhs,
         products=products,
+        epilogue=epilogue,
         num_outputs=num_outputs,
         out_dtype=out_dtype,
     )
@@ -166,84 +168,15 @@ class MosaicKernels(grouped_matmul.GroupedKernels):
     return self.launch.tgmm(lhs, list(rhs), group_sizes, num_groups, out_dtype)
 
 
-def grouped_gemm(
-    rows, weights, group_sizes, transpose_rhs: bool, out_dtype, launch: Launch
-):
-  """rows [M, C] x weights [E, C, N] ([E, N, C] transposed) -> [M, N].
-
-  Rows past sum(group_sizes) come out as zeros and get zero gradient;
-  differentiable in both directions (`moe_core.kernels.grouped_matmul`).
-  """
-  return grouped_matmul.gmm(
-      MosaicKernels(launch),
-      rows,
-      weights,
-      group_sizes,
-      transpose_rhs=transpose_rhs,
-      out_dtype=out_dtype,
-  )
-
-
-def gate_up(rows, w_gate, w_up, group_sizes, launch: Launch):
-  """(rows @ w_gate[g], rows @ w_up[g]), each [M, F], in one pass over rows.
-
-  Args:
-    rows: [M, D] sorted by group.
-    w_gate, w_up: [E, D, F] of rows' dtype.
-    group_sizes: [E] int32.
-    launch: tiles and interpret mode.
-  """
-  return expert_ops.gate_up(
-      MosaicKernels(launch), rows, w_gate, w_up, group_sizes
-  )
-
-
-# --- the activation fused in the epilogue -----------------------------------
-
 # Activations the Mosaic GPU lowering computes on the accumulators (it has
 # exp, logistic and tanh; the exact "gelu" needs erf).
 EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh")
 
-
-@dataclasses.dataclass(frozen=True)
-class _FusedGated:
-  """The gate/up kernel with the activation in its epilogue; with
-  `with_inputs` it also writes gate and up (`expert_ops.gated_gate_up`)."""
-
-  launch: Launch
-  keeps_inputs: ClassVar[bool] = True
-
-  def __call__(
-      self, rows, w_gate, w_up, group_sizes, *, activation, with_inputs
-  ):
-    return self.launch.gmm(
-        "fwd",
-        [rows],
-        [w_gate, w_up],
-        group_sizes,
-        products=((0, 0, 0), (0, 1, 1)),
-        epilogue=expert_ops.gated_epilogue(activation, with_inputs),
-        num_outputs=3 if with_inputs else 1,
-        out_dtype=rows.dtype,
-    )
-
-
-def gated_gate_up(
-    rows, w_gate, w_up, group_sizes, activation: str, launch: Launch
-):
-  """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> [M, F], one pass.
-
-  Under differentiation the kernel also writes gate and up, the residuals
-  of the activation's derivative; the tangent goes through `gate_up`'s
-  kernels (`moe_core.kernels.expert_ops`).
-  """
-  expert_ops.check_epilogue_activation(activation, EPILOGUE_ACTIVATIONS)
-  return expert_ops.gated_gate_up(
-      MosaicKernels(launch),
-      _FusedGated(launch),
-      rows,
-      w_gate,
-      w_up,
-      group_sizes,
-      activation,
-  )
+# grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch),
+# gate_up(rows, w_gate, w_up, group_sizes, launch) and
+# gated_gate_up(rows, w_gate, w_up, group_sizes, activation, launch), the
+# activation in the gate/up kernel's epilogue: `tile_backend.TileOps`.
+_OPS = tile_backend.TileOps(MosaicKernels, EPILOGUE_ACTIVATIONS)
+grouped_gemm = _OPS.grouped_gemm
+gate_up = _OPS.gate_up
+gated_gate_up = _OPS.gated_gate_up

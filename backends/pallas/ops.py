@@ -7,7 +7,8 @@ gate_up        gate, up = x @ wg[g], x @ wu[g] in one pass over x
 gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), the activation in the
                epilogue; the same derivatives through the activation's.
 Forward and reverse mode alike: `PallasKernels` are the raw kernels,
-`moe_core.kernels.grouped_matmul` their derivatives.
+`moe_core.kernels.grouped_matmul` their derivatives; the three functions
+are `moe_core.kernels.tile_backend.TileOps`' on them.
 quantized_grouped_gemm
                the forward of a quantised grouped GEMM (moe_core.precision),
                scales applied in the kernel; its gradients are the caller's
@@ -17,7 +18,7 @@ quantized_grouped_gemm
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,8 @@ from backends.pallas import kernels
 from backends.pallas import tiling
 from moe_core import operands
 from moe_core import precision
-from moe_core.kernels import expert_ops
 from moe_core.kernels import grouped_matmul
+from moe_core.kernels import tile_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,8 @@ class PallasKernels(grouped_matmul.GroupedKernels):
   `kernels.gmm` sums any products per accumulator in one pass, so the gate
   and up projections read the rows once and their dX is one call; the
   tiles follow the call: "fwd" for a product against [E, C, N] weights,
-  "dgrad" against transposed ones, "wgrad" for tgmm.
+  "dgrad" against transposed ones, "wgrad" for tgmm. `fused_gmm`'s
+  `epilogue` (float32 accumulators -> outputs) fuses the activation.
   """
 
   launch: Launch
@@ -88,6 +90,7 @@ class PallasKernels(grouped_matmul.GroupedKernels):
       transpose_rhs,
       num_outputs,
       out_dtype,
+      epilogue=kernels.identity,
   ):
     m, c = lhs[0].shape
     n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
@@ -108,6 +111,7 @@ class PallasKernels(grouped_matmul.GroupedKernels):
         interpret=self.launch.interpret,
         transpose_rhs=transpose_rhs,
         products=products,
+        epilogue=epilogue,
         num_outputs=num_outputs,
         out_dtype=out_dtype,
     )
@@ -132,105 +136,18 @@ class PallasKernels(grouped_matmul.GroupedKernels):
     )
 
 
-def grouped_gemm(
-    rows, weights, group_sizes, transpose_rhs: bool, out_dtype, launch: Launch
-):
-  """rows [M, C] x weights [E, C, N] ([E, N, C] transposed) -> [M, N].
-
-  Rows past sum(group_sizes) come out as zeros and get zero gradient;
-  differentiable in both directions (`moe_core.kernels.grouped_matmul`).
-  """
-  return grouped_matmul.gmm(
-      PallasKernels(launch),
-      rows,
-      weights,
-      group_sizes,
-      transpose_rhs=transpose_rhs,
-      out_dtype=out_dtype,
-  )
-
-
-def gate_up(rows, w_gate, w_up, group_sizes, launch: Launch):
-  """(rows @ w_gate[g], rows @ w_up[g]), each [M, F], in one pass over rows.
-
-  dX is one kernel summing both products, dW one tgmm with two outputs.
-
-  Args:
-    rows: [M, D] sorted by group.
-    w_gate, w_up: [E, D, F] of rows' dtype.
-    group_sizes: [E] int32.
-    launch: tiles and interpret mode.
-  """
-  return expert_ops.gate_up(
-      PallasKernels(launch), rows, w_gate, w_up, group_sizes
-  )
-
-
-# --- the activation fused in the epilogue -----------------------------------
-
 # Activations the Triton lowering can compute in the epilogue. The exact
 # "gelu" needs erf, which the Triton lowering of jax 0.10 lacks.
 EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh")
 
-
-@dataclasses.dataclass(frozen=True)
-class _FusedGated:
-  """The gate/up kernel with the activation in its epilogue; with
-  `with_inputs` it also writes gate and up (`expert_ops.gated_gate_up`)."""
-
-  launch: Launch
-  keeps_inputs: ClassVar[bool] = True
-
-  def __call__(
-      self, rows, w_gate, w_up, group_sizes, *, activation, with_inputs
-  ):
-    m, d = rows.shape
-    tiles = self.launch.choose(
-        "fwd",
-        m,
-        d,
-        w_gate.shape[2],
-        w_gate.shape[0],
-        rows.dtype,
-        num_operands=2,
-    )
-    return kernels.gmm(
-        [rows],
-        [w_gate, w_up],
-        group_sizes,
-        tiles=tiles,
-        interpret=self.launch.interpret,
-        products=((0, 0, 0), (0, 1, 1)),
-        epilogue=expert_ops.gated_epilogue(activation, with_inputs),
-        num_outputs=3 if with_inputs else 1,
-        out_dtype=rows.dtype,
-    )
-
-
-def gated_gate_up(
-    rows, w_gate, w_up, group_sizes, activation: str, launch: Launch
-):
-  """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> [M, F], one pass.
-
-  The activation runs on the float32 accumulators in the kernel's epilogue;
-  only h is written. Under differentiation the kernel also writes gate and
-  up, the residuals of the activation's derivative, and the tangent goes
-  through `gate_up`'s kernels (`moe_core.kernels.expert_ops`).
-
-  Args:
-    rows, w_gate, w_up, group_sizes, launch: as for `gate_up`.
-    activation: one of EPILOGUE_ACTIVATIONS.
-  """
-  expert_ops.check_epilogue_activation(activation, EPILOGUE_ACTIVATIONS)
-  return expert_ops.gated_gate_up(
-      PallasKernels(launch),
-      _FusedGated(launch),
-      rows,
-      w_gate,
-      w_up,
-      group_sizes,
-      activation,
-  )
+# grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch),
+# gate_up(rows, w_gate, w_up, group_sizes, launch) and
+# gated_gate_up(rows, w_gate, w_up, group_sizes, activation, launch), the
+# activation in the gate/up kernel's epilogue: `tile_backend.TileOps`.
+_OPS = tile_backend.TileOps(PallasKernels, EPILOGUE_ACTIVATIONS)
+grouped_gemm = _OPS.grouped_gemm
+gate_up = _OPS.gate_up
+gated_gate_up = _OPS.gated_gate_up
 
 
 # --- grouped GEMM on quantised operands ---------------------------------------

@@ -7,6 +7,10 @@ gate_up         (rows @ w_gate[g], rows @ w_up[g]): one `gmm_products` call,
 gated_epilogue  the fused kernel's epilogue, act(gate) * up on the float32
                 accumulators (`check_epilogue_activation`: the activations
                 a backend's epilogue computes).
+EpilogueGatedKernel
+                that fused kernel from a `fused_gmm` taking an epilogue: the
+                gate and up products into two accumulators, then
+                `gated_epilogue` on them.
 gated_gate_up   act(rows @ w_gate[g]) * (rows @ w_up[g]) from a backend's
                 fused kernel (the activation in its epilogue). A custom JVP:
                 the primal is the fused kernel; the tangent is gate_up's on
@@ -20,7 +24,8 @@ row_scaled_gmm  out[r] = scale[r] * (lhs[r] @ rhs[g]) from a kernel that
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +101,38 @@ def check_epilogue_activation(activation: str, supported) -> None:
     raise ValueError(
         f"activation must be one of {tuple(supported)} to run in the "
         f"kernel epilogue, got {activation!r}."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EpilogueGatedKernel:
+  """A `FusedGatedKernel` from a backend's `fused_gmm` with an epilogue.
+
+  For a backend whose `fused_gmm` also takes `epilogue` (float32
+  accumulators [bm, bn] -> output blocks): one pass over the rows fills the
+  gate and up accumulators, and `gated_epilogue` writes h from them (and
+  gate and up too, with `with_inputs`).
+
+  Attributes:
+    kernels: the backend's grouped matmuls, hashable by value.
+  """
+
+  kernels: gm.GroupedKernels
+  keeps_inputs: ClassVar[bool] = True
+
+  def __call__(
+      self, rows, w_gate, w_up, group_sizes, *, activation, with_inputs
+  ):
+    """rows [M, D], w_gate, w_up [E, D, F] -> (h,) or (h, gate, up) [M, F]."""
+    return self.kernels.fused_gmm(
+        (rows,),
+        (w_gate, w_up),
+        group_sizes,
+        products=((0, 0, 0), (0, 1, 1)),
+        transpose_rhs=False,
+        num_outputs=3 if with_inputs else 1,
+        out_dtype=rows.dtype,
+        epilogue=gated_epilogue(activation, with_inputs),
     )
 
 

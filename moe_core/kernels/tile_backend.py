@@ -9,20 +9,101 @@ launch settings last:
     gated_gate_up(rows, w_gate, w_up, group_sizes, activation, launch)
     EPILOGUE_ACTIVATIONS   the activations its fused epilogue computes
 
-`TileKernelBackend` maps `moe_core.Backend`'s hooks onto them, so such a
-backend writes its kernels, its tile table, `availability()` and its
-options, not this glue again.
+`TileOps` writes those functions from the module's `GroupedKernels` (whose
+`fused_gmm` takes an epilogue), and `TileKernelBackend` maps
+`moe_core.Backend`'s hooks onto them, so such a backend writes its kernels,
+its tile table, `availability()` and its options, not this glue again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import jax
 
 from moe_core import backend
 from moe_core import operands
+from moe_core.kernels import expert_ops
+from moe_core.kernels import grouped_matmul
+
+
+@dataclasses.dataclass(frozen=True)
+class TileOps:
+  """An ops module's differentiable ops, each taking the launch settings last.
+
+  An ops module binds its functions from one of these:
+  `grouped_gemm = _OPS.grouped_gemm`, and so on.
+
+  Attributes:
+    kernels: launch -> the module's `GroupedKernels` (a frozen dataclass);
+      its `fused_gmm` also takes `epilogue`, for `gated_gate_up`.
+    epilogue_activations: the activations that epilogue computes (the
+      module's EPILOGUE_ACTIVATIONS).
+  """
+
+  kernels: Callable[[Any], grouped_matmul.GroupedKernels]
+  epilogue_activations: tuple[str, ...]
+
+  def grouped_gemm(
+      self, rows, weights, group_sizes, transpose_rhs: bool, out_dtype, launch
+  ):
+    """rows [M, C] x weights [E, C, N] ([E, N, C] transposed) -> [M, N].
+
+    Rows past sum(group_sizes) come out as zeros and get zero gradient;
+    differentiable in both directions (`moe_core.kernels.grouped_matmul`).
+    """
+    return grouped_matmul.gmm(
+        self.kernels(launch),
+        rows,
+        weights,
+        group_sizes,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
+    )
+
+  def gate_up(self, rows, w_gate, w_up, group_sizes, launch):
+    """(rows @ w_gate[g], rows @ w_up[g]), each [M, F], in one pass over rows.
+
+    dX is one kernel summing both products, dW one tgmm with two outputs.
+
+    Args:
+      rows: [M, D] sorted by group.
+      w_gate, w_up: [E, D, F] of rows' dtype.
+      group_sizes: [E] int32.
+      launch: tiles and interpret mode.
+    """
+    return expert_ops.gate_up(
+        self.kernels(launch), rows, w_gate, w_up, group_sizes
+    )
+
+  def gated_gate_up(
+      self, rows, w_gate, w_up, group_sizes, activation: str, launch
+  ):
+    """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> [M, F], one pass.
+
+    The activation runs on the float32 accumulators in the kernel's
+    epilogue; only h is written. Under differentiation the kernel also
+    writes gate and up, the residuals of the activation's derivative, and
+    the tangent goes through `gate_up`'s kernels
+    (`moe_core.kernels.expert_ops`).
+
+    Args:
+      rows, w_gate, w_up, group_sizes, launch: as for `gate_up`.
+      activation: one of `epilogue_activations`.
+    """
+    expert_ops.check_epilogue_activation(activation, self.epilogue_activations)
+    kernels = self.kernels(launch)
+    return expert_ops.gated_gate_up(
+        kernels,
+        expert_ops.EpilogueGatedKernel(kernels),
+        rows,
+        w_gate,
+        w_up,
+        group_sizes,
+        activation,
+    )
 
 
 class TileKernelBackend(backend.Backend):
