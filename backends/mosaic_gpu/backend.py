@@ -112,11 +112,7 @@ class MosaicGpuBackend(tile_backend.TileKernelBackend):
       fuse_activation: bool = False,
       generation: str | None = None,
   ):
-    if not isinstance(fuse_activation, bool):
-      raise TypeError(
-          "fuse_activation must be a bool, got "
-          f"{type(fuse_activation).__name__}."
-      )
+    self.check_fuse_activation(fuse_activation)
     if generation is not None:
       tiling.check_generation(generation)
     self.launch = ops.Launch(
@@ -126,17 +122,11 @@ class MosaicGpuBackend(tile_backend.TileKernelBackend):
     )
     self.fuse_activation = fuse_activation
 
-  @property
-  def interpret(self):
-    return self.launch.interpret
-
-  def __repr__(self) -> str:
-    return (
-        f"MosaicGpuBackend(interpret={self.interpret!r}, "
-        f"tiles={self.launch.tiles!r}, "
-        f"fuse_activation={self.fuse_activation}, "
-        f"generation={self.launch.generation!r})"
-    )
+  def _repr_options(self) -> dict[str, str]:
+    return {
+        **super()._repr_options(),
+        "generation": repr(self.launch.generation),
+    }
 
   def availability(self) -> tuple[bool, str]:
     if self.launch.interpreting:

@@ -71,27 +71,12 @@ class PallasBackend(tile_backend.TileKernelBackend):
       interpret: Any = None,
       fuse_activation: bool = False,
   ):
-    if not isinstance(fuse_activation, bool):
-      raise TypeError(
-          "fuse_activation must be a bool, got "
-          f"{type(fuse_activation).__name__}."
-      )
+    self.check_fuse_activation(fuse_activation)
     self.launch = ops.Launch(
         tiles=tiling.TileConfig.parse(tiles),
         interpret=_resolve_interpret(interpret),
     )
     self.fuse_activation = fuse_activation
-
-  @property
-  def interpret(self):
-    return self.launch.interpret
-
-  def __repr__(self) -> str:
-    return (
-        f"PallasBackend(interpret={self.interpret!r}, "
-        f"tiles={self.launch.tiles!r}, "
-        f"fuse_activation={self.fuse_activation})"
-    )
 
   def availability(self) -> tuple[bool, str]:
     if self.launch.interpreting:

@@ -110,13 +110,39 @@ class TileKernelBackend(backend.Backend):
   """`Backend` whose grouped GEMM and expert-FFN hooks are `ops`' kernels.
 
   Subclasses set `ops` (the module) and, in __init__, `self.launch` (what
-  every ops function takes last) and `self.fuse_activation` (bool: act(gate)
-  * up in the gate/up kernel's epilogue, for `ops.EPILOGUE_ACTIVATIONS`).
+  every ops function takes last, with `tiles` and `interpret`) and
+  `self.fuse_activation` (bool: act(gate) * up in the gate/up kernel's
+  epilogue, for `ops.EPILOGUE_ACTIVATIONS`; `check_fuse_activation` first).
   """
 
   ops: ClassVar[ModuleType]
   launch: Any
   fuse_activation: bool
+
+  @staticmethod
+  def check_fuse_activation(fuse_activation) -> None:
+    """Raises TypeError unless the `fuse_activation` option is a bool."""
+    if not isinstance(fuse_activation, bool):
+      raise TypeError(
+          "fuse_activation must be a bool, got "
+          f"{type(fuse_activation).__name__}."
+      )
+
+  @property
+  def interpret(self):
+    return self.launch.interpret
+
+  def _repr_options(self) -> dict[str, str]:
+    """The options `repr` shows: name -> the text of its value."""
+    return {
+        "interpret": repr(self.interpret),
+        "tiles": repr(self.launch.tiles),
+        "fuse_activation": str(self.fuse_activation),
+    }
+
+  def __repr__(self) -> str:
+    options = ", ".join(f"{k}={v}" for k, v in self._repr_options().items())
+    return f"{type(self).__name__}({options})"
 
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
     return self.ops.grouped_gemm(
