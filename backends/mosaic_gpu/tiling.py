@@ -20,6 +20,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from moe_core.kernels import tile_backend
+
 KINDS = ("fwd", "dgrad")
 # Shared memory per block on Hopper (sm_90): 227 KiB.
 SMEM_BYTES = 227 * 1024
@@ -98,28 +100,7 @@ class TileConfig:
   @classmethod
   def parse(cls, tiles) -> TileConfig:
     """From None, a Tiles (both kinds), a TileConfig or the dict form of one."""
-    if tiles is None:
-      return cls()
-    if isinstance(tiles, TileConfig):
-      return tiles
-    if isinstance(tiles, Tiles):
-      return cls(fwd=tiles, dgrad=tiles)
-    if isinstance(tiles, dict):
-      fields = {f.name for f in dataclasses.fields(Tiles)}
-      if set(tiles) <= set(KINDS):
-        return cls(
-            **{k: v if v is None else Tiles(**v) for k, v in tiles.items()}
-        )
-      if set(tiles) <= fields:
-        return cls.parse(Tiles(**tiles))
-      raise ValueError(
-          f"tiles dict must have keys from {sorted(fields)} or from "
-          f"{list(KINDS)}, got {sorted(tiles)}."
-      )
-    raise TypeError(
-        "tiles must be None, a Tiles, a TileConfig or a dict, got "
-        f"{type(tiles).__name__}."
-    )
+    return tile_backend.parse_tile_config(cls, Tiles, KINDS, tiles)
 
 
 # (generation, kind, bucket) -> Tiles. Buckets (`bucket`): "few_rows" when

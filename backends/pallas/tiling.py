@@ -18,6 +18,8 @@ import math
 
 import jax.numpy as jnp
 
+from moe_core.kernels import tile_backend
+
 # Triton's tl.dot needs every block dimension to be a power of two >= 16.
 MIN_BLOCK = 16
 # Shared memory per thread block on Hopper (sm_90): 227 KiB.
@@ -144,28 +146,7 @@ class TileConfig:
     either Tiles fields ({"bm": 16, "bk": 16, "bn": 32}, for every kernel)
     or per-kernel dicts ({"fwd": {...}, "wgrad": {...}}).
     """
-    if tiles is None:
-      return cls()
-    if isinstance(tiles, TileConfig):
-      return tiles
-    if isinstance(tiles, Tiles):
-      return cls(fwd=tiles, dgrad=tiles, wgrad=tiles)
-    if isinstance(tiles, dict):
-      if set(tiles) <= set(KINDS):
-        return cls(
-            **{k: None if v is None else Tiles(**v) for k, v in tiles.items()}
-        )
-      fields = {f.name for f in dataclasses.fields(Tiles)}
-      if set(tiles) <= fields:
-        return cls.parse(Tiles(**tiles))
-      raise ValueError(
-          f"tiles dict must have keys from {sorted(fields)} or "
-          f"from {list(KINDS)}, got {sorted(tiles)}."
-      )
-    raise TypeError(
-        "tiles must be None, a Tiles, a TileConfig or a dict, "
-        f"got {type(tiles).__name__}."
-    )
+    return tile_backend.parse_tile_config(cls, Tiles, KINDS, tiles)
 
   def get(self, kind: str) -> Tiles | None:
     _check_kind(kind)

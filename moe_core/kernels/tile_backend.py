@@ -12,7 +12,8 @@ launch settings last:
 `TileOps` writes those functions from the module's `GroupedKernels` (whose
 `fused_gmm` takes an epilogue), and `TileKernelBackend` maps
 `moe_core.Backend`'s hooks onto them, so such a backend writes its kernels,
-its tile table, `availability()` and its options, not this glue again.
+its tile table, `availability()` and its options, not this glue again;
+`parse_tile_config` reads its `tiles` option into its TileConfig.
 """
 
 from __future__ import annotations
@@ -104,6 +105,43 @@ class TileOps:
         group_sizes,
         activation,
     )
+
+
+def parse_tile_config(config_cls: type, tiles_cls: type, kinds, tiles):
+  """A `config_cls` (one `tiles_cls` or None per kernel kind) from `tiles`.
+
+  Args:
+    config_cls: the backend's TileConfig, a dataclass with one field per
+      kind.
+    tiles_cls: its Tiles, the dataclass of one kernel's tiles.
+    kinds: the kernel kinds, `config_cls`' fields.
+    tiles: None (no kind set), a `tiles_cls` (every kind), a `config_cls`
+      (as it is) or the dict form of either (the JSON form, e.g. from a
+      Bazel target's backend options): `tiles_cls` fields ({"bm": 16, ...},
+      every kind) or per-kind dicts ({"fwd": {...}, ...}).
+  """
+  if tiles is None:
+    return config_cls()
+  if isinstance(tiles, config_cls):
+    return tiles
+  if isinstance(tiles, tiles_cls):
+    return config_cls(**{kind: tiles for kind in kinds})
+  if isinstance(tiles, dict):
+    if set(tiles) <= set(kinds):
+      return config_cls(
+          **{k: None if v is None else tiles_cls(**v) for k, v in tiles.items()}
+      )
+    fields = {f.name for f in dataclasses.fields(tiles_cls)}
+    if set(tiles) <= fields:
+      return parse_tile_config(config_cls, tiles_cls, kinds, tiles_cls(**tiles))
+    raise ValueError(
+        f"tiles dict must have keys from {sorted(fields)} or "
+        f"from {list(kinds)}, got {sorted(tiles)}."
+    )
+  raise TypeError(
+      "tiles must be None, a Tiles, a TileConfig or a dict, "
+      f"got {type(tiles).__name__}."
+  )
 
 
 class TileKernelBackend(backend.Backend):
