@@ -1,9 +1,10 @@
-"""pytest: leave out the template backend folder.
+"""pytest: leave out the template backend folders.
 
-conformance/example_backend/ is a folder to copy, not a registered backend:
-its conformance_test.py names a backend ("example") that this repository
-does not register, so its tests would fail here. example_backend_test.py
-copies it, registers it and runs its suite.
+conformance/example_backend/ and conformance/example_kernel_backend/ are
+folders to copy, not registered backends: their conformance_test.py names
+a backend ("example", "example_kernel") that this repository does not
+register, so its tests would fail here. example_backend_test.py and
+example_kernel_backend_test.py copy them, register them and run their suite.
 """
 
-collect_ignore = ["example_backend"]
+collect_ignore = ["example_backend", "example_kernel_backend"]
