@@ -92,7 +92,9 @@ class Backend(abc.ABC):
       multiplies quantised operands for, through `_quantized_grouped_gemm`;
       others raise NotImplementedError naming the recipe.
 
-  Adding a backend (conformance/example_backend/ is the folder to copy):
+  Adding a backend (conformance/example_backend/ is the folder to copy;
+  conformance/example_kernel_backend/ for a backend that is its gmm and
+  tgmm kernels, see docs/backends.md):
     1. Copy conformance/example_backend/ to backends/<name>/ and rename its
        BUILD.template to BUILD.
     2. In backend.py: rename the class, set `name = "<name>"` and `dtypes`,
