@@ -9,21 +9,21 @@ import jax.numpy as jnp
 
 from backends.cpu import kernels
 from backends.cpu import library
-from moe_core import backend
 from moe_core import operands
 from moe_core import precision
 from moe_core import quantized_gemm
-from moe_core.kernels import grouped_matmul
+from moe_core.kernels import kernels_backend
 
 
-class CpuBackend(backend.Backend):
+class CpuBackend(kernels_backend.GroupedKernelsBackend):
   """One blocked GEMM per (group, row chunk, column block), threaded.
 
   The forward, dX and dW are the FFI custom calls `library.TARGETS`, which
   read the group sizes inside the call: no padding, no host round trip, no
   loop of copies. `moe_core.kernels.grouped_matmul` differentiates them
-  (grad, jvp, vmap, shard_map, export). The library picks its kernels from
-  the CPU (`kernels()`: AVX-512 with or without BF16, else portable C++).
+  (grad, jvp, vmap, shard_map, export); `GroupedKernelsBackend` makes them
+  the grouped GEMM. The library picks its kernels from the CPU
+  (`kernels()`: AVX-512 with or without BF16, else portable C++).
   Off the CPU, or without the built library, `availability()` says why and
   "auto" moves on.
   """
@@ -61,12 +61,5 @@ class CpuBackend(backend.Backend):
         q, quantized_gemm.float32_gemm(self._grouped_gemm)
     )
 
-  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
-    return grouped_matmul.gmm(
-        kernels.CpuKernels(),
-        gemm.rows,
-        gemm.weights,
-        gemm.group_sizes,
-        transpose_rhs=gemm.transpose_rhs,
-        out_dtype=gemm.out_dtype,
-    )
+  def grouped_kernels(self) -> kernels.CpuKernels:
+    return kernels.CpuKernels()
