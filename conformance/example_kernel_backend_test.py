@@ -12,7 +12,8 @@ multiple of the tile) through its kernels in Pallas' interpreter, and one
 end-to-end test of the layer and its gradients, which runs them inside
 dispatch, the expert FFN and combine. Everything else in the suite is
 moe_core's, on the same grouped GEMM (conformance/example_backend_test.py
-runs more of it).
+runs more of it). The 46 tests take about 19 s of wall time on the 2-core
+machine (20 s on the oldest leg), so the grouped-GEMM suite runs whole.
 """
 
 from absl.testing import absltest
