@@ -31,6 +31,7 @@ share its binding of the kernels.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -143,16 +144,9 @@ class GroupedKernels:
           num_outputs=len(out_dtypes),
           out_dtype=out_dtypes[0],
       )
+    one_product = functools.partial(self.gmm, transpose_rhs=transpose_rhs)
     return _sum_products(
-        lambda l, r, dtype: self.gmm(
-            lhs[l],
-            rhs[r],
-            group_sizes,
-            transpose_rhs=transpose_rhs,
-            out_dtype=dtype,
-        ),
-        products,
-        out_dtypes,
+        one_product, lhs, rhs, group_sizes, products, out_dtypes
     )
 
   def tgmm_products(
@@ -181,21 +175,21 @@ class GroupedKernels:
           num_groups=num_groups,
           out_dtype=out_dtypes[0],
       )
+    one_product = functools.partial(self.tgmm, num_groups=num_groups)
     return _sum_products(
-        lambda l, r, dtype: self.tgmm(
-            lhs[l],
-            rhs[r],
-            group_sizes,
-            num_groups=num_groups,
-            out_dtype=dtype,
-        ),
-        products,
-        out_dtypes,
+        one_product, lhs, rhs, group_sizes, products, out_dtypes
     )
 
 
-def _sum_products(product, products: Products, out_dtypes):
-  """out[o] = sum of product(l, r) over o's products, summed in float32."""
+def _sum_products(
+    one_product, lhs, rhs, group_sizes, products: Products, out_dtypes
+):
+  """out[o] = sum of one_product(lhs[l], rhs[r], group_sizes, out_dtype=)
+  over o's products, summed in float32 where there is more than one."""
+
+  def product(l, r, dtype):
+    return one_product(lhs[l], rhs[r], group_sizes, out_dtype=dtype)
+
   outs = []
   for o, dtype in enumerate(out_dtypes):
     mine = [(l, r) for l, r, out in products if out == o]
@@ -223,16 +217,15 @@ def gmm(
 
   Rows at or past sum(group_sizes) come out zero and get zero gradient.
   """
-  (out,) = gmm_products(
+  return _single_product(
+      gmm_products,
       kernels,
-      (lhs,),
-      (rhs,),
+      lhs,
+      rhs,
       group_sizes,
-      products=ONE_PRODUCT,
+      out_dtype,
       transpose_rhs=transpose_rhs,
-      out_dtypes=(out_dtype or lhs.dtype,),
   )
-  return out
 
 
 def tgmm(
@@ -245,14 +238,29 @@ def tgmm(
     out_dtype=None,
 ) -> jax.Array:
   """Per group lhs_g^T rhs_g: [M, A] x [M, B] -> [E, A, B]."""
-  (out,) = tgmm_products(
+  return _single_product(
+      tgmm_products,
+      kernels,
+      lhs,
+      rhs,
+      group_sizes,
+      out_dtype,
+      num_groups=num_groups,
+  )
+
+
+def _single_product(
+    products_fn, kernels, lhs, rhs, group_sizes, out_dtype, **options
+):
+  """products_fn with one lhs, one rhs and one output (out_dtype or lhs's)."""
+  (out,) = products_fn(
       kernels,
       (lhs,),
       (rhs,),
       group_sizes,
       products=ONE_PRODUCT,
-      num_groups=num_groups,
       out_dtypes=(out_dtype or lhs.dtype,),
+      **options,
   )
   return out
 
