@@ -239,6 +239,23 @@ def _jvp(primals, tangents, *, kernels, op, top_k, nan_invalid):
   return [out], [tangent.astype(out.dtype)]
 
 
+# (op, its linear data operand) -> (the op that is its transpose, whether the
+# cotangent comes first among that op's data operands, what the cotangent is
+# cast to first: the linear operand's dtype, the other operand's or nothing,
+# whether NaN for invalid copies carries over). Gather and scatter are each
+# other's transpose; combine, spread and row_dots transpose into one another.
+_TRANSPOSE = {
+    ("gather", 0): ("scatter", True, "linear", False),
+    ("scatter", 0): ("gather", True, "linear", False),
+    ("combine", 0): ("spread", True, "linear", False),  # rows
+    ("combine", 1): ("row_dots", True, "other", True),  # weights
+    ("spread", 0): ("combine", True, "linear", False),  # dy
+    ("spread", 1): ("row_dots", False, "other", False),  # weights
+    ("row_dots", 0): ("combine", False, None, True),  # dy
+    ("row_dots", 1): ("spread", False, None, False),  # rows
+}
+
+
 def _transpose(cotangents, *operands, kernels, op, top_k, nan_invalid):
   (ct,) = cotangents
   n = _ARITY[op]
@@ -261,61 +278,23 @@ def _transpose(cotangents, *operands, kernels, op, top_k, nan_invalid):
   aval = data[i].aval
 
   other = data[1 - i] if n == 2 else None
-  if op == "gather":
-    result = _bind(
-        kernels, "scatter", (ct.astype(aval.dtype),), plan, top_k=top_k
-    )
-  elif op == "scatter":
-    result = _bind(
-        kernels,
-        "gather",
-        (ct.astype(aval.dtype),),
-        plan,
-        top_k=top_k,
-        nan_invalid=False,
-    )
-  elif op == "combine" and i == 0:  # rows
-    result = _bind(
-        kernels, "spread", (ct.astype(aval.dtype), other), plan, top_k=top_k
-    )
-  elif op == "combine":  # weights
-    result = _bind(
-        kernels,
-        "row_dots",
-        (ct.astype(other.dtype), other),
-        plan,
-        top_k=top_k,
-        nan_invalid=nan_invalid,
-    )
-  elif op == "spread" and i == 0:  # dy
-    result = _bind(
-        kernels,
-        "combine",
-        (ct.astype(aval.dtype), other),
-        plan,
-        top_k=top_k,
-        nan_invalid=False,
-    )
-  elif op == "spread":  # weights
-    result = _bind(
-        kernels,
-        "row_dots",
-        (other, ct.astype(other.dtype)),
-        plan,
-        top_k=top_k,
-        nan_invalid=False,
-    )
-  elif op == "row_dots" and i == 0:  # dy
-    result = _bind(
-        kernels,
-        "combine",
-        (other, ct),
-        plan,
-        top_k=top_k,
-        nan_invalid=nan_invalid,
-    )
-  else:  # row_dots, rows
-    result = _bind(kernels, "spread", (other, ct), plan, top_k=top_k)
+  target, ct_first, cast_to, keeps_nan = _TRANSPOSE[(op, i)]
+  if cast_to == "linear":
+    ct = ct.astype(aval.dtype)
+  elif cast_to == "other":
+    ct = ct.astype(other.dtype)
+  if other is None:
+    transposed_data = (ct,)
+  else:
+    transposed_data = (ct, other) if ct_first else (other, ct)
+  result = _bind(
+      kernels,
+      target,
+      transposed_data,
+      plan,
+      top_k=top_k,
+      nan_invalid=keeps_nan and nan_invalid,
+  )
   results[i] = result.astype(aval.dtype)
   return results
 
