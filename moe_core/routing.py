@@ -190,11 +190,7 @@ def route(
 ) -> MoEAux:
   """Routes tokens: x [T, D], router [D, E] -> `MoEAux`, all in float32.
 
-  Args:
-    x: [T, D] activations, any float dtype.
-    router: [D, E] router weights.
-    cfg: the block's config.
-    correction_bias: [E] float32, required iff `cfg.correction_bias`.
+  The arguments are `router_scores`'s, which checks them.
   """
   scored = router_scores(x, router, cfg, correction_bias)
   expert_ids = select_experts(scored.scores, cfg, scored.bias)
