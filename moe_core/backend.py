@@ -327,16 +327,7 @@ class Backend(abc.ABC):
     """
 
     def gemm(lhs, weights):
-      return self._quantized_gemm(
-          operands.GemmOperands(
-              rows=lhs,
-              weights=weights,
-              group_sizes=ffn_in.group_sizes,
-              transpose_rhs=False,
-              out_dtype=jnp.dtype(lhs.dtype),
-          ),
-          recipe,
-      )
+      return self._quantized_gemm(_projection(lhs, weights, ffn_in), recipe)
 
     h = ffn.gated(
         ad_checkpoint.checkpoint_name(
@@ -371,8 +362,8 @@ class Backend(abc.ABC):
   ) -> tuple[jax.Array, jax.Array]:
     """The gate and up projections: rows [M, D] -> (gate, up), each [M, F]."""
     return (
-        self._checked_gemm(ffn_in.rows, ffn_in.w_gate, ffn_in),
-        self._checked_gemm(ffn_in.rows, ffn_in.w_up, ffn_in),
+        self._prevalidated_gemm(ffn_in.rows, ffn_in.w_gate, ffn_in),
+        self._prevalidated_gemm(ffn_in.rows, ffn_in.w_up, ffn_in),
     )
 
   def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
@@ -390,9 +381,9 @@ class Backend(abc.ABC):
 
     h is act(gate) * up, of rows' dtype.
     """
-    return self._checked_gemm(h, ffn_in.w_down, ffn_in)
+    return self._prevalidated_gemm(h, ffn_in.w_down, ffn_in)
 
-  def _checked_gemm(
+  def _prevalidated_gemm(
       self, lhs: jax.Array, weights: jax.Array, ffn_in: operands.FfnOperands
   ) -> jax.Array:
     """`_grouped_gemm` of lhs [M, C] x weights [E, C, N] inside expert_ffn.
@@ -401,15 +392,7 @@ class Backend(abc.ABC):
     (and poisons its own output): going through `grouped_gemm` again would
     repeat every check and poison on each projection.
     """
-    return self._grouped_gemm(
-        operands.GemmOperands(
-            rows=lhs,
-            weights=weights,
-            group_sizes=ffn_in.group_sizes,
-            transpose_rhs=False,
-            out_dtype=jnp.dtype(lhs.dtype),
-        )
-    )
+    return self._grouped_gemm(_projection(lhs, weights, ffn_in))
 
   # --- Routing --------------------------------------------------------------
 
@@ -551,3 +534,17 @@ def _adapt_legacy_grouped_gemm(cls, hook):
     )
 
   return grouped_gemm_from_operands
+
+
+def _projection(
+    lhs: jax.Array, weights: jax.Array, ffn_in: operands.FfnOperands
+) -> operands.GemmOperands:
+  """One FFN projection: lhs [M, C] x weights [E, C, N] over ffn_in's groups,
+  out in lhs's dtype."""
+  return operands.GemmOperands(
+      rows=lhs,
+      weights=weights,
+      group_sizes=ffn_in.group_sizes,
+      transpose_rhs=False,
+      out_dtype=jnp.dtype(lhs.dtype),
+  )
