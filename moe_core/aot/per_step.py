@@ -62,27 +62,24 @@ class PerStep:
 
 
 def per_step_collective_bytes(hlo_text: str) -> PerStep:
-  """Operand bytes of each collective kind per execution of `hlo_text`.
-
-  Args:
-    hlo_text: a compiled module's text (`Compiled.as_text()`).
-  """
-  computations, types, runs, unknown = _parse(hlo_text)
+  """Operand bytes of each collective kind per execution of `hlo_text`, a
+  compiled module's text (`Compiled.as_text()`)."""
+  types, executed = _executed_instructions(hlo_text)
   totals = collections.Counter()
   unknown_loops = 0
-  for comp, lines in computations.items():
-    for _, result, rest in lines:
-      op = _collective(rest)
-      if op is None or runs.get(comp, 0) == 0:
-        continue
-      totals[op] += runs[comp] * _operand_bytes(rest, op, types)
-      unknown_loops += comp in unknown
+  for times, under_unknown_loop, _, rest in executed:
+    op = _collective(rest)
+    if op is None:
+      continue
+    totals[op] += times * _operand_bytes(rest, op, types)
+    unknown_loops += under_unknown_loop
   return PerStep(dict(totals), unknown_loops)
 
 
-def _parse(hlo_text: str):
-  """(computations, result types by instruction name, runs per execution of
-  each computation, computations under a loop of unknown trip count)."""
+def _executed_instructions(hlo_text: str):
+  """(result types by instruction name, [(runs per execution, whether under
+  a loop of unknown trip count, result type text, rest of line)] for every
+  instruction of a computation that runs)."""
   computations, entry = _computations(hlo_text)
   types = {
       name: result
@@ -90,7 +87,13 @@ def _parse(hlo_text: str):
       for name, result, _ in lines
   }
   runs, unknown = _runs_per_execution(computations, entry)
-  return computations, types, runs, unknown
+  executed = [
+      (runs[comp], comp in unknown, result, rest)
+      for comp, lines in computations.items()
+      if runs.get(comp, 0)
+      for _, result, rest in lines
+  ]
+  return types, executed
 
 
 def _computations(hlo_text: str):
@@ -193,28 +196,21 @@ class MatmulFlops:
 
 
 def per_step_matmul_flops(hlo_text: str) -> MatmulFlops:
-  """Matmul FLOPs of one execution of `hlo_text`, loops counted.
-
-  Args:
-    hlo_text: a compiled module's text (`Compiled.as_text()`).
-  """
-  computations, types, runs, unknown = _parse(hlo_text)
+  """Matmul FLOPs of one execution of `hlo_text`, a compiled module's text
+  (`Compiled.as_text()`), loops counted."""
+  types, executed = _executed_instructions(hlo_text)
   flops = 0.0
   launches = collections.Counter()
   unknown_loops = 0
-  for comp, lines in computations.items():
-    times = runs.get(comp, 0)
-    if not times:
+  for times, under_unknown_loop, result, rest in executed:
+    found = _matmul_flops(result, rest, types)
+    if found is None:
+      call = _CUSTOM_CALL_TARGET.search(rest)
+      if call and re.search(r"\scustom-call\(", " " + rest):
+        launches[call.group(1)] += times
       continue
-    for _, result, rest in lines:
-      found = _matmul_flops(result, rest, types)
-      if found is None:
-        call = _CUSTOM_CALL_TARGET.search(rest)
-        if call and re.search(r"\scustom-call\(", " " + rest):
-          launches[call.group(1)] += times
-        continue
-      flops += times * found
-      unknown_loops += comp in unknown
+    flops += times * found
+    unknown_loops += under_unknown_loop
   return MatmulFlops(flops, dict(launches), unknown_loops)
 
 
