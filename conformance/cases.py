@@ -255,6 +255,18 @@ def _cfg(**changes) -> moe_core.MoEConfig:
 
 _SHARED_GATED = dict(shared_ffn_size=24, shared_expert_gate=True)
 
+# DeepSeek-V3's router settings (of 4 groups, not its 8), for a MoEConfig.
+DEEPSEEK_V3_ROUTER = dict(
+    n_group=4,
+    topk_group=2,
+    group_score="sum_top2",
+    score_func="sigmoid",
+    correction_bias=True,
+    norm_topk_prob=True,
+    norm_epsilon=1e-20,
+    routed_scaling_factor=2.5,
+)
+
 # Shapes that break kernels: odd and tiny T, T past a tile, empty and
 # overfull experts, E = 1, K = E, many experts for few tokens, D and F that
 # are not multiples of 128.
@@ -372,21 +384,9 @@ ROUTING_VARIANTS = (
         grads=True,
         seed=24,
     ),
-    # DeepSeek-V3's router.
     LayerCase(
         "groups_sum_top2_sigmoid_bias_scaled",
-        _cfg(
-            num_experts=16,
-            top_k=3,
-            n_group=4,
-            topk_group=2,
-            group_score="sum_top2",
-            score_func="sigmoid",
-            correction_bias=True,
-            norm_topk_prob=True,
-            norm_epsilon=1e-20,
-            routed_scaling_factor=2.5,
-        ),
+        _cfg(num_experts=16, top_k=3, **DEEPSEEK_V3_ROUTER),
         (16,),
         grads=True,
         seed=25,

@@ -46,18 +46,8 @@ EXTREME_CONFIGS = {
         norm_topk_prob=True,
         capacity_factor=1.0,
     ),
-    # DeepSeek-V3's router.
     "groups_sum_top2_sigmoid_bias_norm_eps1e-20_scaled": _extreme_cfg(
-        num_experts=16,
-        top_k=4,
-        n_group=4,
-        topk_group=2,
-        group_score="sum_top2",
-        score_func="sigmoid",
-        correction_bias=True,
-        norm_topk_prob=True,
-        norm_epsilon=1e-20,
-        routed_scaling_factor=2.5,
+        num_experts=16, top_k=4, **cases.DEEPSEEK_V3_ROUTER
     ),
     "groups_max_softmax_bias_norm_eps0": _extreme_cfg(
         num_experts=16,
