@@ -15,6 +15,7 @@ from flax import nnx
 import moe_core
 from moe_core import flax as moe_flax
 from moe_core import remat as moe_remat
+from train import attention
 from train import model as model_lib
 from train import model_config
 from train import nnx_moe as old_nnx_moe
@@ -118,7 +119,7 @@ class ForwardTest(parameterized.TestCase):
     q = jax.random.normal(keys[0], (b, t, h, d))
     k = jax.random.normal(keys[1], (b, t, hkv, d))
     v = jax.random.normal(keys[2], (b, t, hkv, dv))
-    got = model_lib.causal_attention(q, k, v)
+    got = attention.causal_attention(q, k, v)
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     want = np.zeros((b, t, h, dv))
     for bi in range(b):
@@ -131,7 +132,7 @@ class ForwardTest(parameterized.TestCase):
           want[bi, ti, hi] = weights @ v[bi, : ti + 1, kv]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # In query blocks (as long sequences run), the same rows.
-    blocked = model_lib.causal_attention(*map(jnp.asarray, (q, k, v)), 1)
+    blocked = attention.causal_attention(*map(jnp.asarray, (q, k, v)), 1)
     np.testing.assert_allclose(blocked, want, rtol=1e-5, atol=1e-5)
 
   def test_query_blocks_give_the_whole_attention_and_its_gradients(self):
@@ -142,7 +143,7 @@ class ForwardTest(parameterized.TestCase):
     v = jax.random.normal(keys[2], (b, t, hkv, d))
 
     def loss(block):
-      return lambda *qkv: jnp.sum(model_lib.causal_attention(*qkv, block) ** 2)
+      return lambda *qkv: jnp.sum(attention.causal_attention(*qkv, block) ** 2)
 
     whole = jax.value_and_grad(loss(t), (0, 1, 2))(q, k, v)
     blocks = jax.jit(jax.value_and_grad(loss(16), (0, 1, 2)))(q, k, v)
