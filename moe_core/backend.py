@@ -32,10 +32,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
-import inspect
 from typing import ClassVar
-import warnings
 
 import jax
 from jax import ad_checkpoint
@@ -120,12 +117,6 @@ class Backend(abc.ABC):
   name: ClassVar[str]
   dtypes: ClassVar[tuple[jnp.dtype, ...] | None] = None
   precisions: ClassVar[tuple[str, ...]] = ("bf16",)
-
-  def __init_subclass__(cls, **kwargs):
-    super().__init_subclass__(**kwargs)
-    hook = cls.__dict__.get("_grouped_gemm")
-    if hook is not None and "transpose_rhs" in _parameters(hook):
-      cls._grouped_gemm = _adapt_legacy_grouped_gemm(cls, hook)
 
   def availability(self) -> tuple[bool, str]:
     """(True, "") if this backend can run here, else (False, why not)."""
@@ -498,42 +489,6 @@ def _sanitised_group_sizes(
   group_sizes = group_sizes.astype(jnp.int32)
   bad = checks.check_group_sizes(group_sizes, num_rows)
   return jnp.where(bad, 0, group_sizes), bad
-
-
-def _parameters(function) -> tuple[str, ...]:
-  try:
-    return tuple(inspect.signature(function).parameters)
-  except (TypeError, ValueError):  # Builtins and other unintrospectable.
-    return ()
-
-
-def _adapt_legacy_grouped_gemm(cls, hook):
-  """Wraps a `_grouped_gemm(self, rows, weights, group_sizes, *,
-  transpose_rhs, out_dtype)` hook, the signature before `GemmOperands`.
-
-  Kept for one release so that backends written against it still run; it
-  warns once per class, when the class is defined.
-  """
-  warnings.warn(
-      f"{cls.__qualname__}._grouped_gemm(rows, weights, group_sizes, *, "
-      "transpose_rhs, out_dtype) is deprecated: take one "
-      "moe_core.GemmOperands argument instead.",
-      DeprecationWarning,
-      stacklevel=3,
-  )
-
-  @functools.wraps(hook)
-  def grouped_gemm_from_operands(self, gemm: operands.GemmOperands):
-    return hook(
-        self,
-        gemm.rows,
-        gemm.weights,
-        gemm.group_sizes,
-        transpose_rhs=gemm.transpose_rhs,
-        out_dtype=gemm.out_dtype,
-    )
-
-  return grouped_gemm_from_operands
 
 
 def _projection(

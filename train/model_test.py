@@ -18,9 +18,7 @@ from moe_core import remat as moe_remat
 from train import attention
 from train import model as model_lib
 from train import model_config
-from train import nnx_moe as old_nnx_moe
 from train import presets
-from train import remat as old_remat
 from train import sizing
 from train import testing
 
@@ -244,26 +242,6 @@ class RematTest(parameterized.TestCase):
   def test_unknown_policy_is_refused(self):
     with self.assertRaisesRegex(ValueError, "remat must be one of"):
       moe_remat.policy("sometimes")
-    with self.assertRaisesRegex(ValueError, "remat must be one of"):
-      old_remat.policy("sometimes")
-
-
-class OldImportPathsTest(absltest.TestCase):
-  """train.nnx_moe and train.remat name the moe_core objects they alias."""
-
-  def test_aliases_are_the_library_objects(self):
-    for old, new in (
-        (old_nnx_moe.MoE, moe_flax.MoE),
-        (old_nnx_moe.LinenMoE, moe_flax.LinenMoE),
-        (old_nnx_moe.CorrectionBias, moe_flax.CorrectionBias),
-        (old_nnx_moe.set_value, moe_flax.set_value),
-        (old_remat.call_block, moe_flax.call_block),
-        (old_remat.policy, moe_remat.policy),
-        (old_remat.check_policy_name, moe_remat.check_policy_name),
-    ):
-      self.assertIs(old, new)
-    self.assertEqual(old_remat.POLICIES, moe_remat.POLICIES)
-    self.assertEqual(old_nnx_moe.BIAS_NAME, moe_flax.BIAS_NAME)
 
 
 if __name__ == "__main__":

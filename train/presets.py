@@ -13,7 +13,6 @@ Two kinds of preset live here:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import moe_core
 from train import model_config
@@ -299,36 +298,3 @@ def get_preset(name: str) -> Preset:
         f"unknown model preset {name!r}; valid names: {sorted(PRESETS)}."
     )
   return PRESETS[name]
-
-
-# Names that lived here before the counting, published figures and the
-# dry-run report moved to modules of their own; kept for one release.
-# (Resolved lazily: those modules import this one.)
-_MOVED = {
-    "ATTENTIONS": "model_config",
-    "QK_NORMS": "model_config",
-    "MESH_AXES": "sizing",
-    "REMAT_CHOICES": "sizing",
-    "ParamCounts": "sizing",
-    "attention_param_count": "sizing",
-    "flops_per_token": "sizing",
-    "memory_per_device": "sizing",
-    "moe_param_counts": "sizing",
-    "param_counts": "sizing",
-    "parse_mesh": "sizing",
-    "PUBLISHED": "published",
-    "PUBLISHED_RELATIVE_TOLERANCE": "published",
-    "Published": "published",
-    "counts_as_published": "published",
-    "published_tolerance": "published",
-    "describe": "cost_report",
-    "human": "cost_report",
-    "human_bytes": "cost_report",
-}
-
-
-def __getattr__(name: str):
-  if name in _MOVED:
-    module = importlib.import_module(f"train.{_MOVED[name]}")
-    return getattr(module, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
