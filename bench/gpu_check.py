@@ -13,40 +13,10 @@ Elsewhere:
 
 (`python bench/gpu_check.py ...` from the repository root works the same.)
 
-The programs are bench/programs.py's table at its full sizes: every variant
-the registry gives (each backend's defaults, its quantised recipes, the
-option rows) x DeepSeek-V3, Mixtral 8x7B and Qwen3-30B-A3B (the layer, the
-grouped GEMMs) x forward and forward+backward. Phases, each written to the
-JSON as soon as it is done:
-
-1. compile: each program compiled on this GPU (XLA autotunes here) and,
-   in --compile_workers child processes started first, without it
-   (`bench.gpu_compile`, deviceless, for this GPU's target: h200); their
-   memory side by side (`peak_ratio`, `temp_ratio`: device / deviceless),
-   which says how far CI's deviceless figures can be trusted. The
-   expert-parallel programs need 8 or 64 GPUs: deviceless only. No
-   compile starts here past --compile_s into the run, and the deviceless
-   children are stopped a minute later (what they compiled is kept).
-2. conformance: the shared suites (conformance/suite.py) on every variant,
-   as child processes sharded over the cores (bench/gpu_conformance.py),
-   with the cases only a GPU runs (the timed shapes' tiles); a variant
-   whose backend cannot run here is skipped with the reason (te: no
-   Transformer Engine on the GPU machine). Children still running at
-   --conformance_s are killed: "incomplete".
-3. run: each one-GPU program timed as compiled in phase 1
-   (bench/gpu_timing.py), with the ratios to the baselines and the goals.
-   No program starts past --budget_s into the run: its row says skipped.
-
-A program that fails (to build, compile or run) is recorded with its error
-and the run goes on; the JSON (versions, programs, the three phases,
-goals, failures) is rewritten after each step as <out_dir>/gpu_<date>.json
-(gpu_dryrun_<date>.json with --dry_run), whatever happens; exit status 1
-if anything failed.
-
-What the GPU machine has (Python 3.12, jax 0.11.2 with CUDA 13, triton
-3.6, absl, no jax-triton, no Transformer Engine, no network) is enough: the
-triton backend's jax-triton comes from bench/wheels/ when none imports
-(`gpu_report.provide_jax_triton`).
+Its phases (compile, conformance, run), what each records and how the
+budget flags stop them: docs/benchmarks.md, "The GPU check". Over 400
+lines because it is one job: one call on a lent GPU that compiles, checks
+and times every program against one deadline, writing its JSON as it goes.
 """
 
 from __future__ import annotations
