@@ -60,51 +60,44 @@ inline uint16_t Bf16At(const void* data, int64_t index) {
 
 // --- Micro-kernels -----------------------------------------------------------
 
-// c[r * ldc + j] (+)= sum_k a[r * a_rs + k * a_ks] * b[k * kNr + j] for a
-// kMr x kNr tile; `load` adds to c's float32 values instead of overwriting.
-DROPLESS_TARGET void MicroF32(int64_t kc, const float* a, int64_t a_rs,
-                              int64_t a_ks, const float* b, float* c,
-                              int64_t ldc, bool load) {
-  __m512 acc[kMr][kNv];
-#pragma GCC unroll 8
-  for (int r = 0; r < kMr; ++r) {
-#pragma GCC unroll 4
-    for (int v = 0; v < kNv; ++v) {
-      acc[r][v] = load ? _mm512_loadu_ps(c + r * ldc + 16 * v)
-                       : _mm512_setzero_ps();
-    }
+// One depth step of a tile, per operand type. A and B hold 32-bit `Lane`s:
+// LoadB reads 16 of B's lanes, Broadcast one of A's to all 16, and Fma
+// adds their products to acc in float32.
+struct StepF32 {
+  using Lane = float;
+  using Vec = __m512;
+  DROPLESS_TARGET static Vec LoadB(const float* b) { return _mm512_load_ps(b); }
+  DROPLESS_TARGET static Vec Broadcast(float a) { return _mm512_set1_ps(a); }
+  DROPLESS_TARGET static __m512 Fma(__m512 acc, Vec a, Vec b) {
+    return _mm512_fmadd_ps(a, b, acc);
   }
-  const float* rows[kMr];
-  for (int r = 0; r < kMr; ++r) rows[r] = a + r * a_rs;
-  for (int64_t k = 0; k < kc; ++k) {
-    __m512 bv[kNv];
-#pragma GCC unroll 4
-    for (int v = 0; v < kNv; ++v) bv[v] = _mm512_load_ps(b + 16 * v);
-    const int64_t at = k * a_ks;
-#pragma GCC unroll 8
-    for (int r = 0; r < kMr; ++r) {
-      const __m512 x = _mm512_set1_ps(rows[r][at]);
-#pragma GCC unroll 4
-      for (int v = 0; v < kNv; ++v) {
-        acc[r][v] = _mm512_fmadd_ps(x, bv[v], acc[r][v]);
-      }
-    }
-    b += kNr;
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < kMr; ++r) {
-#pragma GCC unroll 4
-    for (int v = 0; v < kNv; ++v) {
-      _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
-    }
-  }
-}
+};
 
-// The bfloat16 tile: a and b hold pairs (depth 2k, 2k + 1) in 32-bit lanes;
-// kc2 pair steps.
-DROPLESS_TARGET void MicroBf16(int64_t kc2, const uint32_t* a, int64_t a_rs,
-                               int64_t a_ks, const uint32_t* b, float* c,
-                               int64_t ldc, bool load) {
+// A lane holds a pair of bfloat16 depths (2k, 2k + 1); vdpbf16ps sums both
+// products into float32.
+struct StepBf16 {
+  using Lane = uint32_t;
+  using Vec = __m512bh;
+  DROPLESS_TARGET static Vec LoadB(const uint32_t* b) {
+    return (__m512bh)_mm512_load_si512(b);
+  }
+  DROPLESS_TARGET static Vec Broadcast(uint32_t a) {
+    return (__m512bh)_mm512_set1_epi32(a);
+  }
+  DROPLESS_TARGET static __m512 Fma(__m512 acc, Vec a, Vec b) {
+    return _mm512_dpbf16_ps(acc, a, b);
+  }
+};
+
+// c[r * ldc + j] (+)= sum_k a[r * a_rs + k * a_ks] * b[k * kNr + j] for a
+// kMr x kNr tile over `steps` lanes of depth (float32 values, or bfloat16
+// pairs for StepBf16); `load` adds to c's float32 values instead of
+// overwriting.
+template <typename Step>
+DROPLESS_TARGET void Micro(int64_t steps, const typename Step::Lane* a,
+                           int64_t a_rs, int64_t a_ks,
+                           const typename Step::Lane* b, float* c,
+                           int64_t ldc, bool load) {
   __m512 acc[kMr][kNv];
 #pragma GCC unroll 8
   for (int r = 0; r < kMr; ++r) {
@@ -114,22 +107,18 @@ DROPLESS_TARGET void MicroBf16(int64_t kc2, const uint32_t* a, int64_t a_rs,
                        : _mm512_setzero_ps();
     }
   }
-  const uint32_t* rows[kMr];
+  const typename Step::Lane* rows[kMr];
   for (int r = 0; r < kMr; ++r) rows[r] = a + r * a_rs;
-  for (int64_t k = 0; k < kc2; ++k) {
-    __m512bh bv[kNv];
+  for (int64_t k = 0; k < steps; ++k) {
+    typename Step::Vec bv[kNv];
 #pragma GCC unroll 4
-    for (int v = 0; v < kNv; ++v) {
-      bv[v] = (__m512bh)_mm512_load_si512(b + 16 * v);
-    }
+    for (int v = 0; v < kNv; ++v) bv[v] = Step::LoadB(b + 16 * v);
     const int64_t at = k * a_ks;
 #pragma GCC unroll 8
     for (int r = 0; r < kMr; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(rows[r][at]);
+      const typename Step::Vec x = Step::Broadcast(rows[r][at]);
 #pragma GCC unroll 4
-      for (int v = 0; v < kNv; ++v) {
-        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x, bv[v]);
-      }
+      for (int v = 0; v < kNv; ++v) acc[r][v] = Step::Fma(acc[r][v], x, bv[v]);
     }
     b += kNr;
   }
@@ -471,13 +460,14 @@ DROPLESS_TARGET void GemmBlockAvx512(Type in, int64_t m, int64_t n,
       for (int64_t jp = 0; jp < panels; ++jp) {
         float* c = c_rows + jp * kNr;
         if (bf16) {
-          MicroBf16(lanes, static_cast<const uint32_t*>(a_ptr), a_rs, a_ks,
-                    static_cast<const uint32_t*>(packed_b) + jp * lanes * kNr,
-                    c, ldc, s > 0);
+          Micro<StepBf16>(
+              lanes, static_cast<const uint32_t*>(a_ptr), a_rs, a_ks,
+              static_cast<const uint32_t*>(packed_b) + jp * lanes * kNr, c,
+              ldc, s > 0);
         } else {
-          MicroF32(lanes, static_cast<const float*>(a_ptr), a_rs, a_ks,
-                   static_cast<const float*>(packed_b) + jp * lanes * kNr, c,
-                   ldc, s > 0);
+          Micro<StepF32>(lanes, static_cast<const float*>(a_ptr), a_rs, a_ks,
+                         static_cast<const float*>(packed_b) + jp * lanes * kNr,
+                         c, ldc, s > 0);
         }
       }
       if (slices == 1) {
