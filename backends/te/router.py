@@ -163,7 +163,8 @@ def route(
 
 @dataclasses.dataclass(frozen=True)
 class TopK:
-  """The static arguments of TE's `fused_topk_with_score_function`."""
+  """The static arguments of TE's `fused_topk_with_score_function`, named
+  as its parameters (`_te_fused_topk` passes them by name)."""
 
   topk: int
   use_pre_softmax: bool
@@ -202,12 +203,7 @@ def _te_fused_topk(logits, bias, spec: TopK):
   """TE's public fused top-k (its custom VJP, evaluated only)."""
   return _router_module().fused_topk_with_score_function(
       logits,
-      spec.topk,
-      use_pre_softmax=spec.use_pre_softmax,
-      num_groups=spec.num_groups,
-      group_topk=spec.group_topk,
-      scaling_factor=spec.scaling_factor,
-      score_function=spec.score_function,
+      **dataclasses.asdict(spec),
       expert_bias=bias if bias.size else None,
   )
 
