@@ -131,6 +131,30 @@ ffi::Error TypeOf(ffi::DataType dtype, const char* what, Type* type) {
   return ffi::Error::Success();
 }
 
+// What both handlers check first: lhs, rhs and out each float32 or
+// bfloat16 (else an error naming the first that is not), then lhs and rhs
+// of one type and of ranks 2 and rhs_rank, out of rank out_rank (else
+// InvalidArgument(layout)). Sets *in (lhs's type) and *out_type.
+ffi::Error CheckOperands(const ffi::AnyBuffer& lhs, const ffi::AnyBuffer& rhs,
+                         const ffi::AnyBuffer& out, size_t rhs_rank,
+                         size_t out_rank, const char* layout, Type* in,
+                         Type* out_type) {
+  Type rhs_type;
+  if (auto e = TypeOf(lhs.element_type(), "lhs", in); e.failure()) return e;
+  if (auto e = TypeOf(rhs.element_type(), "rhs", &rhs_type); e.failure()) {
+    return e;
+  }
+  if (auto e = TypeOf(out.element_type(), "out", out_type); e.failure()) {
+    return e;
+  }
+  if (*in != rhs_type || lhs.dimensions().size() != 2 ||
+      rhs.dimensions().size() != rhs_rank ||
+      out.dimensions().size() != out_rank) {
+    return ffi::Error::InvalidArgument(layout);
+  }
+  return ffi::Error::Success();
+}
+
 inline size_t Width(Type type) { return type == Type::kF32 ? 4 : 2; }
 
 // Group offsets from the sizes: starts[g], and the rows in groups (sizes
@@ -156,21 +180,17 @@ int64_t GroupStarts(ffi::Buffer<ffi::S32> group_sizes, int64_t rows,
 ffi::Error GmmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
                    ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
                    ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
-  Type in, out_type, rhs_type;
-  if (auto e = TypeOf(lhs.element_type(), "lhs", &in); e.failure()) return e;
-  if (auto e = TypeOf(rhs.element_type(), "rhs", &rhs_type); e.failure()) {
-    return e;
-  }
-  if (auto e = TypeOf(out->element_type(), "out", &out_type); e.failure()) {
+  Type in, out_type;
+  if (auto e = CheckOperands(
+          lhs, rhs, *out, 3, 2,
+          "dropless_cpu_gmm: lhs [M, C] and rhs [E, C, N] of one type", &in,
+          &out_type);
+      e.failure()) {
     return e;
   }
   const auto ld = lhs.dimensions();
   const auto rd = rhs.dimensions();
   const auto od = out->dimensions();
-  if (in != rhs_type || ld.size() != 2 || rd.size() != 3 || od.size() != 2) {
-    return ffi::Error::InvalidArgument(
-        "dropless_cpu_gmm: lhs [M, C] and rhs [E, C, N] of one type");
-  }
   const int64_t m = ld[0], c = ld[1], e = rd[0];
   const int64_t n = transpose_rhs ? rd[1] : rd[2];
   if ((transpose_rhs ? rd[2] : rd[1]) != c || od[0] != m || od[1] != n ||
@@ -222,22 +242,18 @@ ffi::Error GmmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
 ffi::Error TgmmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
                     ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
                     ffi::Result<ffi::AnyBuffer> out) {
-  Type in, out_type, rhs_type;
-  if (auto e = TypeOf(lhs.element_type(), "lhs", &in); e.failure()) return e;
-  if (auto e = TypeOf(rhs.element_type(), "rhs", &rhs_type); e.failure()) {
-    return e;
-  }
-  if (auto e = TypeOf(out->element_type(), "out", &out_type); e.failure()) {
+  // Also the message of the row check below.
+  constexpr char kLayout[] =
+      "dropless_cpu_tgmm: lhs [M, A] and rhs [M, B] of one type";
+  Type in, out_type;
+  if (auto e = CheckOperands(lhs, rhs, *out, 2, 3, kLayout, &in, &out_type);
+      e.failure()) {
     return e;
   }
   const auto ld = lhs.dimensions();
   const auto rd = rhs.dimensions();
   const auto od = out->dimensions();
-  if (in != rhs_type || ld.size() != 2 || rd.size() != 2 || od.size() != 3 ||
-      ld[0] != rd[0]) {
-    return ffi::Error::InvalidArgument(
-        "dropless_cpu_tgmm: lhs [M, A] and rhs [M, B] of one type");
-  }
+  if (ld[0] != rd[0]) return ffi::Error::InvalidArgument(kLayout);
   const int64_t m = ld[0], a_width = ld[1], b_width = rd[1], e = od[0];
   if (od[1] != a_width || od[2] != b_width ||
       static_cast<int64_t>(group_sizes.element_count()) != e) {
@@ -273,25 +289,26 @@ ffi::Error TgmmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
   return ffi::Error::Success();
 }
 
+// The FFI signature both handlers share: XLA's thread pool, then
+// (lhs, rhs, group_sizes) -> out; the forward adds its attribute.
+auto GroupedBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::AnyBuffer>();
+}
+
 }  // namespace
 }  // namespace dropless_cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DroplessCpuGmm, dropless_cpu::GmmImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("transpose_rhs"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    DroplessCpuGmm, dropless_cpu::GmmImpl,
+    dropless_cpu::GroupedBinding().Attr<bool>("transpose_rhs"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DroplessCpuTgmm, dropless_cpu::TgmmImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                              dropless_cpu::GroupedBinding());
 
 // For the Python loader and the logs: the kernels GemmBlock runs on this CPU
 // ("avx512-bf16", "avx512" or "portable"; gemm.h says what each covers).
