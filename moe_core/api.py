@@ -74,9 +74,7 @@ def moe_layer(
   Returns:
     y [..., D] in x's dtype, and the `MoEAux` of the routing.
   """
-  validation.check_config(cfg)
-  validation.check_params(params, cfg)
-  validation.check_tokens(x, cfg)
+  validation.check_moe_layer(params, x, cfg)
   if mesh is not None:
     return parallel.moe_layer(
         params,
@@ -93,9 +91,12 @@ def moe_layer(
   tokens = x.reshape(-1, cfg.hidden_size)
 
   def route_and_compute(b: backend_lib.Backend):
-    # One backend for both ("auto" falls through as a whole).
-    aux = b.route(tokens, params["router"], cfg, params.get("correction_bias"))
-    return b.routed_experts(params, tokens, aux, cfg), aux
+    # One backend for both ("auto" falls through as a whole). The inputs
+    # were validated above (params holds the router and correction bias
+    # the config names), and route's aux is valid: the unchecked stages.
+    bias = params.get("correction_bias")
+    aux = b._route(tokens, params["router"], cfg, bias)
+    return b._routed_experts(params, tokens, aux, cfg), aux
 
   y, aux = registry.call_backend(backend, route_and_compute)
   y = ffn.add_shared_expert(y, params, tokens, cfg)

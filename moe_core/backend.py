@@ -2,11 +2,12 @@
 
 The contract every backend keeps, whatever it overrides:
 
-  * `grouped_gemm` and `expert_ffn` are template methods: they validate the
-    inputs (`moe_core.validation`), refuse dtypes outside `Backend.dtypes`
-    with NotImplementedError, cast the weights, and only then call the
-    backend's hooks (`_grouped_gemm`, `_gate_up`, `_gated_gate_up`,
-    `_down`). A hook sees validated inputs only.
+  * The public methods are template methods: each validates its inputs
+    once (`moe_core.validation`), then calls unchecked internals and the
+    backend's hooks (`_grouped_gemm`, `_gate_up`, `_gated_gate_up`, `_down`,
+    `_route`, `_gather`, `_combine`); dtypes outside `Backend.dtypes` raise
+    NotImplementedError, and the weights are cast. A hook sees validated
+    inputs only.
   * Rows past sum(group_sizes) come out as zeros and get zero gradient,
     whatever they hold (NaN included).
   * Values only the device knows follow the run-time policy (docs/api.md,
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import jax
 from jax import ad_checkpoint
@@ -68,17 +69,20 @@ class Backend(abc.ABC):
                     grouped GEMMs.
     _gated_gate_up  rows [M, D] -> act(gate) * up [M, F] in one op, used
                     when `_fuses_activation(activation)` is True.
-    _down           h [M, F] -> [M, D]; default: one grouped GEMM.
+    _down           h [M, F] -> [M, D]; default: one grouped GEMM, its
+                    rows scaled by `FfnOperands.row_weights` when
+                    `_routing_weights_in_down` says the routing weights
+                    go into the down projection (default: in combine).
 
   Each hook takes one record of validated operands (`moe_core.operands`:
   `GemmOperands` for `_grouped_gemm`, `FfnOperands` for the FFN hooks).
 
-  `dispatch` and `combine` check the config and aux and call the hooks
-  `_permute` and `_unpermute` (`moe_core.permute`'s sort-gather and weighted
-  un-permute by default), which a backend with permutation kernels replaces.
-  Larger stages (`route`, `dispatch`, `combine`, the whole
-  `routed_experts`) may be overridden too; a `routed_experts` that does not
-  call `expert_ffn` (the reference oracle) emits no checkpoint names.
+  Dispatch is the library's plan (`moe_core.permute.plan`: the sort, group
+  sizes, dropped and invalid copies) and the hook `_gather` (the rows);
+  combine is the hook `_combine`. A backend with permutation kernels
+  replaces only those two, the data movement. `_route` replaces the router;
+  `_routed_experts` the whole block (one that does not call `_expert_ffn`,
+  as the reference oracle, emits no checkpoint names).
 
   Attributes:
     name: the registry name, also the prefix of the backend's errors.
@@ -220,10 +224,33 @@ class Backend(abc.ABC):
   ) -> jax.Array:
     """`gemm` with both operands quantised by `recipe`: [M, N] out_dtype.
 
-    Rows are quantised per group, weights per expert, here for every
-    backend alike; the backend multiplies (`_quantized_grouped_gemm`).
-    Gradients are the unquantised `_grouped_gemm`'s (straight-through).
+    The forward is `_quantized_forward`'s; the gradients are the
+    unquantised `_grouped_gemm`'s (straight-through).
     """
+
+    def unquantized(rows, weights, group_sizes):
+      return self._grouped_gemm(
+          dataclasses.replace(
+              gemm, rows=rows, weights=weights, group_sizes=group_sizes
+          )
+      )
+
+    return quantized_gemm.straight_through(
+        self._quantized_forward(gemm, recipe),
+        unquantized,
+        gemm.rows,
+        gemm.weights,
+        gemm.group_sizes,
+    )
+
+  def _quantized_forward(
+      self, gemm: operands.GemmOperands, recipe: str
+  ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """The forward of `_quantized_gemm`: (rows, weights, group_sizes) ->
+    [M, N] out_dtype. By default moe_core quantises (rows per group,
+    weights per expert) and the backend multiplies the quantised operands
+    (`_quantized_grouped_gemm`); a backend whose library quantises itself
+    overrides this."""
     contract_axis = 2 if gemm.transpose_rhs else 1
 
     def forward(rows, weights, group_sizes):
@@ -239,16 +266,7 @@ class Backend(abc.ABC):
       )
       return self._quantized_grouped_gemm(q).astype(gemm.out_dtype)
 
-    def unquantized(rows, weights, group_sizes):
-      return self._grouped_gemm(
-          dataclasses.replace(
-              gemm, rows=rows, weights=weights, group_sizes=group_sizes
-          )
-      )
-
-    return quantized_gemm.straight_through(
-        forward, unquantized, gemm.rows, gemm.weights, gemm.group_sizes
-    )
+    return forward
 
   def _quantized_grouped_gemm(
       self, q: operands.QuantizedGemmOperands
@@ -279,6 +297,19 @@ class Backend(abc.ABC):
     the hooks, not this method, so that they keep them.
     """
     validation.check_expert_ffn(rows, group_sizes, params, cfg)
+    return self._expert_ffn(rows, group_sizes, params, cfg)
+
+  def _expert_ffn(
+      self,
+      rows: jax.Array,
+      group_sizes: jax.Array,
+      params: dict,
+      cfg: config_lib.MoEConfig,
+      row_weights: jax.Array | None = None,
+  ) -> jax.Array:
+    """`expert_ffn` on validated arguments; with row_weights [M] float32,
+    each output row r is scaled by row_weights[r] in the down projection
+    (`_down`), before the cast to rows' dtype."""
     self._check_dtype(rows.dtype)
     recipe = self._check_precision(cfg.precision)
     group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
@@ -292,6 +323,7 @@ class Backend(abc.ABC):
         w_up=w_up,
         w_down=w_down,
         activation=cfg.activation,
+        row_weights=row_weights,
     )
     if recipe != "bf16":
       out = self._quantized_ffn(ffn_in, recipe)
@@ -327,7 +359,7 @@ class Backend(abc.ABC):
         ad_checkpoint.checkpoint_name(gemm(ffn_in.rows, ffn_in.w_up), UP_NAME),
         ffn_in.activation,
     )
-    return gemm(h, ffn_in.w_down)
+    return scale_rows(gemm(h, ffn_in.w_down), ffn_in.row_weights)
 
   def checkpoint_names(
       self, activation: str, precision: str = "bf16"
@@ -370,9 +402,13 @@ class Backend(abc.ABC):
   def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
     """The down projection: h [M, F] x w_down [E, F, D] -> [M, D].
 
-    h is act(gate) * up, of rows' dtype.
+    h is act(gate) * up, of rows' dtype. With `ffn_in.row_weights` (where
+    `_routing_weights_in_down` says so), output row r is scaled by
+    row_weights[r]; a kernel backend overrides this to scale its float32
+    accumulator in the GEMM's epilogue.
     """
-    return self._prevalidated_gemm(h, ffn_in.w_down, ffn_in)
+    out = self._prevalidated_gemm(h, ffn_in.w_down, ffn_in)
+    return scale_rows(out, ffn_in.row_weights)
 
   def _prevalidated_gemm(
       self, lhs: jax.Array, weights: jax.Array, ffn_in: operands.FfnOperands
@@ -396,24 +432,41 @@ class Backend(abc.ABC):
   ) -> routing.MoEAux:
     """Routes tokens: x [T, D], router [D, E] -> `MoEAux` (float32).
 
-    `routing.route` by default. A backend with its own router overrides
-    this and returns the same `MoEAux` fields with `routing.route`'s
-    meaning (or falls back to it). `moe_layer` and the expert-parallel
-    layer call the backend's `route`, from the same backend that computes
-    the routed experts.
+    Validates, then `_route`. `moe_layer` and the expert-parallel layer
+    call the backend's `_route`, from the same backend that computes the
+    routed experts.
     """
-    return routing.route(x, router, cfg, correction_bias)
+    validation.check_route(x, router, cfg, correction_bias)
+    return self._route(x, router, cfg, correction_bias)
+
+  def _route(
+      self,
+      x: jax.Array,
+      router: jax.Array,
+      cfg: config_lib.MoEConfig,
+      correction_bias: jax.Array | None,
+  ) -> routing.MoEAux:
+    """`route` on validated arguments: `routing.route`'s by default. A
+    backend with its own router overrides this and returns the same
+    `MoEAux` fields with `routing.route`'s meaning (or falls back to it)."""
+    return routing.route_unchecked(x, router, cfg, correction_bias)
 
   # --- Dispatch and combine -------------------------------------------------
+  # The plan (the sort by expert, group sizes, the dropped and invalid
+  # copies' bookkeeping) is the library's, `permute.plan`; a backend with
+  # its own data movement overrides `_gather` and `_combine` only.
 
   def dispatch(
       self, x: jax.Array, aux: routing.MoEAux, cfg: config_lib.MoEConfig
   ) -> permute.Dispatched:
     """Token copies sorted by expert: x [T, D] -> rows [T*K, D]."""
-    validation.check_config(cfg)
-    validation.check_aux(aux)
+    validation.check_dispatch_stage(x, aux, cfg)
+    return self._dispatch(x, aux, cfg)
+
+  def _dispatch(self, x, aux, cfg) -> permute.Dispatched:
     kept = None if cfg.dropless else aux.kept
-    return self._permute(x, aux.expert_ids, cfg.num_experts, kept)
+    plan = permute.plan_unchecked(aux.expert_ids, cfg.num_experts, kept)
+    return self._gather(x, plan)
 
   def combine(
       self,
@@ -423,39 +476,31 @@ class Backend(abc.ABC):
       cfg: config_lib.MoEConfig,
   ) -> jax.Array:
     """Undoes `dispatch`, weighting each copy: [T*K, D] -> [T, D]."""
-    validation.check_config(cfg)
-    validation.check_aux(aux)
+    validation.check_combine_stage(expert_out, dispatched, aux, cfg)
     kept = None if cfg.dropless else aux.kept
-    return self._unpermute(expert_out, dispatched, aux.combine_weights, kept)
+    return self._combine(expert_out, dispatched, aux.combine_weights, kept)
 
-  def _permute(
-      self,
-      x: jax.Array,
-      expert_ids: jax.Array,
-      num_experts: int,
-      kept: jax.Array | None,
+  def _gather(
+      self, x: jax.Array, plan: permute.DispatchPlan
   ) -> permute.Dispatched:
-    """`dispatch`'s sort and gather: `permute.dispatch`'s contract.
+    """The rows of `dispatch`: x [T, D] -> `Dispatched`, rows [T*K, D] in
+    the plan's order (`permute.gather_unchecked`'s contract: an invalid
+    copy's row is NaN). Validated arguments."""
+    return permute.gather_unchecked(x, plan)
 
-    x [T, D], expert_ids [T, K], kept [T, K] bool or None (dropless) ->
-    `Dispatched` with rows [T*K, D]. A backend with its own permutation
-    kernel overrides this, not `dispatch`, which checked the config and aux.
-    """
-    return permute.dispatch(x, expert_ids, num_experts, kept)
-
-  def _unpermute(
+  def _combine(
       self,
       expert_out: jax.Array,
       dispatched: permute.Dispatched,
       combine_weights: jax.Array,
       kept: jax.Array | None,
   ) -> jax.Array:
-    """`combine`'s weighted un-permute: `permute.combine`'s contract.
-
-    expert_out [T*K, D], combine_weights [T, K] -> [T, D]. Overridden like
-    `_permute`.
-    """
-    return permute.combine(expert_out, dispatched, combine_weights, kept)
+    """`combine`'s weighted un-permute, `permute.combine`'s contract:
+    expert_out [T*K, D], combine_weights [T, K] -> [T, D]. Validated
+    arguments."""
+    return permute.combine_unchecked(
+        expert_out, dispatched, combine_weights, kept
+    )
 
   # --- The routed block -----------------------------------------------------
 
@@ -472,9 +517,48 @@ class Backend(abc.ABC):
     ones raise) or whose combine weights hold NaN comes out as NaN.
     """
     validation.check_routed_experts(x, aux, cfg, params)
-    dispatched = self.dispatch(x, aux, cfg)
-    out = self.expert_ffn(dispatched.rows, dispatched.group_sizes, params, cfg)
-    return self.combine(out, dispatched, aux, cfg)
+    return self._routed_experts(params, x, aux, cfg)
+
+  def _routed_experts(self, params, x, aux, cfg) -> jax.Array:
+    """`routed_experts` on validated arguments: dispatch, the expert FFN
+    (with the routing weights in its down projection where
+    `_routing_weights_in_down`), combine."""
+    dispatched = self._dispatch(x, aux, cfg)
+    kept = None if cfg.dropless else aux.kept
+    if not self._routing_weights_in_down(cfg, x.dtype):
+      out = self._expert_ffn(
+          dispatched.rows, dispatched.group_sizes, params, cfg
+      )
+      return self._combine(out, dispatched, aux.combine_weights, kept)
+    # Each sorted row's weight scales its down output; the combine then
+    # sums with unit weights. A NaN weight still makes its token NaN
+    # (through the scaled row), an invalid id too (through combine).
+    flat_weights = aux.combine_weights.astype(jnp.float32).reshape(-1)
+    out = self._expert_ffn(
+        dispatched.rows,
+        dispatched.group_sizes,
+        params,
+        cfg,
+        row_weights=flat_weights[dispatched.assignment],
+    )
+    ones = jnp.ones_like(aux.combine_weights)
+    return self._combine(out, dispatched, ones, kept)
+
+  def _routing_weights_in_down(
+      self, cfg: config_lib.MoEConfig, dtype: jnp.dtype
+  ) -> bool:
+    """Whether `routed_experts` applies the combine weights in the down
+    projection (`_down`) rather than in `combine`: False by default."""
+    del cfg, dtype
+    return False
+
+
+def scale_rows(out: jax.Array, row_weights: jax.Array | None) -> jax.Array:
+  """out [M, D] with row r scaled by row_weights[r] [M] float32 (None: out),
+  in float32, returned in out's dtype."""
+  if row_weights is None:
+    return out
+  return (out.astype(jnp.float32) * row_weights[:, None]).astype(out.dtype)
 
 
 def _sanitised_group_sizes(
@@ -487,7 +571,7 @@ def _sanitised_group_sizes(
   the caller then poisons its output with `checks.poison_if`.
   """
   group_sizes = group_sizes.astype(jnp.int32)
-  bad = checks.check_group_sizes(group_sizes, num_rows)
+  bad = checks.flag_bad_group_sizes(group_sizes, num_rows)
   return jnp.where(bad, 0, group_sizes), bad
 
 

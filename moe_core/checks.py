@@ -14,6 +14,11 @@ leave nothing in the program (no checkify effect), so a plain jitted or
 exported layer is serialisable (`jax.export`'s `Exported.serialize`).
 
     y, aux = moe_core.checked(jax.jit(layer))(params, x)   # raises on bad ids
+
+Names say which kind a check is: `moe_core.validation.check_*` raise now (on
+shapes, dtypes and concrete values); the `flag_*` here return a traced mask
+of what is bad and never raise (their `debug_check`s fail only under
+`checked`).
 """
 
 from __future__ import annotations
@@ -120,7 +125,7 @@ def bad_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
   )
 
 
-def check_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+def flag_bad_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
   """`debug_check`s for `bad_group_sizes`; returns that scalar bool."""
   debug_check(
       jnp.all(group_sizes >= 0),
@@ -143,7 +148,7 @@ def out_of_range(ids: jax.Array, num_experts: int) -> jax.Array:
   return (ids < 0) | (ids >= num_experts)
 
 
-def check_expert_ids(ids: jax.Array, num_experts: int) -> jax.Array:
+def flag_bad_expert_ids(ids: jax.Array, num_experts: int) -> jax.Array:
   """`debug_check` that ids lie in [0, E); returns `out_of_range(ids, E)`."""
   bad = out_of_range(ids, num_experts)
   if ids.size:

@@ -48,6 +48,8 @@ class FfnOperands:
     w_up: [E, D, F] of rows' dtype.
     w_down: [E, F, D] of rows' dtype.
     activation: a name of `moe_core.ffn.activation` ("silu", "gelu", ...).
+    row_weights: [M] float32 or None: the routing weight of each row, which
+      the down projection applies (`Backend._routing_weights_in_down`).
   """
 
   rows: jax.Array
@@ -56,6 +58,7 @@ class FfnOperands:
   w_up: jax.Array
   w_down: jax.Array
   activation: str
+  row_weights: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,24 +13,41 @@ from moe_core import validation
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Dispatched:
-  """Token copies grouped by expert, and what `combine` needs to undo it.
+class DispatchPlan:
+  """Where `dispatch` puts each token copy, without moving any data.
 
   With T tokens and K choices, there are M = T*K copies, one per
   (token, choice) assignment, numbered a = t*K + k.
 
   Attributes:
-    rows: [M, D] copies sorted by expert (stable, so by token within an
-      expert). Copies dropped by capacity come past sum(group_sizes), and
-      invalid copies last, as rows of NaN.
     group_sizes: [E] int32, rows per expert; sum(group_sizes) <= M.
-    assignment: [M] int32, the assignment a held by each sorted row.
+    assignment: [M] int32, the assignment a held by each sorted row: by
+      expert (stable, so by token within an expert), then the copies
+      dropped by capacity, then the invalid ones.
     position: [M] int32, the inverse: the sorted row of assignment a.
     invalid: [M] bool in assignment order: the copy's expert id was out of
       [0, E) (possible only for traced ids: concrete ones raise). `combine`
       makes such a token's output NaN. sum(group_sizes) + dropped +
       sum(invalid) = M.
     top_k: K, static: combine checks its weights are [T, K] = [M / K, K].
+  """
+
+  group_sizes: jax.Array
+  assignment: jax.Array
+  position: jax.Array
+  invalid: jax.Array
+  top_k: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+  """Token copies grouped by expert, and what `combine` needs to undo it.
+
+  Attributes:
+    rows: [M, D] copies in the plan's order: the dropped copies' rows come
+      past sum(group_sizes), the invalid copies' last, as rows of NaN.
+    group_sizes, assignment, position, invalid, top_k: the `DispatchPlan`'s.
   """
 
   rows: jax.Array
@@ -40,6 +57,21 @@ class Dispatched:
   invalid: jax.Array
   top_k: int = dataclasses.field(default=1, metadata=dict(static=True))
 
+  @classmethod
+  def of(cls, rows: jax.Array, plan: DispatchPlan) -> Dispatched:
+    """The plan's fields with `rows` [M, D] gathered in its order."""
+    return cls(rows=rows, **_plan_fields(plan))
+
+  @property
+  def plan(self) -> DispatchPlan:
+    return DispatchPlan(**_plan_fields(self))
+
+
+def _plan_fields(record) -> dict:
+  return {
+      f.name: getattr(record, f.name) for f in dataclasses.fields(DispatchPlan)
+  }
+
 
 def dispatch(
     x: jax.Array,
@@ -48,6 +80,8 @@ def dispatch(
     kept: jax.Array | None = None,
 ) -> Dispatched:
   """Groups token copies by expert so each expert's rows are contiguous.
+
+  `plan` then `gather`, validated once.
 
   Args:
     x: [T, D] activations.
@@ -60,21 +94,44 @@ def dispatch(
     ValueError; traced ones are marked `invalid` (docs/api.md, "Guarantees").
   """
   validation.check_dispatch(x, expert_ids, num_experts, kept)
-  k = expert_ids.shape[1]
+  return gather_unchecked(x, plan_unchecked(expert_ids, num_experts, kept))
+
+
+def plan(
+    expert_ids: jax.Array, num_experts: int, kept: jax.Array | None = None
+) -> DispatchPlan:
+  """`dispatch`'s sort alone: expert_ids [T, K] -> `DispatchPlan` of M = T*K.
+
+  A backend with its own data movement takes this plan and gathers (and
+  combines) the rows itself. Arguments and errors as `dispatch`'s.
+  """
+  validation.check_plan(expert_ids, num_experts, kept)
+  return plan_unchecked(expert_ids, num_experts, kept)
+
+
+def plan_unchecked(
+    expert_ids: jax.Array, num_experts: int, kept: jax.Array | None
+) -> DispatchPlan:
+  """`plan` on arguments a public entry point has validated."""
   keys, invalid = sort_keys(expert_ids, num_experts, kept)
   assignment = jnp.argsort(keys, stable=True).astype(jnp.int32)
-  position = inverse_permutation(assignment)
   # bincount(length=E) counts only the experts' keys.
   group_sizes = jnp.bincount(keys, length=num_experts).astype(jnp.int32)
-  rows = checks.nan_rows(invalid[assignment], x[assignment // k])
-  return Dispatched(
-      rows=rows,
+  return DispatchPlan(
       group_sizes=group_sizes,
       assignment=assignment,
-      position=position,
+      position=inverse_permutation(assignment),
       invalid=invalid,
-      top_k=k,
+      top_k=expert_ids.shape[1],
   )
+
+
+def gather_unchecked(x: jax.Array, plan: DispatchPlan) -> Dispatched:
+  """x [T, D] -> `Dispatched` with rows [M, D] in the plan's order: each
+  copy's token row, NaN for an invalid copy. The inputs are validated."""
+  rows = x[plan.assignment // plan.top_k]
+  rows = checks.nan_rows(plan.invalid[plan.assignment], rows)
+  return Dispatched.of(rows, plan)
 
 
 def sort_keys(
@@ -95,7 +152,7 @@ def sort_keys(
     (keys [T*K] int32, invalid [T*K] bool), in assignment order t*K + k.
   """
   flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
-  invalid = checks.check_expert_ids(flat_ids, num_experts)
+  invalid = checks.flag_bad_expert_ids(flat_ids, num_experts)
   keys = flat_ids
   if kept is not None:
     keys = jnp.where(kept.reshape(-1), keys, num_experts)
@@ -125,6 +182,16 @@ def combine(
   NaN.
   """
   validation.check_combine(expert_out, dispatched, combine_weights, kept)
+  return combine_unchecked(expert_out, dispatched, combine_weights, kept)
+
+
+def combine_unchecked(
+    expert_out: jax.Array,
+    dispatched: Dispatched | DispatchPlan,
+    combine_weights: jax.Array,
+    kept: jax.Array | None,
+) -> jax.Array:
+  """`combine` on arguments a public entry point has validated."""
   t, k = combine_weights.shape
   per_copy = expert_out[dispatched.position].reshape(t, k, -1)
   per_copy = per_copy.astype(jnp.float32)

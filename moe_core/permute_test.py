@@ -73,6 +73,46 @@ class DispatchTest(parameterized.TestCase):
       np.testing.assert_array_equal(a, b)
 
 
+class PlanTest(parameterized.TestCase):
+  """permute.plan is dispatch's sort without the rows."""
+
+  @parameterized.parameters(False, True)
+  def test_plan_then_gather_is_dispatch(self, drop):
+    x, ids = _case(k=3, seed=4)
+    ids[5, 1] = _E + 2  # An invalid copy: traced, so only under jit.
+    kept = None
+    if drop:
+      kept = jnp.asarray(np.random.default_rng(5).random(ids.shape) > 0.3)
+
+    def split(x, ids, kept):
+      plan = permute.plan(ids, _E, kept)
+      return plan, permute.gather_unchecked(x, plan)
+
+    plan, gathered = jax.jit(split)(jnp.asarray(x), jnp.asarray(ids), kept)
+    want = jax.jit(permute.dispatch, static_argnums=2)(
+        jnp.asarray(x), jnp.asarray(ids), _E, kept
+    )
+    self.assertEqual(plan.top_k, 3)
+    self.assertIsInstance(plan, permute.DispatchPlan)
+    for name in ("group_sizes", "assignment", "position", "invalid"):
+      np.testing.assert_array_equal(getattr(plan, name), getattr(want, name))
+    np.testing.assert_array_equal(gathered.rows, want.rows)  # NaN == NaN.
+    self.assertTrue(np.isnan(np.asarray(gathered.rows)).any())
+    for a, b in zip(jax.tree.leaves(gathered.plan), jax.tree.leaves(plan)):
+      np.testing.assert_array_equal(a, b)
+
+  def test_plan_checks_its_inputs(self):
+    _, ids = _case(k=2)
+    with self.assertRaisesRegex(ValueError, r"expert_ids must lie in \[0"):
+      permute.plan(jnp.asarray(ids).at[0, 0].set(_E), _E)
+    with self.assertRaisesRegex(ValueError, "num_experts must be a positive"):
+      permute.plan(jnp.asarray(ids), 0)
+    with self.assertRaisesRegex(TypeError, "expert_ids must be an integer"):
+      permute.plan(jnp.asarray(ids, jnp.float32), _E)
+    with self.assertRaisesRegex(ValueError, "kept must have"):
+      permute.plan(jnp.asarray(ids), _E, jnp.ones((3, 2), bool))
+
+
 class CombineTest(parameterized.TestCase):
 
   def test_round_trip_top1_weight_one(self):

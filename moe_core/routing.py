@@ -159,12 +159,16 @@ def router_scores(
     correction_bias: [E] float32, required iff `cfg.correction_bias`.
   """
   validation.check_route(x, router, cfg, correction_bias)
-  if cfg.correction_bias != (correction_bias is not None):
-    raise ValueError(
-        "correction_bias must be given iff cfg.correction_bias is True, got "
-        f"cfg.correction_bias={cfg.correction_bias}, correction_bias="
-        f"{'None' if correction_bias is None else 'an array'}."
-    )
+  return router_scores_unchecked(x, router, cfg, correction_bias)
+
+
+def router_scores_unchecked(
+    x: jax.Array,
+    router: jax.Array,
+    cfg: config_lib.MoEConfig,
+    correction_bias: jax.Array | None,
+) -> RouterScores:
+  """`router_scores` on validated arguments."""
   logits = router_logits(x, router)
   if cfg.score_func == "softmax":
     scores = jax.nn.softmax(logits, axis=-1)
@@ -190,9 +194,20 @@ def route(
 ) -> MoEAux:
   """Routes tokens: x [T, D], router [D, E] -> `MoEAux`, all in float32.
 
-  The arguments are `router_scores`'s, which checks them.
+  The arguments are `router_scores`'s, checked as there.
   """
-  scored = router_scores(x, router, cfg, correction_bias)
+  validation.check_route(x, router, cfg, correction_bias)
+  return route_unchecked(x, router, cfg, correction_bias)
+
+
+def route_unchecked(
+    x: jax.Array,
+    router: jax.Array,
+    cfg: config_lib.MoEConfig,
+    correction_bias: jax.Array | None,
+) -> MoEAux:
+  """`route` on validated arguments."""
+  scored = router_scores_unchecked(x, router, cfg, correction_bias)
   expert_ids = select_experts(scored.scores, cfg, scored.bias)
   if cfg.norm_topk_prob:
     weights = _renormalised_weights(scored.logits, expert_ids, cfg)

@@ -28,6 +28,14 @@ def check_config(cfg) -> None:
     raise TypeError(f"cfg must be a moe_core.MoEConfig, got {type(cfg)}.")
 
 
+def check_moe_layer(params, x, cfg) -> None:
+  """moe_layer's params (every one the config needs, exact shapes), tokens
+  x [..., D] and config."""
+  check_config(cfg)
+  check_params(params, cfg)
+  check_tokens(x, cfg)
+
+
 def check_tokens(x, cfg: config_lib.MoEConfig, *, name: str = "x") -> None:
   """x: [..., D] floating activations with at least one token."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -213,6 +221,12 @@ def check_route(x, router, cfg: config_lib.MoEConfig, correction_bias) -> None:
   check_array(router, "router", (cfg.hidden_size, cfg.num_experts))
   if correction_bias is not None:
     check_array(correction_bias, "correction_bias", (cfg.num_experts,))
+  if cfg.correction_bias != (correction_bias is not None):
+    raise ValueError(
+        "correction_bias must be given iff cfg.correction_bias is True, got "
+        f"cfg.correction_bias={cfg.correction_bias}, correction_bias="
+        f"{'None' if correction_bias is None else 'an array'}."
+    )
 
 
 def check_expert_ids_in_range(expert_ids, num_experts: int) -> None:
@@ -235,33 +249,59 @@ def check_expert_ids_in_range(expert_ids, num_experts: int) -> None:
 
 def check_dispatch(x, expert_ids, num_experts, kept) -> None:
   """dispatch's x [T, D], expert_ids [T, K] int, kept [T, K] bool or None."""
+  check_plan(expert_ids, num_experts, kept)
+  check_is_array(x, "x")
+  if x.ndim != 2:
+    raise ValueError(f"x must be 2-D, got x.shape={tuple(x.shape)}.")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"x must be floating point, got dtype {_dtype_name(x)}.")
+  if expert_ids.shape[0] != x.shape[0]:
+    raise ValueError(
+        "dispatch needs one expert_ids row per token, got "
+        f"x.shape={tuple(x.shape)}, "
+        f"expert_ids.shape={tuple(expert_ids.shape)}."
+    )
+
+
+def check_dispatch_stage(x, aux, cfg: config_lib.MoEConfig) -> None:
+  """Backend.dispatch's x [T, D], `MoEAux` and config."""
+  check_config(cfg)
+  check_aux(aux)
+  kept = None if cfg.dropless else aux.kept
+  check_dispatch(x, aux.expert_ids, cfg.num_experts, kept)
+
+
+def check_combine_stage(
+    expert_out, dispatched, aux, cfg: config_lib.MoEConfig
+) -> None:
+  """Backend.combine's expert_out [T*K, D], `Dispatched`, aux and config."""
+  check_config(cfg)
+  check_aux(aux)
+  kept = None if cfg.dropless else aux.kept
+  check_combine(expert_out, dispatched, aux.combine_weights, kept)
+
+
+def check_plan(expert_ids, num_experts, kept) -> None:
+  """permute.plan's expert_ids [T, K] int, num_experts, kept [T, K] bool or
+  None; concrete ids must lie in [0, num_experts)."""
   if (
       isinstance(num_experts, bool)
       or not isinstance(num_experts, (int, np.integer))
       or num_experts < 1
   ):
     raise ValueError(
-        f"num_experts must be a positive int, got " f"{num_experts!r}."
+        f"num_experts must be a positive int, got {num_experts!r}."
     )
-  for name, arr in (("x", x), ("expert_ids", expert_ids)):
-    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-      raise TypeError(f"{name} must be an array, got {type(arr)}.")
-    if arr.ndim != 2:
-      raise ValueError(
-          f"{name} must be 2-D, got {name}.shape=" f"{tuple(arr.shape)}."
-      )
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"x must be floating point, got dtype {_dtype_name(x)}.")
+  check_is_array(expert_ids, "expert_ids")
+  if expert_ids.ndim != 2:
+    raise ValueError(
+        "expert_ids must be 2-D, got "
+        f"expert_ids.shape={tuple(expert_ids.shape)}."
+    )
   if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise TypeError(
         "expert_ids must be an integer (int32) array, got dtype "
         f"{_dtype_name(expert_ids)}."
-    )
-  if expert_ids.shape[0] != x.shape[0]:
-    raise ValueError(
-        "dispatch needs one expert_ids row per token, got "
-        f"x.shape={tuple(x.shape)}, "
-        f"expert_ids.shape={tuple(expert_ids.shape)}."
     )
   if kept is not None:
     check_kept(kept, tuple(expert_ids.shape), "expert_ids'")
@@ -488,13 +528,16 @@ def check_expert_ffn(
 def check_routed_experts(
     x, aux, cfg: config_lib.MoEConfig, params: dict | None = None
 ) -> None:
-  """routed_experts' tokens [T, D], the routing decision [T, K] and, if
-  given, the expert weights of all E experts. The ids' values are checked
-  where they are consumed (dispatch, or the reference's mixture)."""
+  """routed_experts' tokens [T, D], the routing decision [T, K] (concrete
+  ids in [0, E), kept where the config has a capacity) and, if given, the
+  expert weights of all E experts: everything the block's stages take."""
   check_config(cfg)
   check_token_matrix(x, cfg, "routed_experts")
   check_aux(aux)
   check_routing(aux.expert_ids, aux.combine_weights, x.shape[0], cfg)
+  check_plan(
+      aux.expert_ids, cfg.num_experts, None if cfg.dropless else aux.kept
+  )
   if params is not None:
     num_local = check_expert_weights(params, cfg)
     if num_local != cfg.num_experts:

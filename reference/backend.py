@@ -124,8 +124,12 @@ def dense_mixture(
   silently: concrete ones raise, traced ones make the token's row NaN.
   """
   validation.check_routed_experts(x, aux, cfg, params)
-  validation.check_expert_ids_in_range(aux.expert_ids, cfg.num_experts)
-  invalid = checks.check_expert_ids(aux.expert_ids, cfg.num_experts)
+  return _dense_mixture(params, x, aux, cfg)
+
+
+def _dense_mixture(params, x, aux, cfg) -> jax.Array:
+  """`dense_mixture` on validated arguments."""
+  invalid = checks.flag_bad_expert_ids(aux.expert_ids, cfg.num_experts)
   chosen = jax.nn.one_hot(
       aux.expert_ids, cfg.num_experts, dtype=jnp.float32
   )  # [T, K, E]
@@ -182,6 +186,6 @@ class ReferenceBackend(backend.Backend):
         ),
     )
 
-  def routed_experts(self, params, x, aux, cfg):
+  def _routed_experts(self, params, x, aux, cfg):
     """`dense_mixture` (the types are Backend.routed_experts's)."""
-    return dense_mixture(params, x, aux, cfg)
+    return _dense_mixture(params, x, aux, cfg)

@@ -51,6 +51,23 @@ class Plan(NamedTuple):
   kept: jax.Array
   invalid: jax.Array
 
+  @classmethod
+  def of(cls, plan, kept: jax.Array | None) -> Plan:
+    """The kernels' form of a `moe_core.permute.DispatchPlan` (or a
+    `Dispatched`) and its kept [T, K] bool (None: dropless)."""
+    num_copies = plan.position.shape[0]
+    kept_flags = (
+        jnp.ones((num_copies,), jnp.int8)
+        if kept is None
+        else kept.reshape(-1).astype(jnp.int8)
+    )
+    return cls(
+        assignment=plan.assignment,
+        position=plan.position,
+        kept=kept_flags,
+        invalid=plan.invalid.astype(jnp.int8),
+    )
+
 
 class PermutationKernels(abc.ABC):
   """A backend's permutation kernels; `moe_core.kernels.permutation`

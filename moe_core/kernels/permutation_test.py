@@ -33,21 +33,9 @@ def _setup(seed=0, drop=False, invalid=False):
   return x, ids, weights, kept, keys[3]
 
 
-def _plan(d: permute.Dispatched, kept):
-  flags = (
-      jnp.ones(d.position.shape, jnp.int8)
-      if kept is None
-      else kept.reshape(-1).astype(jnp.int8)
-  )
-  return permutation.Plan(
-      d.assignment, d.position, flags, d.invalid.astype(jnp.int8)
-  )
-
-
 def _ours(x, rows_scale, weights, ids, kept):
   """dispatch -> a row-wise op -> combine through the primitive."""
-  d = permute.dispatch(x[:, :0], ids, E, kept)  # The plan only.
-  plan = _plan(d, kept)
+  plan = permutation.Plan.of(permute.plan(ids, E, kept), kept)
   rows = permutation.gather(KERNELS, x, plan, top_k=K)
   rows = jnp.tanh(rows * rows_scale)
   return permutation.combine(KERNELS, rows, weights, plan, top_k=K)
@@ -152,9 +140,9 @@ class PermutationTest(parameterized.TestCase):
 
   def test_bad_kernels_are_refused(self):
     x, ids, _, _, _ = _setup()
-    d = permute.dispatch(x, ids, E)
+    plan = permutation.Plan.of(permute.plan(ids, E), None)
     with self.assertRaisesRegex(TypeError, "kernels must be a Permutation"):
-      permutation.gather(object(), x, _plan(d, None), top_k=K)
+      permutation.gather(object(), x, plan, top_k=K)
 
 
 if __name__ == "__main__":

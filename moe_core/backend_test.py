@@ -1,0 +1,112 @@
+"""Backend's template: validation once, and the routing-weights hook."""
+
+import collections
+import dataclasses
+import sys
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import moe_core
+from moe_core import validation
+from backends.xla import backend as xla_backend
+
+_CFG = moe_core.MoEConfig(
+    num_experts=4, top_k=2, hidden_size=8, expert_ffn_size=16
+)
+
+
+def _inputs():
+  params = moe_core.init_params(jax.random.key(0), _CFG)
+  x = jax.random.normal(jax.random.key(1), (6, 8))
+  aux = moe_core.route(x, params["router"], _CFG)
+  return params, x, aux
+
+
+class _WeightsInDown(xla_backend.XlaBackend):
+  """The xla backend with the routing weights in the down projection (the
+  default `_down`, which scales its rows)."""
+
+  name = "xla_weights_in_down"
+  downs_with_weights = 0  # Traces of `_down` that got the row weights.
+
+  def _routing_weights_in_down(self, cfg, dtype):
+    return True
+
+  def _down(self, h, ffn_in):
+    type(self).downs_with_weights += ffn_in.row_weights is not None
+    return super()._down(h, ffn_in)
+
+
+def _validation_entries(fn) -> collections.Counter:
+  """Calls fn(); counts the calls into moe_core/validation.py from outside
+  it, by function name."""
+  entries = collections.Counter()
+
+  def profile(frame, event, arg):
+    del arg
+    code = frame.f_code
+    if (
+        event == "call"
+        and code.co_filename == validation.__file__
+        and frame.f_back.f_code.co_filename != validation.__file__
+    ):
+      entries[code.co_name] += 1
+
+  sys.setprofile(profile)
+  try:
+    fn()
+  finally:
+    sys.setprofile(None)
+  return entries
+
+
+class ValidateOnceTest(absltest.TestCase):
+
+  def test_each_public_entry_validates_once(self):
+    params, x, aux = _inputs()
+    backend = moe_core.get_backend("xla")
+    self.assertEqual(
+        _validation_entries(
+            lambda: backend.routed_experts(params, x, aux, _CFG)
+        ),
+        {"check_routed_experts": 1},
+    )
+    self.assertEqual(
+        _validation_entries(
+            lambda: moe_core.moe_layer(params, x, _CFG, backend="xla")
+        ),
+        {"check_moe_layer": 1},
+    )
+
+
+class RoutingWeightsInDownTest(absltest.TestCase):
+
+  def test_same_block_output_and_gradients(self):
+    params, x, aux = _inputs()
+
+    def loss(backend):
+      def f(params, x):
+        return jnp.sum(jnp.sin(backend.routed_experts(params, x, aux, _CFG)))
+
+      return jax.jit(jax.value_and_grad(f, (0, 1)))(params, x)
+
+    got = loss(_WeightsInDown())
+    self.assertGreater(_WeightsInDown.downs_with_weights, 0)
+    want = loss(moe_core.get_backend("xla"))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+  def test_a_nan_weight_still_makes_its_token_nan(self):
+    params, x, aux = _inputs()
+    weights = aux.combine_weights.at[2, 1].set(jnp.nan)
+    aux = dataclasses.replace(aux, combine_weights=weights)
+    y = np.asarray(_WeightsInDown().routed_experts(params, x, aux, _CFG))
+    self.assertTrue(np.isnan(y[2]).all())
+    self.assertFalse(np.isnan(np.delete(y, 2, axis=0)).any())
+
+
+if __name__ == "__main__":
+  absltest.main()
