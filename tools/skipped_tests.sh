@@ -10,7 +10,8 @@ logs="bazel-testlogs${1:+/$1}"
 if [[ ! -d "$logs" ]]; then
   exit 0
 fi
-# absltest writes "[  SKIPPED ] Class.test_name - reason" for each skip.
+# absltest writes "[  SKIPPED ] Class.test_name - reason" for each skip, and
+# "[  SKIPPED ] Class.test_name0 (params) - reason" for a parameterized one.
 skips="$(find -L "$logs" -name test.log -print0 2>/dev/null \
   | xargs -0 -r grep -h '^\[  SKIPPED \] ' 2>/dev/null \
   | sed -e 's/^\[  SKIPPED \] //' | sort -u)"
@@ -19,5 +20,5 @@ if [[ -z "$skips" ]]; then
   exit 0
 fi
 echo "skipped tests: $(wc -l <<<"$skips"), by reason:"
-sed -e 's/^[^ ]* - //' <<<"$skips" | sort | uniq -c | sort -rn \
+sed -E -e 's/^[^ ]+( \([^)]*\))? - //' <<<"$skips" | sort | uniq -c | sort -rn \
   | sed -e 's/^ */  /'
