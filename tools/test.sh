@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Sets up the machine (tools/setup.sh), then runs every Bazel test under one
 # leg's Python (default: the newest leg this machine has, see tools/legs.sh),
-# then lists skipped tests with their reasons. Exits with bazel's code.
+# then lists skipped tests with their reasons and the targets whose tests all
+# skipped (tools/whole_skips.py). Exits with bazel's code, or 1 if bazel
+# passed but a target skipped wholly without declaring it for this machine
+# (a `skips-without-<what>` tag).
 #
 #   tools/test.sh [--leg=LEG] [--matrix] [bazel test arguments...]
 #
@@ -76,9 +79,15 @@ DROPLESS_VENV_STAMP="$(cat "$venv/.requirements.sha256")"
 export DROPLESS_VENV_STAMP
 
 echo "test: PYTHON_BIN_PATH=$PYTHON_BIN_PATH bazel test //... ${cache_args[*]} ${bazel_args[*]}" >&2
+# The run's build events: which targets it tested, their tags and logs.
+bep="$(mktemp)"
+trap 'rm -f "$bep"' EXIT
 rc=0
-bazel test //... "${cache_args[@]}" "${bazel_args[@]}" || rc=$?
+bazel test //... "${cache_args[@]}" "${bazel_args[@]}" \
+  --build_event_json_file="$bep" || rc=$?
 # Bazel reports a target whose tests all skipped as PASSED: say what did not
-# run, and why.
+# run, and why; a target that ran nothing and does not declare it for this
+# machine fails the run (when bazel itself passed).
 tools/skipped_tests.sh || true
+"$PYTHON_BIN_PATH" tools/whole_skips.py "$bep" || rc=$(( rc ? rc : 1 ))
 exit "$rc"

@@ -13,7 +13,8 @@
 #   conformance_test(_ep)  the shared suite, which skips on a CPU with the
 #                  backend's reason.
 # DROPLESS_EXPECT_TE=1 turns "TE is not installed" from a skip into a
-# failure there. Exits with bazel's code.
+# failure there. Exits with bazel's code, or 1 if a target skipped wholly
+# without declaring it (tools/whole_skips.py).
 #
 #   tools/test_te.sh [bazel test arguments...]
 set -euo pipefail
@@ -36,8 +37,11 @@ export DROPLESS_VENV_STAMP
 jax_cache="$PWD/.cache/jax/$(basename "$venv")"
 mkdir -p "$jax_cache"
 echo "test_te: PYTHON_BIN_PATH=$python bazel test //backends/te/..." >&2
+bep="$(mktemp)"
+trap 'rm -f "$bep"' EXIT
 rc=0
 bazel test //backends/te/... \
+  --build_event_json_file="$bep" \
   --test_env=LD_LIBRARY_PATH="$libs" \
   --test_env=JAX_PLATFORMS=cpu \
   --test_env=DROPLESS_EXPECT_TE=1 \
@@ -45,4 +49,6 @@ bazel test //backends/te/... \
   --test_env=JAX_COMPILATION_CACHE_DIR="$jax_cache" \
   "$@" || rc=$?
 tools/skipped_tests.sh backends/te || true
+# As tools/test.sh: an undeclared whole skip fails the step.
+"$python" tools/whole_skips.py "$bep" || rc=$(( rc ? rc : 1 ))
 exit "$rc"
