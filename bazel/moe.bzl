@@ -141,7 +141,8 @@ def moe_conformance_test(
         tags = [],
         device = "cpu",
         oldest_leg = True,
-        oldest_leg_ep = True):
+        oldest_leg_ep = True,
+        ep = True):
     """Runs the shared conformance suite against one backend.
 
     One BUILD line per backend folder, e.g. in backends/xla/BUILD:
@@ -157,7 +158,7 @@ def moe_conformance_test(
                   simulated devices: the same file with CONFORMANCE_EP=1 in
                   its environment, which makes `suite.main()` run the
                   ExpertParallelTest classes;
-      <name>_all  a test_suite of both.
+      <name>_all  a test_suite of both (of <name> alone with ep = False).
 
     Args:
       name: target name.
@@ -178,6 +179,8 @@ def moe_conformance_test(
         checks on the oldest leg (a second configuration of a backend, or
         kernels that have their own matrix tests).
       oldest_leg_ep: the same for <name>_ep.
+      ep: False makes no <name>_ep: for a configuration whose EP suites
+        cannot run anywhere (a target that only skips cannot fail).
     """
     if not srcs or type(srcs) != "list":
         fail("moe_conformance_test %r: srcs must list the test file, " % name +
@@ -214,16 +217,17 @@ def moe_conformance_test(
 
     # Expert parallelism in a target of its own: the device count is fixed
     # when jax starts. The variable is conformance/suite.py's EP_ENV.
-    moe_py_test(
-        name = name + "_ep",
-        devices = 8,
-        env = {"CONFORMANCE_EP": "1"},
-        **dict(common, tags = tags + ([] if oldest_leg_ep else oldest_leg_tag))
-    )
+    if ep:
+        moe_py_test(
+            name = name + "_ep",
+            devices = 8,
+            env = {"CONFORMANCE_EP": "1"},
+            **dict(common, tags = tags + ([] if oldest_leg_ep else oldest_leg_tag))
+        )
 
     native.test_suite(
         name = name + "_all",
-        tests = [":" + name, ":" + name + "_ep"],
+        tests = [":" + name] + ([":" + name + "_ep"] if ep else []),
         # A `manual` suite stays manual: a test_suite found by `//...`
         # would otherwise run the tests it lists, manual or not.
         tags = ["manual"] if "manual" in tags else [],
