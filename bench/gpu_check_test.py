@@ -7,6 +7,10 @@ passes the conformance tests it is given and is timed; the JSON is checked.
 Then what needs no compile: the program table follows the registry, the
 GPU-only conformance cases cover the tiles the timing runs, the ratios and
 goals, and the carried jax-triton wheel.
+
+The triton variants' dry run (TritonDryRunTest) interprets their kernels in
+Triton's interpreter, which needs torch: the leg that has it runs that class
+alone (//bench:gpu_check_triton_test); //bench:gpu_check_test runs the rest.
 """
 
 import contextlib
@@ -48,6 +52,15 @@ def _has_plugin() -> bool:
 
 
 _HAS_PLUGIN = _has_plugin()
+# The triton variants, each with its kernels interpreted: the default
+# (forward and backward), the unfused activation and the fused routing
+# weights, and a grouped GEMM with its dense baseline.
+_TRITON_PROGRAMS = (
+    "mixtral_8x7b/triton/fwd_bwd",
+    "mixtral_8x7b/triton_unfused_act/fwd",
+    "mixtral_8x7b/triton_fused_routing/fwd",
+    "deepseek_v3_gemm/triton/fwd",
+)
 # A variant that cannot be built (tiles must be powers of two): its
 # programs must fail, recorded, while the others run.
 _BROKEN = programs.Variant(
@@ -149,6 +162,72 @@ class DryRunTest(absltest.TestCase):
         r"mosaic_gpu_v2\n",
     )
     self.assertRegex(log, r"ok   deepseek_v3/xla/fwd: no custom calls\n")
+
+
+class TritonDryRunTest(absltest.TestCase):
+
+  def test_dry_run_interprets_the_triton_variants(self):
+    triton = {v.name: v for v in programs.variants()}["triton"]
+    ok, why = triton.build(interpret=True).availability()
+    if not ok:
+      self.skipTest(why)
+    out_dir = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, out_dir, ignore_errors=True)
+    code = gpu_check.main(
+        [
+            "--dry_run",
+            f"--out_dir={out_dir}",
+            f"--programs={','.join(_TRITON_PROGRAMS)}",
+            "--compile_workers=1",
+            "--conformance_variants=triton",
+            "--conformance_filter=test_forward_matches_numpy_and_reference"
+            "_bf16_full",
+        ]
+    )
+    (path,) = glob.glob(os.path.join(out_dir, "gpu_dryrun_*.json"))
+    with open(path) as fh:
+      report = json.load(fh)
+    self.assertEqual((code, report["failures"]), (0, []))
+    selected = programs.select(",".join(_TRITON_PROGRAMS))
+    self.assertCountEqual(report["programs"], _TRITON_PROGRAMS)
+    self.assertLen(report["compile"], len(selected))
+    for program, entry in zip(selected, report["compile"]):
+      name = program.name
+      self.assertEqual(entry["program"], name)
+      self.assertGreater(entry["device"]["peak_bytes"], 0, name)
+      # Deviceless, through jax-triton where it is installed; else the
+      # named exception, with its reason.
+      deviceless = entry["deviceless"]
+      reason = programs.exception("h200", program)
+      if reason is None:
+        self.assertEqual(deviceless["status"], "ok", name)
+        self.assertIn(
+            programs.JAX_TRITON_CALL, str(deviceless["custom_calls"]), name
+        )
+      else:
+        self.assertEqual(
+            (deviceless["status"], deviceless["reason"]),
+            ("exception", reason),
+            name,
+        )
+    (conformance,) = report["conformance"]
+    self.assertEqual(
+        (conformance["variant"], conformance["status"], conformance["ran"]),
+        ("triton", "passed", 1),
+        conformance,
+    )
+    timed = {r["program"]: r for r in report["timing"]}
+    self.assertEqual(
+        sorted(timed),
+        sorted(_TRITON_PROGRAMS + ("deepseek_v3_gemm/dense/fwd",)),
+    )
+    for row in timed.values():
+      self.assertGreater(row["seconds"], 0, row)
+      self.assertTrue(row["finite"], row)
+    self.assertIn(
+        "triton fwd time / dense: >= 0.6x dense cuBLAS",
+        [g["goal"] for g in report["goals"]],
+    )
 
 
 class TableTest(absltest.TestCase):
