@@ -299,14 +299,7 @@ class Backend(abc.ABC):
     validation.check_expert_ffn(rows, group_sizes, params, cfg)
     return self._expert_ffn(rows, group_sizes, params, cfg)
 
-  def _expert_ffn(
-      self,
-      rows: jax.Array,
-      group_sizes: jax.Array,
-      params: dict,
-      cfg: config_lib.MoEConfig,
-      row_weights: jax.Array | None = None,
-  ) -> jax.Array:
+  def _expert_ffn(self, rows, group_sizes, params, cfg, row_weights=None):
     """`expert_ffn` on validated arguments; with row_weights [M] float32,
     each output row r is scaled by row_weights[r] in the down projection
     (`_down`), before the cast to rows' dtype."""
@@ -439,16 +432,11 @@ class Backend(abc.ABC):
     validation.check_route(x, router, cfg, correction_bias)
     return self._route(x, router, cfg, correction_bias)
 
-  def _route(
-      self,
-      x: jax.Array,
-      router: jax.Array,
-      cfg: config_lib.MoEConfig,
-      correction_bias: jax.Array | None,
-  ) -> routing.MoEAux:
-    """`route` on validated arguments: `routing.route`'s by default. A
-    backend with its own router overrides this and returns the same
-    `MoEAux` fields with `routing.route`'s meaning (or falls back to it)."""
+  def _route(self, x, router, cfg, correction_bias) -> routing.MoEAux:
+    """`route` on validated arguments (of its types): `routing.route`'s
+    by default. A backend with its own router overrides this and returns
+    the same `MoEAux` fields with `routing.route`'s meaning (or falls back
+    to it)."""
     return routing.route_unchecked(x, router, cfg, correction_bias)
 
   # --- Dispatch and combine -------------------------------------------------

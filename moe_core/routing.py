@@ -162,13 +162,8 @@ def router_scores(
   return router_scores_unchecked(x, router, cfg, correction_bias)
 
 
-def router_scores_unchecked(
-    x: jax.Array,
-    router: jax.Array,
-    cfg: config_lib.MoEConfig,
-    correction_bias: jax.Array | None,
-) -> RouterScores:
-  """`router_scores` on validated arguments."""
+def router_scores_unchecked(x, router, cfg, correction_bias) -> RouterScores:
+  """`router_scores` on validated arguments (of its types)."""
   logits = router_logits(x, router)
   if cfg.score_func == "softmax":
     scores = jax.nn.softmax(logits, axis=-1)
@@ -200,13 +195,8 @@ def route(
   return route_unchecked(x, router, cfg, correction_bias)
 
 
-def route_unchecked(
-    x: jax.Array,
-    router: jax.Array,
-    cfg: config_lib.MoEConfig,
-    correction_bias: jax.Array | None,
-) -> MoEAux:
-  """`route` on validated arguments."""
+def route_unchecked(x, router, cfg, correction_bias) -> MoEAux:
+  """`route` on validated arguments (of its types)."""
   scored = router_scores_unchecked(x, router, cfg, correction_bias)
   expert_ids = select_experts(scored.scores, cfg, scored.bias)
   if cfg.norm_topk_prob:

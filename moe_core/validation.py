@@ -45,10 +45,7 @@ def check_tokens(x, cfg: config_lib.MoEConfig, *, name: str = "x") -> None:
         f"{name} must have shape [..., hidden_size={cfg.hidden_size}], got "
         f"{name}.shape={tuple(x.shape)}."
     )
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(
-        f"{name} must be floating point, got dtype " f"{_dtype_name(x)}."
-    )
+  check_floating(x, name)
   if x.size == 0:
     raise ValueError(
         f"{name} must hold at least one token, got "
@@ -71,11 +68,7 @@ def check_params(params, cfg: config_lib.MoEConfig) -> None:
     got = tuple(getattr(params[name], "shape", ()))
     if got != shape:
       raise ValueError(f"params[{name!r}] must have shape {shape}, got {got}.")
-    if not jnp.issubdtype(params[name].dtype, jnp.floating):
-      raise TypeError(
-          f"params[{name!r}] must be floating point, got dtype "
-          f"{_dtype_name(params[name])}."
-      )
+    check_floating(params[name], f"params[{name!r}]")
   extra = sorted(set(params) - set(expected))
   if extra:
     # A stray correction_bias or shared expert would be silently ignored.
@@ -113,10 +106,7 @@ def check_grouped_gemm(
   for name, arr in (("rows", rows), ("weights", weights)):
     if not hasattr(arr, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(arr)}.")
-    if not jnp.issubdtype(arr.dtype, jnp.floating):
-      raise TypeError(
-          f"{name} must be floating point, got dtype " f"{_dtype_name(arr)}."
-      )
+    check_floating(arr, name)
   if rows.ndim != 2:
     raise ValueError(f"rows must be 2-D [M, C], got rows.shape={rows.shape}.")
   if weights.ndim != 3:
@@ -198,10 +188,8 @@ def check_array(
         f"{name} must have shape {tuple(shape)}, got "
         f"{name}.shape={tuple(x.shape)}."
     )
-  if floating and not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(
-        f"{name} must be floating point, got dtype " f"{_dtype_name(x)}."
-    )
+  if floating:
+    check_floating(x, name)
 
 
 def check_token_matrix(x, cfg: config_lib.MoEConfig, caller: str) -> None:
@@ -253,8 +241,7 @@ def check_dispatch(x, expert_ids, num_experts, kept) -> None:
   check_is_array(x, "x")
   if x.ndim != 2:
     raise ValueError(f"x must be 2-D, got x.shape={tuple(x.shape)}.")
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"x must be floating point, got dtype {_dtype_name(x)}.")
+  check_floating(x, "x")
   if expert_ids.shape[0] != x.shape[0]:
     raise ValueError(
         "dispatch needs one expert_ids row per token, got "
@@ -265,9 +252,7 @@ def check_dispatch(x, expert_ids, num_experts, kept) -> None:
 
 def check_dispatch_stage(x, aux, cfg: config_lib.MoEConfig) -> None:
   """Backend.dispatch's x [T, D], `MoEAux` and config."""
-  check_config(cfg)
-  check_aux(aux)
-  kept = None if cfg.dropless else aux.kept
+  kept = _stage_kept(aux, cfg)
   check_dispatch(x, aux.expert_ids, cfg.num_experts, kept)
 
 
@@ -275,10 +260,16 @@ def check_combine_stage(
     expert_out, dispatched, aux, cfg: config_lib.MoEConfig
 ) -> None:
   """Backend.combine's expert_out [T*K, D], `Dispatched`, aux and config."""
+  kept = _stage_kept(aux, cfg)
+  check_combine(expert_out, dispatched, aux.combine_weights, kept)
+
+
+def _stage_kept(aux, cfg):
+  """Checks a Backend stage's config and aux; the kept [T, K] it uses (None
+  for a dropless config)."""
   check_config(cfg)
   check_aux(aux)
-  kept = None if cfg.dropless else aux.kept
-  check_combine(expert_out, dispatched, aux.combine_weights, kept)
+  return None if cfg.dropless else aux.kept
 
 
 def check_plan(expert_ids, num_experts, kept) -> None:
@@ -316,11 +307,7 @@ def check_combine(expert_out, dispatched, combine_weights, kept) -> None:
     raise ValueError(
         f"expert_out must be 2-D [M, D], got {tuple(expert_out.shape)}."
     )
-  if not jnp.issubdtype(expert_out.dtype, jnp.floating):
-    raise TypeError(
-        "expert_out must be floating point, got dtype "
-        f"{_dtype_name(expert_out)}."
-    )
+  check_floating(expert_out, "expert_out")
   if not hasattr(dispatched, "position"):
     raise TypeError(
         "dispatched must be the moe_core.Dispatched of dispatch, got "
@@ -340,11 +327,7 @@ def check_combine(expert_out, dispatched, combine_weights, kept) -> None:
         f"combine_weights must have the dispatched shape [T, K]={want}, got "
         f"combine_weights.shape={tuple(combine_weights.shape)}."
     )
-  if not jnp.issubdtype(combine_weights.dtype, jnp.floating):
-    raise TypeError(
-        "combine_weights must be floating point, got dtype "
-        f"{_dtype_name(combine_weights)}."
-    )
+  check_floating(combine_weights, "combine_weights")
   if kept is not None:
     check_kept(kept, want, "combine_weights'")
 
@@ -386,11 +369,7 @@ def check_python_number(name: str, value, *, minimum: float) -> None:
 def check_correction_bias_update(correction_bias, tokens_per_expert, rate):
   """update_correction_bias's bias [E], counts [..., E] and rate >= 0."""
   check_is_array(correction_bias, "correction_bias")
-  if not jnp.issubdtype(correction_bias.dtype, jnp.floating):
-    raise TypeError(
-        "correction_bias must be floating point, got dtype "
-        f"{_dtype_name(correction_bias)}."
-    )
+  check_floating(correction_bias, "correction_bias")
   if correction_bias.ndim != 1:
     raise ValueError(
         "correction_bias must be 1-D [E], got shape "
@@ -433,6 +412,14 @@ def check_correction_bias_update(correction_bias, tokens_per_expert, rate):
       )
 
 
+def check_floating(x, name: str) -> None:
+  """x's dtype is floating point (TypeError naming `name` otherwise)."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(
+        f"{name} must be floating point, got dtype {_dtype_name(x)}."
+    )
+
+
 def check_is_array(x, name: str) -> None:
   """x has a shape and a dtype (a jax or numpy array, or a tracer)."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -470,11 +457,7 @@ def check_expert_weights(params, cfg: config_lib.MoEConfig) -> int:
           f"and w_up, [E, F, D] for w_down, with D={d}, F={f} and the "
           f"{num_local} experts of w_gate), got {got}."
       )
-    if not jnp.issubdtype(params[name].dtype, jnp.floating):
-      raise TypeError(
-          f"params[{name!r}] must be floating point, got dtype "
-          f"{_dtype_name(params[name])}."
-      )
+    check_floating(params[name], f"params[{name!r}]")
   if num_local < 1:
     raise ValueError(
         "params['w_gate'] must hold at least one expert, got shape "
@@ -516,10 +499,7 @@ def check_expert_ffn(
         f"rows must have shape [M, hidden_size={cfg.hidden_size}], got "
         f"rows.shape={tuple(rows.shape)}."
     )
-  if not jnp.issubdtype(rows.dtype, jnp.floating):
-    raise TypeError(
-        f"rows must be floating point, got dtype {_dtype_name(rows)}."
-    )
+  check_floating(rows, "rows")
   num_local = check_expert_weights(params, cfg)
   check_group_sizes(group_sizes, num_local)
   check_group_sizes_fit(group_sizes, rows.shape[0])

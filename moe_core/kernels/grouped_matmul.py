@@ -123,17 +123,11 @@ class GroupedKernels:
     return out
 
   def gmm_products(
-      self,
-      lhs: Sequence[jax.Array],
-      rhs: Sequence[jax.Array],
-      group_sizes: jax.Array,
-      *,
-      products: Products,
-      transpose_rhs: bool,
-      out_dtypes: Sequence[np.dtype],
+      self, lhs, rhs, group_sizes, *, products, transpose_rhs, out_dtypes
   ) -> tuple[jax.Array, ...]:
     """Each out[o] = the sum of its products: one `fused_gmm` call where
-    the outputs share a dtype, else one `gmm` per product."""
+    the outputs share a dtype, else one `gmm` per product. The arguments
+    are the module's `gmm_products`'s."""
     if self.fused_gmm is not None and len(set(out_dtypes)) == 1:
       return self.fused_gmm(
           tuple(lhs),
@@ -150,17 +144,11 @@ class GroupedKernels:
     )
 
   def tgmm_products(
-      self,
-      lhs: Sequence[jax.Array],
-      rhs: Sequence[jax.Array],
-      group_sizes: jax.Array,
-      *,
-      products: Products,
-      num_groups: int,
-      out_dtypes: Sequence[np.dtype],
+      self, lhs, rhs, group_sizes, *, products, num_groups, out_dtypes
   ) -> tuple[jax.Array, ...]:
     """Each out[o] = the sum of its products: one `fused_tgmm` call where
-    one lhs meets one rhs per output in one dtype, else one `tgmm` each."""
+    one lhs meets one rhs per output in one dtype, else one `tgmm` each.
+    The arguments are the module's `tgmm_products`'s."""
     by_output = sorted(products, key=lambda p: p[2])
     if (
         self.fused_tgmm is not None
