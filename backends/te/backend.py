@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import ClassVar
 
@@ -17,7 +16,6 @@ from moe_core import backend
 from moe_core import config as config_lib
 from moe_core import operands
 from moe_core import precision as precision_lib
-from moe_core import quantized_gemm
 from moe_core import routing
 from moe_core import validation
 
@@ -48,9 +46,9 @@ class TEBackend(backend.Backend):
                where `router_choice(cfg)` says it computes the config's
                routing; `moe_core.routing.route` otherwise (the reason is
                logged once).
-    dispatch   `transformer_engine.jax.permutation.pure_jax_token_dispatch`
-    combine    and `pure_jax_token_combine` (see `backends.te.permutation`
-               for why not TE's Triton kernels).
+    combine    `transformer_engine.jax.permutation.pure_jax_token_combine`
+               over the library's dispatch plan and gather (see
+               `backends.te.permutation` for why not TE's dispatch).
     GEMMs      `transformer_engine.jax.cpp_extensions.grouped_gemm`, the
                raw grouped GEMM behind `dense.grouped_dense` (cuBLAS,
                float32 accumulation), as `gemm.TEKernels`: moe_core's
@@ -98,8 +96,8 @@ class TEBackend(backend.Backend):
 
   Args:
     fused_router: route with TE's fused router where it can.
-    fused_permutation: dispatch and combine with TE's permutation helpers
-      (False: moe_core.permute's).
+    fused_permutation: combine with TE's permutation helper (False:
+      moe_core.permute's); the dispatch plan and gather are the library's.
     fp8_scaling: "current" (per-call amax) or "delayed" (raises, see above)
       for the "fp8_tensor" recipe.
   """
@@ -170,19 +168,14 @@ class TEBackend(backend.Backend):
       return False, "fused_router=False"
     return router_lib.choice(cfg)
 
-  def route(
-      self,
-      x: jax.Array,
-      router: jax.Array,
-      cfg: config_lib.MoEConfig,
-      correction_bias: jax.Array | None = None,
-  ) -> routing.MoEAux:
+  def _route(self, x, router, cfg, correction_bias) -> routing.MoEAux:
     """x [T, D], router [D, E] -> `MoEAux`, through TE's fused router where
-    `router_choice(cfg)` allows, else the library's router."""
+    `router_choice(cfg)` allows, else the library's router (validated
+    arguments)."""
     fused, why = self.router_choice(cfg)
     if not fused:
       _log_once(f"te: routing with moe_core.routing.route: {why}.")
-      return routing.route(x, router, cfg, correction_bias)
+      return routing.route_unchecked(x, router, cfg, correction_bias)
     return router_lib.route(x, router, cfg, correction_bias)
 
   # --- The grouped GEMM -------------------------------------------------------
@@ -212,15 +205,11 @@ class TEBackend(backend.Backend):
           f"sm_{capability}."
       )
 
-  def _quantized_gemm(
-      self, gemm: operands.GemmOperands, recipe: str
-  ) -> jax.Array:
-    """The forward through TE's quantizer set, straight-through gradients.
-
-    TE quantises both operands itself (per group of rows and per expert for
-    "fp8_tensor"); the outputs moe_core's recipe makes NaN are NaN. The
-    gradients are the unquantised `_grouped_gemm`'s, as the contract says.
-    """
+  def _quantized_forward(self, gemm: operands.GemmOperands, recipe: str):
+    """The forward through TE's quantizer set: TE quantises both operands
+    itself (per group of rows and per expert for "fp8_tensor"); the outputs
+    moe_core's recipe makes NaN are NaN. Gradients stay the base class's
+    straight-through ones."""
     self._check_quantized(recipe)
 
     def forward(rows, weights, group_sizes):
@@ -242,25 +231,11 @@ class TEBackend(backend.Backend):
       )
       return jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
 
-    def unquantized(rows, weights, group_sizes):
-      return self._grouped_gemm(
-          dataclasses.replace(
-              gemm, rows=rows, weights=weights, group_sizes=group_sizes
-          )
-      )
-
-    return quantized_gemm.straight_through(
-        forward, unquantized, gemm.rows, gemm.weights, gemm.group_sizes
-    )
+    return forward
 
   # --- Dispatch and combine ---------------------------------------------------
 
-  def _permute(self, x, expert_ids, num_experts, kept):
+  def _combine(self, expert_out, dispatched, combine_weights, kept):
     if not self.fused_permutation:
-      return super()._permute(x, expert_ids, num_experts, kept)
-    return permutation.dispatch(x, expert_ids, num_experts, kept)
-
-  def _unpermute(self, expert_out, dispatched, combine_weights, kept):
-    if not self.fused_permutation:
-      return super()._unpermute(expert_out, dispatched, combine_weights, kept)
+      return super()._combine(expert_out, dispatched, combine_weights, kept)
     return permutation.combine(expert_out, dispatched, combine_weights, kept)

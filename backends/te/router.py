@@ -117,16 +117,13 @@ def route(
   ordered best first by the selection scores, ties to the lower id, as
   `jax.lax.top_k` orders them.
 
-  Args:
-    x: [T, D] activations, any float dtype.
-    router: [D, E] router weights.
-    cfg: the block's config.
-    correction_bias: [E] float32, required iff `cfg.correction_bias`.
+  The arguments are `routing.route`'s, validated by the caller
+  (`TEBackend.route`, `moe_layer`).
 
   Returns:
     `MoEAux` as `routing.route` defines it.
   """
-  scored = routing.router_scores(x, router, cfg, correction_bias)
+  scored = routing.router_scores_unchecked(x, router, cfg, correction_bias)
   expressible, why = choice(cfg)
   if not expressible:
     raise NotImplementedError(f"te: fused router: {why}.")
