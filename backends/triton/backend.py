@@ -6,16 +6,13 @@ import dataclasses
 from typing import ClassVar
 
 import jax
-from jax import ad_checkpoint
 import jax.numpy as jnp
 
 from backends.triton import configs as configs_lib
 from backends.triton import launch
 from backends.triton import ops
 from moe_core import backend
-from moe_core import checks
 from moe_core import config as config_lib
-from moe_core import ffn
 from moe_core import operands
 from moe_core import permute
 from moe_core import routing
@@ -110,15 +107,6 @@ class TritonBackend(backend.Backend):
         self.runner,
     )
 
-  def _gate_up(
-      self, ffn_in: operands.FfnOperands
-  ) -> tuple[jax.Array, jax.Array]:
-    """Two gmm calls: (rows @ w_gate[g], rows @ w_up[g]), each [M, F]."""
-    return (
-        self._one_gemm(ffn_in.rows, ffn_in.w_gate, ffn_in.group_sizes),
-        self._one_gemm(ffn_in.rows, ffn_in.w_up, ffn_in.group_sizes),
-    )
-
   def _fuses_activation(self, activation: str) -> bool:
     return self.fuse_activation and activation in ops.GATED_ACTIVATIONS
 
@@ -131,15 +119,6 @@ class TritonBackend(backend.Backend):
         ffn_in.group_sizes,
         ffn_in.activation,
         self.runner,
-    )
-
-  def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
-    return self._one_gemm(h, ffn_in.w_down, ffn_in.group_sizes)
-
-  def _one_gemm(self, lhs, weights, group_sizes) -> jax.Array:
-    """lhs [M, C] x weights [E, C, N] -> [M, N] in lhs' dtype."""
-    return ops.grouped_gemm(
-        lhs, weights, group_sizes, False, jnp.dtype(lhs.dtype), self.runner
     )
 
   # --- Dispatch and combine ---------------------------------------------------
@@ -227,40 +206,29 @@ class TritonBackend(backend.Backend):
   def _weighted_expert_ffn(self, rows, group_sizes, params, cfg, row_weights):
     """`Backend.expert_ffn` with out[r] scaled by row_weights[r] [M] float32.
 
-    The template's steps in its order (validation, dtype and precision
-    checks, sanitised sizes, the casts, the gate/up names when unfused,
-    poisoning on bad sizes, the "moe_down" name), with the down projection
-    replaced by `ops.down_weighted`.
+    The template itself (its checks, casts, names and poisoning) on a
+    `_RowWeighted` view of this backend, whose `_down` is
+    `ops.down_weighted`.
     """
-    validation.check_expert_ffn(rows, group_sizes, params, cfg)
-    self._check_dtype(rows.dtype)
-    self._check_precision(cfg.precision)
-    group_sizes = group_sizes.astype(jnp.int32)
-    bad = checks.check_group_sizes(group_sizes, rows.shape[0])
-    group_sizes = jnp.where(bad, 0, group_sizes)
-    w_gate, w_up, w_down = (
-        params[n].astype(rows.dtype) for n in ("w_gate", "w_up", "w_down")
+    return _RowWeighted(self, row_weights).expert_ffn(
+        rows, group_sizes, params, cfg
     )
-    ffn_in = operands.FfnOperands(
-        rows=rows,
-        group_sizes=group_sizes,
-        w_gate=w_gate,
-        w_up=w_up,
-        w_down=w_down,
-        activation=cfg.activation,
+
+
+class _RowWeighted(TritonBackend):
+  """A TritonBackend for one `expert_ffn` call whose down GEMM scales row r
+  by row_weights[r] [M] float32 in its epilogue."""
+
+  # pylint: disable-next=super-init-not-called
+  def __init__(self, base: TritonBackend, row_weights: jax.Array):
+    # The base's runner and options as they are, not a second runner.
+    vars(self).update(vars(base))
+    self.row_weights = row_weights
+
+  def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
+    return ops.down_weighted(
+        h, ffn_in.w_down, ffn_in.group_sizes, self.row_weights, self.runner
     )
-    if self._fuses_activation(cfg.activation):
-      h = self._gated_gate_up(ffn_in)
-    else:
-      gate, up = self._gate_up(ffn_in)
-      h = ffn.gated(
-          ad_checkpoint.checkpoint_name(gate, backend.GATE_NAME),
-          ad_checkpoint.checkpoint_name(up, backend.UP_NAME),
-          cfg.activation,
-      )
-    out = ops.down_weighted(h, w_down, group_sizes, row_weights, self.runner)
-    out = checks.poison_if(bad, out, rows, w_gate, w_up, w_down)
-    return ad_checkpoint.checkpoint_name(out, backend.DOWN_NAME)
 
 
 def _plan(dispatched: permute.Dispatched, kept) -> permutation.Plan:
