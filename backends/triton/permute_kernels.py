@@ -18,6 +18,8 @@ are taken in float32. Row offsets are computed in int64: A*D can pass 2**31.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import triton
 import triton.language as tl
@@ -263,39 +265,22 @@ KERNELS = {
     "unpermute_bwd_weights": unpermute_bwd_weights_kernel,
 }
 
-# Pointer kinds per parameter: "data" follows the activations' dtype.
-_POINTERS = {
-    "permute": dict(
-        x_ptr="data", assignment_ptr="i32", invalid_ptr="i8", out_ptr="data"
-    ),
-    "permute_bwd": dict(
-        d_rows_ptr="data", position_ptr="i32", invalid_ptr="i8", dx_ptr="data"
-    ),
-    "unpermute": dict(
-        rows_ptr="data",
-        position_ptr="i32",
-        weights_ptr="fp32",
-        kept_ptr="i8",
-        invalid_ptr="i8",
-        out_ptr="data",
-    ),
-    "unpermute_bwd_rows": dict(
-        dy_ptr="data",
-        assignment_ptr="i32",
-        weights_ptr="fp32",
-        kept_ptr="i8",
-        invalid_ptr="i8",
-        d_rows_ptr="data",
-    ),
-    "unpermute_bwd_weights": dict(
-        dy_ptr="data",
-        rows_ptr="data",
-        position_ptr="i32",
-        kept_ptr="i8",
-        invalid_ptr="i8",
-        d_w_ptr="fp32",
-    ),
-}
+# The kind of each pointer parameter, the same in every kernel that takes
+# it: "data" follows the activations' dtype.
+_POINTER_KINDS = dict(
+    x_ptr="data",
+    rows_ptr="data",
+    dy_ptr="data",
+    out_ptr="data",
+    dx_ptr="data",
+    d_rows_ptr="data",
+    assignment_ptr="i32",
+    position_ptr="i32",
+    weights_ptr="fp32",
+    d_w_ptr="fp32",
+    kept_ptr="i8",
+    invalid_ptr="i8",
+)
 
 _DATA_TYPES = {"bfloat16": "bf16", "float32": "fp32"}
 
@@ -335,12 +320,15 @@ def signature(name: str, dtype, **constexprs) -> tuple[dict, dict]:
     raise ValueError(
         f"{name} needs constexprs {list(want)}, got {sorted(constexprs)}."
     )
-  data = _DATA_TYPES[dtype_name]
-  sig = {
-      param: "*" + (data if kind == "data" else kind)
-      for param, kind in _POINTERS[name].items()
+  pointer_types = {
+      param: "*" + (_DATA_TYPES[dtype_name] if kind == "data" else kind)
+      for param, kind in _POINTER_KINDS.items()
   }
-  sig.update({c: "constexpr" for c in want})
+  kernel = KERNELS[name]
+  sig = {  # In parameter order: the pointers, then the constexprs.
+      param: "constexpr" if param in want else pointer_types[param]
+      for param in inspect.signature(getattr(kernel, "fn", kernel)).parameters
+  }
   return sig, {c: constexprs[c] for c in want}
 
 
