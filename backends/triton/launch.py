@@ -78,6 +78,32 @@ class Runner:
         interpret=self.interpreting,
     )
 
+  def call(
+      self,
+      kernel,
+      args,
+      out_types,
+      grid,
+      config: configs_lib.Config,
+      **constexprs,
+  ) -> tuple[jax.Array, ...]:
+    """`call` on this runner with `config`'s num_warps and num_stages.
+
+    DOT_F32 is left to `call`: True in the interpreter, whose bf16 tl.dot
+    is wrong (triton-lang/triton#11584), False on the GPU so that bf16
+    feeds the tensor cores.
+    """
+    return call(
+        self,
+        kernel,
+        args,
+        out_types,
+        grid,
+        config.num_warps,
+        config.num_stages,
+        **constexprs,
+    )
+
 
 def compilable() -> tuple[bool, str]:
   """(True, "") if Triton can compile the kernels here, else (False, why).

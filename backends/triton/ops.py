@@ -7,15 +7,13 @@ gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), one kernel, two
 down_weighted  y[r] = s[r] * (h[r] @ w[g]), s in the gmm epilogue
                dh: gmm(s dy, w^T)   dW: tgmm(h, s dy)
                ds[r] = <dy[r], h[r] @ w[g]> (the product recomputed by gmm)
-permutation    gather, scatter, combine, spread and row_dots: the permute,
-               permute_bwd, unpermute and unpermute_bwd_* kernels
-               (`TritonPermutationKernels`), each the others' transpose.
 Forward and reverse mode alike: `moe_core.kernels` differentiates the raw
-kernels.
+kernels. The permutation's kernels are `permute_ops`'
+(`TritonPermutationKernels`, also bound here).
 
-Every kernel is launched by `launch.call`, on the GPU through jax-triton or
-on the CPU in Triton's interpreter; the tile list is built here on device,
-so nothing waits on the host.
+Every kernel is launched by `launch.Runner.call`, on the GPU through
+jax-triton or on the CPU in Triton's interpreter; the tile list is built
+here on device, so nothing waits on the host.
 """
 
 from __future__ import annotations
@@ -29,12 +27,14 @@ import jax.numpy as jnp
 
 from backends.triton import configs
 from backends.triton import launch
+from backends.triton import permute_ops
 from moe_core.kernels import expert_ops
 from moe_core.kernels import grouped_matmul
-from moe_core.kernels import permutation
 
 # Activations the gated kernel computes in its epilogue (kernels.py).
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+TritonPermutationKernels = permute_ops.TritonPermutationKernels
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -47,33 +47,6 @@ def _kernels():
   from backends.triton import kernels
 
   return kernels
-
-
-def _permute_kernels():
-  """backends.triton.permute_kernels, imported on first use."""
-  # pylint: disable-next=g-import-not-at-top
-  from backends.triton import permute_kernels
-
-  return permute_kernels
-
-
-def _call(runner, kernel, args, out_types, grid, config, **constexprs):
-  """launch.call with the config's launch settings.
-
-  DOT_F32 is left to `launch.call`: True in the interpreter, whose bf16
-  tl.dot is wrong (triton-lang/triton#11584), False on the GPU so that bf16
-  feeds the tensor cores.
-  """
-  return launch.call(
-      runner,
-      kernel,
-      args,
-      out_types,
-      grid,
-      config.num_warps,
-      config.num_stages,
-      **constexprs,
-  )
 
 
 # --- The tile list ------------------------------------------------------------
@@ -135,6 +108,62 @@ def tile_list(
 # --- Kernel calls -------------------------------------------------------------
 
 
+def _row_scale(row_scale: jax.Array | None) -> tuple[bool, jax.Array]:
+  """(HAS_ROW_SCALE, the kernel's row_scale: [M] float32, or a [1] dummy)."""
+  if row_scale is None:
+    return False, jnp.zeros((1,), jnp.float32)
+  return True, row_scale.astype(jnp.float32)
+
+
+def _tile_list_call(
+    kind: str,
+    kernel,
+    x: jax.Array,
+    inputs: tuple[jax.Array, ...],
+    group_sizes: jax.Array,
+    n: int,
+    out_dtype,
+    runner: launch.Runner,
+    **constexprs,
+) -> jax.Array:
+  """One launch of a tile-list kernel (gmm, gated_gmm): x [M, K] -> [M, N].
+
+  Args:
+    kind: the config kind: "fwd", "dgrad" or "gated".
+    kernel: the kernel, taking x, `inputs`, the tile list, then out.
+    x: [M, K] rows sorted by group.
+    inputs: the arrays between x and the tile list; the first is the
+      weights [E, ...].
+    group_sizes: [E] int32, sum <= M.
+    n: out's width N.
+    out_dtype: out's dtype.
+    runner: a `launch.Runner`.
+    **constexprs: the kernel's own constexprs, past M, K, N, E and blocks.
+  """
+  m, k = x.shape
+  num_groups = inputs[0].shape[0]
+  if not (m and k and n):  # Nothing to launch: an empty sum is zero.
+    return jnp.zeros((m, n), out_dtype)
+  config = runner.config(kind, m, k, n, num_groups, x.dtype)
+  offsets, group_ids, m_tile_ids, num_tiles = tile_list(
+      group_sizes, m, config.block_m
+  )
+  (out,) = runner.call(
+      kernel,
+      (x, *inputs, offsets, group_ids, m_tile_ids, num_tiles),
+      (jax.ShapeDtypeStruct((m, n), out_dtype),),
+      (group_ids.shape[0], _cdiv(n, config.block_n)),
+      config,
+      M=m,
+      K=k,
+      N=n,
+      E=num_groups,
+      **constexprs,
+      **configs.block_constexprs(kind, config),
+  )
+  return out
+
+
 def gmm(
     x: jax.Array,
     w: jax.Array,
@@ -151,38 +180,19 @@ def gmm(
   come out as zeros; with `row_scale` [M] float32, out[r] is multiplied by
   row_scale[r] in the epilogue.
   """
-  m, k = x.shape
-  num_groups = w.shape[0]
-  n = w.shape[1] if transpose_w else w.shape[2]
-  out_dtype = jnp.dtype(out_dtype)
-  if not (m and k and n):  # Nothing to launch: an empty sum is zero.
-    return jnp.zeros((m, n), out_dtype)
-  config = runner.config(kind, m, k, n, num_groups, x.dtype)
-  offsets, group_ids, m_tile_ids, num_tiles = tile_list(
-      group_sizes, m, config.block_m
-  )
-  has_scale = row_scale is not None
-  scale = (
-      row_scale.astype(jnp.float32)
-      if has_scale
-      else jnp.zeros((1,), jnp.float32)
-  )
-  (out,) = _call(
-      runner,
+  has_scale, scale = _row_scale(row_scale)
+  return _tile_list_call(
+      kind,
       _kernels().gmm_kernel,
-      (x, w, scale, offsets, group_ids, m_tile_ids, num_tiles),
-      (jax.ShapeDtypeStruct((m, n), out_dtype),),
-      (group_ids.shape[0], _cdiv(n, config.block_n)),
-      config,
-      M=m,
-      K=k,
-      N=n,
-      E=num_groups,
+      x,
+      (w, scale),
+      group_sizes,
+      w.shape[1] if transpose_w else w.shape[2],
+      jnp.dtype(out_dtype),
+      runner,
       TRANSPOSE_W=bool(transpose_w),
       HAS_ROW_SCALE=has_scale,
-      **configs.block_constexprs(kind, config),
   )
-  return out
 
 
 def gated_gmm(
@@ -194,29 +204,17 @@ def gated_gmm(
     runner: launch.Runner,
 ) -> jax.Array:
   """act(x @ w_gate[g]) * (x @ w_up[g]): [M, D] -> [M, F] in x's dtype."""
-  m, d = x.shape
-  num_groups, _, f = w_gate.shape
-  if not (m and d and f):
-    return jnp.zeros((m, f), x.dtype)
-  config = runner.config("gated", m, d, f, num_groups, x.dtype)
-  offsets, group_ids, m_tile_ids, num_tiles = tile_list(
-      group_sizes, m, config.block_m
-  )
-  (out,) = _call(
-      runner,
+  return _tile_list_call(
+      "gated",
       _kernels().gated_gmm_kernel,
-      (x, w_gate, w_up, offsets, group_ids, m_tile_ids, num_tiles),
-      (jax.ShapeDtypeStruct((m, f), x.dtype),),
-      (group_ids.shape[0], _cdiv(f, config.block_n)),
-      config,
-      M=m,
-      K=d,
-      N=f,
-      E=num_groups,
+      x,
+      (w_gate, w_up),
+      group_sizes,
+      w_gate.shape[2],
+      x.dtype,
+      runner,
       ACTIVATION=activation,
-      **configs.block_constexprs("gated", config),
   )
-  return out
 
 
 def tgmm(
@@ -242,14 +240,8 @@ def tgmm(
   # The wgrad config is indexed like the forward's (m, k, n) = (M, P, Q):
   # block_m rows summed per step, dW blocks [block_k, block_n].
   config = runner.config("wgrad", m, p, q, num_groups, a.dtype)
-  has_scale = row_scale is not None
-  scale = (
-      row_scale.astype(jnp.float32)
-      if has_scale
-      else jnp.zeros((1,), jnp.float32)
-  )
-  (out,) = _call(
-      runner,
+  has_scale, scale = _row_scale(row_scale)
+  (out,) = runner.call(
       _kernels().tgmm_kernel,
       (a, b, scale, group_offsets(group_sizes, m)),
       (jax.ShapeDtypeStruct((num_groups, p, q), out_dtype),),
@@ -408,133 +400,3 @@ def down_weighted(h, w_down, group_sizes, row_scale, runner):
       group_sizes,
       row_scale,
   )
-
-
-# --- The permutation's gathers ------------------------------------------------
-
-
-def _call_permute(runner, name, args, out_types, tokens, top_k, width, dtype):
-  """One permute kernel: block_m rows (or tokens) by block_n columns."""
-  kernels = _permute_kernels()
-  kernel = kernels.KERNELS[name]
-  config = runner.config("permute", tokens * top_k, width, width, 1, dtype)
-  constexprs = dict(
-      T=tokens,
-      K=top_k,
-      D=width,
-      **configs.block_constexprs("permute", config, kernel),
-  )
-  return _call(
-      runner,
-      kernel,
-      args,
-      out_types,
-      kernels.grid(name, **constexprs),
-      config,
-      **constexprs,
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class TritonPermutationKernels(permutation.PermutationKernels):
-  """The five gather kernels of `permute_kernels` as `PermutationKernels`.
-
-  Each kernel reads `invalid` flags; an op that wants 0 rather than NaN for
-  an invalid copy passes it as dropped (kept 0, invalid 0) where dropped
-  copies give 0, or zeroes the copy's row after the gather.
-  """
-
-  runner: launch.Runner
-
-  def _launch(self, name, args, shape, dtype, plan, top_k):
-    tokens = plan.position.shape[0] // top_k
-    width = args[0].shape[1]
-    if not (tokens and width):  # Nothing to launch: empty sums are zero.
-      return jnp.zeros(shape, dtype)
-    (out,) = _call_permute(
-        self.runner,
-        name,
-        args,
-        (jax.ShapeDtypeStruct(shape, dtype),),
-        tokens,
-        top_k,
-        width,
-        args[0].dtype,
-    )
-    return out
-
-  def gather(self, x, plan, *, top_k, nan_invalid):
-    shape = (plan.position.shape[0], x.shape[1])
-    rows = self._launch(
-        "permute",
-        (x, plan.assignment, plan.invalid),
-        shape,
-        x.dtype,
-        plan,
-        top_k,
-    )
-    if nan_invalid:
-      return rows
-    bad = (plan.invalid != 0)[plan.assignment][:, None]
-    return jnp.where(bad, jnp.zeros((), x.dtype), rows)
-
-  def scatter(self, rows, plan, *, top_k):
-    shape = (plan.position.shape[0] // top_k, rows.shape[1])
-    return self._launch(
-        "permute_bwd",
-        (rows, plan.position, plan.invalid),
-        shape,
-        rows.dtype,
-        plan,
-        top_k,
-    )
-
-  def combine(self, rows, weights, plan, *, top_k, nan_invalid):
-    kept, invalid = _flags(plan, nan_invalid)
-    shape = (plan.position.shape[0] // top_k, rows.shape[1])
-    return self._launch(
-        "unpermute",
-        (rows, plan.position, weights.astype(jnp.float32), kept, invalid),
-        shape,
-        rows.dtype,
-        plan,
-        top_k,
-    )
-
-  def spread(self, dy, weights, plan, *, top_k):
-    shape = (plan.position.shape[0], dy.shape[1])
-    return self._launch(
-        "unpermute_bwd_rows",
-        (
-            dy,
-            plan.assignment,
-            weights.astype(jnp.float32),
-            plan.kept,
-            plan.invalid,
-        ),
-        shape,
-        dy.dtype,
-        plan,
-        top_k,
-    )
-
-  def row_dots(self, dy, rows, plan, *, top_k, nan_invalid):
-    kept, invalid = _flags(plan, nan_invalid)
-    tokens = plan.position.shape[0] // top_k
-    return self._launch(
-        "unpermute_bwd_weights",
-        (dy, rows, plan.position, kept, invalid),
-        (tokens, top_k),
-        jnp.float32,
-        plan,
-        top_k,
-    )
-
-
-def _flags(plan, nan_invalid):
-  """(kept, invalid) for a kernel: an invalid copy that should give 0
-  rather than NaN is passed as dropped instead."""
-  if nan_invalid:
-    return plan.kept, plan.invalid
-  kept = jnp.where(plan.invalid != 0, 0, plan.kept).astype(jnp.int8)
-  return kept, jnp.zeros_like(plan.invalid)
