@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import ClassVar
 
 import jax
@@ -11,16 +12,16 @@ import jax.numpy as jnp
 from backends.triton import configs as configs_lib
 from backends.triton import launch
 from backends.triton import ops
-from moe_core import backend
 from moe_core import config as config_lib
 from moe_core import operands
 from moe_core import permute
 from moe_core import routing
 from moe_core import validation
 from moe_core.kernels import permutation
+from moe_core.kernels import tile_backend
 
 
-class TritonBackend(backend.Backend):
+class TritonBackend(tile_backend.TileKernelBackend):
   """Grouped GEMMs and the permutation as raw Triton kernels; no host sync.
 
   Forward and dX run one tile-list gmm kernel, dW a tgmm kernel looping over
@@ -48,6 +49,7 @@ class TritonBackend(backend.Backend):
   """
 
   name: ClassVar[str] = "triton"
+  ops: ClassVar[types.ModuleType] = ops
   dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
       jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)
   )
@@ -95,31 +97,10 @@ class TritonBackend(backend.Backend):
   def availability(self) -> tuple[bool, str]:
     return launch.availability(self.runner)
 
-  # --- The grouped GEMM and the expert FFN hooks ------------------------------
-
-  def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
-    return ops.grouped_gemm(
-        gemm.rows,
-        gemm.weights,
-        gemm.group_sizes,
-        gemm.transpose_rhs,
-        gemm.out_dtype,
-        self.runner,
-    )
-
-  def _fuses_activation(self, activation: str) -> bool:
-    return self.fuse_activation and activation in ops.GATED_ACTIVATIONS
-
-  def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
-    """act(gate) * up in the gated kernel's epilogue: one [M, F] output."""
-    return ops.gated_gate_up(
-        ffn_in.rows,
-        ffn_in.w_gate,
-        ffn_in.w_up,
-        ffn_in.group_sizes,
-        ffn_in.activation,
-        self.runner,
-    )
+  @property
+  def launch(self) -> launch.Runner:
+    """The runner, which every `ops` function takes last."""
+    return self.runner
 
   # --- Dispatch and combine ---------------------------------------------------
 

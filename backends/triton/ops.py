@@ -1,6 +1,7 @@
 """The triton kernels as differentiable ops (`moe_core.kernels`).
 
 grouped_gemm   y = x @ w[g]                dX: gmm(dy, w^T)   dW: tgmm(x, dy)
+gate_up        (x @ wg[g], x @ wu[g]): two grouped_gemm calls
 gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), one kernel, two
                accumulators; its derivatives recompute gate and up with
                gmm, then dX = gmm(dgate, wg^T) + gmm(dup, wu^T), dW = tgmm
@@ -8,12 +9,17 @@ down_weighted  y[r] = s[r] * (h[r] @ w[g]), s in the gmm epilogue
                dh: gmm(s dy, w^T)   dW: tgmm(h, s dy)
                ds[r] = <dy[r], h[r] @ w[g]> (the product recomputed by gmm)
 Forward and reverse mode alike: `moe_core.kernels` differentiates the raw
-kernels. The permutation's kernels are `permute_ops`'
+kernels. These and EPILOGUE_ACTIVATIONS are what
+`moe_core.kernels.tile_backend.TileKernelBackend` maps the backend's hooks
+onto. The permutation's kernels are `permute_ops`'
 (`TritonPermutationKernels`, also bound here).
 
 Every kernel is launched by `launch.Runner.call`, on the GPU through
 jax-triton or on the CPU in Triton's interpreter; the tile list is built
 here on device, so nothing waits on the host.
+
+Over 400 lines because it is one job: the GEMM kernels' tile list, their
+launches and their differentiable forms, each built on the one before.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ from backends.triton import permute_ops
 from moe_core.kernels import expert_ops
 from moe_core.kernels import grouped_matmul
 
-# Activations the gated kernel computes in its epilogue (kernels.py).
+# Activations the gated kernel computes in its epilogue (kernels.py);
+# EPILOGUE_ACTIVATIONS is `moe_core.kernels.tile_backend`'s name for them.
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+EPILOGUE_ACTIVATIONS = GATED_ACTIVATIONS
 
 TritonPermutationKernels = permute_ops.TritonPermutationKernels
 
@@ -305,6 +313,18 @@ def grouped_gemm(
       group_sizes,
       transpose_rhs=transpose_rhs,
       out_dtype=out_dtype,
+  )
+
+
+def gate_up(rows, w_gate, w_up, group_sizes, runner):
+  """(rows @ w_gate[g], rows @ w_up[g]), each [M, F] in rows' dtype.
+
+  Two `grouped_gemm` calls: the triton kernels have no two-output gate/up
+  pass (`gated_gate_up` fuses the activation instead).
+  """
+  return tuple(
+      grouped_gemm(rows, w, group_sizes, False, rows.dtype, runner)
+      for w in (w_gate, w_up)
   )
 
 
