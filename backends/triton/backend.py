@@ -197,8 +197,12 @@ class TritonBackend(tile_backend.TileKernelBackend):
 
 
 class _RowWeighted(TritonBackend):
-  """A TritonBackend for one `expert_ffn` call whose down GEMM scales row r
-  by row_weights[r] [M] float32 in its epilogue."""
+  """A TritonBackend whose down GEMM scales row r by row_weights[r].
+
+  A view of one backend for one `expert_ffn` call: that backend's runner
+  and options, and row_weights [M] float32, multiplied into the float32
+  accumulator of the down GEMM's epilogue (`ops.down_weighted`).
+  """
 
   # pylint: disable-next=super-init-not-called
   def __init__(self, base: TritonBackend, row_weights: jax.Array):
