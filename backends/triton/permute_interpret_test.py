@@ -2,7 +2,9 @@
 
 Each kernel runs on torch CPU tensors through
 `triton.runtime.interpreter.InterpretedFunction` (so no TRITON_INTERPRET
-variable is needed, whatever imported triton first) and is compared with
+variable is needed, whatever imported triton first), inside the backend's
+corrections to the interpreter (`backends.triton.interpreter.fixes`, which
+let it call the kernels' @triton.jit helpers), and is compared with
 `moe_core.permute.dispatch` / `combine` and their `jax.vjp`. D = 40 with
 16-wide column blocks and 8- or 16-row blocks, so partial row and column
 blocks occur, and the weights gradient loops over three D steps.
@@ -25,6 +27,7 @@ try:
   import triton
   from triton.runtime import interpreter
 
+  from backends.triton import interpreter as triton_interpreter
   from backends.triton import permute_kernels
 except ImportError as e:  # The kernels need triton; every test skips.
   triton = None
@@ -180,9 +183,14 @@ def _nan_tensor(shape, like):
 
 
 def _run(name, grid, *args, **constexprs):
-  """Runs kernel `name` in Triton's interpreter on torch CPU tensors."""
+  """Runs kernel `name` in Triton's interpreter on torch CPU tensors.
+
+  Inside the backend's corrections to the interpreter (`fixes`), as in its
+  interpret mode: they let the kernel call its @triton.jit helpers.
+  """
   kernel = interpreter.InterpretedFunction(permute_kernels.KERNELS[name].fn)
-  kernel[grid](*args, **constexprs)
+  with triton_interpreter.fixes():
+    kernel[grid](*args, **constexprs)
 
 
 def _assert_exact(got, want, msg):
@@ -203,7 +211,8 @@ def _assert_bf16_product(test, got, want, inputs, kept, dispatched, msg):
 
   Triton's interpreter (3.6 to 3.9) converts float32 to bfloat16 by
   truncation, where a GPU and XLA round to nearest even, so a bf16 result
-  may be one ulp toward zero. The float32 product is recomputed here in
+  may be one ulp toward zero (`fixes` rounds to nearest even, as the GPU;
+  the check admits both). The float32 product is recomputed here in
   numpy: weights[a] * dy[a // K] for live copies, 0 otherwise.
   """
   assignment = np.asarray(dispatched.assignment)

@@ -28,16 +28,43 @@ import triton.language as tl
 # compiled or interpreted alike.
 _NAN = tl.constexpr(float("nan"))
 
-# The kernels call no `triton.language` helper that is itself a
-# `@triton.jit` function (tl.zeros, tl.sum, ...): run through
-# `InterpretedFunction(kernel.fn)` without TRITON_INTERPRET=1 set when
-# triton was imported, those raise "Cannot call @triton.jit'd outside of the
-# scope of a kernel". tl.full and tl.reduce with this combiner are builtins.
+# The kernels' helpers below are @triton.jit functions: in Triton's
+# interpreter they need `interpreter.fixes()` (the backend's interpret mode
+# runs every launch inside it), since without TRITON_INTERPRET=1 set when
+# triton was imported a bare `InterpretedFunction(kernel.fn)` refuses to
+# call them.
 
 
 @triton.jit
 def _add(a, b):
   return a + b
+
+
+@triton.jit
+def _blocks(n, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+  """This program's (index block [BLOCK_N] of n, column block [BLOCK_D]) and
+  their masks: (idx, cols, idx < n [BLOCK_N], cols < D [1, BLOCK_D])."""
+  idx = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+  cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+  return idx, cols, idx < n, (cols < D)[None, :]
+
+
+@triton.jit
+def _copy(position_ptr, tokens, tok_ok, k, K: tl.constexpr):
+  """Copy k of each token: (assignment a = t*K + k, its sorted row, int64)."""
+  a = tokens * K + k
+  return a, tl.load(position_ptr + a, mask=tok_ok, other=0).to(tl.int64)
+
+
+@triton.jit
+def _store_rows(out_ptr, idx, cols, values, idx_ok, col_ok, D: tl.constexpr):
+  """out[idx, cols] = values [BLOCK_N, BLOCK_D] in out's dtype, masked."""
+  dst = idx.to(tl.int64)[:, None] * D + cols[None, :]
+  tl.store(
+      out_ptr + dst,
+      values.to(out_ptr.dtype.element_ty),
+      mask=idx_ok[:, None] & col_ok,
+  )
 
 
 @triton.jit
@@ -57,20 +84,19 @@ def permute_kernel(
   x [T, D]; assignment [A] int32; invalid [A] int8; out [A, D] in x's dtype.
   Grid (cdiv(A, BLOCK_R), cdiv(D, BLOCK_D)).
   """
-  rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-  cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-  row_ok = rows < T * K
+  rows, cols, row_ok, col_ok = _blocks(T * K, D, BLOCK_R, BLOCK_D)
   a = tl.load(assignment_ptr + rows, mask=row_ok, other=0)
   bad = tl.load(invalid_ptr + a, mask=row_ok, other=0) != 0
-  mask = row_ok[:, None] & (cols < D)[None, :]
   src = (a // K).to(tl.int64)
-  v = tl.load(x_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0)
+  v = tl.load(
+      x_ptr + src[:, None] * D + cols[None, :],
+      mask=row_ok[:, None] & col_ok,
+      other=0,
+  )
   # The select is done in float32 (exact for bf16 and back): Triton's
   # interpreter has no bf16 scalar constants.
   v = tl.where(bad[:, None], _NAN, v.to(tl.float32))
-  v = v.to(out_ptr.dtype.element_ty)
-  dst = rows.to(tl.int64)[:, None] * D + cols[None, :]
-  tl.store(out_ptr + dst, v, mask=mask)
+  _store_rows(out_ptr, rows, cols, v, row_ok, col_ok, D)
 
 
 @triton.jit
@@ -92,26 +118,17 @@ def permute_bwd_kernel(
   forward) is never read, so a NaN cotangent there cannot reach dx.
   Grid (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)).
   """
-  tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-  cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-  tok_ok = tokens < T
-  col_ok = (cols < D)[None, :]
+  tokens, cols, tok_ok, col_ok = _blocks(T, D, BLOCK_T, BLOCK_D)
   acc = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
   for k in range(K):
-    a = tokens * K + k
-    pos = tl.load(position_ptr + a, mask=tok_ok, other=0).to(tl.int64)
+    a, pos = _copy(position_ptr, tokens, tok_ok, k, K)
     bad = tl.load(invalid_ptr + a, mask=tok_ok, other=1) != 0
     use = (tok_ok & ~bad)[:, None] & col_ok
     g = tl.load(
         d_rows_ptr + pos[:, None] * D + cols[None, :], mask=use, other=0
     )
     acc += g.to(tl.float32)
-  dst = tokens.to(tl.int64)[:, None] * D + cols[None, :]
-  tl.store(
-      dx_ptr + dst,
-      acc.to(dx_ptr.dtype.element_ty),
-      mask=tok_ok[:, None] & col_ok,
-  )
+  _store_rows(dx_ptr, tokens, cols, acc, tok_ok, col_ok, D)
 
 
 @triton.jit
@@ -137,14 +154,10 @@ def unpermute_kernel(
   is still multiplied in, so a NaN weight gives NaN, as in combine.
   Grid (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)).
   """
-  tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-  cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-  tok_ok = tokens < T
-  col_ok = (cols < D)[None, :]
+  tokens, cols, tok_ok, col_ok = _blocks(T, D, BLOCK_T, BLOCK_D)
   acc = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
   for k in range(K):
-    a = tokens * K + k
-    pos = tl.load(position_ptr + a, mask=tok_ok, other=0).to(tl.int64)
+    a, pos = _copy(position_ptr, tokens, tok_ok, k, K)
     keep = tl.load(kept_ptr + a, mask=tok_ok, other=0) != 0
     bad = tl.load(invalid_ptr + a, mask=tok_ok, other=0) != 0
     w = tl.load(weights_ptr + a, mask=tok_ok, other=0.0)
@@ -152,12 +165,7 @@ def unpermute_kernel(
     v = tl.load(rows_ptr + pos[:, None] * D + cols[None, :], mask=use, other=0)
     v = tl.where(bad[:, None], _NAN, v.to(tl.float32))
     acc += w[:, None] * v
-  dst = tokens.to(tl.int64)[:, None] * D + cols[None, :]
-  tl.store(
-      out_ptr + dst,
-      acc.to(out_ptr.dtype.element_ty),
-      mask=tok_ok[:, None] & col_ok,
-  )
+  _store_rows(out_ptr, tokens, cols, acc, tok_ok, col_ok, D)
 
 
 @triton.jit
@@ -182,10 +190,7 @@ def unpermute_bwd_rows_kernel(
   d_rows [A, D] in dy's dtype (the product is rounded once, from float32).
   Every row is written. Grid (cdiv(A, BLOCK_R), cdiv(D, BLOCK_D)).
   """
-  rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-  cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-  row_ok = rows < T * K
-  col_ok = (cols < D)[None, :]
+  rows, cols, row_ok, col_ok = _blocks(T * K, D, BLOCK_R, BLOCK_D)
   a = tl.load(assignment_ptr + rows, mask=row_ok, other=0)
   keep = tl.load(kept_ptr + a, mask=row_ok, other=0) != 0
   bad = tl.load(invalid_ptr + a, mask=row_ok, other=1) != 0
@@ -198,12 +203,7 @@ def unpermute_bwd_rows_kernel(
       other=0,
   )
   g = tl.where(live, w[:, None] * g.to(tl.float32), 0.0)
-  dst = rows.to(tl.int64)[:, None] * D + cols[None, :]
-  tl.store(
-      d_rows_ptr + dst,
-      g.to(d_rows_ptr.dtype.element_ty),
-      mask=row_ok[:, None] & col_ok,
-  )
+  _store_rows(d_rows_ptr, rows, cols, g, row_ok, col_ok, D)
 
 
 @triton.jit
@@ -231,8 +231,7 @@ def unpermute_bwd_weights_kernel(
   tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
   k = tl.program_id(1)
   tok_ok = tokens < T
-  a = tokens * K + k
-  pos = tl.load(position_ptr + a, mask=tok_ok, other=0).to(tl.int64)
+  a, pos = _copy(position_ptr, tokens, tok_ok, k, K)
   keep = tl.load(kept_ptr + a, mask=tok_ok, other=0) != 0
   bad = tl.load(invalid_ptr + a, mask=tok_ok, other=0) != 0
   use = (tok_ok & keep)[:, None]
