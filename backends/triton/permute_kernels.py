@@ -57,6 +57,13 @@ def _copy(position_ptr, tokens, tok_ok, k, K: tl.constexpr):
 
 
 @triton.jit
+def _kept_invalid(kept_ptr, invalid_ptr, a, ok):
+  """(kept[a], invalid[a]) as booleans [BLOCK], False where not ok."""
+  keep = tl.load(kept_ptr + a, mask=ok, other=0) != 0
+  return keep, tl.load(invalid_ptr + a, mask=ok, other=0) != 0
+
+
+@triton.jit
 def _store_rows(out_ptr, idx, cols, values, idx_ok, col_ok, D: tl.constexpr):
   """out[idx, cols] = values [BLOCK_N, BLOCK_D] in out's dtype, masked."""
   dst = idx.to(tl.int64)[:, None] * D + cols[None, :]
@@ -158,8 +165,7 @@ def unpermute_kernel(
   acc = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
   for k in range(K):
     a, pos = _copy(position_ptr, tokens, tok_ok, k, K)
-    keep = tl.load(kept_ptr + a, mask=tok_ok, other=0) != 0
-    bad = tl.load(invalid_ptr + a, mask=tok_ok, other=0) != 0
+    keep, bad = _kept_invalid(kept_ptr, invalid_ptr, a, tok_ok)
     w = tl.load(weights_ptr + a, mask=tok_ok, other=0.0)
     use = (tok_ok & keep)[:, None] & col_ok
     v = tl.load(rows_ptr + pos[:, None] * D + cols[None, :], mask=use, other=0)
@@ -232,8 +238,7 @@ def unpermute_bwd_weights_kernel(
   k = tl.program_id(1)
   tok_ok = tokens < T
   a, pos = _copy(position_ptr, tokens, tok_ok, k, K)
-  keep = tl.load(kept_ptr + a, mask=tok_ok, other=0) != 0
-  bad = tl.load(invalid_ptr + a, mask=tok_ok, other=0) != 0
+  keep, bad = _kept_invalid(kept_ptr, invalid_ptr, a, tok_ok)
   use = (tok_ok & keep)[:, None]
   t64 = tokens.to(tl.int64)
   acc = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
@@ -264,22 +269,14 @@ KERNELS = {
     "unpermute_bwd_weights": unpermute_bwd_weights_kernel,
 }
 
-# The kind of each pointer parameter, the same in every kernel that takes
-# it: "data" follows the activations' dtype.
-_POINTER_KINDS = dict(
-    x_ptr="data",
-    rows_ptr="data",
-    dy_ptr="data",
-    out_ptr="data",
-    dx_ptr="data",
-    d_rows_ptr="data",
-    assignment_ptr="i32",
-    position_ptr="i32",
-    weights_ptr="fp32",
-    d_w_ptr="fp32",
-    kept_ptr="i8",
-    invalid_ptr="i8",
-)
+# The pointer parameters of each kind, the same in every kernel that takes
+# them: "data" follows the activations' dtype.
+_POINTERS = {
+    "data": ("x_ptr", "rows_ptr", "dy_ptr", "out_ptr", "dx_ptr", "d_rows_ptr"),
+    "i32": ("assignment_ptr", "position_ptr"),
+    "fp32": ("weights_ptr", "d_w_ptr"),
+    "i8": ("kept_ptr", "invalid_ptr"),
+}
 
 _DATA_TYPES = {"bfloat16": "bf16", "float32": "fp32"}
 
@@ -321,7 +318,8 @@ def signature(name: str, dtype, **constexprs) -> tuple[dict, dict]:
     )
   pointer_types = {
       param: "*" + (_DATA_TYPES[dtype_name] if kind == "data" else kind)
-      for param, kind in _POINTER_KINDS.items()
+      for kind, params in _POINTERS.items()
+      for param in params
   }
   kernel = KERNELS[name]
   sig = {  # In parameter order: the pointers, then the constexprs.
