@@ -5,7 +5,7 @@ r"""Grouped-GEMM forward time of each low-precision recipe against bf16.
 Times `grouped_gemm(rows, weights, group_sizes, precision=recipe)` of each
 backend in --backends, rows [M, K] x weights [E, K, N] -> [M, N] in
 bfloat16 over even groups (default M=4096, K=1024, N=512, E=8: a small MoE
-layer), for every recipe of `moe_core.config.PRECISIONS`. Every time is the
+layer), for every recipe of `moe_precision.RECIPES`. Every time is the
 median of --repeats jitted calls after a warm-up; the ratio is the time over
 the same backend's bf16 time in this run (`fwd_time_over_bf16`,
 "time/bf16" in the table; < 1 is faster). Also gives each recipe's largest
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_core
+from moe_core import precision as moe_precision
 from bench import gemm_workloads
 from bench import flag_checks
 from bench import text_table
@@ -51,7 +52,7 @@ _BACKENDS = flags.DEFINE_list(
 )
 _RECIPES = flags.DEFINE_list(
     "recipes",
-    list(moe_core.config.PRECISIONS),
+    list(moe_precision.RECIPES),
     "Recipes to time; bf16, the baseline, is added if missing.",
 )
 _OUT_DIR = flags.DEFINE_string(
@@ -88,7 +89,7 @@ def _check_backends(names) -> bool:
 @flags.validator("recipes")
 def _check_recipes(names) -> bool:
   return flag_checks.check_distinct_names(
-      "recipes", names, moe_core.config.PRECISIONS
+      "recipes", names, moe_precision.RECIPES
   )
 
 

@@ -5,7 +5,7 @@ r"""Held-out loss and step time of low-precision expert GEMMs against bf16.
         --out=/tmp/gap.json                         # proves the script runs
 
 Trains the default preset of `train.main` (tiny_dsv3) once per recipe of
-`--recipes` (`moe_core.config.PRECISIONS`: the routed experts' GEMMs
+`--recipes` (`moe_precision.RECIPES`: the routed experts' GEMMs
 quantised, `MoEConfig.precision`), all from the same seed on the same
 batches, for `--steps` steps, and evaluates each on the same held-out
 batches at the end. The recipes take their steps in turn (one step of each,
@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 import moe_core
+from moe_core import precision as moe_precision
 import moe_core.flags  # Defines --moe_backend.
 from bench import flag_checks
 from bench import text_table
@@ -71,7 +72,7 @@ _STEPS = flags.DEFINE_integer(
 )
 _RECIPES = flags.DEFINE_list(
     "recipes",
-    list(moe_core.config.PRECISIONS),
+    list(moe_precision.RECIPES),
     "Expert-GEMM recipes to train, each once; bf16, the baseline, is added "
     "if missing.",
 )
@@ -106,7 +107,7 @@ def _check_seed(value) -> bool:
 @flags.validator("recipes")
 def _check_recipes(names) -> bool:
   return flag_checks.check_distinct_names(
-      "recipes", names, moe_core.config.PRECISIONS
+      "recipes", names, moe_precision.RECIPES
   )
 
 

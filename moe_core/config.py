@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from moe_core import precision as precision_lib
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "sum_top2")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-# Recipes for the routed experts' GEMMs (moe_core.precision defines them).
-PRECISIONS = ("bf16", "fp8_tensor", "fp8_block", "mxfp8", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ class MoEConfig:
     _check_choice("score_func", self.score_func, SCORE_FUNCS)
     _check_choice("group_score", self.group_score, GROUP_SCORES)
     _check_choice("activation", self.activation, ACTIVATIONS)
-    _check_choice("precision", self.precision, PRECISIONS)
+    _check_choice("precision", self.precision, precision_lib.RECIPES)
     if self.num_experts % self.n_group:
       raise ValueError(
           f"n_group must divide num_experts, got n_group={self.n_group}, "

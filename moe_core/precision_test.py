@@ -136,11 +136,19 @@ def _round_trip(x, recipe, **kwargs):
   return q, _np(precision.dequantize(q))
 
 
+_CFG_FIELDS = dict(num_experts=4, top_k=2, hidden_size=8, expert_ffn_size=8)
+
+
 class RecipeNamesTest(parameterized.TestCase):
 
-  def test_recipes_match_the_config_choices(self):
-    self.assertEqual(precision.RECIPES, config_lib.PRECISIONS)
-    self.assertEqual(precision.QUANTIZED_RECIPES, precision.RECIPES[1:])
+  def test_the_config_takes_exactly_the_recipes(self):
+    for recipe in precision.RECIPES:
+      self.assertEqual(
+          config_lib.MoEConfig(**_CFG_FIELDS, precision=recipe).precision,
+          recipe,
+      )
+    with self.assertRaisesRegex(ValueError, "precision must be one of"):
+      config_lib.MoEConfig(**_CFG_FIELDS, precision="fp16_tensor")
 
   @parameterized.parameters(_RECIPES)
   def test_check_recipe_accepts_every_recipe(self, recipe):

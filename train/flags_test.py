@@ -19,7 +19,7 @@ from absl.testing import absltest
 from absl.testing import flagsaver
 from absl.testing import parameterized
 
-import moe_core
+from moe_core import precision as moe_precision
 from train import main
 from train import presets
 from train import report
@@ -364,10 +364,10 @@ class PrecisionFlagTest(parameterized.TestCase):
     text = str(raised.exception)
     self.assertNotIn("\n", text)
     self.assertIn("--precision=fp9", text)
-    for recipe in moe_core.config.PRECISIONS:
+    for recipe in moe_precision.RECIPES:
       self.assertIn(recipe, text)
 
-  @parameterized.parameters(*moe_core.config.PRECISIONS)
+  @parameterized.parameters(*moe_precision.RECIPES)
   def test_recipe_reaches_the_run_config_model(self, recipe):
     with flagsaver.as_parsed(precision=recipe):
       run = train_flags.run_config_from_flags()
@@ -442,10 +442,8 @@ class PrecisionFlagTest(parameterized.TestCase):
     self.assertIs(run_config.with_precision(dense, "bf16"), dense)
 
   def test_every_recipe_is_described(self):
-    self.assertCountEqual(
-        train_flags.PRECISION_RECIPES, moe_core.config.PRECISIONS
-    )
-    for recipe in moe_core.config.PRECISIONS:
+    self.assertCountEqual(train_flags.PRECISION_RECIPES, moe_precision.RECIPES)
+    for recipe in moe_precision.RECIPES:
       self.assertIn(f"{recipe}:", FLAGS["precision"].help)
 
   def test_dry_run_shows_the_recipe(self):

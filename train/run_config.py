@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 
-from moe_core import config as moe_config
+from moe_core import precision as moe_precision
 from train import model_config
 from train import presets
 
@@ -191,7 +191,7 @@ def with_precision(
 
   Args:
     model: the model; its MoE blocks share one `moe_core.MoEConfig`.
-    precision: one of `moe_core.config.PRECISIONS`. An all-dense model
+    precision: one of `moe_core.precision.RECIPES`. An all-dense model
       (`model.moe` None) takes only "bf16": it has no expert GEMMs.
 
   Returns:
@@ -200,9 +200,9 @@ def with_precision(
   Raises:
     ValueError: `precision` is not a recipe, or not "bf16" for a dense model.
   """
-  if precision not in moe_config.PRECISIONS:
+  if precision not in moe_precision.RECIPES:
     raise ValueError(
-        f"precision must be one of {moe_config.PRECISIONS}, got "
+        f"precision must be one of {moe_precision.RECIPES}, got "
         f"{precision!r}."
     )
   if model.moe is None:
@@ -240,7 +240,7 @@ def with_depth(
 def run_config_from_preset(name: str, **overrides) -> RunConfig:
   """A RunConfig from preset `name`; `overrides` set (non-None) fields.
 
-  `precision` (a recipe of `moe_core.config.PRECISIONS`) is an override too:
+  `precision` (a recipe of `moe_core.precision.RECIPES`) is an override too:
   it sets the preset model's `moe.precision` (see `with_precision`). So is
   `num_layers`: the preset model at that depth, full width (its first dense
   layers kept), e.g. to compile a reduced-depth DeepSeek-V3 on its real mesh.

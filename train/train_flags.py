@@ -14,6 +14,7 @@ from absl import flags
 import moe_core
 from moe_core import aot
 import moe_core.flags  # Defines --moe_backend.
+from moe_core import precision as moe_precision
 from moe_core import remat as moe_remat
 from train import mesh as mesh_lib
 from train import presets
@@ -206,7 +207,7 @@ PRECISION_RECIPES = {
 PRECISION = flags.DEFINE_enum(
     "precision",
     "bf16",
-    list(moe_core.config.PRECISIONS),
+    list(moe_precision.RECIPES),
     "Recipe of the routed experts' GEMMs: "
     + "; ".join(f"{k}: {v}" for k, v in PRECISION_RECIPES.items())
     + ". Routing stays float32; the shared expert, attention and dense "
