@@ -119,6 +119,121 @@ def _loop_bound(computes, steps: int):
   return jnp.where(computes, jnp.int32(steps), jnp.int32(0))
 
 
+class _Visit(NamedTuple):
+  """This program's visit of the tile list x its column block.
+
+  Attributes:
+    row_start, row_end: the rows the visit owns.
+    r0, n0: the first row and column of its [bm, bn] output block.
+    computes: a real group that owns rows (else: the loop is skipped).
+    weight: the weight matrix to read (clamped for the padding group).
+  """
+
+  row_start: jax.Array
+  row_end: jax.Array
+  r0: jax.Array
+  n0: jax.Array
+  computes: jax.Array
+  weight: jax.Array
+
+
+def _visit(group_ref, tile_ref, start_ref, end_ref, tiles, num_groups):
+  """The `_Visit` of program (visit, column block) of a gmm-shaped grid."""
+  visit = pl.program_id(0)
+  group = group_ref[visit]
+  row_start = start_ref[visit]
+  row_end = end_ref[visit]
+  return _Visit(
+      row_start=row_start,
+      row_end=row_end,
+      r0=pl.multiple_of(tile_ref[visit] * tiles.bm, tiles.bm),
+      n0=pl.multiple_of(pl.program_id(1) * tiles.bn, tiles.bn),
+      # Unused visits and the padding group (E) skip the loop: zeros.
+      computes=(group < num_groups) & (row_end > row_start),
+      weight=jnp.minimum(group, num_groups - 1),
+  )
+
+
+def _contraction(transpose_rhs: bool):
+  """The dot_general dimensions of a row block x a weight block."""
+  return (((1,), (1 if transpose_rhs else 0,)), ((), ()))
+
+
+def _weight_block(ref, weight, k0, n0, tiles, transpose_rhs):
+  """Block (K rows k0:k0+bk, columns n0:n0+bn) of ref[weight]."""
+  if transpose_rhs:
+    return ref[weight, pl.ds(n0, tiles.bn), pl.ds(k0, tiles.bk)]
+  return ref[weight, pl.ds(k0, tiles.bk), pl.ds(n0, tiles.bn)]
+
+
+class _PaddedOperands(NamedTuple):
+  """gmm-shaped operands padded to the blocks, and their tile list.
+
+  Attributes:
+    lhs: the row operands, each [Mp, Kp].
+    rhs: the weight operands, each [E, Kp, Np] ([E, Np, Kp] transposed).
+    meta: the tile list of the padded rows.
+    mp, kp, np_: the padded sizes.
+  """
+
+  lhs: list
+  rhs: list
+  meta: metadata_lib.TileMetadata
+  mp: int
+  kp: int
+  np_: int
+
+
+def _pad_operands(lhs, rhs, group_sizes, tiles, transpose_rhs):
+  """Pads lhs (each [M, K]) and rhs (each [E, K, N]) to the blocks.
+
+  An empty K pads to one block of zeros: the kernels' blocks are never
+  empty, and the products come out zero.
+  """
+  m, k = lhs[0].shape
+  n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
+  mp, kp, np_ = (
+      tiling.padded(d, b)
+      for d, b in ((m, tiles.bm), (max(k, 1), tiles.bk), (n, tiles.bn))
+  )
+  return _PaddedOperands(
+      lhs=[_pad2(x, mp, kp) for x in lhs],
+      rhs=[
+          _pad3(w, np_, kp) if transpose_rhs else _pad3(w, kp, np_) for w in rhs
+      ],
+      meta=metadata_lib.build(group_sizes, mp, tiles.bm),
+      mp=mp,
+      kp=kp,
+      np_=np_,
+  )
+
+
+def _call_over_visits(
+    kernel, p: _PaddedOperands, *operands, tiles, interpret, out_shape, name
+):
+  """`kernel` on the grid (visit, column block) of `p`'s tile list.
+
+  The kernel's inputs: the tile list (group, tile, row start, row end per
+  visit), p.lhs, p.rhs, then `operands`.
+  """
+  meta = p.meta
+  return _pallas_call(
+      kernel,
+      meta.group_ids,
+      meta.tile_ids,
+      meta.row_starts,
+      meta.row_ends,
+      *p.lhs,
+      *p.rhs,
+      *operands,
+      out_shape=out_shape,
+      grid=(meta.group_ids.shape[0], p.np_ // tiles.bn),
+      interpret=interpret,
+      compiler_params=_compiler_params(tiles, interpret),
+      name=name,
+  )
+
+
 def _gmm_kernel(
     group_ref,
     tile_ref,
@@ -148,31 +263,21 @@ def _gmm_kernel(
   rhs_refs = refs[num_lhs : num_lhs + num_rhs]
   out_refs = refs[num_lhs + num_rhs :]
   bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
-  visit = pl.program_id(0)
-  group = group_ref[visit]
-  row_start = start_ref[visit]
-  row_end = end_ref[visit]
-  r0 = pl.multiple_of(tile_ref[visit] * bm, bm)
-  n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-  # Unused visits and the padding group (E) skip the C loop: zeros.
-  computes = (group < num_groups) & (row_end > row_start)
-  weight = jnp.minimum(group, num_groups - 1)
+  v = _visit(group_ref, tile_ref, start_ref, end_ref, tiles, num_groups)
 
   def c_step(step, accs):
     c0 = pl.multiple_of(step * bk, bk)
-    lhs = [ref[pl.ds(r0, bm), pl.ds(c0, bk)] for ref in lhs_refs]
-    if transpose_rhs:
-      rhs = [ref[weight, pl.ds(n0, bn), pl.ds(c0, bk)] for ref in rhs_refs]
-      dims = (((1,), (1,)), ((), ()))
-    else:
-      rhs = [ref[weight, pl.ds(c0, bk), pl.ds(n0, bn)] for ref in rhs_refs]
-      dims = (((1,), (0,)), ((), ()))
+    lhs = [ref[pl.ds(v.r0, bm), pl.ds(c0, bk)] for ref in lhs_refs]
+    rhs = [
+        _weight_block(ref, v.weight, c0, v.n0, tiles, transpose_rhs)
+        for ref in rhs_refs
+    ]
     accs = list(accs)
     for l, r, a in products:
       accs[a] += lax.dot_general(
           lhs[l],
           rhs[r],
-          dims,
+          _contraction(transpose_rhs),
           precision=precision,
           preferred_element_type=jnp.float32,
       )
@@ -180,11 +285,17 @@ def _gmm_kernel(
 
   zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(num_accs))
   accs = lax.fori_loop(
-      jnp.int32(0), _loop_bound(computes, c_steps), c_step, zeros
+      jnp.int32(0), _loop_bound(v.computes, c_steps), c_step, zeros
   )
   for o_ref, value in zip(out_refs, epilogue(accs)):
     _store_owned_rows(
-        o_ref, value.astype(o_ref.dtype), r0, n0, row_start, row_end, indexed
+        o_ref,
+        value.astype(o_ref.dtype),
+        v.r0,
+        v.n0,
+        v.row_start,
+        v.row_end,
+        indexed,
     )
 
 
@@ -219,20 +330,13 @@ def gmm(
   Returns:
     `num_outputs` arrays [M, N]; rows past sum(group_sizes) are zero.
   """
-  m, c = lhs[0].shape
+  m = lhs[0].shape[0]
   num_groups = rhs[0].shape[0]
   n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
   out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
   if m == 0 or n == 0:
     return tuple(jnp.zeros((m, n), out_dtype) for _ in range(num_outputs))
-  mp, cp, np_ = (
-      tiling.padded(d, b)
-      for d, b in ((m, tiles.bm), (max(c, 1), tiles.bk), (n, tiles.bn))
-  )
-  lhs = [_pad2(x, mp, cp) for x in lhs]
-  rhs = [_pad3(w, np_, cp) if transpose_rhs else _pad3(w, cp, np_) for w in rhs]
-  meta = metadata_lib.build(group_sizes, mp, tiles.bm)
-  num_visits = meta.group_ids.shape[0]
+  p = _pad_operands(lhs, rhs, group_sizes, tiles, transpose_rhs)
   kernel = functools.partial(
       _gmm_kernel,
       num_lhs=len(lhs),
@@ -241,26 +345,21 @@ def gmm(
       num_accs=1 + max(a for _, _, a in products),
       epilogue=epilogue,
       tiles=tiles,
-      c_steps=cp // tiles.bk,
+      c_steps=p.kp // tiles.bk,
       num_groups=num_groups,
       transpose_rhs=transpose_rhs,
       precision=_precision(lhs[0].dtype),
       indexed=interpret is True,
   )
-  outs = _pallas_call(
+  outs = _call_over_visits(
       kernel,
-      meta.group_ids,
-      meta.tile_ids,
-      meta.row_starts,
-      meta.row_ends,
-      *lhs,
-      *rhs,
-      out_shape=[
-          jax.ShapeDtypeStruct((mp, np_), out_dtype) for _ in range(num_outputs)
-      ],
-      grid=(num_visits, np_ // tiles.bn),
+      p,
+      tiles=tiles,
       interpret=interpret,
-      compiler_params=_compiler_params(tiles, interpret),
+      out_shape=[
+          jax.ShapeDtypeStruct((p.mp, p.np_), out_dtype)
+          for _ in range(num_outputs)
+      ],
       name="dropless_gmm",
   )
   return tuple(o[:m, :n] for o in outs)
@@ -453,31 +552,18 @@ def _scaled_gmm_kernel(
     row_scale_ref, expert_scale_ref = refs.pop(0), refs.pop(0)
   (o_ref,) = refs
   bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
-  visit = pl.program_id(0)
-  group = group_ref[visit]
-  row_start = start_ref[visit]
-  row_end = end_ref[visit]
-  r0 = pl.multiple_of(tile_ref[visit] * bm, bm)
-  n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-  computes = (group < num_groups) & (row_end > row_start)
-  weight = jnp.minimum(group, num_groups - 1)
-  if transpose_rhs:
-    dims = (((1,), (1,)), ((), ()))
-  else:
-    dims = (((1,), (0,)), ((), ()))
+  v = _visit(group_ref, tile_ref, start_ref, end_ref, tiles, num_groups)
+  dims = _contraction(transpose_rhs)
 
   def k_step(step, acc):
     k0 = pl.multiple_of(step * bk, bk)
-    lhs = lhs_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
-    if transpose_rhs:
-      rhs = rhs_ref[weight, pl.ds(n0, bn), pl.ds(k0, bk)]
-    else:
-      rhs = rhs_ref[weight, pl.ds(k0, bk), pl.ds(n0, bn)]
+    lhs = lhs_ref[pl.ds(v.r0, bm), pl.ds(k0, bk)]
+    rhs = _weight_block(rhs_ref, v.weight, k0, v.n0, tiles, transpose_rhs)
     if not block_scales:
       return acc + _dot(lhs, rhs, dims, upcast)
     # One K step is one scale block: a scale per row and one per column.
-    row_scales = row_block_ref[step, pl.ds(r0, bm)][:, None]
-    column_scales = weight_block_ref[weight, step, pl.ds(n0, bn)]
+    row_scales = row_block_ref[step, pl.ds(v.r0, bm)][:, None]
+    column_scales = weight_block_ref[v.weight, step, pl.ds(v.n0, bn)]
     if dequantize_first:
       # Formats without an MMA of their own: dequantise the tiles, then a
       # float32 product.
@@ -491,14 +577,16 @@ def _scaled_gmm_kernel(
     return acc + partial * row_scales * column_scales[None, :]
 
   acc = jnp.zeros((bm, bn), jnp.float32)
-  acc = lax.fori_loop(jnp.int32(0), _loop_bound(computes, k_steps), k_step, acc)
+  acc = lax.fori_loop(
+      jnp.int32(0), _loop_bound(v.computes, k_steps), k_step, acc
+  )
   if tensor_scales:
-    row_scales = row_scale_ref[pl.ds(r0, bm)][:, None]
-    acc = acc * row_scales * expert_scale_ref[weight]
+    row_scales = row_scale_ref[pl.ds(v.r0, bm)][:, None]
+    acc = acc * row_scales * expert_scale_ref[v.weight]
   # The padding group's visits store zeros even when the expert scale they
   # would borrow is NaN.
-  acc = jnp.where(computes, acc, 0.0)
-  _store_owned_rows(o_ref, acc, r0, n0, row_start, row_end, indexed)
+  acc = jnp.where(v.computes, acc, 0.0)
+  _store_owned_rows(o_ref, acc, v.r0, v.n0, v.row_start, v.row_end, indexed)
 
 
 def _pad_last(x, size, value):
@@ -559,21 +647,15 @@ def scaled_gmm(
     )
   if m == 0 or n == 0:
     return jnp.zeros((m, n), jnp.float32)
-  mp, kp, np_ = (
-      tiling.padded(d, b)
-      for d, b in ((m, tiles.bm), (max(k, 1), tiles.bk), (n, tiles.bn))
-  )
-  lhs = _pad2(lhs, mp, kp)
-  rhs = _pad3(rhs, np_, kp) if transpose_rhs else _pad3(rhs, kp, np_)
+  p = _pad_operands([lhs], [rhs], group_sizes, tiles, transpose_rhs)
   scale_operands = []
   if block_scales:
     scale_operands += [
-        _pad_last(scales.row_blocks, mp, 1.0),
-        _pad_last(scales.weight_blocks, np_, 1.0),
+        _pad_last(scales.row_blocks, p.mp, 1.0),
+        _pad_last(scales.weight_blocks, p.np_, 1.0),
     ]
   if tensor_scales:
-    scale_operands += [_pad_last(scales.rows, mp, 1.0), scales.experts]
-  meta = metadata_lib.build(group_sizes, mp, tiles.bm)
+    scale_operands += [_pad_last(scales.rows, p.mp, 1.0), scales.experts]
   kernel = functools.partial(
       _scaled_gmm_kernel,
       block_scales=block_scales,
@@ -581,24 +663,18 @@ def scaled_gmm(
       dequantize_first=dequantize_first,
       upcast=interpret is not False,
       tiles=tiles,
-      k_steps=kp // tiles.bk,
+      k_steps=p.kp // tiles.bk,
       num_groups=num_groups,
       transpose_rhs=transpose_rhs,
       indexed=interpret is True,
   )
-  out = _pallas_call(
+  out = _call_over_visits(
       kernel,
-      meta.group_ids,
-      meta.tile_ids,
-      meta.row_starts,
-      meta.row_ends,
-      lhs,
-      rhs,
+      p,
       *scale_operands,
-      out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
-      grid=(meta.group_ids.shape[0], np_ // tiles.bn),
+      tiles=tiles,
       interpret=interpret,
-      compiler_params=_compiler_params(tiles, interpret),
+      out_shape=jax.ShapeDtypeStruct((p.mp, p.np_), jnp.float32),
       name="dropless_scaled_gmm",
   )
   return out[:m, :n]
