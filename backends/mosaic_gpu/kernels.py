@@ -152,6 +152,98 @@ def store_tiles(o_smems, out_refs, item: WorkItem, bm: int, bn: int):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+class BodyOptions(NamedTuple):
+  """The static settings of a kernel body, set by `gmm`.
+
+  Attributes:
+    num_lhs, num_rhs: how many row and weight operands.
+    products: (lhs index, rhs index, accumulator index) triples.
+    num_accs: accumulators, one more than the largest index.
+    epilogue: the float32 accumulators -> the output tiles.
+    tiles: block sizes and pipeline depth.
+    num_visits: entries of the tile list.
+    grid_n: output column blocks.
+    c_steps: blocks of the contraction.
+    num_groups: weight matrices (E).
+    transpose_rhs: weights [E, Np, Cp] rather than [E, Cp, Np].
+  """
+
+  num_lhs: int
+  num_rhs: int
+  products: tuple[tuple[int, int, int], ...]
+  num_accs: int
+  epilogue: Callable
+  tiles: tiling.Tiles
+  num_visits: int
+  grid_n: int
+  c_steps: int
+  num_groups: int
+  transpose_rhs: bool
+
+  def split_refs(self, refs):
+    """A body's refs -> (tile list, lhs, rhs, the rest: outputs, scratch)."""
+    tile_list, refs = refs[:4], refs[4:]
+    lhs, refs = refs[: self.num_lhs], refs[self.num_lhs :]
+    return tile_list, lhs, refs[: self.num_rhs], refs[self.num_rhs :]
+
+
+def for_each_work_item(tile_list_refs, options: BodyOptions):
+  """Decorator: runs the function on each `WorkItem` of this program."""
+
+  def decorate(fn):
+    @plgpu.nd_loop((options.num_visits * options.grid_n,), collective_axes="sm")
+    def _(loop_info):
+      grid_n, num_groups = options.grid_n, options.num_groups
+      fn(work_item(loop_info, tile_list_refs, grid_n, num_groups))
+
+  return decorate
+
+
+def pipeline(step, item: WorkItem, lhs_refs, rhs_refs, options: BodyOptions):
+  """Runs `step` over the work item's [bm, bk] and [bk, bn] blocks in SMEM."""
+  plgpu.emit_pipeline(
+      step,
+      grid=(options.c_steps,),
+      in_specs=in_specs(
+          item,
+          options.tiles,
+          options.num_lhs,
+          options.num_rhs,
+          options.transpose_rhs,
+      ),
+      max_concurrent_steps=options.tiles.stages,
+  )(*lhs_refs, *(ref.at[item.weight] for ref in rhs_refs))
+
+
+def store_outputs(write, out_refs, item: WorkItem, tiles: tiling.Tiles):
+  """write(o_smems) fills [bm, bn] SMEM output tiles; stores the owned rows."""
+
+  def scope(*o_smems):
+    write(o_smems)
+    store_tiles(o_smems, out_refs, item, tiles.bm, tiles.bn)
+
+  pl.run_scoped(
+      scope, *(plgpu.SMEM((tiles.bm, tiles.bn), o.dtype) for o in out_refs)
+  )
+
+
+class Mma(NamedTuple):
+  """A tensor-core generation's kernel body and what it asks of the launch.
+
+  Attributes:
+    body: body(*refs, options=BodyOptions), one program: refs are the tile
+      list, the operands and the outputs (`BodyOptions.split_refs`), then
+      the scratch.
+    scratch_types: (tiles, num_accs) -> the body's scratch.
+    check_tiles: (tiles, num_accs) -> None; raises ValueError for tiles
+      the body cannot run.
+  """
+
+  body: Callable
+  scratch_types: Callable[[tiling.Tiles, int], tuple] = lambda *_: ()
+  check_tiles: Callable[[tiling.Tiles, int], None] = lambda *_: None
+
+
 class Problem(NamedTuple):
   """A gmm call's operands padded to the blocks, and its launch shape."""
 
@@ -162,72 +254,17 @@ class Problem(NamedTuple):
   tile_list: metadata.TileMetadata
   out_type: tuple
   num_programs: int
-  # The body's static keyword arguments shared by both kernels.
-  body_options: dict
+  body_options: BodyOptions
 
 
-def prepare(
-    lhs,
-    rhs,
-    group_sizes,
-    *,
-    tiles,
-    products,
-    epilogue,
-    num_outputs,
-    transpose_rhs,
-    out_dtype,
-    interpret,
-    num_programs,
-) -> Problem:
-  """Pads the operands, builds the tile list and sizes the persistent grid."""
-  m, c = lhs[0].shape
-  num_groups = rhs[0].shape[0]
-  n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
-  num_accs = 1 + max(a for _, _, a in products)
-  num_outputs = num_accs if num_outputs is None else num_outputs
-  out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
-  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
-  mp, cp, np_ = (tiling.padded(d, b) for d, b in ((m, bm), (c, bk), (n, bn)))
-  lhs = [_pad2(x, mp, cp) for x in lhs]
-  rhs = [_pad3(w, np_, cp) if transpose_rhs else _pad3(w, cp, np_) for w in rhs]
-  tile_list = metadata.build(group_sizes, mp, bm)
-  num_visits = tile_list.group_ids.shape[0]
-  grid_n = np_ // bn
-  if num_programs is None:
-    num_programs = 2 if interpret is not False else tiling.num_sms()
-  return Problem(
-      m=m,
-      n=n,
-      lhs=lhs,
-      rhs=rhs,
-      tile_list=tile_list,
-      out_type=tuple(
-          jax.ShapeDtypeStruct((mp, np_), out_dtype) for _ in range(num_outputs)
-      ),
-      num_programs=max(1, min(num_programs, num_visits * grid_n)),
-      body_options=dict(
-          num_lhs=len(lhs),
-          num_rhs=len(rhs),
-          products=tuple(tuple(p) for p in products),
-          num_accs=num_accs,
-          epilogue=epilogue,
-          tiles=tiles,
-          num_visits=num_visits,
-          grid_n=grid_n,
-          c_steps=cp // bk,
-          num_groups=num_groups,
-          transpose_rhs=transpose_rhs,
-      ),
-  )
-
-
-def launch(problem: Problem, body, interpret, scratch_types=()):
-  """Runs `body` over `problem` on the persistent grid; outputs [M, N]."""
+def launch(problem: Problem, mma: Mma, interpret):
+  """Runs `mma`'s body over `problem` on the persistent grid: [M, N] each."""
+  options = problem.body_options
+  mma.check_tiles(options.tiles, options.num_accs)
   kernel = plgpu.kernel(
-      functools.partial(body, **problem.body_options),
+      functools.partial(mma.body, options=options),
       out_type=problem.out_type,
-      scratch_types=scratch_types,
+      scratch_types=mma.scratch_types(options.tiles, options.num_accs),
       grid=(problem.num_programs,),
       grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(
@@ -247,44 +284,25 @@ def launch(problem: Problem, body, interpret, scratch_types=()):
   return tuple(o[: problem.m, : problem.n] for o in outs)
 
 
-def _gmm_body(
-    group_ref,
-    tile_ref,
-    start_ref,
-    end_ref,
-    *refs,
-    num_lhs: int,
-    num_rhs: int,
-    products: tuple[tuple[int, int, int], ...],
-    num_accs: int,
-    epilogue: Callable,
-    tiles: tiling.Tiles,
-    num_visits: int,
-    grid_n: int,
-    c_steps: int,
-    num_groups: int,
-    transpose_rhs: bool,
-):
+def _gmm_body(*refs, options: BodyOptions):
   """The kernel body of one program (one SM), looping over its work items.
 
-  refs: num_lhs row refs [Mp, Cp], num_rhs weight refs [E, Cp, Np] ([E, Np,
-  Cp] if transpose_rhs), then the output refs [Mp, Np], all in GMEM and
-  padded to the blocks.
+  refs: the tile list, num_lhs row refs [Mp, Cp], num_rhs weight refs [E,
+  Cp, Np] ([E, Np, Cp] if transpose_rhs), then the output refs [Mp, Np],
+  all in GMEM and padded to the blocks.
   """
-  lhs_refs = refs[:num_lhs]
-  rhs_refs = refs[num_lhs : num_lhs + num_rhs]
-  out_refs = refs[num_lhs + num_rhs :]
-  tile_list_refs = (group_ref, tile_ref, start_ref, end_ref)
+  tile_list_refs, lhs_refs, rhs_refs, out_refs = options.split_refs(refs)
+  tiles, products = options.tiles, options.products
 
-  @plgpu.nd_loop((num_visits * grid_n,), collective_axes="sm")
-  def _(loop_info):
-    item = work_item(loop_info, tile_list_refs, grid_n, num_groups)
-
+  @for_each_work_item(tile_list_refs, options)
+  def _(item):
     def step(_, *smem):
-      lhs_smem = smem[:num_lhs]
-      rhs_smem = smem[num_lhs:]
+      lhs_smem = smem[: options.num_lhs]
+      rhs_smem = smem[options.num_lhs :]
       for l, r, a in products:
-        b = rhs_smem[r].transpose((1, 0)) if transpose_rhs else rhs_smem[r]
+        b = rhs_smem[r]
+        if options.transpose_rhs:
+          b = b.transpose((1, 0))
         plgpu.wgmma(acc_refs[a], lhs_smem[l], b)
       # At most this step's MMAs in flight: the previous step's are done, so
       # its buffers (released one step late, delay_release=1) are free.
@@ -297,29 +315,25 @@ def _gmm_body(
 
       @pl.when(item.computes)
       def _():
-        plgpu.emit_pipeline(
-            step,
-            grid=(c_steps,),
-            in_specs=in_specs(item, tiles, num_lhs, num_rhs, transpose_rhs),
-            max_concurrent_steps=tiles.stages,
-        )(*lhs_refs, *(ref.at[item.weight] for ref in rhs_refs))
+        pipeline(step, item, lhs_refs, rhs_refs, options)
 
       return tuple(acc[...] for acc in accs)
 
     accs = pl.run_scoped(
-        acc_scope, *(plgpu.ACC((tiles.bm, tiles.bn)) for _ in range(num_accs))
+        acc_scope,
+        *(plgpu.ACC((tiles.bm, tiles.bn)) for _ in range(options.num_accs)),
     )
-    outs = epilogue(accs)
+    outs = options.epilogue(accs)
 
-    def store_scope(*o_smems):
+    def write(o_smems):
       for o_smem, value in zip(o_smems, outs):
         o_smem[...] = value.astype(o_smem.dtype)
-      store_tiles(o_smems, out_refs, item, tiles.bm, tiles.bn)
 
-    pl.run_scoped(
-        store_scope,
-        *(plgpu.SMEM((tiles.bm, tiles.bn), o.dtype) for o in out_refs),
-    )
+    store_outputs(write, out_refs, item, tiles)
+
+
+# Hopper: warpgroup MMAs accumulating in registers.
+WGMMA = Mma(_gmm_body)
 
 
 def gmm(
@@ -335,6 +349,7 @@ def gmm(
     out_dtype=None,
     interpret=False,
     num_programs: int | None = None,
+    mma: Mma = WGMMA,
 ) -> tuple[jax.Array, ...]:
   """Grouped products of rows sorted by group with per-group weights.
 
@@ -352,23 +367,52 @@ def gmm(
     out_dtype: output dtype (default lhs[0]'s).
     interpret: False compiles for the GPU; an `InterpretGPUParams` runs
       Mosaic GPU's interpreter (on the CPU).
-    num_programs: persistent programs (default: the SM count of the table's
-      GPU; fewer under the interpreter, where each is a simulated thread).
+    num_programs: persistent programs (default: the SM count of the target
+      GPU, else the attached one's, else an H100's; 2 under the
+      interpreter, where each is a simulated thread).
+    mma: the kernel body (`WGMMA`, Hopper's; `kernels_sm100.TCGEN05`).
 
   Returns:
     num_outputs arrays [M, N] of out_dtype.
   """
-  problem = prepare(
-      lhs,
-      rhs,
-      group_sizes,
-      tiles=tiles,
-      products=products,
-      epilogue=epilogue,
-      num_outputs=num_outputs,
-      transpose_rhs=transpose_rhs,
-      out_dtype=out_dtype,
-      interpret=interpret,
-      num_programs=num_programs,
+  # Pad the operands, build the tile list and size the persistent grid.
+  m, c = lhs[0].shape
+  num_groups = rhs[0].shape[0]
+  n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
+  num_accs = 1 + max(a for _, _, a in products)
+  num_outputs = num_accs if num_outputs is None else num_outputs
+  out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
+  bm, bk, bn = tiles.bm, tiles.bk, tiles.bn
+  mp, cp, np_ = (tiling.padded(d, b) for d, b in ((m, bm), (c, bk), (n, bn)))
+  lhs = [_pad2(x, mp, cp) for x in lhs]
+  rhs = [_pad3(w, np_, cp) if transpose_rhs else _pad3(w, cp, np_) for w in rhs]
+  tile_list = metadata.build(group_sizes, mp, bm)
+  num_visits = tile_list.group_ids.shape[0]
+  grid_n = np_ // bn
+  if num_programs is None:
+    num_programs = 2 if interpret is not False else tiling.num_sms()
+  problem = Problem(
+      m=m,
+      n=n,
+      lhs=lhs,
+      rhs=rhs,
+      tile_list=tile_list,
+      out_type=tuple(
+          jax.ShapeDtypeStruct((mp, np_), out_dtype) for _ in range(num_outputs)
+      ),
+      num_programs=max(1, min(num_programs, num_visits * grid_n)),
+      body_options=BodyOptions(
+          num_lhs=len(lhs),
+          num_rhs=len(rhs),
+          products=tuple(tuple(p) for p in products),
+          num_accs=num_accs,
+          epilogue=epilogue,
+          tiles=tiles,
+          num_visits=num_visits,
+          grid_n=grid_n,
+          c_steps=cp // bk,
+          num_groups=num_groups,
+          transpose_rhs=transpose_rhs,
+      ),
   )
-  return launch(problem, _gmm_body, interpret)
+  return launch(problem, mma, interpret)

@@ -33,7 +33,7 @@ sum(group_sizes)) never reaches the output.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 from jax import lax
@@ -76,38 +76,34 @@ def check_tiles(tiles: tiling.Tiles, num_accs: int) -> None:
     )
 
 
-def _gmm_body(
-    group_ref,
-    tile_ref,
-    start_ref,
-    end_ref,
-    *refs,
-    num_lhs: int,
-    num_rhs: int,
-    products: tuple[tuple[int, int, int], ...],
-    num_accs: int,
-    epilogue: Callable,
-    tiles: tiling.Tiles,
-    num_visits: int,
-    grid_n: int,
-    c_steps: int,
-    num_groups: int,
-    transpose_rhs: bool,
-):
+def _scratch_types(tiles: tiling.Tiles, num_accs: int) -> tuple:
+  """The TMEM accumulators, the `mma_done` barrier pair, `tmem_free`."""
+  rows = min(tiles.bm, TMEM_LANES)
+  return (
+      *(
+          plgpu.TMEM((rows, tiles.bn), jnp.float32)
+          for _ in range(num_accs * (tiles.bm // rows))
+      ),
+      plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
+      plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
+  )
+
+
+def _gmm_body(*refs, options: kernels.BodyOptions):
   """The kernel body of one program (one SM), looping over its work items.
 
-  refs: num_lhs row refs [Mp, Cp], num_rhs weight refs [E, Cp, Np] ([E, Np,
-  Cp] if transpose_rhs), the output refs [Mp, Np] (all GMEM, padded to the
-  blocks), then the scratch: the TMEM accumulators (num_accs x row blocks,
-  each [rows, bn] float32, accumulator-major), the `mma_done` barrier pair
-  and the `tmem_free` barrier.
+  refs: the tile list, num_lhs row refs [Mp, Cp], num_rhs weight refs [E,
+  Cp, Np] ([E, Np, Cp] if transpose_rhs), the output refs [Mp, Np] (all
+  GMEM, padded to the blocks), then the scratch (`_scratch_types`): the
+  TMEM accumulators (num_accs x row blocks, each [rows, bn] float32,
+  accumulator-major), the `mma_done` barrier pair and the `tmem_free`
+  barrier.
   """
+  tiles, products, num_accs = options.tiles, options.products, options.num_accs
   bm, bn = tiles.bm, tiles.bn
   rows = min(bm, TMEM_LANES)
   row_blocks = bm // rows
-  lhs_refs = refs[:num_lhs]
-  rhs_refs = refs[num_lhs : num_lhs + num_rhs]
-  rest = refs[num_lhs + num_rhs :]
+  tile_list_refs, lhs_refs, rhs_refs, rest = options.split_refs(refs)
   num_outputs = len(rest) - num_accs * row_blocks - 2
   out_refs = rest[:num_outputs]
   acc_tmems = rest[num_outputs : num_outputs + num_accs * row_blocks]
@@ -122,18 +118,14 @@ def _gmm_body(
   for i, (_, _, a) in enumerate(products):
     first_into.setdefault(a, i)
 
-  tile_list_refs = (group_ref, tile_ref, start_ref, end_ref)
-
-  @plgpu.nd_loop((num_visits * grid_n,), collective_axes="sm")
-  def _(loop_info):
-    item = kernels.work_item(loop_info, tile_list_refs, grid_n, num_groups)
-
+  @kernels.for_each_work_item(tile_list_refs, options)
+  def _(item):
     def step(indices, *smem):
       (c,) = indices
-      lhs_smem = smem[:num_lhs]
-      rhs_smem = smem[num_lhs:]
+      lhs_smem = smem[: options.num_lhs]
+      rhs_smem = smem[options.num_lhs :]
       for i, (l, r, a) in enumerate(products):
-        b = rhs_smem[r].T if transpose_rhs else rhs_smem[r]
+        b = rhs_smem[r].T if options.transpose_rhs else rhs_smem[r]
         accumulate = c > 0 if first_into[a] == i else True
         for h in range(row_blocks):
           x = lhs_smem[l]
@@ -150,20 +142,13 @@ def _gmm_body(
 
     @pl.when(item.computes)
     def _():
-      plgpu.emit_pipeline(
-          step,
-          grid=(c_steps,),
-          in_specs=kernels.in_specs(
-              item, tiles, num_lhs, num_rhs, transpose_rhs
-          ),
-          max_concurrent_steps=tiles.stages,
-      )(*lhs_refs, *(ref.at[item.weight] for ref in rhs_refs))
+      kernels.pipeline(step, item, lhs_refs, rhs_refs, options)
       # The last step's commit covers all the MMAs of this work item.
-      plgpu.barrier_wait(mma_done.at[(c_steps - 1) % 2])
+      plgpu.barrier_wait(mma_done.at[(options.c_steps - 1) % 2])
 
-    def store_scope(*o_smems):
+    def write_outputs(o_smems):
       def write(h, accs):
-        outs = epilogue(tuple(accs))
+        outs = options.epilogue(tuple(accs))
         for o_smem, value in zip(o_smems, outs):
           dst = o_smem if row_blocks == 1 else o_smem.at[pl.ds(h * rows, rows)]
           dst[...] = value.astype(o_smem.dtype)
@@ -187,76 +172,30 @@ def _gmm_body(
         for h in range(row_blocks):
           write(h, [zeros] * num_accs)
 
-      kernels.store_tiles(o_smems, out_refs, item, bm, bn)
+    kernels.store_outputs(write_outputs, out_refs, item, tiles)
 
-    pl.run_scoped(
-        store_scope, *(plgpu.SMEM((bm, bn), o.dtype) for o in out_refs)
-    )
+
+# Blackwell: tcgen05 MMAs accumulating in tensor memory.
+TCGEN05 = kernels.Mma(_gmm_body, _scratch_types, check_tiles)
 
 
 def gmm(
     lhs: Sequence[jax.Array],
     rhs: Sequence[jax.Array],
     group_sizes: jax.Array,
-    *,
-    tiles: tiling.Tiles,
-    products: Sequence[tuple[int, int, int]] = ((0, 0, 0),),
-    epilogue: Callable = kernels.identity,
-    num_outputs: int | None = None,
-    transpose_rhs: bool = False,
-    out_dtype=None,
-    interpret=False,
-    num_programs: int | None = None,
+    **options,
 ) -> tuple[jax.Array, ...]:
   """Grouped products of rows sorted by group with per-group weights (sm_100).
 
-  The contract of `kernels.gmm`, on Blackwell's tcgen05 tensor cores.
-
-  Args:
-    lhs: row operands, each [M, C], rows sorted by group.
-    rhs: weight operands, each [E, C, N] ([E, N, C] if transpose_rhs).
-    group_sizes: [E] int32, sum <= M; rows past the sum give zeros.
-    tiles: block sizes and pipeline depth (`tiling.Tiles`); bm in (64, 128,
-      256), stages >= 2, and the accumulators must fit TMEM
-      (`check_tiles`).
-    products: (lhs index, rhs index, accumulator index) triples;
-      accumulator a sums lhs[l] @ rhs[r][g] over its products.
-    epilogue: accumulators (float32 [min(bm, 128), bn] each: one TMEM row
-      block at a time) -> output row blocks; rows must be independent.
-    num_outputs: how many arrays `epilogue` returns (default: one per
-      accumulator).
-    transpose_rhs: contract with rhs[g] transposed (the dX form).
-    out_dtype: output dtype (default lhs[0]'s).
-    interpret: False compiles for the GPU; an `InterpretGPUParams` runs
-      Mosaic GPU's interpreter (on the CPU).
-    num_programs: persistent programs (default: the SM count of the attached
-      GPU, else the table's; 2 under the interpreter).
+  `kernels.gmm` on Blackwell's tcgen05 tensor cores (`TCGEN05`), with its
+  arguments and these differences:
+    tiles: bm in (64, 128, 256), stages >= 2, and the accumulators must fit
+      TMEM (`check_tiles`).
+    epilogue: gets the accumulators one TMEM row block at a time (float32
+      [min(bm, 128), bn] each) and gives output row blocks; rows must be
+      independent.
 
   Returns:
     num_outputs arrays [M, N] of out_dtype.
   """
-  num_accs = 1 + max(a for _, _, a in products)
-  check_tiles(tiles, num_accs)
-  problem = kernels.prepare(
-      lhs,
-      rhs,
-      group_sizes,
-      tiles=tiles,
-      products=products,
-      epilogue=epilogue,
-      num_outputs=num_outputs,
-      transpose_rhs=transpose_rhs,
-      out_dtype=out_dtype,
-      interpret=interpret,
-      num_programs=num_programs,
-  )
-  rows = min(tiles.bm, TMEM_LANES)
-  scratch = (
-      *(
-          plgpu.TMEM((rows, tiles.bn), jnp.float32)
-          for _ in range(num_accs * (tiles.bm // rows))
-      ),
-      plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
-      plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
-  )
-  return kernels.launch(problem, _gmm_body, interpret, scratch)
+  return kernels.gmm(lhs, rhs, group_sizes, mma=TCGEN05, **options)
