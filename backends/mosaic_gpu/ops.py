@@ -22,9 +22,7 @@ from typing import Any
 from backends.mosaic_gpu import kernels
 from backends.mosaic_gpu import kernels_sm100
 from backends.mosaic_gpu import tiling
-from backends.pallas import kernels as triton_kernels
-from backends.pallas import tiling as triton_tiling
-from moe_core.kernels import grouped_matmul
+from backends.pallas import ops as pallas_ops
 from moe_core.kernels import tile_backend
 
 
@@ -62,13 +60,14 @@ class Launch:
       rhs,
       group_sizes,
       *,
-      transpose_rhs=False,
       products=((0, 0, 0),),
-      epilogue=kernels.identity,
       num_outputs=None,
-      out_dtype=None,
+      **options,
   ):
-    """One Mosaic GPU gmm call with the tiles of `kind` ("fwd"/"dgrad")."""
+    """One Mosaic GPU gmm call with the tiles of `kind` ("fwd"/"dgrad").
+
+    `options`: `kernels.gmm`'s transpose_rhs, epilogue and out_dtype.
+    """
     generation = self.kernel_generation()
     num_accs = 1 + max(a for _, _, a in products)
     tiles = tiling.choose(
@@ -83,45 +82,26 @@ class Launch:
         num_outputs=num_accs if num_outputs is None else num_outputs,
         generation_name=generation,
     )
-    if generation == "sm100":
-      kernels_sm100.check_tiles(tiles, num_accs)
-      gmm = kernels_sm100.gmm
-    else:
-      gmm = kernels.gmm
+    gmm = kernels_sm100.gmm if generation == "sm100" else kernels.gmm
     return gmm(
         lhs,
         rhs,
         group_sizes,
         tiles=tiles,
         products=products,
-        epilogue=epilogue,
         num_outputs=num_outputs,
-        transpose_rhs=transpose_rhs,
-        out_dtype=out_dtype,
         interpret=self.interpret,
+        **options,
     )
 
-  def tgmm(self, lhs, rhs, group_sizes, num_groups, out_dtype):
-    """dW on the Pallas Triton kernel: lhs_g^T rhs_g per group -> [E, C, N]."""
-    m, c = lhs.shape
-    tiles = triton_tiling.choose(
-        triton_tiling.TileConfig(),
-        "wgrad",
-        m,
-        c,
-        rhs[0].shape[1],
-        num_groups,
-        lhs.dtype,
-        interpret=self.interpreting,
-        num_operands=len(rhs),
-    )
-    return triton_kernels.tgmm(
-        lhs,
-        list(rhs),
-        group_sizes,
-        tiles=tiles,
-        interpret=self.interpreting,
-        out_dtype=out_dtype,
+  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    """dW on the Pallas Triton kernel: lhs_g^T rhs_g per group -> [E, C, N].
+
+    With its table's tiles, under Pallas' interpreter where this runs Mosaic
+    GPU's.
+    """
+    return pallas_ops.Launch(interpret=self.interpreting).tgmm(
+        lhs, rhs, group_sizes, num_groups=num_groups, out_dtype=out_dtype
     )
 
 
@@ -129,7 +109,7 @@ class Launch:
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicKernels(grouped_matmul.GroupedKernels):
+class MosaicKernels(tile_backend.LaunchKernels):
   """The Mosaic GPU gmm and the Pallas Triton tgmm as `GroupedKernels`.
 
   The gmm sums any products per accumulator in one pass (gate and up read
@@ -140,33 +120,6 @@ class MosaicKernels(grouped_matmul.GroupedKernels):
 
   launch: Launch
 
-  def fused_gmm(
-      self,
-      lhs,
-      rhs,
-      group_sizes,
-      *,
-      products,
-      transpose_rhs,
-      num_outputs,
-      out_dtype,
-      epilogue=kernels.identity,
-  ):
-    return self.launch.gmm(
-        "dgrad" if transpose_rhs else "fwd",
-        list(lhs),
-        list(rhs),
-        group_sizes,
-        transpose_rhs=transpose_rhs,
-        products=products,
-        epilogue=epilogue,
-        num_outputs=num_outputs,
-        out_dtype=out_dtype,
-    )
-
-  def fused_tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
-    return self.launch.tgmm(lhs, list(rhs), group_sizes, num_groups, out_dtype)
-
 
 # Activations the Mosaic GPU lowering computes on the accumulators (it has
 # exp, logistic and tanh; the exact "gelu" needs erf).
@@ -176,7 +129,6 @@ EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh")
 # gate_up(rows, w_gate, w_up, group_sizes, launch) and
 # gated_gate_up(rows, w_gate, w_up, group_sizes, activation, launch), the
 # activation in the gate/up kernel's epilogue: `tile_backend.TileOps`.
-_OPS = tile_backend.TileOps(MosaicKernels, EPILOGUE_ACTIVATIONS)
-grouped_gemm = _OPS.grouped_gemm
-gate_up = _OPS.gate_up
-gated_gate_up = _OPS.gated_gate_up
+grouped_gemm, gate_up, gated_gate_up = tile_backend.TileOps(
+    MosaicKernels, EPILOGUE_ACTIVATIONS
+).functions()

@@ -27,7 +27,6 @@ from backends.pallas import kernels
 from backends.pallas import tiling
 from moe_core import operands
 from moe_core import precision
-from moe_core.kernels import grouped_matmul
 from moe_core.kernels import tile_backend
 
 
@@ -63,12 +62,60 @@ class Launch:
         num_operands=num_operands,
     )
 
+  def gmm(
+      self,
+      kind,
+      *operands,
+      transpose_rhs=False,
+      products=((0, 0, 0),),
+      **options,
+  ):
+    """One `kernels.gmm` call with the tiles of `kind` ("fwd"/"dgrad").
+
+    `operands`: its lhs, rhs and group_sizes; `options`: its epilogue,
+    num_outputs and out_dtype.
+    """
+    lhs, rhs, _ = operands
+    m, c = lhs[0].shape
+    n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
+    tiles = self.choose(
+        kind, m, c, n, rhs[0].shape[0], lhs[0].dtype, num_operands=len(products)
+    )
+    return kernels.gmm(
+        *operands,
+        tiles=tiles,
+        interpret=self.interpret,
+        transpose_rhs=transpose_rhs,
+        products=products,
+        **options,
+    )
+
+  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    """One `kernels.tgmm` call with the "wgrad" tiles."""
+    tiles = self.choose(
+        "wgrad",
+        lhs.shape[0],
+        lhs.shape[1],
+        rhs[0].shape[1],
+        num_groups,
+        lhs.dtype,
+        num_operands=len(rhs),
+    )
+    return kernels.tgmm(
+        lhs,
+        rhs,
+        group_sizes,
+        tiles=tiles,
+        interpret=self.interpret,
+        out_dtype=out_dtype,
+    )
+
 
 # --- The kernels, differentiated by moe_core.kernels ------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasKernels(grouped_matmul.GroupedKernels):
+class PallasKernels(tile_backend.LaunchKernels):
   """The tile-list gmm and tgmm kernels as `GroupedKernels`.
 
   `kernels.gmm` sums any products per accumulator in one pass, so the gate
@@ -80,61 +127,6 @@ class PallasKernels(grouped_matmul.GroupedKernels):
 
   launch: Launch
 
-  def fused_gmm(
-      self,
-      lhs,
-      rhs,
-      group_sizes,
-      *,
-      products,
-      transpose_rhs,
-      num_outputs,
-      out_dtype,
-      epilogue=kernels.identity,
-  ):
-    m, c = lhs[0].shape
-    n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
-    tiles = self.launch.choose(
-        "dgrad" if transpose_rhs else "fwd",
-        m,
-        c,
-        n,
-        rhs[0].shape[0],
-        lhs[0].dtype,
-        num_operands=len(products),
-    )
-    return kernels.gmm(
-        list(lhs),
-        list(rhs),
-        group_sizes,
-        tiles=tiles,
-        interpret=self.launch.interpret,
-        transpose_rhs=transpose_rhs,
-        products=products,
-        epilogue=epilogue,
-        num_outputs=num_outputs,
-        out_dtype=out_dtype,
-    )
-
-  def fused_tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
-    tiles = self.launch.choose(
-        "wgrad",
-        lhs.shape[0],
-        lhs.shape[1],
-        rhs[0].shape[1],
-        num_groups,
-        lhs.dtype,
-        num_operands=len(rhs),
-    )
-    return kernels.tgmm(
-        lhs,
-        list(rhs),
-        group_sizes,
-        tiles=tiles,
-        interpret=self.launch.interpret,
-        out_dtype=out_dtype,
-    )
-
 
 # Activations the Triton lowering can compute in the epilogue. The exact
 # "gelu" needs erf, which the Triton lowering of jax 0.10 lacks.
@@ -144,10 +136,9 @@ EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh")
 # gate_up(rows, w_gate, w_up, group_sizes, launch) and
 # gated_gate_up(rows, w_gate, w_up, group_sizes, activation, launch), the
 # activation in the gate/up kernel's epilogue: `tile_backend.TileOps`.
-_OPS = tile_backend.TileOps(PallasKernels, EPILOGUE_ACTIVATIONS)
-grouped_gemm = _OPS.grouped_gemm
-gate_up = _OPS.gate_up
-gated_gate_up = _OPS.gated_gate_up
+grouped_gemm, gate_up, gated_gate_up = tile_backend.TileOps(
+    PallasKernels, EPILOGUE_ACTIVATIONS
+).functions()
 
 
 # --- grouped GEMM on quantised operands ---------------------------------------

@@ -10,7 +10,8 @@ launch settings last:
     EPILOGUE_ACTIVATIONS   the activations its fused epilogue computes
 
 `TileOps` writes those functions from the module's `GroupedKernels` (whose
-`fused_gmm` takes an epilogue), and `TileKernelBackend` maps
+`fused_gmm` takes an epilogue; `LaunchKernels` when its launch settings
+own the gmm and tgmm calls), and `TileKernelBackend` maps
 `moe_core.Backend`'s hooks onto them, so such a backend writes its kernels,
 its tile table, `availability()` and its options, not this glue again;
 `parse_tile_config` reads its `tiles` option into its TileConfig.
@@ -31,11 +32,45 @@ from moe_core.kernels import grouped_matmul
 
 
 @dataclasses.dataclass(frozen=True)
+class LaunchKernels(grouped_matmul.GroupedKernels):
+  """`GroupedKernels` whose fused kernels are the methods of `launch`.
+
+  `launch` (frozen, hashable: the module's launch settings) has
+
+      gmm(kind, lhs, rhs, group_sizes, *, products, transpose_rhs,
+          num_outputs, out_dtype[, epilogue]) -> num_outputs arrays [M, N]
+      tgmm(lhs, rhs, group_sizes, *, num_groups, out_dtype)
+          -> one [E, C, N] per rhs
+
+  with kind "fwd" (weights [E, C, N]) or "dgrad" (transposed), the key of
+  the tiles it picks; lhs and rhs come as lists. `fused_gmm`'s `epilogue`
+  (float32 accumulators -> outputs) fuses an activation.
+  """
+
+  launch: Any
+
+  def fused_gmm(self, lhs, rhs, group_sizes, *, transpose_rhs, **options):
+    return self.launch.gmm(
+        "dgrad" if transpose_rhs else "fwd",
+        list(lhs),
+        list(rhs),
+        group_sizes,
+        transpose_rhs=transpose_rhs,
+        **options,
+    )
+
+  def fused_tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    return self.launch.tgmm(
+        lhs, list(rhs), group_sizes, num_groups=num_groups, out_dtype=out_dtype
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class TileOps:
   """An ops module's differentiable ops, each taking the launch settings last.
 
   An ops module binds its functions from one of these:
-  `grouped_gemm = _OPS.grouped_gemm`, and so on.
+  `grouped_gemm, gate_up, gated_gate_up = TileOps(...).functions()`.
 
   Attributes:
     kernels: launch -> the module's `GroupedKernels` (a frozen dataclass);
@@ -46,6 +81,10 @@ class TileOps:
 
   kernels: Callable[[Any], grouped_matmul.GroupedKernels]
   epilogue_activations: tuple[str, ...]
+
+  def functions(self) -> tuple[Callable, Callable, Callable]:
+    """(grouped_gemm, gate_up, gated_gate_up), for the ops module."""
+    return self.grouped_gemm, self.gate_up, self.gated_gate_up
 
   def grouped_gemm(
       self, rows, weights, group_sizes, transpose_rhs: bool, out_dtype, launch
