@@ -15,7 +15,7 @@ with one of these policies, and what the backward pass keeps is a choice:
 
 On the CPU, "device" and "pinned_host" memory are the same RAM: offload_moe
 runs (jax 0.10.2 lowers the transfers) and gives the same numbers, but saves
-no memory; it pays off on GPU/TPU. Backends that override `routed_experts`
+no memory; it pays off on GPU/TPU. Backends that override `_routed_experts`
 without calling `expert_ffn` (the reference oracle) carry no names, so for
 them save_moe behaves like full.
 """

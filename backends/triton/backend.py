@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import types
 from typing import ClassVar
 
@@ -15,8 +14,6 @@ from backends.triton import ops
 from moe_core import config as config_lib
 from moe_core import operands
 from moe_core import permute
-from moe_core import routing
-from moe_core import validation
 from moe_core.kernels import permutation
 from moe_core.kernels import tile_backend
 
@@ -44,8 +41,8 @@ class TritonBackend(tile_backend.TileKernelBackend):
       the first device's compute capability ("sm90" off a GPU).
     fuse_routing_weights: in `routed_experts`, multiply each row by its
       combine weight in the down GEMM's epilogue and un-permute with unit
-      weights (dropless configs with the "bf16" precision; others run the
-      unfused path).
+      weights (the template's `_routing_weights_in_down`; dropless configs
+      with the "bf16" precision; others run the unfused path).
   """
 
   name: ClassVar[str] = "triton"
@@ -102,131 +99,55 @@ class TritonBackend(tile_backend.TileKernelBackend):
     """The runner, which every `ops` function takes last."""
     return self.runner
 
-  # --- Dispatch and combine ---------------------------------------------------
+  # --- Dispatch and combine: the library's plan, the kernels' data movement --
 
   def _gathers(self, dtype) -> bool:
     """Whether the permute kernels take `dtype` (else the XLA gather)."""
     return jnp.dtype(dtype) in self.dtypes
 
-  def _permute(self, x, expert_ids, num_experts, kept):
-    """`permute.dispatch` (same validation) with the permute kernel's gather.
-
-    The sort is `moe_core.permute.dispatch`'s own; only the row gather is
-    the permute kernel.
-    """
-    validation.check_dispatch(x, expert_ids, num_experts, kept)
+  def _gather(self, x, plan: permute.DispatchPlan) -> permute.Dispatched:
+    """The rows of `dispatch` through the permute kernel's gather."""
     if not self._gathers(x.dtype):
-      return permute.dispatch(x, expert_ids, num_experts, kept)
-    # A zero-width view of x: dispatch validates and sorts exactly as it
-    # does for x, and its gather has no data to move.
-    sorted_meta = permute.dispatch(x[:, :0], expert_ids, num_experts, kept)
+      return super()._gather(x, plan)
     rows = permutation.gather(
         self.permutation_kernels,
         x,
-        _plan(sorted_meta, kept),
-        top_k=sorted_meta.top_k,
+        permutation.Plan.of(plan, None),
+        top_k=plan.top_k,
     )
-    return dataclasses.replace(sorted_meta, rows=rows)
+    return permute.Dispatched.of(rows, plan)
 
-  def _unpermute(self, expert_out, dispatched, combine_weights, kept):
-    """`permute.combine` (same validation) on the unpermute kernel."""
-    validation.check_combine(expert_out, dispatched, combine_weights, kept)
+  def _combine(self, expert_out, dispatched, combine_weights, kept):
+    """`combine` on the unpermute kernel."""
     if not self._gathers(expert_out.dtype):
-      return permute.combine(expert_out, dispatched, combine_weights, kept)
+      return super()._combine(expert_out, dispatched, combine_weights, kept)
     return permutation.combine(
         self.permutation_kernels,
         expert_out,
         combine_weights,
-        _plan(dispatched, kept),
+        permutation.Plan.of(dispatched, kept),
         top_k=dispatched.top_k,
     )
 
-  # --- The routed block, with the weights in the down GEMM --------------------
+  # --- The routing weights in the down GEMM's epilogue ------------------------
 
-  def _fuses_routing_weights(self, cfg: config_lib.MoEConfig, x_dtype) -> bool:
-    # Only dropless bf16-precision blocks of a dtype the kernels take: a
-    # capacity config's dropped copies, the quantised FFN (which never
-    # fuses) and other dtypes (NotImplementedError) keep the plain path.
+  def _routing_weights_in_down(self, cfg: config_lib.MoEConfig, dtype) -> bool:
+    # With `fuse_routing_weights`, only dropless blocks of the unquantised
+    # recipe and of a dtype the kernels take: a capacity config's dropped
+    # copies, the quantised FFN (which never fuses) and other dtypes
+    # (NotImplementedError) keep the plain path.
     return (
         self.fuse_routing_weights
         and cfg.dropless
         and cfg.precision == "bf16"
-        and self._gathers(x_dtype)
+        and self._gathers(dtype)
     )
-
-  def routed_experts(
-      self,
-      params: dict,
-      x: jax.Array,
-      aux: routing.MoEAux,
-      cfg: config_lib.MoEConfig,
-  ) -> jax.Array:
-    """The routed experts' weighted output: x [T, D] -> [T, D].
-
-    With `fuse_routing_weights` (dropless, "bf16" precision), each sorted
-    row's combine weight multiplies the down GEMM's float32 accumulator and
-    the combine sums with unit weights; a NaN weight still makes its token
-    NaN (through the scaled row), and an invalid id too (through combine).
-    """
-    if not self.fuse_routing_weights:
-      return super().routed_experts(params, x, aux, cfg)
-    validation.check_routed_experts(x, aux, cfg, params)
-    if not self._fuses_routing_weights(cfg, x.dtype):
-      return super().routed_experts(params, x, aux, cfg)
-    dispatched = self.dispatch(x, aux, cfg)
-    row_weights = aux.combine_weights.astype(jnp.float32).reshape(-1)[
-        dispatched.assignment
-    ]
-    out = self._weighted_expert_ffn(
-        dispatched.rows, dispatched.group_sizes, params, cfg, row_weights
-    )
-    return self._unpermute(
-        out, dispatched, jnp.ones_like(aux.combine_weights), None
-    )
-
-  def _weighted_expert_ffn(self, rows, group_sizes, params, cfg, row_weights):
-    """`Backend.expert_ffn` with out[r] scaled by row_weights[r] [M] float32.
-
-    The template itself (its checks, casts, names and poisoning) on a
-    `_RowWeighted` view of this backend, whose `_down` is
-    `ops.down_weighted`.
-    """
-    return _RowWeighted(self, row_weights).expert_ffn(
-        rows, group_sizes, params, cfg
-    )
-
-
-class _RowWeighted(TritonBackend):
-  """A TritonBackend whose down GEMM scales row r by row_weights[r].
-
-  A view of one backend for one `expert_ffn` call: that backend's runner
-  and options, and row_weights [M] float32, multiplied into the float32
-  accumulator of the down GEMM's epilogue (`ops.down_weighted`).
-  """
-
-  # pylint: disable-next=super-init-not-called
-  def __init__(self, base: TritonBackend, row_weights: jax.Array):
-    # The base's runner and options as they are, not a second runner.
-    vars(self).update(vars(base))
-    self.row_weights = row_weights
 
   def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
+    """The down GEMM; with the routing weights, row r's float32 accumulator
+    is scaled by ffn_in.row_weights[r] in the epilogue."""
+    if ffn_in.row_weights is None:
+      return super()._down(h, ffn_in)
     return ops.down_weighted(
-        h, ffn_in.w_down, ffn_in.group_sizes, self.row_weights, self.runner
+        h, ffn_in.w_down, ffn_in.group_sizes, ffn_in.row_weights, self.runner
     )
-
-
-def _plan(dispatched: permute.Dispatched, kept) -> permutation.Plan:
-  """The permutation kernels' plan: `dispatched`'s arrays, int8 flags."""
-  num_copies = dispatched.position.shape[0]
-  kept_flags = (
-      jnp.ones((num_copies,), jnp.int8)
-      if kept is None
-      else kept.reshape(-1).astype(jnp.int8)
-  )
-  return permutation.Plan(
-      assignment=dispatched.assignment,
-      position=dispatched.position,
-      kept=kept_flags,
-      invalid=dispatched.invalid.astype(jnp.int8),
-  )
