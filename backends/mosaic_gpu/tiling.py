@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -91,8 +92,11 @@ class Tiles:
 
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig:
+class TileConfig(tile_backend.PerKernel):
   """The caller's tiles per kernel kind; None leaves it to the table."""
+
+  ITEM: ClassVar[type] = Tiles
+  ITEM_NAME: ClassVar[str] = "Tiles"
 
   fwd: Tiles | None = None
   dgrad: Tiles | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -116,7 +117,7 @@ class Tiles:
 
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig:
+class TileConfig(tile_backend.PerKernel):
   """Tiles per kernel; None leaves that kernel to the heuristic.
 
   Attributes:
@@ -125,18 +126,12 @@ class TileConfig:
     wgrad: the dW tgmm.
   """
 
+  ITEM: ClassVar[type] = Tiles
+  ITEM_NAME: ClassVar[str] = "Tiles"
+
   fwd: Tiles | None = None
   dgrad: Tiles | None = None
   wgrad: Tiles | None = None
-
-  def __post_init__(self):
-    for kind in KINDS:
-      value = getattr(self, kind)
-      if value is not None and not isinstance(value, Tiles):
-        raise TypeError(
-            f"TileConfig.{kind} must be a Tiles or None, got "
-            f"{type(value).__name__}."
-        )
 
   @classmethod
   def parse(cls, tiles) -> TileConfig:
@@ -147,10 +142,6 @@ class TileConfig:
     or per-kernel dicts ({"fwd": {...}, "wgrad": {...}}).
     """
     return tile_backend.parse_tile_config(cls, Tiles, KINDS, tiles)
-
-  def get(self, kind: str) -> Tiles | None:
-    _check_kind(kind)
-    return getattr(self, kind)
 
 
 def _check_kind(kind):

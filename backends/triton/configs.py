@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import ClassVar
 
 import jax.numpy as jnp
+
+from moe_core.kernels import tile_backend
 
 #     gmm, gated_gmm  ("fwd", "dgrad", "gated")  [block_m, block_k] @
 #                     [block_k, block_n] per step along the contracted width;
@@ -143,27 +146,17 @@ class Config:
 
 
 @dataclasses.dataclass(frozen=True)
-class Overrides:
+class Overrides(tile_backend.PerKernel):
   """The caller's `Config` per kind; None leaves that kind to `choose`."""
+
+  ITEM: ClassVar[type] = Config
+  ITEM_NAME: ClassVar[str] = "configs.Config"
 
   fwd: Config | None = None
   dgrad: Config | None = None
   wgrad: Config | None = None
   gated: Config | None = None
   permute: Config | None = None
-
-  def __post_init__(self):
-    for kind in KINDS:
-      value = getattr(self, kind)
-      if value is not None and not isinstance(value, Config):
-        raise TypeError(
-            f"Overrides.{kind} must be a configs.Config or None, got "
-            f"{type(value).__name__}."
-        )
-
-  def get(self, kind: str) -> Config | None:
-    _check_kind(kind)
-    return getattr(self, kind)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Config))

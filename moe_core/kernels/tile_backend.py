@@ -146,6 +146,36 @@ class TileOps:
     )
 
 
+class PerKernel:
+  """Base of a frozen dataclass holding one optional setting per kernel
+  kind: its fields are the kinds, each an `ITEM` or None (None leaves that
+  kernel to the backend's heuristic). The backends' tile vocabularies
+  (pallas' and mosaic_gpu's TileConfig, triton's Overrides) are these.
+  """
+
+  ITEM: ClassVar[type]
+  ITEM_NAME: ClassVar[str]  # How errors name an ITEM.
+
+  def __post_init__(self):
+    for kind in self.kinds():
+      value = getattr(self, kind)
+      if value is not None and not isinstance(value, self.ITEM):
+        raise TypeError(
+            f"{type(self).__name__}.{kind} must be a {self.ITEM_NAME} or "
+            f"None, got {type(value).__name__}."
+        )
+
+  @classmethod
+  def kinds(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+  def get(self, kind: str):
+    """The setting of `kind` (one of `kinds()`), or None."""
+    if kind not in self.kinds():
+      raise ValueError(f"kind must be one of {self.kinds()}, got {kind!r}.")
+    return getattr(self, kind)
+
+
 def parse_tile_config(config_cls: type, tiles_cls: type, kinds, tiles):
   """A `config_cls` (one `tiles_cls` or None per kernel kind) from `tiles`.
 
