@@ -56,6 +56,16 @@ UP_NAME = "moe_up"
 DOWN_NAME = "moe_down"
 CHECKPOINT_NAMES = (GATE_NAME, UP_NAME, DOWN_NAME)
 
+# Backend's template methods -> the hooks a backend overrides instead.
+_TEMPLATE_HOOKS = {
+    "grouped_gemm": "_grouped_gemm (or _quantized_grouped_gemm)",
+    "expert_ffn": "_gate_up, _gated_gate_up or _down",
+    "route": "_route",
+    "dispatch": "_gather",
+    "combine": "_combine",
+    "routed_experts": "_routed_experts",
+}
+
 
 class Backend(abc.ABC):
   """A way to compute the expert stage of an MoE block.
@@ -121,6 +131,18 @@ class Backend(abc.ABC):
   name: ClassVar[str]
   dtypes: ClassVar[tuple[jnp.dtype, ...] | None] = None
   precisions: ClassVar[tuple[str, ...]] = ("bf16",)
+
+  def __init_subclass__(cls, **kwargs):
+    # The public methods validate, then call the hooks: a subclass that
+    # replaced one would skip the validation, and `moe_layer` (which calls
+    # the hooks) would not run it. Refused where the class is defined.
+    super().__init_subclass__(**kwargs)
+    for method, hooks in _TEMPLATE_HOOKS.items():
+      if method in cls.__dict__:
+        raise TypeError(
+            f"{cls.__qualname__} overrides Backend.{method}, which validates "
+            f"its inputs and then calls hooks: override {hooks} instead."
+        )
 
   def availability(self) -> tuple[bool, str]:
     """(True, "") if this backend can run here, else (False, why not)."""

@@ -82,6 +82,19 @@ class ValidateOnceTest(absltest.TestCase):
     )
 
 
+class TemplateTest(absltest.TestCase):
+
+  def test_overriding_a_template_method_is_refused(self):
+    with self.assertRaisesRegex(
+        TypeError, "overrides Backend.routed_experts.*_routed_experts"
+    ):
+
+      class _Bypass(xla_backend.XlaBackend):  # pylint: disable=unused-variable
+
+        def routed_experts(self, params, x, aux, cfg):
+          return x
+
+
 class RoutingWeightsInDownTest(absltest.TestCase):
 
   def test_same_block_output_and_gradients(self):

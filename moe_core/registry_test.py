@@ -37,7 +37,7 @@ class _Raises(_Toy):
   name = "toy_raises"
   calls = 0
 
-  def routed_experts(self, params, x, aux, cfg):
+  def _routed_experts(self, params, x, aux, cfg):
     type(self).calls += 1
     raise NotImplementedError("toy_raises: never supported")
 

@@ -315,9 +315,9 @@ class _NoCombineWeightInGradient(reference.ReferenceBackend):
 
   name = "reference_without_combine_weight_gradient"
 
-  def routed_experts(self, params, x, aux, cfg):
-    y = super().routed_experts(params, x, aux, cfg)
-    unweighted = super().routed_experts(
+  def _routed_experts(self, params, x, aux, cfg):
+    y = super()._routed_experts(params, x, aux, cfg)
+    unweighted = super()._routed_experts(
         params,
         x,
         dataclasses.replace(
