@@ -24,6 +24,9 @@ and TMA stores need static sizes; the store is a ladder of power-of-two row
 copies (bm, bm/2, ..., 1) from shared memory, each issued when that bit of
 the owned row count is set, so any count 0..bm is written with at most
 log2(bm) + 1 copies and no masked stores.
+
+Over 400 lines because it is one job: the Hopper kernel and the pieces
+(work items, pipeline, stores) the Blackwell kernel reuses with its own MMA.
 """
 
 from __future__ import annotations
