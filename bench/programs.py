@@ -144,12 +144,12 @@ def _backend_class(name: str):
 def platform_options(backend: str, interpret: bool = False) -> dict:
   """Options that make `backend`, built here, what it is on a GPU.
 
-  Pallas's default follows the host (`jax.default_backend()`), not the
-  GPU a program is compiled for: it interprets off a GPU. xla's follows
-  the platform a program is lowered for (ragged_dot on GPUs, its tile loop
-  on the CPU), so a CPU rehearsal would time the tile loop. So every
-  `interpret` is set (False: the GPU's compiled kernels; True for a CPU
-  rehearsal) and xla's `use_ragged_dot` is True.
+  Every `interpret` is set, not left to the backend's default (False for
+  mosaic_gpu and triton, auto for pallas): False, the GPU's compiled
+  kernels, whatever the host; True for a CPU rehearsal. xla's default
+  follows the platform a program is lowered for (ragged_dot on GPUs, its
+  tile loop on the CPU), so a CPU rehearsal would time the tile loop:
+  its `use_ragged_dot` is True.
   """
   parameters = inspect.signature(_backend_class(backend)).parameters
   options = {}

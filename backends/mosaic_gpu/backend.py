@@ -23,38 +23,6 @@ INTERPRETER_TRANSPOSES = tuple(
 ) >= (0, 11)
 
 
-def interpret_params():
-  """Mosaic GPU's interpreter settings, on every supported JAX.
-
-  jax >= 0.11 exports `InterpretGPUParams` from the public module; 0.10.2
-  has the same class only in its private one.
-  """
-  # pylint: disable-next=g-import-not-at-top
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  params = getattr(plgpu, "InterpretGPUParams", None)
-  if params is None:
-    # pylint: disable-next=g-import-not-at-top
-    from jax._src.pallas.mosaic_gpu.interpret import params as private
-
-    params = private.InterpretGPUParams
-  return params()
-
-
-def _resolve_interpret(interpret):
-  """None/False: compiled for the GPU; True: Mosaic GPU's interpreter."""
-  if interpret is None or interpret is False:
-    return False
-  if interpret is True:
-    return interpret_params()
-  if type(interpret).__name__ == "InterpretGPUParams":
-    return interpret
-  raise ValueError(
-      "interpret must be None (compiled), True, False or an "
-      f"InterpretGPUParams, got {interpret!r}."
-  )
-
-
 def gpu_unavailable_reason(device) -> str:
   """Why `device` cannot run the compiled kernels; "" when it can."""
   if device.platform != "gpu":
@@ -84,9 +52,15 @@ class MosaicGpuBackend(tile_backend.TileKernelBackend):
     tiles: gmm block sizes and pipeline depth: None (the table in
       `tiling.TABLE`, fitted), a `tiling.Tiles` for both kinds, a
       `tiling.TileConfig` (fwd, dgrad) or the dict form of either.
-    interpret: None or False compile for the GPU (unavailable elsewhere);
-      True (or an `InterpretGPUParams`) runs Mosaic GPU's interpreter, on
-      the CPU too: slow, for tests at small shapes.
+    interpret: None: auto, compiled when the program is lowered for a GPU
+      (a GPU here, or `moe_core.aot`'s target from any host), interpreted
+      otherwise; True: the backend's interpreter, on any platform; False:
+      compiled for a GPU, unavailable elsewhere
+      (`moe_core.kernels.interpret`). Here True is Mosaic GPU's
+      interpreter (jax >= 0.11), or an `InterpretGPUParams` with its
+      settings: it simulates the GPU's threads, slow, for tests at small
+      shapes. Default False: off a GPU the backend says to pass
+      interpret=True rather than run that slowly unasked.
     generation: "sm90" (Hopper wgmma kernels) or "sm100" (Blackwell
       tcgen05 kernels); None picks, when the program is traced, by the
       GPU it is lowered for (`moe_core.aot`'s target) or else the first
@@ -108,7 +82,7 @@ class MosaicGpuBackend(tile_backend.TileKernelBackend):
       self,
       *,
       tiles: tiling.TileConfig | tiling.Tiles | dict | None = None,
-      interpret: Any = None,
+      interpret: Any = False,
       fuse_activation: bool = False,
       generation: str | None = None,
   ):
@@ -117,7 +91,7 @@ class MosaicGpuBackend(tile_backend.TileKernelBackend):
       tiling.check_generation(generation)
     self.launch = ops.Launch(
         tiles=tiling.TileConfig.parse(tiles),
-        interpret=_resolve_interpret(interpret),
+        interpret=ops.INTERPRETER.parse(interpret),
         generation=generation,
     )
     self.fuse_activation = fuse_activation

@@ -23,7 +23,34 @@ from backends.mosaic_gpu import kernels
 from backends.mosaic_gpu import kernels_sm100
 from backends.mosaic_gpu import tiling
 from backends.pallas import ops as pallas_ops
+from moe_core.kernels import interpret as interpret_lib
 from moe_core.kernels import tile_backend
+
+
+def interpret_params():
+  """Mosaic GPU's interpreter settings, on every supported JAX.
+
+  jax >= 0.11 exports `InterpretGPUParams` from the public module; 0.10.2
+  has the same class only in its private one.
+  """
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  params = getattr(plgpu, "InterpretGPUParams", None)
+  if params is None:
+    # pylint: disable-next=g-import-not-at-top
+    from jax._src.pallas.mosaic_gpu.interpret import params as private
+
+    params = private.InterpretGPUParams
+  return params()
+
+
+# The backend's `interpret` option (`moe_core.kernels.interpret`): True is
+# Mosaic GPU's interpreter with its default settings.
+INTERPRETER = interpret_lib.Interpreter(
+    default=interpret_params,
+    params=(("InterpretGPUParams", "an InterpretGPUParams"),),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +59,9 @@ class Launch:
 
   Attributes:
     tiles: the caller's gmm tiles per kind; unset kinds use the table.
-    interpret: False (compiled for the GPU) or Mosaic GPU's
-      `InterpretGPUParams` (the CPU).
+    interpret: False (compiled for the GPU), Mosaic GPU's
+      `InterpretGPUParams` (any platform) or None: auto, decided when a
+      kernel is traced (`moe_core.kernels.interpret`).
     generation: "sm90" (wgmma, `kernels`) or "sm100" (tcgen05,
       `kernels_sm100`): which kernel, and the table's key; None follows
       the GPU being lowered for (`tiling.generation()`).
@@ -45,7 +73,13 @@ class Launch:
 
   @property
   def interpreting(self) -> bool:
-    return self.interpret is not False
+    """Whether the kernels traced now run interpreted."""
+    return interpret_lib.interprets(self.interpret)
+
+  @property
+  def kernel_interpret(self) -> Any:
+    """The kernels' `interpret` for the program traced now: auto resolved."""
+    return INTERPRETER.resolve(self.interpret)
 
   def kernel_generation(self) -> str:
     """The generation whose kernels run: the given one, or the target's."""
@@ -90,7 +124,7 @@ class Launch:
         tiles=tiles,
         products=products,
         num_outputs=num_outputs,
-        interpret=self.interpret,
+        interpret=self.kernel_interpret,
         **options,
     )
 

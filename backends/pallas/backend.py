@@ -15,27 +15,6 @@ from moe_core import precision
 from moe_core.kernels import tile_backend
 
 
-def _resolve_interpret(interpret):
-  """None: interpret on the CPU; "debug": the bounds-checking interpreter."""
-  if interpret is None:
-    # The CPU has no Pallas lowering: run the same kernels interpreted there.
-    return jax.default_backend() == "cpu"
-  if interpret == "debug":
-    # Imported here: only this debug mode needs the TPU interpreter.
-    # pylint: disable-next=g-import-not-at-top
-    from jax.experimental.pallas import tpu as pltpu
-
-    return pltpu.InterpretParams()
-  if isinstance(interpret, bool):
-    return interpret
-  if type(interpret).__name__ == "InterpretParams":
-    return interpret
-  raise ValueError(
-      "interpret must be None (automatic), True, False, 'debug' "
-      f"or a pltpu.InterpretParams, got {interpret!r}."
-  )
-
-
 class PallasBackend(tile_backend.TileKernelBackend):
   """Grouped GEMMs as Pallas kernels over a tile list; no host sync, no padding.
 
@@ -44,9 +23,15 @@ class PallasBackend(tile_backend.TileKernelBackend):
       `tiling.heuristic`), a `tiling.Tiles` for every kernel, a
       `tiling.TileConfig` (per kernel: fwd, dgrad, wgrad) or the dict form of
       either (`tiling.TileConfig.parse`).
-    interpret: None runs the kernels interpreted on the CPU and compiled
-      (Triton) on the GPU; True / False force it; "debug" uses the
-      bounds-checking interpreter (slow: small shapes only).
+    interpret: None: auto, compiled when the program is lowered for a GPU
+      (a GPU here, or `moe_core.aot`'s target from any host), interpreted
+      otherwise; True: the backend's interpreter, on any platform; False:
+      compiled for a GPU, unavailable elsewhere
+      (`moe_core.kernels.interpret`). Here True is pallas_call's HLO
+      interpreter, and "debug" or a `pltpu.InterpretParams` the
+      bounds-checking interpreter (slow: small shapes only). Default None:
+      the kernels lower through Triton on a GPU, and the interpreter is
+      cheap enough to run them anywhere else.
     fuse_activation: compute act(gate) * up in the gate/up kernel's epilogue
       (for the activations in `ops.EPILOGUE_ACTIVATIONS`; others, such as the
       exact "gelu", run unfused). The gate and up outputs then exist only
@@ -74,7 +59,7 @@ class PallasBackend(tile_backend.TileKernelBackend):
     self.check_fuse_activation(fuse_activation)
     self.launch = ops.Launch(
         tiles=tiling.TileConfig.parse(tiles),
-        interpret=_resolve_interpret(interpret),
+        interpret=ops.INTERPRETER.parse(interpret),
     )
     self.fuse_activation = fuse_activation
 

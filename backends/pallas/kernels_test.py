@@ -396,7 +396,7 @@ class BackendTest(parameterized.TestCase):
     with self.assertRaisesRegex(
         ValueError,
         r"interpret must be None "
-        r"\(automatic\), True, False, 'debug' or a "
+        r"\(auto\), True, False, 'debug' or a "
         r"pltpu.InterpretParams, got 'yes'",
     ):
       pallas_backend.PallasBackend(interpret="yes")

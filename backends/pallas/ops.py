@@ -27,7 +27,26 @@ from backends.pallas import kernels
 from backends.pallas import tiling
 from moe_core import operands
 from moe_core import precision
+from moe_core.kernels import interpret as interpret_lib
 from moe_core.kernels import tile_backend
+
+
+def _debug_interpreter():
+  """The bounds-checking interpreter's settings (interpret="debug")."""
+  # Imported here: only this debug mode needs the TPU interpreter.
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas import tpu as pltpu
+
+  return pltpu.InterpretParams()
+
+
+# The backend's `interpret` option (`moe_core.kernels.interpret`): True is
+# pallas_call's HLO interpreter; "debug" or a pltpu.InterpretParams the
+# interpreter that raises on out-of-bounds accesses (slow: small shapes).
+INTERPRETER = interpret_lib.Interpreter(
+    names=(("debug", _debug_interpreter),),
+    params=(("InterpretParams", "a pltpu.InterpretParams"),),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +55,9 @@ class Launch:
 
   Attributes:
     tiles: per-kernel tiles; unset kernels use `tiling.heuristic`.
-    interpret: False (GPU), True (HLO interpreter) or InterpretParams.
+    interpret: False (GPU), True (HLO interpreter), an InterpretParams or
+      None: auto, decided when a kernel is traced
+      (`moe_core.kernels.interpret`).
   """
 
   tiles: tiling.TileConfig = tiling.TileConfig()
@@ -44,7 +65,13 @@ class Launch:
 
   @property
   def interpreting(self) -> bool:
-    return self.interpret is not False
+    """Whether the kernels traced now run interpreted."""
+    return interpret_lib.interprets(self.interpret)
+
+  @property
+  def kernel_interpret(self) -> Any:
+    """The kernels' `interpret` for the program traced now: auto resolved."""
+    return INTERPRETER.resolve(self.interpret)
 
   def choose(self, kind: str, *shape, num_operands: int = 1) -> tiling.Tiles:
     """The tiles of one kernel call.
@@ -84,7 +111,7 @@ class Launch:
     return kernels.gmm(
         *operands,
         tiles=tiles,
-        interpret=self.interpret,
+        interpret=self.kernel_interpret,
         transpose_rhs=transpose_rhs,
         products=products,
         **options,
@@ -106,7 +133,7 @@ class Launch:
         rhs,
         group_sizes,
         tiles=tiles,
-        interpret=self.interpret,
+        interpret=self.kernel_interpret,
         out_dtype=out_dtype,
     )
 
@@ -238,7 +265,7 @@ def quantized_grouped_gemm(
       q.group_sizes,
       _scales(q),
       tiles=_quantized_tiles(q, launch, m, k, n),
-      interpret=launch.interpret,
+      interpret=launch.kernel_interpret,
       transpose_rhs=q.transpose_rhs,
       dequantize_first=q.recipe in ("mxfp8", "nvfp4"),
   )

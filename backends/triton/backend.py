@@ -14,8 +14,14 @@ from backends.triton import ops
 from moe_core import config as config_lib
 from moe_core import operands
 from moe_core import permute
+from moe_core.kernels import interpret as interpret_lib
 from moe_core.kernels import permutation
 from moe_core.kernels import tile_backend
+
+# The backend's `interpret` option (`moe_core.kernels.interpret`): True is
+# Triton's interpreter; its setting, the runner's mode.
+INTERPRETER = interpret_lib.Interpreter()
+_MODES = {interpret_lib.AUTO: "auto", False: "gpu", True: "interpret"}
 
 
 class TritonBackend(tile_backend.TileKernelBackend):
@@ -23,16 +29,22 @@ class TritonBackend(tile_backend.TileKernelBackend):
 
   Forward and dX run one tile-list gmm kernel, dW a tgmm kernel looping over
   each group's rows; dispatch and combine are gather kernels
-  (`permute_kernels`). On NVIDIA GPUs the kernels go through jax-triton; with
-  `interpret=True` every kernel runs in Triton's interpreter on the CPU.
+  (`permute_kernels`). On NVIDIA GPUs the kernels go through jax-triton; in
+  the interpreter every kernel runs in Triton's, on the CPU.
 
   Args:
     configs: tile sizes and launch settings: None (the table of
       `configs.TABLE` with its heuristic fallback), a `configs.Config` for
       every kernel, or a dict kind -> Config (see `configs.choose`).
-    interpret: False compiles for the GPU (unavailable elsewhere); True runs
-      every kernel in Triton's interpreter through a host callback (CPU,
-      slow: for tests at small shapes; needs torch and triton).
+    interpret: None: auto, compiled when the program is lowered for a GPU
+      (a GPU here, or `moe_core.aot`'s target from any host), interpreted
+      otherwise; True: the backend's interpreter, on any platform; False:
+      compiled for a GPU, unavailable elsewhere
+      (`moe_core.kernels.interpret`). Here True is Triton's interpreter,
+      every kernel through a host callback on torch CPU tensors (slow, for
+      tests at small shapes; needs torch and triton). Default False: off a
+      GPU the backend says to pass interpret=True rather than run that
+      slowly (or fail for want of torch) unasked.
     fuse_activation: compute act(gate) * up in the gated kernel's epilogue
       (every activation of `ops.GATED_ACTIVATIONS`); gate and up then exist
       only inside that op, so only the "moe_down" checkpoint name is emitted
@@ -55,13 +67,13 @@ class TritonBackend(tile_backend.TileKernelBackend):
       self,
       *,
       configs=None,
-      interpret: bool = False,
+      interpret: bool | None = False,
       fuse_activation: bool = True,
       generation: str | None = None,
       fuse_routing_weights: bool = False,
   ):
+    setting = INTERPRETER.parse(interpret)
     for option, value in (
-        ("interpret", interpret),
         ("fuse_activation", fuse_activation),
         ("fuse_routing_weights", fuse_routing_weights),
     ):
@@ -70,7 +82,7 @@ class TritonBackend(tile_backend.TileKernelBackend):
     if generation is None:
       generation = configs_lib.generation() or "sm90"
     self.runner = launch.Runner(
-        mode="interpret" if interpret else "gpu",
+        mode=_MODES[setting],
         configs=configs,
         generation=generation,
     )
@@ -80,11 +92,15 @@ class TritonBackend(tile_backend.TileKernelBackend):
 
   @property
   def interpret(self) -> bool:
-    return self.runner.mode == "interpret"
+    """Whether the kernels traced now run in the interpreter: auto (None)
+    resolved (`moe_core.kernels.interpret`)."""
+    return self.runner.interpreting
 
   def __repr__(self) -> str:
+    # interpret as given: None for auto.
+    given = {v: k for k, v in _MODES.items()}[self.runner.mode]
     return (
-        f"TritonBackend(interpret={self.interpret}, "
+        f"TritonBackend(interpret={given}, "
         f"configs={self.runner.configs!r}, "
         f"fuse_activation={self.fuse_activation}, "
         f"generation={self.runner.generation!r}, "

@@ -16,6 +16,7 @@ from backends.triton import configs as configs_lib
 from backends.triton import interpreter
 from backends.triton import launch_record
 from backends.triton import target
+from moe_core.kernels import interpret as interpret_lib
 
 #     call(runner, kernel, args, out_types, grid, num_warps, num_stages, **c)
 #       launch_record.recording()   appends a LaunchRecord, returns zeros
@@ -23,11 +24,13 @@ from backends.triton import target
 #                     out_type=), compiled by Triton for the attached GPU
 #       "interpret"   jax.pure_callback into Triton's interpreter on torch CPU
 #                     tensors, with DOT_F32=True
+#       "auto"        "gpu" when the program is lowered for a GPU, else
+#                     "interpret" (`moe_core.kernels.interpret`)
 #
 # triton, torch and jax_triton are imported inside the functions that need
 # them, so importing this module needs only jax.
 
-MODES = ("gpu", "interpret")
+MODES = ("gpu", "interpret", "auto")
 
 # --- The runner --------------------------------------------------------------
 
@@ -37,9 +40,11 @@ class Runner:
   """How the kernels of one backend run: static and hashable.
 
   Attributes:
-    mode: "gpu" (jax-triton, an NVIDIA GPU of compute capability >= 8.0)
-      or "interpret" (Triton's interpreter on the CPU, through
-      jax.pure_callback: slow, for tests at small shapes).
+    mode: "gpu" (jax-triton, an NVIDIA GPU of compute capability >= 8.0),
+      "interpret" (Triton's interpreter on the CPU, through
+      jax.pure_callback: slow, for tests at small shapes) or "auto" (one
+      of them, by the platform the program is lowered for, when a kernel
+      is traced: `moe_core.kernels.interpret`).
     configs: the caller's override (anything `configs.parse` takes),
       stored parsed: None or a `configs.Overrides`.
     generation: "sm90", "sm100" or None (TABLE's key; None uses the
@@ -60,6 +65,9 @@ class Runner:
 
   @property
   def interpreting(self) -> bool:
+    """Whether the kernels traced now run in the interpreter."""
+    if self.mode == "auto":
+      return interpret_lib.interprets(interpret_lib.AUTO)
     return self.mode == "interpret"
 
   def config(
@@ -345,7 +353,7 @@ def call(
       num_warps=num_warps,
       num_stages=num_stages,
       constexprs=bound,
-      mode=runner.mode,
+      mode="interpret" if runner.interpreting else "gpu",
   )
   calls = launch_record.active_recording()
   empty = math.prod(grid) == 0 or all(

@@ -105,7 +105,8 @@ class LaunchRecord:
     grid: the launch grid.
     num_warps, num_stages: Triton's launch options.
     constexprs: every constexpr of the kernel by name, DOT_F32 included.
-    mode: the runner's mode.
+    mode: how it runs, "gpu" or "interpret" (the runner's mode, "auto"
+      resolved).
   """
 
   kernel: Any

@@ -427,7 +427,8 @@ class RunnerTest(absltest.TestCase):
   def test_invalid_runner_raises(self):
     with self.assertRaisesRegex(
         ValueError,
-        r"Runner.mode must be one of \('gpu', 'interpret'\), got 'cuda'\.",
+        r"Runner.mode must be one of \('gpu', 'interpret', 'auto'\), got "
+        r"'cuda'\.",
     ):
       launch.Runner(mode="cuda")
     with self.assertRaisesRegex(

@@ -217,7 +217,9 @@ class TileKernelBackend(backend.Backend):
   """`Backend` whose grouped GEMM and expert-FFN hooks are `ops`' kernels.
 
   Subclasses set `ops` (the module) and, in __init__, `self.launch` (what
-  every ops function takes last, with `tiles` and `interpret`) and
+  every ops function takes last, with `tiles`, `interpret`: the option's
+  setting, `moe_core.kernels.interpret`, and `kernel_interpret`: that
+  setting for the program traced now, auto resolved) and
   `self.fuse_activation` (bool: act(gate) * up in the gate/up kernel's
   epilogue, for `ops.EPILOGUE_ACTIVATIONS`; `check_fuse_activation` first).
   """
@@ -237,12 +239,15 @@ class TileKernelBackend(backend.Backend):
 
   @property
   def interpret(self):
-    return self.launch.interpret
+    """False (compiled) or the interpreter's setting, for the program
+    traced now: auto (None) resolved (`moe_core.kernels.interpret`)."""
+    return self.launch.kernel_interpret
 
   def _repr_options(self) -> dict[str, str]:
     """The options `repr` shows: name -> the text of its value."""
     return {
-        "interpret": repr(self.interpret),
+        # As given: None for auto.
+        "interpret": repr(self.launch.interpret),
         "tiles": repr(self.launch.tiles),
         "fuse_activation": str(self.fuse_activation),
     }

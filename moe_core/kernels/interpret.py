@@ -1,0 +1,120 @@
+"""The `interpret` option of the kernel backends, one meaning in all of them.
+
+pallas, mosaic_gpu and triton each run their kernels either compiled for a
+GPU or in an interpreter that runs on any platform. Their `interpret`
+option reads the same in each:
+
+    None   auto: compiled when the program is lowered for a GPU (a GPU
+           here, or `moe_core.aot`'s target GPU from any host), the
+           interpreter otherwise; decided when the program is traced
+    True   the backend's interpreter, on any platform (slow: small shapes)
+    False  compiled for a GPU; off a GPU the backend is unavailable, its
+           `availability()` reason saying "pass interpret=True"
+    and a backend's own interpreter settings where it has them: pallas'
+    "debug" and `pltpu.InterpretParams`, mosaic_gpu's `InterpretGPUParams`.
+
+A backend describes its interpreter once as an `Interpreter`;
+`Interpreter.parse` checks an option and keeps it as a setting (None for
+auto, False, or what the kernels take to interpret), and
+`Interpreter.resolve` / `interprets` turn auto into one or the other for
+the program being traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+AUTO = None  # The setting of interpret=None: decided at trace time.
+
+
+def lowering_platform() -> str:
+  """The platform the program being traced is lowered for.
+
+  The abstract mesh's device where one is set: `moe_core.aot.compile`
+  lowers inside its target topology's, whose abstract GPU need not be
+  here (a mesh in use also sets one, that of its devices); else JAX's
+  default backend. "gpu" for any GPU ("cuda", "rocm").
+  """
+  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  device = getattr(get_mesh(), "abstract_device", None) if get_mesh else None
+  platform = getattr(device, "platform", None) or jax.default_backend()
+  return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def interprets(setting) -> bool:
+  """Whether the kernels of `setting` (an `Interpreter.parse` result) run
+  in the interpreter in the program being traced: auto decides by
+  `lowering_platform()`."""
+  if setting is AUTO:
+    return lowering_platform() != "gpu"
+  return setting is not False
+
+
+def _interpret_everywhere() -> Any:
+  return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Interpreter:
+  """How one backend's `interpret` option names its interpreter.
+
+  Attributes:
+    default: () -> the setting its kernels take to interpret, which True
+      (and auto, off a GPU) selects: True for a `pallas_call`'s HLO
+      interpreter, an `InterpretGPUParams` for Mosaic GPU's.
+    names: the strings the option also takes, each with () -> its
+      setting: pallas' ("debug", ...).
+    params: the interpreter settings objects the option takes as they are,
+      as (class name, how errors name it: "a pltpu.InterpretParams"):
+      matched by name, so that the module defining the class is imported
+      only where it is used.
+  """
+
+  default: Callable[[], Any] = _interpret_everywhere
+  names: tuple[tuple[str, Callable[[], Any]], ...] = ()
+  params: tuple[tuple[str, str], ...] = ()
+
+  def allowed(self) -> str:
+    """The values the option takes, for errors."""
+    values = ["None (auto)", "True", "False"]
+    values += [repr(name) for name, _ in self.names]
+    values += [text for _, text in self.params]
+    return ", ".join(values[:-1]) + " or " + values[-1]
+
+  def parse(self, interpret) -> Any:
+    """The setting of the option `interpret`: AUTO, False or the
+    interpreter's (`default()` for True).
+
+    Raises:
+      ValueError: a string the backend does not take.
+      TypeError: any other value that is not one of `allowed()`.
+    """
+    if interpret is None:
+      return AUTO
+    if interpret is False:
+      return False
+    if interpret is True:
+      return self.default()
+    if isinstance(interpret, str):
+      for name, setting in self.names:
+        if interpret == name:
+          return setting()
+      raise ValueError(
+          f"interpret must be {self.allowed()}, got {interpret!r}."
+      )
+    if type(interpret).__name__ in dict(self.params):
+      return interpret
+    raise TypeError(
+        f"interpret must be {self.allowed()}, got {interpret!r} "
+        f"({type(interpret).__name__})."
+    )
+
+  def resolve(self, setting) -> Any:
+    """`setting` for the program being traced: auto made False (lowered
+    for a GPU) or `default()` (not)."""
+    if setting is not AUTO:
+      return setting
+    return self.default() if interprets(AUTO) else False
