@@ -278,6 +278,27 @@ class TableTest(absltest.TestCase):
           program.name,
       )
 
+  def test_fused_activation_variants(self):
+    """Which programs fuse the activation: the *_fused_act ones and every
+    triton one but triton_unfused_act (as when triton fused by default),
+    whatever the backends' own default (off)."""
+    kernel_backends = ("pallas", "mosaic_gpu", "triton")
+    fused = {
+        v.name
+        for v in programs.variants()
+        if v.backend in kernel_backends and v.build().fuse_activation
+    }
+    triton = {v.name for v in programs.variants() if v.backend == "triton"}
+    self.assertEqual(
+        fused,
+        {"pallas_fused_act", "mosaic_gpu_fused_act"}
+        | (triton - {"triton_unfused_act"}),
+    )
+    for name in kernel_backends:
+      self.assertFalse(
+          moe_core.get_backend(name).fuse_activation, f"{name}'s default"
+      )
+
   def test_gpu_cases_cover_the_timed_tiles(self):
     """Each forward tile a timed program picks on a GPU is some GPU-only
     conformance case's: pallas', mosaic_gpu's and triton's, plain (GEMM

@@ -12,8 +12,9 @@ compiled and timed are the same programs:
 
 Variants come from the registry: every backend "auto" may pick on a GPU
 (`registry.AUTO_ORDER["gpu"]`, less the `reference` oracle) gets its
-default variant, and a grouped-GEMM variant per quantised recipe its class
-multiplies (`Backend.precisions`). `OPTION_VARIANTS` lists the other
+default variant (with its `DEFAULT_OPTIONS`), and a grouped-GEMM variant
+per quantised recipe its class multiplies (`Backend.precisions`).
+`OPTION_VARIANTS` lists the other
 options worth programs, a row each. A new backend needs no edit here; a row
 of `KERNELS` makes a silent fallback to XLA's own ops fail its compile
 check. Programs that cannot be compiled yet are `EXCEPTIONS`, with why.
@@ -160,6 +161,15 @@ def platform_options(backend: str, interpret: bool = False) -> dict:
   return options
 
 
+# Options of a backend's default variant (and its recipes') beyond its
+# defaults. Every kernel backend's fused activation epilogue is off by
+# default (opt-in until a GPU measurement shows it faster), but the triton
+# programs measured and compiled so far fuse it (its default until then):
+# they stay the same programs, and `triton_unfused_act` their twin.
+DEFAULT_OPTIONS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "triton": (("fuse_activation", True),),
+}
+
 # The options worth programs of their own, on one GPU's layer, where they
 # act (the FFN and the combine); each backend's defaults and recipes come
 # from the registry (`variants`).
@@ -174,7 +184,7 @@ OPTION_VARIANTS = (
         (("fuse_activation", True),),
         kinds=_LAYER,
     ),
-    # triton fuses the activation by default.
+    # triton's default variant fuses the activation (`DEFAULT_OPTIONS`).
     Variant(
         "triton_unfused_act",
         "triton",
@@ -184,7 +194,7 @@ OPTION_VARIANTS = (
     Variant(
         "triton_fused_routing",
         "triton",
-        (("fuse_routing_weights", True),),
+        (("fuse_activation", True), ("fuse_routing_weights", True)),
         kinds=_LAYER,
     ),
 )
@@ -207,15 +217,22 @@ def _recipes(backend: str) -> tuple[str, ...]:
 def variants() -> tuple[Variant, ...]:
   """Defaults and recipes from the registry, then `OPTION_VARIANTS`.
 
+  A default variant and its recipes take the backend's `DEFAULT_OPTIONS`.
   A recipe has grouped-GEMM programs, forward only (its backward is the
   bf16 GEMM's: straight through).
   """
   found = []
   for name in gpu_backends():
-    found.append(Variant(name, name))
+    options = DEFAULT_OPTIONS.get(name, ())
+    found.append(Variant(name, name, options))
     found += [
         Variant(
-            f"{name}_{r}", name, precision=r, kinds=("gemm",), modes=("fwd",)
+            f"{name}_{r}",
+            name,
+            options,
+            precision=r,
+            kinds=("gemm",),
+            modes=("fwd",),
         )
         for r in _recipes(name)
     ]

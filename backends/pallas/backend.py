@@ -36,7 +36,9 @@ class PallasBackend(tile_backend.TileKernelBackend):
       (for the activations in `ops.EPILOGUE_ACTIVATIONS`; others, such as the
       exact "gelu", run unfused). The gate and up outputs then exist only
       inside that op, so the "moe_gate"/"moe_up" checkpoint names are not
-      emitted: only "moe_down" is (`checkpoint_names`).
+      emitted: only "moe_down" is (`checkpoint_names`). Off by default, as
+      for mosaic_gpu and triton: opt-in until a GPU measurement shows it
+      faster.
   """
 
   name: ClassVar[str] = "pallas"

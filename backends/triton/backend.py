@@ -48,7 +48,8 @@ class TritonBackend(tile_backend.TileKernelBackend):
     fuse_activation: compute act(gate) * up in the gated kernel's epilogue
       (every activation of `ops.GATED_ACTIVATIONS`); gate and up then exist
       only inside that op, so only the "moe_down" checkpoint name is emitted
-      (`checkpoint_names`), as for pallas.
+      (`checkpoint_names`), as for pallas. Off by default, as for pallas
+      and mosaic_gpu: opt-in until a GPU measurement shows it faster.
     generation: "sm90" or "sm100", the config table's rows; None picks by
       the first device's compute capability ("sm90" off a GPU).
     fuse_routing_weights: in `routed_experts`, multiply each row by its
@@ -68,7 +69,7 @@ class TritonBackend(tile_backend.TileKernelBackend):
       *,
       configs=None,
       interpret: bool | None = False,
-      fuse_activation: bool = True,
+      fuse_activation: bool = False,
       generation: str | None = None,
       fuse_routing_weights: bool = False,
   ):

@@ -7,13 +7,19 @@ Triton's interpreter in ops_interpret_test.py.
 
 from conformance import suite
 
+# The fused activation epilogue, as this suite has run it on GPUs (it was
+# the default until the epilogue became opt-in).
+_OPTIONS = {"fuse_activation": True}
+
 
 class TritonConformanceTest(suite.ConformanceTest):
   BACKEND = "triton"
+  BACKEND_OPTIONS = _OPTIONS
 
 
 class TritonExpertParallelTest(suite.ExpertParallelTest):
   BACKEND = "triton"
+  BACKEND_OPTIONS = _OPTIONS
 
 
 if __name__ == "__main__":

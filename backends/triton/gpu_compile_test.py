@@ -37,7 +37,10 @@ _GENERATIONS = {"h100": "sm90", "b200": "sm100"}
 _VARIANTS = {
     "plain": {"fuse_activation": False},
     "fused_activation": {"fuse_activation": True},
-    "fused_routing_weights": {"fuse_routing_weights": True},
+    "fused_routing_weights": {
+        "fuse_activation": True,
+        "fuse_routing_weights": True,
+    },
 }
 # Small, so that the 12 programs compile in well under a minute on 2 cores;
 # the kernels are the same code at any size (their shapes are constexprs).
@@ -164,7 +167,9 @@ class GpuCompileTest(parameterized.TestCase):
     """Each kernel's PTX is for the target, in an ISA the plugin takes."""
     topo = aot.gpu_topology(target, "1x1x1")
     params, x = _abstract_args(topo)
-    backend = moe_core.get_backend("triton", generation=_GENERATIONS[target])
+    backend = moe_core.get_backend(
+        "triton", generation=_GENERATIONS[target], fuse_activation=True
+    )
     mesh = topo.single_device_mesh()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       self.assertEqual(target_lib.target_capability(), int(arch[3:-1]))

@@ -6,7 +6,9 @@ only; elsewhere every test skips with the reason) with the interpreter's
 small tiles (`configs.INTERPRET`), so the suite's cases hit tiles shared by
 two groups, empty groups and partial tiles. The routing weights are applied
 in the down GEMM's epilogue (`fuse_routing_weights`), the backend's least
-conventional path; the unfused one is the default of ops_interpret_test.
+conventional path, and the activation in the gated kernel's
+(`fuse_activation`); the unfused routing weights are the default of
+ops_interpret_test.
 
 Not part of `bazel test //...` (tag `manual`): about 4 minutes on 2 cores,
 more than CI's budget has room for. Run it on the py311 leg with
@@ -17,7 +19,11 @@ more than CI's budget has room for. Run it on the py311 leg with
 
 from conformance import suite
 
-_OPTIONS = {"interpret": True, "fuse_routing_weights": True}
+_OPTIONS = {
+    "interpret": True,
+    "fuse_activation": True,
+    "fuse_routing_weights": True,
+}
 
 
 class TritonInterpretConformanceTest(suite.ConformanceTest):

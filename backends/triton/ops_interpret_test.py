@@ -119,6 +119,9 @@ class InterpretTestCase(parameterized.TestCase):
       self.skipTest(reason)
 
   def backend(self, **options):
+    """The backend in the interpreter; the activation fused unless told
+    (the tests' path before the epilogue became opt-in)."""
+    options = {"fuse_activation": True, **options}
     return triton_backend.TritonBackend(interpret=True, **options)
 
   def assertClose(self, actual, expected, dtype, kind="forward", msg=""):

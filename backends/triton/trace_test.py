@@ -218,7 +218,9 @@ class TraceTest(parameterized.TestCase):
 
   @parameterized.parameters(False, True)
   def test_layer(self, fuse_routing_weights):
-    be = triton_backend.TritonBackend(fuse_routing_weights=fuse_routing_weights)
+    be = triton_backend.TritonBackend(
+        fuse_activation=True, fuse_routing_weights=fuse_routing_weights
+    )
     case = dataclasses.replace(
         cases.LAYER_BY_NAME["base_f32"], dtype="bfloat16"
     )

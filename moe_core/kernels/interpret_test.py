@@ -9,8 +9,6 @@ fused activation epilogue off unless asked.
 
 from __future__ import annotations
 
-import types
-
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
@@ -18,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.mosaic_gpu import backend as mosaic_backend
+from backends.mosaic_gpu import ops as mosaic_ops
 from backends.pallas import backend as pallas_backend
+from backends.pallas import ops as pallas_ops
 from backends.triton import backend as triton_backend
 from backends.triton import launch_record
 from moe_core import compat
@@ -229,11 +229,25 @@ class BackendsAgreeTest(parameterized.TestCase):
     )
 
   @parameterized.named_parameters(*_BACKENDS)
-  def test_settings_objects_of_another_backend_are_refused(self, cls, options):
+  def test_only_its_own_settings_objects(self, cls, options):
     del options
-    other = types.SimpleNamespace()  # Neither backend's settings class.
-    with self.assertRaisesRegex(TypeError, r"got namespace\(\)"):
-      cls(interpret=other)
+    others = {
+        "InterpretParams": pallas_ops.INTERPRETER.parse("debug"),
+        "InterpretGPUParams": mosaic_ops.interpret_params(),
+    }
+    own = {"pallas": "InterpretParams", "mosaic_gpu": "InterpretGPUParams"}
+    if cls.name in own:  # Its own are taken as they are.
+      settings = others.pop(own[cls.name])
+      self.assertIs(cls(interpret=settings).interpret, settings)
+    for name, settings in others.items():
+      with self.assertRaisesRegex(TypeError, rf"\({name}\)\.$"):
+        cls(interpret=settings)
+
+  @parameterized.named_parameters(*_BACKENDS)
+  def test_fuse_activation_is_off_by_default(self, cls, options):
+    del options
+    self.assertIs(cls().fuse_activation, False)
+    self.assertIs(cls(fuse_activation=True).fuse_activation, True)
 
 
 def _error(cls) -> str:

@@ -221,7 +221,9 @@ class TileKernelBackend(backend.Backend):
   setting, `moe_core.kernels.interpret`, and `kernel_interpret`: that
   setting for the program traced now, auto resolved) and
   `self.fuse_activation` (bool: act(gate) * up in the gate/up kernel's
-  epilogue, for `ops.EPILOGUE_ACTIVATIONS`; `check_fuse_activation` first).
+  epilogue, for `ops.EPILOGUE_ACTIVATIONS`; `check_fuse_activation` first;
+  the option's default is False in every such backend: the epilogue is
+  opt-in until a GPU measurement shows it faster).
   """
 
   ops: ClassVar[ModuleType]
