@@ -57,26 +57,14 @@ class Tiles:
   stages: int = 4
 
   def __post_init__(self):
-    checks = (
-        (
-            "bm",
-            self.bm % ROW_QUANTUM == 0 and 0 < self.bm <= 256,
-            "a " "multiple of 64 in [64, 256]",
-        ),
-        ("bk", self.bk in (32, 64), "32 or 64"),
-        (
-            "bn",
-            self.bn % COL_QUANTUM == 0 and 0 < self.bn <= 256,
-            "a " "multiple of 64 in [64, 256]",
-        ),
-        ("stages", 1 <= self.stages <= 8, "an int in [1, 8]"),
-    )
-    for name, ok, expected in checks:
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or not ok:
-        raise ValueError(
-            f"Tiles.{name} must be {expected}, got {name}={value!r}."
-        )
+    quantum = "a multiple of 64 in [64, 256]"
+    for name, ok, expected in (
+        ("bm", lambda v: v % ROW_QUANTUM == 0 and 0 < v <= 256, quantum),
+        ("bk", lambda v: v in (32, 64), "32 or 64"),
+        ("bn", lambda v: v % COL_QUANTUM == 0 and 0 < v <= 256, quantum),
+        ("stages", lambda v: 1 <= v <= 8, "an int in [1, 8]"),
+    ):
+      tile_backend.check_int_field(self, name, ok, expected)
 
   def acc_regs_per_thread(self, num_accs: int) -> int:
     """float32 accumulator registers per thread of the one warpgroup."""

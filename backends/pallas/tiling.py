@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from moe_core.kernels import tile_backend
 
-# Triton's tl.dot needs every block dimension to be a power of two >= 16.
-MIN_BLOCK = 16
+# Blocks are powers of two >= this, as Triton's tl.dot needs.
+MIN_BLOCK = tile_backend.TRITON_MIN_BLOCK
 # Shared memory per thread block on Hopper (sm_90): 227 KiB.
 HOPPER_SMEM_BYTES = 227 * 1024
 # Registers: a Hopper thread has at most 255 32-bit registers (64K per SM).
@@ -36,15 +36,6 @@ ACC_REGS_PER_THREAD = 128
 # largest count Triton's Hopper matmul configurations use.
 MAX_FIT_WARPS = 8
 KINDS = ("fwd", "dgrad", "wgrad")
-
-
-def _is_pow2(x) -> bool:
-  return (
-      isinstance(x, int)
-      and not isinstance(x, bool)
-      and x > 0
-      and (x & (x - 1)) == 0
-  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,24 +60,7 @@ class Tiles:
   num_stages: int = 3
 
   def __post_init__(self):
-    for name in ("bm", "bk", "bn"):
-      value = getattr(self, name)
-      if not _is_pow2(value) or value < MIN_BLOCK:
-        raise ValueError(
-            f"Tiles.{name} must be a power of two >= {MIN_BLOCK} "
-            f"(a Triton block), got {name}={value!r}."
-        )
-    if not _is_pow2(self.num_warps) or self.num_warps > 32:
-      raise ValueError(
-          "Tiles.num_warps must be a power of two <= 32, got "
-          f"num_warps={self.num_warps!r}."
-      )
-    stages = self.num_stages
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-      raise ValueError(
-          "Tiles.num_stages must be an int >= 1, got "
-          f"num_stages={self.num_stages!r}."
-      )
+    tile_backend.check_triton_tiles(self, ("bm", "bk", "bn"))
 
   def smem_bytes(self, kind: str, dtype, num_operands: int = 1) -> int:
     """Shared memory Triton's pipeliner needs for the operand blocks.
@@ -309,30 +283,22 @@ def fit_registers(tiles: Tiles, kind: str, num_accumulators: int = 1) -> Tiles:
   per thread. The rows are bm for gmm and bk for tgmm (dW blocks [bk, bn]).
   """
   rows = "bk" if kind == "wgrad" else "bm"
-  while tiles.acc_regs_per_thread(kind, num_accumulators) > (
-      ACC_REGS_PER_THREAD
-  ):
-    if tiles.num_warps < MAX_FIT_WARPS:
-      tiles = dataclasses.replace(tiles, num_warps=tiles.num_warps * 2)
-    elif tiles.bn > MIN_BLOCK:
-      tiles = dataclasses.replace(tiles, bn=tiles.bn // 2)
-    elif getattr(tiles, rows) > MIN_BLOCK:
-      tiles = dataclasses.replace(tiles, **{rows: getattr(tiles, rows) // 2})
-    else:
-      break
-  return tiles
+  return tile_backend.fit_triton_registers(
+      tiles,
+      lambda t: t.acc_regs_per_thread(kind, num_accumulators)
+      > ACC_REGS_PER_THREAD,
+      max_warps=MAX_FIT_WARPS,
+      halve=("bn", rows),
+  )
 
 
 def fit_smem(tiles: Tiles, kind: str, dtype, num_operands: int = 1) -> Tiles:
   """`tiles` with fewer stages, then narrower bn, until it fits on Hopper."""
-  while tiles.smem_bytes(kind, dtype, num_operands) > HOPPER_SMEM_BYTES:
-    if tiles.num_stages > 2:
-      tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
-    elif tiles.bn > MIN_BLOCK:
-      tiles = dataclasses.replace(tiles, bn=tiles.bn // 2)
-    else:
-      break
-  return tiles
+  return tile_backend.fit_triton_smem(
+      tiles,
+      lambda t: t.smem_bytes(kind, dtype, num_operands) > HOPPER_SMEM_BYTES,
+      halve=("bn",),
+  )
 
 
 def choose(config: TileConfig, kind: str, *args, **kwargs) -> Tiles:

@@ -29,10 +29,11 @@ from moe_core.kernels import tile_backend
 
 KINDS = ("fwd", "dgrad", "wgrad", "gated", "permute")
 GENERATIONS = {9: "sm90", 10: "sm100"}
-# tl.dot needs every block dimension to be a power of two >= 16; the permute
+# tl.dot's rule for blocks (tile_backend.TRITON_MIN_BLOCK); the permute
 # kernels take the same blocks so that one rule covers every kind.
-MIN_BLOCK = 16
+MIN_BLOCK = tile_backend.TRITON_MIN_BLOCK
 MAX_BLOCK = 4096
+MAX_STAGES = 8
 # Shared memory one program may use on Hopper and datacenter Blackwell
 # (sm_90, sm_100): 227 KiB. The fit keeps 4 KiB of it for what the estimate
 # leaves out (mbarriers, the epilogue's layout conversion).
@@ -57,15 +58,6 @@ MAX_WARPS_F32 = 4
 # The most warps the register fit raises a program to (two warpgroups, as
 # in Triton's own Hopper matmul configurations).
 MAX_FIT_WARPS = 8
-
-
-def _is_pow2(value) -> bool:
-  return (
-      isinstance(value, int)
-      and not isinstance(value, bool)
-      and value > 0
-      and value & (value - 1) == 0
-  )
 
 
 def _pow2_ceil(value: int) -> int:
@@ -94,26 +86,12 @@ class Config:
   num_stages: int = 3
 
   def __post_init__(self):
-    for name in ("block_m", "block_n", "block_k"):
-      value = getattr(self, name)
-      if not _is_pow2(value) or not MIN_BLOCK <= value <= MAX_BLOCK:
-        raise ValueError(
-            f"Config.{name} must be a power of two in [{MIN_BLOCK}, "
-            f"{MAX_BLOCK}] (a Triton block), got {name}={value!r}."
-        )
-    if not _is_pow2(self.num_warps) or self.num_warps > 32:
-      raise ValueError(
-          "Config.num_warps must be a power of two <= 32, got "
-          f"num_warps={self.num_warps!r}."
-      )
-    stages = self.num_stages
-    if not isinstance(stages, int) or isinstance(stages, bool):
-      stages = 0
-    if not 1 <= stages <= 8:
-      raise ValueError(
-          "Config.num_stages must be an int in [1, 8], got "
-          f"num_stages={self.num_stages!r}."
-      )
+    tile_backend.check_triton_tiles(
+        self,
+        ("block_m", "block_n", "block_k"),
+        max_block=MAX_BLOCK,
+        max_stages=MAX_STAGES,
+    )
 
   def acc_regs_per_thread(self, kind: str) -> int:
     """float32 accumulator registers per thread (0 for "permute")."""
@@ -416,25 +394,17 @@ def fit(config: Config, kind: str, dtype) -> Config:
     if getattr(config, step) > MAX_BLOCK_K_F32:
       config = dataclasses.replace(config, **{step: MAX_BLOCK_K_F32})
   rows = "block_k" if kind == "wgrad" else "block_m"
-  while config.acc_regs_per_thread(kind) > budget:
-    if config.num_warps < max_warps:
-      config = dataclasses.replace(config, num_warps=config.num_warps * 2)
-    elif config.block_n > MIN_BLOCK:
-      config = dataclasses.replace(config, block_n=config.block_n // 2)
-    elif getattr(config, rows) > MIN_BLOCK:
-      config = dataclasses.replace(config, **{rows: getattr(config, rows) // 2})
-    else:
-      break
-  while config.smem_bytes(kind, itemsize) > SMEM_FIT_BYTES:
-    if config.num_stages > 2:
-      config = dataclasses.replace(config, num_stages=config.num_stages - 1)
-    elif config.block_n > MIN_BLOCK:
-      config = dataclasses.replace(config, block_n=config.block_n // 2)
-    elif config.block_k > MIN_BLOCK:
-      config = dataclasses.replace(config, block_k=config.block_k // 2)
-    else:
-      break
-  return config
+  config = tile_backend.fit_triton_registers(
+      config,
+      lambda c: c.acc_regs_per_thread(kind) > budget,
+      max_warps=max_warps,
+      halve=("block_n", rows),
+  )
+  return tile_backend.fit_triton_smem(
+      config,
+      lambda c: c.smem_bytes(kind, itemsize) > SMEM_FIT_BYTES,
+      halve=("block_n", "block_k"),
+  )
 
 
 def choose(

@@ -14,7 +14,9 @@ launch settings last:
 own the gmm and tgmm calls), and `TileKernelBackend` maps
 `moe_core.Backend`'s hooks onto them, so such a backend writes its kernels,
 its tile table, `availability()` and its options, not this glue again;
-`parse_tile_config` reads its `tiles` option into its TileConfig.
+`parse_tile_config` reads its `tiles` option into its TileConfig, and
+`check_int_field` (`check_triton_tiles` for a Triton launch's) checks the
+fields of its Tiles.
 """
 
 from __future__ import annotations
@@ -174,6 +176,136 @@ class PerKernel:
     if kind not in self.kinds():
       raise ValueError(f"kind must be one of {self.kinds()}, got {kind!r}.")
     return getattr(self, kind)
+
+
+# Triton's tl.dot needs every block dimension to be a power of two >= 16.
+TRITON_MIN_BLOCK = 16
+# A Triton program is one CUDA block: at most 1024 threads, 32 warps.
+TRITON_MAX_WARPS = 32
+
+
+def is_pow2(value) -> bool:
+  """Whether `value` is an int (a bool is not) and a power of two."""
+  return (
+      isinstance(value, int)
+      and not isinstance(value, bool)
+      and value > 0
+      and value & (value - 1) == 0
+  )
+
+
+def check_int_field(
+    tiles, name: str, ok: Callable[[int], bool], expected: str
+) -> None:
+  """Raises ValueError unless field `name` of `tiles` is an int `ok` accepts.
+
+  Args:
+    tiles: a backend's tile settings (a dataclass); errors name its class.
+    name: the field.
+    ok: the field's rule, called only on ints (a bool is not one here).
+    expected: what the field must be, in words ("32 or 64").
+  """
+  value = getattr(tiles, name)
+  if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+    raise ValueError(
+        f"{type(tiles).__name__}.{name} must be {expected}, got "
+        f"{name}={value!r}."
+    )
+
+
+def check_triton_tiles(
+    tiles, blocks: tuple[str, ...], *, max_block=None, max_stages=None
+) -> None:
+  """Checks the fields of one Triton launch's tiles (`check_int_field`).
+
+  Args:
+    tiles: the settings, with the fields `blocks`, num_warps (a power of two
+      <= TRITON_MAX_WARPS) and num_stages (the pipelining depth, >= 1).
+    blocks: the block-size fields: powers of two >= TRITON_MIN_BLOCK.
+    max_block: the largest block, or None for no bound.
+    max_stages: the largest num_stages, or None for no bound.
+  """
+  low = TRITON_MIN_BLOCK
+  for name in blocks:
+    check_int_field(
+        tiles,
+        name,
+        lambda b: is_pow2(b)
+        and low <= b
+        and (max_block is None or b <= max_block),
+        f"a power of two {_bounds(low, max_block)} (a Triton block)",
+    )
+  check_int_field(
+      tiles,
+      "num_warps",
+      lambda w: is_pow2(w) and w <= TRITON_MAX_WARPS,
+      f"a power of two <= {TRITON_MAX_WARPS}",
+  )
+  check_int_field(
+      tiles,
+      "num_stages",
+      lambda s: 1 <= s and (max_stages is None or s <= max_stages),
+      f"an int {_bounds(1, max_stages)}",
+  )
+
+
+def _bounds(low: int, high: int | None) -> str:
+  return f">= {low}" if high is None else f"in [{low}, {high}]"
+
+
+def fit_triton_registers(
+    tiles, too_big: Callable[[Any], bool], *, max_warps: int, halve
+):
+  """`tiles` with more warps, then smaller blocks, until not `too_big`.
+
+  The float32 accumulators are spread over a program's 32 * num_warps
+  threads: doubling num_warps (up to `max_warps`) halves each thread's
+  share. Past that, the first block field of `halve` is halved down to
+  TRITON_MIN_BLOCK, then the next. Returns the last tiles when nothing is
+  left to shrink.
+  """
+  return _shrink(
+      tiles,
+      too_big,
+      (("num_warps", lambda w: 2 * w if w < max_warps else None),)
+      + _halvings(halve),
+  )
+
+
+def fit_triton_smem(tiles, too_big: Callable[[Any], bool], *, halve):
+  """`tiles` with fewer stages, then smaller blocks, until not `too_big`.
+
+  Each stage holds one buffer per operand block in shared memory: stages go
+  down to 2 (pipelining needs two), then `halve` is halved as in
+  `fit_triton_registers`.
+  """
+  return _shrink(
+      tiles,
+      too_big,
+      (("num_stages", lambda s: s - 1 if s > 2 else None),) + _halvings(halve),
+  )
+
+
+def _halvings(fields) -> tuple:
+  low = TRITON_MIN_BLOCK
+  return tuple((f, lambda b: b // 2 if b > low else None) for f in fields)
+
+
+def _shrink(tiles, too_big, steps):
+  """`tiles` changed by its first applicable step while `too_big`.
+
+  Each step is (field, change): change maps the field's value to the next,
+  smaller setting, or None when the field can go no further.
+  """
+  while too_big(tiles):
+    for field, change in steps:
+      value = change(getattr(tiles, field))
+      if value is not None:
+        tiles = dataclasses.replace(tiles, **{field: value})
+        break
+    else:
+      break
+  return tiles
 
 
 def parse_tile_config(config_cls: type, tiles_cls: type, kinds, tiles):
