@@ -21,7 +21,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from moe_core.kernels import tile_backend
+from moe_core.kernels import tile_settings
 
 KINDS = ("fwd", "dgrad")
 # Shared memory per block on Hopper (sm_90): 227 KiB.
@@ -64,7 +64,7 @@ class Tiles:
         ("bn", lambda v: v % COL_QUANTUM == 0 and 0 < v <= 256, quantum),
         ("stages", lambda v: 1 <= v <= 8, "an int in [1, 8]"),
     ):
-      tile_backend.check_int_field(self, name, ok, expected)
+      tile_settings.check_int_field(self, name, ok, expected)
 
   def acc_regs_per_thread(self, num_accs: int) -> int:
     """float32 accumulator registers per thread of the one warpgroup."""
@@ -80,7 +80,7 @@ class Tiles:
 
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig(tile_backend.PerKernel):
+class TileConfig(tile_settings.PerKernel):
   """The caller's tiles per kernel kind; None leaves it to the table."""
 
   ITEM: ClassVar[type] = Tiles
@@ -92,7 +92,7 @@ class TileConfig(tile_backend.PerKernel):
   @classmethod
   def parse(cls, tiles) -> TileConfig:
     """From None, a Tiles (both kinds), a TileConfig or the dict form of one."""
-    return tile_backend.parse_tile_config(cls, Tiles, KINDS, tiles)
+    return tile_settings.parse_tile_config(cls, Tiles, KINDS, tiles)
 
 
 # (generation, kind, bucket) -> Tiles. Buckets (`bucket`): "few_rows" when

@@ -19,10 +19,10 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from moe_core.kernels import tile_backend
+from moe_core.kernels import tile_settings
 
 # Blocks are powers of two >= this, as Triton's tl.dot needs.
-MIN_BLOCK = tile_backend.TRITON_MIN_BLOCK
+MIN_BLOCK = tile_settings.TRITON_MIN_BLOCK
 # Shared memory per thread block on Hopper (sm_90): 227 KiB.
 HOPPER_SMEM_BYTES = 227 * 1024
 # Registers: a Hopper thread has at most 255 32-bit registers (64K per SM).
@@ -60,7 +60,7 @@ class Tiles:
   num_stages: int = 3
 
   def __post_init__(self):
-    tile_backend.check_triton_tiles(self, ("bm", "bk", "bn"))
+    tile_settings.check_triton_tiles(self, ("bm", "bk", "bn"))
 
   def smem_bytes(self, kind: str, dtype, num_operands: int = 1) -> int:
     """Shared memory Triton's pipeliner needs for the operand blocks.
@@ -91,7 +91,7 @@ class Tiles:
 
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig(tile_backend.PerKernel):
+class TileConfig(tile_settings.PerKernel):
   """Tiles per kernel; None leaves that kernel to the heuristic.
 
   Attributes:
@@ -115,7 +115,7 @@ class TileConfig(tile_backend.PerKernel):
     either Tiles fields ({"bm": 16, "bk": 16, "bn": 32}, for every kernel)
     or per-kernel dicts ({"fwd": {...}, "wgrad": {...}}).
     """
-    return tile_backend.parse_tile_config(cls, Tiles, KINDS, tiles)
+    return tile_settings.parse_tile_config(cls, Tiles, KINDS, tiles)
 
 
 def _check_kind(kind):
@@ -283,7 +283,7 @@ def fit_registers(tiles: Tiles, kind: str, num_accumulators: int = 1) -> Tiles:
   per thread. The rows are bm for gmm and bk for tgmm (dW blocks [bk, bn]).
   """
   rows = "bk" if kind == "wgrad" else "bm"
-  return tile_backend.fit_triton_registers(
+  return tile_settings.fit_triton_registers(
       tiles,
       lambda t: t.acc_regs_per_thread(kind, num_accumulators)
       > ACC_REGS_PER_THREAD,
@@ -294,7 +294,7 @@ def fit_registers(tiles: Tiles, kind: str, num_accumulators: int = 1) -> Tiles:
 
 def fit_smem(tiles: Tiles, kind: str, dtype, num_operands: int = 1) -> Tiles:
   """`tiles` with fewer stages, then narrower bn, until it fits on Hopper."""
-  return tile_backend.fit_triton_smem(
+  return tile_settings.fit_triton_smem(
       tiles,
       lambda t: t.smem_bytes(kind, dtype, num_operands) > HOPPER_SMEM_BYTES,
       halve=("bn",),

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from moe_core.kernels import tile_backend
+from moe_core.kernels import tile_settings
 
 #     gmm, gated_gmm  ("fwd", "dgrad", "gated")  [block_m, block_k] @
 #                     [block_k, block_n] per step along the contracted width;
@@ -29,9 +29,9 @@ from moe_core.kernels import tile_backend
 
 KINDS = ("fwd", "dgrad", "wgrad", "gated", "permute")
 GENERATIONS = {9: "sm90", 10: "sm100"}
-# tl.dot's rule for blocks (tile_backend.TRITON_MIN_BLOCK); the permute
+# tl.dot's rule for blocks (tile_settings.TRITON_MIN_BLOCK); the permute
 # kernels take the same blocks so that one rule covers every kind.
-MIN_BLOCK = tile_backend.TRITON_MIN_BLOCK
+MIN_BLOCK = tile_settings.TRITON_MIN_BLOCK
 MAX_BLOCK = 4096
 MAX_STAGES = 8
 # Shared memory one program may use on Hopper and datacenter Blackwell
@@ -86,7 +86,7 @@ class Config:
   num_stages: int = 3
 
   def __post_init__(self):
-    tile_backend.check_triton_tiles(
+    tile_settings.check_triton_tiles(
         self,
         ("block_m", "block_n", "block_k"),
         max_block=MAX_BLOCK,
@@ -124,7 +124,7 @@ class Config:
 
 
 @dataclasses.dataclass(frozen=True)
-class Overrides(tile_backend.PerKernel):
+class Overrides(tile_settings.PerKernel):
   """The caller's `Config` per kind; None leaves that kind to `choose`."""
 
   ITEM: ClassVar[type] = Config
@@ -394,13 +394,13 @@ def fit(config: Config, kind: str, dtype) -> Config:
     if getattr(config, step) > MAX_BLOCK_K_F32:
       config = dataclasses.replace(config, **{step: MAX_BLOCK_K_F32})
   rows = "block_k" if kind == "wgrad" else "block_m"
-  config = tile_backend.fit_triton_registers(
+  config = tile_settings.fit_triton_registers(
       config,
       lambda c: c.acc_regs_per_thread(kind) > budget,
       max_warps=max_warps,
       halve=("block_n", rows),
   )
-  return tile_backend.fit_triton_smem(
+  return tile_settings.fit_triton_smem(
       config,
       lambda c: c.smem_bytes(kind, itemsize) > SMEM_FIT_BYTES,
       halve=("block_n", "block_k"),
