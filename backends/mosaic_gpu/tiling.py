@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -80,19 +79,14 @@ class Tiles:
 
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig(tile_settings.PerKernel):
-  """The caller's tiles per kernel kind; None leaves it to the table."""
+class TileConfig(tile_settings.PerKernel, item=Tiles):
+  """The caller's tiles per kernel kind; None leaves it to the table.
 
-  ITEM: ClassVar[type] = Tiles
-  ITEM_NAME: ClassVar[str] = "Tiles"
+  `TileConfig.parse` reads the backend's `tiles` option (`PerKernel.parse`).
+  """
 
   fwd: Tiles | None = None
   dgrad: Tiles | None = None
-
-  @classmethod
-  def parse(cls, tiles) -> TileConfig:
-    """From None, a Tiles (both kinds), a TileConfig or the dict form of one."""
-    return tile_settings.parse_tile_config(cls, Tiles, KINDS, tiles)
 
 
 # (generation, kind, bucket) -> Tiles. Buckets (`bucket`): "few_rows" when

@@ -130,7 +130,9 @@ class TableTest(parameterized.TestCase):
       tiling.Tiles(**bad)
 
   def test_parse_refuses_unknown_keys(self):
-    with self.assertRaisesRegex(ValueError, "tiles dict must have keys"):
+    with self.assertRaisesRegex(
+        ValueError, r"tiles as a dict must map each of the kinds"
+    ):
       tiling.TileConfig.parse({"block_m": 64})
     with self.assertRaisesRegex(TypeError, "tiles must be None"):
       tiling.TileConfig.parse([64])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -91,8 +90,11 @@ class Tiles:
 
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig(tile_settings.PerKernel):
+class TileConfig(tile_settings.PerKernel, item=Tiles):
   """Tiles per kernel; None leaves that kernel to the heuristic.
+
+  `TileConfig.parse` reads the backend's `tiles` option (`PerKernel.parse`:
+  a Tiles for every kernel, a dict of its fields, or one per kernel).
 
   Attributes:
     fwd: the forward gmm (and the fused gate/up pass).
@@ -100,22 +102,9 @@ class TileConfig(tile_settings.PerKernel):
     wgrad: the dW tgmm.
   """
 
-  ITEM: ClassVar[type] = Tiles
-  ITEM_NAME: ClassVar[str] = "Tiles"
-
   fwd: Tiles | None = None
   dgrad: Tiles | None = None
   wgrad: Tiles | None = None
-
-  @classmethod
-  def parse(cls, tiles) -> TileConfig:
-    """A TileConfig from None, a Tiles (all kernels), a TileConfig or a dict.
-
-    A dict (the JSON form, e.g. from a Bazel target's backend options) holds
-    either Tiles fields ({"bm": 16, "bk": 16, "bn": 32}, for every kernel)
-    or per-kernel dicts ({"fwd": {...}, "wgrad": {...}}).
-    """
-    return tile_settings.parse_tile_config(cls, Tiles, KINDS, tiles)
 
 
 def _check_kind(kind):

@@ -88,12 +88,30 @@ class TilesTest(parameterized.TestCase):
 
   def test_parse_rejects_unknown_keys_and_types(self):
     with self.assertRaisesRegex(
-        ValueError, r"tiles dict must have keys from " r".*, got \['block_m'\]"
+        ValueError,
+        r"tiles as a dict must map each of the kinds \['fwd', 'dgrad', "
+        r"'wgrad'\] to a Tiles, or hold the fields of one Tiles .*; got keys "
+        r"\['block_m'\]\.",
     ):
       tiling.TileConfig.parse({"block_m": 16})
+    # Empty, it could be either form: refused rather than guessed.
+    with self.assertRaisesRegex(ValueError, r"got keys \[\]\."):
+      tiling.TileConfig.parse({})
+    with self.assertRaisesRegex(
+        ValueError,
+        r"tiles\['fwd'\] must have only the keys \['bm', 'bk', 'bn', "
+        r"'num_warps', 'num_stages'\]; got \['bm', 'warps'\] "
+        r"\(unknown: \['warps'\]\)\.",
+    ):
+      tiling.TileConfig.parse({"fwd": {"bm": 16, "warps": 4}})
     with self.assertRaisesRegex(
         TypeError,
-        r"tiles must be None, a Tiles, a " r"TileConfig or a dict, got int",
+        r"tiles\['wgrad'\] must be a Tiles or a dict of its fields, got int\.",
+    ):
+      tiling.TileConfig.parse({"wgrad": 16})
+    with self.assertRaisesRegex(
+        TypeError,
+        r"tiles must be None, a dict, Tiles or TileConfig, got int\.",
     ):
       tiling.TileConfig.parse(16)
     with self.assertRaisesRegex(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -124,11 +123,10 @@ class Config:
 
 
 @dataclasses.dataclass(frozen=True)
-class Overrides(tile_settings.PerKernel):
+class Overrides(
+    tile_settings.PerKernel, item=Config, item_name="configs.Config"
+):
   """The caller's `Config` per kind; None leaves that kind to `choose`."""
-
-  ITEM: ClassVar[type] = Config
-  ITEM_NAME: ClassVar[str] = "configs.Config"
 
   fwd: Config | None = None
   dgrad: Config | None = None
@@ -137,69 +135,19 @@ class Overrides(tile_settings.PerKernel):
   permute: Config | None = None
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(Config))
-_REQUIRED = ("block_m", "block_n", "block_k")
-
-
-def _config_from(value, where: str) -> Config:
-  """A Config from a Config or a dict of its fields; `where` names it."""
-  if isinstance(value, Config):
-    return value
-  if isinstance(value, dict):
-    unknown = sorted(set(value) - set(_FIELDS))
-    missing = [f for f in _REQUIRED if f not in value]
-    if unknown or missing:
-      raise ValueError(
-          f"{where} must have the keys {list(_REQUIRED)} and optionally "
-          f"num_warps, num_stages; got {sorted(value)}"
-          + (f" (unknown: {unknown})" if unknown else "")
-          + (f" (missing: {missing})" if missing else "")
-          + "."
-      )
-    return Config(**value)
-  raise TypeError(
-      f"{where} must be a configs.Config or a dict of its fields, got "
-      f"{type(value).__name__}."
-  )
-
-
 def parse(override) -> Overrides | None:
   """The caller's `configs` option in one hashable form.
 
   Args:
     override: None (nothing overridden); a `Config` (every kind); an
       `Overrides`; a dict of `Config` fields (every kind); or a dict from
-      kinds (KINDS) to a `Config`, a dict of its fields, or None.
+      kinds (KINDS) to a `Config`, a dict of its fields, or None
+      (`PerKernel.parse`).
 
   Returns:
     None for None, else an `Overrides`.
   """
-  if override is None or isinstance(override, Overrides):
-    return override
-  if isinstance(override, Config):
-    return Overrides(**{kind: override for kind in KINDS})
-  if isinstance(override, dict):
-    keys = set(override)
-    if keys and keys <= set(KINDS):
-      return Overrides(
-          **{
-              kind: None
-              if value is None
-              else _config_from(value, f"configs[{kind!r}]")
-              for kind, value in override.items()
-          }
-      )
-    if keys and keys <= set(_FIELDS):
-      return parse(_config_from(override, "configs"))
-    raise ValueError(
-        f"configs as a dict must map kinds {list(KINDS)} to Configs, or "
-        f"hold the fields of one Config {list(_FIELDS)}; got keys "
-        f"{sorted(map(str, keys))}."
-    )
-  raise TypeError(
-      "configs must be None, a configs.Config, a configs.Overrides or a "
-      f"dict, got {type(override).__name__}."
-  )
+  return None if override is None else Overrides.parse(override, "configs")
 
 
 # Tiny tiles for Triton's interpreter on the CPU: it pays per program and

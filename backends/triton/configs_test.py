@@ -281,9 +281,9 @@ class OverrideTest(parameterized.TestCase):
           "unknown_kind",
           {"fwdd": _SMALL},
           ValueError,
-          r"configs as a dict must map kinds \['fwd', 'dgrad', 'wgrad', "
-          r"'gated', 'permute'\] to Configs, or hold the fields of one Config "
-          r".*; got keys \['fwdd'\]\.",
+          r"configs as a dict must map each of the kinds \['fwd', 'dgrad', "
+          r"'wgrad', 'gated', 'permute'\] to a configs.Config, or hold the "
+          r"fields of one configs.Config .*; got keys \['fwdd'\]\.",
       ),
       (
           "mixed_keys",
@@ -318,8 +318,8 @@ class OverrideTest(parameterized.TestCase):
           "wrong_type",
           [16, 16, 16],
           TypeError,
-          r"configs must be None, a configs.Config, a configs.Overrides or a "
-          r"dict, got list\.",
+          r"configs must be None, a dict, configs.Config or Overrides, got "
+          r"list\.",
       ),
   )
   def test_invalid_override_raises(self, override, error, message):

@@ -3,7 +3,7 @@
 A tile-list backend (pallas, mosaic_gpu, triton) describes one kernel
 launch by a frozen dataclass of block sizes and launch options (its Tiles
 or Config), and the caller's choice per kernel kind by a `PerKernel`
-(`parse_tile_config` reads the backend's option into it). The helpers here
+(`PerKernel.parse` reads the backend's option into it). The helpers here
 check those fields (`check_int_field`; `check_triton_tiles` for a Triton
 launch's) and shrink tiles until they fit a GPU program's registers and
 shared memory (`fit_triton_registers`, `fit_triton_smem`); each backend
@@ -20,11 +20,26 @@ class PerKernel:
   """Base of a frozen dataclass holding one optional setting per kernel
   kind: its fields are the kinds, each an `ITEM` or None (None leaves that
   kernel to the backend's heuristic). The backends' tile vocabularies
-  (pallas' and mosaic_gpu's TileConfig, triton's Overrides) are these.
+  (pallas' and mosaic_gpu's TileConfig, triton's Overrides) are these; a
+  subclass names its ITEM (a dataclass) as a class keyword:
+
+      @dataclasses.dataclass(frozen=True)
+      class TileConfig(tile_settings.PerKernel, item=Tiles):
+        fwd: Tiles | None = None
+        dgrad: Tiles | None = None
+
+  and `item_name`, how errors name an ITEM, where its class name alone
+  would not do.
   """
 
   ITEM: ClassVar[type]
-  ITEM_NAME: ClassVar[str]  # How errors name an ITEM.
+  ITEM_NAME: ClassVar[str]
+
+  def __init_subclass__(cls, item=None, item_name=None, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if item is not None:
+      cls.ITEM = item
+      cls.ITEM_NAME = item_name or item.__name__
 
   def __post_init__(self):
     for kind in self.kinds():
@@ -44,6 +59,83 @@ class PerKernel:
     if kind not in self.kinds():
       raise ValueError(f"kind must be one of {self.kinds()}, got {kind!r}.")
     return getattr(self, kind)
+
+  @classmethod
+  def parse(cls, value, option: str = "tiles"):
+    """One of these from the value of a backend's option.
+
+    Args:
+      value: None (no kind set); an ITEM (every kind); one of these (as it
+        is); or the JSON form (e.g. from a Bazel target's backend options):
+        a dict of ITEM's fields (every kind), or a dict from kinds to an
+        ITEM, a dict of its fields, or None. An empty dict, which could be
+        either, is refused.
+      option: the option's name, for errors.
+    """
+    if value is None:
+      return cls()
+    if isinstance(value, cls):
+      return value
+    if isinstance(value, cls.ITEM):
+      return cls(**dict.fromkeys(cls.kinds(), value))
+    if not isinstance(value, dict):
+      raise TypeError(
+          f"{option} must be None, a dict, {cls.ITEM_NAME} or "
+          f"{cls.__name__}, got {type(value).__name__}."
+      )
+    keys = set(value)
+    fields = [f.name for f in dataclasses.fields(cls.ITEM)]
+    if keys and keys <= set(cls.kinds()):
+      return cls(
+          **{
+              kind: None if v is None else cls._item(v, f"{option}[{kind!r}]")
+              for kind, v in value.items()
+          }
+      )
+    if keys and keys <= set(fields):
+      return cls.parse(cls._item(value, option), option)
+    raise ValueError(
+        f"{option} as a dict must map each of the kinds {list(cls.kinds())} "
+        f"to a {cls.ITEM_NAME}, or hold the fields of one {cls.ITEM_NAME} "
+        f"{fields}; got keys {sorted(map(str, keys))}."
+    )
+
+  @classmethod
+  def _item(cls, value, where: str):
+    """An ITEM from an ITEM or a dict of its fields; `where` names it."""
+    if isinstance(value, cls.ITEM):
+      return value
+    if not isinstance(value, dict):
+      raise TypeError(
+          f"{where} must be a {cls.ITEM_NAME} or a dict of its fields, got "
+          f"{type(value).__name__}."
+      )
+    fields = dataclasses.fields(cls.ITEM)
+    required = [f.name for f in fields if _required(f)]
+    optional = [f.name for f in fields if not _required(f)]
+    given = sorted(map(str, value))
+    unknown = sorted(set(given) - set(required) - set(optional))
+    missing = [f for f in required if f not in value]
+    if unknown or missing:
+      keys = (
+          f"the keys {required} and optionally {', '.join(optional)}"
+          if required
+          else f"only the keys {optional}"
+      )
+      raise ValueError(
+          f"{where} must have {keys}; got {given}"
+          + (f" (unknown: {unknown})" if unknown else "")
+          + (f" (missing: {missing})" if missing else "")
+          + "."
+      )
+    return cls.ITEM(**value)
+
+
+def _required(field: dataclasses.Field) -> bool:
+  return (
+      field.default is dataclasses.MISSING
+      and field.default_factory is dataclasses.MISSING
+  )
 
 
 # Triton's tl.dot needs every block dimension to be a power of two >= 16.
@@ -174,40 +266,3 @@ def _shrink(tiles, too_big, steps):
     else:
       break
   return tiles
-
-
-def parse_tile_config(config_cls: type, tiles_cls: type, kinds, tiles):
-  """A `config_cls` (one `tiles_cls` or None per kernel kind) from `tiles`.
-
-  Args:
-    config_cls: the backend's TileConfig, a dataclass with one field per
-      kind.
-    tiles_cls: its Tiles, the dataclass of one kernel's tiles.
-    kinds: the kernel kinds, `config_cls`' fields.
-    tiles: None (no kind set), a `tiles_cls` (every kind), a `config_cls`
-      (as it is) or the dict form of either (the JSON form, e.g. from a
-      Bazel target's backend options): `tiles_cls` fields ({"bm": 16, ...},
-      every kind) or per-kind dicts ({"fwd": {...}, ...}).
-  """
-  if tiles is None:
-    return config_cls()
-  if isinstance(tiles, config_cls):
-    return tiles
-  if isinstance(tiles, tiles_cls):
-    return config_cls(**{kind: tiles for kind in kinds})
-  if isinstance(tiles, dict):
-    if set(tiles) <= set(kinds):
-      return config_cls(
-          **{k: None if v is None else tiles_cls(**v) for k, v in tiles.items()}
-      )
-    fields = {f.name for f in dataclasses.fields(tiles_cls)}
-    if set(tiles) <= fields:
-      return parse_tile_config(config_cls, tiles_cls, kinds, tiles_cls(**tiles))
-    raise ValueError(
-        f"tiles dict must have keys from {sorted(fields)} or "
-        f"from {list(kinds)}, got {sorted(tiles)}."
-    )
-  raise TypeError(
-      "tiles must be None, a Tiles, a TileConfig or a dict, "
-      f"got {type(tiles).__name__}."
-  )
