@@ -1,9 +1,9 @@
 """The expert FFN's fused ops, on a backend's `GroupedKernels`.
 
-gate_up         (rows @ w_gate[g], rows @ w_up[g]): one `gmm_products` call,
-                so a backend whose kernel reads the rows once for both
-                products does; its dX sums both products in one call and
-                its dW is one tgmm with two outputs (the transposes).
+gate_up         (rows @ w_gate[g], rows @ w_up[g]): one `grouped_products`
+                call, so a backend whose kernel reads the rows once for
+                both products does; its dX sums both products in one call
+                and its dW is one tgmm with two outputs (the transposes).
 gated_epilogue  the fused kernel's epilogue, act(gate) * up on the float32
                 accumulators (`check_epilogue_activation`: the activations
                 a backend's epilogue computes).
@@ -46,15 +46,21 @@ def gate_up(
     w_gate: jax.Array,
     w_up: jax.Array,
     group_sizes: jax.Array,
+    out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
-  """rows [M, D] x (w_gate, w_up) [E, D, F] -> (gate, up), each [M, F]."""
-  return gm.gmm_products(
+  """rows [M, D] x (w_gate, w_up) [E, D, F] -> (gate, up), each [M, F].
+
+  Both outputs are of `out_dtype`, by default rows' dtype.
+  """
+  out_dtype = rows.dtype if out_dtype is None else out_dtype
+  return gm.grouped_products(
       kernels,
+      "gmm",
       (rows,),
       (w_gate, w_up),
       group_sizes,
       products=((0, 0, 0), (0, 1, 1)),
-      out_dtypes=(rows.dtype, rows.dtype),
+      out_dtypes=(out_dtype, out_dtype),
   )
 
 
@@ -66,8 +72,9 @@ def _gate_up_tangent(kernels, rows, w_gate, w_up, group_sizes, tangents):
   """
   d_rows, d_w_gate, d_w_up = tangents
   f32 = jnp.dtype(jnp.float32)
-  return gm.gmm_products(
+  return gm.grouped_products(
       kernels,
+      "gmm",
       (d_rows, rows),
       (w_gate, w_up, d_w_gate, d_w_up),
       group_sizes,
@@ -186,14 +193,8 @@ def gated_gate_up(
     return d_h
 
   def recomputed_act_tangent(rows, w_gate, w_up, group_sizes, d_gate, d_up):
-    f32 = jnp.dtype(jnp.float32)
-    gate, up = gm.gmm_products(
-        kernels,
-        (rows,),
-        (w_gate, w_up),
-        group_sizes,
-        products=((0, 0, 0), (0, 1, 1)),
-        out_dtypes=(f32, f32),
+    gate, up = gate_up(
+        kernels, rows, w_gate, w_up, group_sizes, out_dtype=jnp.float32
     )
     return act_tangent(gate, up, d_gate, d_up)
 
@@ -259,8 +260,9 @@ def row_scaled_gmm(
     d_lhs, d_rhs, _, d_scale = tangents
     out = op(*primals)
     f32 = jnp.dtype(jnp.float32)
-    (d_product,) = gm.gmm_products(
+    (d_product,) = gm.grouped_products(
         kernels,
+        "gmm",
         (d_lhs, lhs),
         (rhs, d_rhs),
         group_sizes,

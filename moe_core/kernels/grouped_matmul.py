@@ -1,11 +1,11 @@
 """Grouped matmuls as one JAX primitive, differentiable in both directions.
 
 A backend hands its raw (non-differentiable) kernels to this module as a
-`GroupedKernels`; `gmm`, `tgmm` and their multi-product forms then work under
-every transformation: jit, grad, forward mode (jvp, linearize, hessian), vmap,
-shard_map with `check_vma=True`, remat, scan and jax.export. Two products,
-per row group g (rows sorted by group, group g owning the rows
-[sum(gs[:g]), sum(gs[:g+1]))):
+`GroupedKernels`; `gmm`, `tgmm` and their multi-product form
+(`grouped_products`, either kind) then work under every transformation: jit,
+grad, forward mode (jvp, linearize, hessian), vmap, shard_map with
+`check_vma=True`, remat, scan and jax.export. Two products, per row group g
+(rows sorted by group, group g owning the rows [sum(gs[:g]), sum(gs[:g+1]))):
 
   gmm    out[o] = sum over products (l, r, o) of lhs[l]_g @ rhs[r][g]
          lhs [M, C] x rhs [E, C, N] ([E, N, C] with transpose_rhs) -> [M, N];
@@ -32,7 +32,7 @@ share its binding of the kernels.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 from jax.interpreters import ad
@@ -127,7 +127,7 @@ class GroupedKernels:
   ) -> tuple[jax.Array, ...]:
     """Each out[o] = the sum of its products: one `fused_gmm` call where
     the outputs share a dtype, else one `gmm` per product. The arguments
-    are the module's `gmm_products`'s."""
+    are `grouped_products`' for kind "gmm"."""
     if self.fused_gmm is not None and len(set(out_dtypes)) == 1:
       return self.fused_gmm(
           tuple(lhs),
@@ -148,7 +148,7 @@ class GroupedKernels:
   ) -> tuple[jax.Array, ...]:
     """Each out[o] = the sum of its products: one `fused_tgmm` call where
     one lhs meets one rhs per output in one dtype, else one `tgmm` each.
-    The arguments are the module's `tgmm_products`'s."""
+    The arguments are `grouped_products`' for kind "tgmm"."""
     by_output = sorted(products, key=lambda p: p[2])
     if (
         self.fused_tgmm is not None
@@ -206,7 +206,7 @@ def gmm(
   Rows at or past sum(group_sizes) come out zero and get zero gradient.
   """
   return _single_product(
-      gmm_products,
+      "gmm",
       kernels,
       lhs,
       rhs,
@@ -227,7 +227,7 @@ def tgmm(
 ) -> jax.Array:
   """Per group lhs_g^T rhs_g: [M, A] x [M, B] -> [E, A, B]."""
   return _single_product(
-      tgmm_products,
+      "tgmm",
       kernels,
       lhs,
       rhs,
@@ -237,12 +237,12 @@ def tgmm(
   )
 
 
-def _single_product(
-    products_fn, kernels, lhs, rhs, group_sizes, out_dtype, **options
-):
-  """products_fn with one lhs, one rhs and one output (out_dtype or lhs's)."""
-  (out,) = products_fn(
+def _single_product(kind, kernels, lhs, rhs, group_sizes, out_dtype, **options):
+  """One product of `kind`: one lhs, one rhs, one output (out_dtype or
+  lhs's)."""
+  (out,) = grouped_products(
       kernels,
+      kind,
       (lhs,),
       (rhs,),
       group_sizes,
@@ -253,82 +253,37 @@ def _single_product(
   return out
 
 
-def gmm_products(
+def grouped_products(
     kernels: GroupedKernels,
+    kind: str,
     lhs: Sequence[jax.Array],
     rhs: Sequence[jax.Array],
     group_sizes: jax.Array,
     *,
     products: Products,
+    out_dtypes: Sequence,
     transpose_rhs: bool = False,
-    out_dtypes: Sequence,
+    num_groups: int | None = None,
 ) -> tuple[jax.Array, ...]:
-  """out[o] = sum over (l, r, o) in products of lhs[l] @ rhs[r][group].
+  """Sums of grouped products, one per output, in one differentiable call.
 
-  Every lhs is [M, C_l], every rhs [E, C, N] ([E, N, C] transposed), all of
-  one dtype; one output per entry of `out_dtypes`, each [M, N].
+  kind "gmm": out[o] = sum over (l, r, o) in products of lhs[l] @
+  rhs[r][group]. Every lhs is [M, C], every rhs [E, C, N] ([E, N, C] with
+  transpose_rhs), each output [M, N]; num_groups, if given, must be E.
+
+  kind "tgmm": out[o][g] = sum over (l, r, o) in products of lhs[l]_g^T
+  rhs[r]_g. Every lhs is [M, A], every rhs [M, B], each output
+  [num_groups, A, B]; num_groups is required, transpose_rhs must be False.
+
+  All operands share one dtype; there is one output per entry of
+  `out_dtypes`, and every output has at least one product.
   """
-  return _bind(
-      kernels,
-      "gmm",
-      lhs,
-      rhs,
-      group_sizes,
-      products=products,
-      transpose_rhs=transpose_rhs,
-      num_groups=_num_groups(rhs),
-      out_dtypes=out_dtypes,
-  )
-
-
-def tgmm_products(
-    kernels: GroupedKernels,
-    lhs: Sequence[jax.Array],
-    rhs: Sequence[jax.Array],
-    group_sizes: jax.Array,
-    *,
-    products: Products,
-    num_groups: int,
-    out_dtypes: Sequence,
-) -> tuple[jax.Array, ...]:
-  """out[o][g] = sum over (l, r, o) in products of lhs[l]_g^T rhs[r]_g."""
-  return _bind(
-      kernels,
-      "tgmm",
-      lhs,
-      rhs,
-      group_sizes,
-      products=products,
-      transpose_rhs=False,
-      num_groups=num_groups,
-      out_dtypes=out_dtypes,
-  )
-
-
-def _num_groups(rhs: Sequence[jax.Array]) -> int:
-  if not rhs:
-    raise ValueError("gmm_products needs at least one rhs, got none.")
-  return rhs[0].shape[0]
-
-
-def _bind(
-    kernels,
-    kind,
-    lhs,
-    rhs,
-    group_sizes,
-    *,
-    products,
-    transpose_rhs,
-    num_groups,
-    out_dtypes,
-):
-  """Checks the call, matches the operands' mesh variance, binds."""
+  lhs, rhs = tuple(lhs), tuple(rhs)
+  num_groups = _num_groups(kind, rhs, transpose_rhs, num_groups)
   if not isinstance(kernels, GroupedKernels):
     raise TypeError(
         f"kernels must be a GroupedKernels, got {type(kernels).__name__}."
     )
-  lhs, rhs = tuple(lhs), tuple(rhs)
   products = tuple(tuple(int(i) for i in p) for p in products)
   out_dtypes = tuple(np.dtype(d) for d in out_dtypes)
   dtypes = {jnp.dtype(x.dtype) for x in lhs + rhs}
@@ -350,24 +305,66 @@ def _bind(
         f"every one of the {len(out_dtypes)} outputs needs a product, got "
         f"products={products}."
     )
-  operands = primitive.match_variance(
-      lhs + rhs + (group_sizes.astype(jnp.int32),)
+  params = _Params(
+      kernels,
+      kind,
+      products,
+      len(lhs),
+      bool(transpose_rhs),
+      num_groups,
+      out_dtypes,
   )
-  return tuple(
-      grouped_matmul_p.bind(
-          *operands,
-          kernels=kernels,
-          kind=kind,
-          products=products,
-          num_lhs=len(lhs),
-          transpose_rhs=bool(transpose_rhs),
-          num_groups=int(num_groups),
-          out_dtypes=out_dtypes,
+  return tuple(params.bind(lhs + rhs + (group_sizes.astype(jnp.int32),)))
+
+
+def _num_groups(kind, rhs, transpose_rhs, num_groups) -> int:
+  """E of a `grouped_products` call; raises on an option `kind` refuses."""
+  if kind == "gmm":
+    if not rhs:
+      raise ValueError("gmm needs at least one rhs, got none.")
+    if num_groups not in (None, rhs[0].shape[0]):
+      raise ValueError(
+          f"gmm's num_groups must be the rhs' {rhs[0].shape[0]} groups (or "
+          f"None), got {num_groups!r}."
       )
-  )
+    return rhs[0].shape[0]
+  if kind == "tgmm":
+    if transpose_rhs:
+      raise ValueError("tgmm takes no transpose_rhs, got True.")
+    if num_groups is None:
+      raise TypeError("tgmm needs num_groups, the number of groups E.")
+    return int(num_groups)
+  raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}.")
 
 
 # --- The primitive -----------------------------------------------------------
+
+
+class _Params(NamedTuple):
+  """The primitive's parameters; every bind passes all of them.
+
+  Attributes:
+    kernels: the backend's `GroupedKernels`.
+    kind: "gmm" or "tgmm".
+    products: (lhs index, rhs index, output index) triples.
+    num_lhs: how many operands are lhs; the rhs follow, then group_sizes.
+    transpose_rhs: gmm's rhs are [E, N, C].
+    num_groups: E.
+    out_dtypes: one per output.
+  """
+
+  kernels: GroupedKernels
+  kind: str
+  products: Products
+  num_lhs: int
+  transpose_rhs: bool
+  num_groups: int
+  out_dtypes: tuple[np.dtype, ...]
+
+  def bind(self, operands) -> list[jax.Array]:
+    """The primitive on `operands`, made to share their mesh variance."""
+    operands = primitive.match_variance(operands)
+    return grouped_matmul_p.bind(*operands, **self._asdict())
 
 
 def _split(operands, num_lhs):
@@ -379,66 +376,40 @@ def _split(operands, num_lhs):
   )
 
 
-def _out_shapes(
-    avals,
-    *,
-    kernels,
-    kind,
-    products,
-    num_lhs,
-    transpose_rhs,
-    num_groups,
-    out_dtypes,
-):
+def _out_shapes(avals, **params):
   """[(shape, dtype)] of each output, from the operands' shapes."""
-  del kernels
-  lhs, rhs, _ = _split(avals, num_lhs)
-  shapes = [None] * len(out_dtypes)
-  for l, r, o in products:
-    if kind == "gmm":
-      n = rhs[r].shape[1] if transpose_rhs else rhs[r].shape[2]
+  p = _Params(**params)
+  lhs, rhs, _ = _split(avals, p.num_lhs)
+  shapes = [None] * len(p.out_dtypes)
+  for l, r, o in p.products:
+    if p.kind == "gmm":
+      n = rhs[r].shape[1] if p.transpose_rhs else rhs[r].shape[2]
       shape = (lhs[l].shape[0], n)
     else:
-      shape = (num_groups, lhs[l].shape[1], rhs[r].shape[1])
+      shape = (p.num_groups, lhs[l].shape[1], rhs[r].shape[1])
     if shapes[o] is not None and shapes[o] != shape:
       raise ValueError(
-          f"{kind} output {o} gets products of shapes {shapes[o]} and {shape}."
+          f"{p.kind} output {o} gets products of shapes {shapes[o]} and "
+          f"{shape}."
       )
     shapes[o] = shape
-  return list(zip(shapes, out_dtypes))
+  return list(zip(shapes, p.out_dtypes))
 
 
-def _call_kernels(
-    *operands,
-    kernels,
-    kind,
-    products,
-    num_lhs,
-    transpose_rhs,
-    num_groups,
-    out_dtypes,
-):
+def _call_kernels(*operands, **params):
   """The backend's kernels on the operands: what the primitive computes."""
-  lhs, rhs, group_sizes = _split(operands, num_lhs)
-  if kind == "gmm":
-    outs = kernels.gmm_products(
-        lhs,
-        rhs,
-        group_sizes,
-        products=products,
-        transpose_rhs=transpose_rhs,
-        out_dtypes=out_dtypes,
+  p = _Params(**params)
+  lhs, rhs, group_sizes = _split(operands, p.num_lhs)
+  if p.kind == "gmm":
+    call = functools.partial(
+        p.kernels.gmm_products, transpose_rhs=p.transpose_rhs
     )
   else:
-    outs = kernels.tgmm_products(
-        lhs,
-        rhs,
-        group_sizes,
-        products=products,
-        num_groups=num_groups,
-        out_dtypes=out_dtypes,
-    )
-  return [out.astype(dtype) for out, dtype in zip(outs, out_dtypes)]
+    call = functools.partial(p.kernels.tgmm_products, num_groups=p.num_groups)
+  outs = call(
+      lhs, rhs, group_sizes, products=p.products, out_dtypes=p.out_dtypes
+  )
+  return [out.astype(dtype) for out, dtype in zip(outs, p.out_dtypes)]
 
 
 grouped_matmul_p = primitive.kernel_primitive(
@@ -463,7 +434,8 @@ def _bind_terms(
 
   Operands are cast to `compute_dtype`, the primal operands' (a cotangent
   arrives in its output's dtype, which may be wider). Outputs without a
-  term are None.
+  term are None. `params` are the differentiated call's `_Params`: its
+  kernels and num_groups carry over.
   """
   if not terms:
     return [None] * len(out_avals)
@@ -480,19 +452,13 @@ def _bind_terms(
   renumber = {o: i for i, o in enumerate(used)}
   for l, r, o in terms:
     products.append((index(lhs, l), index(rhs, r), renumber[o]))
-  operands = primitive.match_variance(
-      tuple(x.astype(compute_dtype) for x in lhs + rhs) + (group_sizes,)
-  )
-  outs = grouped_matmul_p.bind(
-      *operands,
-      kernels=params["kernels"],
+  outs = params._replace(
       kind=kind,
       products=tuple(products),
       num_lhs=len(lhs),
       transpose_rhs=transpose_rhs,
-      num_groups=params["num_groups"],
       out_dtypes=tuple(out_avals[o].dtype for o in used),
-  )
+  ).bind(tuple(x.astype(compute_dtype) for x in lhs + rhs) + (group_sizes,))
   result = [None] * len(out_avals)
   for o, out in zip(used, outs):
     result[o] = out
@@ -500,14 +466,14 @@ def _bind_terms(
 
 
 def _jvp(primals, tangents, **params):
-  num_lhs = params["num_lhs"]
-  lhs, rhs, group_sizes = _split(primals, num_lhs)
-  d_lhs, d_rhs, _ = _split(tangents, num_lhs)
-  out = grouped_matmul_p.bind(*primals, **params)
+  params = _Params(**params)
+  lhs, rhs, group_sizes = _split(primals, params.num_lhs)
+  d_lhs, d_rhs, _ = _split(tangents, params.num_lhs)
+  out = grouped_matmul_p.bind(*primals, **params._asdict())
   # d(lhs @ rhs) = dlhs @ rhs + lhs @ drhs, both in one call (one float32
   # accumulation per output, as the fused kernels do it).
   terms = []
-  for l, r, o in params["products"]:
+  for l, r, o in params.products:
     if type(d_lhs[l]) is not ad.Zero:
       terms.append((d_lhs[l], rhs[r], o))
     if type(d_rhs[r]) is not ad.Zero:
@@ -517,8 +483,8 @@ def _jvp(primals, tangents, **params):
       terms,
       group_sizes,
       out_avals,
-      kind=params["kind"],
-      transpose_rhs=params["transpose_rhs"],
+      kind=params.kind,
+      transpose_rhs=params.transpose_rhs,
       compute_dtype=jax.typeof(primals[0]).dtype,
       params=params,
   )
@@ -534,11 +500,11 @@ def _aval(x):
 
 
 def _transpose(cotangents, *operands, **params):
-  num_lhs, kind = params["num_lhs"], params["kind"]
-  lhs, rhs, group_sizes = _split(operands, num_lhs)
-  transposed = params["transpose_rhs"]
+  params = _Params(**params)
+  kind, transposed = params.kind, params.transpose_rhs
+  lhs, rhs, group_sizes = _split(operands, params.num_lhs)
   lhs_terms, rhs_terms = [], []
-  for l, r, o in params["products"]:
+  for l, r, o in params.products:
     ct = cotangents[o]
     if type(ct) is ad.Zero:
       continue

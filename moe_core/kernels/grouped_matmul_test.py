@@ -171,8 +171,9 @@ class GroupedMatmulTest(parameterized.TestCase):
     rhs2 = rhs[:, :, ::-1] * 2.0
 
     def ours(x, w1, w2):
-      gate, up = gm.gmm_products(
+      gate, up = gm.grouped_products(
           KERNELS,
+          "gmm",
           (x,),
           (w1, w2),
           sizes,
@@ -189,6 +190,37 @@ class GroupedMatmulTest(parameterized.TestCase):
     for g, w in zip(
         jax.grad(ours, (0, 1, 2))(lhs, rhs, rhs2),
         jax.grad(want, (0, 1, 2))(lhs, rhs, rhs2),
+    ):
+      _close(g, w, 1e-4)
+
+  def test_tgmm_products_sum_per_output_and_differentiate(self):
+    lhs, _, sizes, dy = _inputs()
+    dy2 = dy[:, ::-1] * 0.5
+    ct = jax.random.normal(jax.random.key(5), (2, 3, 3, 4))
+
+    def ours(a, b1, b2):
+      # out0 = a^T b1 + a^T b2 per group (one accumulation), out1 = a^T b2.
+      out0, out1 = gm.grouped_products(
+          KERNELS,
+          "tgmm",
+          (a,),
+          (b1, b2),
+          sizes,
+          products=((0, 0, 0), (0, 1, 0), (0, 1, 1)),
+          out_dtypes=(jnp.float32, jnp.float32),
+          num_groups=3,
+      )
+      return jnp.sum(jnp.stack([out0, out1]) * ct)
+
+    def want(a, b1, b2):
+      out1 = oracle_tgmm(a, b2, sizes, 3)
+      out0 = oracle_tgmm(a, b1, sizes, 3) + out1
+      return jnp.sum(jnp.stack([out0, out1]) * ct)
+
+    _close(ours(lhs, dy, dy2), want(lhs, dy, dy2), 1e-4)
+    for g, w in zip(
+        jax.grad(ours, (0, 1, 2))(lhs, dy, dy2),
+        jax.grad(want, (0, 1, 2))(lhs, dy, dy2),
     ):
       _close(g, w, 1e-4)
 
@@ -293,14 +325,59 @@ class GroupedMatmulTest(parameterized.TestCase):
       gm.gmm(KERNELS, lhs.astype(jnp.bfloat16), rhs, sizes)
     with self.assertRaisesRegex(TypeError, "kernels must be a GroupedKernels"):
       gm.gmm(object(), lhs, rhs, sizes)
+    with self.assertRaisesRegex(ValueError, "gmm needs at least one rhs"):
+      gm.grouped_products(
+          KERNELS, "gmm", (lhs,), (), sizes, products=(), out_dtypes=()
+      )
     with self.assertRaisesRegex(ValueError, "every one of the 2 outputs"):
-      gm.gmm_products(
+      gm.grouped_products(
           KERNELS,
+          "gmm",
           (lhs,),
           (rhs,),
           sizes,
           products=((0, 0, 0),),
           out_dtypes=(jnp.float32, jnp.float32),
+      )
+
+  @parameterized.named_parameters(
+      (
+          "unknown_kind",
+          "mm",
+          {},
+          ValueError,
+          r"kind must be 'gmm' or 'tgmm', got 'mm'\.",
+      ),
+      (
+          "gmm_groups_not_the_rhs",
+          "gmm",
+          dict(num_groups=4),
+          ValueError,
+          r"gmm's num_groups must be the rhs' 3 groups \(or None\), got 4\.",
+      ),
+      ("tgmm_without_groups", "tgmm", {}, TypeError, "tgmm needs num_groups"),
+      (
+          "tgmm_transposed",
+          "tgmm",
+          dict(transpose_rhs=True, num_groups=3),
+          ValueError,
+          "tgmm takes no transpose_rhs",
+      ),
+  )
+  def test_bad_kind_options_name_the_problem(
+      self, kind, options, error, message
+  ):
+    lhs, rhs, sizes, _ = _inputs()
+    with self.assertRaisesRegex(error, message):
+      gm.grouped_products(
+          KERNELS,
+          kind,
+          (lhs,),
+          (rhs if kind == "gmm" else lhs,),
+          sizes,
+          products=((0, 0, 0),),
+          out_dtypes=(jnp.float32,),
+          **options,
       )
 
 
