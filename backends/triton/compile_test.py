@@ -39,7 +39,7 @@ _PERMUTE_KERNELS = (
 _KIND_KERNELS = {
     "fwd": (("gmm", {"TRANSPOSE_W": False}),),
     "dgrad": (("gmm", {"TRANSPOSE_W": True}),),
-    "gated": (("gated_gmm", {"ACTIVATION": "silu"}),),
+    "gated": (("gmm", {"ACTIVATION": "silu"}),),
     "wgrad": (("tgmm", {}),),
     "permute": tuple((name, {}) for name in _PERMUTE_KERNELS),
 }
@@ -48,8 +48,8 @@ _KIND_KERNELS = {
 _VARIANTS = {
     "fwd": (("gmm", {"TRANSPOSE_W": False, "HAS_ROW_SCALE": True}),),
     "gated": (
-        ("gated_gmm", {"ACTIVATION": "gelu"}),
-        ("gated_gmm", {"ACTIVATION": "gelu_tanh"}),
+        ("gmm", {"ACTIVATION": "gelu"}),
+        ("gmm", {"ACTIVATION": "gelu_tanh"}),
     ),
     "wgrad": (("tgmm", {"HAS_ROW_SCALE": True}),),
 }

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from moe_core.kernels import tile_settings
 
-#     gmm, gated_gmm  ("fwd", "dgrad", "gated")  [block_m, block_k] @
+#     gmm (gated too) ("fwd", "dgrad", "gated")  [block_m, block_k] @
 #                     [block_k, block_n] per step along the contracted width;
 #                     one program per (tile-list entry, block_n columns).
 #     tgmm            ("wgrad")  dW blocks [block_k, block_n]: each program

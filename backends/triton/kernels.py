@@ -1,4 +1,4 @@
-"""Triton kernels of the grouped GEMM: gmm (forward, dX), gated_gmm, tgmm (dW).
+"""Triton kernels of the grouped GEMM: gmm (forward, dX, gated), tgmm (dW).
 
 Rows are sorted by group: group e owns rows [offsets[e], offsets[e + 1]),
 offsets = [0, cumsum(group_sizes)]. The rows at or past offsets[E] form a
@@ -6,12 +6,15 @@ tail pseudo-group, numbered E, whose outputs are exact zeros whatever the
 rows hold (NaN included): every load is masked with `other=0`, so a row
 outside the program's group never reaches a product.
 
-gmm and gated_gmm walk a static-length tile list (`tile_list`): one entry
+gmm walks a static-length tile list (`tile_list`): one entry
 per (group, row tile) pair that the group touches. A row tile shared by two
 groups is visited once per group and each visit stores only its own rows
 (a masked store, never a read-modify-write), so every output element has
-exactly one writer and no atomics are needed. tgmm runs one program per
-(group, output block) and loops over the group's rows with a run-time bound.
+exactly one writer and no atomics are needed. With an ACTIVATION it is the
+gated gate/up pass, act(x @ w_gate) * (x @ w_up): one kernel body, so the
+plain and gated products share their tile walk, masks and epilogue. tgmm
+runs one program per (group, output block) and loops over the group's rows
+with a run-time bound.
 
 Shapes and tiles are constexprs; all run-time counts are int32 device
 arrays. `DOT_F32` upcasts both dot operands to float32: Triton's interpreter
@@ -21,7 +24,7 @@ operands use IEEE products ("ieee"), not TF32, matching the reference.
 
 This module imports triton at the top; import it lazily.
 
-Over 400 lines because it is one job: the three kernels share their tile
+Over 400 lines because it is one job: the kernels share their tile
 helpers, and the tile list and signatures are built for them.
 """
 
@@ -96,9 +99,25 @@ def _weight_tile_ptrs(
 
 
 @triton.jit
+def _gated(gate, up, ACTIVATION: tl.constexpr):
+  """act(gate) * up in float32; every activation maps 0 to 0."""
+  if ACTIVATION == "silu":
+    act = gate * tl.sigmoid(gate)
+  elif ACTIVATION == "gelu":
+    act = 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF))
+  elif ACTIVATION == "gelu_tanh":
+    inner = gate + 0.044715 * gate * gate * gate
+    act = gate * tl.sigmoid(inner * _TWO_SQRT_2_OVER_PI)
+  else:
+    tl.static_assert(False, "ACTIVATION must be silu, gelu or gelu_tanh")
+  return act * up
+
+
+@triton.jit
 def gmm_kernel(
     x_ptr,
     w_ptr,
+    w_up_ptr,
     row_scale_ptr,
     group_offsets_ptr,
     group_ids_ptr,
@@ -111,18 +130,25 @@ def gmm_kernel(
     E: tl.constexpr,
     TRANSPOSE_W: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-  """out[r] = row_scale[r] * (x[r] @ w[g(r)]) for the rows of one visit.
+  """out[r] = row_scale[r] * (x[r] @ w[g(r)]) for the rows of one visit;
+  with an ACTIVATION, act(x[r] @ w[g(r)]) * (x[r] @ w_up[g(r)]) instead.
 
-  x [M, K]; w [E, K, N] ([E, N, K] if TRANSPOSE_W); row_scale [M] float32
-  (any [1] array when not HAS_ROW_SCALE); group_offsets [E + 1] int32;
-  group_ids, m_tile_ids [T] and num_tiles [1] int32, the tile list; out
-  [M, N]. Grid (T, cdiv(N, BLOCK_N)); program (t, j) writes the rows of
-  entry t and columns block j, zeros for the tail pseudo-group E.
+  x [M, K]; w [E, K, N] ([E, N, K] if TRANSPOSE_W); w_up like w, read only
+  with an ACTIVATION (any array of x's dtype otherwise); row_scale [M]
+  float32 (any [1] array when not HAS_ROW_SCALE); group_offsets [E + 1]
+  int32; group_ids, m_tile_ids [T] and num_tiles [1] int32, the tile list;
+  out [M, N]. ACTIVATION: "" (the plain product), "silu", "gelu" (erf
+  form) or "gelu_tanh"; the gated form's two products share each x tile
+  and are combined in float32 before the one cast to out's dtype. A
+  constexpr switch: the plain kernel compiles without the second product.
+  Grid (T, cdiv(N, BLOCK_N)); program (t, j) writes the rows of entry t
+  and columns block j, zeros for the tail pseudo-group E.
   """
   t = tl.program_id(0)
   if t >= tl.load(num_tiles_ptr):
@@ -138,19 +164,27 @@ def gmm_kernel(
   # M * K and M * N can pass 2^31: the tile's row offset is 64-bit, the
   # offsets inside the tile stay 32-bit.
   x_ptrs = x_ptr + r0.to(tl.int64) * K + rm[:, None] * K + rk[None, :]
-  w_ptrs = _weight_tile_ptrs(
-      w_ptr, tl.minimum(g, E - 1), rk, rn, K, N, TRANSPOSE_W
-  )
+  weight = tl.minimum(g, E - 1)
+  w_ptrs = _weight_tile_ptrs(w_ptr, weight, rk, rn, K, N, TRANSPOSE_W)
   w_step = BLOCK_K if TRANSPOSE_W else BLOCK_K * N
   acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+  if ACTIVATION != "":
+    up_ptrs = _weight_tile_ptrs(w_up_ptr, weight, rk, rn, K, N, TRANSPOSE_W)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
   # The tail's visits skip the products: their output is zeros.
   for kb in range(0, tl.where(is_group, tl.cdiv(K, BLOCK_K), 0)):
     k_ok = rk < K - kb * BLOCK_K
     x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-    acc = _dot(x, w, acc, DOT_F32)
+    w_mask = k_ok[:, None] & col_ok[None, :]
+    acc = _dot(x, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, DOT_F32)
+    if ACTIVATION != "":
+      up = _dot(x, tl.load(up_ptrs, mask=w_mask, other=0.0), up, DOT_F32)
     x_ptrs += BLOCK_K
     w_ptrs += w_step
+    if ACTIVATION != "":
+      up_ptrs += w_step
+  if ACTIVATION != "":
+    acc = _gated(acc, up, ACTIVATION)
   if HAS_ROW_SCALE:
     # The tail's scales may be NaN: masked to 0, times the zero acc. A
     # select, not row_ok & is_group: Triton 3.9's interpreter splats the
@@ -162,76 +196,6 @@ def gmm_kernel(
   tl.store(
       out_ptrs,
       acc.to(out_ptr.dtype.element_ty),
-      mask=row_ok[:, None] & col_ok[None, :],
-  )
-
-
-@triton.jit
-def gated_gmm_kernel(
-    x_ptr,
-    w_gate_ptr,
-    w_up_ptr,
-    group_offsets_ptr,
-    group_ids_ptr,
-    m_tile_ids_ptr,
-    num_tiles_ptr,
-    out_ptr,
-    M: tl.constexpr,
-    K: tl.constexpr,
-    N: tl.constexpr,
-    E: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-  """out[r] = act(x[r] @ w_gate[g(r)]) * (x[r] @ w_up[g(r)]), one visit.
-
-  x [M, K]; w_gate, w_up [E, K, N]; the tile list as for gmm_kernel; out
-  [M, N]. ACTIVATION: "silu", "gelu" (erf form) or "gelu_tanh". Both
-  products share each x tile and are combined in float32 before the one
-  cast to out's dtype. Grid (T, cdiv(N, BLOCK_N)).
-  """
-  t = tl.program_id(0)
-  if t >= tl.load(num_tiles_ptr):
-    return
-  g, r0, row_ok = _visit(
-      group_offsets_ptr, group_ids_ptr, m_tile_ids_ptr, t, M, E, BLOCK_M
-  )
-  rm = tl.arange(0, BLOCK_M)
-  rk = tl.arange(0, BLOCK_K)
-  rn = _columns(tl.program_id(1), BLOCK_N)
-  col_ok = rn < N
-  x_ptrs = x_ptr + r0.to(tl.int64) * K + rm[:, None] * K + rk[None, :]
-  weight = tl.minimum(g, E - 1)
-  gate_ptrs = _weight_tile_ptrs(w_gate_ptr, weight, rk, rn, K, N, False)
-  up_ptrs = _weight_tile_ptrs(w_up_ptr, weight, rk, rn, K, N, False)
-  gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-  up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-  for kb in range(0, tl.where(g < E, tl.cdiv(K, BLOCK_K), 0)):
-    k_ok = rk < K - kb * BLOCK_K
-    x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    w_mask = k_ok[:, None] & col_ok[None, :]
-    gate = _dot(x, tl.load(gate_ptrs, mask=w_mask, other=0.0), gate, DOT_F32)
-    up = _dot(x, tl.load(up_ptrs, mask=w_mask, other=0.0), up, DOT_F32)
-    x_ptrs += BLOCK_K
-    gate_ptrs += BLOCK_K * N
-    up_ptrs += BLOCK_K * N
-  # Every activation maps 0 to 0, so the tail's zeros stay zeros.
-  if ACTIVATION == "silu":
-    act = gate * tl.sigmoid(gate)
-  elif ACTIVATION == "gelu":
-    act = 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF))
-  elif ACTIVATION == "gelu_tanh":
-    inner = gate + 0.044715 * gate * gate * gate
-    act = gate * tl.sigmoid(inner * _TWO_SQRT_2_OVER_PI)
-  else:
-    tl.static_assert(False, "ACTIVATION must be silu, gelu or gelu_tanh")
-  out_ptrs = out_ptr + r0.to(tl.int64) * N + rm[:, None] * N + rn[None, :]
-  tl.store(
-      out_ptrs,
-      (act * up).to(out_ptr.dtype.element_ty),
       mask=row_ok[:, None] & col_ok[None, :],
   )
 
@@ -305,7 +269,6 @@ def tgmm_kernel(
 
 KERNELS = {
     "gmm": gmm_kernel,
-    "gated_gmm": gated_gmm_kernel,
     "tgmm": tgmm_kernel,
 }
 
@@ -320,6 +283,7 @@ _FIXED_POINTERS = {
 _DEFAULT_CONSTEXPRS = {
     "TRANSPOSE_W": False,
     "HAS_ROW_SCALE": False,
+    "ACTIVATION": "",
     "DOT_F32": False,
 }
 _TRITON_DTYPES = {
@@ -358,13 +322,13 @@ def signature(
   """triton.compile's signature and constexprs for one kernel of `KERNELS`.
 
   Args:
-    name: "gmm", "gated_gmm" or "tgmm".
+    name: "gmm" or "tgmm".
     dtype: the operands' dtype (x and w, or a and b): bfloat16, float16 or
       float32, as a dtype or its name.
     out_dtype: out's dtype, likewise.
     **constexprs: every constexpr parameter of the kernel (M, K, N, E,
-      BLOCK_*, ACTIVATION, ...); TRANSPOSE_W, HAS_ROW_SCALE and DOT_F32
-      default to False.
+      BLOCK_*, ...); TRANSPOSE_W, HAS_ROW_SCALE and DOT_F32 default to
+      False, ACTIVATION to "" (no activation: the plain product).
 
   Returns:
     ({parameter: "*bf16" | "*fp32" | "*i32" | "constexpr"}, {constexpr
@@ -419,7 +383,7 @@ def pointer_attrs(name: str) -> dict[tuple[int, ...], list]:
 def tile_list(
     group_sizes, m: int, block_m: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """The tile list of gmm_kernel and gated_gmm_kernel, in numpy.
+  """The tile list of gmm_kernel, in numpy.
 
   For each group g in 0..E with rows (g = E: the tail [offsets[E], m)), in
   order, one entry per row tile it touches: tiles floor(start / block_m) to

@@ -172,7 +172,8 @@ class TileListTest(_KernelTestCase):
 
 
 class GmmKernelTest(_KernelTestCase):
-  """gmm_kernel: out = row_scale * x @ w[g], zeros past sum(group_sizes)."""
+  """gmm_kernel, no ACTIVATION: out = row_scale * x @ w[g], zeros past
+  sum(group_sizes)."""
 
   def _run(
       self,
@@ -206,6 +207,7 @@ class GmmKernelTest(_KernelTestCase):
         (len(group_ids), triton.cdiv(n, block_n)),
         x,
         w,
+        torch.zeros(1, dtype=w.dtype),  # w_up: unread without ACTIVATION.
         scale,
         *(torch.from_numpy(a) for a in (offsets, group_ids, m_tile_ids)),
         torch.from_numpy(num_tiles),
@@ -216,6 +218,7 @@ class GmmKernelTest(_KernelTestCase):
         E=num_groups,
         TRANSPOSE_W=transpose_w,
         HAS_ROW_SCALE=row_scale,
+        ACTIVATION="",
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -286,7 +289,7 @@ class GmmKernelTest(_KernelTestCase):
 
 
 class GatedGmmKernelTest(_KernelTestCase):
-  """gated_gmm_kernel: act(x @ w_gate[g]) * (x @ w_up[g])."""
+  """gmm_kernel with an ACTIVATION: act(x @ w_gate[g]) * (x @ w_up[g])."""
 
   def _run(self, group_sizes, activation, dtype="float32", m=72, k=40, n=48):
     block_m, block_n, block_k = 16, 32, 16
@@ -304,11 +307,12 @@ class GatedGmmKernelTest(_KernelTestCase):
     )
     out = _nan_tensor((m, n), dtype)
     _launch(
-        kernels.gated_gmm_kernel,
+        kernels.gmm_kernel,
         (len(group_ids), triton.cdiv(n, block_n)),
         x,
         w_gate,
         w_up,
+        torch.zeros(1),  # row_scale: unread without HAS_ROW_SCALE.
         *(torch.from_numpy(a) for a in (offsets, group_ids, m_tile_ids)),
         torch.from_numpy(num_tiles),
         out,
@@ -316,6 +320,8 @@ class GatedGmmKernelTest(_KernelTestCase):
         K=k,
         N=n,
         E=num_groups,
+        TRANSPOSE_W=False,
+        HAS_ROW_SCALE=False,
         ACTIVATION=activation,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -445,10 +451,11 @@ class SignatureTest(_KernelTestCase):
         HAS_ROW_SCALE=True,
     )
     self.assertEqual(
-        list(types.items())[:8],
+        list(types.items())[:9],
         [
             ("x_ptr", "*bf16"),
             ("w_ptr", "*bf16"),
+            ("w_up_ptr", "*bf16"),
             ("row_scale_ptr", "*fp32"),
             ("group_offsets_ptr", "*i32"),
             ("group_ids_ptr", "*i32"),
@@ -466,6 +473,7 @@ class SignatureTest(_KernelTestCase):
             E=4,
             TRANSPOSE_W=False,
             HAS_ROW_SCALE=True,
+            ACTIVATION="",
             BLOCK_M=16,
             BLOCK_N=32,
             BLOCK_K=16,
@@ -477,7 +485,7 @@ class SignatureTest(_KernelTestCase):
 
   def test_gated_gmm_and_tgmm(self):
     types, values = kernels.signature(
-        "gated_gmm",
+        "gmm",
         np.float32,
         np.float32,
         M=8,

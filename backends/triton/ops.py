@@ -125,31 +125,29 @@ def _row_scale(row_scale: jax.Array | None) -> tuple[bool, jax.Array]:
 
 def _tile_list_call(
     kind: str,
-    kernel,
     x: jax.Array,
-    inputs: tuple[jax.Array, ...],
+    weights: tuple[jax.Array, jax.Array, jax.Array],
     group_sizes: jax.Array,
     n: int,
     out_dtype,
     runner: launch.Runner,
     **constexprs,
 ) -> jax.Array:
-  """One launch of a tile-list kernel (gmm, gated_gmm): x [M, K] -> [M, N].
+  """One launch of `kernels.gmm_kernel`: x [M, K] -> [M, N].
 
   Args:
     kind: the config kind: "fwd", "dgrad" or "gated".
-    kernel: the kernel, taking x, `inputs`, the tile list, then out.
     x: [M, K] rows sorted by group.
-    inputs: the arrays between x and the tile list; the first is the
-      weights [E, ...].
+    weights: (w, w_up, row_scale), the kernel's arrays between x and the
+      tile list; w is [E, ...].
     group_sizes: [E] int32, sum <= M.
     n: out's width N.
     out_dtype: out's dtype.
     runner: a `launch.Runner`.
-    **constexprs: the kernel's own constexprs, past M, K, N, E and blocks.
+    **constexprs: TRANSPOSE_W, HAS_ROW_SCALE and ACTIVATION.
   """
   m, k = x.shape
-  num_groups = inputs[0].shape[0]
+  num_groups = weights[0].shape[0]
   if not (m and k and n):  # Nothing to launch: an empty sum is zero.
     return jnp.zeros((m, n), out_dtype)
   config = runner.config(kind, m, k, n, num_groups, x.dtype)
@@ -157,8 +155,8 @@ def _tile_list_call(
       group_sizes, m, config.block_m
   )
   (out,) = runner.call(
-      kernel,
-      (x, *inputs, offsets, group_ids, m_tile_ids, num_tiles),
+      _kernels().gmm_kernel,
+      (x, *weights, offsets, group_ids, m_tile_ids, num_tiles),
       (jax.ShapeDtypeStruct((m, n), out_dtype),),
       (group_ids.shape[0], _cdiv(n, config.block_n)),
       config,
@@ -191,15 +189,16 @@ def gmm(
   has_scale, scale = _row_scale(row_scale)
   return _tile_list_call(
       kind,
-      _kernels().gmm_kernel,
       x,
-      (w, scale),
+      # w_up is unread without an activation: w again, no new buffer.
+      (w, w, scale),
       group_sizes,
       w.shape[1] if transpose_w else w.shape[2],
       jnp.dtype(out_dtype),
       runner,
       TRANSPOSE_W=bool(transpose_w),
       HAS_ROW_SCALE=has_scale,
+      ACTIVATION="",
   )
 
 
@@ -212,15 +211,17 @@ def gated_gmm(
     runner: launch.Runner,
 ) -> jax.Array:
   """act(x @ w_gate[g]) * (x @ w_up[g]): [M, D] -> [M, F] in x's dtype."""
+  _, no_scale = _row_scale(None)
   return _tile_list_call(
       "gated",
-      _kernels().gated_gmm_kernel,
       x,
-      (w_gate, w_up),
+      (w_gate, w_up, no_scale),
       group_sizes,
       w_gate.shape[2],
       x.dtype,
       runner,
+      TRANSPOSE_W=False,
+      HAS_ROW_SCALE=False,
       ACTIVATION=activation,
   )
 

@@ -48,6 +48,13 @@ def _specs(tree):
   return jax.tree.map(lambda a: _spec(a.shape, a.dtype), tree)
 
 
+def _kernel(call) -> str:
+  """A launch's kernel; the gmm kernel with an activation (the gated
+  gate/up pass) is "gated gmm_kernel"."""
+  gated = call.name == "gmm_kernel" and call.constexprs["ACTIVATION"]
+  return f"gated {call.name}" if gated else call.name
+
+
 class TraceTest(parameterized.TestCase):
 
   def setUp(self):
@@ -98,7 +105,7 @@ class TraceTest(parameterized.TestCase):
     return out, calls
 
   def assertKernels(self, calls, want: dict):
-    self.assertEqual(dict(collections.Counter(c.name for c in calls)), want)
+    self.assertEqual(dict(collections.Counter(map(_kernel, calls))), want)
 
   # --- grouped_gemm -----------------------------------------------------------
 
@@ -126,7 +133,7 @@ class TraceTest(parameterized.TestCase):
     )
     self.assertEqual(out, _spec((_M, _N), dtype))
     (call,) = calls
-    self.assertEqual(call.name, "gmm_kernel")
+    self.assertEqual(_kernel(call), "gmm_kernel")
     self.assertEqual(call.constexprs["TRANSPOSE_W"], transpose_rhs)
     self.assertFalse(call.constexprs["HAS_ROW_SCALE"])
     config = self.backend.runner.config("fwd", _M, _C, _N, _E, dtype)
@@ -138,13 +145,15 @@ class TraceTest(parameterized.TestCase):
     self.assertEqual(
         (call.num_warps, call.num_stages), (config.num_warps, config.num_stages)
     )
-    # The tile list: T = cdiv(M, BLOCK_M) + E entries, int32.
+    # The tile list: T = cdiv(M, BLOCK_M) + E entries, int32, after x, w,
+    # w_up (unread: w again) and the row scale.
     num_tiles = -(-_M // block_m) + _E
     self.assertEqual(
         call.grid, (num_tiles, -(-_N // call.constexprs["BLOCK_N"]))
     )
+    self.assertEqual(call.in_avals[1], call.in_avals[2])
     self.assertEqual(
-        call.in_avals[3:],
+        call.in_avals[4:],
         (
             _spec((_E + 1,), "int32"),
             _spec((num_tiles,), "int32"),
@@ -157,7 +166,7 @@ class TraceTest(parameterized.TestCase):
     self.assertEqual(d, jax.eval_shape(grads(self.reference), rows, weights))
     self.assertEqual(d, (rows, weights))
     self.assertKernels(calls, {"gmm_kernel": 2, "tgmm_kernel": 1})
-    gmms = [c for c in calls if c.name == "gmm_kernel"]
+    gmms = [c for c in calls if _kernel(c) == "gmm_kernel"]
     self.assertEqual(
         [c.constexprs["TRANSPOSE_W"] for c in gmms],
         [transpose_rhs, not transpose_rhs],
@@ -195,8 +204,8 @@ class TraceTest(parameterized.TestCase):
     self.assertEqual(out, jax.eval_shape(forward(self.reference), rows, params))
     self.assertEqual(out, rows)
     if fuse_activation:
-      self.assertKernels(calls, {"gated_gmm_kernel": 1, "gmm_kernel": 1})
-      (gated,) = [c for c in calls if c.name == "gated_gmm_kernel"]
+      self.assertKernels(calls, {"gated gmm_kernel": 1, "gmm_kernel": 1})
+      (gated,) = [c for c in calls if _kernel(c) == "gated gmm_kernel"]
       self.assertEqual(gated.constexprs["ACTIVATION"], cfg.activation)
       self.assertEqual(gated.out_types, (_spec((_M, f), "bfloat16"),))
     else:
@@ -209,7 +218,7 @@ class TraceTest(parameterized.TestCase):
       # Forward: gated + down. Backward: down's dX and dW; gate and up
       # recomputed, their two dX and two dW.
       self.assertKernels(
-          calls, {"gated_gmm_kernel": 1, "gmm_kernel": 6, "tgmm_kernel": 3}
+          calls, {"gated gmm_kernel": 1, "gmm_kernel": 6, "tgmm_kernel": 3}
       )
     else:
       self.assertKernels(calls, {"gmm_kernel": 6, "tgmm_kernel": 3})
@@ -242,12 +251,12 @@ class TraceTest(parameterized.TestCase):
         calls,
         {
             "permute_kernel": 1,
-            "gated_gmm_kernel": 1,
+            "gated gmm_kernel": 1,
             "gmm_kernel": 1,
             "unpermute_kernel": 1,
         },
     )
-    (down,) = [c for c in calls if c.name == "gmm_kernel"]
+    (down,) = [c for c in calls if _kernel(c) == "gmm_kernel"]
     self.assertEqual(down.constexprs["HAS_ROW_SCALE"], fuse_routing_weights)
 
     grad, calls = self.trace(grads(be), params, x)
@@ -256,7 +265,7 @@ class TraceTest(parameterized.TestCase):
     want = {
         "permute_kernel": 1,
         "permute_bwd_kernel": 1,
-        "gated_gmm_kernel": 1,
+        "gated gmm_kernel": 1,
         "unpermute_kernel": 1,
         "unpermute_bwd_rows_kernel": 1,
         # down: forward, dX; + d row_scale's recomputed product when fused.
