@@ -130,7 +130,7 @@ class Backend(abc.ABC):
 
   name: ClassVar[str]
   dtypes: ClassVar[tuple[jnp.dtype, ...] | None] = None
-  precisions: ClassVar[tuple[str, ...]] = ("bf16",)
+  precisions: ClassVar[tuple[str, ...]] = (precision_lib.UNQUANTIZED,)
 
   def __init_subclass__(cls, **kwargs):
     # The public methods validate, then call the hooks: a subclass that
@@ -181,7 +181,7 @@ class Backend(abc.ABC):
       *,
       transpose_rhs: bool = False,
       out_dtype=None,
-      precision: str = "bf16",
+      precision: str = precision_lib.UNQUANTIZED,
   ) -> jax.Array:
     """Ragged GEMM: rows [M, C] x weights [E, C, N] -> [M, N].
 
@@ -197,15 +197,20 @@ class Backend(abc.ABC):
       group_sizes: [E] int32 on device, sum <= M.
       transpose_rhs: contract with weights[e].T (the dgrad layout).
       out_dtype: output dtype; rows' dtype by default. Accumulation is f32.
-      precision: a recipe of `moe_core.precision`. Other than "bf16" (no
-        quantisation), the forward product is of rows quantised per group
-        and weights per expert (`quantized_gemm`); gradients are
-        straight-through, those of the unquantised GEMM.
+      precision: a recipe of `moe_core.precision` (the deprecated alias
+        "bf16" warns and means "unquantized"). Other than "unquantized" (no
+        quantisation: the GEMM runs in rows' dtype), the forward product
+        is of rows quantised per group and weights per expert
+        (`quantized_gemm`); gradients are straight-through, those of the
+        unquantised GEMM.
     """
     validation.check_grouped_gemm(
         rows, weights, group_sizes, transpose_rhs=transpose_rhs
     )
-    recipe = self._check_precision(precision)
+    # The alias is named here, so that its warning points at the caller.
+    recipe = self._check_precision(
+        precision_lib.check_recipe(precision, stacklevel=2)
+    )
     if weights.dtype != rows.dtype:
       raise TypeError(
           "grouped_gemm needs rows and weights of one dtype, got "
@@ -227,7 +232,7 @@ class Backend(abc.ABC):
         transpose_rhs=transpose_rhs,
         out_dtype=out_dtype,
     )
-    if recipe == "bf16":
+    if recipe == precision_lib.UNQUANTIZED:
       out = self._grouped_gemm(gemm)
     else:
       out = self._quantized_gemm(gemm, recipe)
@@ -340,7 +345,7 @@ class Backend(abc.ABC):
         activation=cfg.activation,
         row_weights=row_weights,
     )
-    if recipe != "bf16":
+    if recipe != precision_lib.UNQUANTIZED:
       out = self._quantized_ffn(ffn_in, recipe)
     elif self._fuses_activation(cfg.activation):
       # Gate and up never leave the fused op: there is nothing to name.
@@ -377,16 +382,20 @@ class Backend(abc.ABC):
     return scale_rows(gemm(h, ffn_in.w_down), ffn_in.row_weights)
 
   def checkpoint_names(
-      self, activation: str, precision: str = "bf16"
+      self, activation: str, precision: str = precision_lib.UNQUANTIZED
   ) -> tuple[str, ...]:
     """The checkpoint names `expert_ffn` gives its outputs for `activation`.
 
     All of `CHECKPOINT_NAMES`, or only DOWN_NAME where the backend fuses the
     activation into the gate/up op (a remat policy then cannot keep gate and
     up: "save_moe" saves the down output and recomputes the fused op). A
-    quantised `precision` never fuses: all of them.
+    quantised `precision` never fuses: all of them. `precision` is a
+    recipe of `moe_core.precision` (or its deprecated alias "bf16").
     """
-    if precision == "bf16" and self._fuses_activation(activation):
+    precision = precision_lib.check_recipe(precision, stacklevel=2)
+    if precision == precision_lib.UNQUANTIZED and self._fuses_activation(
+        activation
+    ):
       return (DOWN_NAME,)
     return CHECKPOINT_NAMES
 

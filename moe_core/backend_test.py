@@ -121,5 +121,52 @@ class RoutingWeightsInDownTest(absltest.TestCase):
     self.assertFalse(np.isnan(np.delete(y, 2, axis=0)).any())
 
 
+class DeprecatedRecipeAliasTest(absltest.TestCase):
+  """precision="bf16" (deprecated) is the "unquantized" recipe, which runs
+  in the operands' dtype: float32 stays float32."""
+
+  _WARNING = r"'bf16' is deprecated: use 'unquantized'"
+
+  def test_grouped_gemm_gives_the_unquantized_output(self):
+    rows = jax.random.normal(jax.random.key(2), (12, 8), jnp.float32)
+    weights = jax.random.normal(jax.random.key(3), (3, 8, 5), jnp.float32)
+    sizes = jnp.array([4, 0, 6], jnp.int32)
+    backend = moe_core.get_backend("xla")
+    want = backend.grouped_gemm(rows, weights, sizes, precision="unquantized")
+    with self.assertWarnsRegex(DeprecationWarning, self._WARNING) as caught:
+      got = backend.grouped_gemm(rows, weights, sizes, precision="bf16")
+    self.assertEqual(caught.filename, __file__)  # The caller's line.
+    self.assertEqual(got.dtype, jnp.float32)
+    np.testing.assert_array_equal(got, want)
+    # Never rounded to bfloat16 (8 bits): float32 products of the float64
+    # reference, rows past sum(sizes) zero.
+    r, w = np.asarray(rows, np.float64), np.asarray(weights, np.float64)
+    exact = np.zeros((12, 5))
+    exact[:4] = r[:4] @ w[0]
+    exact[4:10] = r[4:10] @ w[2]
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
+
+  def test_moe_layer_of_a_bf16_config_is_the_unquantized_layer(self):
+    with self.assertWarnsRegex(DeprecationWarning, self._WARNING):
+      old = _CFG.replace(precision="bf16")
+    self.assertEqual(old.precision, "unquantized")
+    params, x, _ = _inputs()
+    y_old, aux_old = moe_core.moe_layer(params, x, old, backend="xla")
+    y_new, aux_new = moe_core.moe_layer(
+        params, x, _CFG.replace(precision="unquantized"), backend="xla"
+    )
+    np.testing.assert_array_equal(y_old, y_new)
+    for a, b in zip(jax.tree.leaves(aux_old), jax.tree.leaves(aux_new)):
+      np.testing.assert_array_equal(a, b)
+
+  def test_checkpoint_names_take_it(self):
+    backend = moe_core.get_backend("xla")
+    with self.assertWarnsRegex(DeprecationWarning, self._WARNING):
+      got = backend.checkpoint_names("silu", "bf16")
+    self.assertEqual(got, backend.checkpoint_names("silu", "unquantized"))
+    with self.assertRaisesRegex(ValueError, "one of \\('unquantized'"):
+      backend.checkpoint_names("silu", "fp4")
+
+
 if __name__ == "__main__":
   absltest.main()

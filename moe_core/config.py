@@ -45,11 +45,12 @@ class MoEConfig:
       ceil(capacity_factor * T * K / E) slots; assignments beyond them are
       dropped (top-1 choices first, then by token order) and counted.
     precision: the routed experts' GEMM recipe (`moe_core.precision`):
-      "bf16" (no quantisation: the GEMMs run in the activation dtype),
+      "unquantized" (no quantisation: the GEMMs run in the activation dtype),
       "fp8_tensor", "fp8_block", "mxfp8" or "nvfp4". Forward GEMMs quantise
       both operands; gradients are straight-through, computed in the
       activation dtype. Routing stays float32 and the shared expert in the
-      activation dtype whatever the recipe.
+      activation dtype whatever the recipe. The deprecated alias "bf16" is
+      accepted with a DeprecationWarning and stored as "unquantized".
   """
 
   num_experts: int
@@ -68,7 +69,7 @@ class MoEConfig:
   shared_expert_gate: bool = False
   activation: str = "silu"
   capacity_factor: float | None = None
-  precision: str = "bf16"
+  precision: str = precision_lib.UNQUANTIZED
 
   def __post_init__(self):
     for name in (
@@ -96,7 +97,14 @@ class MoEConfig:
     _check_choice("score_func", self.score_func, SCORE_FUNCS)
     _check_choice("group_score", self.group_score, GROUP_SCORES)
     _check_choice("activation", self.activation, ACTIVATIONS)
-    _check_choice("precision", self.precision, precision_lib.RECIPES)
+    # Frozen: the canonical name replaces a deprecated alias in place, so
+    # that no code past the config sees the alias. Stack level 3: the
+    # caller of the generated __init__, which calls this.
+    object.__setattr__(
+        self,
+        "precision",
+        precision_lib.check_recipe(self.precision, stacklevel=3),
+    )
     if self.num_experts % self.n_group:
       raise ValueError(
           f"n_group must divide num_experts, got n_group={self.n_group}, "

@@ -9,13 +9,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-RECIPES = ("bf16", "fp8_tensor", "fp8_block", "mxfp8", "nvfp4")
+# No quantisation: the expert GEMMs run in the activation dtype (float32
+# inputs stay float32).
+UNQUANTIZED = "unquantized"
+RECIPES = (UNQUANTIZED, "fp8_tensor", "fp8_block", "mxfp8", "nvfp4")
 QUANTIZED_RECIPES = RECIPES[1:]
+# Deprecated recipe names -> the recipe they mean. `check_recipe` (and so
+# every public argument that takes a recipe) accepts them with a
+# DeprecationWarning; no code past it sees them. "bf16" was UNQUANTIZED's
+# name, though the recipe never cast anything to bfloat16.
+DEPRECATED_ALIASES = {"bf16": UNQUANTIZED}
 # Elements per block along the contraction axis (recipes with block scales).
 BLOCK = {"fp8_block": 128, "mxfp8": 32, "nvfp4": 16}
 # fp8_block weights: elements per block along the output axis.
@@ -31,8 +40,9 @@ ELEMENT_MAX = {
 
 _E4M3_MAX = ELEMENT_MAX[jnp.dtype(jnp.float8_e4m3fn)]
 _E2M1_MAX = ELEMENT_MAX[jnp.dtype(jnp.float4_e2m1fn)]
+# UNQUANTIZED's: what `quantize` casts to (its GEMMs never call it).
 _ELEMENTS = {
-    "bf16": jnp.bfloat16,
+    UNQUANTIZED: jnp.bfloat16,
     "fp8_tensor": jnp.float8_e4m3fn,
     "fp8_block": jnp.float8_e4m3fn,
     "mxfp8": jnp.float8_e4m3fn,
@@ -67,21 +77,46 @@ MXFP8_SCALE_ROUNDING = "ceil"
 MXFP8_SCALE_EXPONENTS = (-126, 127)
 
 
-def check_recipe(recipe) -> str:
-  """Returns `recipe` if it names a recipe; raises TypeError/ValueError."""
+def check_recipe(recipe, *, stacklevel: int = 1) -> str:
+  """The canonical name of recipe `recipe` (one of RECIPES).
+
+  A deprecated alias (DEPRECATED_ALIASES: "bf16") gives the recipe it
+  names, with a DeprecationWarning.
+
+  Args:
+    recipe: a name of RECIPES or DEPRECATED_ALIASES.
+    stacklevel: which frame the warning names: 1 the caller of
+      check_recipe, 2 its caller, and so on. A public function that takes
+      a recipe passes the depth of its own caller.
+
+  Raises:
+    TypeError: `recipe` is not a str.
+    ValueError: `recipe` names no recipe (the message lists RECIPES).
+  """
   if not isinstance(recipe, str):
     raise TypeError(
         f"precision must be a str, one of {RECIPES}, got "
         f"{type(recipe).__name__} {recipe!r}."
     )
+  if recipe in DEPRECATED_ALIASES:
+    canonical = DEPRECATED_ALIASES[recipe]
+    warnings.warn(
+        f"precision {recipe!r} is deprecated: use {canonical!r}, the same "
+        f"recipe. {recipe!r} never cast to bfloat16: without quantisation "
+        "the GEMMs run in the activation dtype (float32 stays float32).",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return canonical
   if recipe not in RECIPES:
     raise ValueError(f"precision must be one of {RECIPES}, got {recipe!r}.")
   return recipe
 
 
 def element_dtype(recipe: str):
-  """The default element dtype of `recipe` (bf16: bfloat16)."""
-  return _ELEMENTS[check_recipe(recipe)]
+  """The default element dtype of `recipe` (unquantized: bfloat16, what
+  `quantize` casts it to)."""
+  return _ELEMENTS[check_recipe(recipe, stacklevel=2)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +128,12 @@ class QuantizedArray:
 
   Attributes:
     data: the elements (float8_e4m3fn, float8_e5m2 or float4_e2m1fn;
-      bfloat16 for "bf16"): x's shape padded with zeros along `axis` (and
-      along `block_axis` for 2-D weight blocks) to whole blocks.
-    scales: float32 (fp8_tensor, fp8_block, bf16), float8_e8m0fnu (mxfp8) or
-      float8_e4m3fn (nvfp4). Block recipes: x's shape with `axis` (and
-      `block_axis`) replaced by its number of blocks. Per-tensor recipes:
-      [*batch, 1, ..., 1]; [M, 1] (one per row) from
+      bfloat16 for "unquantized"): x's shape padded with zeros along `axis`
+      (and along `block_axis` for 2-D weight blocks) to whole blocks.
+    scales: float32 (fp8_tensor, fp8_block, unquantized), float8_e8m0fnu
+      (mxfp8) or float8_e4m3fn (nvfp4). Block recipes: x's shape with
+      `axis` (and `block_axis`) replaced by its number of blocks.
+      Per-tensor recipes: [*batch, 1, ..., 1]; [M, 1] (one per row) from
       `quantize_grouped_rows`.
     tensor_scale: float32 second-level scale (nvfp4), [*batch, 1, ..., 1]
       ([M, 1] from `quantize_grouped_rows`); ones for other recipes.
@@ -323,7 +358,7 @@ def _to_elements(x, inverse_scale, dtype):
 def _quantize_unscaled(x, tensor_amax, axis):
   ones = jnp.ones(tensor_amax.shape, jnp.float32)
   return QuantizedArray(
-      x.astype(jnp.bfloat16), ones, ones, "bf16", axis, x.shape[axis]
+      x.astype(jnp.bfloat16), ones, ones, UNQUANTIZED, axis, x.shape[axis]
   )
 
 
@@ -403,7 +438,7 @@ def _quantize_nvfp4(x, tensor_amax, axis):
 
 def _quantize_with_amax(x, tensor_amax, recipe, axis, block_axis, dtype):
   """Dispatches to the recipe, given x in float32 and its tensor amax."""
-  if recipe == "bf16":
+  if recipe == UNQUANTIZED:
     return _quantize_unscaled(x, tensor_amax, axis)
   if recipe == "fp8_tensor":
     return _quantize_per_tensor(x, tensor_amax, axis, dtype)
@@ -451,8 +486,10 @@ def quantize(
 
   Recipes:
 
-  "bf16": no quantisation (today's behaviour): data is x in bfloat16, scales
-    are ones, and NaN / Inf stay where they are (there is no scale to poison).
+  "unquantized" (deprecated alias "bf16"): no scales: data is x cast to
+    bfloat16, scales are ones, and NaN / Inf stay where they are (there is no
+    scale to poison). The recipe's GEMMs never call `quantize`: they run in
+    the activation dtype.
 
   "fp8_tensor": per-tensor current scaling. Elements E4M3 (max 448), or E5M2
     (max 57344, `elements="e5m2"`, for gradients), as the OCP 8-bit Floating
@@ -498,7 +535,7 @@ def quantize(
 
   Args:
     x: float32, bfloat16 or float16 array, [*batch, ...].
-    recipe: one of RECIPES (above).
+    recipe: one of RECIPES (above), or a deprecated alias.
     axis: the contraction axis of the GEMM that consumes x; not a batch axis.
     weight: use the recipe's weight layout: fp8_block's 128x128 blocks over
       (`axis`, the last other non-batch axis). Other recipes ignore it.
@@ -510,7 +547,7 @@ def quantize(
   Returns:
     A QuantizedArray; `dequantize` gives back x's shape.
   """
-  recipe = check_recipe(recipe)
+  recipe = check_recipe(recipe, stacklevel=2)
   x = _check_input(x, "x")
   if not isinstance(weight, bool):
     raise TypeError(f"weight must be a bool, got {type(weight).__name__}.")
@@ -598,14 +635,14 @@ def quantize_grouped_rows(
     rows: [M, K] float32 / bfloat16 / float16, K the contraction axis.
     group_sizes: [E] integer, may be traced; entries assumed non-negative
       with a sum <= M (moe_core.validation checks that upstream).
-    recipe: one of RECIPES.
+    recipe: one of RECIPES (or a deprecated alias).
     elements: as in `quantize` (None, or "e5m2" with fp8_tensor).
 
   Returns:
-    A QuantizedArray with axis=1; scales [M, 1] for fp8_tensor and bf16,
-    tensor_scale [M, 1].
+    A QuantizedArray with axis=1; scales [M, 1] for fp8_tensor and
+    unquantized, tensor_scale [M, 1].
   """
-  recipe = check_recipe(recipe)
+  recipe = check_recipe(recipe, stacklevel=2)
   rows = _check_input(rows, "rows")
   if rows.ndim != 2:
     raise ValueError(f"rows must be [M, K], got {rows.shape=}.")
@@ -638,7 +675,7 @@ def quantize_grouped_weights(w, recipe, *, contract_axis) -> QuantizedArray:
   Args:
     w: [E, K, N] (contract_axis=1) or [E, N, K] (contract_axis=2), float32 /
       bfloat16 / float16.
-    recipe: one of RECIPES.
+    recipe: one of RECIPES (or a deprecated alias).
     contract_axis: 1 or 2, the axis of K.
 
   Returns:
@@ -649,4 +686,5 @@ def quantize_grouped_weights(w, recipe, *, contract_axis) -> QuantizedArray:
     raise ValueError(f"w must be [E, K, N] or [E, N, K], got {w.shape=}.")
   if contract_axis not in (1, 2) or isinstance(contract_axis, bool):
     raise ValueError(f"contract_axis must be 1 or 2, got {contract_axis!r}.")
+  recipe = check_recipe(recipe, stacklevel=2)
   return quantize(w, recipe, contract_axis, weight=True, batch_dims=1)

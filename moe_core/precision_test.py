@@ -1,6 +1,7 @@
 """moe_core.precision against hand-built blocks, numpy/ml_dtypes and math."""
 
 import fractions
+import warnings
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -69,7 +70,7 @@ def _model_scales(x, recipe):
   """(per-element scale [R, L] float32, per-row tensor scale [R, 1])."""
   rows, length = x.shape
   ones = np.ones((rows, 1), _F32)
-  if recipe == "bf16":
+  if recipe == "unquantized":
     return np.ones_like(x), ones
   if recipe == "fp8_tensor":
     amax = np.abs(x).max(axis=1, keepdims=True)
@@ -98,7 +99,7 @@ def _model_scales(x, recipe):
 
 def _model_dequantize(x, recipe):
   """dequantize(quantize(x)) for [R, L] float32 x, in numpy."""
-  if recipe == "bf16":
+  if recipe == "unquantized":
     return x.astype(ml_dtypes.bfloat16).astype(_F32)
   scale, tensor = _model_scales(x, recipe)
   dtype, top = (_E2M1, 6) if recipe == "nvfp4" else (_E4M3, 448)
@@ -154,11 +155,19 @@ class RecipeNamesTest(parameterized.TestCase):
   def test_check_recipe_accepts_every_recipe(self, recipe):
     self.assertEqual(precision.check_recipe(recipe), recipe)
 
-  def test_check_recipe_rejects_an_unknown_name(self):
+  def test_check_recipe_rejects_an_unknown_name_listing_the_recipes(self):
     with self.assertRaisesRegex(
-        ValueError, r"precision must be one of \('bf16', .*'nvfp4'\), got 'fp4'"
-    ):
+        ValueError,
+        r"precision must be one of \('unquantized', .*'nvfp4'\), got 'fp4'",
+    ) as raised:
       precision.check_recipe("fp4")
+    # The canonical names only: the deprecated alias is not offered.
+    self.assertNotIn("bf16", str(raised.exception))
+
+  def test_the_unquantized_recipe_comes_first(self):
+    self.assertEqual(precision.RECIPES[0], precision.UNQUANTIZED)
+    self.assertEqual(precision.UNQUANTIZED, "unquantized")
+    self.assertNotIn(precision.UNQUANTIZED, precision.QUANTIZED_RECIPES)
 
   def test_check_recipe_rejects_a_non_string(self):
     with self.assertRaisesRegex(TypeError, "precision must be a str.*int 8"):
@@ -176,7 +185,82 @@ class RecipeNamesTest(parameterized.TestCase):
     self.assertEqual(precision.element_dtype("nvfp4"), jnp.float4_e2m1fn)
     self.assertEqual(precision.element_dtype("mxfp8"), jnp.float8_e4m3fn)
     self.assertEqual(precision.element_dtype("fp8_block"), jnp.float8_e4m3fn)
-    self.assertEqual(precision.element_dtype("bf16"), jnp.bfloat16)
+    # What `quantize` casts to without a recipe's scales.
+    self.assertEqual(precision.element_dtype("unquantized"), jnp.bfloat16)
+
+
+class DeprecatedAliasTest(parameterized.TestCase):
+  """The deprecated alias "bf16" of "unquantized": accepted where a recipe
+  is passed, with a DeprecationWarning, and normalised."""
+
+  def assertWarnsAlias(self):
+    """A context expecting one DeprecationWarning that names the new recipe
+    and why, attributed to this file (the caller, not the library)."""
+    return self.assertWarnsRegex(
+        DeprecationWarning,
+        r"'bf16' is deprecated: use 'unquantized'.*never cast to bfloat16",
+    )
+
+  def _assert_points_here(self, caught):
+    self.assertEqual(caught.filename, __file__)
+
+  def test_check_recipe_names_the_canonical_recipe(self):
+    with self.assertWarnsAlias() as caught:
+      self.assertEqual(precision.check_recipe("bf16"), "unquantized")
+    self._assert_points_here(caught)
+
+  def test_alias_is_not_a_recipe(self):
+    self.assertNotIn("bf16", precision.RECIPES)
+    self.assertEqual(
+        precision.DEPRECATED_ALIASES, {"bf16": precision.UNQUANTIZED}
+    )
+
+  def test_canonical_names_do_not_warn(self):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      for recipe in precision.RECIPES:
+        self.assertEqual(precision.check_recipe(recipe), recipe)
+
+  def test_config_stores_the_canonical_recipe(self):
+    with self.assertWarnsAlias() as caught:
+      cfg = config_lib.MoEConfig(**_CFG_FIELDS, precision="bf16")
+    self._assert_points_here(caught)
+    self.assertEqual(cfg.precision, "unquantized")
+    self.assertEqual(
+        cfg, config_lib.MoEConfig(**_CFG_FIELDS, precision="unquantized")
+    )
+    with self.assertWarnsAlias():
+      self.assertEqual(cfg.replace(precision="bf16").precision, "unquantized")
+
+  def test_quantize_gives_the_unquantized_arrays(self):
+    x = _random(_SHAPE, seed=21)
+    want = precision.quantize(x, "unquantized", batch_dims=1)
+    with self.assertWarnsAlias() as caught:
+      got = precision.quantize(x, "bf16", batch_dims=1)
+    self._assert_points_here(caught)
+    self.assertEqual(got.recipe, "unquantized")
+    for name in ("data", "scales", "tensor_scale"):
+      np.testing.assert_array_equal(
+          _bits(getattr(got, name)), _bits(getattr(want, name))
+      )
+
+  def test_grouped_quantizers_and_element_dtype_take_it(self):
+    rows = _random((8, 40), seed=22)
+    sizes = jnp.array([3, 5], jnp.int32)
+    with self.assertWarnsAlias() as caught:
+      q_rows = precision.quantize_grouped_rows(rows, sizes, "bf16")
+    self._assert_points_here(caught)
+    with self.assertWarnsAlias() as caught:
+      q_w = precision.quantize_grouped_weights(
+          rows.reshape(2, 4, 40), "bf16", contract_axis=1
+      )
+    self._assert_points_here(caught)
+    self.assertEqual((q_rows.recipe, q_w.recipe), ("unquantized",) * 2)
+    with self.assertWarnsAlias():
+      self.assertEqual(
+          precision.element_dtype("bf16"),
+          precision.element_dtype("unquantized"),
+      )
 
 
 class RandomInputTest(parameterized.TestCase):
@@ -189,7 +273,7 @@ class RandomInputTest(parameterized.TestCase):
     np.testing.assert_array_equal(out, _model_dequantize(x, recipe))
     scale, tensor = _model_scales(x, recipe)
     np.testing.assert_array_equal(_per_element_scale(q), scale * tensor)
-    if recipe != "bf16":  # A guard against a recipe that does nothing.
+    if recipe != "unquantized":  # A guard against a recipe that does nothing.
       self.assertFalse(np.array_equal(out, x))
 
   # Half an ulp of the element format, relative for normal values and in
@@ -199,7 +283,7 @@ class RandomInputTest(parameterized.TestCase):
   # to 6.4 to 6 stays within it) and spacing 0.5 below 1 (0.25 absolute);
   # bfloat16 has 7 (2^-8 relative).
   _BOUNDS = {
-      "bf16": (2.0**-8, 0.0),
+      "unquantized": (2.0**-8, 0.0),
       "fp8_tensor": (2.0**-4, 2.0**-10),
       "fp8_block": (2.0**-4, 2.0**-10),
       "mxfp8": (2.0**-4, 2.0**-10),
@@ -272,7 +356,7 @@ class RandomInputTest(parameterized.TestCase):
               _bits(getattr(eager, name)), _bits(getattr(jitted[recipe], name))
           )
       np.testing.assert_array_equal(eager_out, _np(jitted_out[recipe]))
-      self.assertTrue(np.isnan(eager_out[2, 50]) or recipe == "bf16")
+      self.assertTrue(np.isnan(eager_out[2, 50]) or recipe == "unquantized")
 
   @parameterized.parameters(_RECIPES)
   def test_negation_negates_the_elements(self, recipe):
@@ -322,10 +406,10 @@ class ExactBlocksTest(parameterized.TestCase):
     np.testing.assert_array_equal(scales[0], 2.0**shift)
     np.testing.assert_array_equal(scales[1:], 1.0)
 
-  def test_bf16_powers_of_two_round_trip_exactly(self):
+  def test_unquantized_powers_of_two_round_trip_exactly(self):
     x = np.array([[2.0**k for k in range(-120, 120, 7)]], _F32)
     signs = np.array([[1, -1] * 17 + [1]], _F32)
-    q, out = _round_trip(x * signs, "bf16")
+    q, out = _round_trip(x * signs, "unquantized")
     self.assertEqual(q.data.dtype, jnp.bfloat16)
     np.testing.assert_array_equal(np.abs(out), x)
     np.testing.assert_array_equal(_np(q.scales), 1.0)
@@ -536,7 +620,7 @@ class NonFiniteTest(parameterized.TestCase):
     """Mask of the elements sharing a scale with x[where], x of _SHAPE."""
     mask = np.zeros(_SHAPE, bool)
     r, c = where
-    if recipe == "bf16":
+    if recipe == "unquantized":
       mask[r, c] = True
     elif recipe in ("fp8_tensor", "nvfp4"):  # One scale per tensor.
       mask[r if batch_dims else slice(None)] = True
@@ -565,7 +649,7 @@ class NonFiniteTest(parameterized.TestCase):
     out = _round_trip(poisoned, recipe, batch_dims=batch_dims)[1]
     expected = _round_trip(clean, recipe, batch_dims=batch_dims)[1]
     covered = self._covered(recipe, batch_dims, where)
-    if recipe == "bf16":  # No scale: the value itself passes through.
+    if recipe == "unquantized":  # No scale: the value itself passes through.
       covered &= bool(np.isnan(bad))
       self.assertTrue(np.isnan(out[where]) or out[where] == bad)
     np.testing.assert_array_equal(np.isnan(out), covered)
@@ -627,7 +711,7 @@ class WeightLayoutTest(parameterized.TestCase):
               _bits(getattr(q, name))[e], _bits(getattr(alone, name))[0]
           )
 
-  @parameterized.parameters("fp8_tensor", "mxfp8", "nvfp4", "bf16")
+  @parameterized.parameters("fp8_tensor", "mxfp8", "nvfp4", "unquantized")
   def test_other_recipes_ignore_weight(self, recipe):
     w = _random((1, 40, 136), seed=14)
     plain = precision.quantize(w, recipe, 1)

@@ -55,12 +55,12 @@ def grouped_gemm(
 
 
 def _quantized(x: jax.Array, recipe: str, *, weight: bool) -> jax.Array:
-  """x through the recipe and back, in float32 (x itself for "bf16").
+  """x through the recipe and back, in float32 (x itself, unquantized).
 
   One tensor (one per-tensor scale), blocks along the first axis of a
   weight [C, N] (its contraction) or the last of activations [T, C].
   """
-  if recipe == "bf16":
+  if recipe == precision.UNQUANTIZED:
     return x.astype(jnp.float32)
   q = precision.quantize(x, recipe, axis=0 if weight else -1, weight=weight)
   return precision.dequantize(q)
@@ -71,7 +71,7 @@ def expert_ffn_dense(
     params: dict,
     expert: int,
     activation: str,
-    recipe: str = "bf16",
+    recipe: str = precision.UNQUANTIZED,
     mine: jax.Array | None = None,
 ) -> jax.Array:
   """One expert's gated FFN on every token, in float32: [T, D] -> [T, D].
@@ -80,9 +80,11 @@ def expert_ffn_dense(
   activations as one tensor of the tokens `mine` ([T] bool: the expert's
   group; the others are zeroed, so they change no scale), each weight as
   one tensor. gate, up and act(gate) * up are then rounded to x's dtype
-  before they are used, as the sorted path stores them.
+  before they are used, as the sorted path stores them. `recipe` is one of
+  `moe_core.precision.RECIPES` (or its deprecated alias "bf16").
   """
-  if recipe == "bf16":
+  recipe = precision.check_recipe(recipe, stacklevel=2)
+  if recipe == precision.UNQUANTIZED:
     x = x.astype(jnp.float32)
     w = {
         n: params[n][expert].astype(jnp.float32)

@@ -107,7 +107,11 @@ class TEBackend(backend.Backend):
   dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
       jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16)
   )
-  precisions: ClassVar[tuple[str, ...]] = ("bf16", "fp8_tensor", "mxfp8")
+  precisions: ClassVar[tuple[str, ...]] = (
+      precision_lib.UNQUANTIZED,
+      "fp8_tensor",
+      "mxfp8",
+  )
 
   def __init__(
       self,

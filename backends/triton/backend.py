@@ -14,6 +14,7 @@ from backends.triton import ops
 from moe_core import config as config_lib
 from moe_core import operands
 from moe_core import permute
+from moe_core import precision as precision_lib
 from moe_core.kernels import interpret as interpret_lib
 from moe_core.kernels import permutation
 from moe_core.kernels import tile_backend
@@ -55,7 +56,7 @@ class TritonBackend(tile_backend.TileKernelBackend):
     fuse_routing_weights: in `routed_experts`, multiply each row by its
       combine weight in the down GEMM's epilogue and un-permute with unit
       weights (the template's `_routing_weights_in_down`; dropless configs
-      with the "bf16" precision; others run the unfused path).
+      with the "unquantized" precision; others run the unfused path).
   """
 
   name: ClassVar[str] = "triton"
@@ -156,7 +157,7 @@ class TritonBackend(tile_backend.TileKernelBackend):
     return (
         self.fuse_routing_weights
         and cfg.dropless
-        and cfg.precision == "bf16"
+        and cfg.precision == precision_lib.UNQUANTIZED
         and self._gathers(dtype)
     )
 
