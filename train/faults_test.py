@@ -337,6 +337,33 @@ class DataFingerprintTest(absltest.TestCase):
     self.assertIn("records no digest of its text", log.getvalue())
     self.assertIn("resumed from", log.getvalue())
 
+  def _saved_with_recipe(self, name: str) -> None:
+    """A checkpoint of this run whose fingerprint records recipe `name`."""
+    run = _run(self.out, data=self.data)
+    fingerprint = run.fingerprint(self.data, data_lib.load(self.data).sha256)
+    self.assertEqual(fingerprint["model"]["moe"]["precision"], "unquantized")
+    fingerprint["model"]["moe"]["precision"] = name
+    self._saved_at_step_0(fingerprint=fingerprint)
+
+  def test_checkpoint_naming_the_recipe_bf16_resumes(self):
+    # Saved before "bf16" was renamed "unquantized": the same recipe.
+    self._saved_with_recipe("bf16")
+    log = io.StringIO()
+    resumed = self._resume(log)
+    resumed.prepare_output_dir()
+    resumed.close()
+    self.assertIn("resumed from", log.getvalue())
+
+  def test_checkpoint_of_another_recipe_is_still_refused(self):
+    self._saved_with_recipe("mxfp8")
+    resumed = self._resume()
+    with self.assertRaisesRegex(
+        checkpoint_meta.CheckpointError,
+        "model.moe.precision: checkpoint has 'mxfp8', this run has "
+        "'unquantized'",
+    ):
+      resumed.prepare_output_dir()
+
 
 @contextlib.contextmanager
 def _small_default_preset():

@@ -366,6 +366,8 @@ class PrecisionFlagTest(parameterized.TestCase):
     self.assertIn("--precision=fp9", text)
     for recipe in moe_precision.RECIPES:
       self.assertIn(recipe, text)
+    self.assertIn("unquantized", text)
+    self.assertNotIn("bf16", text)  # The deprecated alias is not offered.
 
   @parameterized.parameters(*moe_precision.RECIPES)
   def test_recipe_reaches_the_run_config_model(self, recipe):
@@ -376,7 +378,7 @@ class PrecisionFlagTest(parameterized.TestCase):
     # Nothing else of the preset's model changes.
     preset = presets.get_preset(presets.DEFAULT_PRESET)
     self.assertEqual(
-        run.model.replace(moe=run.model.moe.replace(precision="bf16")),
+        run.model.replace(moe=run.model.moe.replace(precision="unquantized")),
         preset.model,
     )
 
@@ -395,10 +397,10 @@ class PrecisionFlagTest(parameterized.TestCase):
     ):
       run_config.with_depth(model, 3)
 
-  def test_default_is_bf16_the_unquantised_model(self):
+  def test_default_is_the_unquantized_model(self):
     with flagsaver.flagsaver():
       run = train_flags.run_config_from_flags()
-    self.assertEqual(FLAGS.precision, "bf16")
+    self.assertEqual(FLAGS.precision, "unquantized")
     self.assertEqual(
         run.model, presets.get_preset(presets.DEFAULT_PRESET).model
     )
@@ -408,14 +410,15 @@ class PrecisionFlagTest(parameterized.TestCase):
         recipe: run_config.run_config_from_preset(
             presets.DEFAULT_PRESET, precision=recipe
         )
-        for recipe in ("bf16", "mxfp8")
+        for recipe in ("unquantized", "mxfp8")
     }
     self.assertNotEqual(
-        run_config.compile_key(runs["bf16"]),
+        run_config.compile_key(runs["unquantized"]),
         run_config.compile_key(runs["mxfp8"]),
     )
     self.assertNotEqual(
-        runs["bf16"].fingerprint("corpus"), runs["mxfp8"].fingerprint("corpus")
+        runs["unquantized"].fingerprint("corpus"),
+        runs["mxfp8"].fingerprint("corpus"),
     )
 
   def test_quantised_recipe_with_a_dense_model_is_refused(self):
@@ -424,22 +427,54 @@ class PrecisionFlagTest(parameterized.TestCase):
       with self.assertRaises(flags.IllegalFlagValueError) as raised:
         with flagsaver.as_parsed(precision="nvfp4"):
           pass
-      with flagsaver.as_parsed(precision="bf16"):  # Nothing to quantise.
-        self.assertEqual(train_flags.run_config_from_flags().precision, "bf16")
+      # Nothing to quantise.
+      with flagsaver.as_parsed(precision="unquantized"):
+        self.assertEqual(
+            train_flags.run_config_from_flags().precision, "unquantized"
+        )
     self.assertNotIn("\n", str(raised.exception))
     own = _own_message(raised.exception)
     self.assertTrue(own.startswith("--precision"), own)
     self.assertIn(f"--model={presets.DEFAULT_PRESET}", own)
-    self.assertIn("bf16", own)  # What a dense model takes.
+    self.assertIn("unquantized", own)  # What a dense model takes.
     self.assertIn("'nvfp4'", own)
 
   def test_run_config_in_code_refuses_a_recipe_for_a_dense_model(self):
     dense = _dense_default_preset().model
-    with self.assertRaisesRegex(ValueError, "needs 'bf16', got 'fp8_block'"):
+    with self.assertRaisesRegex(
+        ValueError, "needs 'unquantized', got 'fp8_block'"
+    ):
       run_config.with_precision(dense, "fp8_block")
-    with self.assertRaisesRegex(ValueError, "precision must be one of"):
+    with self.assertRaisesRegex(
+        ValueError, r"precision must be one of \('unquantized', "
+    ):
       run_config.with_precision(dense, "int8")
-    self.assertIs(run_config.with_precision(dense, "bf16"), dense)
+    self.assertIs(run_config.with_precision(dense, "unquantized"), dense)
+
+  def test_flag_takes_the_deprecated_bf16_as_unquantized(self):
+    with self.assertWarnsRegex(
+        DeprecationWarning, "'bf16' is deprecated: use 'unquantized'"
+    ):
+      with flagsaver.as_parsed(precision="bf16"):
+        self.assertEqual(FLAGS.precision, "unquantized")
+        run = train_flags.run_config_from_flags()
+    self.assertEqual(run.precision, "unquantized")
+    self.assertEqual(
+        run.model, presets.get_preset(presets.DEFAULT_PRESET).model
+    )
+
+  def test_run_config_takes_the_deprecated_bf16_as_unquantized(self):
+    with self.assertWarnsRegex(DeprecationWarning, "use 'unquantized'"):
+      run = run_config.run_config_from_preset(
+          presets.DEFAULT_PRESET, precision="bf16"
+      )
+    self.assertEqual(run.precision, "unquantized")
+    self.assertEqual(
+        run, run_config.run_config_from_preset(presets.DEFAULT_PRESET)
+    )
+    dense = _dense_default_preset().model
+    with self.assertWarnsRegex(DeprecationWarning, "use 'unquantized'"):
+      self.assertIs(run_config.with_precision(dense, "bf16"), dense)
 
   def test_every_recipe_is_described(self):
     self.assertCountEqual(train_flags.PRECISION_RECIPES, moe_precision.RECIPES)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from moe_core import precision as moe_precision
 from train import checkpoint
 from train import checkpoint_dirs
 from train import checkpoint_meta
@@ -69,14 +70,16 @@ def resume_fingerprint(
     say: Callable[[str], None],
 ) -> dict:
   """The fingerprint checkpoint `path` must match (`fingerprint`, the
-  run's, less what `path` does not record), after checking that the text
-  has the contents it was trained on.
+  run's, less what `path` does not record and with the recipe under the
+  deprecated name `path` records it by, if so), after checking that the
+  text has the contents it was trained on.
 
   Raises:
     checkpoint_meta.CheckpointError: the same --data path (or the embedded
       corpus) with other contents than when `path` was saved.
   """
   saved = checkpoint_meta.read_meta(path)["fingerprint"]
+  _match_recipe_alias(saved, fingerprint)
   if "data_sha256" not in saved:
     # Saved before the digest was recorded: only the name can be checked.
     del fingerprint["data_sha256"]
@@ -101,6 +104,20 @@ def resume_fingerprint(
         "in another --output_dir)."
     )
   return fingerprint
+
+
+def _match_recipe_alias(saved: dict, fingerprint: dict) -> None:
+  """Gives `fingerprint` the saved recipe name where `saved` records this
+  run's recipe by a deprecated alias ("bf16", the name "unquantized" had):
+  the same recipe, so the checkpoint resumes. Later checkpoints of the run
+  record the canonical name."""
+  saved_moe = saved.get("model", {}).get("moe")
+  moe = fingerprint.get("model", {}).get("moe")
+  if not isinstance(saved_moe, dict) or not isinstance(moe, dict):
+    return
+  old = saved_moe.get("precision")
+  if moe_precision.DEPRECATED_ALIASES.get(old) == moe.get("precision"):
+    moe["precision"] = old
 
 
 def restore(

@@ -92,8 +92,11 @@ class RunConfig:
 
   @property
   def precision(self) -> str:
-    """The routed experts' GEMM recipe ("bf16" for an all-dense model)."""
-    return self.model.moe.precision if self.model.moe else "bf16"
+    """The routed experts' GEMM recipe ("unquantized" for an all-dense
+    model)."""
+    if self.model.moe is None:
+      return moe_precision.UNQUANTIZED
+    return self.model.moe.precision
 
   def fingerprint(
       self, corpus_name: str, data_sha256: str | None = None
@@ -191,25 +194,30 @@ def with_precision(
 
   Args:
     model: the model; its MoE blocks share one `moe_core.MoEConfig`.
-    precision: one of `moe_core.precision.RECIPES`. An all-dense model
-      (`model.moe` None) takes only "bf16": it has no expert GEMMs.
+    precision: one of `moe_core.precision.RECIPES`, or a deprecated alias
+      of one ("bf16": "unquantized", with a DeprecationWarning). An
+      all-dense model (`model.moe` None) takes only "unquantized": it has no
+      expert GEMMs.
 
   Returns:
     `model` with `moe.precision` set (`model` itself when dense).
 
   Raises:
-    ValueError: `precision` is not a recipe, or not "bf16" for a dense model.
+    ValueError: `precision` is not a recipe, or not "unquantized" for a
+      dense model.
   """
-  if precision not in moe_precision.RECIPES:
+  if not isinstance(precision, str):
     raise ValueError(
         f"precision must be one of {moe_precision.RECIPES}, got "
         f"{precision!r}."
     )
+  precision = moe_precision.check_recipe(precision, stacklevel=2)
   if model.moe is None:
-    if precision != "bf16":
+    if precision != moe_precision.UNQUANTIZED:
       raise ValueError(
           f"precision quantises the routed experts' GEMMs, so the dense "
-          f"model {model.name!r} (moe=None) needs 'bf16', got {precision!r}."
+          f"model {model.name!r} (moe=None) needs "
+          f"{moe_precision.UNQUANTIZED!r}, got {precision!r}."
       )
     return model
   return model.replace(moe=model.moe.replace(precision=precision))

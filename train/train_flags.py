@@ -192,7 +192,9 @@ COMPUTE_DTYPE = flags.DEFINE_enum(
 # What each --precision recipe does to the routed experts' GEMMs (both
 # operands of every forward GEMM; moe_core/precision.py has the details).
 PRECISION_RECIPES = {
-    "bf16": "no quantisation: the GEMMs run in --compute_dtype",
+    moe_precision.UNQUANTIZED: (
+        "no quantisation: the GEMMs run in --compute_dtype"
+    ),
     "fp8_tensor": "E4M3 with one float32 scale per tensor",
     "fp8_block": (
         "E4M3 with float32 scales per 1x128 activation tile and per 128x128 "
@@ -204,14 +206,43 @@ PRECISION_RECIPES = {
         "tensor"
     ),
 }
-PRECISION = flags.DEFINE_enum(
-    "precision",
-    "bf16",
-    list(moe_precision.RECIPES),
-    "Recipe of the routed experts' GEMMs: "
-    + "; ".join(f"{k}: {v}" for k, v in PRECISION_RECIPES.items())
-    + ". Routing stays float32; the shared expert, attention and dense "
-    "layers run in --compute_dtype. An all-dense --model takes only bf16.",
+
+
+class _RecipeParser(flags.EnumParser):
+  """One of `moe_core.precision.RECIPES`; a deprecated alias ("bf16") parses
+  to the recipe it names, with the library's DeprecationWarning."""
+
+  def parse(self, argument):
+    if argument in moe_precision.DEPRECATED_ALIASES:
+      return moe_precision.check_recipe(argument)
+    return super().parse(argument)
+
+
+class _RecipeFlag(flags.EnumFlag):
+  """An enum flag of the recipes whose parser also takes the deprecated
+  aliases; the help's <...|...> lists the canonical names only."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.parser = _RecipeParser(self.parser.enum_values)
+
+
+PRECISION = flags.DEFINE_flag(
+    _RecipeFlag(
+        "precision",
+        moe_precision.UNQUANTIZED,
+        "Recipe of the routed experts' GEMMs: "
+        + "; ".join(f"{k}: {v}" for k, v in PRECISION_RECIPES.items())
+        + ". Routing stays float32; the shared expert, attention and dense "
+        "layers run in --compute_dtype. An all-dense --model takes only "
+        f"{moe_precision.UNQUANTIZED}. Deprecated: "
+        + ", ".join(
+            f"{old} (the same as {new})"
+            for old, new in moe_precision.DEPRECATED_ALIASES.items()
+        )
+        + ".",
+        list(moe_precision.RECIPES),
+    )
 )
 PROGRESS = flags.DEFINE_bool(
     "progress", True, "Show a progress bar on a terminal."
@@ -411,11 +442,12 @@ def _check_target(values: dict) -> bool:
 def _check_precision_has_experts(values: dict) -> bool:
   """A quantised recipe needs routed experts: --model must have MoE blocks."""
   precision, model = values["precision"], values["model"]
-  if precision == "bf16" or model not in presets.PRESETS:
+  if precision == moe_precision.UNQUANTIZED or model not in presets.PRESETS:
     return True  # An unknown --model is the mesh check's line.
   if presets.get_preset(model).model.moe is None:
     raise flags.ValidationError(
-        f"--precision must be bf16 for --model={model}, which is dense (no "
+        f"--precision must be {moe_precision.UNQUANTIZED} for --model={model}, "
+        "which is dense (no "
         f"routed experts' GEMMs to quantise), got {precision!r}."
     )
   return True
