@@ -45,6 +45,7 @@ from bench import gpu_timing
 from bench import programs as programs_lib
 from moe_core import aot
 from moe_core import compat
+from moe_core import precision as moe_precision
 from moe_core.testing import cuda_export
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -87,7 +88,7 @@ def _parse_args(argv):
       "--conformance_variants",
       default=None,
       help="comma-separated variants the suites run on (default: every "
-      "bf16 variant; xla,pallas with --dry_run)",
+      "unquantized variant; xla,pallas with --dry_run)",
   )
   parser.add_argument(
       "--conformance_filter",
@@ -454,8 +455,13 @@ def main(argv=None):
 
 
 def conformance_phase(args, variants, test_filter, report, write):
-  """The shared suites on the chosen variants (bf16 ones by default)."""
-  chosen = [v for v in programs_lib.variants() if v.precision == "bf16"]
+  """The shared suites on the chosen variants (the unquantized ones by
+  default)."""
+  chosen = [
+      v
+      for v in programs_lib.variants()
+      if v.precision == moe_precision.UNQUANTIZED
+  ]
   if variants:
     chosen = [v for v in chosen if v.name in variants.split(",")]
   cores = os.cpu_count() or 2

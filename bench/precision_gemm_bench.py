@@ -1,4 +1,5 @@
-r"""Grouped-GEMM forward time of each low-precision recipe against bf16.
+r"""Grouped-GEMM forward time of each low-precision recipe against the
+unquantized GEMM.
 
     python -m bench.precision_gemm_bench [--backends=xla,reference] [--quick]
 
@@ -7,10 +8,11 @@ backend in --backends, rows [M, K] x weights [E, K, N] -> [M, N] in
 bfloat16 over even groups (default M=4096, K=1024, N=512, E=8: a small MoE
 layer), for every recipe of `moe_precision.RECIPES`. Every time is the
 median of --repeats jitted calls after a warm-up; the ratio is the time over
-the same backend's bf16 time in this run (`fwd_time_over_bf16`,
-"time/bf16" in the table; < 1 is faster). Also gives each recipe's largest
-error against the backend's bf16 output, over the largest |bf16 output|: a
-recipe whose output equals bf16's exactly was most likely not quantised. A
+the same backend's unquantized time in this run
+(`fwd_time_over_unquantized`, "time/unq" in the table; < 1 is faster). Also
+gives each recipe's largest error against the backend's unquantized output,
+over the largest |unquantized output|: a recipe whose output equals it
+exactly was most likely not quantised. A
 recipe the backend cannot run (NotImplementedError, or no `precision`
 argument yet) is reported, not fatal. Prints a table and writes JSON to
 bench/results/precision_gemm_<platform>_<date>.json.
@@ -37,7 +39,9 @@ from bench import flag_checks
 from bench import text_table
 from bench import timing
 
-_BASELINE = "bf16"
+_BASELINE = moe_precision.UNQUANTIZED
+# Records written before the recipe was renamed say "bf16" in these keys.
+_ERROR_KEY = f"max_error_vs_{_BASELINE}"
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "One timed call per measurement: proves the script runs."
@@ -53,7 +57,7 @@ _BACKENDS = flags.DEFINE_list(
 _RECIPES = flags.DEFINE_list(
     "recipes",
     list(moe_precision.RECIPES),
-    "Recipes to time; bf16, the baseline, is added if missing.",
+    "Recipes to time; unquantized, the baseline, is added if missing.",
 )
 _OUT_DIR = flags.DEFINE_string(
     "out_dir",
@@ -101,7 +105,7 @@ def _takes_precision(backend) -> bool:
 def gemm_program(backend, recipe: str):
   """Jitted f(rows, weights, group_sizes) -> [M, N] for one recipe.
 
-  bf16 calls grouped_gemm without `precision` (its default), so the baseline
+  The baseline calls grouped_gemm without `precision` (its default), so it
   runs on a backend that predates the argument.
   """
   if recipe == _BASELINE:
@@ -148,7 +152,8 @@ def _operands(m: int, k: int, n: int, e: int) -> tuple:
 
 
 def run_backend(name: str, recipes: list[str], args: tuple, repeats: int):
-  """One JSON row per recipe of backend `name`, bf16 (the baseline) first."""
+  """One JSON row per recipe of backend `name`, the baseline (unquantized)
+  first."""
   backend = moe_core.get_backend(name)
   measured = {r: measure(backend, r, args, repeats) for r in recipes}
   base = measured[_BASELINE]
@@ -165,7 +170,7 @@ def run_backend(name: str, recipes: list[str], args: tuple, repeats: int):
             timing.ratio_key("fwd", _BASELINE): timing.time_over(
                 r["fwd_s"], base["fwd_s"]
             ),
-            "max_error_vs_bf16": error,
+            _ERROR_KEY: error,
             "not_implemented": r["not_implemented"],
         }
     )
@@ -174,10 +179,10 @@ def run_backend(name: str, recipes: list[str], args: tuple, repeats: int):
 
 _COLUMNS = (
     text_table.Column("backend", 10, align="<"),
-    text_table.Column("recipe", 10, align="<"),
+    text_table.Column("recipe", 11, align="<"),
     text_table.Column("fwd ms", 9, ".2f"),
-    text_table.Column("time/bf16", 9, ".2f"),
-    text_table.Column("err/bf16", 9, ".2e"),
+    text_table.Column("time/unq", 9, ".2f"),
+    text_table.Column("err/unq", 9, ".2e"),
     text_table.Column("note", 0, align="<"),
 )
 
@@ -185,8 +190,8 @@ _COLUMNS = (
 def _note(row: dict) -> str:
   if row["not_implemented"] is not None:
     return f"not implemented: {row['not_implemented']}"
-  if row["recipe"] != _BASELINE and row["max_error_vs_bf16"] == 0:
-    return "output equals bf16's: not quantised?"
+  if row["recipe"] != _BASELINE and row[_ERROR_KEY] == 0:
+    return "output equals unquantized's: not quantised?"
   return ""
 
 
@@ -198,14 +203,14 @@ def print_table(rows: list[dict]) -> None:
         r["recipe"],
         r["fwd_ms"],
         r[timing.ratio_key("fwd", _BASELINE)],
-        r["max_error_vs_bf16"],
+        r[_ERROR_KEY],
         _note(r),
     ]
     print(text_table.row(_COLUMNS, values).rstrip())
   print(
-      "'time/bf16': forward time / the same backend's bf16 time in this run "
-      "(< 1 is faster); 'err/bf16': max |output - bf16 output| / max |bf16 "
-      "output|."
+      "'time/unq': forward time / the same backend's unquantized time in "
+      "this run (< 1 is faster); 'err/unq': max |output - unquantized "
+      "output| / max |unquantized output|."
   )
 
 

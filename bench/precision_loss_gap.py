@@ -1,7 +1,8 @@
-r"""Held-out loss and step time of low-precision expert GEMMs against bf16.
+r"""Held-out loss and step time of low-precision expert GEMMs against
+unquantised ones.
 
     python -m bench.precision_loss_gap              # ~14 min on 2 cores
-    python -m bench.precision_loss_gap --steps=2 --recipes=bf16,mxfp8 \
+    python -m bench.precision_loss_gap --steps=2 --recipes=unquantized,mxfp8 \
         --out=/tmp/gap.json                         # proves the script runs
 
 Trains the default preset of `train.main` (tiny_dsv3) once per recipe of
@@ -11,18 +12,20 @@ batches, for `--steps` steps, and evaluates each on the same held-out
 batches at the end. The recipes take their steps in turn (one step of each,
 then the next), so a change of machine load hits all of them alike, like
 `train.compare_backends`. Reports per recipe the final held-out loss, its
-gap to bf16's as a ratio (loss - loss_bf16) / loss_bf16 in %, the goal
+gap to the unquantized recipe's as a ratio (loss - loss_unquantized) /
+loss_unquantized in %, the goal
 (at most +1% for fp8_tensor, fp8_block and mxfp8; for nvfp4 the gap is
 stated, not bounded) and whether it is met, and the median seconds per step
-over bf16's in this run (`step_time_over_bf16`, < 1 is faster; the first
+over unquantized's in this run (`step_time_over_unquantized`, < 1 is
+faster; the first
 steps, which compile, are left out). A recipe the backend cannot run
 (NotImplementedError) is reported as such. A recipe whose per-step losses
-equal bf16's bit for bit is flagged: its GEMMs were most likely not
+equal unquantized's bit for bit is flagged: its GEMMs were most likely not
 quantised. Prints a table and writes JSON to `--out`.
 
 The default 200 steps (the preset's own run) of the five recipes took 14
 minutes on this 2-core machine, shared with other jobs (jax 0.12.0.1, xla
-backend, 2026-12-03): 0.40-0.43 s a step for every recipe (time/bf16
+backend, 2026-12-03): 0.40-0.43 s a step for every recipe (time/unq
 1.04-1.06: tiny_dsv3's experts are small, F=64, so the expert GEMMs are a
 small share of a step), plus about 40 s of compilation per recipe.
 """
@@ -53,11 +56,18 @@ from train import presets
 from train import run_config
 from train import trainer
 
-_BASELINE = "bf16"
+_BASELINE = moe_precision.UNQUANTIZED
+# The JSON keys that compare a recipe with the baseline. Records written
+# before the recipe was renamed say "bf16" where these say "unquantized".
+_GAP_KEY = f"gap_vs_{_BASELINE}_percent"
+_TIME_KEY = timing.ratio_key("step", _BASELINE)
+_DIFF_KEY = f"max_step_loss_diff_vs_{_BASELINE}"
+_SAME_KEY = f"same_losses_as_{_BASELINE}"
 # Steps left out of the step times: the first ones compile.
 _SKIP = 2
-# The largest gap of the held-out loss over bf16's each recipe aims for, as
-# a fraction of bf16's loss; None: the gap is stated, not bounded.
+# The largest gap of the held-out loss over the unquantized recipe's each
+# recipe aims for, as a fraction of that loss; None: the gap is stated, not
+# bounded.
 GOALS = {
     "fp8_tensor": 0.01,
     "fp8_block": 0.01,
@@ -73,8 +83,8 @@ _STEPS = flags.DEFINE_integer(
 _RECIPES = flags.DEFINE_list(
     "recipes",
     list(moe_precision.RECIPES),
-    "Expert-GEMM recipes to train, each once; bf16, the baseline, is added "
-    "if missing.",
+    "Expert-GEMM recipes to train, each once; unquantized, the baseline, is "
+    "added if missing.",
 )
 _SEED = flags.DEFINE_integer(
     "seed", 0, "Initialisation and data-order seed of every run, >= 0."
@@ -112,7 +122,8 @@ def _check_recipes(names) -> bool:
 
 
 def recipes_with_baseline(names: list[str]) -> list[str]:
-  """`names` with bf16 first: every gap and time ratio is against it."""
+  """`names` with the baseline (unquantized) first: every gap and time
+  ratio is against it."""
   return [_BASELINE] + [n for n in names if n != _BASELINE]
 
 
@@ -208,10 +219,11 @@ def _goal(recipe: str) -> str:
 
 
 def _goal_met(recipe: str, gap: float | None) -> bool | None:
-  """Whether the gap meets the recipe's goal; None for bf16 or no result.
+  """Whether the gap meets the recipe's goal; None for the baseline or no
+  result.
 
   A stated goal (nvfp4) is met once the gap is measured. A lower loss than
-  bf16's (a negative gap) meets a bound.
+  the baseline's (a negative gap) meets a bound.
   """
   if recipe == _BASELINE or gap is None:
     return None
@@ -220,7 +232,8 @@ def _goal_met(recipe: str, gap: float | None) -> bool | None:
 
 
 def summarize(raw: dict[str, dict]) -> list[dict]:
-  """One JSON row per recipe: loss, gap, goal, step time over bf16's."""
+  """One JSON row per recipe: loss, gap, goal, step time over the
+  baseline's."""
   base = raw[_BASELINE]
   base_seconds = _median_step_seconds(base["seconds"])
   rows = []
@@ -228,7 +241,7 @@ def summarize(raw: dict[str, dict]) -> list[dict]:
     gap = _gap(r["held_out_loss"], base["held_out_loss"])
     seconds = _median_step_seconds(r["seconds"])
     finished = r["held_out_loss"] is not None
-    same_as_bf16 = (
+    same_as_baseline = (
         recipe != _BASELINE
         and finished
         and r["losses"] == base["losses"]
@@ -241,14 +254,14 @@ def summarize(raw: dict[str, dict]) -> list[dict]:
             "not_implemented": r["not_implemented"],
             "final_train_loss": r["losses"][-1] if finished else None,
             "final_held_out_loss": r["held_out_loss"],
-            "gap_vs_bf16_percent": None if gap is None else 100 * gap,
+            _GAP_KEY: None if gap is None else 100 * gap,
             "goal": _goal(recipe),
-            # Losses equal to bf16's say nothing about the recipe.
-            "goal_met": None if same_as_bf16 else _goal_met(recipe, gap),
+            # Losses equal to the baseline's say nothing about the recipe.
+            "goal_met": None if same_as_baseline else _goal_met(recipe, gap),
             "step_seconds_median": seconds,
-            "step_time_over_bf16": timing.time_over(seconds, base_seconds),
-            "max_step_loss_diff_vs_bf16": _max_loss_diff(r, base),
-            "same_losses_as_bf16": same_as_bf16,
+            _TIME_KEY: timing.time_over(seconds, base_seconds),
+            _DIFF_KEY: _max_loss_diff(r, base),
+            _SAME_KEY: same_as_baseline,
             "train_losses": r["losses"],
         }
     )
@@ -256,7 +269,7 @@ def summarize(raw: dict[str, dict]) -> list[dict]:
 
 
 def _max_loss_diff(run: dict, base: dict) -> float | None:
-  """Largest |train loss - bf16's| over the steps both took."""
+  """Largest |train loss - the baseline's| over the steps both took."""
   n = min(len(run["losses"]), len(base["losses"]))
   if not n:
     return None
@@ -265,13 +278,13 @@ def _max_loss_diff(run: dict, base: dict) -> float | None:
 
 
 _COLUMNS = (
-    text_table.Column("recipe", 10, align="<"),
+    text_table.Column("recipe", 11, align="<"),
     text_table.Column("held-out", 8, ".4f"),
     text_table.Column("gap %", 7, ".2f"),
     text_table.Column("goal", 8),
     text_table.Column("met", 4),
     text_table.Column("s/step", 7, ".3f"),
-    text_table.Column("time/bf16", 9, ".2f"),
+    text_table.Column("time/unq", 9, ".2f"),
     text_table.Column("note", 0, align="<"),
 )
 
@@ -279,8 +292,8 @@ _COLUMNS = (
 def _note(row: dict) -> str:
   if row["not_implemented"] is not None:
     return f"NotImplementedError: {row['not_implemented']}"
-  if row["same_losses_as_bf16"]:
-    return "losses equal bf16's bit for bit: GEMMs not quantised?"
+  if row[_SAME_KEY]:
+    return "losses equal unquantized's bit for bit: GEMMs not quantised?"
   return ""
 
 
@@ -297,18 +310,18 @@ def print_table(rows: list[dict]) -> None:
             [
                 r["recipe"],
                 r["final_held_out_loss"],
-                r["gap_vs_bf16_percent"],
+                r[_GAP_KEY],
                 r["goal"],
                 _met_text(r["goal_met"]),
                 r["step_seconds_median"],
-                r["step_time_over_bf16"],
+                r[_TIME_KEY],
                 _note(r),
             ],
         ).rstrip()
     )
   print(
-      "gap %: (held-out loss - bf16's) / bf16's; 'time/bf16': median step "
-      "time / bf16's in this run (< 1 is faster)."
+      "gap %: (held-out loss - unquantized's) / unquantized's; 'time/unq': "
+      "median step time / unquantized's in this run (< 1 is faster)."
   )
 
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 import moe_core
 from bench import gemm_workloads
+from moe_core import precision as moe_precision
 from moe_core import registry
 from train import presets
 
@@ -121,7 +122,7 @@ class Variant:
   name: str
   backend: str
   options: tuple[tuple[str, Any], ...] = ()
-  precision: str = "bf16"
+  precision: str = moe_precision.UNQUANTIZED
   kinds: tuple[str, ...] = KINDS
   modes: tuple[str, ...] = MODES
 
@@ -211,7 +212,11 @@ def _recipes(backend: str) -> tuple[str, ...]:
     cls = _backend_class(backend)
   except ImportError:
     return ()  # Its default variant's programs say why.
-  return tuple(r for r in getattr(cls, "precisions", ()) if r != "bf16")
+  return tuple(
+      r
+      for r in getattr(cls, "precisions", ())
+      if r != moe_precision.UNQUANTIZED
+  )
 
 
 def variants() -> tuple[Variant, ...]:
@@ -219,7 +224,7 @@ def variants() -> tuple[Variant, ...]:
 
   A default variant and its recipes take the backend's `DEFAULT_OPTIONS`.
   A recipe has grouped-GEMM programs, forward only (its backward is the
-  bf16 GEMM's: straight through).
+  unquantized GEMM's: straight through).
   """
   found = []
   for name in gpu_backends():
