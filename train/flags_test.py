@@ -452,12 +452,20 @@ class PrecisionFlagTest(parameterized.TestCase):
     self.assertIs(run_config.with_precision(dense, "unquantized"), dense)
 
   def test_flag_takes_the_deprecated_bf16_as_unquantized(self):
-    with self.assertWarnsRegex(
-        DeprecationWarning, "'bf16' is deprecated: use 'unquantized'"
+    # Logged as well as warned: a command line would not show the warning.
+    with (
+        self.assertLogs(level="WARNING") as logs,
+        self.assertWarnsRegex(
+            DeprecationWarning, "'bf16' is deprecated: use 'unquantized'"
+        ),
     ):
       with flagsaver.as_parsed(precision="bf16"):
         self.assertEqual(FLAGS.precision, "unquantized")
         run = train_flags.run_config_from_flags()
+    self.assertTrue(
+        any("--precision 'bf16' is deprecated" in m for m in logs.output),
+        logs.output,
+    )
     self.assertEqual(run.precision, "unquantized")
     self.assertEqual(
         run.model, presets.get_preset(presets.DEFAULT_PRESET).model

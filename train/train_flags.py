@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 
 from absl import flags
+from absl import logging
 
 import moe_core
 from moe_core import aot
@@ -210,11 +212,23 @@ PRECISION_RECIPES = {
 
 class _RecipeParser(flags.EnumParser):
   """One of `moe_core.precision.RECIPES`; a deprecated alias ("bf16") parses
-  to the recipe it names, with the library's DeprecationWarning."""
+  to the recipe it names, with the library's DeprecationWarning logged.
+
+  Logged, not only warned: Python hides a DeprecationWarning raised outside
+  __main__, so a command line with the old name would convert silently.
+  """
 
   def parse(self, argument):
     if argument in moe_precision.DEPRECATED_ALIASES:
-      return moe_precision.check_recipe(argument)
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        recipe = moe_precision.check_recipe(argument)
+      for warning in caught:
+        logging.warning("--%s", warning.message)
+        warnings.warn_explicit(
+            warning.message, warning.category, warning.filename, warning.lineno
+        )
+      return recipe
     return super().parse(argument)
 
 
