@@ -304,6 +304,39 @@ ENTRIES = {
 
 # --- Turning a good call into a bad one ---------------------------------------
 
+# A change: a valid value -> a bad one. Short names: the table's rows are one
+# line each.
+
+
+def to(value):
+  """Replaces the value by `value`."""
+  return lambda _: value
+
+
+def cast(dtype):
+  return lambda a: a.astype(dtype)
+
+
+def zeros(*shape):
+  """Replaces the value by float32 zeros of `shape`."""
+  return lambda _: jnp.zeros(shape, jnp.float32)
+
+
+def set_at(index, value):
+  return lambda a: a.at[index].set(value)
+
+
+def head(n):
+  """The first n entries (along the first axis)."""
+  return lambda a: a[:n]
+
+
+def reshape(*shape):
+  return lambda a: a.reshape(shape)
+
+
+# A corruption: the valid keyword arguments -> bad ones.
+
 
 def replace_args(**values):
   """Replaces arguments by the given values."""
@@ -338,30 +371,49 @@ def map_param(name, change):
   return corrupt
 
 
-def map_aux(**changes):
-  """Replaces aux fields by change(field)."""
+def map_aux(name, change):
+  """Replaces the aux field `name` by change(its value)."""
 
   def corrupt(kw):
     aux = kw["aux"]
-    return {
-        **kw,
-        "aux": dataclasses.replace(
-            aux, **{f: c(getattr(aux, f)) for f, c in changes.items()}
-        ),
-    }
+    new = change(getattr(aux, name))
+    return {**kw, "aux": dataclasses.replace(aux, **{name: new})}
 
   return corrupt
-
-
-def zeros_of(shape, dtype=jnp.float32):
-  return lambda _: jnp.zeros(shape, dtype)
-
-
-def astype(dtype):
-  return lambda a: a.astype(dtype)
 
 
 def nan_in_chosen_expert(kw):
   """A NaN in the gate weights of token 0's first expert."""
   expert = int(kw["aux"].expert_ids[0, 0])
-  return map_param("w_gate", lambda w: w.at[expert, 0, 0].set(jnp.nan))(kw)
+  return map_param("w_gate", set_at((expert, 0, 0), jnp.nan))(kw)
+
+
+# Where a change goes.
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What a row changes: `corrupt(change)` is the row's corruption; `label`
+  names it in the row's name ("" for a change of the whole call)."""
+
+  label: str
+  corrupt: Callable[[Callable[[Any], Any]], Callable[[dict], dict]]
+
+
+def arg(name: str, label: str | None = None) -> Target:
+  """The argument `name`."""
+  return Target(label or name, functools.partial(map_arg, name))
+
+
+def param(name: str, label: str | None = None) -> Target:
+  """params[name] (added if absent, removed by a change to None)."""
+  return Target(label or name, functools.partial(map_param, name))
+
+
+def aux_field(name: str, label: str | None = None) -> Target:
+  """The field `name` of the argument aux (a MoEAux)."""
+  return Target(label or name, functools.partial(map_aux, name))
+
+
+# The change is itself the corruption: a change to the call as a whole.
+WHOLE_CALL = Target("", lambda corrupt: corrupt)
