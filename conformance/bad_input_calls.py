@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -161,30 +162,11 @@ def _good_update_bias(cfg):
   )
 
 
-def _gemm_and_grads(backend, kw):
-  """grouped_gemm and the gradients of sum(out) w.r.t. rows and weights."""
-
-  def gemm(rows, weights):
-    return backend.grouped_gemm(
-        rows,
-        weights,
-        kw["group_sizes"],
-        transpose_rhs=kw["transpose_rhs"],
-        out_dtype=kw["out_dtype"],
-    )
-
-  out, vjp = jax.vjp(gemm, kw["rows"], kw["weights"])
-  return out, vjp(jnp.ones_like(out))
-
-
-def _expert_ffn_and_grads(backend, kw):
-  """expert_ffn and the gradients of sum(out) w.r.t. rows and weights."""
-
-  def ffn(rows, params):
-    return backend.expert_ffn(rows, kw["group_sizes"], params, kw["cfg"])
-
-  out, vjp = jax.vjp(ffn, kw["rows"], kw["params"])
-  return out, vjp(jnp.ones_like(out))
+def _call_in_order(fn, kw: dict):
+  """fn with kw's values in the order of fn's signature: positionally, the
+  keyword-only ones by keyword (as a caller writes the call)."""
+  bound = inspect.signature(fn).bind(**kw)
+  return fn(*bound.args, **bound.kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,111 +175,72 @@ class Entry:
 
   Attributes:
     good: cfg -> the keyword arguments of a valid call (a dict).
-    call: (backend, kwargs) -> the entry point's result.
+    function: backend -> the entry point, which `call` calls.
     on_backend: whether the call goes through the backend (a method of it,
       or the layer given it); the others are backend-independent code.
+    grads: arguments to differentiate by: `call` gives the output and the
+      gradients of sum(output) w.r.t. them (() = the output alone).
   """
 
   good: Callable[[moe_core.MoEConfig], dict]
-  call: Callable[[Any, dict], Any]
+  function: Callable[[Any], Callable[..., Any]]
   on_backend: bool
+  grads: tuple[str, ...] = ()
+
+  def call(self, backend, kw: dict):
+    """The entry point's result on the keyword arguments `kw`."""
+    fn = self.function(backend)
+    if not self.grads:
+      return _call_in_order(fn, kw)
+
+    def of_grads(*values):
+      return _call_in_order(fn, {**kw, **dict(zip(self.grads, values))})
+
+    out, vjp = jax.vjp(of_grads, *(kw[name] for name in self.grads))
+    return out, vjp(jnp.ones_like(out))
 
 
-# Positional calls: the table names the arguments, the API their order.
+def _function(good, fn) -> Entry:
+  """A backend-independent entry point."""
+  return Entry(good, lambda backend: fn, on_backend=False)
+
+
+def _method(good, name, grads=()) -> Entry:
+  """The backend's method `name`."""
+  return Entry(good, lambda b: getattr(b, name), on_backend=True, grads=grads)
+
+
+def _layer_on(backend):
+  return functools.partial(moe_core.moe_layer, backend=backend)
+
+
 ENTRIES = {
-    "route": Entry(
-        _good_route,
-        lambda b, kw: moe_core.route(
-            kw["x"], kw["router"], kw["cfg"], kw["correction_bias"]
-        ),
-        on_backend=False,
+    "route": _function(_good_route, moe_core.route),
+    "dispatch": _function(_good_dispatch, moe_core.dispatch),
+    "combine": _function(_good_combine, moe_core.combine),
+    "grouped_gemm": _method(_good_gemm, "grouped_gemm"),
+    "grouped_gemm_vjp": _method(
+        _good_gemm, "grouped_gemm", grads=("rows", "weights")
     ),
-    "dispatch": Entry(
-        _good_dispatch,
-        lambda b, kw: moe_core.dispatch(
-            kw["x"], kw["expert_ids"], kw["num_experts"], kw["kept"]
-        ),
-        on_backend=False,
+    "expert_ffn": _method(_good_expert_ffn, "expert_ffn"),
+    "expert_ffn_vjp": _method(
+        _good_expert_ffn, "expert_ffn", grads=("rows", "params")
     ),
-    "combine": Entry(
-        _good_combine,
-        lambda b, kw: moe_core.combine(
-            kw["expert_out"],
-            kw["dispatched"],
-            kw["combine_weights"],
-            kw["kept"],
-        ),
-        on_backend=False,
+    "backend.dispatch": _method(_good_backend_dispatch, "dispatch"),
+    "backend.combine": _method(_good_backend_combine, "combine"),
+    "routed_experts": _method(_good_routed_experts, "routed_experts"),
+    "moe_layer": Entry(_good_layer, _layer_on, on_backend=True),
+    "update_correction_bias": _function(
+        _good_update_bias, moe_core.update_correction_bias
     ),
-    "grouped_gemm": Entry(
-        _good_gemm,
-        lambda b, kw: b.grouped_gemm(
-            kw["rows"],
-            kw["weights"],
-            kw["group_sizes"],
-            transpose_rhs=kw["transpose_rhs"],
-            out_dtype=kw["out_dtype"],
-        ),
-        on_backend=True,
-    ),
-    "grouped_gemm_vjp": Entry(_good_gemm, _gemm_and_grads, on_backend=True),
-    "expert_ffn": Entry(
-        _good_expert_ffn,
-        lambda b, kw: b.expert_ffn(
-            kw["rows"], kw["group_sizes"], kw["params"], kw["cfg"]
-        ),
-        on_backend=True,
-    ),
-    "expert_ffn_vjp": Entry(
-        _good_expert_ffn, _expert_ffn_and_grads, on_backend=True
-    ),
-    "backend.dispatch": Entry(
-        _good_backend_dispatch,
-        lambda b, kw: b.dispatch(kw["x"], kw["aux"], kw["cfg"]),
-        on_backend=True,
-    ),
-    "backend.combine": Entry(
-        _good_backend_combine,
-        lambda b, kw: b.combine(
-            kw["expert_out"], kw["dispatched"], kw["aux"], kw["cfg"]
-        ),
-        on_backend=True,
-    ),
-    "routed_experts": Entry(
-        _good_routed_experts,
-        lambda b, kw: b.routed_experts(
-            kw["params"], kw["x"], kw["aux"], kw["cfg"]
-        ),
-        on_backend=True,
-    ),
-    "moe_layer": Entry(
-        _good_layer,
-        lambda b, kw: moe_core.moe_layer(
-            kw["params"], kw["x"], kw["cfg"], backend=b
-        ),
-        on_backend=True,
-    ),
-    "update_correction_bias": Entry(
-        _good_update_bias,
-        lambda b, kw: moe_core.update_correction_bias(
-            kw["correction_bias"], kw["tokens_per_expert"], kw["rate"]
-        ),
-        on_backend=False,
-    ),
-    "init_params": Entry(
+    "init_params": _function(
         lambda cfg: dict(key=jax.random.key(0), cfg=cfg, dtype=jnp.float32),
-        lambda b, kw: moe_core.init_params(kw["key"], kw["cfg"], kw["dtype"]),
-        on_backend=False,
+        moe_core.init_params,
     ),
-    "param_shapes": Entry(
-        lambda cfg: dict(cfg=cfg),
-        lambda b, kw: moe_core.param_shapes(kw["cfg"]),
-        on_backend=False,
-    ),
-    "MoEConfig": Entry(
-        dataclasses.asdict,
-        lambda b, kw: moe_core.MoEConfig(**kw),
-        on_backend=False,
+    "param_shapes": _function(lambda cfg: dict(cfg=cfg), moe_core.param_shapes),
+    # By keyword: a config is built from named fields.
+    "MoEConfig": _function(
+        dataclasses.asdict, lambda **fields: moe_core.MoEConfig(**fields)
     ),
 }
 
