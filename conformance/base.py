@@ -142,23 +142,34 @@ def reference_gemm(case: cases.GemmCase) -> GemmResult:
   )
 
 
-def compute_gemm(backend, case: cases.GemmCase, jit: bool) -> GemmResult:
-  rows, weights, group_sizes, cotangent = cases.gemm_inputs(case)
+def gemm_function(backend, case: cases.GemmCase, *, grads: bool, **options):
+  """f(rows, weights) -> (out,), or (out, d_rows, d_weights) with `grads`:
+  backend.grouped_gemm with case's group sizes and layout and `options`
+  (out_dtype, precision), differentiated against case's cotangent (see
+  cases.gemm_inputs)."""
+  _, _, group_sizes, cotangent = cases.gemm_inputs(case)
+
+  def gemm(rows, weights):
+    return backend.grouped_gemm(
+        rows,
+        weights,
+        group_sizes,
+        transpose_rhs=case.transpose_rhs,
+        **options,
+    )
 
   def fn(rows, weights):
-    def gemm(r, w):
-      return backend.grouped_gemm(
-          r,
-          w,
-          group_sizes,
-          transpose_rhs=case.transpose_rhs,
-          out_dtype=case.out_dtype,
-      )
-
+    if not grads:
+      return (gemm(rows, weights),)
     out, vjp = jax.vjp(gemm, rows, weights)
-    d_rows, d_weights = vjp(cotangent)
-    return out, d_rows, d_weights
+    return (out,) + vjp(cotangent)
 
+  return fn
+
+
+def compute_gemm(backend, case: cases.GemmCase, jit: bool) -> GemmResult:
+  rows, weights, _, _ = cases.gemm_inputs(case)
+  fn = gemm_function(backend, case, grads=True, out_dtype=case.out_dtype)
   if jit:
     fn = jax.jit(fn)
   out, d_rows, d_weights = fn(rows, weights)

@@ -117,23 +117,8 @@ class PrecisionSuite(base.BackendTestCase):
   def _quantized_gemm(self, case, recipe, backend=None, grads=False):
     """(out,) or (out, d_rows, d_weights) of the quantised GEMM, numpy."""
     backend = backend or self.backend
-    rows, weights, group_sizes, cotangent = cases.gemm_inputs(case)
-
-    def fn(rows, weights):
-      def gemm(r, w):
-        return backend.grouped_gemm(
-            r,
-            w,
-            group_sizes,
-            transpose_rhs=case.transpose_rhs,
-            precision=recipe,
-        )
-
-      if not grads:
-        return (gemm(rows, weights),)
-      out, vjp = jax.vjp(gemm, rows, weights)
-      return (out,) + vjp(cotangent)
-
+    rows, weights, _, _ = cases.gemm_inputs(case)
+    fn = base.gemm_function(backend, case, grads=grads, precision=recipe)
     return tuple(np.asarray(v) for v in jax.jit(fn)(rows, weights))
 
   @parameterized.named_parameters(_params())
