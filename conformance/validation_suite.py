@@ -22,6 +22,7 @@ _FULL_CFG = moe_core.MoEConfig(
     shared_expert_gate=True,
 )
 _PARAM_NAMES = tuple(moe_core.param_shapes(_FULL_CFG))
+_NO_BIAS_CFG = _FULL_CFG.replace(correction_bias=False)
 
 
 def _params(cfg):
@@ -35,8 +36,81 @@ def _tokens(cfg, num_tokens=5):
   return jnp.ones((num_tokens, cfg.hidden_size), jnp.float32)
 
 
+def _int32(*values):
+  return jnp.array(values, jnp.int32)
+
+
+# A config change that breaks one rule, and its ValueError's message.
+_BAD_CONFIGS = (
+    (
+        "top_k_above_num_experts",
+        dict(top_k=5),
+        "top_k must be <= num_experts, got top_k=5, num_experts=4",
+    ),
+    (
+        "n_group_not_dividing_experts",
+        dict(n_group=3),
+        "n_group must divide num_experts, got n_group=3, num_experts=4",
+    ),
+    (
+        "topk_group_above_n_group",
+        dict(n_group=2, topk_group=3),
+        "topk_group must be <= n_group, got topk_group=3, n_group=2",
+    ),
+    (
+        "sum_top2_with_one_expert_per_group",
+        dict(n_group=4, topk_group=2, group_score="sum_top2"),
+        "group_score='sum_top2' needs at least 2 experts per group, "
+        "got num_experts=4 / n_group=4 = 1",
+    ),
+)
+
+# Grouped GEMM arguments that break one rule (the others are
+# ValidationSuite._gemm's defaults), built when the test runs: the error and
+# its message.
+_BAD_GEMMS = (
+    (
+        "float_group_sizes",
+        TypeError,
+        "group_sizes must be an integer (int32) array, got dtype float32",
+        lambda: dict(group_sizes=jnp.array([1.0, 2.0, 0.0, 3.0], jnp.float32)),
+    ),
+    (
+        "group_sizes_of_wrong_length",
+        ValueError,
+        "group_sizes must have shape (4,) (one size per group), "
+        "got group_sizes.shape=(3,)",
+        lambda: dict(group_sizes=_int32(1, 2, 3)),
+    ),
+    (
+        "mixed_dtypes",
+        TypeError,
+        "grouped_gemm needs rows and weights of one dtype, "
+        "got rows float32, weights bfloat16",
+        lambda: dict(weights=jnp.ones((4, 8, 3), jnp.bfloat16)),
+    ),
+    (
+        "group_sizes_past_the_rows",
+        ValueError,
+        "sum(group_sizes) must be <= the 6 rows, "
+        "got sum=7 (group_sizes=[1, 2, 1, 3])",
+        lambda: dict(group_sizes=_int32(1, 2, 1, 3)),
+    ),
+    (
+        "negative_group_sizes",
+        ValueError,
+        "group_sizes must be >= 0, got [2, -1, 2, 3]",
+        lambda: dict(group_sizes=_int32(2, -1, 2, 3)),
+    ),
+)
+
+
 class ValidationSuite(base.BackendTestCase):
   """Each check pinned by its message, through this backend's entry points."""
+
+  def _raises(self, error: type[Exception], message: str):
+    """assertRaisesRegex of `message` as written: not a regular expression."""
+    return self.assertRaisesRegex(error, re.escape(message))
 
   def _layer(self, params, x, cfg, backend=None):
     return moe_core.moe_layer(params, x, cfg, backend=backend or self.backend)
@@ -45,19 +119,15 @@ class ValidationSuite(base.BackendTestCase):
 
   def test_layer_rejects_wrong_hidden_size(self):
     x = jnp.ones((5, 12), jnp.float32)
-    with self.assertRaisesRegex(
+    with self._raises(
         ValueError,
-        re.escape(
-            "x must have shape [..., hidden_size=16], got " "x.shape=(5, 12)"
-        ),
+        "x must have shape [..., hidden_size=16], got x.shape=(5, 12)",
     ):
       self._layer(_params(_FULL_CFG), x, _FULL_CFG)
 
   def test_layer_rejects_integer_tokens(self):
     x = jnp.ones((5, 16), jnp.int32)
-    with self.assertRaisesRegex(
-        TypeError, "x must be floating point, got dtype int32"
-    ):
+    with self._raises(TypeError, "x must be floating point, got dtype int32"):
       self._layer(_params(_FULL_CFG), x, _FULL_CFG)
 
   @parameterized.named_parameters([(n, n) for n in _PARAM_NAMES])
@@ -66,40 +136,34 @@ class ValidationSuite(base.BackendTestCase):
     shape = moe_core.param_shapes(_FULL_CFG)[name]
     bad = shape[:-1] + (shape[-1] + 1,)
     params[name] = jnp.zeros(bad, jnp.float32)
-    with self.assertRaisesRegex(
-        ValueError,
-        re.escape(f"params[{name!r}] must have shape {shape}, " f"got {bad}"),
+    with self._raises(
+        ValueError, f"params[{name!r}] must have shape {shape}, got {bad}"
     ):
       self._layer(params, _tokens(_FULL_CFG), _FULL_CFG)
 
   def test_layer_rejects_missing_parameter(self):
     params = _params(_FULL_CFG)
     del params["w_down"]
-    with self.assertRaisesRegex(
-        ValueError, re.escape("params is missing ['w_down'] for this config")
+    with self._raises(
+        ValueError, "params is missing ['w_down'] for this config"
     ):
       self._layer(params, _tokens(_FULL_CFG), _FULL_CFG)
 
   def test_layer_rejects_extra_parameter(self):
-    cfg = _FULL_CFG.replace(correction_bias=False)
+    cfg = _NO_BIAS_CFG
     params = _params(_FULL_CFG)  # Still holds a correction_bias.
-    with self.assertRaisesRegex(
+    with self._raises(
         ValueError,
-        re.escape(
-            "params has keys ['correction_bias'] that this "
-            "config does not use"
-        ),
+        "params has keys ['correction_bias'] that this config does not use",
     ):
       self._layer(params, _tokens(cfg), cfg)
 
   def test_unknown_backend_lists_valid_names(self):
     names = ["auto"] + moe_core.registered_backends()
-    message = re.escape(
-        f"unknown MoE backend 'no_such_backend'; valid names: " f"{names}"
-    )
-    with self.assertRaisesRegex(ValueError, message):
+    message = f"unknown MoE backend 'no_such_backend'; valid names: {names}"
+    with self._raises(ValueError, message):
       moe_core.get_backend("no_such_backend")
-    with self.assertRaisesRegex(ValueError, message):
+    with self._raises(ValueError, message):
       self._layer(
           _params(_FULL_CFG),
           _tokens(_FULL_CFG),
@@ -109,37 +173,10 @@ class ValidationSuite(base.BackendTestCase):
 
   # --- The config ----------------------------------------------------------
 
-  def test_config_rejects_top_k_above_num_experts(self):
-    with self.assertRaisesRegex(
-        ValueError,
-        "top_k must be <= num_experts, got top_k=5, " "num_experts=4",
-    ):
-      _FULL_CFG.replace(top_k=5)
-
-  def test_config_rejects_n_group_not_dividing_experts(self):
-    with self.assertRaisesRegex(
-        ValueError,
-        "n_group must divide num_experts, got n_group=3, " "num_experts=4",
-    ):
-      _FULL_CFG.replace(n_group=3)
-
-  def test_config_rejects_topk_group_above_n_group(self):
-    with self.assertRaisesRegex(
-        ValueError,
-        "topk_group must be <= n_group, got topk_group=3, " "n_group=2",
-    ):
-      _FULL_CFG.replace(n_group=2, topk_group=3)
-
-  def test_config_rejects_sum_top2_with_one_expert_per_group(self):
-    with self.assertRaisesRegex(
-        ValueError,
-        re.escape(
-            "group_score='sum_top2' needs at least 2 "
-            "experts per group, got num_experts=4 / "
-            "n_group=4 = 1"
-        ),
-    ):
-      _FULL_CFG.replace(n_group=4, topk_group=2, group_score="sum_top2")
+  @parameterized.named_parameters(*_BAD_CONFIGS)
+  def test_config_rejects(self, changes, message):
+    with self._raises(ValueError, message):
+      _FULL_CFG.replace(**changes)
 
   # --- The grouped GEMM ------------------------------------------------------
 
@@ -158,86 +195,38 @@ class ValidationSuite(base.BackendTestCase):
     out = self._gemm()  # So that each rejection below has one cause.
     np.testing.assert_array_equal(out, np.full((6, 3), 8.0, np.float32))
 
-  def test_grouped_gemm_rejects_float_group_sizes(self):
-    with self.assertRaisesRegex(
-        TypeError,
-        re.escape(
-            "group_sizes must be an integer (int32) array, " "got dtype float32"
-        ),
-    ):
-      self._gemm(group_sizes=jnp.array([1.0, 2.0, 0.0, 3.0], jnp.float32))
-
-  def test_grouped_gemm_rejects_group_sizes_of_wrong_length(self):
-    with self.assertRaisesRegex(
-        ValueError,
-        re.escape(
-            "group_sizes must have shape (4,) (one size per "
-            "group), got group_sizes.shape=(3,)"
-        ),
-    ):
-      self._gemm(group_sizes=jnp.array([1, 2, 3], jnp.int32))
-
-  def test_grouped_gemm_rejects_mixed_dtypes(self):
-    with self.assertRaisesRegex(
-        TypeError,
-        "grouped_gemm needs rows and weights of one dtype, got "
-        "rows float32, weights bfloat16",
-    ):
-      self._gemm(weights=jnp.ones((4, 8, 3), jnp.bfloat16))
+  @parameterized.named_parameters(*_BAD_GEMMS)
+  def test_grouped_gemm_rejects(self, error, message, bad_arguments):
+    with self._raises(error, message):
+      self._gemm(**bad_arguments())
 
   def test_grouped_gemm_rejects_mismatched_contraction(self):
-    with self.assertRaisesRegex(
+    with self._raises(
         ValueError,
-        re.escape(
-            "weights [E, C, N] must contract over rows' "
-            "C=8, got rows.shape=(6, 8), "
-            "weights.shape=(4, 7, 3)"
-        ),
+        "weights [E, C, N] must contract over rows' C=8, "
+        "got rows.shape=(6, 8), weights.shape=(4, 7, 3)",
     ):
       self._gemm(weights=jnp.ones((4, 7, 3), jnp.float32))
-    with self.assertRaisesRegex(
-        ValueError,
-        re.escape("weights [E, N, C] must contract over rows' " "C=8"),
+    with self._raises(
+        ValueError, "weights [E, N, C] must contract over rows' C=8"
     ):
       self._gemm(transpose_rhs=True)
-
-  def test_grouped_gemm_rejects_group_sizes_past_the_rows(self):
-    with self.assertRaisesRegex(
-        ValueError,
-        re.escape(
-            "sum(group_sizes) must be <= the 6 rows, got "
-            "sum=7 (group_sizes=[1, 2, 1, 3])"
-        ),
-    ):
-      self._gemm(group_sizes=jnp.array([1, 2, 1, 3], jnp.int32))
-
-  def test_grouped_gemm_rejects_negative_group_sizes(self):
-    with self.assertRaisesRegex(
-        ValueError, re.escape("group_sizes must be >= 0, got [2, -1, 2, 3]")
-    ):
-      self._gemm(group_sizes=jnp.array([2, -1, 2, 3], jnp.int32))
 
   # --- The stages ----------------------------------------------------------
   # Public on their own, so each checks what it is given: an expert id out of
   # range, say, would fall outside every group and lose its token silently.
 
   def test_route_rejects_router_of_wrong_shape(self):
-    cfg = _FULL_CFG.replace(correction_bias=False)
-    with self.assertRaisesRegex(
-        ValueError,
-        re.escape(
-            "router must have shape (16, 4), got " "router.shape=(16, 5)"
-        ),
+    cfg = _NO_BIAS_CFG
+    with self._raises(
+        ValueError, "router must have shape (16, 4), got router.shape=(16, 5)"
     ):
       moe_core.route(_tokens(cfg), jnp.zeros((16, 5), jnp.float32), cfg)
 
   def test_route_rejects_correction_bias_of_wrong_shape(self):
-    with self.assertRaisesRegex(
+    with self._raises(
         ValueError,
-        re.escape(
-            "correction_bias must have shape (4,), got "
-            "correction_bias.shape=(1,)"
-        ),
+        "correction_bias must have shape (4,), got correction_bias.shape=(1,)",
     ):
       moe_core.route(
           _tokens(_FULL_CFG),
@@ -247,12 +236,9 @@ class ValidationSuite(base.BackendTestCase):
       )
 
   def test_route_rejects_unflattened_tokens(self):
-    cfg = _FULL_CFG.replace(correction_bias=False)
-    with self.assertRaisesRegex(
-        ValueError,
-        re.escape(
-            "route needs tokens of shape [T, D], got " "x.shape=(2, 5, 16)"
-        ),
+    cfg = _NO_BIAS_CFG
+    with self._raises(
+        ValueError, "route needs tokens of shape [T, D], got x.shape=(2, 5, 16)"
     ):
       moe_core.route(
           jnp.ones((2, 5, 16), jnp.float32),
@@ -262,33 +248,27 @@ class ValidationSuite(base.BackendTestCase):
 
   def test_dispatch_rejects_expert_ids_out_of_range(self):
     ids = jnp.array([[0, 1], [2, 4], [3, 0]], jnp.int32)
-    with self.assertRaisesRegex(
+    with self._raises(
         ValueError,
-        re.escape(
-            "expert_ids must lie in [0, num_experts=4), " "got values in [0, 4]"
-        ),
+        "expert_ids must lie in [0, num_experts=4), got values in [0, 4]",
     ):
       moe_core.dispatch(_tokens(_FULL_CFG, 3), ids, 4)
-    with self.assertRaisesRegex(ValueError, r"got values in \[-1, 3\]"):
+    with self._raises(ValueError, "got values in [-1, 3]"):
       moe_core.dispatch(_tokens(_FULL_CFG, 3), ids.at[1, 1].set(-1), 4)
 
   def test_dispatch_rejects_a_token_count_mismatch(self):
     ids = jnp.zeros((4, 2), jnp.int32)
-    with self.assertRaisesRegex(
+    with self._raises(
         ValueError,
-        re.escape(
-            "dispatch needs one expert_ids row per token, "
-            "got x.shape=(3, 16), expert_ids.shape=(4, 2)"
-        ),
+        "dispatch needs one expert_ids row per token, got x.shape=(3, 16), "
+        "expert_ids.shape=(4, 2)",
     ):
       moe_core.dispatch(_tokens(_FULL_CFG, 3), ids, 4)
 
   def test_dispatch_rejects_float_expert_ids(self):
-    with self.assertRaisesRegex(
+    with self._raises(
         TypeError,
-        re.escape(
-            "expert_ids must be an integer (int32) array, " "got dtype float32"
-        ),
+        "expert_ids must be an integer (int32) array, got dtype float32",
     ):
       moe_core.dispatch(_tokens(_FULL_CFG, 3), jnp.zeros((3, 2)), 4)
 
@@ -296,29 +276,23 @@ class ValidationSuite(base.BackendTestCase):
     x = _tokens(_FULL_CFG, 3)
     d = moe_core.dispatch(x, jnp.array([[0, 1], [2, 3], [3, 0]], jnp.int32), 4)
     weights = jnp.ones((3, 2), jnp.float32)
-    with self.assertRaisesRegex(
+    with self._raises(
         ValueError,
-        re.escape(
-            "expert_out must have the dispatched M=6 rows, "
-            "got expert_out.shape=(5, 16)"
-        ),
+        "expert_out must have the dispatched M=6 rows, "
+        "got expert_out.shape=(5, 16)",
     ):
       moe_core.combine(jnp.ones((5, 16), jnp.float32), d, weights)
-    with self.assertRaisesRegex(
+    with self._raises(
         ValueError,
-        re.escape(
-            "combine_weights must have the dispatched shape [T, K]=(3, 2), "
-            "got combine_weights.shape=(3, 3)"
-        ),
+        "combine_weights must have the dispatched shape [T, K]=(3, 2), "
+        "got combine_weights.shape=(3, 3)",
     ):
       moe_core.combine(d.rows, d, jnp.ones((3, 3), jnp.float32))
     # [K, T] has the right T*K but the wrong layout.
-    with self.assertRaisesRegex(
+    with self._raises(
         ValueError,
-        re.escape(
-            "combine_weights must have the dispatched shape [T, K]=(3, 2), "
-            "got combine_weights.shape=(2, 3)"
-        ),
+        "combine_weights must have the dispatched shape [T, K]=(3, 2), "
+        "got combine_weights.shape=(2, 3)",
     ):
       moe_core.combine(d.rows, d, weights.T)
 
@@ -339,28 +313,23 @@ class ValidationSuite(base.BackendTestCase):
     np.testing.assert_array_equal(out, np.zeros((6, 16), np.float32))
 
   def test_expert_ffn_rejects_rows_of_wrong_width(self):
-    with self.assertRaisesRegex(
+    with self._raises(
         ValueError,
-        re.escape(
-            "rows must have shape [M, hidden_size=16], got "
-            "rows.shape=(6, 12)"
-        ),
+        "rows must have shape [M, hidden_size=16], got rows.shape=(6, 12)",
     ):
       self._expert_ffn(rows=jnp.ones((6, 12), jnp.float32))
 
   def test_expert_ffn_rejects_group_sizes_past_the_rows(self):
-    with self.assertRaisesRegex(
-        ValueError,
-        re.escape("sum(group_sizes) must be <= the 6 rows, got " "sum=9"),
+    with self._raises(
+        ValueError, "sum(group_sizes) must be <= the 6 rows, got sum=9"
     ):
       self._expert_ffn(group_sizes=jnp.array([4, 2, 0, 3], jnp.int32))
 
   def test_routed_experts_rejects_routing_of_other_tokens(self):
-    cfg = _FULL_CFG.replace(correction_bias=False)
+    cfg = _NO_BIAS_CFG
     params = _params(cfg)
     aux = moe_core.route(_tokens(cfg, 5), params["router"], cfg)
-    with self.assertRaisesRegex(
-        ValueError,
-        re.escape("expert_ids must have shape [T, K]=(4, 2), got " "(5, 2)"),
+    with self._raises(
+        ValueError, "expert_ids must have shape [T, K]=(4, 2), got (5, 2)"
     ):
       self.backend.routed_experts(params, _tokens(cfg, 4), aux, cfg)
