@@ -253,7 +253,12 @@ def _cfg(**changes) -> moe_core.MoEConfig:
   return moe_core.MoEConfig(**base)
 
 
-_SHARED_GATED = dict(shared_ffn_size=24, shared_expert_gate=True)
+_SHARED_GATED_CFG = _cfg(shared_ffn_size=24, shared_expert_gate=True)
+# Two cases each: D and F that are not multiples of 32 (over 4 experts), and
+# narrow ones.
+_D48_F80 = _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4)
+_D16_F24 = dict(hidden_size=16, expert_ffn_size=24)
+_BF16 = "bfloat16"
 
 # DeepSeek-V3's router settings (of 4 groups, not its 8), for a MoEConfig.
 DEEPSEEK_V3_ROUTER = dict(
@@ -271,30 +276,11 @@ DEEPSEEK_V3_ROUTER = dict(
 # overfull experts, E = 1, K = E, many experts for few tokens, D and F that
 # are not multiples of 128.
 LAYER_CASES = (
-    LayerCase("base_f32", _cfg(**_SHARED_GATED), (16,), grads=True),
-    LayerCase(
-        "base_bf16",
-        _cfg(**_SHARED_GATED),
-        (16,),
-        dtype="bfloat16",
-        grads=True,
-        seed=1,
-    ),
+    LayerCase("base_f32", _SHARED_GATED_CFG, (16,), grads=True),
+    LayerCase("base_bf16", _SHARED_GATED_CFG, (16,), _BF16, grads=True, seed=1),
     LayerCase("one_token", _cfg(), (1,), grads=True, seed=2),
-    LayerCase(
-        "odd_37_tokens_d48_f80",
-        _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4),
-        (37,),
-        grads=True,
-        seed=3,
-    ),
-    LayerCase(
-        "tokens_129",
-        _cfg(hidden_size=16, expert_ffn_size=24),
-        (129,),
-        grads=True,
-        seed=4,
-    ),
+    LayerCase("odd_37_tokens_d48_f80", _D48_F80, (37,), grads=True, seed=3),
+    LayerCase("tokens_129", _cfg(**_D16_F24), (129,), grads=True, seed=4),
     LayerCase("batch_2x5", _cfg(), (2, 5), seed=5),
     LayerCase(
         "experts_without_tokens",
@@ -330,81 +316,47 @@ LAYER_CASES = (
     # experts_without_tokens.
     LayerCase(
         "experts_256_tokens_12",
-        _cfg(num_experts=256, top_k=8, hidden_size=16, expert_ffn_size=24),
+        _cfg(num_experts=256, top_k=8, **_D16_F24),
         (12,),
         jit=False,
         seed=10,
     ),
-    LayerCase(
-        "d48_f80_bf16",
-        _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4),
-        (24,),
-        dtype="bfloat16",
-        grads=True,
-        seed=11,
-    ),
+    LayerCase("d48_f80_bf16", _D48_F80, (24,), _BF16, grads=True, seed=11),
 )
+
 
 # Every routing option of the config, each in at least one case: softmax /
 # sigmoid scores; norm_topk_prob off, on with epsilon 0 and 1e-20; a nonzero
 # correction bias with softmax and with sigmoid; groups scored by "max" and
 # "sum_top2"; routed_scaling_factor != 1; shared expert gated and ungated;
 # activations silu (the LAYER_CASES), gelu and gelu_tanh.
-ROUTING_VARIANTS = (
-    LayerCase(
-        "softmax_norm_eps0_scaled",
-        _cfg(norm_topk_prob=True, routed_scaling_factor=2.5),
-        (16,),
-        grads=True,
-        seed=20,
+_ROUTING_CONFIGS = {
+    "softmax_norm_eps0_scaled": _cfg(
+        norm_topk_prob=True, routed_scaling_factor=2.5
     ),
-    LayerCase(
-        "softmax_bias_norm_eps1e-20",
-        _cfg(correction_bias=True, norm_topk_prob=True, norm_epsilon=1e-20),
-        (16,),
-        grads=True,
-        seed=21,
+    "softmax_bias_norm_eps1e-20": _cfg(
+        correction_bias=True, norm_topk_prob=True, norm_epsilon=1e-20
     ),
-    LayerCase(
-        "sigmoid", _cfg(score_func="sigmoid"), (16,), grads=True, seed=22
+    "sigmoid": _cfg(score_func="sigmoid"),
+    "sigmoid_bias_norm_eps0": _cfg(
+        score_func="sigmoid", correction_bias=True, norm_topk_prob=True
     ),
-    LayerCase(
-        "sigmoid_bias_norm_eps0",
-        _cfg(score_func="sigmoid", correction_bias=True, norm_topk_prob=True),
-        (16,),
-        grads=True,
-        seed=23,
+    "groups_max": _cfg(
+        num_experts=16, top_k=3, n_group=4, topk_group=2, group_score="max"
     ),
-    LayerCase(
-        "groups_max",
-        _cfg(
-            num_experts=16, top_k=3, n_group=4, topk_group=2, group_score="max"
-        ),
-        (16,),
-        grads=True,
-        seed=24,
+    "groups_sum_top2_sigmoid_bias_scaled": _cfg(
+        num_experts=16, top_k=3, **DEEPSEEK_V3_ROUTER
     ),
-    LayerCase(
-        "groups_sum_top2_sigmoid_bias_scaled",
-        _cfg(num_experts=16, top_k=3, **DEEPSEEK_V3_ROUTER),
-        (16,),
-        grads=True,
-        seed=25,
+    "shared_gated_gelu": _SHARED_GATED_CFG.replace(activation="gelu"),
+    "shared_ungated_gelu_tanh": _cfg(
+        activation="gelu_tanh", shared_ffn_size=24
     ),
-    LayerCase(
-        "shared_gated_gelu",
-        _cfg(activation="gelu", **_SHARED_GATED),
-        (16,),
-        grads=True,
-        seed=26,
-    ),
-    LayerCase(
-        "shared_ungated_gelu_tanh",
-        _cfg(activation="gelu_tanh", shared_ffn_size=24),
-        (16,),
-        grads=True,
-        seed=27,
-    ),
+}
+# 16 tokens through each, differentiated too. Seeds 20, 21, ... in order (a
+# new variant goes last, so that the others keep their inputs).
+ROUTING_VARIANTS = tuple(
+    LayerCase(name, cfg, (16,), grads=True, seed=seed)
+    for seed, (name, cfg) in enumerate(_ROUTING_CONFIGS.items(), start=20)
 )
 
 # capacity = ceil(capacity_factor * T * K / E) = 4 and 2 slots per expert.
@@ -418,28 +370,27 @@ CAPACITY_CASES = (
     ),
 )
 
-# Only where a GPU is (see GPU_GEMM_CASES): 1152 rows over 4 experts, F =
-# 2048, so the fused gate/up kernel runs pallas' large tiles fitted to two
-# accumulators, as Mixtral's timed layer does.
-GPU_LAYER_CASES = (
-    LayerCase(
-        "gpu_wide_ffn_bf16",
-        _cfg(num_experts=4, top_k=2, hidden_size=128, expert_ffn_size=2048),
-        (576,),
-        dtype="bfloat16",
-        grads=True,
-        seed=12,
-    ),
+# Only where a GPU is (see GPU_GEMM_CASES): bf16 tokens of width 128 through
+# a wide expert FFN, differentiated. (name, seed, T, E, K, F):
+_GPU_FFNS = (
+    # 1152 rows over 4 experts, F = 2048, so the fused gate/up kernel runs
+    # pallas' large tiles fitted to two accumulators, as Mixtral's timed
+    # layer does.
+    ("gpu_wide_ffn_bf16", 12, 576, 4, 2, 2048),
     # 1024 rows an expert: triton's fused gate/up takes the 8-warp tiles of
     # its many-rows table row, as Mixtral's timed layer does.
+    ("gpu_many_rows_ffn_bf16", 13, 2048, 2, 1, 1024),
+)
+GPU_LAYER_CASES = tuple(
     LayerCase(
-        "gpu_many_rows_ffn_bf16",
-        _cfg(num_experts=2, top_k=1, hidden_size=128, expert_ffn_size=1024),
-        (2048,),
-        dtype="bfloat16",
+        name,
+        _cfg(num_experts=e, top_k=k, hidden_size=128, expert_ffn_size=f),
+        (t,),
+        _BF16,
         grads=True,
-        seed=13,
-    ),
+        seed=seed,
+    )
+    for name, seed, t, e, k, f in _GPU_FFNS
 )
 if ON_GPU:
   LAYER_CASES += GPU_LAYER_CASES
