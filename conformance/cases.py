@@ -271,6 +271,8 @@ DEEPSEEK_V3_ROUTER = dict(
     norm_epsilon=1e-20,
     routed_scaling_factor=2.5,
 )
+# Groups scored by their best expert, for a MoEConfig of 16 experts.
+GROUPS_MAX_ROUTER = dict(n_group=4, topk_group=2, group_score="max")
 
 # Shapes that break kernels: odd and tiny T, T past a tile, empty and
 # overfull experts, E = 1, K = E, many experts for few tokens, D and F that
@@ -341,9 +343,7 @@ _ROUTING_CONFIGS = {
     "sigmoid_bias_norm_eps0": _cfg(
         score_func="sigmoid", correction_bias=True, norm_topk_prob=True
     ),
-    "groups_max": _cfg(
-        num_experts=16, top_k=3, n_group=4, topk_group=2, group_score="max"
-    ),
+    "groups_max": _cfg(num_experts=16, top_k=3, **GROUPS_MAX_ROUTER),
     "groups_sum_top2_sigmoid_bias_scaled": _cfg(
         num_experts=16, top_k=3, **DEEPSEEK_V3_ROUTER
     ),

@@ -52,11 +52,9 @@ EXTREME_CONFIGS = {
     "groups_max_softmax_bias_norm_eps0": _extreme_cfg(
         num_experts=16,
         top_k=3,
-        n_group=4,
-        topk_group=2,
-        group_score="max",
         correction_bias=True,
         norm_topk_prob=True,
+        **cases.GROUPS_MAX_ROUTER,
     ),
 }
 
