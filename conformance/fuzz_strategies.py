@@ -312,10 +312,6 @@ class GemmFault:
   jit: bool
   seed: int
 
-  @property
-  def num_groups(self) -> int:
-    return len(self.group_sizes)
-
 
 @st.composite
 def gemm_faults(draw, dtypes=("float32", "bfloat16")) -> GemmFault:
@@ -345,7 +341,7 @@ def gemm_faults(draw, dtypes=("float32", "bfloat16")) -> GemmFault:
 def gemm_fault_inputs(fault: GemmFault):
   """(rows [m, C], weights, group_sizes [E] int32 numpy, cotangent [m, N])."""
   rng = np.random.default_rng(fault.seed)
-  e, c, n = fault.num_groups, fault.width, fault.out_width
+  e, c, n = len(fault.group_sizes), fault.width, fault.out_width
   w_shape = (e, n, c) if fault.transpose_rhs else (e, c, n)
   dtype = jnp.dtype(fault.dtype)
   return (
@@ -360,7 +356,7 @@ def ffn_fault_inputs(fault: GemmFault):
   """(rows [m, D], group_sizes [E] int32 numpy, params, cfg, cotangent) for
   `Backend.expert_ffn`, with D = fault.width and F = fault.out_width."""
   cfg = moe_core.MoEConfig(
-      num_experts=fault.num_groups,
+      num_experts=len(fault.group_sizes),
       top_k=1,
       hidden_size=fault.width,
       expert_ffn_size=fault.out_width,
