@@ -17,7 +17,7 @@ Pallas' interpreter.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from backends.mosaic_gpu import kernels
 from backends.mosaic_gpu import kernels_sm100
@@ -54,7 +54,7 @@ INTERPRETER = interpret_lib.Interpreter(
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
+class Launch(interpret_lib.InterpretedLaunch):
   """What every op needs besides its arrays (static, hashable).
 
   Attributes:
@@ -69,17 +69,8 @@ class Launch:
 
   tiles: tiling.TileConfig = tiling.TileConfig()
   interpret: Any = False
+  interpreter: ClassVar[interpret_lib.Interpreter] = INTERPRETER
   generation: str | None = "sm90"
-
-  @property
-  def interpreting(self) -> bool:
-    """Whether the kernels traced now run interpreted."""
-    return interpret_lib.interprets(self.interpret)
-
-  @property
-  def kernel_interpret(self) -> Any:
-    """The kernels' `interpret` for the program traced now: auto resolved."""
-    return INTERPRETER.resolve(self.interpret)
 
   def kernel_generation(self) -> str:
     """The generation whose kernels run: the given one, or the target's."""

@@ -18,7 +18,7 @@ quantized_grouped_gemm
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,7 @@ INTERPRETER = interpret_lib.Interpreter(
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
+class Launch(interpret_lib.InterpretedLaunch):
   """What every op needs besides its arrays (static, hashable).
 
   Attributes:
@@ -62,16 +62,7 @@ class Launch:
 
   tiles: tiling.TileConfig = tiling.TileConfig()
   interpret: Any = False
-
-  @property
-  def interpreting(self) -> bool:
-    """Whether the kernels traced now run interpreted."""
-    return interpret_lib.interprets(self.interpret)
-
-  @property
-  def kernel_interpret(self) -> Any:
-    """The kernels' `interpret` for the program traced now: auto resolved."""
-    return INTERPRETER.resolve(self.interpret)
+  interpreter: ClassVar[interpret_lib.Interpreter] = INTERPRETER
 
   def choose(self, kind: str, *shape, num_operands: int = 1) -> tiling.Tiles:
     """The tiles of one kernel call.

@@ -23,7 +23,7 @@ the program being traced.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import jax
 
@@ -118,3 +118,24 @@ class Interpreter:
     if setting is not AUTO:
       return setting
     return self.default() if interprets(AUTO) else False
+
+
+class InterpretedLaunch:
+  """A kernel backend's launch settings with an `interpret` setting (an
+  `Interpreter.parse` result): what the kernels traced now take.
+
+  A mixin for the backends' frozen `Launch` dataclasses, which name their
+  backend's `Interpreter` as the class attribute `interpreter`.
+  """
+
+  interpreter: ClassVar[Interpreter]  # And a field `interpret`.
+
+  @property
+  def interpreting(self) -> bool:
+    """Whether the kernels traced now run interpreted."""
+    return interprets(self.interpret)
+
+  @property
+  def kernel_interpret(self) -> Any:
+    """The kernels' `interpret` for the program traced now: auto resolved."""
+    return self.interpreter.resolve(self.interpret)
