@@ -599,11 +599,18 @@ def _dequantize(q, dtype):
   return x.astype(dtype)
 
 
-def row_groups(group_sizes, num_rows):
-  """Group id of each row [M] int32; rows past sum(group_sizes) get E."""
+def row_groups(group_sizes, num_rows, *, clamp_tail: bool = False):
+  """Group id of each row [M] int32 of group sizes [E].
+
+  Rows past sum(group_sizes) get E, a group of their own, or with
+  `clamp_tail` the last group, E - 1 (for a lookup of per-group values).
+  """
   ends = jnp.cumsum(group_sizes)
   rows = jnp.arange(num_rows, dtype=ends.dtype)
-  return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+  groups = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+  if clamp_tail:
+    groups = jnp.minimum(groups, group_sizes.shape[0] - 1)
+  return groups
 
 
 def _group_amax(row_amax, groups, num_groups):

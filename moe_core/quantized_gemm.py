@@ -78,15 +78,6 @@ def straight_through(
   return op(rows, weights, group_sizes)
 
 
-def row_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-  """[M] int32: the group of each row; rows past the sum get the last one.
-
-  Their output is zero whatever scale they pick up: their quantised data is.
-  """
-  groups = precision.row_groups(group_sizes, num_rows)
-  return jnp.minimum(groups, group_sizes.shape[0] - 1)
-
-
 def _contract_major(q_weights) -> tuple[jax.Array, jax.Array]:
   """(data [E, K, N], scales [E, KB, NB or N or 1]), contraction first.
 
@@ -155,7 +146,9 @@ def scaled_grouped_gemm(
   if recipe in ("mxfp8", "nvfp4"):
     return dequantized_grouped_gemm(q, gemm)
   num_rows, size = q.rows.data.shape[0], q.rows.size
-  groups = row_groups(q.group_sizes, num_rows)
+  # Rows past the sum take the last group's scales: their output is zero
+  # whatever scale they pick up, as their quantised data is.
+  groups = precision.row_groups(q.group_sizes, num_rows, clamp_tail=True)
   rows = q.rows.data.astype(jnp.float32)
   w_data, w_scales = _contract_major(q.weights)
   w_data = w_data.astype(jnp.float32)

@@ -16,8 +16,6 @@ import numpy as np
 from moe_core import config as config_lib
 from moe_core import params as params_lib
 
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
 
 def _dtype_name(x) -> str:
   return np.dtype(x.dtype).name

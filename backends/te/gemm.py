@@ -279,9 +279,7 @@ def _aligned_groups(rows, group_sizes, used, align):
   padded_sizes = -(-group_sizes // align) * align
   starts = jnp.cumsum(group_sizes) - group_sizes
   padded_starts = jnp.cumsum(padded_sizes) - padded_sizes
-  groups = jnp.minimum(
-      precision_lib.row_groups(group_sizes, num_rows), num_experts - 1
-  )
+  groups = precision_lib.row_groups(group_sizes, num_rows, clamp_tail=True)
   row = jnp.arange(num_rows, dtype=jnp.int32)
   destination = row - starts[groups] + padded_starts[groups]
   destination = jnp.where(used, destination, capacity).astype(jnp.int32)
@@ -342,9 +340,7 @@ def non_finite_outputs(
   """
   num_rows, num_experts = rows.shape[0], group_sizes.shape[0]
   used = used_rows(group_sizes, num_rows)
-  groups = jnp.minimum(
-      precision_lib.row_groups(group_sizes, num_rows), num_experts - 1
-  )
+  groups = precision_lib.row_groups(group_sizes, num_rows, clamp_tail=True)
   bad_row = used & ~jnp.all(jnp.isfinite(rows), axis=1)
   contract_axis = 2 if transpose_rhs else 1
   n = weights.shape[1 if transpose_rhs else 2]
