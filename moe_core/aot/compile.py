@@ -1,15 +1,12 @@
 """Compiling a JAX program for a GPU topology, and what the compiler says.
 
-    topo = aot.gpu_topology("h100", "1x1x8")
-    mesh = topo.mesh({"data": 2, "expert": 4})
-    program = aot.compile(step, *abstract_args, topology=topo, mesh=mesh)
-    program.peak_bytes, program.fits, program.custom_calls, program.flops
-
-This runs XLA's whole GPU compiler: SPMD partitioning, fusion, the
-latency-hiding scheduler, rematerialisation against the target's memory,
-buffer assignment, and each Pallas Triton or Mosaic GPU kernel's own
-compile. What it does not do here is autotune (kernel choices are XLA's
-defaults), so the binary is right for sizing, not for speed.
+`compile` runs XLA's whole GPU compiler on a program for a `Topology`'s GPUs
+(SPMD partitioning, fusion, the latency-hiding scheduler, rematerialisation
+against the target's memory, buffer assignment, and each Pallas Triton or
+Mosaic GPU kernel's own compile) and returns a `CompiledProgram`: its peak
+bytes, whether it fits, its custom calls, collectives and FLOPs. It does not
+autotune (kernel choices are XLA's defaults), so the binary is right for
+sizing, not for speed.
 """
 
 from __future__ import annotations
@@ -154,6 +151,12 @@ def compile(  # pylint: disable=redefined-builtin
       `QUICK_OPTIONS`); None compiles with XLA's defaults otherwise.
     **jit_kwargs: in_shardings, out_shardings, donate_argnums,
       static_argnums...
+
+  Example:
+    topo = aot.gpu_topology("h100", "1x1x8")
+    mesh = topo.mesh({"data": 2, "expert": 4})
+    program = aot.compile(step, *abstract_args, topology=topo, mesh=mesh)
+    program.peak_bytes, program.fits, program.custom_calls, program.flops
   """
   context_mesh = mesh if mesh is not None else topology.single_device_mesh()
   start = time.perf_counter()

@@ -1,24 +1,12 @@
 """Collective bytes and matmul FLOPs of one execution of a compiled module,
 loops counted.
 
-`moe_core.aot.collective_bytes` counts each collective instruction once: the
-exchange of a scanned layer counts once, not once per layer. This module
-weights each instruction by how often it runs per execution of the module:
+`moe_core.aot.collective_bytes` counts each collective instruction once (the
+exchange of a scanned layer once, not once per layer); this module weights
+each collective and matmul by how often it runs per execution of the module:
 the product of the known trip counts of the while loops around it (XLA
 records `known_trip_count` in a loop's backend_config; a loop without one
-counts once, and `per_step_collective_bytes` says how many such loops hold
-a collective).
-
-It counts what a device hands to each collective: the bytes of its
-operands (for an all-to-all the rows it sends, its own chunk included; for
-a ragged-all-to-all the smaller of its send and receive buffers: the
-exact side, where XLA sizes the other for the worst case).
-
-`per_step_matmul_flops` counts the same way what XLA's cost analysis counts
-once per loop body: 2 x (output elements) x (contracted size) of every dot,
-ragged dot and cuBLAS GEMM call, times the runs of its computation. Custom
-kernels (Pallas, Mosaic GPU, Triton) are opaque to it: their launches per
-step are counted instead.
+counts once, and the results say how many instructions sit in such loops).
 """
 
 from __future__ import annotations
@@ -63,7 +51,14 @@ class PerStep:
 
 def per_step_collective_bytes(hlo_text: str) -> PerStep:
   """Operand bytes of each collective kind per execution of `hlo_text`, a
-  compiled module's text (`Compiled.as_text()`)."""
+  compiled module's text (`Compiled.as_text()`).
+
+  It counts what a device hands to each collective: the bytes of its
+  operands (for an all-to-all the rows it sends, its own chunk included; for
+  a ragged-all-to-all the smaller of its send and receive buffers: the exact
+  side, where XLA sizes the other for the worst case). `unknown_loops` says
+  how many collectives sit in loops without a known trip count.
+  """
   types, executed = _executed_instructions(hlo_text)
   totals = collections.Counter()
   unknown_loops = 0
@@ -197,7 +192,13 @@ class MatmulFlops:
 
 def per_step_matmul_flops(hlo_text: str) -> MatmulFlops:
   """Matmul FLOPs of one execution of `hlo_text`, a compiled module's text
-  (`Compiled.as_text()`), loops counted."""
+  (`Compiled.as_text()`), loops counted.
+
+  It counts what XLA's cost analysis counts once per loop body, 2 x (output
+  elements) x (contracted size) of every dot, ragged dot and cuBLAS GEMM
+  call, times the runs of its computation. Custom kernels (Pallas, Mosaic
+  GPU, Triton) are opaque to it: their launches per step are counted instead.
+  """
   types, executed = _executed_instructions(hlo_text)
   flops = 0.0
   launches = collections.Counter()

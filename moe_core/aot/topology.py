@@ -1,8 +1,5 @@
 """A topology of GPUs to compile for, from any host, and meshes over it.
 
-    topo = aot.gpu_topology("h100", "1x128x8")   # slices x hosts x GPUs/host
-    mesh = topo.mesh({"data": 16, "expert": 64})
-
 The devices are XLA's description of GPUs that need not exist here: jit
 lowers and compiles for them (`moe_core.aot.compile`), nothing runs. On a
 machine without a GPU JAX must run its own computations on the CPU; the
@@ -115,6 +112,10 @@ def gpu_topology(target: str, topology: str = "1x1x1") -> Topology:
   Args:
     target: a name of `targets.TARGETS` ("h100", "h200", "b200").
     topology: slices x hosts per slice x GPUs per host.
+
+  Example:
+    topo = aot.gpu_topology("h100", "1x128x8")  # slices x hosts x GPUs/host
+    mesh = topo.mesh({"data": 16, "expert": 64})
   """
   gpu = targets_lib.target(target)
   slices, hosts, gpus = parse_topology(topology)
