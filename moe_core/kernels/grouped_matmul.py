@@ -1,29 +1,15 @@
 """Grouped matmuls as one JAX primitive, differentiable in both directions.
 
 A backend hands its raw (non-differentiable) kernels to this module as a
-`GroupedKernels`; `gmm`, `tgmm` and their multi-product form
-(`grouped_products`, either kind) then work under every transformation: jit,
-grad, forward mode (jvp, linearize, hessian), vmap, shard_map with
-`check_vma=True`, remat, scan and jax.export. Two products, per row group g
-(rows sorted by group, group g owning the rows [sum(gs[:g]), sum(gs[:g+1]))):
-
-  gmm    out[o] = sum over products (l, r, o) of lhs[l]_g @ rhs[r][g]
-         lhs [M, C] x rhs [E, C, N] ([E, N, C] with transpose_rhs) -> [M, N];
-         rows at or past sum(group_sizes) come out zero.
-  tgmm   out[o][g] = sum over products (l, r, o) of lhs[l]_g^T @ rhs[r]_g
-         lhs [M, A] x rhs [M, B] -> [E, A, B]; rows past the groups unread.
-
-Both are bilinear, which is why a primitive and not a custom VJP: the
-tangent of either is the same primitive on (dlhs, rhs) and (lhs, drhs), in
-one call; the transpose with respect to one operand is the other product
-(gmm's lhs: a gmm against the transposed rhs; gmm's rhs: a tgmm; tgmm's
-operands: gmms), so reverse mode runs the backend's dX and dW kernels and
-every order of differentiation composes. A custom VJP would give reverse
-mode only (JAX cannot push tangents through one). vmap is a loop over the
-batch (`lax.map`), each step the same primitive. The primitive lowers by
-tracing the kernels (`mlir.lower_fun`), so nothing of it is left in an
-exported program.
-
+`GroupedKernels`; `gmm` (lhs [M, C] x rhs [E, C, N] -> [M, N]), `tgmm` (per
+group lhs_g^T @ rhs_g: [M, A] x [M, B] -> [E, A, B]) and their multi-product
+form `grouped_products` then work under every transformation: jit, grad,
+forward mode (jvp, linearize, hessian), vmap, shard_map with
+`check_vma=True`, remat, scan and jax.export. Both products are bilinear,
+which is why a primitive and not a custom VJP (reverse mode only): the
+tangent of either is the same primitive, and the transpose with respect to
+one operand is the other product, so reverse mode runs the backend's dX and
+dW kernels and every order of differentiation composes (docs/transforms.md).
 Over 400 lines because it is one job: one primitive and the rules that make
 it work under every transformation (abstract eval, JVP, transpose), which
 share its binding of the kernels.
@@ -275,8 +261,10 @@ def grouped_products(
   rhs[r]_g. Every lhs is [M, A], every rhs [M, B], each output
   [num_groups, A, B]; num_groups is required, transpose_rhs must be False.
 
-  All operands share one dtype; there is one output per entry of
-  `out_dtypes`, and every output has at least one product.
+  Rows are sorted by group, group g owning the rows [sum(gs[:g]),
+  sum(gs[:g+1])); gmm's rows at or past sum(group_sizes) come out zero, and
+  tgmm leaves them unread. All operands share one dtype; there is one output
+  per entry of `out_dtypes`, and every output has at least one product.
   """
   lhs, rhs = tuple(lhs), tuple(rhs)
   num_groups = _num_groups(kind, rhs, transpose_rhs, num_groups)
@@ -500,6 +488,11 @@ def _aval(x):
 
 
 def _transpose(cotangents, *operands, **params):
+  """The transposes are the other product, bound as this primitive.
+
+  gmm's lhs: a gmm against the transposed rhs; gmm's rhs: a tgmm; tgmm's
+  operands: gmms.
+  """
   params = _Params(**params)
   kind, transposed = params.kind, params.transpose_rhs
   lhs, rhs, group_sizes = _split(operands, params.num_lhs)

@@ -1,23 +1,17 @@
 """The `interpret` option of the kernel backends, one meaning in all of them.
 
 pallas, mosaic_gpu and triton each run their kernels either compiled for a
-GPU or in an interpreter that runs on any platform. Their `interpret`
-option reads the same in each:
-
-    None   auto: compiled when the program is lowered for a GPU (a GPU
-           here, or `moe_core.aot`'s target GPU from any host), the
-           interpreter otherwise; decided when the program is traced
-    True   the backend's interpreter, on any platform (slow: small shapes)
-    False  compiled for a GPU; off a GPU the backend is unavailable, its
-           `availability()` reason saying "pass interpret=True"
-    and a backend's own interpreter settings where it has them: pallas'
-    "debug" and `pltpu.InterpretParams`, mosaic_gpu's `InterpretGPUParams`.
-
-A backend describes its interpreter once as an `Interpreter`;
-`Interpreter.parse` checks an option and keeps it as a setting (None for
-auto, False, or what the kernels take to interpret), and
-`Interpreter.resolve` / `interprets` turn auto into one or the other for
-the program being traced.
+GPU or in an interpreter that runs on any platform, and their `interpret`
+option reads the same in each (docs/backends.md, "The kernel backends'
+`interpret`", has the table): None is auto, compiled when the program is
+lowered for a GPU (a GPU here, or `moe_core.aot`'s target GPU from any
+host), decided when the program is traced; True the interpreter; False
+compiled, unavailable off a GPU; and a backend's own interpreter settings
+where it has them. A backend describes its interpreter once as an
+`Interpreter`; `Interpreter.parse` checks an option and keeps it as a
+setting (None for auto, False, or what the kernels take to interpret), and
+`Interpreter.resolve` / `interprets` turn auto into one or the other for the
+program being traced.
 """
 
 from __future__ import annotations

@@ -2,26 +2,11 @@
 
 `moe_core.permute` plans the permutation (the sort); a backend with its own
 gather kernels (`PermutationKernels`) moves the data through five ops that
-are each other's transposes, so forward and reverse mode, vmap, shard_map
-and export all work with the backend's kernels doing every step. With T
-tokens, K choices, A = T*K copies a = t*K + k and the plan's `assignment`
-(the copy in each sorted row i) and `position` (its inverse):
-
-  gather    x [T, D] -> rows [A, D]        rows[i] = x[a // K]
-  scatter   rows [A, D] -> x [T, D]        x[t] = sum_k rows[position[tK+k]]
-  combine   rows [A, D], w [T, K] -> [T, D]  y[t] = sum_k w[t,k] v[t,k]
-  spread    dy [T, D], w [T, K] -> [A, D]  d_rows[i] = w[a] dy[a // K]
-  row_dots  dy [T, D], rows [A, D] -> [T, K]  d_w[t,k] = <dy[t], v[t,k]>
-
-with v[t, k] = rows[position[t*K + k]] for a kept copy and 0 for a dropped
-one. An invalid copy (an expert id out of range) is NaN in gather's and
-combine's and row_dots' values when `nan_invalid` (the contract of
-`moe_core.permute`: its token comes out NaN) and 0 otherwise; scatter and
-spread always skip it. Transposes: gather <-> scatter; combine's are
-spread (rows) and row_dots (weights); spread's are combine and row_dots;
-row_dots' are combine and spread. The NaN of an invalid copy is a constant:
-the derivative terms that pass through its value keep `nan_invalid`, those
-that replace the value by a tangent do not.
+are each other's transposes (gather x [T, D] -> rows [A, D], scatter,
+combine rows [A, D] with weights [T, K] -> [T, D], spread and row_dots, for
+T tokens, K choices and A = T*K copies; `PermutationKernels` defines each),
+so forward and reverse mode, vmap, shard_map and export all work with the
+backend's kernels doing every step.
 """
 
 from __future__ import annotations
@@ -75,9 +60,23 @@ class PermutationKernels(abc.ABC):
 
   Subclasses are hashable and compare by value (frozen dataclasses): an
   instance is a static parameter of the primitive. Each method gets the
-  plan's arrays and `top_k` (K) and must follow the module docstring's
-  definitions exactly, sums in float32. The defaults here are plain JAX
-  gathers and sums; a backend overrides those it has kernels for.
+  plan's arrays and `top_k` (K) and must follow these definitions exactly,
+  sums in float32. With T tokens, K choices, A = T*K copies a = t*K + k and
+  the plan's `assignment` (the copy in each sorted row i) and `position`
+  (its inverse):
+
+    gather    x [T, D] -> rows [A, D]        rows[i] = x[a // K]
+    scatter   rows [A, D] -> x [T, D]        x[t] = sum_k rows[position[tK+k]]
+    combine   rows [A, D], w [T, K] -> [T, D]  y[t] = sum_k w[t,k] v[t,k]
+    spread    dy [T, D], w [T, K] -> [A, D]  d_rows[i] = w[a] dy[a // K]
+    row_dots  dy [T, D], rows [A, D] -> [T, K]  d_w[t,k] = <dy[t], v[t,k]>
+
+  with v[t, k] = rows[position[t*K + k]] for a kept copy and 0 for a dropped
+  one. An invalid copy (an expert id out of range) is NaN in gather's and
+  combine's and row_dots' values when `nan_invalid` (the contract of
+  `moe_core.permute`: its token comes out NaN) and 0 otherwise; scatter and
+  spread always skip it. The defaults here are plain JAX gathers and sums; a
+  backend overrides those it has kernels for.
   """
 
   def gather(self, x, plan: Plan, *, top_k: int, nan_invalid: bool):
@@ -233,6 +232,12 @@ def _is_zero(t):
 
 
 def _jvp(primals, tangents, *, kernels, op, top_k, nan_invalid):
+  """Tangents through the ops' transposes (see `_transpose`).
+
+  The NaN of an invalid copy is a constant: the derivative terms that pass
+  through its value keep `nan_invalid`, those that replace the value by a
+  tangent do not.
+  """
   n = _ARITY[op]
   data, plan = primals[:n], primals[n:]
   d_data = tangents[:n]
@@ -274,6 +279,8 @@ _TRANSPOSE = {
 
 
 def _transpose(cotangents, *operands, kernels, op, top_k, nan_invalid):
+  """gather <-> scatter; combine's are spread (rows) and row_dots (weights);
+  spread's are combine and row_dots; row_dots' are combine and spread."""
   (ct,) = cotangents
   n = _ARITY[op]
   data, plan = operands[:n], operands[n:]

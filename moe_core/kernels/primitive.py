@@ -1,22 +1,11 @@
 """A JAX primitive over a backend's kernels: everything but its derivatives.
 
 `kernel_primitive` makes the primitive that `grouped_matmul` and
-`permutation` build on. Given a function that calls the kernels and one that
-gives the output shapes, it supplies what every such primitive needs:
-
-  impl        eager calls run the kernels jitted, as lax's primitives do;
-  abstract    the outputs' shapes and dtypes, with the first operand's mesh
-  eval        and mesh variance, and the kernels' own effects (none for
-              compiled kernels; an interpreter's ordered host callbacks);
-  lowering    the kernels traced as one device's computation (inside
-              shard_map their operands carry no mesh variance, so loop
-              carries and pallas_call out_shapes type-check), threading the
-              callbacks' token when there is one;
-  vmap        a loop over the batch (`lax.map`), each step the primitive
-              unbatched: ragged groups differ per batch element, so there
-              is no one bigger call to fold the batch into.
-
-The caller registers the jvp and transpose rules.
+`permutation` build on: given a function that calls the kernels and one that
+gives the output shapes, it supplies the eager implementation, abstract
+evaluation (with the kernels' own effects), the lowering as one device's
+computation and the vmap rule that every such primitive needs; the caller
+registers the jvp and transpose rules.
 """
 
 from __future__ import annotations
@@ -40,11 +29,25 @@ OutShapes = Callable[..., Sequence[tuple[tuple[int, ...], object]]]
 def kernel_primitive(
     name: str, call: KernelCall, out_shapes: OutShapes
 ) -> jex.core.Primitive:
-  """A multiple-results primitive computing `call`; see the module doc.
+  """A multiple-results primitive computing `call`.
 
-  Every parameter of a bind must be hashable (it keys jit caches and the
-  effects cache), and the operands must share their mesh variance
-  (`match_variance`).
+  What it supplies:
+
+    impl        eager calls run the kernels jitted, as lax's primitives do;
+    abstract    the outputs' shapes and dtypes, with the first operand's mesh
+    eval        and mesh variance, and the kernels' own effects (none for
+                compiled kernels; an interpreter's ordered host callbacks);
+    lowering    the kernels traced as one device's computation (inside
+                shard_map their operands carry no mesh variance, so loop
+                carries and pallas_call out_shapes type-check), threading
+                the callbacks' token when there is one;
+    vmap        a loop over the batch (`lax.map`), each step the primitive
+                unbatched: ragged groups differ per batch element, so there
+                is no one bigger call to fold the batch into.
+
+  The caller registers the jvp and transpose rules. Every parameter of a
+  bind must be hashable (it keys jit caches and the effects cache), and the
+  operands must share their mesh variance (`match_variance`).
   """
   prim = jex.core.Primitive(name)
   prim.multiple_results = True

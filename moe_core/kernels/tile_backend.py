@@ -2,19 +2,13 @@
 
 `pallas` and `mosaic_gpu` (and a new kernel backend written like them)
 expose the same functions in their `ops` module, each taking the backend's
-launch settings last:
-
-    grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch)
-    gate_up(rows, w_gate, w_up, group_sizes, launch)
-    gated_gate_up(rows, w_gate, w_up, group_sizes, activation, launch)
-    EPILOGUE_ACTIVATIONS   the activations its fused epilogue computes
-
-`TileOps` writes those functions from the module's `GroupedKernels` (whose
-`fused_gmm` takes an epilogue; `LaunchKernels` when its launch settings
-own the gmm and tgmm calls), and `TileKernelBackend` maps
-`moe_core.Backend`'s hooks onto them, so such a backend writes its kernels,
-its tile table, `availability()` and its options, not this glue again;
-its tile settings come from `moe_core.kernels.tile_settings`.
+launch settings last (`TileKernelBackend` lists them). `TileOps` writes those
+functions from the module's `GroupedKernels` (whose `fused_gmm` takes an
+epilogue; `LaunchKernels` when its launch settings own the gmm and tgmm
+calls), and `TileKernelBackend` maps `moe_core.Backend`'s hooks onto them,
+so such a backend writes its kernels, its tile table, `availability()` and
+its options, not this glue again; its tile settings come from
+`moe_core.kernels.tile_settings`.
 """
 
 from __future__ import annotations
@@ -157,6 +151,14 @@ class TileKernelBackend(backend.Backend):
   epilogue, for `ops.EPILOGUE_ACTIVATIONS`; `check_fuse_activation` first;
   the option's default is False in every such backend: the epilogue is
   opt-in until a GPU measurement shows it faster).
+
+  `ops` has, each taking the launch settings last:
+
+      grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype,
+                   launch)
+      gate_up(rows, w_gate, w_up, group_sizes, launch)
+      gated_gate_up(rows, w_gate, w_up, group_sizes, activation, launch)
+      EPILOGUE_ACTIVATIONS   the activations its fused epilogue computes
   """
 
   ops: ClassVar[ModuleType]
