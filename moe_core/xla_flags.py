@@ -1,13 +1,11 @@
 """The XLA flags that expert parallelism wants on GPU, with the reason for each.
 
-    from moe_core import xla_flags
-    xla_flags.apply_gpu_ep_flags()  # Before jax creates its GPU client.
-    import jax
-
-XLA reads XLA_FLAGS once, when jax first creates a backend, and aborts the
-process on a flag it does not know ("Unknown flag in XLA_FLAGS"). Every flag
-here exists in jaxlib 0.10.2 (checked by `xla_flags_test.py`, which starts
-jax with them); on a newer jaxlib run that test again.
+Call `xla_flags.apply_gpu_ep_flags()` before jax creates its GPU client
+(docs/expert_parallel.md, "XLA flags for EP on GPU"): XLA reads XLA_FLAGS
+once, when jax first creates a backend, and aborts the process on a flag it
+does not know ("Unknown flag in XLA_FLAGS"). Every flag here exists in
+jaxlib 0.10.2 (checked by `xla_flags_test.py`, which starts jax with them);
+on a newer jaxlib run that test again.
 """
 
 from __future__ import annotations

@@ -2,19 +2,14 @@
 
 `moe_layer(..., mesh=...)` (here, or `moe_core.moe_layer` with `mesh=`) runs
 one MoE block with its experts split over the expert axis of a mesh. The
-package, one concern a module:
-
-  options.py   EPOptions, the exchange names, buffer sizing (pure Python)
-  exchange.py  the `Exchange` interface (how rows travel) and its lookup
-  padded.py    `jax.lax.all_to_all` of a static padded buffer (any platform)
-  ragged.py    `jax.lax.ragged_all_to_all`, native or emulated
-  stages.py    route, dispatch, combine: call them inside `jax.shard_map`
-  overflow.py  BufferOverflowError and its check, for bounded buffers
-  layer.py     routed_experts (per device), moe_layer (under shard_map),
-               param_specs, shard_params
-
-Mesh and option checks live in `moe_core.validation`, version shims in
-`moe_core.compat`. docs/expert_parallel.md has the whole picture.
+package has one concern a module: `options` (EPOptions, the exchange names,
+buffer sizing; pure Python), `exchange` (the `Exchange` interface: how rows
+travel) with `padded` and `ragged`, its transports, `stages` (route,
+dispatch, combine: call them inside `jax.shard_map`), `overflow` (bounded
+buffers) and `layer` (routed_experts per device, moe_layer under shard_map,
+param_specs, shard_params). Mesh and option checks live in
+`moe_core.validation`, version shims in `moe_core.compat`;
+docs/expert_parallel.md has the whole picture.
 """
 
 from moe_core.parallel.exchange import Exchange

@@ -1,37 +1,15 @@
 """The exchange interface: how token copies reach their experts' devices.
 
-An expert-parallel layer moves every token copy to the device that holds
-its expert and moves the expert's output back. `stages.dispatch` and
-`stages.combine` do everything that does not depend on how the rows travel:
-
-  1. sort this device's M = T_l*K copies by expert, hence by destination
-     device (the send order);
-  2. all_gather the per-expert counts: wanted[src, dst] copies for every
-     pair of devices;
-  3. ask the exchange which copies fit its buffers and where they land
-     (`capacity`, `admit`), which gives the `Layout`;
-  4. move the rows (`send`), regroup what arrived by local expert, run the
-     experts;
-  5. move the outputs back (`send_back`), pick each copy's row
-     (`return_slot`), weight and sum per token.
-
-An `Exchange` supplies steps 3 to 5's data movement, so a new transport is
-a new class and none of the stages branches on it. To add one:
-
-  * subclass `Exchange` in its own module under moe_core/parallel/, or in
-    the folder of the backend whose vendor package it needs (TE's NCCL-EP
-    exchange is backends/te/nccl_ep.py); import any vendor package at the
-    top of that module or lazily: it is loaded only when the exchange is
-    chosen. Set `name`, and implement the six methods;
-  * add `"name": "moe_core.parallel.module:Class"` to
-    `options.EXCHANGE_CLASSES` (that also makes `EPOptions(exchange=name)`
-    valid);
-  * if it cannot run everywhere, set `platforms` and `instead`: a program
-    lowered for another platform is refused then, naming it;
-  * add it to the tests that loop over exchanges (options_test checks the
-    registry, the conformance EP suite compares the layer with one device).
-
-Every method but `capacity` and `describe_capacity` runs inside
+An expert-parallel layer moves every token copy to the device that holds its
+expert and moves the expert's output back. `stages.dispatch` and
+`stages.combine` do everything that does not depend on how the rows travel
+(sort the copies by destination, all_gather the per-expert counts, regroup
+what arrived, weight and sum per token); an `Exchange` decides which copies
+fit its buffers and where they land (`capacity`, `admit`, giving the
+`Layout`) and moves the rows there and back (`send`, `send_back`,
+`return_slot`), so a new transport is a new class and none of the stages
+branches on it (docs/expert_parallel.md, "The exchange interface", says how
+to add one). Every method but `capacity` and `describe_capacity` runs inside
 `jax.shard_map` over the expert axis, on traced arrays; `ep` is that axis's
 size. Rows are [*, D] in the activations' dtype; sizes and offsets int32.
 Gradients come from JAX's transpose of the collectives used (the reverse

@@ -1,17 +1,15 @@
 """How the expert-parallel exchange runs, and how big its buffers are.
 
 Pure Python: nothing here traces or needs a device, so the sizing can be
-tested (and reasoned about) on its own.
-
-Buffers. A token's K experts are distinct, so it sends at most min(K, E_l)
-copies to one device. A device therefore receives at most
-ep * T_l * min(K, E_l) rows: that is the static, drop-free receive buffer
-(ep * min(K, E_l) / K times the T_l*K rows it receives on average). The
-padded exchange also sends that many rows (T_l * min(K, E_l) per peer, zeros
-past the real ones). `EPOptions.buffer_factor` bounds the buffers instead;
-copies that do not fit are counted, and either raise (`overflow="error"`) or
-are dropped with their count in `MoEAux.dropped_tokens` and `kept` False
-(`overflow="drop"`). Never silently.
+tested (and reasoned about) on its own. A token's K experts are distinct, so
+it sends at most min(K, E_l) copies to one device, and a device receives at
+most ep * T_l * min(K, E_l) rows: the static, drop-free receive buffer (ep *
+min(K, E_l) / K times the average; the padded exchange sends that many rows
+too). `EPOptions.buffer_factor` bounds the buffers instead; copies that do
+not fit are counted, and either raise (`overflow="error"`) or are dropped
+with their count in `MoEAux.dropped_tokens` and `kept` False
+(`overflow="drop"`), never silently (docs/expert_parallel.md, "What the
+drop-free fallback costs in memory").
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """The expert-parallel stages: route, dispatch, combine; call in shard_map.
 
-    device i (of ep on the expert axis) holds T_l tokens and experts
-    [i*E_l, (i+1)*E_l), E_l = E / ep.
-
-    route        locally (router replicated); counts, losses summed over
-      |          every token shard, so aux equals the single-device aux
-      v
-    dispatch     sort the T_l*K copies by expert (so by destination),
-      |          all_gather the per-expert counts, send each peer its rows
-      |          (an `exchange.Exchange`), regroup the received rows by
-      v          local expert
-    expert FFN   backend.expert_ffn on [R, D] rows, group_sizes [E_l]
-      v
-    combine      the reverse exchange, then the single-device weighted sum
-                 back in token order
-
-Nothing here depends on how rows travel: that is the exchange's. Gradients
-need no custom rule: the transpose of each collective is the reverse
-exchange, which JAX derives.
+Device i (of ep on the expert axis) holds T_l tokens and experts
+[i*E_l, (i+1)*E_l), E_l = E / ep. `route` runs locally (router replicated;
+counts and losses summed over every token shard, so aux equals the
+single-device aux); `dispatch` sorts the T_l*K copies by expert (so by
+destination), all_gathers the per-expert counts, sends each peer its rows
+through an `exchange.Exchange` and regroups the received rows [R, D] by
+local expert (group_sizes [E_l]) for `backend.expert_ffn`; `combine` runs
+the reverse exchange, then the single-device weighted sum back in token
+order (docs/expert_parallel.md draws it). Nothing here depends on how rows
+travel: that is the exchange's. Gradients need no custom rule: the
+transpose of each collective is the reverse exchange, which JAX derives.
 """
 
 from __future__ import annotations
