@@ -1,23 +1,10 @@
 """The MoE layer: route -> dispatch -> expert compute -> combine.
 
-    x [..., D]
-      | flatten to [T, D]
-      v
-    route        x @ router (float32) -> scores -> (biased, group-limited)
-      |          top-k -> expert_ids [T, K], combine_weights [T, K], aux
-      v
-    dispatch     T*K token copies sorted by expert -> rows [T*K, D],
-      |          group_sizes [E] (no padding to capacity)
-      v
-    expert FFN   act(rows @ w_gate[e]) * (rows @ w_up[e]) @ w_down[e], one
-      |          grouped GEMM per projection over the ragged groups
-      v
-    combine      un-permute, weight and sum each token's K outputs -> [T, D]
-      |
-      + shared expert (optional, optionally sigmoid-gated)
-      v
-    y [..., D]
-
+`moe_layer` flattens x [..., D] to [T, D], routes each token to K experts,
+sorts the T*K token copies by expert into ragged groups (no padding to
+capacity), runs each expert's gated FFN as one grouped GEMM per projection,
+and weights and sums each token's K outputs back in token order, adding the
+shared expert when there is one (docs/api.md, "The pipeline", draws it).
 Every stage is a public function or Backend method and can be used alone; a
 backend overrides any of them. With `mesh=`, the same pipeline runs with
 expert parallelism (`moe_core/parallel/`: each device routes its tokens,

@@ -1,32 +1,12 @@
 """The Backend interface: a grouped GEMM, plus overridable MoE stages.
 
-The contract every backend keeps, whatever it overrides:
-
-  * The public methods are template methods: each validates its inputs
-    once (`moe_core.validation`), then calls unchecked internals and the
-    backend's hooks (`_grouped_gemm`, `_gate_up`, `_gated_gate_up`, `_down`,
-    `_route`, `_gather`, `_combine`); dtypes outside `Backend.dtypes` raise
-    NotImplementedError, and the weights are cast. A hook sees validated
-    inputs only.
-  * Rows past sum(group_sizes) come out as zeros and get zero gradient,
-    whatever they hold (NaN included).
-  * Values only the device knows follow the run-time policy (docs/api.md,
-    "Guarantees"; `moe_core.checks`), in the templates, so every backend
-    gives the same answer: group sizes with a negative entry or a sum past
-    the rows make the whole GEMM/FFN output NaN (and NaN reaches the
-    gradients of rows and weights); expert ids out of range make their
-    token's output NaN. Hooks see sanitised sizes (zeros, then).
-  * The expert GEMM outputs carry the checkpoint names of `CHECKPOINT_NAMES`
-    (GATE_NAME, UP_NAME, DOWN_NAME), which the remat policies of
-    `moe_core.remat` key on. A backend that fuses the activation into the
-    gate/up kernel has no gate or up array to name: it emits DOWN_NAME only,
-    and says so through `checkpoint_names`. The conformance suite
-    `conformance/checkpoint_names_suite.py` checks what is saved.
-  * A backend raises NotImplementedError only for valid inputs it cannot
-    handle; `backend="auto"` then falls through to the next backend.
-
-Over 400 lines because it is one job: the template every backend fills,
-its template methods and its hooks.
+`Backend`'s public methods are template methods: each validates its inputs
+once (`moe_core.validation`), applies the run-time policy for values only
+the device knows (`moe_core.checks`), names the expert GEMM outputs for the
+remat policies (`CHECKPOINT_NAMES`), and calls the hooks a backend fills, so
+every backend keeps the same contract (docs/backends.md, "The contract every
+backend keeps"). Over 400 lines because it is one job: the template every
+backend fills, its template methods and its hooks.
 """
 
 from __future__ import annotations

@@ -2,23 +2,14 @@
 
 The run-time policy (docs/api.md, "Guarantees"). A value that only the device
 knows (expert ids, group sizes, token counts, a rate under jit) cannot raise
-without a host sync, which a training step must not pay. So by default a bad
-value makes the outputs it touches NaN, and routing counts it in
-`MoEAux.invalid_assignments`; concrete values (eager calls) raise ValueError
-where they are given (`moe_core.validation`).
-
-The same conditions are also written as `debug_check`s, which are traced
-only while `checked` traces the function: then they fail under
-`checkify.checkify` with the eager error's words. Outside `checked` they
-leave nothing in the program (no checkify effect), so a plain jitted or
-exported layer is serialisable (`jax.export`'s `Exported.serialize`).
-
-    y, aux = moe_core.checked(jax.jit(layer))(params, x)   # raises on bad ids
-
-Names say which kind a check is: `moe_core.validation.check_*` raise now (on
-shapes, dtypes and concrete values); the `flag_*` here return a traced mask
-of what is bad and never raise (their `debug_check`s fail only under
-`checked`).
+without a host sync, which a training step must not pay, so by default a bad
+value makes the outputs it touches NaN and routing counts it in
+`MoEAux.invalid_assignments` (concrete values in eager calls raise
+ValueError where they are given, in `moe_core.validation`); the same
+conditions are also written as `debug_check`s, which fail only under
+`checked`. Names say which kind a check is: `moe_core.validation.check_*`
+raise now (on shapes, dtypes and concrete values); the `flag_*` here return
+a traced mask of what is bad and never raise.
 """
 
 from __future__ import annotations
@@ -52,7 +43,8 @@ def debug_check(ok: jax.Array, message: str, *values: jax.Array) -> None:
   `message` has one "{}" per value; the values are formatted on the device.
   Outside `checked` the check is not traced at all: a checkify check left
   in a plain program would carry an effect that `jax.export` cannot
-  serialise, and would cost a little in every jitted call.
+  serialise (`Exported.serialize`), and would cost a little in every jitted
+  call. Under `checked` it fails with the eager error's words.
   """
   if tracing_checked():
     checkify.debug_check(ok, message, *values)
@@ -67,6 +59,9 @@ def checked(fn: Callable) -> Callable:
   ValueError whose message is the check's (the same words as the eager
   ValueError). Arguments and results are `fn`'s. A `checked` function may
   itself be jitted; its program then carries checkify's error outputs.
+
+  Example:
+    y, aux = moe_core.checked(jax.jit(layer))(params, x)  # raises on bad ids
   """
   checkified = checkify.checkify(fn, errors=checkify.user_checks)
 

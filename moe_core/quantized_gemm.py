@@ -1,24 +1,13 @@
 """Grouped GEMMs on quantised operands, shared by the backends.
 
 `Backend.grouped_gemm(..., precision=recipe)` quantises both operands once
-(`moe_core.precision`) and hands a backend `QuantizedGemmOperands`. This
-module holds what every backend needs around that:
-
-  * `straight_through`: the forward GEMM on quantised operands, the
-    derivatives the unquantised GEMM's (the quantiser's derivative taken as
-    1, the usual straight-through estimator). Gradients are computed in the
-    activation dtype from the unquantised operands: what Transformer
-    Engine's recipes do for the weights they keep in high precision, and
-    the simplest choice whose error does not compound with the forward's.
-  * `scaled_grouped_gemm`: the product itself, built on a backend's own
-    float32 grouped GEMM (the `xla` backend's; `pallas` does the same inside
-    its kernel), with the scales applied the way a GPU kernel
-    applies them: after each K block's product for the FP8 recipes
-    ("fp8_tensor": one block, the whole of K; "fp8_block": 128 wide), and by
-    dequantising each block before the product for "mxfp8" and "nvfp4"
-    (their emulation on hardware without them).
-  * `dequantized_grouped_gemm`: dequantise both operands, then multiply: the
-    reference's definition.
+(`moe_core.precision`) and hands a backend `QuantizedGemmOperands`; this
+module holds what every backend needs around that: `straight_through` (the
+forward GEMM on quantised operands with the unquantised GEMM's derivatives,
+the usual straight-through estimator), `scaled_grouped_gemm` (the product
+with the scales applied the way a GPU kernel applies them, on a backend's
+own float32 grouped GEMM) and `dequantized_grouped_gemm` (dequantise both
+operands, then multiply: the reference's definition).
 """
 
 from __future__ import annotations
@@ -54,6 +43,11 @@ def straight_through(
   jvp, linearize and Hessians. `quantized_forward` is never differentiated
   (it may be a kernel without derivatives, as Transformer Engine's is):
   every derivative, of any order, is unquantized's.
+
+  Gradients are thus computed in the activation dtype from the unquantised
+  operands (the quantiser's derivative taken as 1): what Transformer
+  Engine's recipes do for the weights they keep in high precision, and the
+  simplest choice whose error does not compound with the forward's.
   """
 
   @jax.custom_jvp
@@ -141,6 +135,9 @@ def scaled_grouped_gemm(
   (32 and 16 wide) are too narrow for a product each; both operands are
   dequantised per block (in the kernel, on hardware without these formats)
   and multiplied once.
+
+  `gemm` is a backend's own float32 grouped GEMM (the `xla` backend's;
+  `pallas` does the same inside its kernel).
   """
   recipe = q.recipe
   if recipe in ("mxfp8", "nvfp4"):

@@ -3,21 +3,8 @@
 `moe_core`'s `Backend.expert_ffn` tags its grouped-GEMM outputs with
 `jax.ad_checkpoint.checkpoint_name` ("moe_gate", "moe_up", "moe_down"; see
 `moe_core.backend.CHECKPOINT_NAMES`). Run a block under `jax.checkpoint`
-with one of these policies, and what the backward pass keeps is a choice:
-
-  none           no remat: every intermediate is saved (fastest, most memory).
-  full           save nothing inside a block; recompute it in the backward.
-  save_moe       recompute the block but keep the expert GEMM outputs.
-  recompute_moe  keep every other matmul output (dots_saveable), recompute the
-                 expert GEMMs and the elementwise work.
-  offload_moe    like save_moe, but the expert GEMM outputs are moved to
-                 pinned host memory in the forward and back in the backward.
-
-On the CPU, "device" and "pinned_host" memory are the same RAM: offload_moe
-runs (jax 0.10.2 lowers the transfers) and gives the same numbers, but saves
-no memory; it pays off on GPU/TPU. Backends that override `_routed_experts`
-without calling `expert_ffn` (the reference oracle) carry no names, so for
-them save_moe behaves like full.
+with one of the `POLICIES` (`policy(name)` says what each keeps), and what
+the backward pass keeps is a choice between memory and recomputation.
 """
 
 from __future__ import annotations
@@ -36,7 +23,26 @@ def check_policy_name(name: str) -> None:
 
 
 def policy(name: str):
-  """The `jax.checkpoint` policy for `name` (None for "none")."""
+  """The `jax.checkpoint` policy for `name` (None for "none").
+
+  The policies:
+
+    none           no remat: every intermediate is saved (fastest, most
+                   memory).
+    full           save nothing inside a block; recompute it in the backward.
+    save_moe       recompute the block but keep the expert GEMM outputs.
+    recompute_moe  keep every other matmul output (dots_saveable), recompute
+                   the expert GEMMs and the elementwise work.
+    offload_moe    like save_moe, but the expert GEMM outputs are moved to
+                   pinned host memory in the forward and back in the
+                   backward.
+
+  On the CPU, "device" and "pinned_host" memory are the same RAM: offload_moe
+  runs (jax 0.10.2 lowers the transfers) and gives the same numbers, but
+  saves no memory; it pays off on GPU/TPU. Backends that override
+  `_routed_experts` without calling `expert_ffn` (the reference oracle) carry
+  no names, so for them save_moe behaves like full.
+  """
   check_policy_name(name)
   policies = jax.checkpoint_policies
   if name == "none":

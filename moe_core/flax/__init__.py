@@ -1,15 +1,12 @@
 """Flax modules for `moe_core.moe_layer` (needs the optional flax package).
 
 `import moe_core` never imports this package, so the library runs without
-flax; import it by name when you build a Flax model:
-
-    from moe_core.flax import MoE          # flax.nnx
-    from moe_core.flax import LinenMoE     # flax.linen
-    from moe_core.flax import call_block   # an nnx block under a remat policy
-
-Both modules own their parameters in the library's layout
-(`moe_core.param_shapes`), so a checkpoint of either is a `moe_layer` params
-dict, and both return `(y, aux)` exactly as `moe_layer` does.
+flax; import it by name when you build a Flax model: `moe_core.flax.MoE`
+(flax.nnx), `moe_core.flax.LinenMoE` (flax.linen), `moe_core.flax.call_block`
+(an nnx block under a remat policy). Both modules own their parameters in
+the library's layout (`moe_core.param_shapes`), so a checkpoint of either is
+a `moe_layer` params dict, and both return `(y, aux)` exactly as `moe_layer`
+does.
 """
 
 from moe_core.flax.linen_moe import ImmutableBiasError

@@ -1,20 +1,14 @@
 """One process of a multi-process expert-parallel run on CPU (gloo, 127.0.0.1).
 
-Run by `moe_core/multiprocess_test.py`, N copies at once:
-
-    python multiprocess_worker.py --port=P --num_processes=N --process_id=I \
-        --local_devices=2 --mesh=2x4 --out=/tmp/result.npz
-
-Each process joins `jax.distributed` over 127.0.0.1 with gloo collectives,
-builds the same inputs from fixed seeds, runs `moe_layer` with a mesh over
-every process's devices, and process 0 writes y, the aux statistics and the
-gradients (gathered from all processes) to `--out`. The test compares them
-with one process's single-device result.
-
-Failure modes, for the tests that a broken run ends with a clear error and
-not a hang: `--die_process=I` makes process I exit abruptly after joining;
-a process started without its peers times out in `jax.distributed.initialize`.
-Exit codes: 0 success, 3 could not join, 4 the run failed after joining.
+Run by `moe_core/multiprocess_test.py`, N copies at once (`_parse` shows
+the command line): each process joins `jax.distributed` over 127.0.0.1 with
+gloo collectives, builds the same inputs from fixed seeds, runs `moe_layer`
+with a mesh over every process's devices, and process 0 writes y, the aux
+statistics and the gradients (gathered from all processes) to `--out`,
+which the test compares with one process's single-device result; its
+failure modes (`--die_process`, a process started without its peers, the
+exit codes) let the tests check that a broken run ends with a clear error
+and not a hang.
 """
 
 from __future__ import annotations
@@ -25,6 +19,9 @@ import sys
 import time
 import traceback
 
+# Exit codes: 0 success, 3 could not join (a process started without its
+# peers times out in `jax.distributed.initialize`), 4 the run failed after
+# joining.
 EXIT_JOIN_FAILED = 3
 EXIT_RUN_FAILED = 4
 NUM_TOKENS = 32  # x is [8, 4, D]: 4 tokens per device on 8 devices.
@@ -98,6 +95,11 @@ def make_step(cfg, backend, **layer_kwargs):
 
 
 def _parse():
+  """The flags, as in (one command line)
+
+  python multiprocess_worker.py --port=P --num_processes=N --process_id=I
+      --local_devices=2 --mesh=2x4 --out=/tmp/result.npz
+  """
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--port", type=int, required=True)
   parser.add_argument("--num_processes", type=int, required=True)
@@ -114,6 +116,7 @@ def _parse():
   parser.add_argument("--out", default="")
   parser.add_argument("--init_timeout", type=int, default=60)
   parser.add_argument("--heartbeat_timeout", type=int, default=10)
+  # Process I exits abruptly after joining, for the failure tests.
   parser.add_argument("--die_process", type=int, default=-1)
   return parser.parse_args()
 
