@@ -4,32 +4,12 @@ Converts the sparse MoE block (router, routed experts, shared expert) of the
 transformers families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2 and
 DeepSeek-V3, so that `moe_core.moe_layer` computes what the transformers 5.x
 block computes for the same weights (see `reference/hf_parity_test.py`, whose
-docstring lists how the families differ). Attention, norms and the choice of
-which layers are sparse (`decoder_sparse_step`, `mlp_only_layers`,
-`first_k_dense_replace`) are out of scope.
-
-What is converted:
-  `moe_config_from_hf(hf_config)`: expert count, top-k, widths, score
-    function, top-k normalisation (and its epsilon), routed scaling,
-    correction bias, group-limited selection, shared expert and its gate,
-    activation.
-  `params_from_hf(state_dict, cfg)`: the block's tensors, keyed relative to
-    the block (pass `prefix`, e.g. "model.layers.3.mlp.", for a whole model):
-      gate.weight [E, D]                      -> router [D, E]
-      gate.e_score_correction_bias [E]        -> correction_bias [E]
-      experts.gate_up_proj [E, 2F, D]         -> w_gate, w_up [E, D, F]
-        (transformers 5.x: gate rows first, then up rows)
-      experts.down_proj [E, D, F]             -> w_down [E, F, D]
-      experts.{e}.{gate,up,down}_proj.weight  -> the same, per expert
-      experts.{e}.{w1,w3,w2}.weight           -> the same (Mixtral checkpoints)
-      shared_expert(s).{gate,up,down}_proj.weight [out, in]
-                                              -> shared_w_* [in, out]
-      shared_expert_gate.weight [1, D]        -> shared_gate [D, 1]
-    Hugging Face stores nn.Linear weights as [out, in]; dropless multiplies
-    x @ W, so every matrix is transposed.
-
-Nothing here imports torch: tensors are read through their own methods, and
-numpy arrays are accepted as well.
+docstring lists how the families differ): `moe_config_from_hf` gives the
+config, `params_from_hf` the block's tensors. Attention, norms and the
+choice of which layers are sparse (`decoder_sparse_step`, `mlp_only_layers`,
+`first_k_dense_replace`) are out of scope. Nothing here imports torch:
+tensors are read through their own methods, and numpy arrays are accepted
+as well.
 """
 
 from __future__ import annotations
@@ -73,6 +53,10 @@ def _activation(hf_config) -> str:
 
 def moe_config_from_hf(hf_config, **overrides) -> config_lib.MoEConfig:
   """The `MoEConfig` of one sparse block of a transformers model config.
+
+  Converted: expert count, top-k, widths, score function, top-k
+  normalisation (and its epsilon), routed scaling, correction bias,
+  group-limited selection, shared expert and its gate, activation.
 
   Args:
     hf_config: a transformers config whose `model_type` is one of
@@ -215,7 +199,7 @@ def params_from_hf(
 
   Args:
     state_dict: name -> tensor, e.g. `block.state_dict()` (torch tensors or
-      numpy arrays), keyed as listed in the module docstring.
+      numpy arrays), keyed as listed below.
     cfg: the block's config (from `moe_config_from_hf`).
     prefix: prepended to every key, e.g. "model.layers.3.mlp.".
     dtype: dtype of the expert and shared weights. The router and the
@@ -224,6 +208,22 @@ def params_from_hf(
 
   Returns:
     A dict in the layout of `moe_core.param_shapes(cfg)`.
+
+  Keys, relative to the block (`prefix` for a whole model):
+
+    gate.weight [E, D]                      -> router [D, E]
+    gate.e_score_correction_bias [E]        -> correction_bias [E]
+    experts.gate_up_proj [E, 2F, D]         -> w_gate, w_up [E, D, F]
+      (transformers 5.x: gate rows first, then up rows)
+    experts.down_proj [E, D, F]             -> w_down [E, F, D]
+    experts.{e}.{gate,up,down}_proj.weight  -> the same, per expert
+    experts.{e}.{w1,w3,w2}.weight           -> the same (Mixtral checkpoints)
+    shared_expert(s).{gate,up,down}_proj.weight [out, in]
+                                            -> shared_w_* [in, out]
+    shared_expert_gate.weight [1, D]        -> shared_gate [D, 1]
+
+  Hugging Face stores nn.Linear weights as [out, in]; dropless multiplies
+  x @ W, so every matrix is transposed.
   """
   want = params_lib.param_shapes(cfg)
   params = {"router": _to_numpy(state_dict[prefix + "gate.weight"]).T}
