@@ -1,20 +1,16 @@
 """Transformer Engine, imported lazily: availability, paths and lowering aids.
 
 Everything here is safe to import without Transformer Engine (TE): the
-package is imported on the first call that needs it. The backend, the
-NCCL-EP exchange and the tests share these helpers:
-
-  import_te()              the `transformer_engine.jax` module (ImportError
-                           naming what to install when it is missing).
-  installed()              (TE importable here, why not).
-  availability(cc)         TE installed, a CUDA GPU, of capability >= cc.
-  compute_capability(cc)   makes TE's tracing believe the GPU is sm_<cc>,
-                           for `jax.export(..., platforms=["cuda"])` on a
-                           machine without one.
-  custom_call_targets()    TE's registered FFI targets.
-  grouped_gemm_path(cc)    which bf16 grouped-GEMM kernel TE picks on sm_<cc>.
-  lowering_needs_devices   marks primitives that lower TE's calls as needing
-                           the program's devices (TE's custom_partitioning).
+package is imported on the first call that needs it (`import_te`, which
+raises ImportError naming what to install). The backend, the NCCL-EP
+exchange and the tests share these helpers: whether TE is installed and
+usable on a GPU of some capability (`installed`, `availability`), making
+TE's tracing believe the GPU is sm_<cc> for `jax.export(...,
+platforms=["cuda"])` on a machine without one (`compute_capability`), TE's
+registered FFI targets (`custom_call_targets`), which bf16 grouped-GEMM
+kernel TE picks on sm_<cc> (`grouped_gemm_path`), and marking the
+primitives that lower TE's calls as needing the program's devices
+(`lowering_needs_devices`, for TE's custom_partitioning).
 """
 
 from __future__ import annotations

@@ -5,39 +5,14 @@ NCCL-EP kernels (`transformer_engine.jax.ep`, high-throughput mode), chosen
 by `EPOptions(exchange="te_nccl_ep")`; `"auto"` never picks it. Its layout is
 the ragged exchange's (a receive buffer of `capacity` rows, each source's
 rows stacked in device order, results back in the send order), so the
-stages run unchanged. How NCCL-EP is made to fit that interface:
-
-  * NCCL-EP routes tokens to experts. Here every copy is a "token" with one
-    choice (top_k = 1), and the "experts" are the devices: the communicator
-    is created with one expert per device of the expert axis, so a copy's
-    destination device is its expert and the real experts stay the stages'.
-  * NCCL-EP lays out what a device receives by expert, in an order of its
-    own, padded to 128 rows. Each copy therefore carries its row in the
-    interface's buffer as its routing "weight" (float32: exact below 2**24),
-    and the receiver scatters the rows there. So no row's place depends on
-    NCCL-EP's internal order, and its padding rows (not initialised) are
-    never read: only the first sum(recv_sizes) rows of its slab are real.
-  * NCCL-EP's combine is the inverse of one dispatch and needs that
-    dispatch's routing state (`handle_mem`), which the interface cannot
-    carry from `send` to `send_back`, and its order is NCCL-EP's own. So
-    `send_back` is a second dispatch, from the experts' devices back to the
-    copies' devices, tagged with each copy's place in its send order.
-    NCCL-EP's combine (an unweighted sum: the caller must pre-multiply the
-    weights) is not used; the stages weight and sum the copies as for every
-    exchange.
-  * Copies a bounded buffer does not admit are routed to expert -1, which
-    NCCL-EP skips.
-  * The dispatch and its derivatives (transpose: NCCL-EP's dispatch
-    backward; tangent: a second dispatch) are JAX primitives in
-    `backends.te.nccl_ep_ops`. The tags carry none.
-
-What NCCL-EP needs, and what raises otherwise: a communicator created
-outside jit, once per process, for the layer's sizes (`bootstrap`; tracing
-without it raises NotImplementedError); bfloat16 rows (other dtypes raise
-NotImplementedError naming the dtype); at least 2 devices on the expert
-axis; and, checked when `bootstrap` runs (by TE and NCCL-EP, not here),
-SM90 or newer GPUs joined by NVLink, one GPU per process unless TE was
-built with XLA's borrowed communicator.
+stages run unchanged; docs/te.md ("The NCCL-EP exchange") says how NCCL-EP
+is made to fit that interface. It needs a communicator created outside jit,
+once per process, for the layer's sizes (`bootstrap`; tracing without it
+raises NotImplementedError), bfloat16 rows (other dtypes raise
+NotImplementedError naming the dtype), at least 2 devices on the expert axis
+and, checked when `bootstrap` runs (by TE and NCCL-EP, not here), SM90 or
+newer GPUs joined by NVLink, one GPU per process unless TE was built with
+XLA's borrowed communicator.
 """
 
 from __future__ import annotations

@@ -2,18 +2,11 @@
 
 `transformer_engine.jax.permutation.pure_jax_token_combine` undoes the sort
 of the library's dispatch plan (`moe_core.permute.plan`) and sums each
-token's K weighted outputs. The plan and the gather are the library's: TE's
-`pure_jax_token_dispatch` would sort again (TE's own argsort) to the same
-plan, and TE's Triton kernels (`token_dispatch`, `token_combine`) need
-`triton`, so they can neither run nor be lowered where it is missing (the
-CPU CI), leave the rows they do not write uninitialised, and take TE's
-row_id_map, which the plan does not carry.
-
-TE's helper is wrapped in a custom VJP of TE's (`_sort_activations`), which
-forward mode cannot go through, so it is never differentiated: it is the
-combine kernel of moe_core's permutation ops (`TEPermutationKernels`),
-which differentiate it. Forward and reverse mode, vmap, shard_map and
-export then all work.
+token's K weighted outputs; the plan and the gather stay the library's
+(docs/te.md, "The combine", says why not TE's dispatch or Triton kernels).
+TE's helper is the combine kernel of moe_core's permutation ops
+(`TEPermutationKernels`), which differentiate it, so forward and reverse
+mode, vmap, shard_map and export all work.
 """
 
 from __future__ import annotations
