@@ -1,29 +1,12 @@
 """Pallas kernels of the grouped GEMM: gmm (forward, dX), tgmm (dW), scaled_gmm.
 
 scaled_gmm is gmm's forward on quantised operands (FP8 data in, scales
-applied inside). All are written for the Triton lowering (GPU) and run
-unchanged in interpret mode (CPU). The Triton lowering shapes them:
-  * index maps may not depend on data (no scalar prefetch), so the metadata
-    are int32 inputs read inside the kernel, and operands whose block depends
-    on the group (weights, and gmm's rows and output) are whole-array refs
-    sliced with `pl.ds`;
-  * there is no scratch memory: accumulators are float32 carries of a
-    `lax.fori_loop`;
-  * every block is a power of two >= 16 (tiling.Tiles enforces it); the
-    wrappers pad an axis that no such block divides;
-  * a row tile shared by two groups is written by two programs, each with a
-    masked store of its own rows, never a read-modify-write (which would race
-    on a GPU).
-
-`interpret` is False (lower for the GPU), True (JAX's HLO interpreter, the
-CPU path) or a `pltpu.InterpretParams` (the debug interpreter, which raises
-on out-of-bounds reads and writes). The masked store has two spellings,
-both a masked Triton store when lowered: slices (GPU, debug interpreter) and
-index arrays (HLO interpreter, where the slice form would pad the whole
-output on every step; about 10x slower).
-
-Over 400 lines because it is one job: the three kernels share their
-padding, owned-row stores and loop bounds.
+applied inside). All are written for the Triton lowering (GPU), whose limits
+shape them (docs/pallas.md, "The kernels": no data-dependent index maps, no
+scratch memory, power-of-two blocks, no read-modify-write of a shared row
+tile), and run unchanged in interpret mode (CPU; `interpret` as in
+docs/backends.md). Over 400 lines because it is one job: the three kernels
+share their padding, owned-row stores and loop bounds.
 """
 
 from __future__ import annotations
@@ -97,7 +80,12 @@ def _pad3(w, d1, d2):
 
 
 def _store_owned_rows(o_ref, value, r0, n0, row_start, row_end, indexed):
-  """Stores the rows [row_start, row_end) of value into o_ref[r0:, n0:]."""
+  """Stores the rows [row_start, row_end) of value into o_ref[r0:, n0:].
+
+  Two spellings, both a masked Triton store when lowered: slices (GPU, debug
+  interpreter) and index arrays (`indexed`: JAX's HLO interpreter, where the
+  slice form would pad the whole output on every step; about 10x slower).
+  """
   bm, bn = value.shape
   rows = r0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
   mask = (rows >= row_start) & (rows < row_end)

@@ -4,17 +4,7 @@ Rows are sorted by group; row tiles are `bm` rows. A tile that holds rows of
 several groups is visited once per group, and each visit owns only its
 group's rows (the kernels mask the rest), so no two visits write one row and
 no atomics are needed. The rows at or past sum(group_sizes) form one extra
-group, numbered E, whose visits write zeros.
-
-    rows   |g0 g0 g0 g0|g0 g1 g1 g1|g1 g1 g3 g3|g3 pad pad pad|
-    tiles   0           1           2           3
-    visits  (g0,t0) (g0,t1) (g1,t1) (g1,t2) (g3,t2) (g3,t3) (E,t3) unused...
-
-Visits are ordered by group, then by tile, so a group's visits are
-contiguous: the tgmm kernel for group e walks visits
-group_visits[e] : group_visits[e + 1]. The list has a static length (row
-tiles + E, enough for every boundary); the unused visits at its end own no
-rows and do nothing.
+group, numbered E, whose visits write zeros; `TileMetadata` draws an example.
 """
 
 from __future__ import annotations
@@ -38,6 +28,18 @@ class TileMetadata(NamedTuple):
     row_ends: [V] one past the last row it owns; == row_starts when unused.
     group_visits: [E + 2] CSR offsets: group e's visits are
       group_visits[e] : group_visits[e + 1] (e = E: the padding rows).
+
+  For example, with group 2 empty:
+
+    rows   |g0 g0 g0 g0|g0 g1 g1 g1|g1 g1 g3 g3|g3 pad pad pad|
+    tiles   0           1           2           3
+    visits  (g0,t0) (g0,t1) (g1,t1) (g1,t2) (g3,t2) (g3,t3) (E,t3) unused...
+
+  Visits are ordered by group, then by tile, so a group's visits are
+  contiguous: the tgmm kernel for group e walks visits
+  group_visits[e] : group_visits[e + 1]. The list has a static length (row
+  tiles + E, enough for every boundary); the unused visits at its end own no
+  rows and do nothing.
   """
 
   group_ids: jax.Array

@@ -1,14 +1,9 @@
 """Block sizes and Triton settings of the pallas kernels, and a heuristic.
 
-Every number a kernel uses comes from a `Tiles`; `TileConfig` holds one per
+Every number a kernel uses comes from a `Tiles` (whose attributes say what
+each block size means for gmm and for tgmm); `TileConfig` holds one per
 kernel (forward, dX, dW) and `choose` fills in whatever the caller left to
 the heuristic.
-
-    gmm  (forward, dX)  grid (tile-list visits, N / bn); each program loops
-                        over the contracted width C in steps of bk:
-                        [bm, bk] @ [bk, bn].
-    tgmm (dW)           grid (E, C / bk, N / bn); each program loops over
-                        its group's row tiles: [bk, bm] @ [bm, bn].
 """
 
 from __future__ import annotations
