@@ -1,33 +1,14 @@
 """A grouped GEMM from plain XLA ops: a batched bulk plus a tile loop.
 
 XLA:CPU lowers `jax.lax.ragged_dot` to a dense masked product (E times the
-useful work). This module splits the ragged product in two:
-
-  bulk      the first H rows of every group, gathered into [E, H, C] (zeros
-            past a group's end) and multiplied by all E weights in ONE
-            batched dot. H is static, a little over the mean group size, so
-            for balanced routing the bulk is nearly everything, and the dot
-            reads each expert's weights in place (a per-expert slice inside
-            a loop would be a copy: 2 MB per expert at D=512, F=1024).
-  overflow  rows past H in the groups that have them (hot experts under
-            skew), in a loop over only those groups: each group's rows are
-            cut into tiles of a few heights (`levels`, largest first) that
-            start at the group's first overflow row, the last one partial.
-
-    group g: [ bulk: rows 0..H-1 | largest tiles | ... | smallest tiles ]
-
-The bulk runs only when the routing is balanced enough for it to pay (a
-`lax.cond` on the group sizes); otherwise H is 0 and every row takes the tile
-loop. The forward assembles the output with one gather from the bulk result
-(no zero-filled buffer, no scatter); overflow tiles are then written in place:
-full tiles whole, the partial ones merged (read-modify-write; the loop runs in
-sequence, so this is race-free). The weight gradient is one batched x^T dy
-over the bulk plus per-group sums over the overflow tiles, whose foreign rows
-are zeroed with `where` (so NaN in unused rows stays out). A tile that would
-run past row M is read at M - height instead (dynamic_slice clamps) and
-masked, so no operand is padded. Rows past sum(group_sizes) come out zero.
-Loop buffers stay float32: XLA:CPU updates a bfloat16 buffer by
-converting all of it to float32 and back, every iteration.
+useful work), so this module splits the ragged product in two: the bulk, the
+first H rows of every group gathered into [E, H, C] (zeros past a group's
+end) and multiplied by all E weights in one batched dot, and the overflow,
+the rows past H in the groups that have them, in a loop over only those
+groups, tile by tile (`layout` decides H and walks the tiles; docs/xla.md
+has the design). The bulk runs only when the routing is balanced enough
+for it to pay (a `lax.cond` on the group sizes); otherwise H is 0 and every
+row takes the tile loop. Rows past sum(group_sizes) come out zero.
 """
 
 from __future__ import annotations
@@ -75,7 +56,13 @@ def _with_bulk_if_balanced(fn, group_sizes, loop: Loop, num_rows: int):
 
 
 def _gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, loop: Loop):
-  """Forward: [M, C] x [E, C, N] ([E, N, C] transposed) -> [M, N]."""
+  """Forward: [M, C] x [E, C, N] ([E, N, C] transposed) -> [M, N].
+
+  The output is assembled with one gather from the bulk result (no
+  zero-filled buffer, no scatter); overflow tiles are then written in place:
+  full tiles whole, the partial ones merged (read-modify-write; the loop
+  runs in sequence, so this is race-free).
+  """
   m = rows.shape[0]
   n = weights.shape[1] if transpose_rhs else weights.shape[2]
   cdt = loop.compute_dtype or rows.dtype
@@ -90,6 +77,8 @@ def _gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, loop: Loop):
     )
     out = layout.assemble_from_bulk(y_bulk, group_sizes, m)
   else:
+    # The loop's buffer stays float32: XLA:CPU updates a bfloat16 buffer by
+    # converting all of it to float32 and back, every iteration.
     out = jnp.zeros((m, n), jnp.float32)
 
   def group_start(out, g):  # Each overflowing expert's weights, once.
@@ -120,8 +109,10 @@ def _gmm(rows, weights, group_sizes, transpose_rhs, out_dtype, loop: Loop):
 def _tgmm(lhs, rhs, group_sizes, num_groups, out_dtype, loop: Loop):
   """Per-group lhs_g^T @ rhs_g: [M, A] x [M, B] -> [E, A, B].
 
-  An empty group gives exact zeros; rows past sum(group_sizes) are never
-  read unmasked.
+  One batched x^T dy over the bulk plus per-group sums over the overflow
+  tiles, whose foreign rows are zeroed with `where` (so NaN in unused rows
+  stays out). An empty group gives exact zeros; rows past sum(group_sizes)
+  are never read unmasked.
   """
   m, a, b = lhs.shape[0], lhs.shape[1], rhs.shape[1]
   cdt = loop.compute_dtype or lhs.dtype

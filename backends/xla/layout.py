@@ -1,13 +1,11 @@
 """Where the xla grouped GEMM reads its rows: the bulk and the overflow tiles.
 
 `grouped_gemm.py` multiplies each group's first H rows in one batched dot
-(the bulk) and the rest (the overflow) tile by tile; this module decides H,
-whether the bulk pays for given group sizes, and walks the overflow tiles:
-
-    group g: [ bulk: rows 0..H-1 | largest tiles | ... | smallest tiles ]
-
-A tile that would run past row M is read at M - height instead (as
-dynamic_slice clamps) and masked, so no operand is padded.
+(the bulk) and the rest (the overflow) tile by tile, the tiles of each group
+largest first (docs/xla.md draws it); this module decides H, whether the
+bulk pays for given group sizes, and walks the overflow tiles. A tile that
+would run past row M is read at M - height instead (as dynamic_slice
+clamps) and masked, so no operand is padded.
 """
 
 from __future__ import annotations
