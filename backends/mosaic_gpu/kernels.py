@@ -1,32 +1,14 @@
 """Grouped GEMM over a tile list as Mosaic GPU kernels (Hopper: TMA + wgmma).
 
-One kernel, `gmm`, does the forward, the dX and the fused gate+up products:
-
-    out[a][rows of group g] = epilogue(sum over products (l, r, a) of
-                                       lhs[l][rows] @ rhs[r][g])
-
-The rows are sorted by group and cut into row tiles of `bm`; the tile list
-(`backends.pallas.metadata`, built on the device from `group_sizes`) visits
-a tile once per group that owns rows in it, so a tile shared by two groups
-is computed twice with different weights and each visit stores only its own
-rows. Visits x column blocks are spread over a persistent grid of one
-program per SM (`plgpu.nd_loop`); each program pipelines its [bm, bk] and
-[bk, bn] blocks through shared memory with TMA (`plgpu.emit_pipeline`) into
-warpgroup MMAs accumulating in registers.
-
-Rows past sum(group_sizes) form the tile list's padding group (E): its
-visits skip the pipeline and store zeros, so NaN in those rows never reaches
-the output. Group sizes stay on the device: the only scalars the kernel
-reads are the tile list's entries.
-
-A visit owns a run of rows that need not start or end on a tile boundary,
-and TMA stores need static sizes; the store is a ladder of power-of-two row
-copies (bm, bm/2, ..., 1) from shared memory, each issued when that bit of
-the owned row count is set, so any count 0..bm is written with at most
-log2(bm) + 1 copies and no masked stores.
-
-Over 400 lines because it is one job: the Hopper kernel and the pieces
-(work items, pipeline, stores) the Blackwell kernel reuses with its own MMA.
+One kernel, `gmm`, does the forward, the dX and the fused gate+up products
+(out[a][rows of group g] = epilogue(sum over products (l, r, a) of
+lhs[l][rows] @ rhs[r][g])) over the tile list of `backends.pallas.metadata`,
+built on the device from `group_sizes`: visits x column blocks are spread
+over a persistent grid of one program per SM, each pipelining its blocks
+through shared memory with TMA into warpgroup MMAs accumulating in
+registers (docs/mosaic_gpu.md, "The kernels", has the design). Over 400
+lines because it is one job: the Hopper kernel and the pieces (work items,
+pipeline, stores) the Blackwell kernel reuses with its own MMA.
 """
 
 from __future__ import annotations
@@ -62,7 +44,11 @@ def _store_owned_rows(o_smem, o_gmem, tile_row0, row_start, row_end, n0, bn):
   """Copies rows [row_start, row_end) of the tile from SMEM to GMEM.
 
   o_smem holds the whole [bm, bn] tile whose first row is tile_row0; the
-  owned count is written as a sum of power-of-two TMA copies.
+  owned count is written as a sum of power-of-two TMA copies. A visit owns
+  a run of rows that need not start or end on a tile boundary, and TMA
+  stores need static sizes: the store is a ladder of copies (bm, bm/2, ...,
+  1), each issued when that bit of the owned row count is set, so any count
+  0..bm is written with at most log2(bm) + 1 copies and no masked stores.
   """
   bm = o_smem.shape[0]
   count = row_end - row_start

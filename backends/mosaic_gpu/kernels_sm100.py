@@ -1,34 +1,13 @@
 """The grouped GEMM of `kernels.gmm` for Blackwell (sm_100: tcgen05 + TMEM).
 
-Same contract, tile list and store path as `kernels.gmm` (read its module
-docstring first); only the MMA differs. Hopper's `wgmma` accumulates in the
-registers of the warpgroup; sm_100 has no `wgmma` and its tensor cores
-(`tcgen05.mma`) accumulate in tensor memory (TMEM) instead, asynchronously:
-an MMA is issued by one thread, and its completion is observed through a
-barrier that orders the tensor core (`tcgen05_commit_arrive`).
-
-One warpgroup per CTA does everything (no 2-CTA MMA, no warp
-specialisation). Per work item (a visit x a column block):
-
-    TMA  [bm, bk], [bk, bn] blocks -> SMEM      (`emit_pipeline`, `stages`)
-    step c: issue the products' MMAs into TMEM, commit to mma_done[c % 2],
-            then wait for step c - 1's commit: its SMEM blocks, released one
-            step late (delay_release=1), are then no longer read
-    end:    wait for the last commit; TMEM -> registers -> epilogue -> SMEM
-            -> the power-of-two store ladder of `kernels.store_tiles`
-
-A TMEM accumulator has 128 lanes, so a row tile of bm = 256 is two
-accumulators of 128 rows per product target (two M = 128 MMAs); bm = 64
-uses the M = 64 MMA and a half-lane TMEM accumulator. TMEM holds 512
-float32 columns: num_accs * max(1, bm / 128) * bn must fit.
-
-The epilogue is applied to one accumulator row block at a time
-([min(bm, 128), bn] float32 per accumulator), so it must treat rows
-independently (the fused gate/up epilogues are elementwise).
-
-Visits that own no rows and the padding group skip the MMAs and give the
-epilogue zeros, as in `kernels.gmm`: stale TMEM (or NaN rows past
-sum(group_sizes)) never reaches the output.
+Same contract, tile list and store path as `kernels.gmm`; only the MMA
+differs. Hopper's `wgmma` accumulates in the registers of the warpgroup;
+sm_100 has no `wgmma` and its tensor cores (`tcgen05.mma`) accumulate in
+tensor memory (TMEM) instead, asynchronously: an MMA is issued by one
+thread, and its completion is observed through a barrier that orders the
+tensor core (`tcgen05_commit_arrive`). One warpgroup per CTA does
+everything (no 2-CTA MMA, no warp specialisation); docs/mosaic_gpu.md
+("Blackwell") has the per-step pipeline and the TMEM layout.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The Mosaic GPU kernels as differentiable ops (`moe_core.kernels`).
 
-grouped_gemm   y = x @ w[g]           forward, dX: Mosaic GPU gmm
-                                      dW: the Pallas Triton tgmm
-gate_up        gate, up = x @ wg[g], x @ wu[g] in one pass over x (two
-               accumulators); dX: one gmm summing both products; dW: one
-               tgmm, two outputs
-gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), the activation in the
-               epilogue; the same derivatives through the activation's.
-
-dW stays on the Pallas Triton kernel (`backends.pallas.kernels.tgmm`):
-tokamax's H100 autotuning data has a Mosaic GPU dW at about 114 TFLOP/s
-against 500-725 for Triton. Under the Mosaic GPU interpreter it runs under
-Pallas' interpreter.
+`grouped_gemm` (y = x @ w[g]), `gate_up` (gate and up in one pass over x,
+two accumulators) and `gated_gate_up` (act(gate) * up, the activation in the
+epilogue) run their forward and dX on the Mosaic GPU gmm (gate_up's dX one
+gmm summing both products) and their dW on the Pallas Triton tgmm
+(`backends.pallas.kernels.tgmm`, two outputs for gate_up): tokamax's H100
+autotuning data has a Mosaic GPU dW at about 114 TFLOP/s against 500-725
+for Triton. Under the Mosaic GPU interpreter it runs under Pallas'
+interpreter.
 """
 
 from __future__ import annotations

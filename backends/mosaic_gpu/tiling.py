@@ -1,15 +1,13 @@
 """Block sizes and pipeline depth of the Mosaic GPU kernels: a table and a fit.
 
-    gmm (forward, dX)   persistent programs over (tile-list visits x N / bn);
-                        each pipelines C in steps of bk through shared memory:
-                        [bm, bk] @ [bk, bn] per step, `stages` steps in flight.
-
-`TABLE` holds the shipped tiles per (GPU generation, kernel kind, shape
-bucket); `choose` takes the caller's tiles if given, else the table's entry,
-else `heuristic`, and always fits the result to registers and shared memory
-(`fit`). dW does not run here: it stays on the Pallas Triton kernel
-(`backends/pallas`), which tokamax's H100 data shows 4-6x faster than a
-Mosaic GPU dW.
+gmm (forward, dX) runs persistent programs over (tile-list visits x N / bn),
+each pipelining C in steps of bk through shared memory ([bm, bk] @ [bk, bn]
+per step, `stages` steps in flight). `TABLE` holds the shipped tiles per
+(GPU generation, kernel kind, shape bucket); `choose` takes the caller's
+tiles if given, else the table's entry, else `heuristic`, and always fits
+the result to registers and shared memory (`fit`). dW does not run here: it
+stays on the Pallas Triton kernel (`backends/pallas`), which tokamax's H100
+data shows 4-6x faster than a Mosaic GPU dW.
 """
 
 from __future__ import annotations
