@@ -1,31 +1,17 @@
 """Triton kernels of the grouped GEMM: gmm (forward, dX, gated), tgmm (dW).
 
 Rows are sorted by group: group e owns rows [offsets[e], offsets[e + 1]),
-offsets = [0, cumsum(group_sizes)]. The rows at or past offsets[E] form a
-tail pseudo-group, numbered E, whose outputs are exact zeros whatever the
-rows hold (NaN included): every load is masked with `other=0`, so a row
-outside the program's group never reaches a product.
-
-gmm walks a static-length tile list (`tile_list`): one entry
-per (group, row tile) pair that the group touches. A row tile shared by two
-groups is visited once per group and each visit stores only its own rows
-(a masked store, never a read-modify-write), so every output element has
-exactly one writer and no atomics are needed. With an ACTIVATION it is the
-gated gate/up pass, act(x @ w_gate) * (x @ w_up): one kernel body, so the
-plain and gated products share their tile walk, masks and epilogue. tgmm
+offsets = [0, cumsum(group_sizes)], and the rows at or past offsets[E] form
+a tail pseudo-group, numbered E, whose outputs are exact zeros whatever the
+rows hold (every load is masked with `other=0`). gmm walks a static-length
+tile list (`tile_list`, one entry per (group, row tile) pair; each visit
+stores only its own rows, so every output element has one writer and no
+atomics are needed), with an ACTIVATION as the gated gate/up pass; tgmm
 runs one program per (group, output block) and loops over the group's rows
-with a run-time bound.
-
-Shapes and tiles are constexprs; all run-time counts are int32 device
-arrays. `DOT_F32` upcasts both dot operands to float32: Triton's interpreter
-gets bf16 `tl.dot` wrong (triton-lang/triton#11584), so it is always set
-there; on a GPU it is False and bf16 goes to the tensor cores. Float32
-operands use IEEE products ("ieee"), not TF32, matching the reference.
-
-This module imports triton at the top; import it lazily.
-
-Over 400 lines because it is one job: the kernels share their tile
-helpers, and the tile list and signatures are built for them.
+(docs/triton.md, "What runs where"). Shapes and tiles are constexprs, all
+run-time counts int32 device arrays. This module imports triton at the top;
+import it lazily. Over 400 lines because it is one job: the kernels share
+their tile helpers, and the tile list and signatures are built for them.
 """
 
 import inspect
@@ -44,7 +30,13 @@ _SQRT_HALF = tl.constexpr(0.7071067811865476)
 
 @triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
-  """acc + a @ b in float32; a [BM, BK], b [BK, BN] of one dtype."""
+  """acc + a @ b in float32; a [BM, BK], b [BK, BN] of one dtype.
+
+  `DOT_F32` upcasts both operands to float32: Triton's interpreter gets bf16
+  `tl.dot` wrong (triton-lang/triton#11584), so it is always set there; on a
+  GPU it is False and bf16 goes to the tensor cores. Float32 operands use
+  IEEE products ("ieee"), not TF32, matching the reference.
+  """
   if DOT_F32:
     a = a.to(tl.float32)
     b = b.to(tl.float32)

@@ -1,25 +1,17 @@
 """The triton kernels as differentiable ops (`moe_core.kernels`).
 
-grouped_gemm   y = x @ w[g]                dX: gmm(dy, w^T)   dW: tgmm(x, dy)
-gate_up        (x @ wg[g], x @ wu[g]): two grouped_gemm calls
-gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), one kernel, two
-               accumulators; its derivatives recompute gate and up with
-               gmm, then dX = gmm(dgate, wg^T) + gmm(dup, wu^T), dW = tgmm
-down_weighted  y[r] = s[r] * (h[r] @ w[g]), s in the gmm epilogue
-               dh: gmm(s dy, w^T)   dW: tgmm(h, s dy)
-               ds[r] = <dy[r], h[r] @ w[g]> (the product recomputed by gmm)
-Forward and reverse mode alike: `moe_core.kernels` differentiates the raw
-kernels. These and EPILOGUE_ACTIVATIONS are what
-`moe_core.kernels.tile_backend.TileKernelBackend` maps the backend's hooks
-onto. The permutation's kernels are `permute_ops`'
-(`TritonPermutationKernels`, also bound here).
-
-Every kernel is launched by `launch.Runner.call`, on the GPU through
-jax-triton or on the CPU in Triton's interpreter; the tile list is built
-here on device, so nothing waits on the host.
-
-Over 400 lines because it is one job: the GEMM kernels' tile list, their
-launches and their differentiable forms, each built on the one before.
+`grouped_gemm`, `gate_up`, `gated_gate_up` (one kernel, two accumulators)
+and `down_weighted` (the routing weight in the gmm epilogue), with
+EPILOGUE_ACTIVATIONS, are what `tile_backend.TileKernelBackend` (in
+`moe_core.kernels`) maps the backend's hooks onto; `moe_core.kernels`
+differentiates the raw kernels in forward and reverse mode alike (each op's
+docstring says which kernels its derivatives run). The permutation's kernels
+are `permute_ops`' (`TritonPermutationKernels`, also bound here). Every
+kernel is launched by `launch.Runner.call`, on the GPU through jax-triton or
+on the CPU in Triton's interpreter; the tile list is built here on device,
+so nothing waits on the host. Over 400 lines because it is one job: the GEMM
+kernels' tile list, their launches and their differentiable forms, each
+built on the one before.
 """
 
 from __future__ import annotations
@@ -297,7 +289,7 @@ def grouped_gemm(
   """rows [M, C] x weights [E, C, N] ([E, N, C] transposed) -> [M, N].
 
   Rows past sum(group_sizes) come out as zeros and get zero gradient;
-  differentiable in both directions.
+  differentiable in both directions (dX: gmm(dy, w^T); dW: tgmm(x, dy)).
 
   Args:
     rows: [M, C] sorted by group.
@@ -371,7 +363,8 @@ def gated_gate_up(rows, w_gate, w_up, group_sizes, activation: str, runner):
   One kernel: two float32 accumulators share each rows tile and only h is
   written. Its derivatives recompute gate and up (two gmm calls) where
   they need them rather than keeping them, so the forward's memory traffic
-  stays one [M, F] output (`moe_core.kernels.expert_ops`).
+  stays one [M, F] output (`moe_core.kernels.expert_ops`); then
+  dX = gmm(dgate, wg^T) + gmm(dup, wu^T) and dW is a tgmm.
 
   Args:
     rows: [M, D] sorted by group.
@@ -403,7 +396,9 @@ def down_weighted(h, w_down, group_sizes, row_scale, runner):
   The scale multiplies the float32 accumulator before the cast, so a
   combine that follows needs unit weights. Rows past sum(group_sizes) come
   out as zeros and get zero gradient in h and row_scale, whatever h,
-  row_scale or the cotangent hold there.
+  row_scale or the cotangent hold there. Derivatives: dh = gmm(s dy, w^T),
+  dW = tgmm(h, s dy), ds[r] = <dy[r], h[r] @ w[g]> (the product recomputed
+  by gmm).
 
   Args:
     h: [M, F] sorted by group.

@@ -1,19 +1,17 @@
 """Triton kernels that sort token copies by expert and undo it, with grads.
 
-Notation: T tokens, K choices, D model width; A = T*K assignments a = t*K + k
-and A sorted rows i. `assignment` [A] int32 maps row i to its assignment,
-`position` [A] int32 is the inverse (both from `moe_core.permute.dispatch`);
-`kept` and `invalid` are [A] int8 flags (1 = true) in assignment order. The
+With T tokens, K choices, D model width and A = T*K assignments a = t*K + k
+in A sorted rows i (`assignment` [A] int32 maps row i to its assignment,
+`position` [A] int32 is the inverse, both from `moe_core.permute.dispatch`;
+`kept` and `invalid` are [A] int8 flags, 1 = true, in assignment order), the
 kernels compute `moe_core.permute.dispatch`'s rows, `combine`, and their
-vector-Jacobian products (see each kernel's docstring).
-
-Every kernel is a gather: each program owns a block of output rows and a
-block of columns (grid over D, no loop), except the weights gradient, which
-reduces over D inside the program (grid over (tokens, K), loop over D). So
-every output element has exactly one writer and no atomics are needed. Sums
-are taken in float32. Row offsets are computed in int64: A*D can pass 2**31.
-`grid` gives each kernel's launch grid; `signature` its types for
-`triton.compile`.
+vector-Jacobian products (see each kernel's docstring). Every kernel is a
+gather: each program owns a block of output rows and a block of columns
+(grid over D, no loop), except the weights gradient, which reduces over D
+inside the program (grid over (tokens, K), loop over D); so every output
+element has exactly one writer and no atomics are needed. Sums are taken in
+float32; row offsets are computed in int64 (A*D can pass 2**31). `grid`
+gives each kernel's launch grid; `signature` its types for `triton.compile`.
 """
 
 from __future__ import annotations
