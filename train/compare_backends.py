@@ -1,12 +1,11 @@
 r"""Trains the same model with several backends, step by step, and compares.
 
-    python -m train.compare_backends --backends=reference,xla --steps=20
-
 Every backend starts from the same initialisation and sees the same
-batches. Steps alternate between the backends (one step of each in turn),
-so a change of machine load hits all of them alike. Prints each backend's
-median step time and tokens/s, its speed relative to the first backend, and
-the largest per-step loss difference from the first backend.
+batches, one step of each in turn (so that a change of machine load hits
+all of them alike). Prints each backend's median step time and tokens/s,
+its speed relative to the first backend, and the largest per-step loss
+difference from the first backend. Usage:
+    python -m train.compare_backends --backends=reference,xla --steps=20
 """
 
 from __future__ import annotations

@@ -3,35 +3,10 @@
 The run's train step (model, optimiser, microbatches, remat, scan, the
 mesh, the MoE backend's kernels and expert-parallel exchange) is built on
 a `moe_core.aot` topology's devices (`step_builder`) and compiled by XLA's
-GPU compiler for that target, on any host. What it reports, per device,
-each beside the analytic estimate (`train.sizing`) and their ratio:
-
-    params, optimizer, gradients   bytes of the state's trees, from their
-                                   shardings (gradients: the params' shapes,
-                                   dtypes and shardings)
-    temporaries, peak              XLA's memory_analysis (peak: arguments +
-                                   outputs not aliased + temporaries + code),
-                                   against the target's usable HBM
-    flops                          matmul FLOPs per step: every dot and
-                                   GEMM call of the compiled module, times
-                                   the trip counts of its loops
-                                   (`aot.per_step_matmul_flops`); custom
-                                   kernels (Pallas, Mosaic GPU) are opaque,
-                                   and their launches are counted instead
-    bytes_accessed                 XLA's cost analysis of the compiled module
-                                   (each loop body once)
-    all_to_all                     all-to-all and ragged-all-to-all operand
-                                   bytes per step, loops counted
-                                   (`aot.per_step_collective_bytes`): the
-                                   expert-parallel exchange, and any
-                                   resharding XLA does with all-to-alls
-                                   (the analytic figure is the exchange)
-
-XLA's own cost analysis counts a loop body once, so under --scan_layers
-its FLOPs fall short of the step (0.07x for mixtral_8x7b on 8 H100s); the
-JSON keeps it as xla_cost_analysis_flops. The analytic FLOPs are 6 x active
-parameters + attention per token; --remat=full recomputes the forward,
-which the compiled count includes (about 4/3 of it).
+GPU compiler for that target, on any host; `report` gives, per device, its
+memory against the target's usable HBM, matmul FLOPs, bytes accessed and
+all-to-all bytes, each beside the analytic estimate (`train.sizing`) and
+their ratio, and `check_fits` refuses a step that does not fit.
 """
 
 from __future__ import annotations
@@ -108,7 +83,12 @@ def analytic_all_to_all_bytes(run: run_config.RunConfig) -> float:
 
 
 def analytic(run: run_config.RunConfig) -> dict[str, float | None]:
-  """The analytic figure of each reported quantity, per device."""
+  """The analytic figure of each reported quantity, per device.
+
+  FLOPs are 6 x active parameters + attention per token (`sizing`);
+  --remat=full recomputes the forward, which the compiled count includes
+  (about 4/3 of this figure) and this one does not.
+  """
   sizes = sizing.parse_mesh(run.mesh)
   mem = cost_report.run_memory_per_device(run)
   devices = math.prod(sizes.values())
@@ -139,7 +119,32 @@ def report(
     step: step_builder.TrainStep,
     program: aot.CompiledProgram,
 ) -> dict:
-  """The figures of a compiled step, per device, as the JSON records them."""
+  """The figures of a compiled step, per device, as the JSON records them.
+
+  Each beside the analytic estimate (`analytic`) and their ratio:
+
+      params, optimizer, gradients   bytes of the state's trees, from their
+                                     shardings (gradients: the params'
+                                     shapes, dtypes and shardings)
+      temporaries, peak              XLA's memory_analysis (peak: arguments
+                                     + outputs not aliased + temporaries +
+                                     code), against the target's usable HBM
+      flops                          matmul FLOPs per step: every dot and
+                                     GEMM call of the compiled module, times
+                                     the trip counts of its loops
+                                     (`aot.per_step_matmul_flops`); custom
+                                     kernels (Pallas, Mosaic GPU) are
+                                     opaque, and their launches are counted
+                                     instead
+      bytes_accessed                 XLA's cost analysis of the compiled
+                                     module (each loop body once)
+      all_to_all                     all-to-all and ragged-all-to-all
+                                     operand bytes per step, loops counted
+                                     (`aot.per_step_collective_bytes`): the
+                                     expert-parallel exchange, and any
+                                     resharding XLA does with all-to-alls
+                                     (the analytic figure is the exchange)
+  """
   params = tree_bytes_per_device(step.state["params"])
   text = program.compiled.as_text()
   per_step = aot.per_step_collective_bytes(text)
@@ -183,6 +188,9 @@ def report(
           "temp_bytes": program.temp_bytes,
           "code_bytes": program.code_bytes,
       },
+      # XLA's own cost analysis counts a loop body once, so under
+      # --scan_layers it falls short of the step (0.07x for mixtral_8x7b on
+      # 8 H100s): kept for reference, not as "flops".
       "xla_cost_analysis_flops": program.flops,
       "kernel_launches_per_step": matmuls.kernel_launches,
       "matmuls_in_unknown_loops": matmuls.unknown_loops,

@@ -1,5 +1,10 @@
 r"""Trains a small MoE language model with a chosen dropless backend.
 
+Writes metrics.jsonl, checkpoints/, training.png and summary.json to
+--output_dir, one run at a time per directory; a fault ends it with one
+"error: ..." line and exit status 1, an interruption before the last step
+checkpoints and exits 130 (docs/training.md: outputs, the output lock,
+faults). Usage:
     python -m train.main                        # tiny_dsv3 on the CPU, ~3 min
     python -m train.main --moe_backend=reference --steps=20
     python -m train.main --precision=mxfp8      # expert GEMMs in MXFP8
@@ -9,17 +14,6 @@ r"""Trains a small MoE language model with a chosen dropless backend.
     python -m train.main --resume               # continue the last run
     python -m train.main --mesh=data=2,expert=4 # 8 devices (simulated on CPU)
     tools/launch_local.sh 2 --mesh=data=2,expert=4   # 2 processes x 4 devices
-
-Writes to --output_dir: metrics.jsonl (every step), checkpoints/,
-training.png (loss curves and an expert-load heat map) and summary.json.
-One run at a time per --output_dir: a second is refused (a lock file in
-it, .dropless_train.lock, names the holder).
-
-A fault ends the program with one line on stderr, "error: ...", and exit
-status 1: a bad flag, a busy --output_dir, a checkpoint that does not
-match or cannot be written, a non-finite loss, the device's memory. An
-interruption (Ctrl-C, SIGTERM) before the last step checkpoints and exits
-130; after it, the run finishes as usual.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Does a run's compiled train step fit its devices' memory?
 
-The training program trains any model whose compiled step fits: before it
-allocates anything it compiles the step for the run's mesh (abstract
-arguments) and compares XLA's figure for it (`memory_analysis()`, the
-`steps.StepMemory` total: arguments, outputs not aliased to them,
-temporaries, code) with what a device has:
-
-* an accelerator: its allocator's limit (`Device.memory_stats()`'s
-  "bytes_limit", what XLA may take of the device's memory);
-* a CPU, which reports no limit: the host's physical RAM divided by this
-  process's devices (simulated CPU devices share the host's RAM).
-
-A step that needs more is refused in one line that names both figures and
-the flags that lower the first.
+Before the training program allocates anything it compiles the step for
+the run's mesh (abstract arguments) and compares XLA's figure for it
+(`memory_analysis()`, the `steps.StepMemory` total: arguments, outputs not
+aliased to them, temporaries, code) with what a device has
+(`device_limit`); a step that needs more is refused in one line that names
+both figures and the flags that lower the first, so any model whose
+compiled step fits trains.
 """
 
 from __future__ import annotations
@@ -37,6 +31,11 @@ def host_ram_bytes() -> int:
 
 def device_limit(device: jax.Device | None = None) -> tuple[int, str]:
   """(bytes a device of this process may use, where that figure comes from).
+
+  An accelerator: its allocator's limit (`Device.memory_stats()`'s
+  "bytes_limit", what XLA may take of the device's memory). A CPU, which
+  reports no limit: the host's physical RAM divided by this process's
+  devices (simulated CPU devices share the host's RAM).
 
   Args:
     device: default `jax.local_devices()[0]` (the devices of a run are of

@@ -1,18 +1,11 @@
 """The training program's device mesh: `--mesh` to a `jax.sharding.Mesh`.
 
-Axes, outermost first (the innermost gets the closest devices):
-
-    data    pure data parallelism: the batch is split, weights replicated;
-    fsdp    data parallelism with weights and optimiser state split too
-            (gathered for compute, as ZeRO-3 / FSDP do);
-    expert  expert parallelism: each device holds E / expert experts, and
-            the batch is split over it too (tokens travel all-to-all);
-    tensor  Megatron-style splits of the attention and dense-MLP matrices
-            (XLA inserts the collectives); the MoE block is replicated over
-            it.
-
-The batch is split over data x fsdp x expert (`BATCH_AXES`), so those three
-sizes must divide the batch; `expert` must divide the number of experts.
+Axes, outermost first (`AXES`): data (pure data parallelism), fsdp (data
+parallelism with weights and optimiser state split too), expert (expert
+parallelism) and tensor (Megatron-style splits of attention and the dense
+MLPs). The batch is split over data x fsdp x expert (`BATCH_AXES`), so
+those three sizes must divide the batch; `expert` must divide the number
+of experts (`check_run`).
 """
 
 from __future__ import annotations
@@ -28,7 +21,17 @@ import numpy as np
 from train import model_config
 from train import sizing
 
+# Outermost first (the innermost gets the closest devices):
+#   data    pure data parallelism: the batch is split, weights replicated;
+#   fsdp    data parallelism with weights and optimiser state split too
+#           (gathered for compute, as ZeRO-3 / FSDP do);
+#   expert  expert parallelism: each device holds E / expert experts, and
+#           the batch is split over it too (tokens travel all-to-all);
+#   tensor  Megatron-style splits of the attention and dense-MLP matrices
+#           (XLA inserts the collectives); the MoE block is replicated
+#           over it.
 AXES = sizing.MESH_AXES  # ("data", "fsdp", "expert", "tensor")
+# The batch is split over these, so their sizes must divide the batch.
 BATCH_AXES = ("data", "fsdp", "expert")
 EXPERT_AXIS = "expert"
 # Token axes of the MoE layer other than the expert axis.

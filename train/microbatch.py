@@ -1,21 +1,11 @@
 """Gradient accumulation: one step's loss and gradients over N microbatches.
 
-The step's batch [B, T+1] splits into N microbatches of B/N rows, which run
-one after the other under `jax.lax.scan` (activations of one microbatch at
-a time); their gradients and statistics are added up in float32:
-
-* the loss and the gradients are means over equal microbatches, so they
-  equal those of the whole batch (up to the order of float32 sums);
-* integer statistics (tokens_per_expert, dropped and invalid counts) are
-  summed, so the correction-bias rule sees the whole batch's loads;
-* the other float statistics are averaged: the router z-loss, a mean over
-  tokens, is the whole batch's; the load-balancing loss, a product of two
-  means, is the mean of the microbatches' (as Megatron and MaxText report
-  it), not the whole batch's.
-
-Microbatch i takes rows i, i + N, i + 2N, ...: each device's rows of the
-batch hold B/(N D) rows of every microbatch, so the split moves no data
-between devices (D: the data-parallel devices, which must divide B/N).
+The step's batch [B, T+1] splits into N microbatches of B/N rows
+(`split`: interleaved rows, so no data moves between devices), which run
+one after the other under `jax.lax.scan`, so only one microbatch's
+activations are live at a time; `value_and_grad` adds up their losses,
+gradients and statistics in float32, giving the whole batch's loss and
+gradients.
 """
 
 from __future__ import annotations
@@ -32,6 +22,10 @@ def split(
     batch: jax.Array, n: int, mesh: jax.sharding.Mesh | None, axes
 ) -> jax.Array:
   """[B, T+1] -> [N, B/N, T+1], microbatch i holding rows i, i + N, ...
+
+  Each device's rows of the batch then hold B/(N D) rows of every
+  microbatch, so the split moves no data between devices (D: the
+  data-parallel devices, which must divide B/N).
 
   Args:
     batch: the step's batch, rows split over the mesh axes `axes`.
@@ -66,6 +60,18 @@ def value_and_grad(
     axes=(),
 ):
   """`jax.value_and_grad(loss_fn, has_aux=True)` over N microbatches.
+
+  The microbatches run one after the other under `jax.lax.scan`, and their
+  outputs are added up in float32:
+
+  * the loss and the gradients are means over equal microbatches, so they
+    equal those of the whole batch (up to the order of float32 sums);
+  * integer statistics (tokens_per_expert, dropped and invalid counts) are
+    summed, so the correction-bias rule sees the whole batch's loads;
+  * the other float statistics are averaged: the router z-loss, a mean
+    over tokens, is the whole batch's; the load-balancing loss, a product
+    of two means, is the mean of the microbatches' (as Megatron and
+    MaxText report it), not the whole batch's.
 
   Args:
     loss_fn: (params, *args, batch) -> (loss, aux), aux a pytree of arrays.

@@ -1,15 +1,12 @@
 """A decoder-only transformer language model whose MLPs are dropless MoE blocks.
 
-    tokens [B, T]
-      -> embed -> blocks: x += attn(norm(x)); x += mlp(norm(x))
-      -> norm -> head -> logits [B, T, V] (float32)
-
-Each block's MLP is a dense SwiGLU (the first `first_dense_layers`) or a
-`moe_core.flax.MoE` (the rest). Attention is grouped-query attention with
-RoPE (optionally QK-normed) or DeepSeek's multi-head latent attention.
-Mixed precision: parameters are stored in float32 and cast to the compute
-dtype (bfloat16 by default) where used; norms, softmax and logits are
-computed in float32; routing is float32 inside `moe_core`.
+Pre-norm residual blocks (`Transformer`), each an attention (grouped-query
+with RoPE, optionally QK-normed, or DeepSeek's multi-head latent
+attention) and an MLP: a dense SwiGLU (the first `first_dense_layers`) or a
+`moe_core.flax.MoE` (the rest). Mixed precision: parameters are stored in
+float32 and cast to the compute dtype (bfloat16 by default) where used;
+norms, softmax and logits are computed in float32; routing is float32
+inside `moe_core`.
 """
 
 from __future__ import annotations
@@ -213,6 +210,10 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
   """The language model: tokens [B, T] int32 -> (logits [B, T, V], stats).
+
+      tokens [B, T]
+        -> embed -> blocks: x += attn(norm(x)); x += mlp(norm(x))
+        -> norm -> head -> logits [B, T, V] (float32)
 
   Every layer is its own module, called in a Python loop (unrolled: compile
   time grows with depth; `train/scan_model.py` scans them instead). `stats`

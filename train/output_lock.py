@@ -1,29 +1,15 @@
 """One training run per --output_dir: an exclusive lock on a file in it.
 
-    lock = output_lock.OutputDirLock(run.output_dir).acquire()
-    ...  # only this process writes checkpoints/ and metrics.jsonl
-    lock.release()
-
-`acquire` takes `flock(LOCK_EX | LOCK_NB)` on `<output_dir>/LOCK_FILE`, then
-writes the holder (host, pid, start time) into the file, for the message
-another run gets. The operating system drops the lock when its process
-ends, however it ends (SIGKILL, a crash, a power cut on a local disk), so a
-lock left by a dead run never blocks the next one; the record it left is
-just overwritten. `release` empties the file before it unlocks it, so a
-record only survives a run that did not end cleanly.
-
-Where the filesystem has no file locks (flock fails with ENOLCK, ENOSYS,
-EOPNOTSUPP), the record alone decides: a holder on this host whose pid no
-longer runs is stale and taken over; a live one, or one on another host
-(whose pid cannot be checked from here), refuses the run, naming the file
-to delete once that run has ended. This fallback has a race (two runs
-started within the same instant may both go ahead); a note says it is in
-use.
-
-This module imports nothing from JAX: a test can take a lock from a
-subprocess in a fraction of a second.
+`OutputDirLock.acquire` takes an exclusive `flock` on LOCK_FILE in the
+directory and records the holder (host, pid, start time) there, so that a
+second run is refused with a message naming the first; the operating
+system drops the lock when its process ends, so a dead run never blocks
+the next. On filesystems without file locks the record alone decides
+(docs/training.md, "One run per output directory").
 """
 
+# Nothing from JAX is imported here: a test can take a lock from a
+# subprocess in a fraction of a second.
 from __future__ import annotations
 
 import dataclasses
@@ -117,7 +103,11 @@ def _write_holder(fd: int, holder: Holder) -> None:
 
 
 class OutputDirLock:
-  """The exclusive lock of one output directory (see the module docstring).
+  """The exclusive lock of one output directory.
+
+      lock = output_lock.OutputDirLock(run.output_dir).acquire()
+      ...  # only this process writes checkpoints/ and metrics.jsonl
+      lock.release()
 
   Attributes:
     directory: the output directory.
@@ -159,6 +149,21 @@ class OutputDirLock:
 
   def acquire(self) -> OutputDirLock:
     """Takes the lock (creating the directory), or raises.
+
+    Takes `flock(LOCK_EX | LOCK_NB)` on `<output_dir>/LOCK_FILE`, then writes
+    the holder (host, pid, start time) into the file, for the message another
+    run gets. The operating system drops the lock when its process ends,
+    however it ends (SIGKILL, a crash, a power cut on a local disk), so a
+    lock left by a dead run never blocks the next one; the record it left is
+    just overwritten.
+
+    Where the filesystem has no file locks (flock fails with one of
+    `_NO_LOCKS`), the record alone decides: a holder on this host whose pid
+    no longer runs is stale and taken over; a live one, or one on another
+    host (whose pid cannot be checked from here), refuses the run, naming
+    the file to delete once that run has ended. This fallback has a race
+    (two runs started within the same instant may both go ahead); `note`
+    says it is in use.
 
     Returns:
       self, now holding the lock.
@@ -203,7 +208,11 @@ class OutputDirLock:
     )
 
   def release(self) -> None:
-    """Empties the record and drops the lock; safe to repeat."""
+    """Empties the record and drops the lock; safe to repeat.
+
+    The file is emptied before it is unlocked, so a record only survives a
+    run that did not end cleanly.
+    """
     if self._fd is None:
       return
     fd, self._fd = self._fd, None

@@ -1,13 +1,11 @@
 """Model presets: the configs the training program and `--dry_run` take.
 
-Two kinds of preset live here:
-
-* small training presets (`tiny_dsv3`, the default, `tiny_mixtral`,
-  `tiny_qwen3`) that train on a laptop CPU in minutes;
-* full-size configs of published MoE models (`deepseek_v3`, `mixtral_8x7b`,
-  `qwen3_30b_a3b`, `olmoe_1b_7b`), from their Hugging Face config.json, used
-  for `--dry_run` counts (`train/sizing.py`) and checked against the
-  published parameter counts (`train/published.py`).
+Small training presets (`tiny_dsv3`, the default, `tiny_mixtral`,
+`tiny_qwen3`) train on a laptop CPU in minutes; full-size configs of
+published MoE models (`deepseek_v3`, `mixtral_8x7b`, `qwen3_30b_a3b`,
+`olmoe_1b_7b`), from their Hugging Face config.json, are used for
+`--dry_run` counts (`train/sizing.py`) and checked against the published
+parameter counts (`train/published.py`).
 """
 
 from __future__ import annotations

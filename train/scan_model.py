@@ -1,16 +1,14 @@
 """The transformer with its layers under a scan: compile time flat in depth.
 
-    tokens [B, T] -> embed -> scan over dense_layers -> scan over moe_layers
-      -> norm -> head -> logits [B, T, V] (float32)
-
 The same model as `model.Transformer` (same blocks, same initial values
-from the same seed), but each run of identical layers is one `Block`
-whose variables carry a leading layer axis, [L, ...], and the forward runs
-it under `jax.lax.scan`: XLA compiles one layer per stack, whatever the
-depth. DeepSeek-V3's dense first layers are a stack of their own, before
-the MoE stack. Each layer runs under the run's remat policy
-(`moe_core.remat`), so the backward pass keeps per layer what the policy
-says, stacked over the layers.
+from the same seed), but each run of identical layers is one `Block` whose
+variables carry a leading layer axis, [L, ...], and the forward runs it
+under `jax.lax.scan`, so XLA compiles one layer per stack, whatever the
+depth: tokens [B, T] -> embed -> scan over the dense layers (DeepSeek-V3's
+dense first layers, a stack of their own) -> scan over the MoE layers ->
+norm -> head -> logits [B, T, V] (float32). Each layer runs under the
+run's remat policy (`moe_core.remat`), so the backward pass keeps per layer
+what the policy says, stacked over the layers.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """Where each parameter, optimiser moment and batch lives on the mesh.
 
 One rule per parameter name (`spec_for`), applied by tree path to the
-parameters and to AdamW's moments alike, so a moment is always split
-exactly like its parameter:
-
-    routed experts  w_gate, w_up, w_down [E, ., .]  expert on E, fsdp on dim 1
-    column-parallel wq, wk, wv, wq_b, wkv_b, dense w_gate / w_up, the shared
-                    expert's gate / up, head        [in, out]: shards, tensor
-    row-parallel    wo, dense w_down, shared w_down [in, out]: tensor, shards
-    other matrices  embed, router, wq_a, wkv_a      shards on dim 0
-    vectors         norm scales, correction biases, step counts: replicated
-
-"shards" is fsdp x expert: outside the MoE blocks the expert axis is a
-data axis, so the weights the experts do not split are split over it too
-(ZeRO-3 over every batch axis but data), as MaxText's fsdp does. Split over
-fsdp alone, DeepSeek-V3's 14.5e9 non-expert parameters, their gradients and
-AdamW moments were 14 GiB a device on 1,024 GPUs (fsdp=16, expert=64); over
-both, 0.2 GiB. Where fsdp x expert does not divide the dimension, fsdp
-alone is tried, then nothing.
-
-The layers of a scanned model (`train/scan_model.py`) are stacked: their
-leaves carry a leading layer axis, which stays whole (every device holds
-its shard of every layer), and the rule applies to the rest.
-
-An axis is used only where it divides the dimension (otherwise that
-dimension stays whole), so every model fits every mesh. The MoE layer's
-shard_map gathers what it needs replicated (the router, the shared expert,
-the expert weights' fsdp dimension).
+parameters and to AdamW's moments alike: routed experts split over expert
+(and fsdp), attention and dense-MLP matrices Megatron-style over tensor,
+every matrix also over fsdp x expert where the experts do not split it,
+vectors replicated; batches split over data x fsdp x expert. The MoE
+layer's shard_map gathers what it needs replicated (the router, the shared
+expert, the expert weights' fsdp dimension).
 """
 
 from __future__ import annotations
@@ -57,7 +37,11 @@ COLUMN_PARALLEL = (
     "head",
 )
 ROW_PARALLEL = ("wo", "w_down", "shared_w_down")
-# The axes the weights the experts do not split are split over.
+# The axes the weights the experts do not split are split over: outside the
+# MoE blocks the expert axis is a data axis, so those weights are split over
+# it too (ZeRO-3 over every batch axis but data), as MaxText's fsdp does; for
+# DeepSeek-V3 on 1,024 GPUs that is what keeps the non-expert state small
+# (docs/scaling.md).
 SHARDS = ("fsdp", "expert")
 # The scanned model's stacks: their leaves are [layers, ...].
 STACKS = ("dense_layers", "moe_layers")
@@ -73,7 +57,28 @@ def _name(path) -> str:
 
 
 def spec_for(path, shape, sizes: dict[str, int]) -> P:
-  """The PartitionSpec of the leaf at tree `path` with `shape`."""
+  """The PartitionSpec of the leaf at tree `path` with `shape`.
+
+  One rule per parameter name, the same for AdamW's moments as for the
+  parameters, so a moment is always split exactly like its parameter:
+
+      routed experts  w_gate, w_up, w_down [E, ., .]  expert on E, fsdp on
+                      dim 1
+      column-parallel wq, wk, wv, wq_b, wkv_b, dense w_gate / w_up, the
+                      shared expert's gate / up, head   [in, out]: shards,
+                      tensor
+      row-parallel    wo, dense w_down, shared w_down   [in, out]: tensor,
+                      shards
+      other matrices  embed, router, wq_a, wkv_a        shards on dim 0
+      vectors         norm scales, correction biases, step counts: replicated
+
+  "shards" is fsdp x expert (`SHARDS`); where that does not divide the
+  dimension, fsdp alone is tried, then nothing. An axis is used only where
+  it divides the dimension (otherwise that dimension stays whole), so every
+  model fits every mesh. A scanned model's stacked leaves keep their
+  leading layer axis whole (every device holds its shard of every layer),
+  and the rule applies to the rest.
+  """
   if any(getattr(key, "key", None) in STACKS for key in path):
     return P(None, *_spec(path, shape[1:], sizes))
   return _spec(path, shape, sizes)

@@ -1,17 +1,10 @@
 """A run's train step on a mesh, built without allocating anything.
 
-    step = step_builder.build(run, mesh)
-    compiled = step.lower().compile()            # on the mesh's devices
-    # or for GPUs that are not here (moe_core.aot):
-    topo = aot.gpu_topology("h100", "1x128x8")
-    mesh = mesh_lib.build(sizes, devices=topo.devices)
-    step = step_builder.build(run, mesh)
-    aot.compile(step.fn, step.state, step.batch, topology=topo, mesh=mesh,
-                **step.jit_kwargs)
-
-The training program uses the same object (`train.trainer.Trainer`): what
-the dry run compiles is what the run runs (`compiled_step_memory`: XLA's
-memory figures of it).
+`build` returns the pure train step, its `jax.jit` arguments and its
+abstract state and batch, for a mesh over this host's devices or a
+`moe_core.aot` topology's. The training program uses the same object
+(`train.trainer.Trainer`): what the dry run compiles is what the run runs
+(`compiled_step_memory`: XLA's memory figures of it).
 """
 
 from __future__ import annotations
@@ -73,6 +66,15 @@ def build(
 
   Nothing is computed or allocated: the model and optimiser are traced
   abstractly.
+
+      step = step_builder.build(run, mesh)
+      compiled = step.lower().compile()            # on the mesh's devices
+      # or for GPUs that are not here (moe_core.aot):
+      topo = aot.gpu_topology("h100", "1x128x8")
+      mesh = mesh_lib.build(sizes, devices=topo.devices)
+      step = step_builder.build(run, mesh)
+      aot.compile(step.fn, step.state, step.batch, topology=topo, mesh=mesh,
+                  **step.jit_kwargs)
 
   Args:
     run: the run's config.

@@ -1,23 +1,16 @@
 r"""One process of a small multi-process run, for train/distributed_test.py.
 
-Started N times by tools/launch_local.py, which sets JAX_COORDINATOR_ADDRESS,
-JAX_NUM_PROCESSES and JAX_PROCESS_ID:
-
+Started N times by tools/launch_local.py (which sets
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID), each
+process joins through train.distributed, builds a 1-D mesh "x" over every
+process's CPU devices and runs, under jit and shard_map, a psum and an
+all_gather of per-device values that depend only on the global device
+position (device d holds the row [d, d**2], float32), then prints one
+"RESULT {...}" line that the test checks against the formula;
+--die_process=I makes process I exit abruptly (DIED_EXIT_CODE) right after
+joining. Usage:
     python tools/launch_local.py --num_processes=2 -- \
         python train/testing_distributed_worker.py --local_devices=2
-
-Each process joins through train.distributed, builds a 1-D mesh "x" over
-every process's CPU devices and runs, under jit and shard_map, a psum and an
-all_gather of per-device values that depend only on the global device
-position: device d holds the row [d, d**2] (float32). Every process then
-prints one line
-
-    RESULT {"process": i, "num_processes": N, "num_devices": D,
-            "psum": [...], "all_gather": [[...], ...]}
-
-which the test checks against the formula. --die_process=I makes process I
-process exit abruptly (code DIED_EXIT_CODE) right after joining, so that the
-others meet a dead peer in the collective.
 """
 
 from __future__ import annotations
@@ -41,6 +34,8 @@ from train import process_spec  # noqa: E402
 
 # pylint: enable=g-import-not-at-top
 
+# The exit code of the process --die_process names, right after joining, so
+# that the others meet a dead peer in the collective.
 DIED_EXIT_CODE = 17
 
 _LOCAL_DEVICES = flags.DEFINE_integer(
@@ -132,6 +127,9 @@ def main(argv):
       "psum": total.tolist(),
       "all_gather": gathered.tolist(),
   }
+  # One line the test checks against the formula:
+  #   RESULT {"process": i, "num_processes": N, "num_devices": D,
+  #           "main": bool, "psum": [...], "all_gather": [[...], ...]}
   print("RESULT " + json.dumps(result), flush=True)
   distributed.shutdown()
 

@@ -1,35 +1,15 @@
 r"""A tiny training run that SIGKILLs itself at a chosen point, for
 train/fault_injection_test.py.
 
-    python train/testing_fault_worker.py --output_dir=DIR --steps=12 \
-        [--resume] [--kill=PHASE:STEP[:SECONDS]] [--final=FILE.npz]
-
 Trains testing.SMALL_DSV3 (batch 2 in 2 microbatches, 16 tokens, layers
 scanned, a checkpoint every step, the newest 2 kept) into DIR, as `python
--m train.main` would. With --resume it resumes from the newest checkpoint,
+-m train.main` would; with --resume it resumes from the newest checkpoint,
 then restores the older one too, so that a damaged checkpoint cannot hide
-behind a good one. A checkpoint it cannot use ends it with
-REFUSED_EXIT_CODE after a line
-
-    REFUSED CheckpointError: <message>
-
-With --kill it sends itself SIGKILL at one point of a save, or of the
-metrics log (PHASE; STEP is the step saved or logged):
-
-    timer      SECONDS after the save of STEP begins, wherever that lands
-    item       before Orbax renames the first written item of the save
-               of STEP (state/) into place
-    finalize   before Orbax renames the save of STEP into place
-    committed  right after that rename, before pruning
-    prune      right after the first old checkpoint is renamed for
-               deletion (STEP unused)
-    replaced   right after a re-save of STEP moved the old copy aside
-    log        halfway through writing the metrics record of STEP
-    trim       before the trimmed metrics log of a resume replaces the old
-
-A run that ends without reaching its kill point exits with
-MISSED_EXIT_CODE (a timer is waited for: it fires). A run that finishes
-writes --final: its state's leaves, in tree order, and its loss history.
+behind a good one. --kill sends SIGKILL at one point (`PHASES`) of a save
+or of the metrics log; a run that finishes writes --final (its state's
+leaves, in tree order, and its loss history). Usage:
+    python train/testing_fault_worker.py --output_dir=DIR --steps=12 \
+        [--resume] [--kill=PHASE:STEP[:SECONDS]] [--final=FILE.npz]
 """
 
 from __future__ import annotations
@@ -59,8 +39,24 @@ from train import trainer  # noqa: E402
 
 # pylint: enable=g-import-not-at-top
 
+# A checkpoint the run cannot use ends it with this code after a line
+#   REFUSED CheckpointError: <message>
 REFUSED_EXIT_CODE = 3
+# A run that ends without reaching its kill point (a timer is waited for:
+# it fires).
 MISSED_EXIT_CODE = 4
+# Where --kill=PHASE:STEP[:SECONDS] sends SIGKILL (STEP: the step saved or
+# logged):
+#   timer      SECONDS after the save of STEP begins, wherever that lands
+#   item       before Orbax renames the first written item of the save of
+#              STEP (state/) into place
+#   finalize   before Orbax renames the save of STEP into place
+#   committed  right after that rename, before pruning
+#   prune      right after the first old checkpoint is renamed for
+#              deletion (STEP unused)
+#   replaced   right after a re-save of STEP moved the old copy aside
+#   log        halfway through writing the metrics record of STEP
+#   trim       before the trimmed metrics log of a resume replaces the old
 PHASES = (
     "timer",
     "item",

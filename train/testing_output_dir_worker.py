@@ -1,20 +1,16 @@
 r"""One process of a 2-process run that takes --output_dir, for
 train/output_lock_test.py.
 
-    python tools/launch_local.py --num_processes=2 -- \
-        python train/testing_output_dir_worker.py --output_dir=DIR
-
 Each process joins through train.distributed (one CPU device each), builds
 a Trainer of testing.SMALL_DSV3 on the mesh data=2 and calls
-prepare_output_dir, as `train.main` does. Then process 1 tries to take the
-directory's lock itself, while process 0 holds it. Every process prints one
-line
-
-    RESULT {"process": i, "holds_lock": bool, "refused": "<message>" | null}
-
-where `refused` is process 1's own attempt's error. A run whose
-prepare_output_dir is refused prints `REFUSED <message>` instead and exits
-with REFUSED_EXIT_CODE, on every process.
+prepare_output_dir, as `train.main` does; then process 1 tries to take the
+directory's lock itself while process 0 holds it, and every process prints
+one line, RESULT {"process": i, "holds_lock": bool, "refused": "<message>"
+| null}. A run whose prepare_output_dir is refused prints `REFUSED
+<message>` instead and exits with REFUSED_EXIT_CODE, on every process.
+Usage:
+    python tools/launch_local.py --num_processes=2 -- \
+        python train/testing_output_dir_worker.py --output_dir=DIR
 """
 
 from __future__ import annotations
@@ -82,6 +78,7 @@ def main(argv):
       "holds_lock": tr._output_lock is not None,  # pylint: disable=protected-access
       "refused": refused,
   }
+  # `refused` is process 1's own attempt's error (None elsewhere).
   print("RESULT " + json.dumps(result), flush=True)
   tr.close()
   distributed.shutdown()

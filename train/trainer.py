@@ -1,22 +1,16 @@
 """The training loop: a Trainer builds the model and trains it.
 
 Around the compiled steps (`train/steps.py`) it draws batches, evaluates,
-checkpoints, resumes (`train/resume.py`), and logs each step
+checkpoints, resumes (`train/resume.py`) and logs each step
 (`train/step_log.py`); signals stop it cleanly after the step in flight
-(`train/stop_signals.py`).
-
-A Trainer owns its --output_dir from `prepare_output_dir` (or `fit`) to
-`close`: process 0 holds the directory's lock (`train/output_dir.py`), and
-a second run on the same directory is refused. The faults a run can meet
-(`train/training_faults.py`) end it with one line each (the exception's
-message, no traceback in `train.main`): a non-finite loss or state
-(`NonFiniteError`, nothing of it kept or saved), the device's memory
-(`OutOfMemoryError`, naming the estimate and the flags that lower it), a
-checkpoint that cannot be written (`checkpoint_failures.CheckpointSaveError`,
-at the step it failed).
-
-Longer than 400 lines: one class, whose public methods (steps, evaluation,
-checkpoints, the output directory, the loop) are the program's and tests' API.
+(`train/stop_signals.py`). A Trainer owns its --output_dir from
+`prepare_output_dir` (or `fit`) to `close` (process 0 holds the
+directory's lock), and the faults a run can meet
+(`train/training_faults.py`: a non-finite loss or state, the device's
+memory, a checkpoint that cannot be written) end it with one line each
+(docs/training.md, "The training program's faults"). Longer than 400
+lines: one class, whose public methods (steps, evaluation, checkpoints,
+the output directory, the loop) are the program's and tests' API.
 """
 
 from __future__ import annotations
@@ -66,6 +60,14 @@ class Trainer:
   weights (`nnx.Param`), the optax state, and the MoE correction biases
   (`moe_flax.CorrectionBias`, float32, updated by the aux-loss-free rule and
   never by the optimiser).
+
+  The faults a run can meet raise one exception each, whose message is the
+  one line `train.main` prints (no traceback):
+  `training_faults.NonFiniteError` for a non-finite loss or state (nothing
+  of that step kept or saved), `training_faults.OutOfMemoryError` for the
+  device's memory (naming the estimate and the flags that lower it),
+  `checkpoint_failures.CheckpointSaveError` for a checkpoint that cannot be
+  written (at the step it failed).
   """
 
   def __init__(
