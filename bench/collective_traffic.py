@@ -1,13 +1,11 @@
 """Counting what an expert-parallel exchange moves: from HLO and from routing.
 
 Shared by the traffic benchmarks (`bench/ep_bench.py`, one layer;
-`bench/train_traffic.py`, a training step):
-
-* `collective_bytes` reads the collectives' result sizes out of compiled HLO
-  text (what the padded exchange really moves);
-* `exchange_rows` and `ragged_traffic` count, from the routing, the token
-  copies that leave their device (what `ragged_all_to_all` sends: exactly
-  those rows).
+`bench/train_traffic.py`, a training step): `collective_bytes` reads the
+collectives' result sizes out of compiled HLO text (what the padded
+exchange really moves); `exchange_rows` and `ragged_traffic` count, from
+the routing, the token copies that leave their device (what
+`ragged_all_to_all` sends: exactly those rows).
 """
 
 from __future__ import annotations

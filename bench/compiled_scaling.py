@@ -1,25 +1,12 @@
 """Step time and tokens/s per GPU modelled from compiled training steps.
 
+Reads `train.main --dry_run --target --topology` records (the real step
+compiled for those GPUs) for their per-device matmul FLOPs (plus the
+routed experts' GEMMs hidden in custom kernels, counted from the model)
+and all-to-all bytes, and models compute, exchange, serial and overlapped
+step time with `scaling_model.CLUSTERS`' rates; a model, not a measurement
+(docs/benchmarks.md, "bench/compiled_scaling.py"). Usage:
     python -m bench.compiled_scaling bench/results/dry_run/*.json [--gpu h100]
-
-Each JSON is a `train.main --dry_run --target --topology` record: the real
-step compiled for those GPUs (`train/dry_run_target.py`). This takes from it,
-per device and step:
-  - the matmul FLOPs XLA emits (dots and GEMM calls, loops counted), plus
-    the routed experts' GEMMs inside custom kernels, which XLA cannot see:
-    those are counted from the model (tokens x MoE layers x K x 3 D F x 2,
-    forward + backward, plus a forward again under --remat=full);
-  - the all-to-all bytes the device sends, from the compiled HLO.
-It then models, with `scaling_model.CLUSTERS`' rates (a stated GEMM rate,
-NVLink and InfiniBand bandwidths, the SMs communication takes):
-  compute   FLOPs / GEMM rate;
-  exchange  the bytes over NVLink (copies to the 7 other GPUs of a node)
-            and InfiniBand (to the other nodes of the EP group), at once;
-  serial    compute + exchange;
-  overlap   max(compute slowed by the communication SMs, exchange).
-Model FLOP/s per GPU count 6 x active parameters + attention per token
-(`train.sizing`, the convention of Megatron's 338 TFLOP/s), over the
-modelled step. A model, not a measurement: no GPU ran this.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Runs one MoE layer forward and backward on every available backend.
 
-    python -m bench.demo [--tokens 1024] [--dtype bfloat16] [--repeats 5]
-
 Prints, per backend, the forward and forward+backward time (median of
-`--repeats` jitted calls, and the fwd+bwd time over the reference backend's
-measured in the same run: below 1 is faster), and the largest error of the
-output and of every gradient against the reference, relative to the
-reference's largest magnitude.
+`--repeats` jitted calls, and the fwd+bwd time over the reference
+backend's measured in the same run: below 1 is faster), and the largest
+error of the output and of every gradient against the reference, relative
+to the reference's largest magnitude. Usage:
+    python -m bench.demo [--tokens 1024] [--dtype bfloat16] [--repeats 5]
 """
 
 from __future__ import annotations

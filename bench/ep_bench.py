@@ -1,31 +1,13 @@
 """Bytes an expert-parallel layer moves per device, against the ideal.
 
+For each ep in --ep and each routing (even, skewed), per device and layer:
+the padded all_to_all fallback's bytes read from the compiled HLO, the
+ragged exchange's from the routing (mean, busiest device and link), and
+the ideal of a perfectly even router, as ratios over the ideal, with the
+drop-free receive buffer and the compiled schedule's overlap; one run, no
+timings (docs/expert_parallel.md, "Bytes moved"). Usage:
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
         python -m bench.ep_bench [--tokens_per_device 256] [--out PATH]
-
-For each ep in --ep and each routing (even: a random router; skewed: every
-token's first choice is one expert), per device and layer (dispatch +
-combine):
-
-* padded (the all_to_all fallback, what runs on CPU): the elements of the
-  all_to_all results in the compiled HLO, at the activation dtype's size,
-  times (ep-1)/ep (the device's own slice stays put); also the bytes as
-  compiled for CPU, where XLA runs bf16 all_to_alls in f32 (twice the
-  bytes), and the all_gather of the counts;
-* ragged (ragged_all_to_all, GPU/TPU): the rows that really leave the device,
-  from the routing (ragged_all_to_all sends exactly those): the mean and the
-  most any device sends, and the busiest link direction (which sets the
-  time of an exchange);
-* ideal: T_l*K*D*bytes*(ep-1)/ep each way, the average off-device traffic of
-  a perfectly even router.
-
-It also reports the drop-free receive buffer of each exchange against the
-T_l*K rows a device receives on average, and the order of collectives and
-expert compute in the compiled CPU schedule with --num_chunks=2 (what XLA:CPU
-does with the overlap option). Writes JSON to --out; one run, ratios only,
-no timings. Every ratio is bytes (or rows) over the baseline's, as in the
-other benchmarks (bench/timing.py): `<what>_over_<baseline>` in the JSON,
-`<what>/<baseline>` when printed (1 = the ideal; more moves more).
 """
 
 from __future__ import annotations

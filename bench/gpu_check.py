@@ -1,22 +1,12 @@
 """One GPU run: every program of bench/programs.py compiled, checked, timed.
 
-On the device machine (an H200), where only $OUT comes back:
-
-    python -m bench.gpu_check --out_dir "$OUT"
-
-Elsewhere:
-
-    python -m bench.gpu_check --dry_run   # CPU rehearsal: tiny, interpreted
-    python -m bench.gpu_check --lower_only  # any host: jax.export for CUDA
-    python -m bench.gpu_compile           # any host: XLA's GPU compiler for
-                                          # H100 and B200 (CI's check)
-
-(`python bench/gpu_check.py ...` from the repository root works the same.)
-
-Its phases (compile, conformance, run), what each records and how the
-budget flags stop them: docs/benchmarks.md, "The GPU check". Over 400
-lines because it is one job: one call on a lent GPU that compiles, checks
-and times every program against one deadline, writing its JSON as it goes.
+On the device machine (an H200), where only $OUT comes back, run
+`python -m bench.gpu_check --out_dir "$OUT"`; `--dry_run` rehearses it on
+the CPU and `--lower_only` exports for CUDA on any host. Its phases
+(compile, conformance, run), what each records and how the budget flags
+stop them: docs/benchmarks.md, "The GPU check". Over 400 lines because it
+is one job: one call on a lent GPU that compiles, checks and times every
+program against one deadline, writing its JSON as it goes.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """Every GPU program of bench/programs.py through XLA's GPU compiler.
 
 From any host, a CPU-only one included (`moe_core.aot`: the CUDA plugin of
-the installed jax, no GPU):
-
+the installed jax, no GPU), each program is compiled for each target (one
+target a child process, `compile_one`) and must compile, contain the
+kernels its backend promises and fit the target's usable HBM; the named
+exceptions are listed, not compiled, and the records go to
+bench/results/gpu_compile_[quick_]<jax version>.json (docs/benchmarks.md,
+"bench/gpu_compile.py"). Usage:
     python -m bench.gpu_compile                  # H100 and B200, CI sizes
     python -m bench.gpu_compile --size full --targets h100,b200,h200
     python -m bench.gpu_compile --xla_options quick   # CI's, 0.3-0.8x the time
-
-Each program is compiled for each target, on its workload's topology (one
-GPU; 8 or 64 for the expert-parallel layer), and must: compile; contain the
-kernels its backend promises (`programs.KERNELS`) and, for the
-expert-parallel layer, a `ragged-all-to-all`, so that a silent fallback to
-XLA's own ops fails; and peak, per device, within the target's usable HBM
-(`GpuTarget.usable_bytes`). Programs that cannot be compiled yet
-(`programs.EXCEPTIONS`) are listed with the reason, not compiled. Prints a
-line per program and "N of N compiled, plus K named exceptions"; writes
-compile time and memory per program to
-bench/results/gpu_compile_[quick_]<jax version>.json (or --out), rewritten after
-each program. Exit status 1 if any program failed.
-
-One target a process: the CUDA plugin's Mosaic GPU pipeline keeps the GPU
-of the first Mosaic GPU kernel it compiles for the whole process (jax
-0.11.2 and 0.12.0.1; `jax.clear_caches()` does not reset it), so a second
-target's kernels fail ("SM version specified by .target is higher than
-default SM version assumed" on 0.12, "Pass pipeline failed" on 0.11). So
-`compile_one` refuses a second target, and `main` compiles each target in a
-child process of its own.
 """
 
 from __future__ import annotations
@@ -87,7 +71,15 @@ def compile_one(
 ) -> dict:
   """The record of `program` compiled for `target` with `XLA_OPTIONS[options]`:
   "status" is "ok", "failed" (with "error") or "exception" (with "reason").
-  Every call of a process must name the same target."""
+
+  Every call of a process must name the same target, and a second target
+  is refused: the CUDA plugin's Mosaic GPU pipeline keeps the GPU of the
+  first Mosaic GPU kernel it compiles for the whole process (jax 0.11.2
+  and 0.12.0.1; `jax.clear_caches()` does not reset it), so a second
+  target's kernels fail ("SM version specified by .target is higher than
+  default SM version assumed" on 0.12, "Pass pipeline failed" on 0.11).
+  `main` therefore compiles each target in a child process of its own.
+  """
   record = {
       "program": program.name,
       "workload": program.workload.name,

@@ -1,18 +1,16 @@
 """gpu_check's conformance phase: the shared suites on every variant.
 
-The suites (conformance/suite.py) are absltest code. Each variant of
-bench/programs.py (its backend's defaults and options; a recipe is its
-backend's precision suite) runs them in child processes,
-
-    DROPLESS_CONFORMANCE_VARIANT=mosaic_gpu python -m bench.gpu_conformance
-
-which subclass `suite.ConformanceTest` with the variant's backend and
-options, sharded over the host's cores, so that one failing or hanging test
-cannot take the rest of gpu_check with it; their counts go into the JSON.
-Where a GPU is, the suites add the shapes the timing runs
-(conformance/cases.py's GPU cases). A variant whose backend cannot run here
-(`availability()`: no Transformer Engine on the GPU machine) is recorded as
-skipped, with the reason.
+Each variant of bench/programs.py (its backend's defaults and options; a
+recipe is its backend's precision suite) runs the absltest suites of
+conformance/suite.py in child processes that subclass
+`suite.ConformanceTest` with the variant's backend and options
+(`DROPLESS_CONFORMANCE_VARIANT=mosaic_gpu python -m
+bench.gpu_conformance`), sharded over the host's cores, so that one
+failing or hanging test cannot take the rest of gpu_check with it; their
+counts go into the JSON. Where a GPU is, the suites add the shapes the
+timing runs (conformance/cases.py's GPU cases); a variant whose backend
+cannot run here (`availability()`) is recorded as skipped, with the
+reason.
 """
 
 from __future__ import annotations

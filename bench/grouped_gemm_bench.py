@@ -1,19 +1,12 @@
 """Grouped-GEMM benchmark: every backend against dense and ragged_dot, one run.
 
+Times rows [M, D] x weights [E, D, F] -> [M, F] over ragged groups (even,
+random, Zipf-skewed), forward and forward+backward, for E in --experts,
+each as a ratio over a dense `jnp.dot` of the same useful FLOPs timed in
+the same run; prints a table and writes
+bench/results/grouped_gemm_<platform>_<date>.json (docs/benchmarks.md,
+"bench/grouped_gemm_bench.py"). Usage:
     python -m bench.grouped_gemm_bench [--quick] [--dtype float32]
-
-Times rows [M, D] x weights [E, D, F] -> [M, F] over ragged groups that fill
-all M rows, forward and forward+backward (dX and dW), for E in --experts and
-even, random (multinomial) and Zipf-skewed group sizes. Every time is the
-median of --repeats calls after a warm-up, the methods' calls interleaved.
-Ratios are time / the time of a dense `jnp.dot` [M, D] x [D, F] (the same
-useful FLOPs) timed in the same
-run, so a noisy machine shifts all of them together: `fwd_time_over_dense`
-and `fwd_bwd_time_over_dense` in the JSON, "time/dense" in the table (< 1 is
-faster than dense); where xla is timed too, `<phase>_time_over_xla` compares
-each method with today's CPU path. Prints a table and writes JSON to
-bench/results/grouped_gemm_<platform>_<date>.json (bench/results/README.md:
-older files name the same ratios `fwd_vs_dense` and `fwd_bwd_vs_dense`).
 """
 
 from __future__ import annotations

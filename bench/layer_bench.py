@@ -1,16 +1,12 @@
 """MoE layer benchmark: each backend against the dense FFN of the same FLOPs.
 
+Times the whole MoE layer (route, dispatch, grouped GEMMs, SwiGLU,
+combine), forward and forward+backward, against a dense SwiGLU FFN of the
+same useful expert FLOPs on the same tokens, as ratios over it and over
+the xla backend measured in the same run; writes
+bench/results/layer_<platform>_<date>.json (docs/benchmarks.md,
+"bench/layer_bench.py"). Usage:
     python -m bench.layer_bench [--quick] [--backends cpu,xla]
-
-Times the whole MoE layer (route, dispatch, gate/up/down grouped GEMMs,
-SwiGLU, combine) on T tokens, forward and forward+backward (the gradients
-of the parameters and of x), against a dense SwiGLU FFN [D] -> [K*F] -> [D]
-on the same tokens: the same useful expert FLOPs, without routing or
-permutation. Every time is the median of --repeats calls, the methods'
-calls interleaved; ratios are time over the dense FFN's time in the same
-run (`<phase>_time_over_dense_ffn`, < 1 is faster), and over the xla
-backend's (`<phase>_time_over_xla`). Writes
-bench/results/layer_<platform>_<date>.json.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 r"""Grouped-GEMM forward time of each low-precision recipe against the
 unquantized GEMM.
 
+Times `grouped_gemm(..., precision=recipe)` of each backend in --backends
+for every recipe of `moe_precision.RECIPES`, as a ratio over the same
+backend's unquantized time in the same run, with each recipe's largest
+error against the unquantized output; a recipe a backend cannot run is
+reported, not fatal. Prints a table and writes
+bench/results/precision_gemm_<platform>_<date>.json (docs/benchmarks.md,
+"bench/precision_gemm_bench.py"). Usage:
     python -m bench.precision_gemm_bench [--backends=xla,reference] [--quick]
-
-Times `grouped_gemm(rows, weights, group_sizes, precision=recipe)` of each
-backend in --backends, rows [M, K] x weights [E, K, N] -> [M, N] in
-bfloat16 over even groups (default M=4096, K=1024, N=512, E=8: a small MoE
-layer), for every recipe of `moe_precision.RECIPES`. Every time is the
-median of --repeats jitted calls after a warm-up; the ratio is the time over
-the same backend's unquantized time in this run
-(`fwd_time_over_unquantized`, "time/unq" in the table; < 1 is faster). Also
-gives each recipe's largest error against the backend's unquantized output,
-over the largest |unquantized output|: a recipe whose output equals it
-exactly was most likely not quantised. A
-recipe the backend cannot run (NotImplementedError, or no `precision`
-argument yet) is reported, not fatal. Prints a table and writes JSON to
-bench/results/precision_gemm_<platform>_<date>.json.
 """
 
 from __future__ import annotations

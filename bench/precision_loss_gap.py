@@ -1,33 +1,15 @@
 r"""Held-out loss and step time of low-precision expert GEMMs against
 unquantised ones.
 
+Trains the default preset of `train.main` (tiny_dsv3) once per recipe of
+--recipes, from the same seed on the same batches, steps interleaved, and
+reports per recipe the final held-out loss, its gap to the unquantized
+recipe's against the goal (at most +1% for the fp8 recipes and mxfp8) and
+the step time over unquantized's; prints a table and writes JSON to --out
+(docs/benchmarks.md, "bench/precision_loss_gap.py"). Usage:
     python -m bench.precision_loss_gap              # ~14 min on 2 cores
     python -m bench.precision_loss_gap --steps=2 --recipes=unquantized,mxfp8 \
         --out=/tmp/gap.json                         # proves the script runs
-
-Trains the default preset of `train.main` (tiny_dsv3) once per recipe of
-`--recipes` (`moe_precision.RECIPES`: the routed experts' GEMMs
-quantised, `MoEConfig.precision`), all from the same seed on the same
-batches, for `--steps` steps, and evaluates each on the same held-out
-batches at the end. The recipes take their steps in turn (one step of each,
-then the next), so a change of machine load hits all of them alike, like
-`train.compare_backends`. Reports per recipe the final held-out loss, its
-gap to the unquantized recipe's as a ratio (loss - loss_unquantized) /
-loss_unquantized in %, the goal
-(at most +1% for fp8_tensor, fp8_block and mxfp8; for nvfp4 the gap is
-stated, not bounded) and whether it is met, and the median seconds per step
-over unquantized's in this run (`step_time_over_unquantized`, < 1 is
-faster; the first
-steps, which compile, are left out). A recipe the backend cannot run
-(NotImplementedError) is reported as such. A recipe whose per-step losses
-equal unquantized's bit for bit is flagged: its GEMMs were most likely not
-quantised. Prints a table and writes JSON to `--out`.
-
-The default 200 steps (the preset's own run) of the five recipes took 14
-minutes on this 2-core machine, shared with other jobs (jax 0.12.0.1, xla
-backend, 2026-12-03): 0.40-0.43 s a step for every recipe (time/unq
-1.04-1.06: tiny_dsv3's experts are small, F=64, so the expert GEMMs are a
-small share of a step), plus about 40 s of compilation per recipe.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """The GPU programs: backend variant x workload x (fwd | fwd_bwd), one table.
 
-Every GPU check of bench/ reads its programs here, so that what is exported,
-compiled and timed are the same programs:
-
-    python -m bench.gpu_check --lower_only  jax.export for CUDA (any host)
-    python -m bench.gpu_compile             XLA's GPU compiler, H100 and
-                                            B200, from any host (CI:
-                                            //bench:gpu_compile_test)
-    python -m bench.gpu_check               on a GPU: compiled there, the
-                                            conformance suites, timed
-
-Variants come from the registry: every backend "auto" may pick on a GPU
-(`registry.AUTO_ORDER["gpu"]`, less the `reference` oracle) gets its
-default variant (with its `DEFAULT_OPTIONS`), and a grouped-GEMM variant
-per quantised recipe its class multiplies (`Backend.precisions`).
-`OPTION_VARIANTS` lists the other
-options worth programs, a row each. A new backend needs no edit here; a row
-of `KERNELS` makes a silent fallback to XLA's own ops fail its compile
-check. Programs that cannot be compiled yet are `EXCEPTIONS`, with why.
-Needs only jax and this repository: it runs on the GPU machine too.
-
+Every GPU check of bench/ reads its programs here (`gpu_check
+--lower_only`, `gpu_compile`, `gpu_check`), so that what is exported,
+compiled and timed are the same programs. Variants come from the registry
+(`variants`): every backend "auto" may pick on a GPU gets its default
+variant and a grouped-GEMM variant per quantised recipe; `OPTION_VARIANTS`
+adds the other options worth programs, so a new backend needs no edit
+here. A row of `KERNELS` makes a silent fallback to XLA's own ops fail its
+compile check; programs that cannot be compiled yet are `EXCEPTIONS`, with
+why. Needs only jax and this repository: it runs on the GPU machine too.
 Over 400 lines because it is the one table of GPU programs (variants x
 workloads x modes) that every GPU check reads.
 """

@@ -1,18 +1,13 @@
 """A paper model of DeepSeek-V3 training with expert parallelism on N GPUs.
 
+Per MoE layer and GPU, compute time from the layer's training FLOPs and a
+stated GEMM rate and all-to-all time from the bytes sent over NVLink and
+InfiniBand, without and with overlap; scaling efficiency is tokens/s per
+GPU against one node, for a serial, a chunked and a fully overlapped
+schedule (docs/benchmarks.md, "bench/scaling_model.py"). Every input is a
+named constant below with its source; docs/scaling.md discusses the
+results. Nothing here is measured on a GPU. Usage:
     python -m bench.scaling_model [--gpu h100] [--markdown]
-
-Per MoE layer and GPU, for one micro-batch of T tokens per GPU: compute time
-from the layer's training FLOPs and a stated GEMM rate; all-to-all time from
-the bytes each GPU sends over NVLink (same node) and InfiniBand (other
-nodes) and their bandwidths; the layer time without overlap (compute +
-communication) and with overlap (the longer of the two, plus what chunking
-cannot hide, with compute slowed by the SMs that communication kernels
-take). Scaling efficiency is tokens/s per GPU against one node (N = 8),
-for three schedules: serial, 4 chunks overlapped within the layer, and full
-overlap across micro-batches (DualPipe).
-Every input is a named constant below with its source; docs/scaling.md
-discusses the results. Nothing here is measured on a GPU.
 """
 
 from __future__ import annotations

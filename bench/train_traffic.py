@@ -1,50 +1,16 @@
 """All-to-all bytes of one expert-parallel training step, against the ideal.
 
+For the `tiny_dsv3` preset and `mid_dsv3` (a mid-size DeepSeek-V3-shaped
+model defined here) on each --mesh, per device and training step: the
+padded exchange's bytes measured in the compiled HLO of one MoE layer's
+forward and backward (times the MoE layers), the ideal from the routing
+(the token copies that leave their device), and the ragged exchange's
+mean, busiest device and busiest link, as ratios over the ideal; one run
+on 8 simulated CPU devices (this module sets XLA_FLAGS unless it already
+gives a device count), no timings (docs/benchmarks.md,
+"bench/train_traffic.py"). Usage:
     python -m bench.train_traffic [--models tiny_dsv3,mid_dsv3] \
         [--mesh data=2,expert=4 --mesh expert=8] [--out PATH]
-
-Runs on 8 simulated CPU devices: unless XLA_FLAGS already sets
---xla_force_host_platform_device_count, this module adds
---xla_force_host_platform_device_count=8 to it before JAX starts.
-
-Models: the `tiny_dsv3` preset (train/presets.py: its MoE block, its MoE
-layers, batch_size x seq_len tokens a step) and `mid_dsv3`, a mid-size
-DeepSeek-V3-shaped model defined here (no preset has that size): hidden
-1024, 64 routed experts top-8 in 8 groups of which 4 are kept, expert FFN
-512, one shared expert, sigmoid scores with the correction bias, 8 MoE
-layers, batch 32 x seq 512.
-
-For each model and mesh (tokens split over data x expert, as the training
-program splits them), per device and training step (forward + backward of
-every MoE layer):
-
-* measured, padded exchange (what runs on CPU): the all-to-all (and
-  ragged-all-to-all) result elements in the compiled HLO of
-  `jax.value_and_grad` (params and x) of a loss over
-  `moe_core.moe_layer(..., mesh=mesh)`, x [T, D] bfloat16, times (ep-1)/ep
-  (a device's own slice stays put), times the MoE layers. Every MoE layer of
-  a model compiles to the same program, so one layer is compiled and its
-  count multiplied (the mid-size model's layers would take minutes to
-  compile together). Bytes at the activation dtype's size, and as compiled:
-  XLA:CPU runs bf16 all-to-alls in f32 (twice the bytes);
-* ideal: the token copies that must leave their device, from the routing of
-  the tokens used (x random normal, each layer's parameters from
-  `moe_core.init_params`; routed on one device): (token, chosen expert)
-  pairs whose expert sits at another index of the expert axis than the
-  token, times D * 2 bytes, times 4 (dispatch and combine, forward and
-  backward), summed over the layers, per device (the mean);
-* ragged exchange (GPU/TPU), from the same routing: ragged_all_to_all sends
-  exactly the copies that leave, so its mean equals the ideal; the most any
-  device sends and the busiest link direction (which sets an exchange's
-  time) are over it;
-* the uniform-routing expectation T_l*K*(ep-1)/ep rows each way, for
-  comparison with the ideal of the actual routing;
-* the tokens a step, and the drop-free receive buffer of each exchange.
-
-One run, ratios only, no timings. Prints a table and writes JSON to --out.
-Every ratio is bytes over the baseline's bytes (bench/timing.py):
-`<what>_over_<baseline>` in the JSON, `<what>/<baseline>` when printed
-(1 = the ideal; more moves more).
 """
 
 from __future__ import annotations
