@@ -1,15 +1,13 @@
 """CheckpointNamesSuite: what the remat policies keep of a backend's FFN.
 
-`moe_core.remat`'s policies pick the saved residuals by the checkpoint names
-of the expert GEMM outputs (`moe_core.backend.CHECKPOINT_NAMES`). A backend
-that forgets a name changes what "save_moe" keeps without any numerical
-difference, so no other suite would notice. Here the residuals a backward
-pass saves are listed with `jax.ad_checkpoint.print_saved_residuals` (its
-lines read "<aval> named '<name>' from ...", "... from the argument ...",
-"... from a constant", alike on jax 0.10 to 0.12) and compared with what
-the backend documents through `Backend.checkpoint_names`.
-
-The checks only trace (nothing is compiled or run), on small shapes.
+`moe_core.remat`'s policies pick the saved residuals by the checkpoint
+names of the expert GEMM outputs (`moe_core.backend.CHECKPOINT_NAMES`); a
+backend that forgets a name changes what "save_moe" keeps without any
+numerical difference, so no other suite would notice. Here the residuals
+a backward pass saves are listed with
+`jax.ad_checkpoint.print_saved_residuals` and compared with what the
+backend documents through `Backend.checkpoint_names`; the checks only
+trace (nothing is compiled or run), on small shapes.
 """
 
 from __future__ import annotations
@@ -28,6 +26,9 @@ from conformance import cases
 from moe_core import backend as backend_lib
 from moe_core import remat
 
+# print_saved_residuals' lines read "<aval> named '<name>' from ...",
+# "... from the argument ...", "... from a constant", alike on jax 0.10 to
+# 0.12.
 _NAMED = re.compile(r" named '([^']+)'")
 # Residuals no policy decides on: the differentiated function's inputs and
 # the values it closes over.

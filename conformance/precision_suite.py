@@ -1,22 +1,13 @@
 """PrecisionSuite: quantised grouped GEMMs and layers (moe_core.precision).
 
-Each quantised recipe, on each backend that lists it in `precisions`:
-
-  * the grouped GEMM against the exact product of the unquantised operands,
-    within the bound `tolerances.quantization_error` derives from the
-    element format and block (not from the code under test), and against
-    the reference backend's product of the same quantised operands within
-    the float32/bfloat16 rows (only the order of sums may differ);
-  * empty groups, NaN-poisoned padding rows, group boundaries off every
-    block and tile grid, both weight layouts;
-  * straight-through gradients: exactly the unquantised GEMM's;
-  * per group, `jax.nn.scaled_matmul` on the same quantised data and scales
-    (mxfp8, nvfp4; where the installed JAX lowers it on this platform);
-  * the layer (route, dispatch, quantised FFN, combine) against the
-    reference oracle, which quantises per expert without sorting.
-
-The quantise/dequantise round trips themselves (bit-exact, hand-built
-blocks) are backend-independent: moe_core/precision_test.py.
+Each quantised recipe, on each backend that lists it in `precisions`, is
+checked through the grouped GEMM (against the exact product within a bound
+derived from the format, and against the reference backend's product of
+the same quantised operands), its straight-through gradients,
+`jax.nn.scaled_matmul` and the whole layer against the reference oracle
+(the list: `PrecisionSuite`). The quantise/dequantise round trips
+themselves (bit-exact, hand-built blocks) are backend-independent:
+moe_core/precision_test.py.
 """
 
 from __future__ import annotations
@@ -99,7 +90,25 @@ def _exact_and_bound(case, recipe):
 
 
 class PrecisionSuite(base.BackendTestCase):
-  """Quantised recipes through Backend.grouped_gemm and the layer."""
+  """Quantised recipes through Backend.grouped_gemm and the layer.
+
+  Each quantised recipe, on each backend that lists it in `precisions`:
+
+    * the grouped GEMM against the exact product of the unquantised
+      operands, within the bound `tolerances.quantization_error` derives
+      from the element format and block (not from the code under test),
+      and against the reference backend's product of the same quantised
+      operands within the float32/bfloat16 rows (only the order of sums may
+      differ);
+    * empty groups, NaN-poisoned padding rows, group boundaries off every
+      block and tile grid, both weight layouts;
+    * straight-through gradients: exactly the unquantised GEMM's;
+    * per group, `jax.nn.scaled_matmul` on the same quantised data and
+      scales (mxfp8, nvfp4; where the installed JAX lowers it on this
+      platform);
+    * the layer (route, dispatch, quantised FFN, combine) against the
+      reference oracle, which quantises per expert without sorting.
+  """
 
   def skip_unless_quantizes(self, recipe: str) -> None:
     """Skips a recipe outside the backend's `precisions`, with the reason,

@@ -1,19 +1,14 @@
 """The conformance suites, and the two test classes a backend subclasses.
 
-A backend's whole conformance test is one file, `conformance_test.py` in its
-folder (conformance/example_backend/conformance_test.py is the one to copy),
-run by one `moe_conformance_test` line in its BUILD. The file subclasses
-`ConformanceTest` (the single-device suites) and `ExpertParallelTest` (the
-expert-parallel ones), sets BACKEND (the registered name), BACKEND_OPTIONS
-(keyword arguments of moe_core.get_backend) and TOLERANCE_OVERRIDES (see
-`tolerances.lookup`; loosen only with the reason in a comment) as Python
-values, and ends with `suite.main()` under `if __name__ == "__main__":`.
-
-Plain pytest runs both classes (the expert-parallel one skips, with the
-reason, without 8 devices); Bazel runs one per target (see `main`).
-
-Adding a backend, step by step: the checklist in `moe_core.Backend`'s
-docstring; conformance/example_backend/ is the folder to copy.
+A backend's whole conformance test is one file, `conformance_test.py` in
+its folder (conformance/example_backend/ is the folder to copy; the
+checklist is in `moe_core.Backend`'s docstring), run by one
+`moe_conformance_test` line in its BUILD: it subclasses `ConformanceTest`
+(the single-device suites) and `ExpertParallelTest` (the expert-parallel
+ones), sets BACKEND, BACKEND_OPTIONS and TOLERANCE_OVERRIDES, and ends
+with `suite.main()`. Plain pytest runs both classes (the expert-parallel
+one skips, with the reason, without 8 devices); Bazel runs one per target
+(`main`).
 """
 
 from __future__ import annotations
@@ -62,6 +57,12 @@ EP_ENV = "CONFORMANCE_EP"
 
 class ConformanceTest(*SUITES):
   """Every single-device suite. Subclass it and set BACKEND.
+
+  A backend's conformance_test.py sets, as Python values, BACKEND (the
+  registered name), BACKEND_OPTIONS (keyword arguments of
+  moe_core.get_backend) and TOLERANCE_OVERRIDES (see `tolerances.lookup`;
+  loosen only with the reason in a comment), and ends with `main()` under
+  `if __name__ == "__main__":`.
 
   The suites' test names are disjoint (suite_test.py fails if a new suite
   hides another's test), so each test runs exactly once here.

@@ -1,19 +1,10 @@
 """TransformsSuite: the layer inside what users wrap around it.
 
 Each case puts `moe_layer` (or a Flax module around it) inside one
-transformation a user's program applies, and checks the result against the
-same backend without it, or against the reference:
-
-  export      jax.export of the jitted forward and value_and_grad,
-              serialised, deserialised and called: equal to the live call.
-  shard_map   inside a user's `jax.shard_map` with the default
-              `check_vma=True` (mesh variance type-checked).
-  Linen scan  `LinenMoE` stacked with `flax.linen.scan`, with and without
-              `nn.remat`: equal to the layers applied one by one.
-  checked     `moe_core.checked(jax.vmap(layer))` on clean input.
-  forward     jax.jvp, jax.linearize and jax.hessian of a small loss:
-  mode        against the reference, and jvp against vjp (<ct, J t> =
-              <J^T ct, t>, which holds for any correct pair).
+transformation a user's program applies (export, shard_map, Linen scan,
+checked vmap, forward-mode differentiation: the list in `TransformsSuite`)
+and checks the result against the same backend without it, or against the
+reference.
 """
 
 from __future__ import annotations
@@ -63,7 +54,19 @@ def _leaves_close(test, got, want, dtype, kind, msg):
 
 class TransformsSuite(base.BackendTestCase):
   """moe_layer under export, shard_map, Linen scan, checked vmap and
-  forward-mode differentiation."""
+  forward-mode differentiation.
+
+    export      jax.export of the jitted forward and value_and_grad,
+                serialised, deserialised and called: equal to the live call.
+    shard_map   inside a user's `jax.shard_map` with the default
+                `check_vma=True` (mesh variance type-checked).
+    Linen scan  `LinenMoE` stacked with `flax.linen.scan`, with and without
+                `nn.remat`: equal to the layers applied one by one.
+    checked     `moe_core.checked(jax.vmap(layer))` on clean input.
+    forward     jax.jvp, jax.linearize and jax.hessian of a small loss:
+    mode        against the reference, and jvp against vjp (<ct, J t> =
+                <J^T ct, t>, which holds for any correct pair).
+  """
 
   def _transforms_inputs(self):
     case = _case(self.compute_dtype())

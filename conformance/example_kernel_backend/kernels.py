@@ -1,21 +1,13 @@
 """The example kernel backend's grouped GEMM: two Pallas kernels.
 
-  gmm   rows [M, C] x weights [E, C, N] ([E, N, C] with transpose_rhs)
-        -> [M, N]; the forward and dX.
-  tgmm  per group g, lhs_g^T @ rhs_g: [M, A] x [M, B] -> [E, A, B]; dW.
-
-Rows are sorted by group: group g owns the rows [starts[g], ends[g]), and
-rows at or past sum(group_sizes) belong to none. They may hold anything,
-NaN included, so every kernel zeroes the rows outside a group before any
-product (NaN * 0 is NaN: masking afterwards would let it reach dW).
-
-Written for reading, not speed: each gmm program computes one output tile
-and loops over every group, doing work only for the groups that own rows
-of its tile; each tgmm program one tile of one group's [A, B] block. The
-same kernels run interpreted (`interpret=True`: the CPU) and lowered
-through Triton (the GPU), which shapes them: blocks are powers of two >= 16
-(the wrappers pad the operands to whole blocks), the operands a program
-reads at data-dependent offsets (a group's weights or rows) are whole-array
+`gmm` (rows [M, C] x weights [E, C, N] -> [M, N]: the forward and dX) and
+`tgmm` (per group lhs_g^T @ rhs_g -> [E, A, B]: dW) take rows sorted by
+group, and zero the rows outside a group before any product
+(`_zero_rows_outside`). Written for reading, not speed. The same kernels
+run interpreted (`interpret=True`: the CPU) and lowered through Triton
+(the GPU), which shapes them: blocks are powers of two >= 16 (the
+wrappers pad the operands to whole blocks), the operands a program reads
+at data-dependent offsets (a group's weights or rows) are whole-array
 refs sliced with `pl.ds`, and accumulators are float32 loop carries.
 `moe_core.kernels.grouped_matmul` makes them differentiable.
 """
@@ -65,7 +57,12 @@ def _group_bounds(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _zero_rows_outside(x, first_row, start, end):
   """x [rows, cols] (rows first_row, first_row + 1, ...) with the rows
-  outside [start, end) zeroed, whatever they held."""
+  outside [start, end) zeroed, whatever they held.
+
+  Rows at or past sum(group_sizes) belong to no group and may hold
+  anything, NaN included, so every kernel zeroes them before any product
+  (NaN * 0 is NaN: masking afterwards would let it reach dW).
+  """
   row = first_row + lax.broadcasted_iota(jnp.int32, x.shape, 0)
   return jnp.where((row >= start) & (row < end), x, jnp.zeros((), x.dtype))
 
@@ -179,6 +176,8 @@ def gmm(
 ) -> jax.Array:
   """rows [M, C] x weights [E, C, N] ([E, N, C] transposed) -> [M, N].
 
+  The forward and dX. Each program computes one output tile and loops over
+  every group, doing work only for the groups that own rows of its tile.
   Rows at or past sum(group_sizes) come out zero, unread.
   """
   (m, c), num_groups = rows.shape, weights.shape[0]
@@ -215,6 +214,7 @@ def tgmm(
 ) -> jax.Array:
   """Per group lhs_g^T @ rhs_g: [M, A] x [M, B] -> [E, A, B].
 
+  dW. Each program computes one tile of one group's [A, B] block.
   Rows at or past sum(group_sizes) are masked, NaN or not; an empty group
   gives zeros. `tiles`: bm the row step, bc the A block, bn the B block.
   """
