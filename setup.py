@@ -2,13 +2,9 @@
 
 Everything else about the package is in pyproject.toml; this file exists
 only because a C++ build needs jaxlib's FFI headers, whose path is found at
-build time. The library is optional: without a C++17 compiler, or if it
-fails to compile, the install goes on without it, says so, and the cpu
-backend reports `availability() == (False, why)`.
-
-The headers come from the jaxlib that pyproject.toml's build requirements
-install (the oldest supported one): XLA accepts handlers built against its
-own FFI version or older, so that build runs on every supported jaxlib.
+build time (`_jaxlib`). The library is optional: without a C++17 compiler,
+or if it fails to compile, the install goes on without it, says so, and
+the cpu backend reports `availability() == (False, why)`.
 """
 
 import os
@@ -19,7 +15,12 @@ from setuptools.command import build_ext
 
 
 def _jaxlib():
-  """(include dir, version) of the build environment's jaxlib, or None."""
+  """(include dir, version) of the build environment's jaxlib, or None.
+
+  That jaxlib is the one pyproject.toml's build requirements install (the
+  oldest supported one): XLA accepts handlers built against its own FFI
+  version or older, so that build runs on every supported jaxlib.
+  """
   try:
     import jaxlib  # pylint: disable=import-outside-toplevel
     import jaxlib.version  # pylint: disable=import-outside-toplevel

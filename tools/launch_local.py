@@ -1,25 +1,12 @@
 r"""Runs N copies of a command as one multi-process JAX run on this machine.
 
+Each copy gets the variables of a JAX multi-process run (or, with
+--env=slurm, those srun gives the tasks of a one-node job step) and every
+output line is printed with a "[p<i>] " prefix; signals are passed on,
+the other copies are stopped when one fails, and the launcher exits with
+the first non-zero exit code (`launch`). Usage:
     python tools/launch_local.py --num_processes=2 -- \
         python -m train.main --mesh=data=2,expert=4 --steps=20
-
-Each copy gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<a free port>,
-JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i (what train/process_spec.py reads);
-with --env=slurm it gets instead what srun gives each task of a one-node job
-step (SLURM_JOB_ID, SLURM_STEP_NODELIST=localhost, SLURM_NTASKS,
-SLURM_PROCID, SLURM_LOCALID, ...), the job id chosen so that the port JAX
-derives from it is free, which rehearses a SLURM launch on one machine;
-and, unless the command sets them itself or --no_timeout_flags is given,
---distributed_init_timeout and --distributed_heartbeat_timeout, short ones:
-the processes of one machine start together. Every output line (stdout and
-stderr together) is printed with a "[p<i>] " prefix.
-
-Ctrl-C or SIGTERM is passed on to every copy (a second one kills them).
-When a copy exits non-zero, the others get --grace_s seconds to end on their
-own (JAX's heartbeat ends them within about the heartbeat timeout), then
-they are killed with their process groups. The launcher exits with the
-first non-zero exit code (128 + N for a copy ended by signal N), 0 when all
-succeeded, after one summary line with every copy's exit code and time.
 """
 
 from __future__ import annotations
@@ -227,7 +214,27 @@ def _exit_code(code: int) -> int:
 
 
 def launch(args, out=None) -> int:
-  """Runs the copies to the end; returns the launcher's exit code."""
+  """Runs the copies to the end; returns the launcher's exit code.
+
+  Each copy gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<a free port>,
+  JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i (what train/process_spec.py
+  reads); with --env=slurm it gets instead what srun gives each task of a
+  one-node job step (`slurm_environment`), the job id chosen so that the
+  port JAX derives from it is free (`free_slurm_job_id`), which rehearses
+  a SLURM launch on one machine; and, unless the command sets them itself
+  or --no_timeout_flags is given, short --distributed_init_timeout and
+  --distributed_heartbeat_timeout (`with_timeout_flags`): the processes of
+  one machine start together. Every output line (stdout and stderr
+  together) is printed with a "[p<i>] " prefix.
+
+  Ctrl-C or SIGTERM is passed on to every copy (a second one kills them).
+  When a copy exits non-zero, the others get --grace_s seconds to end on
+  their own (JAX's heartbeat ends them within about the heartbeat
+  timeout), then they are killed with their process groups. The exit code
+  is the first non-zero one of a copy (128 + N for a copy ended by signal
+  N), 0 when all succeeded, after one summary line with every copy's exit
+  code and time.
+  """
   out = out or sys.stdout.buffer
   lock = threading.Lock()
 

@@ -2,22 +2,11 @@
 
 Bazel reports a target whose every test method skipped as PASSED. This
 reads the run's Build Event Protocol file (`bazel test
---build_event_json_file=FILE`: one JSON event a line), so it sees exactly
-the targets that run tested (the legs filter differently), cached ones
-included. For each target that passed it counts the test methods in its
-shards' JUnit files (absltest writes a skipped method as status="notrun");
-a target that ran none is printed as
-
-  skipped wholly: //pkg:target (reason)
-
-with the reason its log gives ("[  SKIPPED ] Class.test - reason").
-
-A whole skip is expected only where the target declares it: a tag
-`skips-without-<what>` (CONDITIONS) whose <what> this machine lacks, probed
-with the interpreter that runs this script (tools/test.sh runs it with the
-leg's). Any other whole skip, or a tag naming no known <what>, makes the
-exit status 1.
-
+--build_event_json_file=FILE`: one JSON event a line) and each passed
+target's JUnit files, prints every target that ran no test method as
+"skipped wholly: //pkg:target (reason)", and exits 1 if one of them does
+not declare it with a `skips-without-<what>` tag whose <what> this machine
+lacks (docs/testing.md, "Compilation cache, skips and tags"). Usage:
   python tools/whole_skips.py BEP_FILE
 """
 
@@ -85,6 +74,8 @@ def _nvidia_gpu() -> bool:
 
 
 # <what> of a `skips-without-<what>` tag -> (what it is, probe: present here).
+# The probes run in the interpreter that runs this script (tools/test.sh
+# runs it with the leg's).
 CONDITIONS = {
     "gpu": ("NVIDIA GPU", _nvidia_gpu),
     "torch": ("torch", _module("torch")),
@@ -140,7 +131,10 @@ def _read(path: str) -> str | None:
 
 
 def count_methods(xml_text: str) -> tuple[int, int]:
-  """(test methods, skipped ones) of a JUnit file."""
+  """(test methods, skipped ones) of a JUnit file.
+
+  absltest writes a skipped method as status="notrun".
+  """
   root = ET.fromstring(xml_text)
   cases = list(root.iter("testcase"))
   skipped = sum(
@@ -153,7 +147,10 @@ def count_methods(xml_text: str) -> tuple[int, int]:
 
 def whole_skip_reason(shards: dict) -> str | None:
   """Why every method of a target's shards skipped, or None if one ran (or
-  its methods cannot be counted: no JUnit file)."""
+  its methods cannot be counted: no JUnit file).
+
+  The reason is the one its log gives ("[  SKIPPED ] Class.test - reason").
+  """
   total = skipped = 0
   reasons = collections.Counter()
   for files in shards.values():
@@ -189,7 +186,19 @@ def missing_here(target_tags, probes=None) -> tuple[list[str], list[str]]:
 
 
 def check(bep_lines, out=sys.stdout, probes=None) -> int:
-  """Prints the whole skips of a run; 1 if one is not expected here."""
+  """Prints the whole skips of a run; 1 if one is not expected here.
+
+  The Build Event Protocol lines name exactly the targets that run tested
+  (the legs filter differently), cached ones included. For each target
+  that passed, its shards' JUnit methods are counted; one that ran none is
+  printed as
+
+    skipped wholly: //pkg:target (reason)
+
+  and is expected only where the target declares it: a tag
+  `skips-without-<what>` (CONDITIONS) whose <what> this machine lacks. Any
+  other whole skip, or a tag naming no known <what>, returns 1.
+  """
   tags, status, outputs = read_events(bep_lines)
   unexpected = 0
   for label in sorted(outputs):
