@@ -62,7 +62,7 @@ def missing(program, compiled) -> list[str]:
   return lacking
 
 
-# The target this process compiles for (the module docstring says why one).
+# The target this process compiles for (`compile_one` says why only one).
 _PROCESS_TARGET = []
 
 

@@ -69,7 +69,7 @@ TABLE: dict[str, dict[str, Tolerance]] = {
     },
 }
 
-# What float32 dots default to, per platform (see the module docstring).
+# What float32 dots default to, per platform (the tfloat32 note above).
 _FLOAT32_ROW = {
     "cpu": "float32",
     "gpu": "tfloat32",
