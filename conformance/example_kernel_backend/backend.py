@@ -9,9 +9,9 @@ combine, the routed block) come from `GroupedKernelsBackend` and
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from moe_core.kernels import interpret as interpret_lib
 from moe_core.kernels import kernels_backend
 
 from . import kernels
@@ -36,5 +36,7 @@ class ExampleKernelBackend(kernels_backend.GroupedKernelsBackend):
     return kernels.ExampleKernels(
         table=tiles.TileTable(),
         # No Pallas lowering off the GPU: interpret the same kernels there.
-        interpret=jax.default_backend() != "gpu",
+        # Asked when the GEMM is traced, so a program compiled ahead of time
+        # for a GPU from a CPU (`moe_core.aot`) gets the compiled kernels.
+        interpret=interpret_lib.interprets(interpret_lib.AUTO),
     )
