@@ -19,31 +19,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar
 
-import jax
+from moe_core.kernels import gpu
 
 AUTO = None  # The setting of interpret=None: decided at trace time.
-
-
-def lowering_platform() -> str:
-  """The platform the program being traced is lowered for.
-
-  The abstract mesh's device where one is set: `moe_core.aot.compile`
-  lowers inside its target topology's, whose abstract GPU need not be
-  here (a mesh in use also sets one, that of its devices); else JAX's
-  default backend. "gpu" for any GPU ("cuda", "rocm").
-  """
-  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-  device = getattr(get_mesh(), "abstract_device", None) if get_mesh else None
-  platform = getattr(device, "platform", None) or jax.default_backend()
-  return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
 def interprets(setting) -> bool:
   """Whether the kernels of `setting` (an `Interpreter.parse` result) run
   in the interpreter in the program being traced: auto decides by
-  `lowering_platform()`."""
+  `gpu.lowering_platform()`."""
   if setting is AUTO:
-    return lowering_platform() != "gpu"
+    return gpu.lowering_platform() != "gpu"
   return setting is not False
 
 

@@ -22,6 +22,7 @@ from backends.pallas import ops as pallas_ops
 from backends.triton import backend as triton_backend
 from backends.triton import launch_record
 from moe_core import compat
+from moe_core.kernels import gpu
 from moe_core.kernels import interpret as interpret_lib
 from moe_core.testing import cuda_export
 
@@ -88,9 +89,9 @@ class InterpreterTest(parameterized.TestCase):
 
   def test_auto_follows_the_lowering_platform(self):
     here = "gpu" if jax.default_backend() == "gpu" else jax.default_backend()
-    self.assertEqual(interpret_lib.lowering_platform(), here)
+    self.assertEqual(gpu.lowering_platform(), here)
     with compat.abstract_gpu_mesh("NVIDIA H100 80GB HBM3"):
-      self.assertEqual(interpret_lib.lowering_platform(), "gpu")
+      self.assertEqual(gpu.lowering_platform(), "gpu")
       self.assertFalse(interpret_lib.interprets(interpret_lib.AUTO))
       self.assertIs(self.INTERPRETER.resolve(interpret_lib.AUTO), False)
     self.assertEqual(
