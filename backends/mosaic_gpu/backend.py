@@ -10,11 +10,12 @@ import jax.numpy as jnp
 
 from backends.mosaic_gpu import ops
 from backends.mosaic_gpu import tiling
+from moe_core.kernels import gpu
 from moe_core.kernels import tile_backend
 
-# Compute capabilities the kernels are built for: wgmma on sm_90
-# (kernels.py), tcgen05 on sm_100 (kernels_sm100.py).
-SUPPORTED_CAPABILITIES = tuple(tiling.GENERATIONS)
+# Compute capabilities the kernels are built for and tested on: wgmma on
+# sm_90 (kernels.py), tcgen05 on sm_100 (kernels_sm100.py).
+SUPPORTED_CAPABILITIES = (90, 100)
 # jax 0.10.2's Mosaic GPU interpreter fails on a transposed wgmma operand
 # (AttributeError: 'TransposeTransform' object has no attribute 'indices');
 # 0.11.2 and 0.12 interpret it. The compiled path is unaffected.
@@ -32,12 +33,13 @@ def gpu_unavailable_reason(device) -> str:
         f"{device.platform}. "
         "Pass interpret=True to run them in Mosaic GPU's interpreter."
     )
-  capability = getattr(device, "compute_capability", None)
+  capability = gpu.probe(device).capability
   if capability not in SUPPORTED_CAPABILITIES:
+    supported = map(gpu.capability_text, SUPPORTED_CAPABILITIES)
     return (
         "mosaic_gpu: the kernels use wgmma (sm_90) or tcgen05 (sm_100): "
-        f"compute capability {' or '.join(SUPPORTED_CAPABILITIES)}; "
-        f"{device.device_kind} has {capability}."
+        f"compute capability {' or '.join(supported)}; "
+        f"{device.device_kind} has {gpu.capability_text(capability)}."
     )
   return ""
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 
+from moe_core.kernels import gpu
 from moe_core.kernels import tile_settings
 
 KINDS = ("fwd", "dgrad")
@@ -109,8 +109,11 @@ TABLE: dict[tuple[str, str, str], Tiles] = {
     ("sm100", "dgrad", "few_rows"): Tiles(bm=64, bk=64, bn=128, stages=4),
 }
 # Kernel generations: "sm90" (Hopper, wgmma: kernels.py) and "sm100"
-# (Blackwell, tcgen05: kernels_sm100.py), keyed by compute capability.
-GENERATIONS = {"9.0": "sm90", "10.0": "sm100"}
+# (Blackwell, tcgen05: kernels_sm100.py), by compute capability
+# (`moe_core.kernels.gpu`). Blackwell Ultra (sm_103) has tcgen05 too: a
+# B300 target gets the sm100 kernels (the backend supports only the
+# capabilities it is tested on: backend.SUPPORTED_CAPABILITIES).
+GENERATIONS = {90: "sm90", 100: "sm100", 103: "sm100"}
 
 
 def bucket(m: int, num_groups: int, num_accs: int) -> str:
@@ -121,73 +124,22 @@ def bucket(m: int, num_groups: int, num_accs: int) -> str:
   return "default"
 
 
-# Device kinds of the two generations, for an abstract GPU (one named by
-# kind only, as `moe_core.aot` compiles for).
-_KIND_GENERATIONS = (
-    ("GB200", "sm100"),
-    ("GB300", "sm100"),
-    ("B100", "sm100"),
-    ("B200", "sm100"),
-    ("B300", "sm100"),
-    ("GH200", "sm90"),
-    ("H100", "sm90"),
-    ("H200", "sm90"),
-    ("H800", "sm90"),
-)
-
-
-def target_gpu():
-  """The abstract GPU the program is being lowered for, or None.
-
-  `moe_core.aot.compile` lowers inside the target topology's abstract mesh,
-  whose abstract device names the GPU; a kernel chosen from the local
-  device instead (none here, or another model) would not compile for it
-  (wgmma is not an sm_100 instruction).
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  device = getattr(mesh, "abstract_device", None)
-  if device is None or getattr(device, "platform", None) not in ("gpu", "cuda"):
-    return None
-  return device
-
-
-def generation_of_kind(device_kind: str) -> str | None:
-  """ "sm90" or "sm100" for a GPU model's name, None if neither."""
-  for fragment, name in _KIND_GENERATIONS:
-    if fragment in device_kind:
-      return name
-  return None
-
-
 def generation(device=None) -> str | None:
   """ "sm90" or "sm100" for a GPU `device`; by default the target's.
 
-  Without a device: the abstract GPU being lowered for (`target_gpu`),
-  else the first local device. None for a GPU of another compute
-  capability; "sm90" off a GPU (what the interpreter and a CPU-host export
-  run unless told otherwise).
+  Without a device: the GPU the program is lowered for (`gpu.probe`: the
+  AOT target's abstract GPU, else the first local device). None for a GPU
+  of another compute capability; "sm90" off a GPU (what the interpreter
+  and a CPU-host export run unless told otherwise).
   """
-  if device is None:
-    target = target_gpu()
-    if target is not None:
-      return generation_of_kind(target.device_kind)
-    device = jax.devices()[0]
-  if device.platform != "gpu":
-    return "sm90"
-  return GENERATIONS.get(getattr(device, "compute_capability", None))
+  info = gpu.probe(device)
+  return "sm90" if info is None else GENERATIONS.get(info.capability)
 
 
 def num_sms(device=None) -> int:
   """SMs of the target GPU (or `device`, or the local one), else an H100's."""
-  if device is None and target_gpu() is not None:
-    count = getattr(target_gpu(), "num_cores", None)
-    if isinstance(count, int) and count > 0:
-      return count
-  device = device or jax.devices()[0]
-  count = getattr(device, "core_count", None)
-  if device.platform == "gpu" and isinstance(count, int) and count > 0:
-    return count
-  return DEFAULT_NUM_SMS
+  info = gpu.probe(device)
+  return info.sm_count if info and info.sm_count else DEFAULT_NUM_SMS
 
 
 def padded(dim: int, block: int) -> int:
@@ -197,7 +149,7 @@ def padded(dim: int, block: int) -> int:
 def check_generation(name) -> str:
   if name not in GENERATIONS.values():
     raise ValueError(
-        f"generation must be one of {sorted(GENERATIONS.values())}, got "
+        f"generation must be one of {sorted(set(GENERATIONS.values()))}, got "
         f"{name!r}."
     )
   return name

@@ -1,11 +1,17 @@
 """The Mosaic GPU tile table: valid entries that fit Hopper, and the choice."""
 
+import types
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
+import jax
 import jax.numpy as jnp
 
+from backends.mosaic_gpu import backend
 from backends.mosaic_gpu import kernels_sm100
 from backends.mosaic_gpu import tiling
+from moe_core import compat
 
 # (num_lhs, num_rhs, accumulators, outputs) of the kernel each bucket serves;
 # "two_acc" is the gated gate+up pass under differentiation (h, gate, up).
@@ -136,6 +142,72 @@ class TableTest(parameterized.TestCase):
       tiling.TileConfig.parse({"block_m": 64})
     with self.assertRaisesRegex(TypeError, "tiles must be None"):
       tiling.TileConfig.parse([64])
+
+
+def _device(platform="gpu", capability="9.0", kind="NVIDIA H100", cores=132):
+  return types.SimpleNamespace(
+      platform=platform,
+      device_kind=kind,
+      compute_capability=capability,
+      core_count=cores,
+  )
+
+
+class TargetTest(parameterized.TestCase):
+  """The kernels, SMs and availability of the GPU the program targets."""
+
+  # wgmma is Hopper's (sm_90), tcgen05 Blackwell's (sm_100, and sm_103 on
+  # Blackwell Ultra); an A100 (sm_80) has neither.
+  @parameterized.parameters(
+      ("NVIDIA H100 80GB HBM3", 132, "sm90"),
+      ("NVIDIA H200", 132, "sm90"),
+      ("NVIDIA B200", 148, "sm100"),
+      ("NVIDIA GB200", 152, "sm100"),
+      ("NVIDIA B300", 148, "sm100"),
+      ("NVIDIA A100-SXM4-80GB", 108, None),
+  )
+  def test_an_aot_target_sets_generation_and_sms(self, kind, cores, want):
+    # A local GPU of another model is not what the program is built for.
+    local = _device(capability="8.0", kind="NVIDIA A100", cores=108)
+    with (
+        mock.patch.object(jax, "devices", return_value=[local]),
+        compat.abstract_gpu_mesh(kind, num_cores=cores),
+    ):
+      self.assertEqual(tiling.generation(), want)
+      self.assertEqual(tiling.num_sms(), cores)
+
+  @parameterized.parameters(
+      (_device(), "sm90", 132),
+      (_device(capability="10.0", kind="NVIDIA B200", cores=148), "sm100", 148),
+      (_device(capability="8.0", cores=108), None, 108),
+      # Off a GPU: the Hopper kernels (the interpreter's), an H100's SMs.
+      (_device(platform="cpu", capability=None, cores=None), "sm90", 132),
+  )
+  def test_without_a_target_the_local_device(self, device, want, sms):
+    with mock.patch.object(jax, "devices", return_value=[device]):
+      self.assertEqual(tiling.generation(), want)
+      self.assertEqual(tiling.num_sms(), sms)
+    self.assertEqual(tiling.generation(device), want)
+
+  def test_a_gpu_without_an_sm_count_gets_an_h100s(self):
+    self.assertEqual(tiling.num_sms(_device(cores=None)), 132)
+
+  @parameterized.parameters(("9.0", ""), ("10.0", ""))
+  def test_supported_capabilities_are_available(self, capability, want):
+    self.assertEqual(
+        backend.gpu_unavailable_reason(_device(capability=capability)), want
+    )
+
+  @parameterized.parameters(("8.0", "has 8.0"), ("10.3", "has 10.3"))
+  def test_other_capabilities_say_which(self, capability, has):
+    reason = backend.gpu_unavailable_reason(_device(capability=capability))
+    self.assertIn("compute capability 9.0 or 10.0", reason)
+    self.assertIn(f"NVIDIA H100 {has}.", reason)
+
+  def test_off_a_gpu_says_to_interpret(self):
+    reason = backend.gpu_unavailable_reason(_device(platform="cpu"))
+    self.assertIn("this device is cpu", reason)
+    self.assertIn("interpret=True", reason)
 
 
 if __name__ == "__main__":
