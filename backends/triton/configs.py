@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import jax
 import jax.numpy as jnp
 
+from moe_core.kernels import gpu
 from moe_core.kernels import tile_settings
 
 #     gmm (gated too) ("fwd", "dgrad", "gated")  [block_m, block_k] @
@@ -27,6 +29,8 @@ from moe_core.kernels import tile_settings
 # two are clamped to the problem and fitted to registers and shared memory.
 
 KINDS = ("fwd", "dgrad", "wgrad", "gated", "permute")
+# Config table rows by compute capability major (9.x Hopper, 10.x
+# Blackwell).
 GENERATIONS = {9: "sm90", 10: "sm100"}
 # tl.dot's rule for blocks (tile_settings.TRITON_MIN_BLOCK); the permute
 # kernels take the same blocks so that one rule covers every kind.
@@ -216,22 +220,16 @@ def generation(device=None) -> str | None:
   """ "sm90" or "sm100" for a GPU of compute capability 9.x or 10.x.
 
   Args:
-    device: a jax device; default: the first one.
+    device: a jax device; default: the first one (`gpu.probe`'s reading).
 
   Returns:
     The generation, or None off a GPU and on other GPUs (their kernels use
     `heuristic`).
   """
-  if device is None:
-    # pylint: disable-next=g-import-not-at-top
-    import jax
-
-    device = jax.devices()[0]
-  if device.platform != "gpu":
+  info = gpu.probe(device or jax.devices()[0])
+  if info is None or info.capability is None:
     return None
-  capability = str(getattr(device, "compute_capability", "") or "")
-  major = capability.split(".")[0]
-  return GENERATIONS.get(int(major)) if major.isdigit() else None
+  return GENERATIONS.get(info.capability // 10)
 
 
 def bucket(kind: str, m: int, k: int, n: int, num_groups: int) -> str:

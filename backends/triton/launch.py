@@ -16,6 +16,7 @@ from backends.triton import configs as configs_lib
 from backends.triton import interpreter
 from backends.triton import launch_record
 from backends.triton import target
+from moe_core.kernels import gpu
 from moe_core.kernels import interpret as interpret_lib
 
 #     call(runner, kernel, args, out_types, grid, num_warps, num_stages, **c)
@@ -175,28 +176,20 @@ def availability(runner: Runner) -> tuple[bool, str]:
         "run the kernels in Triton's interpreter"
     )
   else:
-    capability = _capability(device)
+    capability = gpu.probe(device).capability
     if capability is None:
       reasons.append(
           f"{device.device_kind} reports no CUDA compute capability "
           "(the kernels are built for NVIDIA GPUs)"
       )
-    elif capability < (8, 0):
+    elif capability < 80:
       reasons.append(
           f"{device.device_kind} has compute capability "
-          f"{'.'.join(map(str, capability))} < 8.0 (bf16 tensor cores)"
+          f"{gpu.capability_text(capability)} < 8.0 (bf16 tensor cores)"
       )
   if reasons:
     return False, "triton: " + "; ".join(reasons) + "."
   return True, ""
-
-
-def _capability(device) -> tuple[int, int] | None:
-  text = str(getattr(device, "compute_capability", "") or "")
-  parts = text.split(".")
-  if len(parts) != 2 or not all(p.isdigit() for p in parts):
-    return None
-  return int(parts[0]), int(parts[1])
 
 
 def _jax_triton():

@@ -22,6 +22,7 @@ from backends.triton import launch
 from backends.triton import launch_record
 from backends.triton import target as target_lib
 from backends.triton.testing import aot_compile
+from moe_core import compat
 
 try:
   import triton  # pylint: disable=g-import-not-at-top
@@ -573,12 +574,10 @@ class TargetTest(parameterized.TestCase):
       ("NVIDIA A100-SXM4-80GB", None),
   )
   def test_capability_follows_the_target_kind(self, kind, want):
-    target = types.SimpleNamespace(device_kind=kind, platform="gpu")
-    with mock.patch.object(target_lib, "target_device", return_value=target):
+    with compat.abstract_gpu_mesh(kind):
       self.assertEqual(target_lib.target_capability(), want)
 
   def test_no_target_outside_a_gpu_topology(self):
-    self.assertIsNone(target_lib.target_device())
     self.assertIsNone(target_lib.target_capability())
 
   @parameterized.parameters(

@@ -7,49 +7,20 @@ from __future__ import annotations
 import functools
 import inspect
 
-import jax
-
-# Compute capability by GPU model, for a GPU known by its kind alone: the
-# abstract device of a topology that `moe_core.aot` compiles for. Longer
-# names first ("GB200" before "B200").
-_KIND_CAPABILITIES = (
-    ("GB200", 100),
-    ("GB300", 103),
-    ("GH200", 90),
-    ("B200", 100),
-    ("B300", 103),
-    ("H100", 90),
-    ("H200", 90),
-    ("H800", 90),
-)
-
-
-def target_device():
-  """The abstract GPU the program is being lowered for, or None.
-
-  `moe_core.aot.compile` lowers inside the target topology's abstract mesh,
-  whose abstract device names the GPU. jax-triton would otherwise compile
-  each kernel for the local GPU (none on a CPU host, or another model).
-  """
-  get = getattr(jax.sharding, "get_abstract_mesh", None)
-  device = getattr(get(), "abstract_device", None) if get else None
-  if device is None or getattr(device, "platform", None) not in ("gpu", "cuda"):
-    return None
-  return device
+from moe_core.kernels import gpu
 
 
 def target_capability() -> int | None:
   """The compute capability of the target GPU (90 for an H100), or None.
 
-  None when no target is set or its kind is not one of
-  `_KIND_CAPABILITIES`: jax-triton then asks the local GPU.
+  The abstract GPU that `moe_core.aot.compile` lowers for
+  (`gpu.target_device`), which jax-triton would otherwise not see: it
+  compiles each kernel for the local GPU (none on a CPU host, or another
+  model). None when no target is set or its kind has no known capability
+  (`gpu.capability_of_kind`): jax-triton then asks the local GPU.
   """
-  device = target_device()
-  kind = str(getattr(device, "device_kind", "") or "")
-  for fragment, capability in _KIND_CAPABILITIES:
-    if fragment in kind:
-      return capability
-  return None
+  device = gpu.target_device()
+  return None if device is None else gpu.probe(device).capability
 
 
 @functools.lru_cache(maxsize=None)
