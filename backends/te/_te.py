@@ -23,6 +23,8 @@ import sys
 
 import jax
 
+from moe_core.kernels import gpu
+
 INSTALL_HINT = (
     "pip install .[te] (transformer-engine-jax, needs a CUDA jaxlib); "
     "tools/setup_te.sh builds it on a CPU machine"
@@ -83,22 +85,6 @@ def installed() -> tuple[bool, str]:
   return module is not None, reason
 
 
-def device_compute_capability(device=None) -> int | None:
-  """The CUDA compute capability of `device` as 90, 100, ...; None off CUDA.
-
-  Args:
-    device: a jax Device; JAX's first device if None.
-  """
-  device = device or jax.devices()[0]
-  if device.platform != "gpu":
-    return None
-  capability = getattr(device, "compute_capability", None)
-  if not capability:
-    return None
-  major, _, minor = str(capability).partition(".")
-  return int(major) * 10 + int(minor or 0)
-
-
 def availability(
     min_compute_capability: int | None = None, feature: str = "this feature"
 ) -> tuple[bool, str]:
@@ -116,7 +102,7 @@ def availability(
   device = jax.devices()[0]
   if device.platform != "gpu":
     return False, f"no GPU: this device is {device.platform}."
-  capability = device_compute_capability(device)
+  capability = gpu.probe(device).capability
   if capability is None:
     return False, (
         f"{device.device_kind} reports no CUDA compute capability (TE runs "

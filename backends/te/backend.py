@@ -18,6 +18,7 @@ from moe_core import operands
 from moe_core import precision as precision_lib
 from moe_core import routing
 from moe_core import validation
+from moe_core.kernels import gpu
 
 FP8_SCALINGS = ("current", "delayed")
 # moe_core recipes TE 2.20 has no grouped GEMM for in JAX, and why.
@@ -145,7 +146,7 @@ class TEBackend(backend.Backend):
     ok, reason = _te.availability()
     if not ok:
       return False, f"te: {reason}"
-    capability = _te.device_compute_capability()
+    capability = gpu.probe(jax.devices()[0]).capability
     ok, reason = _te.grouped_gemm_runs(capability)
     if not ok:
       return False, f"te: {reason}"

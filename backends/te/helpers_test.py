@@ -17,6 +17,7 @@ DROPLESS_EXPECT_TE=1, as tools/test_te.sh sets).
 from __future__ import annotations
 
 import dataclasses
+import types
 from unittest import mock
 
 from absl.testing import absltest
@@ -130,6 +131,49 @@ class ImportTest(absltest.TestCase):
     ):
       self.assertIn(target, registered)
     self.assertCountEqual(_te.custom_call_targets(), registered)
+
+
+class AvailabilityTest(parameterized.TestCase):
+  """`_te.availability` by the first device's capability (no TE needed)."""
+
+  def _availability(self, capability, platform="gpu", **kwargs):
+    device = types.SimpleNamespace(
+        platform=platform,
+        device_kind="NVIDIA X",
+        compute_capability=capability,
+        core_count=132,
+    )
+    with (
+        mock.patch.object(_te, "installed", return_value=(True, "")),
+        mock.patch.object(jax, "devices", return_value=[device]),
+    ):
+      return _te.availability(**kwargs)
+
+  def test_any_cuda_gpu(self):
+    self.assertEqual(self._availability("8.0"), (True, ""))
+
+  def test_off_a_gpu(self):
+    self.assertEqual(
+        self._availability(None, platform="cpu"),
+        (False, "no GPU: this device is cpu."),
+    )
+
+  def test_no_cuda_capability(self):
+    ok, reason = self._availability(None)
+    self.assertFalse(ok)
+    self.assertIn("NVIDIA X reports no CUDA compute capability", reason)
+
+  @parameterized.parameters(("9.0", True), ("10.0", True), ("8.9", False))
+  def test_minimum_capability(self, capability, want):
+    ok, reason = self._availability(
+        capability, min_compute_capability=90, feature="FP8"
+    )
+    self.assertEqual(ok, want)
+    if not want:
+      self.assertEqual(
+          reason,
+          "GPU sm_89 (NVIDIA X) is older than sm_90, which FP8 needs.",
+      )
 
 
 class PureJaxPermutationTest(parameterized.TestCase):
