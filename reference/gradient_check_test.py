@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from conformance import cases
 import moe_core
 from reference import backend as reference
 
@@ -75,18 +76,7 @@ LAYER_CASES = (
     # DeepSeek-V3's router.
     (
         "dsv3_sigmoid_bias_groups_scaled",
-        _cfg(
-            num_experts=16,
-            top_k=3,
-            n_group=4,
-            topk_group=2,
-            group_score="sum_top2",
-            score_func="sigmoid",
-            correction_bias=True,
-            norm_topk_prob=True,
-            norm_epsilon=1e-20,
-            routed_scaling_factor=2.5,
-        ),
+        _cfg(num_experts=16, top_k=3, **cases.DEEPSEEK_V3_ROUTER),
         16,
     ),
     (
