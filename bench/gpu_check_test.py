@@ -68,31 +68,42 @@ _BROKEN = programs.Variant(
 )
 
 
+def _dry_run(test, program_list: str, conformance_variants: str):
+  """(exit code, the JSON report) of `gpu_check --dry_run` over
+  `program_list` (comma-separated), one compile worker and one conformance
+  test of `conformance_variants`, into a temporary folder."""
+  out_dir = tempfile.mkdtemp()
+  test.addCleanup(shutil.rmtree, out_dir, ignore_errors=True)
+  code = gpu_check.main(
+      [
+          "--dry_run",
+          f"--out_dir={out_dir}",
+          f"--programs={program_list}",
+          "--compile_workers=1",
+          f"--conformance_variants={conformance_variants}",
+          "--conformance_filter=test_forward_matches_numpy_and_reference"
+          "_bf16_full",
+      ]
+  )
+  (path,) = glob.glob(os.path.join(out_dir, "gpu_dryrun_*.json"))
+  with open(path) as fh:
+    return code, json.load(fh)
+
+
 class DryRunTest(absltest.TestCase):
 
   def test_dry_run_records_everything_and_a_failure(self):
     if not _HAS_PLUGIN:
       self.skipTest("the deviceless compile needs jax's CUDA plugin")
-    out_dir = tempfile.mkdtemp()
-    self.addCleanup(shutil.rmtree, out_dir, ignore_errors=True)
     with mock.patch.object(
         programs, "OPTION_VARIANTS", programs.OPTION_VARIANTS + (_BROKEN,)
     ):
-      code = gpu_check.main(
-          [
-              "--dry_run",
-              f"--out_dir={out_dir}",
-              "--programs=mixtral_8x7b/xla/fwd_bwd,deepseek_v3_gemm/pallas/"
-              "fwd,deepseek_v3_gemm/pallas_broken/fwd",
-              "--compile_workers=1",
-              "--conformance_variants=xla",
-              "--conformance_filter=test_forward_matches_numpy_and_reference"
-              "_bf16_full",
-          ]
+      code, report = _dry_run(
+          self,
+          "mixtral_8x7b/xla/fwd_bwd,deepseek_v3_gemm/pallas/fwd,"
+          "deepseek_v3_gemm/pallas_broken/fwd",
+          conformance_variants="xla",
       )
-    (path,) = glob.glob(os.path.join(out_dir, "gpu_dryrun_*.json"))
-    with open(path) as fh:
-      report = json.load(fh)
     self.assertEqual(code, 1)
     self.assertEqual(report["jax"], jax.__version__)
     self.assertEqual(report["target"], "h200")
@@ -171,22 +182,9 @@ class TritonDryRunTest(absltest.TestCase):
     ok, why = triton.build(interpret=True).availability()
     if not ok:
       self.skipTest(why)
-    out_dir = tempfile.mkdtemp()
-    self.addCleanup(shutil.rmtree, out_dir, ignore_errors=True)
-    code = gpu_check.main(
-        [
-            "--dry_run",
-            f"--out_dir={out_dir}",
-            f"--programs={','.join(_TRITON_PROGRAMS)}",
-            "--compile_workers=1",
-            "--conformance_variants=triton",
-            "--conformance_filter=test_forward_matches_numpy_and_reference"
-            "_bf16_full",
-        ]
+    code, report = _dry_run(
+        self, ",".join(_TRITON_PROGRAMS), conformance_variants="triton"
     )
-    (path,) = glob.glob(os.path.join(out_dir, "gpu_dryrun_*.json"))
-    with open(path) as fh:
-      report = json.load(fh)
     self.assertEqual((code, report["failures"]), (0, []))
     selected = programs.select(",".join(_TRITON_PROGRAMS))
     self.assertCountEqual(report["programs"], _TRITON_PROGRAMS)
