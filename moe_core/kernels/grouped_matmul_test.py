@@ -109,6 +109,16 @@ def _close(got, want, tol=1e-5):
   )
 
 
+def _close_with_grads(ours, want, args, value_tol=1e-5, grad_tol=1e-4):
+  """ours(*args) ~ want(*args), and so are their gradients in every arg."""
+  _close(ours(*args), want(*args), value_tol)
+  argnums = tuple(range(len(args)))
+  for g, w in zip(
+      jax.grad(ours, argnums)(*args), jax.grad(want, argnums)(*args)
+  ):
+    _close(g, w, grad_tol)
+
+
 class GroupedMatmulTest(parameterized.TestCase):
 
   @parameterized.parameters(False, True)
@@ -186,12 +196,7 @@ class GroupedMatmulTest(parameterized.TestCase):
       gate, up = oracle_gmm(x, w1, sizes), oracle_gmm(x, w2, sizes)
       return jnp.sum(jax.nn.silu(gate) * up * ct)
 
-    _close(ours(lhs, rhs, rhs2), want(lhs, rhs, rhs2))
-    for g, w in zip(
-        jax.grad(ours, (0, 1, 2))(lhs, rhs, rhs2),
-        jax.grad(want, (0, 1, 2))(lhs, rhs, rhs2),
-    ):
-      _close(g, w, 1e-4)
+    _close_with_grads(ours, want, (lhs, rhs, rhs2))
 
   def test_tgmm_products_sum_per_output_and_differentiate(self):
     lhs, _, sizes, dy = _inputs()
@@ -217,12 +222,7 @@ class GroupedMatmulTest(parameterized.TestCase):
       out0 = oracle_tgmm(a, b1, sizes, 3) + out1
       return jnp.sum(jnp.stack([out0, out1]) * ct)
 
-    _close(ours(lhs, dy, dy2), want(lhs, dy, dy2), 1e-4)
-    for g, w in zip(
-        jax.grad(ours, (0, 1, 2))(lhs, dy, dy2),
-        jax.grad(want, (0, 1, 2))(lhs, dy, dy2),
-    ):
-      _close(g, w, 1e-4)
+    _close_with_grads(ours, want, (lhs, dy, dy2), value_tol=1e-4)
 
   def test_vmap_and_vmap_of_grad(self):
     batch = [_inputs(seed=s) for s in range(3)]
