@@ -216,7 +216,7 @@ class Backend(abc.ABC):
       out = self._grouped_gemm(gemm)
     else:
       out = self._quantized_gemm(gemm, recipe)
-    return checks.poison_if(bad, out, rows, weights)
+    return _poisoned(bad, out, rows, weights)
 
   @abc.abstractmethod
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
@@ -339,7 +339,7 @@ class Backend(abc.ABC):
           cfg.activation,
       )
       out = self._down(h, ffn_in)
-    out = checks.poison_if(bad, out, rows, w_gate, w_up, w_down)
+    out = _poisoned(bad, out, rows, w_gate, w_up, w_down)
     return ad_checkpoint.checkpoint_name(out, DOWN_NAME)
 
   def _quantized_ffn(self, ffn_in: operands.FfnOperands, recipe: str):
@@ -566,12 +566,27 @@ def _sanitised_group_sizes(
   """(int32 sizes for the hooks, scalar bool: the given sizes were bad).
 
   Bad sizes (a negative entry, or a sum past num_rows; only traced ones get
-  here) are replaced by zeros, so no kernel reads rows that do not exist;
-  the caller then poisons its output with `checks.poison_if`.
+  here) are replaced by [num_rows, 0, ..., 0]: every row in the first
+  group, so no kernel reads rows that do not exist, and the NaN cotangent
+  of `_poisoned` reaches dX and the first expert's dW through the kernels
+  themselves.
   """
   group_sizes = group_sizes.astype(jnp.int32)
   bad = checks.flag_bad_group_sizes(group_sizes, num_rows)
-  return jnp.where(bad, 0, group_sizes), bad
+  every_row_first = jnp.zeros_like(group_sizes).at[0].set(num_rows)
+  return jnp.where(bad, every_row_first, group_sizes), bad
+
+
+def _poisoned(bad: jax.Array, out: jax.Array, *inputs: jax.Array):
+  """out, all NaN if the scalar `bad`, and NaN in the inputs' gradients.
+
+  inputs[0] is the rows: with rows, `checks.nan_if` (the NaN cotangent
+  flows back through the kernels, no pass over the weight gradients);
+  without (an empty batch, nothing flows back), `checks.poison_if`.
+  """
+  if inputs[0].shape[0] > 0:
+    return checks.nan_if(bad, out)
+  return checks.poison_if(bad, out, *inputs)
 
 
 def _projection(

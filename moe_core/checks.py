@@ -84,15 +84,31 @@ def nan_rows(bad_rows: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
 
 
+def nan_if(bad: jax.Array, out: jax.Array) -> jax.Array:
+  """out, or all NaN if the scalar `bad`; the same for out's cotangent.
+
+  `out * (NaN if bad else 1)`: a product, not a select, so that its
+  transpose multiplies the cotangent by the same factor. A bad call's
+  backward then carries NaN into whatever the kernels compute from the
+  cotangent (`Backend` hands them every row in group 0, so dX and the first
+  expert's dW are NaN) without any pass over the weight gradients. When
+  not bad, out and its cotangent pass through bit for bit (x * 1 == x).
+  """
+  factor = jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(1))
+  return out * factor.astype(out.dtype)
+
+
 def poison_if(bad: jax.Array, out: jax.Array, *inputs: jax.Array) -> jax.Array:
   """out, or all NaN if the scalar `bad`; then NaN reaches `inputs`' grads too.
 
-  The output is `out` bit for bit when not bad. When bad, the cotangent of
-  `out` is dropped and the first element of each input gets a NaN gradient
-  instead (a select, not a product, so a NaN cotangent in the valid case
-  adds nothing): a poisoned GEMM cannot hand back a finite gradient. It
-  costs one select over `out` and a few scalars, never a pass over the
-  (large) inputs.
+  For a call whose kernels cannot carry `nan_if`'s NaN cotangent to the
+  inputs (no rows: nothing flows back through them). The output is `out`
+  bit for bit when not bad. When bad, the cotangent of `out` is dropped and
+  the first element of each input gets a NaN gradient instead (a select,
+  not a product, so a NaN cotangent in the valid case adds nothing). It
+  costs one select over `out`, and in the backward a pass over each
+  input's gradient (the one-element slice's transpose is a pad to the full
+  shape, added to it).
   """
   witness = sum(
       (x.reshape(-1)[:1].astype(jnp.float32).sum() for x in inputs),

@@ -55,6 +55,36 @@ class PoisonTest(parameterized.TestCase):
     for g in grads:
       self.assertTrue(np.isnan(g).any())
 
+  def test_nan_if_is_bit_exact_when_valid_and_nan_through_the_backward(self):
+    rows = jax.random.normal(jax.random.key(0), (5, 3)).at[1, 1].set(-0.0)
+    weights = jax.random.normal(jax.random.key(1), (3, 4))
+    cotangent = jax.random.normal(jax.random.key(2), (5, 4))
+
+    def loss(r, w, bad):
+      return jnp.sum(checks.nan_if(bad, r @ w) * cotangent)
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+      out = (rows @ weights).astype(dtype)
+      np.testing.assert_array_equal(checks.nan_if(jnp.bool_(False), out), out)
+      self.assertTrue(np.isnan(checks.nan_if(jnp.bool_(True), out)).all())
+    valid = jax.grad(loss, argnums=(0, 1))(rows, weights, jnp.bool_(False))
+    plain = jax.grad(lambda r, w: jnp.sum((r @ w) * cotangent), (0, 1))(
+        rows, weights
+    )
+    for got, want in zip(valid, plain):
+      np.testing.assert_array_equal(got, want)
+    # Bad: the cotangent is NaN, so everything computed from it is.
+    for g in jax.jit(jax.grad(loss, argnums=(0, 1)))(
+        rows, weights, jnp.bool_(True)
+    ):
+      self.assertTrue(np.isnan(g).all())
+    _, tangent = jax.jvp(
+        lambda r: checks.nan_if(jnp.bool_(True), r @ weights),
+        (rows,),
+        (jnp.ones_like(rows),),
+    )
+    self.assertTrue(np.isnan(tangent).all())
+
   @parameterized.named_parameters(
       ("valid", [2, 0, 3], 5, False),
       ("fewer_rows_used", [1, 1, 1], 5, False),
