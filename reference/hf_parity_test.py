@@ -2,7 +2,7 @@
 
 Read in transformers 5.24.0 (models/<family>/modeling_<family>.py); every
 point below is a place where the six families differ, and each is either
-expressed by a `MoEConfig` field (set by `reference/hf_convert.py`) or listed
+expressed by a `MoEConfig` field (set by `reference/hf_convert`) or listed
 as a known divergence.
 
 Router scores and selection

@@ -1,0 +1,772 @@
+"""Every transformers 5.24.0 family with a sparse MoE block, as data.
+
+One `Family` row per `model_type` whose `modeling_<type>.py` holds a routed
+block (a router plus routed experts). Read from the modeling files; the
+converter (`convert.py`), the parity test (`hf_families_parity_test.py`) and
+docs/hf_families.md all read this table. `lacks` names the switches of
+issue 33 that today's `MoEConfig` does not have; a family whose `lacks` is
+empty is converted exactly (some only for part of their config space: the
+converter refuses the rest with the switch it needs).
+
+Notation: E experts, K chosen, F expert width, D model width; "softmax ->
+top-k" is a softmax over all E logits then top-k; "top-k -> softmax" is a
+softmax over the K best logits (the same weights as softmax -> top-k ->
+renormalise); "ds3" is the DeepSeek-V3 router (sigmoid, correction bias for
+the choice only, groups scored by their two best biased scores, -inf
+outside the chosen groups). "fused" experts are `experts.gate_up_proj`
+[E, 2F, D] (gate rows first) and `experts.down_proj` [E, D, F].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Switch names (issue 33's table), as `lacks` spells them.
+INPUT_SIDE_WEIGHTS = "routing weight on the expert input"
+SWIGLU_CLAMP = "SwiGLU clamp"
+GPT_OSS_GLU = "GPT-OSS clamped GLU (interleaved gate/up)"
+SOFTCAP_SWIGLU = "soft-capped SwiGLU"
+NON_GATED_FFN = "non-gated expert FFN"
+EXPERT_BIASES = "biases on the expert linears"
+ROUTER_BIAS = "router bias on the logits"
+SCORE_SQRTSOFTPLUS = "sqrtsoftplus score function"
+SPARSEMIXER = "Phi sparsemixer routing"
+LOGIT_BIAS_BEFORE_SIGMOID = "correction bias before the sigmoid"
+LOGIT_SOFTCAP = "router logit soft-cap"
+ROUTER_INPUT_NORM = "router input norm and scale; per-expert output scale"
+ZERO_EXPERTS = "zero (skip) experts"
+HASH_ROUTING = "routing by token-id hash"
+OUTPUT_BIAS = "bias after the combine"
+SHARED_AVERAGE = "shared and routed outputs averaged"
+P_NORM = "p-norm normalisation with p != 1"
+POST_NORM = "a norm after the block"
+LATENT_PROJECTIONS = "latent projections"
+PER_EXPERT_NORMS = "per-expert norms"
+PRODUCT_KEYS = "product-key experts"
+ROUTER_MLP_STATE = "MLP router with state across layers"
+ROUTER_WEIGHTED_SHARED = "router-weighted shared experts"
+ZERO_FILLED_GROUPS = "excluded groups filled with 0 under sigmoid + bias"
+TOKEN_TYPE_EXPERTS = "expert sets by token type"
+CAPACITY_POLICY = "2021-era capacity policy and token dropout"
+ATTENTION_EXPERTS = "mixture of attention heads"
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One transformers MoE family.
+
+  Attributes:
+    model_type: the config's `model_type` (and the models/ folder name).
+    block: the modeling class holding router and experts.
+    config: the config class the block is built from (text config for
+      multimodal models).
+    router: score function, top-k, normalisation, scaling, bias, groups.
+    experts: gated or not, activation, biases, weight layout.
+    shared: the shared expert and its gate ("-" for none).
+    lacks: switches missing from today's `MoEConfig` ("" = supported).
+    note: what the converter takes where the block is not self-contained.
+  """
+
+  model_type: str
+  block: str
+  config: str
+  router: str
+  experts: str
+  shared: str
+  lacks: tuple[str, ...] = ()
+  note: str = ""
+
+  @property
+  def supported(self) -> bool:
+    return not self.lacks
+
+
+_DS3 = (
+    "ds3: sigmoid + correction bias, groups (sum top-2), norm if "
+    "norm_topk_prob (+1e-20), x routed_scaling_factor"
+)
+_DS2 = (
+    "DeepSeek-V2: softmax -> top-k (greedy or group max, 0-fill), never "
+    "normalised, x routed_scaling_factor"
+)
+_FUSED = "fused SwiGLU (hidden_act)"
+_DS_SHARED = (
+    "shared_experts: SwiGLU, n_shared_experts x moe_intermediate_size, ungated"
+)
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "afmoe",
+        "AfmoeSparseMoeBlock",
+        "AfmoeConfig",
+        "sigmoid + expert_bias (choice only), norm (+1e-20), x route_scale",
+        _FUSED,
+        "shared_experts: num_shared_experts x moe_intermediate_size, ungated",
+    ),
+    Family(
+        "aria",
+        "AriaTextMoELayer",
+        "AriaTextConfig",
+        "top-k -> softmax over moe_topk logits",
+        "SwiGLU (always silu), gate_up_proj [E, D, 2F], down_proj [E, F, D]",
+        "shared_experts: moe_num_shared_experts x intermediate_size, ungated",
+    ),
+    Family(
+        "axk1", "AXK1MoE", "AXK1Config", _DS3, _FUSED, _DS_SHARED, (POST_NORM,)
+    ),
+    Family(
+        "axk2",
+        "AXK2MoE",
+        "AXK2Config",
+        "ds3; with groups, excluded groups filled with 0.0",
+        _FUSED,
+        _DS_SHARED,
+        note=(
+            "supported with n_group None or 1 (A.X-K2-Light, the default); "
+            "groups need: "
+        )
+        + ZERO_FILLED_GROUPS,
+    ),
+    Family(
+        "bailing_hybrid",
+        "BailingHybridMoE",
+        "BailingHybridConfig",
+        _DS3,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "beam",
+        "BeamMoE",
+        "BeamConfig",
+        _DS3 + " (scale after the combine)",
+        _FUSED + ", activation in float32",
+        "-",
+    ),
+    Family(
+        "cohere2_moe",
+        "Cohere2MoeSparseMoeBlock",
+        "Cohere2MoeConfig",
+        "top-k logits -> softmax, or -> sigmoid (norm if norm_topk_prob)",
+        _FUSED,
+        "shared_experts: num_shared_experts x intermediate_size, summed or "
+        "averaged",
+        note=(
+            "supported with shared_expert_combination_strategy='sum' (or no "
+            "shared expert); 'average' (the default) needs: "
+        )
+        + SHARED_AVERAGE,
+    ),
+    Family(
+        "dbrx",
+        "DbrxFFN",
+        "DbrxConfig",
+        "softmax -> top-k, p-norm with moe_normalize_expert_weights",
+        "SwiGLU w1 (gate) / v1 (up) / w2 (down) [E*F, D]",
+        "-",
+        note=(
+            "supported with moe_normalize_expert_weights=1 (or None); other p "
+            "needs: "
+        )
+        + P_NORM,
+    ),
+    Family(
+        "deepseek_ocr2",
+        "DeepseekOcr2TextMoe",
+        "DeepseekOcr2TextConfig",
+        _DS2,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "deepseek_v2",
+        "DeepseekV2Moe",
+        "DeepseekV2Config",
+        _DS2,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "deepseek_v3",
+        "DeepseekV3MoE",
+        "DeepseekV3Config",
+        _DS3,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "deepseek_v32",
+        "DeepseekV32MoE",
+        "DeepseekV32Config",
+        _DS3,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "deepseek_v4",
+        "DeepseekV4SparseMoeBlock",
+        "DeepseekV4Config",
+        "sqrtsoftplus (scoring_func) + bias, norm, scale; hash layers route "
+        "by token id",
+        "fused SwiGLU with clamp (swiglu_limit)",
+        "shared_experts: one SwiGLU, ungated",
+        (SCORE_SQRTSOFTPLUS, SWIGLU_CLAMP, HASH_ROUTING),
+    ),
+    Family(
+        "diffusion_gemma",
+        "DiffusionGemmaDecoderTextLayer",
+        "DiffusionGemmaTextConfig",
+        "RMS-normed, scaled input -> softmax -> top-k -> norm x "
+        "per_expert_scale",
+        "fused GeGLU",
+        "dense MLP beside it",
+        (ROUTER_INPUT_NORM,),
+    ),
+    Family("dots1", "Dots1MoE", "Dots1Config", _DS3, _FUSED, _DS_SHARED),
+    Family(
+        "dots3_note",
+        "Dots3NoteTextMoE",
+        "Dots3NoteTextConfig",
+        _DS3,
+        _FUSED,
+        "shared_experts: n_shared_experts x shared_experts_intermediate_size, "
+        "ungated",
+    ),
+    Family(
+        "ernie4_5_moe",
+        "Ernie4_5_MoeSparseMoeBlock",
+        "Ernie4_5_MoeConfig",
+        "softmax + moe_statics correction bias (choice only) -> top-k -> norm "
+        "(sum clamped at moe_norm_min)",
+        _FUSED,
+        "shared_experts: moe_num_shared_experts x moe_intermediate_size, "
+        "ungated",
+    ),
+    Family(
+        "ernie4_5_vl_moe",
+        "Ernie4_5_VLMoeMoeBlock",
+        "Ernie4_5_VLMoeTextConfig",
+        "as ernie4_5_moe, one text and one vision expert set",
+        _FUSED,
+        "shared_experts, ungated",
+        (TOKEN_TYPE_EXPERTS,),
+    ),
+    Family(
+        "exaone_moe",
+        "ExaoneMoeSparseMoEBlock",
+        "ExaoneMoeConfig",
+        _DS3,
+        _FUSED,
+        "shared_experts: num_shared_experts x moe_intermediate_size, ungated",
+    ),
+    Family(
+        "flex_olmo",
+        "FlexOlmoSparseMoeBlock",
+        "FlexOlmoConfig",
+        "softmax -> top-k, norm if norm_topk_prob",
+        _FUSED + ", width intermediate_size",
+        "-",
+    ),
+    Family(
+        "flint",
+        "FlintSparseMoeBlock",
+        "FlintConfig",
+        "sigmoid -> top-k (no bias), norm if norm_topk_prob",
+        _FUSED,
+        "shared_expert: shared_expert_intermediate_size, ungated",
+    ),
+    Family(
+        "gemma4",
+        "Gemma4TextDecoderLayer",
+        "Gemma4TextConfig",
+        "RMS-normed, scaled input -> softmax -> top-k -> norm x "
+        "per_expert_scale (router in the decoder layer)",
+        "fused GeGLU",
+        "dense MLP beside it",
+        (ROUTER_INPUT_NORM,),
+    ),
+    Family("glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig", _DS3, _FUSED, _DS_SHARED),
+    Family(
+        "glm4_moe_lite",
+        "Glm4MoeLiteMoE",
+        "Glm4MoeLiteConfig",
+        _DS3,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "glm4v_moe",
+        "Glm4vMoeTextMoE",
+        "Glm4vMoeTextConfig",
+        _DS3,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "glm5_next",
+        "Glm5NextTextMoE",
+        "Glm5NextTextConfig",
+        _DS3,
+        "fused SwiGLU with clamp",
+        _DS_SHARED,
+        (SWIGLU_CLAMP,),
+    ),
+    Family(
+        "glm_moe_dsa",
+        "GlmMoeDsaMoE",
+        "GlmMoeDsaConfig",
+        _DS3,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "gpt_oss",
+        "GptOssMLP",
+        "GptOssConfig",
+        "linear with bias -> top-k -> softmax over K",
+        "clamped GLU (up + 1) * g * sigmoid(1.702 g), interleaved gate/up, "
+        "biases",
+        "-",
+        (GPT_OSS_GLU, EXPERT_BIASES, ROUTER_BIAS),
+    ),
+    Family(
+        "granitemoe",
+        "GraniteMoeMoE",
+        "GraniteMoeConfig",
+        "top-k logits -> softmax",
+        _FUSED,
+        "-",
+    ),
+    Family(
+        "granitemoe_swa",
+        "GraniteMoeSWAMoE",
+        "GraniteMoeSWAConfig",
+        "top-k logits -> softmax",
+        _FUSED,
+        "shared_mlp (decoder layer): input_linear [2Fs, D] (gate rows, then "
+        "up), output_linear, ungated",
+        note=(
+            "the shared MLP lives in the decoder layer: pass its tensors as "
+            "shared_mlp.* beside the block's"
+        ),
+    ),
+    Family(
+        "granitemoehybrid",
+        "GraniteMoeHybridMoE",
+        "GraniteMoeHybridConfig",
+        "top-k logits -> softmax",
+        _FUSED,
+        "shared_mlp (decoder layer): input_linear [2Fs, D] (gate rows, then "
+        "up), output_linear, ungated",
+        note=(
+            "the shared MLP lives in the decoder layer: pass its tensors as "
+            "shared_mlp.* beside the block's"
+        ),
+    ),
+    Family(
+        "granitemoeshared",
+        "GraniteMoeSharedMoE",
+        "GraniteMoeSharedConfig",
+        "top-k logits -> softmax",
+        _FUSED,
+        "shared_mlp (decoder layer): input_linear [2Fs, D] (gate rows, then "
+        "up), output_linear, ungated",
+        note=(
+            "the shared MLP lives in the decoder layer: pass its tensors as "
+            "shared_mlp.* beside the block's"
+        ),
+    ),
+    Family(
+        "hunyuan_v1_moe",
+        "HunYuanMoEV1Moe",
+        "HunYuanMoEV1Config",
+        "gate.wg (float32): softmax -> top-k -> norm",
+        _FUSED + ", width intermediate_size",
+        "shared_mlp: intermediate_size, ungated",
+    ),
+    Family(
+        "hy_v3",
+        "HYV3MoE",
+        "HYV3Config",
+        "sigmoid + e_score_correction_bias (block buffer), norm (+1e-20), x "
+        "router_scaling_factor",
+        _FUSED,
+        "shared_experts: num_shared_experts x moe_intermediate_size, ungated",
+    ),
+    Family(
+        "hy_v4",
+        "HYV4MoE",
+        "HYV4Config",
+        _DS3,
+        "fused SwiGLU with clamp",
+        _DS_SHARED,
+        (SWIGLU_CLAMP,),
+    ),
+    Family(
+        "hy_v4_vl",
+        "HYV4VLMoE",
+        "HYV4VLTextConfig",
+        _DS3,
+        "fused SwiGLU with clamp",
+        _DS_SHARED,
+        (SWIGLU_CLAMP,),
+    ),
+    Family(
+        "inkling",
+        "InklingMoE",
+        "InklingTextConfig",
+        "sigmoid + bias, shared experts weighted by the router",
+        _FUSED,
+        "router-weighted shared experts",
+        (ROUTER_WEIGHTED_SHARED,),
+    ),
+    Family(
+        "inkling2",
+        "Inkling2SparseMoeBlock",
+        "Inkling2TextConfig",
+        "sqrtsoftplus-style DeepSeek-V4 router",
+        "soft-capped SwiGLU",
+        "-",
+        (SOFTCAP_SWIGLU, SCORE_SQRTSOFTPLUS),
+    ),
+    Family(
+        "inkling2_loop",
+        "Inkling2LoopSparseMoeBlock",
+        "Inkling2LoopTextConfig",
+        "as inkling2",
+        "soft-capped SwiGLU",
+        "-",
+        (SOFTCAP_SWIGLU, SCORE_SQRTSOFTPLUS),
+    ),
+    Family(
+        "jamba",
+        "JambaSparseMoeBlock",
+        "JambaConfig",
+        "softmax -> top-k, never normalised",
+        _FUSED + ", width intermediate_size",
+        "-",
+    ),
+    Family(
+        "jetmoe",
+        "JetMoeMoE",
+        "JetMoeConfig",
+        "top-k logits -> softmax",
+        "parallel experts, output bias after the combine",
+        "-",
+        (OUTPUT_BIAS, ATTENTION_EXPERTS),
+    ),
+    Family(
+        "kimi_linear",
+        "KimiLinearMoE",
+        "KimiLinearConfig",
+        _DS3,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "kolibri1",
+        "Kolibri1SparseMoeBlock",
+        "Kolibri1Config",
+        "correction bias added to the logits before the sigmoid",
+        _FUSED,
+        _DS_SHARED,
+        (LOGIT_BIAS_BEFORE_SIGMOID,),
+    ),
+    Family(
+        "laguna",
+        "LagunaSparseMoeBlock",
+        "LagunaConfig",
+        "optional logit soft-cap, sigmoid + e_score_correction_bias, norm, x "
+        "moe_routed_scaling_factor",
+        _FUSED,
+        "shared_experts: shared_expert_intermediate_size, ungated",
+        note=(
+            "supported with moe_router_logit_softcapping=0 (the default); a "
+            "soft-cap needs: "
+        )
+        + LOGIT_SOFTCAP,
+    ),
+    Family(
+        "lara_mini",
+        "LaraMiniSparseMoeBlock",
+        "LaraMiniConfig",
+        "softmax -> top-k, norm if norm_topk_prob",
+        _FUSED,
+        "shared_expert: shared_expert_intermediate_size, ungated",
+    ),
+    Family(
+        "lfm2_moe",
+        "Lfm2MoeSparseMoeBlock",
+        "Lfm2MoeConfig",
+        "sigmoid (+ expert_bias if use_expert_bias) -> top-k, norm if "
+        "norm_topk_prob (+1e-6), x routed_scaling_factor",
+        "fused SwiGLU (always silu)",
+        "-",
+    ),
+    Family(
+        "llama4",
+        "Llama4TextMoe",
+        "Llama4TextConfig",
+        "top-k logits -> sigmoid, weight applied to the expert input",
+        "SwiGLU, gate_up_proj [E, D, 2F]",
+        "shared_expert, ungated",
+        (INPUT_SIDE_WEIGHTS,),
+    ),
+    Family(
+        "longcat_flash",
+        "LongcatFlashMoE",
+        "LongcatFlashConfig",
+        "router.classifier: softmax + e_score_correction_bias (choice only), "
+        "never normalised, x routed_scaling_factor",
+        _FUSED + ", width expert_ffn_hidden_size",
+        "-",
+        note=(
+            "supported with zero_expert_num=0 and router_bias=False; the "
+            "default 256 zero experts need: "
+        )
+        + ZERO_EXPERTS,
+    ),
+    Family(
+        "mellum",
+        "MellumSparseMoeBlock",
+        "MellumConfig",
+        "softmax -> top-k, norm if norm_topk_prob",
+        _FUSED,
+        "-",
+    ),
+    Family(
+        "mimo_v2_flash",
+        "MiMoV2FlashMoE",
+        "MiMoV2FlashConfig",
+        _DS3,
+        _FUSED,
+        "-",
+    ),
+    Family(
+        "minimax",
+        "MiniMaxSparseMoeBlock",
+        "MiniMaxConfig",
+        "softmax -> top-k -> norm",
+        _FUSED + ", width intermediate_size",
+        "-",
+    ),
+    Family(
+        "minimax_m2",
+        "MiniMaxM2SparseMoeBlock",
+        "MiniMaxM2Config",
+        "sigmoid + e_score_correction_bias (block buffer), norm (no epsilon)",
+        _FUSED + ", width intermediate_size",
+        "-",
+    ),
+    Family(
+        "minimax_m3_vl",
+        "MiniMaxM3VLSparseMoeBlock",
+        "MiniMaxM3VLTextConfig",
+        "as minimax_m2",
+        "GPT-OSS clamped GLU (routed and shared)",
+        "shared_experts",
+        (GPT_OSS_GLU,),
+    ),
+    Family(
+        "mistral4",
+        "Mistral4MoE",
+        "Mistral4Config",
+        "softmax, groups (sum top-2, 0-fill), norm if norm_topk_prob "
+        "(+1e-20), x routed_scaling_factor",
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "mistral_large4",
+        "MistralLarge4TextMoE",
+        "MistralLarge4TextConfig",
+        "softmax, groups (sum top-2, 0-fill), always norm (+1e-20), x "
+        "routed_scaling_factor",
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "mixtral",
+        "MixtralSparseMoeBlock",
+        "MixtralConfig",
+        "softmax -> top-k -> norm",
+        _FUSED + ", width intermediate_size",
+        "-",
+    ),
+    Family(
+        "muse_spark",
+        "MuseSparkMoE",
+        "MuseSparkTextConfig",
+        "as minimax_m2, with latent projections",
+        _FUSED,
+        "residual gate",
+        (LATENT_PROJECTIONS,),
+    ),
+    Family(
+        "nemotron_h",
+        "NemotronHMoE",
+        "NemotronHConfig",
+        _DS3,
+        "non-gated squared-ReLU experts, latent projections",
+        "shared_experts, non-gated",
+        (NON_GATED_FFN, LATENT_PROJECTIONS, PER_EXPERT_NORMS),
+    ),
+    Family(
+        "nllb_moe",
+        "NllbMoeSparseMLP",
+        "NllbMoeConfig",
+        "top-2 with capacity and second-expert policy",
+        "non-gated ReLU with biases",
+        "-",
+        (NON_GATED_FFN, EXPERT_BIASES, CAPACITY_POLICY),
+    ),
+    Family(
+        "olmoe",
+        "OlmoeSparseMoeBlock",
+        "OlmoeConfig",
+        "softmax -> top-k, norm if norm_topk_prob",
+        _FUSED + ", width intermediate_size",
+        "-",
+    ),
+    Family(
+        "openai_privacy_filter",
+        "OpenAIPrivacyFilterMLP",
+        "OpenAIPrivacyFilterConfig",
+        "as gpt_oss",
+        "as gpt_oss",
+        "-",
+        (GPT_OSS_GLU, EXPERT_BIASES, ROUTER_BIAS),
+    ),
+    Family(
+        "phimoe",
+        "PhimoeSparseMoeBlock",
+        "PhimoeConfig",
+        "sparsemixer (masked softmax with jitter threshold)",
+        _FUSED,
+        "-",
+        (SPARSEMIXER,),
+    ),
+    Family(
+        "qwen2_moe",
+        "Qwen2MoeSparseMoeBlock",
+        "Qwen2MoeConfig",
+        "softmax -> top-k, norm if norm_topk_prob",
+        _FUSED,
+        "shared_expert: shared_expert_intermediate_size, x "
+        "sigmoid(shared_expert_gate)",
+    ),
+    Family(
+        "qwen3_5_moe",
+        "Qwen3_5MoeSparseMoeBlock",
+        "Qwen3_5MoeTextConfig",
+        "softmax -> top-k -> norm",
+        _FUSED,
+        "shared_expert: shared_expert_intermediate_size, x "
+        "sigmoid(shared_expert_gate)",
+    ),
+    Family(
+        "qwen3_moe",
+        "Qwen3MoeSparseMoeBlock",
+        "Qwen3MoeConfig",
+        "softmax -> top-k, norm if norm_topk_prob",
+        _FUSED,
+        "-",
+    ),
+    Family(
+        "qwen3_next",
+        "Qwen3NextSparseMoeBlock",
+        "Qwen3NextConfig",
+        "softmax -> top-k, norm if norm_topk_prob",
+        _FUSED,
+        "shared_expert: shared_expert_intermediate_size, x "
+        "sigmoid(shared_expert_gate)",
+    ),
+    Family(
+        "qwen3_omni_moe",
+        "Qwen3OmniMoeThinkerTextSparseMoeBlock",
+        "Qwen3OmniMoeTextConfig",
+        "softmax -> top-k, norm if norm_topk_prob",
+        _FUSED,
+        "-",
+        note="the thinker's text block (the talker's is a Qwen2-MoE block)",
+    ),
+    Family(
+        "qwen3_vl_moe",
+        "Qwen3VLMoeTextSparseMoeBlock",
+        "Qwen3VLMoeTextConfig",
+        "softmax -> top-k -> norm",
+        _FUSED,
+        "-",
+    ),
+    Family(
+        "qwen4_exp",
+        "Qwen4ExpTextSparseMoeBlock",
+        "Qwen4ExpTextConfig",
+        "softmax -> top-k, norm if norm_topk_prob",
+        _FUSED,
+        "shared_expert: shared_expert_intermediate_size, x "
+        "sigmoid(shared_expert_gate)",
+    ),
+    Family(
+        "solar_open",
+        "SolarOpenMoE",
+        "SolarOpenConfig",
+        _DS3,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "step3p7",
+        "Step3p7SparseMoeBlock",
+        "Step3p7TextConfig",
+        "sigmoid + e_score_correction_bias (choice only), norm, x "
+        "moe_router_scaling_factor (after the combine)",
+        "fused SwiGLU; swiglu_limits clamp after the activation on some layers",
+        "shared_experts: share_expert_dim, ungated (clamped on the layers of "
+        "swiglu_limits_shared)",
+        note=(
+            "supported layer by layer (moe_config_from_hf(..., layer_idx=i)) "
+            "where swiglu_limits and swiglu_limits_shared are 0 or unset; "
+            "clamped layers need: " + SWIGLU_CLAMP
+        ),
+    ),
+    Family(
+        "switch_transformers",
+        "SwitchTransformersSparseMLP",
+        "SwitchTransformersConfig",
+        "softmax -> top-1 with expert capacity",
+        "non-gated ReLU (wi, wo)",
+        "-",
+        (NON_GATED_FFN, CAPACITY_POLICY),
+    ),
+    Family(
+        "unlimited_ocr",
+        "UnlimitedOcrTextMoe",
+        "UnlimitedOcrTextConfig",
+        _DS2,
+        _FUSED,
+        _DS_SHARED,
+    ),
+    Family(
+        "zaya",
+        "ZayaSparseMoeBlock",
+        "ZayaConfig",
+        "MLP router with state across layers, skip expert, balancing biases",
+        _FUSED,
+        "-",
+        (ROUTER_MLP_STATE, ZERO_EXPERTS),
+    ),
+    Family(
+        "doge",
+        "DogeCDMoE",
+        "DogeConfig",
+        "product keys: two top-k over sqrt(E) keys each",
+        "embedding experts (one up and one down vector each)",
+        "dense SwiGLU beside them",
+        (PRODUCT_KEYS,),
+    ),
+)
+
+BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
+SUPPORTED = tuple(f.model_type for f in FAMILIES if f.supported)
+UNSUPPORTED = tuple(f.model_type for f in FAMILIES if not f.supported)

@@ -1,0 +1,285 @@
+"""Builds each family's transformers block and compares it with moe_layer.
+
+Shared by `reference/hf_families_parity_test.py` and `report.py`. Needs
+torch and transformers (the py311-jax0.10 leg); `IMPORT_ERROR` says why not
+elsewhere. Blocks are built directly from their classes with a small config
+(D=32, F=48, E=16, K=4, 4 groups of which 2 are kept, scaling 2.5 where the
+family scales) and seeded random weights, in float32 and eval mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib
+import inspect
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+
+import moe_core
+from reference import hf_convert
+from reference.hf_convert import convert
+from reference.hf_convert import families
+
+try:
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  IMPORT_ERROR = None
+except ImportError as e:  # The tests skip with this reason.
+  torch = transformers = None
+  IMPORT_ERROR = e
+
+SKIP_REASON = (
+    "needs torch and transformers, which only the py311-jax0.10 leg "
+    f"installs (tools/test.sh --leg=py311-jax0.10): {IMPORT_ERROR}"
+)
+
+# Output error bound, relative to the largest |output| of the HF block.
+TOLERANCE = 1e-5
+
+D, F, E, K = 32, 48, 16, 4
+_SHARED_F = 40
+
+# Set on a family's config when its default config has the attribute.
+_SMALL = dict(
+    hidden_size=D,
+    intermediate_size=F,
+    moe_intermediate_size=F,
+    num_experts=E,
+    num_local_experts=E,
+    n_routed_experts=E,
+    moe_num_experts=E,
+    num_experts_per_tok=K,
+    moe_topk=K,
+    moe_k=K,
+    top_k_experts=K,
+    n_shared_experts=1,
+    num_shared_experts=1,
+    moe_num_shared_experts=1,
+    shared_expert_intermediate_size=_SHARED_F,
+    shared_experts_intermediate_size=_SHARED_F,
+    shared_intermediate_size=_SHARED_F,
+    share_expert_dim=_SHARED_F,
+    expert_ffn_hidden_size=F,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    route_scale=2.5,
+    router_scaling_factor=2.5,
+    moe_routed_scaling_factor=2.5,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=8,
+    hidden_act="silu",
+)
+
+# Per family, on top of _SMALL (settings the converter supports).
+_OVERRIDES = {
+    "deepseek_v2": dict(topk_method="group_limited_greedy"),
+    "deepseek_ocr2": dict(topk_method="group_limited_greedy"),
+    "unlimited_ocr": dict(topk_method="group_limited_greedy"),
+    "cohere2_moe": dict(shared_expert_combination_strategy="sum"),
+    "dbrx": dict(
+        d_model=D,
+        ffn_config=dict(
+            ffn_hidden_size=F,
+            moe_num_experts=E,
+            moe_top_k=K,
+            moe_normalize_expert_weights=1.0,
+        ),
+    ),
+    "lfm2_moe": dict(use_expert_bias=True),
+    "longcat_flash": dict(zero_expert_num=0),
+    "axk2": dict(n_group=None, topk_group=None),
+    "step3p7": dict(swiglu_limits=None, swiglu_limits_shared=None),
+    # The Mamba layers' own check; the MoE block never reads these.
+    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=8),
+    # Settings the small config needs to build at all.
+    "ernie4_5_vl_moe": dict(moe_intermediate_size=[F, F]),
+    "zaya": dict(num_experts_per_tok=1),
+}
+
+# Families whose shared expert sits in the decoder layer: its class, built
+# beside the block and added to the block's output (as the layer does).
+_LAYER_SHARED_MLP = {
+    "granitemoeshared": "GraniteMoeSharedMLP",
+    "granitemoehybrid": "GraniteMoeHybridMLP",
+    "granitemoe_swa": "GraniteMoeSWAMLP",
+}
+
+# Names of a choice bias [E] (a buffer or a frozen parameter).
+_BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
+
+
+def modeling_module(model_type: str):
+  return importlib.import_module(
+      f"transformers.models.{model_type}.modeling_{model_type}"
+  )
+
+
+def configuration_module(model_type: str):
+  return importlib.import_module(
+      f"transformers.models.{model_type}.configuration_{model_type}"
+  )
+
+
+def transformers_moe_families() -> list[str]:
+  """model_types whose modeling file defines routed experts.
+
+  A family counts when its modeling file defines a class named `*Experts`
+  (the routed expert bank of every 5.x MoE) or, for Doge's product-key
+  experts, `*CDMoE`.
+  """
+  root = os.path.dirname(transformers.models.__file__)
+  found = []
+  for path in glob.glob(os.path.join(root, "*", "modeling_*.py")):
+    with open(path, encoding="utf-8") as f:
+      source = f.read()
+    if re.search(r"^class \w*(Experts|CDMoE)\(", source, re.M):
+      found.append(os.path.basename(os.path.dirname(path)))
+  return sorted(set(found))
+
+
+def _config_class(model_type: str):
+  family = families.BY_MODEL_TYPE[model_type]
+  return getattr(configuration_module(model_type), family.config)
+
+
+def _has(config, name: str) -> bool:
+  # Some 5.x configs raise their own error (not AttributeError) for
+  # per-layer attributes read globally: those are left at their defaults.
+  try:
+    getattr(config, name)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return hasattr(config, name)
+
+
+def hf_config(model_type: str, **overrides):
+  """The family's config class with the small sizes it has attributes for."""
+  cls = _config_class(model_type)
+  default = cls()
+  fields = {k: v for k, v in _SMALL.items() if _has(default, k)}
+  if isinstance(getattr(default, "hidden_activation", None), str):
+    fields["hidden_activation"] = "gelu_pytorch_tanh"
+  fields.update(_OVERRIDES.get(model_type, {}))
+  fields.update(overrides)
+  return cls(**fields)
+
+
+def _init_(module, gen, router_keys):
+  """Seeded weights: router std 0.3, others 1/sqrt(fan_in), biases U[0, .5).
+
+  The router's spread (logits of std ~1.7) keeps the choice clear of ties;
+  biases in [0, 0.5) move choices without making biased scores negative.
+  """
+  with torch.no_grad():
+    for name, p in module.named_parameters():
+      if name.split(".")[-1] in _BIAS_NAMES:
+        p.copy_(torch.rand(p.shape, generator=gen) * 0.5)
+      elif name in router_keys:
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+      else:
+        p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    for name, b in module.named_buffers():
+      if name.split(".")[-1] in _BIAS_NAMES:
+        b.copy_(torch.rand(b.shape, generator=gen) * 0.5)
+
+
+def build_block(model_type: str, seed: int = 0, **overrides):
+  """(hf_config, block, shared_mlp or None), float32, eval, seeded."""
+  family = families.BY_MODEL_TYPE[model_type]
+  modeling = modeling_module(model_type)
+  cfg = hf_config(model_type, **overrides)
+  block_cls = getattr(modeling, family.block)
+  params = inspect.signature(block_cls.__init__).parameters
+  if model_type == "dbrx":
+    block = (
+        block_cls(cfg.ffn_config, hidden_size=D)
+        if ("hidden_size" in params)
+        else block_cls(cfg)
+    )
+  elif "layer_idx" in params:
+    block = block_cls(cfg, layer_idx=0)
+  else:
+    block = block_cls(cfg)
+  block = block.float().eval()
+  gen = torch.Generator().manual_seed(seed)
+  _init_(block, gen, set(convert.ROUTER_KEYS) & set(block.state_dict()))
+  shared = None
+  # Granite's decoder layer has no shared MLP when its width is 0.
+  if model_type in _LAYER_SHARED_MLP and cfg.shared_intermediate_size:
+    shared = getattr(modeling, _LAYER_SHARED_MLP[model_type])(cfg)
+    shared = shared.float().eval()
+    _init_(shared, gen, set())
+  return cfg, block, shared
+
+
+def tokens(seed: int = 1, shape=(2, 16, D)) -> np.ndarray:
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def run_hf(block, shared, x: np.ndarray):
+  """(output [..., D], chosen ids [T, K] or None) of the transformers block.
+
+  The ids are read where the block hands them to its experts: every 5.x
+  expert bank is called as `experts(hidden, top_k_index, top_k_weights)`.
+  """
+  captured = []
+  experts = getattr(block, "experts", None)
+  handle = None
+  if isinstance(experts, torch.nn.Module):
+    handle = experts.register_forward_pre_hook(
+        lambda module, args: captured.append(args)
+    )
+  try:
+    with torch.no_grad():
+      xt = torch.from_numpy(x)
+      y = block(xt)
+      if isinstance(y, tuple):
+        y = y[0]
+      if shared is not None:
+        y = y + shared(xt)
+  finally:
+    if handle is not None:
+      handle.remove()
+  ids = None
+  if captured and len(captured[0]) > 1:
+    index = captured[0][1]
+    if isinstance(index, torch.Tensor) and not index.is_floating_point():
+      ids = index.reshape(-1, index.shape[-1]).numpy()
+  return y.reshape(x.shape).numpy(), ids
+
+
+@dataclasses.dataclass
+class Result:
+  model_type: str
+  errors: dict  # backend -> max |y - y_hf|
+  scale: float  # max |y_hf|
+  ids: np.ndarray  # [T, K] dropless' choice
+  ids_hf: np.ndarray | None  # [T, K] the HF router's, when it returns ids
+
+
+def compare(
+    model_type: str, backends=("reference", "xla"), seed: int = 0, **overrides
+) -> Result:
+  """Runs the family's block and moe_layer on `backends` on the same tokens."""
+  hf_cfg, block, shared = build_block(model_type, seed, **overrides)
+  x = tokens()
+  y_hf, ids_hf = run_hf(block, shared, x)
+  cfg = hf_convert.moe_config_from_hf(hf_cfg)
+  state = dict(block.state_dict())
+  if shared is not None:
+    state.update({f"shared_mlp.{k}": v for k, v in shared.state_dict().items()})
+  params = hf_convert.params_from_hf(state, cfg)
+  errors = {}
+  ids = None
+  for backend in backends:
+    y, aux = moe_core.moe_layer(params, jnp.asarray(x), cfg, backend=backend)
+    errors[backend] = float(np.abs(np.asarray(y) - y_hf).max())
+    ids = np.asarray(aux.expert_ids)
+  return Result(model_type, errors, float(np.abs(y_hf).max()), ids, ids_hf)
