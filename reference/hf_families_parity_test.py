@@ -1,24 +1,137 @@
-"""The table of transformers MoE families against transformers itself.
+"""moe_layer against every supported transformers MoE family, in float32.
 
-`reference/hf_convert/families.py` lists every family of transformers 5.24
-whose modeling file has routed experts; these tests check that it names
-them all, and that each row's block and config classes exist.
+One case per family of `reference.hf_convert.SUPPORTED_MODEL_TYPES`: the
+family's sparse block is built directly from its class (not a whole model)
+with a small config (D=32, F=48, E=16, K=4, 4 groups of which 2 are kept,
+scaling 2.5 where the family scales) and seeded random weights, run in
+torch, converted with `hf_convert`, and run through `moe_core.moe_layer` on
+"reference" and "xla". The experts each token is sent to (read where the
+block calls its expert bank) must be the same set, and the outputs must
+agree to float32 rounding. The six original families keep their
+detailed cases (router logits, combine weights, DeepSeek corner cases) in
+`hf_parity_test.py`.
 """
 
 from __future__ import annotations
 
 from absl.testing import absltest
+from absl.testing import parameterized
+import numpy as np
 
+from reference import hf_convert
 from reference.hf_convert import families
 from reference.hf_convert import parity
 
+_BACKENDS = ("reference", "xla")
 
-class HfFamiliesTableTest(absltest.TestCase):
+# Other settings of the families whose routers have switches (HF config
+# fields); the defaults are covered by the per-family cases.
+_VARIANTS = (
+    ("deepseek_v2_greedy", "deepseek_v2", dict(topk_method="greedy")),
+    ("flint_no_norm", "flint", dict(norm_topk_prob=False)),
+    (
+        "lfm2_moe_no_bias_no_norm",
+        "lfm2_moe",
+        dict(use_expert_bias=False, norm_topk_prob=False),
+    ),
+    (
+        "glm4_moe_no_norm_gelu",
+        "glm4_moe",
+        dict(norm_topk_prob=False, hidden_act="gelu"),
+    ),
+)
+
+# Settings of supported families that need a missing switch: (name,
+# model_type, HF config fields, layer_idx, the switch the error must name).
+_REFUSED_SETTINGS = (
+    (
+        "laguna_softcap",
+        "laguna",
+        dict(moe_router_logit_softcapping=30.0),
+        None,
+        families.LOGIT_SOFTCAP,
+    ),
+    (
+        "axk2_groups",
+        "axk2",
+        dict(n_group=4, topk_group=2),
+        None,
+        families.ZERO_FILLED_GROUPS,
+    ),
+    (
+        "step3p7_clamped_layer",
+        "step3p7",
+        dict(
+            swiglu_limits=[0.0, 7.0],
+            swiglu_limits_shared=[0.0, 16.0],
+            num_hidden_layers=2,
+        ),
+        1,
+        families.SWIGLU_CLAMP,
+    ),
+)
+
+
+class HfFamiliesParityTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
     if parity.IMPORT_ERROR is not None:
       self.skipTest(parity.SKIP_REASON)
+
+  def _assert_parity(self, model_type, **overrides):
+    result = parity.compare(model_type, backends=_BACKENDS, **overrides)
+    for backend, error in result.errors.items():
+      self.assertLessEqual(
+          error, parity.TOLERANCE * result.scale, f"{backend}: max abs error"
+      )
+    self.assertIsNotNone(result.ids_hf, "the block's expert ids")
+    np.testing.assert_array_equal(
+        np.sort(result.ids, -1), np.sort(result.ids_hf, -1)
+    )
+
+  @parameterized.named_parameters(
+      (model_type, model_type)
+      for model_type in hf_convert.SUPPORTED_MODEL_TYPES
+  )
+  def test_matches_hf_block(self, model_type):
+    self._assert_parity(model_type)
+
+  @parameterized.named_parameters(*_VARIANTS)
+  def test_matches_hf_block_variant(self, model_type, overrides):
+    self._assert_parity(model_type, **overrides)
+
+  @parameterized.named_parameters(
+      (model_type, model_type) for model_type in families.UNSUPPORTED
+  )
+  def test_refuses_unsupported_family_naming_its_switches(self, model_type):
+    family = families.BY_MODEL_TYPE[model_type]
+    hf_cfg = parity.hf_config(model_type)
+    with self.assertRaisesRegex(NotImplementedError, model_type) as raised:
+      hf_convert.moe_config_from_hf(hf_cfg)
+    for switch in family.lacks:
+      self.assertIn(switch, str(raised.exception))
+
+  @parameterized.named_parameters(*_REFUSED_SETTINGS)
+  def test_refuses_setting_naming_its_switch(
+      self, model_type, overrides, layer_idx, switch
+  ):
+    hf_cfg = parity.hf_config(model_type, **overrides)
+    with self.assertRaisesRegex(NotImplementedError, model_type) as raised:
+      hf_convert.moe_config_from_hf(hf_cfg, layer_idx=layer_idx)
+    self.assertIn(switch, str(raised.exception))
+
+  def test_step3p7_unclamped_layer_converts(self):
+    hf_cfg = parity.hf_config(
+        "step3p7",
+        swiglu_limits=[0.0, 7.0],
+        swiglu_limits_shared=[0.0, 16.0],
+        num_hidden_layers=2,
+    )
+    cfg = hf_convert.moe_config_from_hf(hf_cfg, layer_idx=0)
+    self.assertEqual(cfg.num_experts, parity.E)
+    with self.assertRaisesRegex(ValueError, "layer_idx must be given"):
+      hf_convert.moe_config_from_hf(hf_cfg)
 
   def test_every_family_names_its_block_and_config_classes(self):
     for family in families.FAMILIES:

@@ -1,13 +1,14 @@
 """Hugging Face MoE blocks -> dropless: `MoEConfig` and parameters.
 
-Converts the sparse MoE block (router, routed experts, shared expert) of the
-transformers families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2 and
-DeepSeek-V3, so that `moe_core.moe_layer` computes what the transformers 5.x
-block computes for the same weights (see `reference/hf_parity_test.py`, whose
-docstring lists how the families differ): `moe_config_from_hf` gives the
-config, `params_from_hf` the block's tensors. Attention, norms and the
-choice of which layers are sparse (`decoder_sparse_step`, `mlp_only_layers`,
-`first_k_dense_replace`) are out of scope. Nothing here imports torch:
+Converts the sparse MoE block (router, routed experts, shared expert) of
+every transformers family in `families.SUPPORTED`, so that
+`moe_core.moe_layer` computes what the transformers 5.x block computes for
+the same weights (`reference/hf_families_parity_test.py` checks each family;
+`reference/hf_parity_test.py`'s docstring details the six first ones):
+`moe_config_from_hf` gives the config, `params_from_hf` the block's tensors.
+Attention, norms and the choice of which layers are sparse
+(`decoder_sparse_step`, `mlp_only_layers`, `first_k_dense_replace`) are out
+of scope. Nothing here imports torch:
 tensors are read through their own methods, and numpy arrays are accepted
 as well.
 """
@@ -20,14 +21,7 @@ import numpy as np
 from moe_core import config as config_lib
 from moe_core import params as params_lib
 
-SUPPORTED_MODEL_TYPES = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-)
+from reference.hf_convert import families as families_lib
 
 # transformers `hidden_act` -> dropless activation.
 _ACTIVATIONS = {
@@ -38,106 +32,346 @@ _ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
 }
 
-# DeepSeek-V3 adds this to the top-k sum before dividing.
+# DeepSeek-V3 and its descendants add this to the top-k sum before dividing.
 _DEEPSEEK_V3_NORM_EPSILON = 1e-20
 
 
-def _activation(hf_config) -> str:
-  act = getattr(hf_config, "hidden_act", "silu")
+def _get(c, *names, default=None):
+  """The first of `names` that `c` has and is not None."""
+  for name in names:
+    value = getattr(c, name, None)
+    if value is not None:
+      return value
+  return default
+
+
+def _activation(c, name="hidden_act") -> str:
+  act = getattr(c, name, None) or "silu"
   if act not in _ACTIVATIONS:
     raise NotImplementedError(
-        f"hidden_act must be one of {sorted(_ACTIVATIONS)}, got {act!r}."
+        f"{name} must be one of {sorted(_ACTIVATIONS)}, got {act!r}."
     )
   return _ACTIVATIONS[act]
 
 
-def moe_config_from_hf(hf_config, **overrides) -> config_lib.MoEConfig:
+def _lacks(model_type: str, switch: str, setting: str):
+  return NotImplementedError(
+      f"{model_type} with {setting} needs a switch dropless lacks: {switch}."
+  )
+
+
+def _deepseek_v3(c, *, shared_width=None, **extra) -> dict:
+  """The DeepSeek-V3 router (sigmoid, bias, groups, norm, scale)."""
+  ffn = c.moe_intermediate_size
+  if shared_width is None:
+    shared_width = ffn * _get(
+        c, "n_shared_experts", "num_shared_experts", default=0
+    )
+  fields = dict(
+      num_experts=_get(
+          c, "n_routed_experts", "num_local_experts", "num_experts"
+      ),
+      expert_ffn_size=ffn,
+      score_func="sigmoid",
+      correction_bias=True,
+      norm_topk_prob=bool(c.norm_topk_prob),
+      norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
+      routed_scaling_factor=float(c.routed_scaling_factor),
+      n_group=_get(c, "n_group", default=1),
+      topk_group=_get(c, "topk_group", default=1),
+      group_score="sum_top2",
+      shared_ffn_size=shared_width,
+  )
+  fields.update(extra)
+  return fields
+
+
+def _deepseek_v2(c) -> dict:
+  """transformers' DeepSeek-V2 router: never normalises, always scales."""
+  if getattr(c, "mlp_bias", False):
+    raise NotImplementedError(
+        "mlp_bias must be False (dropless experts have no biases), got "
+        "mlp_bias=True."
+    )
+  fields = dict(
+      num_experts=_get(c, "n_routed_experts", "num_experts"),
+      expert_ffn_size=c.moe_intermediate_size,
+      routed_scaling_factor=float(c.routed_scaling_factor),
+      shared_ffn_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
+  )
+  if c.topk_method == "group_limited_greedy":
+    # Softmax scores are > 0, so the 0.0 fill of excluded groups acts as
+    # dropless' -inf.
+    fields.update(n_group=c.n_group, topk_group=c.topk_group, group_score="max")
+  elif c.topk_method != "greedy":
+    raise NotImplementedError(
+        "topk_method must be 'greedy' or 'group_limited_greedy' (what "
+        f"transformers' DeepSeek-V2 router runs), got {c.topk_method!r}."
+    )
+  return fields
+
+
+def _softmax(c, experts, ffn, norm, **extra) -> dict:
+  """softmax -> top-k, renormalised iff `norm`."""
+  fields = dict(
+      num_experts=experts, expert_ffn_size=ffn, norm_topk_prob=bool(norm)
+  )
+  fields.update(extra)
+  return fields
+
+
+def _laguna(c) -> dict:
+  cap = getattr(c, "moe_router_logit_softcapping", 0.0) or 0.0
+  if cap > 0:
+    raise _lacks(
+        "laguna",
+        families_lib.LOGIT_SOFTCAP,
+        f"moe_router_logit_softcapping={cap}",
+    )
+  if getattr(c, "moe_apply_router_weight_on_input", False):
+    raise _lacks(
+        "laguna",
+        families_lib.INPUT_SIDE_WEIGHTS,
+        "moe_apply_router_weight_on_input=True",
+    )
+  return dict(
+      num_experts=c.num_experts,
+      expert_ffn_size=c.moe_intermediate_size,
+      score_func="sigmoid",
+      correction_bias=True,
+      norm_topk_prob=True,
+      routed_scaling_factor=float(c.moe_routed_scaling_factor),
+      shared_ffn_size=c.shared_expert_intermediate_size or 0,
+  )
+
+
+def _axk2(c) -> dict:
+  if (c.n_group or 1) > 1:
+    raise _lacks(
+        "axk2", families_lib.ZERO_FILLED_GROUPS, f"n_group={c.n_group}"
+    )
+  return _deepseek_v3(c, n_group=1, topk_group=1)
+
+
+def _layer_value(c, name, layer_idx):
+  """`c.name[layer_idx]` for a per-layer list (None: no list)."""
+  values = getattr(c, name, None)
+  if not values:
+    return None
+  if layer_idx is None:
+    if any(values):
+      raise ValueError(
+          f"layer_idx must be given: {name} differs across layers "
+          f"({values}); got layer_idx=None."
+      )
+    return None
+  return values[layer_idx]
+
+
+def _step3p7(c, layer_idx) -> dict:
+  for name in ("swiglu_limits", "swiglu_limits_shared"):
+    limit = _layer_value(c, name, layer_idx)
+    if limit:
+      raise _lacks(
+          "step3p7", families_lib.SWIGLU_CLAMP, f"{name}[{layer_idx}]={limit}"
+      )
+  return dict(
+      num_experts=c.num_local_experts,
+      expert_ffn_size=c.moe_intermediate_size,
+      score_func="sigmoid",
+      correction_bias=True,
+      norm_topk_prob=True,
+      routed_scaling_factor=float(c.moe_router_scaling_factor),
+      shared_ffn_size=c.share_expert_dim,
+  )
+
+
+def _qwen_shared(c) -> dict:
+  shared = c.shared_expert_intermediate_size or 0
+  return dict(shared_ffn_size=shared, shared_expert_gate=bool(shared))
+
+
+# model_type -> hf_config -> MoEConfig fields (top_k, hidden_size and
+# activation are filled in after, unless set here).
+_CONVERTERS = {
+    "afmoe": lambda c: dict(
+        num_experts=c.num_experts,
+        expert_ffn_size=c.moe_intermediate_size,
+        score_func="sigmoid",
+        correction_bias=True,
+        norm_topk_prob=True,
+        norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
+        routed_scaling_factor=float(c.route_scale),
+        shared_ffn_size=c.moe_intermediate_size * (c.num_shared_experts or 0),
+    ),
+    "axk2": _axk2,
+    "bailing_hybrid": _deepseek_v3,
+    "beam": lambda c: _deepseek_v3(c, shared_width=0),
+    "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v3,
+    "deepseek_v32": _deepseek_v3,
+    "dots1": _deepseek_v3,
+    "dots3_note": lambda c: _deepseek_v3(
+        c,
+        shared_width=c.shared_experts_intermediate_size
+        * (c.n_shared_experts or 0),
+    ),
+    "exaone_moe": _deepseek_v3,
+    "flint": lambda c: dict(
+        num_experts=c.num_experts,
+        expert_ffn_size=c.moe_intermediate_size,
+        score_func="sigmoid",
+        norm_topk_prob=bool(c.norm_topk_prob),
+        shared_ffn_size=c.shared_expert_intermediate_size or 0,
+    ),
+    "glm4_moe": _deepseek_v3,
+    "glm4_moe_lite": _deepseek_v3,
+    "glm4v_moe": _deepseek_v3,
+    "glm_moe_dsa": _deepseek_v3,
+    "hy_v3": lambda c: dict(
+        num_experts=c.num_experts,
+        expert_ffn_size=c.moe_intermediate_size,
+        score_func="sigmoid",
+        correction_bias=True,
+        norm_topk_prob=True,
+        norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
+        routed_scaling_factor=float(c.router_scaling_factor),
+        shared_ffn_size=c.moe_intermediate_size * (c.num_shared_experts or 0),
+    ),
+    "kimi_linear": _deepseek_v3,
+    "laguna": _laguna,
+    "lfm2_moe": lambda c: dict(
+        num_experts=c.num_experts,
+        expert_ffn_size=c.moe_intermediate_size,
+        score_func="sigmoid",
+        correction_bias=bool(c.use_expert_bias),
+        norm_topk_prob=bool(c.norm_topk_prob),
+        norm_epsilon=1e-6 if c.norm_topk_prob else 0.0,
+        routed_scaling_factor=float(c.routed_scaling_factor),
+        activation="silu",
+    ),
+    "mimo_v2_flash": lambda c: _deepseek_v3(c, shared_width=0),
+    "minimax_m2": lambda c: dict(
+        num_experts=c.num_local_experts,
+        expert_ffn_size=c.intermediate_size,
+        score_func="sigmoid",
+        correction_bias=True,
+        norm_topk_prob=True,
+    ),
+    "mixtral": lambda c: _softmax(
+        c, c.num_local_experts, c.intermediate_size, True
+    ),
+    "olmoe": lambda c: _softmax(
+        c, c.num_experts, c.intermediate_size, c.norm_topk_prob
+    ),
+    "qwen2_moe": lambda c: _softmax(
+        c,
+        c.num_experts,
+        c.moe_intermediate_size,
+        c.norm_topk_prob,
+        **_qwen_shared(c),
+    ),
+    "qwen3_moe": lambda c: _softmax(
+        c, c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
+    ),
+    "solar_open": _deepseek_v3,
+}
+
+
+# Converters that read per-layer settings take the layer index as well.
+_PER_LAYER = {"step3p7": _step3p7}
+
+
+# Every model_type with a converter; the tests check that these are the
+# families whose `lacks` is empty.
+SUPPORTED_MODEL_TYPES = tuple(sorted({*_CONVERTERS, *_PER_LAYER}))
+
+
+def _text_config(hf_config):
+  """A multimodal config's text part (what holds the MoE fields)."""
+  for name in ("text_config", "thinker_config"):
+    sub = getattr(hf_config, name, None)
+    if (
+        sub is not None
+        and getattr(hf_config, "num_experts_per_tok", None) is None
+    ):
+      return _text_config(sub)
+  return hf_config
+
+
+def _model_type(c) -> str:
+  """The family: a text config's `model_type` names its parent's family."""
+  model_type = getattr(c, "model_type", None)
+  for candidate in (
+      model_type,
+      str(model_type).replace("-", "_"),
+      str(model_type).removesuffix("_text"),
+  ):
+    if candidate in families_lib.BY_MODEL_TYPE:
+      return candidate
+  for family in families_lib.FAMILIES:
+    if type(c).__name__ == family.config:
+      return family.model_type
+  return model_type
+
+
+def moe_config_from_hf(
+    hf_config, *, layer_idx: int | None = None, **overrides
+) -> config_lib.MoEConfig:
   """The `MoEConfig` of one sparse block of a transformers model config.
 
   Converted: expert count, top-k, widths, score function, top-k
   normalisation (and its epsilon), routed scaling, correction bias,
-  group-limited selection, shared expert and its gate, activation.
+  group-limited selection, shared expert and its gate, activation, for
+  every family in `SUPPORTED_MODEL_TYPES` (docs/hf_families.md says how
+  each maps).
 
   Args:
-    hf_config: a transformers config whose `model_type` is one of
-      `SUPPORTED_MODEL_TYPES` (the config object, not a dict).
+    hf_config: a transformers config (or any object with its attributes)
+      whose `model_type` is one of `families.FAMILIES`; a multimodal
+      config's `text_config` is used when the top level has no MoE fields.
+    layer_idx: the decoder layer, for the families whose MoE settings vary
+      by layer (Step-3.7's per-layer clamps); other families ignore it.
     **overrides: `MoEConfig` fields to set on top, e.g. `capacity_factor`.
 
   Returns:
-    A `MoEConfig` that reproduces the Hugging Face block's routing.
+    A `MoEConfig` that reproduces the Hugging Face block.
+
+  Raises:
+    ValueError: `model_type` is not a transformers MoE family.
+    NotImplementedError: the family (or this setting of it) needs a switch
+      dropless lacks; the message names the switches.
 
   DeepSeek-V2 note: transformers' DeepSeek-V2 router never normalises the
   top-k weights (it ignores `norm_topk_prob`) and always multiplies by
   `routed_scaling_factor`, so the converted config has norm_topk_prob=False
   whatever the Hugging Face config says.
   """
-  model_type = getattr(hf_config, "model_type", None)
-  if model_type not in SUPPORTED_MODEL_TYPES:
+  c = _text_config(hf_config)
+  model_type = _model_type(c)
+  family = families_lib.BY_MODEL_TYPE.get(model_type)
+  if family is None:
     raise ValueError(
-        f"hf_config.model_type must be one of "
-        f"{SUPPORTED_MODEL_TYPES}, got {model_type!r}."
+        "hf_config.model_type must be one of the transformers MoE families "
+        f"{tuple(families_lib.BY_MODEL_TYPE)}, got {model_type!r}."
     )
-  c = hf_config
-  if model_type == "mixtral":
-    fields = dict(
-        num_experts=c.num_local_experts,
-        expert_ffn_size=c.intermediate_size,
-        norm_topk_prob=True,
+  if not family.supported:
+    raise NotImplementedError(
+        f"model_type {model_type!r} ({family.block}) needs switches "
+        f"dropless lacks: {', '.join(family.lacks)}."
     )
-  elif model_type in ("qwen2_moe", "qwen3_moe", "olmoe"):
-    ffn = (
-        c.intermediate_size
-        if model_type == "olmoe"
-        else (c.moe_intermediate_size)
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise NotImplementedError(
+        f"model_type {model_type!r} needs no new switch but has no "
+        "converter yet."
     )
-    fields = dict(
-        num_experts=c.num_experts,
-        expert_ffn_size=ffn,
-        norm_topk_prob=bool(c.norm_topk_prob),
-    )
-    if model_type == "qwen2_moe":
-      shared = c.shared_expert_intermediate_size or 0
-      fields.update(shared_ffn_size=shared, shared_expert_gate=bool(shared))
-  elif model_type == "deepseek_v2":
-    if getattr(c, "mlp_bias", False):
-      raise NotImplementedError(
-          "mlp_bias must be False (dropless experts have no biases), got "
-          "mlp_bias=True."
-      )
-    fields = dict(
-        num_experts=c.n_routed_experts,
-        expert_ffn_size=c.moe_intermediate_size,
-        routed_scaling_factor=float(c.routed_scaling_factor),
-        shared_ffn_size=(c.moe_intermediate_size * (c.n_shared_experts or 0)),
-    )
-    if c.topk_method == "group_limited_greedy":
-      fields.update(
-          n_group=c.n_group, topk_group=c.topk_group, group_score="max"
-      )
-    elif c.topk_method != "greedy":
-      raise NotImplementedError(
-          "topk_method must be 'greedy' or 'group_limited_greedy' (what "
-          f"transformers' DeepSeek-V2 router runs), got {c.topk_method!r}."
-      )
-  else:  # "deepseek_v3".
-    fields = dict(
-        num_experts=c.n_routed_experts,
-        expert_ffn_size=c.moe_intermediate_size,
-        score_func="sigmoid",
-        correction_bias=True,
-        norm_topk_prob=bool(c.norm_topk_prob),
-        norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
-        routed_scaling_factor=float(c.routed_scaling_factor),
-        n_group=c.n_group or 1,
-        topk_group=c.topk_group or 1,
-        group_score="sum_top2",
-        shared_ffn_size=(c.moe_intermediate_size * (c.n_shared_experts or 0)),
-    )
-  fields.update(
-      top_k=c.num_experts_per_tok,
-      hidden_size=c.hidden_size,
-      activation=_activation(c),
-  )
+  if model_type in _PER_LAYER:
+    fields = _PER_LAYER[model_type](c, layer_idx)
+  else:
+    fields = _CONVERTERS[model_type](c)
+  fields.setdefault("top_k", _get(c, "num_experts_per_tok"))
+  fields.setdefault("hidden_size", c.hidden_size)
+  fields.setdefault("activation", _activation(c))
   fields.update(overrides)
   return config_lib.MoEConfig(**fields)
 
@@ -149,19 +383,37 @@ def _to_numpy(tensor) -> np.ndarray:
   return np.asarray(tensor, np.float32)
 
 
-def _expert_stack(state_dict, prefix, num_experts):
-  """[E, D, F] gate, [E, D, F] up, [E, F, D] down from either layout."""
+def _first_key(state_dict, prefix, candidates):
+  for name in candidates:
+    if prefix + name in state_dict:
+      return prefix + name
+  return None
+
+
+# Where each family keeps its router matrix [E, D] and its choice bias [E].
+ROUTER_KEYS = (
+    "gate.weight",  # Mixtral, Qwen, DeepSeek, GLM, ...
+    "router.gate.weight",  # AFMoE
+)
+BIAS_KEYS = (
+    "gate.e_score_correction_bias",  # DeepSeek-V3 and descendants, Laguna
+    "e_score_correction_bias",  # MiniMax-M2, HY-V3 (a block buffer)
+    "expert_bias",  # AFMoE, LFM2-MoE
+)
+
+
+def _expert_stack(state_dict, prefix, cfg):
+  """[E, D, F] gate, [E, D, F] up, [E, F, D] down from any family's layout."""
   fused = prefix + "experts.gate_up_proj"
   if fused in state_dict:
-    gate_up = _to_numpy(state_dict[fused])  # [E, 2F, D]
-    down = _to_numpy(state_dict[prefix + "experts.down_proj"])  # [E, D, F]
+    gate_up = _to_numpy(state_dict[fused])
+    down = _to_numpy(state_dict[prefix + "experts.down_proj"])
     if gate_up.ndim != 3 or gate_up.shape[1] % 2:
       raise ValueError(f"{fused} must be [E, 2F, D], got {gate_up.shape}.")
-    f = gate_up.shape[1] // 2
-    gate, up = gate_up[:, :f], gate_up[:, f:]
+    half = gate_up.shape[1] // 2
     return (
-        np.swapaxes(gate, 1, 2),
-        np.swapaxes(up, 1, 2),
+        np.swapaxes(gate_up[:, :half], 1, 2),
+        np.swapaxes(gate_up[:, half:], 1, 2),
         np.swapaxes(down, 1, 2),
     )
   names = None
@@ -174,7 +426,7 @@ def _expert_stack(state_dict, prefix, num_experts):
   if names is None:
     raise ValueError(
         f"state_dict has no expert weights under prefix {prefix!r}: expected "
-        f"'{fused}' or '{prefix}experts.0.gate_proj.weight' or "
+        f"'{fused}', '{prefix}experts.0.gate_proj.weight' or "
         f"'{prefix}experts.0.w1.weight'; got keys {sorted(state_dict)[:8]}"
         "..."
     )
@@ -182,10 +434,26 @@ def _expert_stack(state_dict, prefix, num_experts):
   for name in names:
     per_expert = [
         _to_numpy(state_dict[f"{prefix}experts.{e}.{name}.weight"])
-        for e in range(num_experts)
+        for e in range(cfg.num_experts)
     ]
     stacks.append(np.swapaxes(np.stack(per_expert), 1, 2))
   return tuple(stacks)
+
+
+def _shared_expert(state_dict, prefix, cfg):
+  """shared_w_gate/up [D, Fs], shared_w_down [Fs, D] from any layout."""
+  for name in ("shared_expert.", "shared_experts."):
+    base = prefix + name
+    if base + "gate_proj.weight" in state_dict:
+      return tuple(
+          _to_numpy(state_dict[f"{base}{n}.weight"]).T
+          for n in ("gate_proj", "up_proj", "down_proj")
+      )
+  raise ValueError(
+      f"cfg.shared_ffn_size={cfg.shared_ffn_size} needs a shared expert in "
+      f"state_dict: '{prefix}shared_expert.gate_proj.weight' "
+      f"or '{prefix}shared_experts.gate_proj.weight'; found none."
+  )
 
 
 def params_from_hf(
@@ -211,14 +479,17 @@ def params_from_hf(
 
   Keys, relative to the block (`prefix` for a whole model):
 
-    gate.weight [E, D]                      -> router [D, E]
-    gate.e_score_correction_bias [E]        -> correction_bias [E]
+    router [E, D] -> router [D, E], one of
+      gate.weight, router.gate.weight (AFMoE)
+    correction bias [E] -> correction_bias [E], one of
+      gate.e_score_correction_bias, e_score_correction_bias (a block
+      buffer: MiniMax-M2, HY-V3), expert_bias (AFMoE, LFM2-MoE)
     experts.gate_up_proj [E, 2F, D]         -> w_gate, w_up [E, D, F]
       (transformers 5.x: gate rows first, then up rows)
     experts.down_proj [E, D, F]             -> w_down [E, F, D]
     experts.{e}.{gate,up,down}_proj.weight  -> the same, per expert
     experts.{e}.{w1,w3,w2}.weight           -> the same (Mixtral checkpoints)
-    shared_expert(s).{gate,up,down}_proj.weight [out, in]
+    {shared_expert,shared_experts}.{gate,up,down}_proj.weight
                                             -> shared_w_* [in, out]
     shared_expert_gate.weight [1, D]        -> shared_gate [D, 1]
 
@@ -226,32 +497,30 @@ def params_from_hf(
   x @ W, so every matrix is transposed.
   """
   want = params_lib.param_shapes(cfg)
-  params = {"router": _to_numpy(state_dict[prefix + "gate.weight"]).T}
-  if cfg.correction_bias:
-    params["correction_bias"] = _to_numpy(
-        state_dict[prefix + "gate.e_score_correction_bias"]
+  router_key = _first_key(state_dict, prefix, ROUTER_KEYS)
+  if router_key is None:
+    raise ValueError(
+        f"state_dict has no router matrix under prefix {prefix!r}: expected "
+        f"one of {[prefix + k for k in ROUTER_KEYS]}."
     )
+  params = {"router": _to_numpy(state_dict[router_key]).T}
+  if cfg.correction_bias:
+    bias_key = _first_key(state_dict, prefix, BIAS_KEYS)
+    if bias_key is None:
+      raise ValueError(
+          "cfg.correction_bias=True needs one of "
+          f"{[prefix + k for k in BIAS_KEYS]} in state_dict; found none."
+      )
+    params["correction_bias"] = _to_numpy(state_dict[bias_key]).reshape(-1)
   params["w_gate"], params["w_up"], params["w_down"] = _expert_stack(
-      state_dict, prefix, cfg.num_experts
+      state_dict, prefix, cfg
   )
   if cfg.shared_ffn_size:
-    shared = None
-    for name in ("shared_expert.", "shared_experts."):
-      if prefix + name + "gate_proj.weight" in state_dict:
-        shared = prefix + name
-    if shared is None:
-      raise ValueError(
-          f"cfg.shared_ffn_size={cfg.shared_ffn_size} needs "
-          f"'{prefix}shared_expert.gate_proj.weight' or "
-          f"'{prefix}shared_experts.gate_proj.weight' in state_dict; found "
-          "neither."
-      )
-    for ours, theirs in (
-        ("shared_w_gate", "gate_proj"),
-        ("shared_w_up", "up_proj"),
-        ("shared_w_down", "down_proj"),
-    ):
-      params[ours] = _to_numpy(state_dict[f"{shared}{theirs}.weight"]).T
+    (
+        params["shared_w_gate"],
+        params["shared_w_up"],
+        params["shared_w_down"],
+    ) = _shared_expert(state_dict, prefix, cfg)
     if cfg.shared_expert_gate:
       params["shared_gate"] = _to_numpy(
           state_dict[prefix + "shared_expert_gate.weight"]
