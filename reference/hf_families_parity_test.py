@@ -1,6 +1,6 @@
 """moe_layer against every supported transformers MoE family, in float32.
 
-One case per family of `reference.hf_convert.SUPPORTED_MODEL_TYPES`: the
+One case per family of `reference.hf_convert.families.SUPPORTED`: the
 family's sparse block is built directly from its class (not a whole model)
 with a small config (D=32, F=48, E=16, K=4, 4 groups of which 2 are kept,
 scaling 2.5 where the family scales) and seeded random weights, run in
@@ -13,6 +13,8 @@ detailed cases (router logits, combine weights, DeepSeek corner cases) in
 """
 
 from __future__ import annotations
+
+import types
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -27,17 +29,46 @@ _BACKENDS = ("reference", "xla")
 # Other settings of the families whose routers have switches (HF config
 # fields); the defaults are covered by the per-family cases.
 _VARIANTS = (
+    (
+        "cohere2_moe_sigmoid",
+        "cohere2_moe",
+        dict(expert_selection_fn="sigmoid", norm_topk_prob=True),
+    ),
+    (
+        "cohere2_moe_sigmoid_no_norm",
+        "cohere2_moe",
+        dict(expert_selection_fn="sigmoid", norm_topk_prob=False),
+    ),
     ("deepseek_v2_greedy", "deepseek_v2", dict(topk_method="greedy")),
+    (
+        "dbrx_no_norm",
+        "dbrx",
+        dict(
+            ffn_config=dict(
+                ffn_hidden_size=parity.F,
+                moe_num_experts=parity.E,
+                moe_top_k=parity.K,
+                moe_normalize_expert_weights=None,
+            )
+        ),
+    ),
     ("flint_no_norm", "flint", dict(norm_topk_prob=False)),
     (
         "lfm2_moe_no_bias_no_norm",
         "lfm2_moe",
         dict(use_expert_bias=False, norm_topk_prob=False),
     ),
+    ("mistral4_no_norm", "mistral4", dict(norm_topk_prob=False)),
     (
         "glm4_moe_no_norm_gelu",
         "glm4_moe",
         dict(norm_topk_prob=False, hidden_act="gelu"),
+    ),
+    ("qwen3_next_no_norm", "qwen3_next", dict(norm_topk_prob=False)),
+    (
+        "granitemoe_swa_no_shared",
+        "granitemoe_swa",
+        dict(shared_intermediate_size=0),
     ),
 )
 
@@ -52,11 +83,39 @@ _REFUSED_SETTINGS = (
         families.LOGIT_SOFTCAP,
     ),
     (
+        "cohere2_moe_average",
+        "cohere2_moe",
+        dict(shared_expert_combination_strategy="average"),
+        None,
+        families.SHARED_AVERAGE,
+    ),
+    (
+        "dbrx_p2",
+        "dbrx",
+        dict(
+            ffn_config=dict(
+                ffn_hidden_size=parity.F,
+                moe_num_experts=parity.E,
+                moe_top_k=parity.K,
+                moe_normalize_expert_weights=2.0,
+            )
+        ),
+        None,
+        families.P_NORM,
+    ),
+    (
         "axk2_groups",
         "axk2",
         dict(n_group=4, topk_group=2),
         None,
         families.ZERO_FILLED_GROUPS,
+    ),
+    (
+        "longcat_flash_zero_experts",
+        "longcat_flash",
+        dict(zero_expert_num=4),
+        None,
+        families.ZERO_EXPERTS,
     ),
     (
         "step3p7_clamped_layer",
@@ -91,8 +150,7 @@ class HfFamiliesParityTest(parameterized.TestCase):
     )
 
   @parameterized.named_parameters(
-      (model_type, model_type)
-      for model_type in hf_convert.SUPPORTED_MODEL_TYPES
+      (model_type, model_type) for model_type in families.SUPPORTED
   )
   def test_matches_hf_block(self, model_type):
     self._assert_parity(model_type)
@@ -132,6 +190,67 @@ class HfFamiliesParityTest(parameterized.TestCase):
     self.assertEqual(cfg.num_experts, parity.E)
     with self.assertRaisesRegex(ValueError, "layer_idx must be given"):
       hf_convert.moe_config_from_hf(hf_cfg)
+
+  def test_hunyuan_per_layer_counts(self):
+    # HunYuan's modeling code reads per-layer lists; its config class
+    # types them as int, so a plain object with the attributes stands in.
+    hf_cfg = types.SimpleNamespace(
+        model_type="hunyuan_v1_moe",
+        hidden_size=parity.D,
+        intermediate_size=parity.F,
+        hidden_act="silu",
+        num_experts=[8, 16],
+        moe_topk=[2, 4],
+    )
+    cfg = hf_convert.moe_config_from_hf(hf_cfg, layer_idx=1)
+    self.assertEqual((cfg.num_experts, cfg.top_k), (16, 4))
+    with self.assertRaisesRegex(ValueError, "layer_idx must be given"):
+      hf_convert.moe_config_from_hf(hf_cfg)
+
+  def test_granite_shared_mlp_from_a_whole_model_state_dict(self):
+    # The decoder layer holds block_sparse_moe and shared_mlp side by side.
+    hf_cfg, block, shared = parity.build_block("granitemoeshared")
+    cfg = hf_convert.moe_config_from_hf(hf_cfg)
+    layer = "model.layers.3."
+    state = {
+        f"{layer}block_sparse_moe.{k}": v for k, v in block.state_dict().items()
+    }
+    state.update(
+        {f"{layer}shared_mlp.{k}": v for k, v in shared.state_dict().items()}
+    )
+    got = hf_convert.params_from_hf(
+        state, cfg, prefix=f"{layer}block_sparse_moe.", shared_prefix=layer
+    )
+    merged = dict(block.state_dict())
+    merged.update(
+        {f"shared_mlp.{k}": v for k, v in shared.state_dict().items()}
+    )
+    want = hf_convert.params_from_hf(merged, cfg)
+    self.assertEqual(sorted(got), sorted(want))
+    fused = shared.state_dict()["input_linear.weight"].numpy()
+    np.testing.assert_array_equal(
+        want["shared_w_up"], fused[cfg.shared_ffn_size :].T
+    )
+    for name in want:
+      np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+  @parameterized.named_parameters(
+      ("aria", "aria", "AriaConfig"),
+      ("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeConfig"),
+      ("glm4v_moe", "glm4v_moe", "Glm4vMoeConfig"),
+  )
+  def test_multimodal_config_uses_its_text_config(self, model_type, top_level):
+    configuration = parity.configuration_module(model_type)
+    top = getattr(configuration, top_level)()
+    self.assertEqual(
+        hf_convert.moe_config_from_hf(top),
+        hf_convert.moe_config_from_hf(top.text_config),
+    )
+
+  def test_every_family_without_lacks_has_a_converter(self):
+    self.assertEqual(
+        hf_convert.SUPPORTED_MODEL_TYPES, tuple(sorted(families.SUPPORTED))
+    )
 
   def test_every_family_names_its_block_and_config_classes(self):
     for family in families.FAMILIES:

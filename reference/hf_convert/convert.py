@@ -120,6 +120,66 @@ def _softmax(c, experts, ffn, norm, **extra) -> dict:
   return fields
 
 
+def _mistral4(c, norm) -> dict:
+  # Softmax scores, groups scored by their two best, excluded groups filled
+  # with 0.0 (as good as -inf: softmax scores are > 0).
+  return dict(
+      num_experts=_get(c, "n_routed_experts", "num_local_experts"),
+      expert_ffn_size=c.moe_intermediate_size,
+      norm_topk_prob=bool(norm),
+      norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
+      routed_scaling_factor=float(c.routed_scaling_factor),
+      n_group=_get(c, "n_group", default=1),
+      topk_group=_get(c, "topk_group", default=1),
+      group_score="sum_top2",
+      shared_ffn_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
+  )
+
+
+def _cohere2_moe(c) -> dict:
+  shared = c.intermediate_size * (c.num_shared_experts or 0)
+  if shared and c.shared_expert_combination_strategy != "sum":
+    raise _lacks(
+        "cohere2_moe",
+        families_lib.SHARED_AVERAGE,
+        "shared_expert_combination_strategy="
+        f"{c.shared_expert_combination_strategy!r}",
+    )
+  if c.expert_selection_fn == "softmax":
+    # A softmax over the K best logits is the renormalised top-k softmax.
+    routing = dict(norm_topk_prob=True)
+  elif c.expert_selection_fn == "sigmoid":
+    routing = dict(score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob))
+  else:
+    raise NotImplementedError(
+        "expert_selection_fn must be 'softmax' or 'sigmoid', got "
+        f"{c.expert_selection_fn!r}."
+    )
+  return dict(
+      num_experts=c.num_experts,
+      expert_ffn_size=c.intermediate_size,
+      shared_ffn_size=shared,
+      **routing,
+  )
+
+
+def _dbrx(c) -> dict:
+  ffn = c.ffn_config
+  p = getattr(ffn, "moe_normalize_expert_weights", None)
+  if p is not None and p != 1:
+    raise _lacks(
+        "dbrx", families_lib.P_NORM, f"moe_normalize_expert_weights={p}"
+    )
+  act = (getattr(ffn, "ffn_act_fn", None) or {}).get("name", "silu")
+  return dict(
+      num_experts=ffn.moe_num_experts,
+      top_k=ffn.moe_top_k,
+      expert_ffn_size=ffn.ffn_hidden_size,
+      norm_topk_prob=p is not None,
+      activation=_ACTIVATIONS[act] if act in _ACTIVATIONS else act,
+  )
+
+
 def _laguna(c) -> dict:
   cap = getattr(c, "moe_router_logit_softcapping", 0.0) or 0.0
   if cap > 0:
@@ -145,12 +205,51 @@ def _laguna(c) -> dict:
   )
 
 
+def _hunyuan(c, layer_idx) -> dict:
+  counts = {}
+  for name in ("num_experts", "moe_topk"):
+    value = getattr(c, name)
+    if not isinstance(value, int):
+      if layer_idx is None:
+        raise ValueError(
+            f"layer_idx must be given: hunyuan_v1_moe's {name} is per layer "
+            f"({value}); got layer_idx=None."
+        )
+      value = value[layer_idx]
+    counts[name] = value
+  return dict(
+      num_experts=counts["num_experts"],
+      top_k=counts["moe_topk"],
+      expert_ffn_size=c.intermediate_size,
+      norm_topk_prob=True,
+      shared_ffn_size=c.intermediate_size,
+  )
+
+
 def _axk2(c) -> dict:
   if (c.n_group or 1) > 1:
     raise _lacks(
         "axk2", families_lib.ZERO_FILLED_GROUPS, f"n_group={c.n_group}"
     )
   return _deepseek_v3(c, n_group=1, topk_group=1)
+
+
+def _longcat_flash(c) -> dict:
+  if c.zero_expert_num:
+    raise _lacks(
+        "longcat_flash",
+        families_lib.ZERO_EXPERTS,
+        f"zero_expert_num={c.zero_expert_num}",
+    )
+  if getattr(c, "router_bias", False):
+    raise _lacks("longcat_flash", families_lib.ROUTER_BIAS, "router_bias=True")
+  return dict(
+      num_experts=c.n_routed_experts,
+      top_k=c.moe_topk,
+      expert_ffn_size=c.expert_ffn_hidden_size,
+      correction_bias=True,
+      routed_scaling_factor=float(c.routed_scaling_factor),
+  )
 
 
 def _layer_value(c, name, layer_idx):
@@ -204,9 +303,20 @@ _CONVERTERS = {
         routed_scaling_factor=float(c.route_scale),
         shared_ffn_size=c.moe_intermediate_size * (c.num_shared_experts or 0),
     ),
+    "aria": lambda c: dict(
+        num_experts=c.moe_num_experts,
+        top_k=c.moe_topk,
+        expert_ffn_size=c.intermediate_size,
+        norm_topk_prob=True,
+        activation="silu",
+        shared_ffn_size=c.intermediate_size * c.moe_num_shared_experts,
+    ),
     "axk2": _axk2,
     "bailing_hybrid": _deepseek_v3,
     "beam": lambda c: _deepseek_v3(c, shared_width=0),
+    "cohere2_moe": _cohere2_moe,
+    "dbrx": _dbrx,
+    "deepseek_ocr2": _deepseek_v2,
     "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _deepseek_v3,
     "deepseek_v32": _deepseek_v3,
@@ -216,7 +326,19 @@ _CONVERTERS = {
         shared_width=c.shared_experts_intermediate_size
         * (c.n_shared_experts or 0),
     ),
+    "ernie4_5_moe": lambda c: dict(
+        num_experts=c.moe_num_experts,
+        top_k=c.moe_k,
+        expert_ffn_size=c.moe_intermediate_size,
+        correction_bias=True,
+        norm_topk_prob=True,
+        shared_ffn_size=c.moe_intermediate_size
+        * (c.moe_num_shared_experts or 0),
+    ),
     "exaone_moe": _deepseek_v3,
+    "flex_olmo": lambda c: _softmax(
+        c, c.num_experts, c.intermediate_size, c.norm_topk_prob
+    ),
     "flint": lambda c: dict(
         num_experts=c.num_experts,
         expert_ffn_size=c.moe_intermediate_size,
@@ -228,6 +350,30 @@ _CONVERTERS = {
     "glm4_moe_lite": _deepseek_v3,
     "glm4v_moe": _deepseek_v3,
     "glm_moe_dsa": _deepseek_v3,
+    "granitemoe": lambda c: _softmax(
+        c, c.num_local_experts, c.intermediate_size, True
+    ),
+    "granitemoe_swa": lambda c: _softmax(
+        c,
+        c.num_local_experts,
+        c.intermediate_size,
+        True,
+        shared_ffn_size=c.shared_intermediate_size or 0,
+    ),
+    "granitemoehybrid": lambda c: _softmax(
+        c,
+        c.num_local_experts,
+        c.intermediate_size,
+        True,
+        shared_ffn_size=c.shared_intermediate_size or 0,
+    ),
+    "granitemoeshared": lambda c: _softmax(
+        c,
+        c.num_local_experts,
+        c.intermediate_size,
+        True,
+        shared_ffn_size=c.shared_intermediate_size or 0,
+    ),
     "hy_v3": lambda c: dict(
         num_experts=c.num_experts,
         expert_ffn_size=c.moe_intermediate_size,
@@ -238,8 +384,16 @@ _CONVERTERS = {
         routed_scaling_factor=float(c.router_scaling_factor),
         shared_ffn_size=c.moe_intermediate_size * (c.num_shared_experts or 0),
     ),
+    "jamba": lambda c: _softmax(c, c.num_experts, c.intermediate_size, False),
     "kimi_linear": _deepseek_v3,
     "laguna": _laguna,
+    "lara_mini": lambda c: _softmax(
+        c,
+        c.num_experts,
+        c.moe_intermediate_size,
+        c.norm_topk_prob,
+        shared_ffn_size=c.shared_expert_intermediate_size or 0,
+    ),
     "lfm2_moe": lambda c: dict(
         num_experts=c.num_experts,
         expert_ffn_size=c.moe_intermediate_size,
@@ -250,7 +404,14 @@ _CONVERTERS = {
         routed_scaling_factor=float(c.routed_scaling_factor),
         activation="silu",
     ),
+    "longcat_flash": _longcat_flash,
+    "mellum": lambda c: _softmax(
+        c, c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
+    ),
     "mimo_v2_flash": lambda c: _deepseek_v3(c, shared_width=0),
+    "minimax": lambda c: _softmax(
+        c, c.num_local_experts, c.intermediate_size, True
+    ),
     "minimax_m2": lambda c: dict(
         num_experts=c.num_local_experts,
         expert_ffn_size=c.intermediate_size,
@@ -258,6 +419,8 @@ _CONVERTERS = {
         correction_bias=True,
         norm_topk_prob=True,
     ),
+    "mistral4": lambda c: _mistral4(c, c.norm_topk_prob),
+    "mistral_large4": lambda c: _mistral4(c, True),
     "mixtral": lambda c: _softmax(
         c, c.num_local_experts, c.intermediate_size, True
     ),
@@ -271,15 +434,39 @@ _CONVERTERS = {
         c.norm_topk_prob,
         **_qwen_shared(c),
     ),
+    "qwen3_5_moe": lambda c: _softmax(
+        c, c.num_experts, c.moe_intermediate_size, True, **_qwen_shared(c)
+    ),
     "qwen3_moe": lambda c: _softmax(
         c, c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
     ),
+    "qwen3_next": lambda c: _softmax(
+        c,
+        c.num_experts,
+        c.moe_intermediate_size,
+        c.norm_topk_prob,
+        **_qwen_shared(c),
+    ),
+    "qwen3_omni_moe": lambda c: _softmax(
+        c, c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
+    ),
+    "qwen3_vl_moe": lambda c: _softmax(
+        c, c.num_experts, c.moe_intermediate_size, True
+    ),
+    "qwen4_exp": lambda c: _softmax(
+        c,
+        c.num_experts,
+        c.moe_intermediate_size,
+        c.norm_topk_prob,
+        **_qwen_shared(c),
+    ),
     "solar_open": _deepseek_v3,
+    "unlimited_ocr": _deepseek_v2,
 }
 
 
 # Converters that read per-layer settings take the layer index as well.
-_PER_LAYER = {"step3p7": _step3p7}
+_PER_LAYER = {"hunyuan_v1_moe": _hunyuan, "step3p7": _step3p7}
 
 
 # Every model_type with a converter; the tests check that these are the
@@ -331,7 +518,8 @@ def moe_config_from_hf(
       whose `model_type` is one of `families.FAMILIES`; a multimodal
       config's `text_config` is used when the top level has no MoE fields.
     layer_idx: the decoder layer, for the families whose MoE settings vary
-      by layer (Step-3.7's per-layer clamps); other families ignore it.
+      by layer (HunYuan's per-layer expert counts, Step-3.7's per-layer
+      clamps); other families ignore it.
     **overrides: `MoEConfig` fields to set on top, e.g. `capacity_factor`.
 
   Returns:
@@ -359,11 +547,6 @@ def moe_config_from_hf(
     raise NotImplementedError(
         f"model_type {model_type!r} ({family.block}) needs switches "
         f"dropless lacks: {', '.join(family.lacks)}."
-    )
-  if model_type not in SUPPORTED_MODEL_TYPES:
-    raise NotImplementedError(
-        f"model_type {model_type!r} needs no new switch but has no "
-        "converter yet."
     )
   if model_type in _PER_LAYER:
     fields = _PER_LAYER[model_type](c, layer_idx)
@@ -393,21 +576,31 @@ def _first_key(state_dict, prefix, candidates):
 # Where each family keeps its router matrix [E, D] and its choice bias [E].
 ROUTER_KEYS = (
     "gate.weight",  # Mixtral, Qwen, DeepSeek, GLM, ...
+    "router.weight",  # Jamba, Granite, Aria
+    "gate.wg.weight",  # HunYuan
     "router.gate.weight",  # AFMoE
+    "router.layer.weight",  # DBRX
+    "router.classifier.weight",  # LongCat-Flash
 )
 BIAS_KEYS = (
     "gate.e_score_correction_bias",  # DeepSeek-V3 and descendants, Laguna
     "e_score_correction_bias",  # MiniMax-M2, HY-V3 (a block buffer)
     "expert_bias",  # AFMoE, LFM2-MoE
+    "gate.moe_statics.e_score_correction_bias",  # ERNIE 4.5 [1, E]
+    "router.e_score_correction_bias",  # LongCat-Flash
 )
 
 
 def _expert_stack(state_dict, prefix, cfg):
   """[E, D, F] gate, [E, D, F] up, [E, F, D] down from any family's layout."""
+  e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
   fused = prefix + "experts.gate_up_proj"
   if fused in state_dict:
     gate_up = _to_numpy(state_dict[fused])
     down = _to_numpy(state_dict[prefix + "experts.down_proj"])
+    if gate_up.shape == (e, d, 2 * f) and down.shape == (e, f, d):
+      # Aria: [E, D, 2F] and [E, F, D], already x @ W.
+      return gate_up[:, :, :f], gate_up[:, :, f:], down
     if gate_up.ndim != 3 or gate_up.shape[1] % 2:
       raise ValueError(f"{fused} must be [E, 2F, D], got {gate_up.shape}.")
     half = gate_up.shape[1] // 2
@@ -416,6 +609,15 @@ def _expert_stack(state_dict, prefix, cfg):
         np.swapaxes(gate_up[:, half:], 1, 2),
         np.swapaxes(down, 1, 2),
     )
+  dbrx = prefix + "experts.mlp.w1"
+  if dbrx in state_dict:
+    # DBRX: w1 (gate), v1 (up), w2 (down) stacked as [E * F, D]; the block
+    # computes x @ w1[e].T, x @ v1[e].T and h @ w2[e].
+    w1, v1, w2 = (
+        _to_numpy(state_dict[prefix + f"experts.mlp.{n}"]).reshape(e, -1, d)
+        for n in ("w1", "v1", "w2")
+    )
+    return np.swapaxes(w1, 1, 2), np.swapaxes(v1, 1, 2), w2
   names = None
   for candidate in (
       ("gate_proj", "up_proj", "down_proj"),
@@ -426,7 +628,7 @@ def _expert_stack(state_dict, prefix, cfg):
   if names is None:
     raise ValueError(
         f"state_dict has no expert weights under prefix {prefix!r}: expected "
-        f"'{fused}', '{prefix}experts.0.gate_proj.weight' or "
+        f"'{fused}', '{dbrx}', '{prefix}experts.0.gate_proj.weight' or "
         f"'{prefix}experts.0.w1.weight'; got keys {sorted(state_dict)[:8]}"
         "..."
     )
@@ -442,17 +644,25 @@ def _expert_stack(state_dict, prefix, cfg):
 
 def _shared_expert(state_dict, prefix, cfg):
   """shared_w_gate/up [D, Fs], shared_w_down [Fs, D] from any layout."""
-  for name in ("shared_expert.", "shared_experts."):
+  for name in ("shared_expert.", "shared_experts.", "shared_mlp."):
     base = prefix + name
     if base + "gate_proj.weight" in state_dict:
       return tuple(
           _to_numpy(state_dict[f"{base}{n}.weight"]).T
           for n in ("gate_proj", "up_proj", "down_proj")
       )
+    if base + "input_linear.weight" in state_dict:
+      # Granite: input_linear [2Fs, D], gate rows then up rows.
+      fused = _to_numpy(state_dict[base + "input_linear.weight"])
+      half = fused.shape[0] // 2
+      down = _to_numpy(state_dict[base + "output_linear.weight"])
+      return fused[:half].T, fused[half:].T, down.T
   raise ValueError(
       f"cfg.shared_ffn_size={cfg.shared_ffn_size} needs a shared expert in "
-      f"state_dict: '{prefix}shared_expert.gate_proj.weight' "
-      f"or '{prefix}shared_experts.gate_proj.weight'; found none."
+      f"state_dict: '{prefix}shared_expert.gate_proj.weight', "
+      f"'{prefix}shared_experts.gate_proj.weight', "
+      f"'{prefix}shared_mlp.gate_proj.weight' or "
+      f"'{prefix}shared_mlp.input_linear.weight'; found none."
   )
 
 
@@ -461,15 +671,23 @@ def params_from_hf(
     cfg: config_lib.MoEConfig,
     *,
     prefix: str = "",
+    shared_prefix: str | None = None,
     dtype=jnp.float32,
 ) -> dict:
   """dropless parameters from a Hugging Face MoE block's state dict.
 
   Args:
     state_dict: name -> tensor, e.g. `block.state_dict()` (torch tensors or
-      numpy arrays), keyed as listed below.
+      numpy arrays), keyed as listed below. Granite's shared MLP lives in
+      the decoder layer: add its tensors as `shared_mlp.*` (the decoder
+      layer's own names) beside the block's, or see `shared_prefix`.
     cfg: the block's config (from `moe_config_from_hf`).
     prefix: prepended to every key, e.g. "model.layers.3.mlp.".
+    shared_prefix: prepended to the shared expert's keys instead of
+      `prefix` (default: `prefix`). Granite's shared MLP is the decoder
+      layer's `shared_mlp`, beside its `block_sparse_moe`: for layer 3 of a
+      whole model, prefix="model.layers.3.block_sparse_moe." and
+      shared_prefix="model.layers.3.".
     dtype: dtype of the expert and shared weights. The router and the
       correction bias stay float32: routing runs in float32, and rounding
       the router would change which experts are chosen.
@@ -480,17 +698,24 @@ def params_from_hf(
   Keys, relative to the block (`prefix` for a whole model):
 
     router [E, D] -> router [D, E], one of
-      gate.weight, router.gate.weight (AFMoE)
+      gate.weight, router.weight, gate.wg.weight (HunYuan),
+      router.gate.weight (AFMoE), router.layer.weight (DBRX)
     correction bias [E] -> correction_bias [E], one of
       gate.e_score_correction_bias, e_score_correction_bias (a block
-      buffer: MiniMax-M2, HY-V3), expert_bias (AFMoE, LFM2-MoE)
+      buffer: MiniMax-M2, HY-V3), expert_bias (AFMoE, LFM2-MoE),
+      gate.moe_statics.e_score_correction_bias [1, E] (ERNIE 4.5)
     experts.gate_up_proj [E, 2F, D]         -> w_gate, w_up [E, D, F]
-      (transformers 5.x: gate rows first, then up rows)
+      (transformers 5.x: gate rows first, then up rows; Aria stores
+      [E, D, 2F] and down_proj [E, F, D], already x @ W)
     experts.down_proj [E, D, F]             -> w_down [E, F, D]
+    experts.mlp.{w1,v1,w2} [E * F, D]       -> gate, up, down (DBRX)
     experts.{e}.{gate,up,down}_proj.weight  -> the same, per expert
     experts.{e}.{w1,w3,w2}.weight           -> the same (Mixtral checkpoints)
-    {shared_expert,shared_experts}.{gate,up,down}_proj.weight
+    {shared_expert,shared_experts,shared_mlp}.{gate,up,down}_proj.weight
                                             -> shared_w_* [in, out]
+    shared_mlp.input_linear.weight [2Fs, D] -> shared_w_gate, shared_w_up
+      (Granite: gate rows first), shared_mlp.output_linear.weight
+      [D, Fs] -> shared_w_down
     shared_expert_gate.weight [1, D]        -> shared_gate [D, 1]
 
   Hugging Face stores nn.Linear weights as [out, in]; dropless multiplies
@@ -520,7 +745,9 @@ def params_from_hf(
         params["shared_w_gate"],
         params["shared_w_up"],
         params["shared_w_down"],
-    ) = _shared_expert(state_dict, prefix, cfg)
+    ) = _shared_expert(
+        state_dict, prefix if shared_prefix is None else shared_prefix, cfg
+    )
     if cfg.shared_expert_gate:
       params["shared_gate"] = _to_numpy(
           state_dict[prefix + "shared_expert_gate.weight"]
