@@ -24,7 +24,7 @@ import dataclasses
 # Switch names (issue 33's table), as `lacks` spells them.
 INPUT_SIDE_WEIGHTS = "routing weight on the expert input"
 SWIGLU_CLAMP = "SwiGLU clamp"
-GPT_OSS_GLU = "GPT-OSS clamped GLU (interleaved gate/up)"
+GPT_OSS_GLU = "GPT-OSS clamped GLU (up + 1) * g * sigmoid(alpha * g)"
 SOFTCAP_SWIGLU = "soft-capped SwiGLU"
 NON_GATED_FFN = "non-gated expert FFN"
 EXPERT_BIASES = "biases on the expert linears"
@@ -41,14 +41,13 @@ SHARED_AVERAGE = "shared and routed outputs averaged"
 P_NORM = "p-norm normalisation with p != 1"
 POST_NORM = "a norm after the block"
 LATENT_PROJECTIONS = "latent projections"
-PER_EXPERT_NORMS = "per-expert norms"
+EXPERT_INPUT_NORM = "a norm on the experts' (latent) input"
 PRODUCT_KEYS = "product-key experts"
 ROUTER_MLP_STATE = "MLP router with state across layers"
 ROUTER_WEIGHTED_SHARED = "router-weighted shared experts"
 ZERO_FILLED_GROUPS = "excluded groups filled with 0 under sigmoid + bias"
 TOKEN_TYPE_EXPERTS = "expert sets by token type"
 CAPACITY_POLICY = "2021-era capacity policy and token dropout"
-ATTENTION_EXPERTS = "mixture of attention heads"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,19 +414,22 @@ FAMILIES: tuple[Family, ...] = (
         "inkling",
         "InklingMoE",
         "InklingTextConfig",
-        "sigmoid + bias, shared experts weighted by the router",
+        "sigmoid over E routed + S shared logits, bias for the choice; the K "
+        "chosen and the S shared weights normalised together (softmax of "
+        "log-sigmoid), x route_scale x global_scale",
         _FUSED,
-        "router-weighted shared experts",
+        "shared_experts: SwiGLU, each scaled by its router weight",
         (ROUTER_WEIGHTED_SHARED,),
     ),
     Family(
         "inkling2",
         "Inkling2SparseMoeBlock",
         "Inkling2TextConfig",
-        "sqrtsoftplus-style DeepSeek-V4 router",
+        "scoring_func (sigmoid by default) + bias (choice only), norm "
+        "(+1e-20), x routed_scaling_factor",
         "soft-capped SwiGLU",
         "-",
-        (SOFTCAP_SWIGLU, SCORE_SQRTSOFTPLUS),
+        (SOFTCAP_SWIGLU,),
     ),
     Family(
         "inkling2_loop",
@@ -436,7 +438,7 @@ FAMILIES: tuple[Family, ...] = (
         "as inkling2",
         "soft-capped SwiGLU",
         "-",
-        (SOFTCAP_SWIGLU, SCORE_SQRTSOFTPLUS),
+        (SOFTCAP_SWIGLU,),
     ),
     Family(
         "jamba",
@@ -451,9 +453,14 @@ FAMILIES: tuple[Family, ...] = (
         "JetMoeMoE",
         "JetMoeConfig",
         "top-k logits -> softmax",
-        "parallel experts, output bias after the combine",
+        "SwiGLU input_linear [E, 2F, D] / output_linear; a bias [D] added "
+        "after the combine",
         "-",
-        (OUTPUT_BIAS, ATTENTION_EXPERTS),
+        (OUTPUT_BIAS,),
+        note=(
+            "its attention experts (JetMoeMoA) are attention, out of scope "
+            "like all attention"
+        ),
     ),
     Family(
         "kimi_linear",
@@ -467,9 +474,10 @@ FAMILIES: tuple[Family, ...] = (
         "kolibri1",
         "Kolibri1SparseMoeBlock",
         "Kolibri1Config",
-        "correction bias added to the logits before the sigmoid",
+        "logits + e_score_correction_bias -> top-k; sigmoid of the chosen "
+        "(unbiased) logits, norm if norm_topk_prob",
         _FUSED,
-        _DS_SHARED,
+        "shared_experts: shared_expert_intermediate_size, ungated",
         (LOGIT_BIAS_BEFORE_SIGMOID,),
     ),
     Family(
@@ -507,9 +515,10 @@ FAMILIES: tuple[Family, ...] = (
         "llama4",
         "Llama4TextMoe",
         "Llama4TextConfig",
-        "top-k logits -> sigmoid, weight applied to the expert input",
+        "top-k logits -> sigmoid (no renormalisation); the weight scales the "
+        "expert's input",
         "SwiGLU, gate_up_proj [E, D, 2F]",
-        "shared_expert, ungated",
+        "shared_expert: intermediate_size, ungated",
         (INPUT_SIDE_WEIGHTS,),
     ),
     Family(
@@ -562,9 +571,9 @@ FAMILIES: tuple[Family, ...] = (
         "minimax_m3_vl",
         "MiniMaxM3VLSparseMoeBlock",
         "MiniMaxM3VLTextConfig",
-        "as minimax_m2",
-        "GPT-OSS clamped GLU (routed and shared)",
-        "shared_experts",
+        "as minimax_m2, x routed_scaling_factor (after the combine)",
+        "GPT-OSS clamped GLU with gate and up chunked (not interleaved)",
+        "shared_experts: shared_intermediate_size, the same clamped GLU",
         (GPT_OSS_GLU,),
     ),
     Family(
@@ -597,19 +606,26 @@ FAMILIES: tuple[Family, ...] = (
         "muse_spark",
         "MuseSparkMoE",
         "MuseSparkTextConfig",
-        "as minimax_m2, with latent projections",
-        _FUSED,
-        "residual gate",
-        (LATENT_PROJECTIONS,),
+        "sigmoid(logits x output_multiplier) + bias (choice only), norm "
+        "(+1e-15), x routed_scaling_factor",
+        "fused SwiGLU on a projected, centred-RMS-normed latent input "
+        "(pre_expert_proj, pre_expert_norm, post_expert_proj)",
+        "-",
+        (LATENT_PROJECTIONS, EXPERT_INPUT_NORM),
     ),
     Family(
         "nemotron_h",
         "NemotronHMoE",
         "NemotronHConfig",
         _DS3,
-        "non-gated squared-ReLU experts, latent projections",
-        "shared_experts, non-gated",
-        (NON_GATED_FFN, LATENT_PROJECTIONS, PER_EXPERT_NORMS),
+        "non-gated up_proj / down_proj with mlp_hidden_act (relu2: squared "
+        "ReLU); fc1/fc2 latent projections when moe_latent_size is set",
+        "shared_experts: moe_shared_expert_intermediate_size, non-gated",
+        (NON_GATED_FFN,),
+        note=(
+            "with moe_latent_size set (not the default) it also needs: "
+            + LATENT_PROJECTIONS
+        ),
     ),
     Family(
         "nllb_moe",
