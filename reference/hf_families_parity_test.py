@@ -7,7 +7,8 @@ scaling 2.5 where the family scales) and seeded random weights, run in
 torch, converted with `hf_convert`, and run through `moe_core.moe_layer` on
 "reference" and "xla". The experts each token is sent to (read where the
 block calls its expert bank) must be the same set, and the outputs must
-agree to float32 rounding. The six original families keep their
+agree to float32 rounding. `python -m reference.hf_convert.report` prints
+the same comparison as a table. The six original families keep their
 detailed cases (router logits, combine weights, DeepSeek corner cases) in
 `hf_parity_test.py`.
 """
