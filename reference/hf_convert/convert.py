@@ -8,9 +8,8 @@ the same weights (`reference/hf_families_parity_test.py` checks each family;
 `moe_config_from_hf` gives the config, `params_from_hf` the block's tensors.
 Attention, norms and the choice of which layers are sparse
 (`decoder_sparse_step`, `mlp_only_layers`, `first_k_dense_replace`) are out
-of scope. Nothing here imports torch:
-tensors are read through their own methods, and numpy arrays are accepted
-as well.
+of scope. Nothing here imports torch: tensors are read through their own
+methods, and numpy arrays are accepted as well.
 """
 
 from __future__ import annotations
@@ -45,8 +44,9 @@ def _get(c, *names, default=None):
   return default
 
 
-def _activation(c, name="hidden_act") -> str:
-  act = getattr(c, name, None) or "silu"
+def _activation(act: str | None, name: str = "hidden_act") -> str:
+  """The dropless activation of a transformers activation name."""
+  act = act or "silu"
   if act not in _ACTIVATIONS:
     raise NotImplementedError(
         f"{name} must be one of {sorted(_ACTIVATIONS)}, got {act!r}."
@@ -54,7 +54,8 @@ def _activation(c, name="hidden_act") -> str:
   return _ACTIVATIONS[act]
 
 
-def _lacks(model_type: str, switch: str, setting: str):
+def _needs_switch(model_type: str, switch: str, setting: str):
+  """The NotImplementedError for a setting that needs a missing switch."""
   return NotImplementedError(
       f"{model_type} with {setting} needs a switch dropless lacks: {switch}."
   )
@@ -111,7 +112,7 @@ def _deepseek_v2(c) -> dict:
   return fields
 
 
-def _softmax(c, experts, ffn, norm, **extra) -> dict:
+def _softmax(experts, ffn, norm, **extra) -> dict:
   """softmax -> top-k, renormalised iff `norm`."""
   fields = dict(
       num_experts=experts, expert_ffn_size=ffn, norm_topk_prob=bool(norm)
@@ -139,7 +140,7 @@ def _mistral4(c, norm) -> dict:
 def _cohere2_moe(c) -> dict:
   shared = c.intermediate_size * (c.num_shared_experts or 0)
   if shared and c.shared_expert_combination_strategy != "sum":
-    raise _lacks(
+    raise _needs_switch(
         "cohere2_moe",
         families_lib.SHARED_AVERAGE,
         "shared_expert_combination_strategy="
@@ -167,29 +168,29 @@ def _dbrx(c) -> dict:
   ffn = c.ffn_config
   p = getattr(ffn, "moe_normalize_expert_weights", None)
   if p is not None and p != 1:
-    raise _lacks(
+    raise _needs_switch(
         "dbrx", families_lib.P_NORM, f"moe_normalize_expert_weights={p}"
     )
-  act = (getattr(ffn, "ffn_act_fn", None) or {}).get("name", "silu")
+  act = (getattr(ffn, "ffn_act_fn", None) or {}).get("name")
   return dict(
       num_experts=ffn.moe_num_experts,
       top_k=ffn.moe_top_k,
       expert_ffn_size=ffn.ffn_hidden_size,
       norm_topk_prob=p is not None,
-      activation=_ACTIVATIONS[act] if act in _ACTIVATIONS else act,
+      activation=_activation(act, "ffn_config.ffn_act_fn['name']"),
   )
 
 
 def _laguna(c) -> dict:
   cap = getattr(c, "moe_router_logit_softcapping", 0.0) or 0.0
   if cap > 0:
-    raise _lacks(
+    raise _needs_switch(
         "laguna",
         families_lib.LOGIT_SOFTCAP,
         f"moe_router_logit_softcapping={cap}",
     )
   if getattr(c, "moe_apply_router_weight_on_input", False):
-    raise _lacks(
+    raise _needs_switch(
         "laguna",
         families_lib.INPUT_SIDE_WEIGHTS,
         "moe_apply_router_weight_on_input=True",
@@ -228,7 +229,7 @@ def _hunyuan(c, layer_idx) -> dict:
 
 def _axk2(c) -> dict:
   if (c.n_group or 1) > 1:
-    raise _lacks(
+    raise _needs_switch(
         "axk2", families_lib.ZERO_FILLED_GROUPS, f"n_group={c.n_group}"
     )
   return _deepseek_v3(c, n_group=1, topk_group=1)
@@ -236,13 +237,15 @@ def _axk2(c) -> dict:
 
 def _longcat_flash(c) -> dict:
   if c.zero_expert_num:
-    raise _lacks(
+    raise _needs_switch(
         "longcat_flash",
         families_lib.ZERO_EXPERTS,
         f"zero_expert_num={c.zero_expert_num}",
     )
   if getattr(c, "router_bias", False):
-    raise _lacks("longcat_flash", families_lib.ROUTER_BIAS, "router_bias=True")
+    raise _needs_switch(
+        "longcat_flash", families_lib.ROUTER_BIAS, "router_bias=True"
+    )
   return dict(
       num_experts=c.n_routed_experts,
       top_k=c.moe_topk,
@@ -271,7 +274,7 @@ def _step3p7(c, layer_idx) -> dict:
   for name in ("swiglu_limits", "swiglu_limits_shared"):
     limit = _layer_value(c, name, layer_idx)
     if limit:
-      raise _lacks(
+      raise _needs_switch(
           "step3p7", families_lib.SWIGLU_CLAMP, f"{name}[{layer_idx}]={limit}"
       )
   return dict(
@@ -337,7 +340,7 @@ _CONVERTERS = {
     ),
     "exaone_moe": _deepseek_v3,
     "flex_olmo": lambda c: _softmax(
-        c, c.num_experts, c.intermediate_size, c.norm_topk_prob
+        c.num_experts, c.intermediate_size, c.norm_topk_prob
     ),
     "flint": lambda c: dict(
         num_experts=c.num_experts,
@@ -351,24 +354,21 @@ _CONVERTERS = {
     "glm4v_moe": _deepseek_v3,
     "glm_moe_dsa": _deepseek_v3,
     "granitemoe": lambda c: _softmax(
-        c, c.num_local_experts, c.intermediate_size, True
+        c.num_local_experts, c.intermediate_size, True
     ),
     "granitemoe_swa": lambda c: _softmax(
-        c,
         c.num_local_experts,
         c.intermediate_size,
         True,
         shared_ffn_size=c.shared_intermediate_size or 0,
     ),
     "granitemoehybrid": lambda c: _softmax(
-        c,
         c.num_local_experts,
         c.intermediate_size,
         True,
         shared_ffn_size=c.shared_intermediate_size or 0,
     ),
     "granitemoeshared": lambda c: _softmax(
-        c,
         c.num_local_experts,
         c.intermediate_size,
         True,
@@ -384,11 +384,10 @@ _CONVERTERS = {
         routed_scaling_factor=float(c.router_scaling_factor),
         shared_ffn_size=c.moe_intermediate_size * (c.num_shared_experts or 0),
     ),
-    "jamba": lambda c: _softmax(c, c.num_experts, c.intermediate_size, False),
+    "jamba": lambda c: _softmax(c.num_experts, c.intermediate_size, False),
     "kimi_linear": _deepseek_v3,
     "laguna": _laguna,
     "lara_mini": lambda c: _softmax(
-        c,
         c.num_experts,
         c.moe_intermediate_size,
         c.norm_topk_prob,
@@ -406,11 +405,11 @@ _CONVERTERS = {
     ),
     "longcat_flash": _longcat_flash,
     "mellum": lambda c: _softmax(
-        c, c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
+        c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
     ),
     "mimo_v2_flash": lambda c: _deepseek_v3(c, shared_width=0),
     "minimax": lambda c: _softmax(
-        c, c.num_local_experts, c.intermediate_size, True
+        c.num_local_experts, c.intermediate_size, True
     ),
     "minimax_m2": lambda c: dict(
         num_experts=c.num_local_experts,
@@ -422,39 +421,36 @@ _CONVERTERS = {
     "mistral4": lambda c: _mistral4(c, c.norm_topk_prob),
     "mistral_large4": lambda c: _mistral4(c, True),
     "mixtral": lambda c: _softmax(
-        c, c.num_local_experts, c.intermediate_size, True
+        c.num_local_experts, c.intermediate_size, True
     ),
     "olmoe": lambda c: _softmax(
-        c, c.num_experts, c.intermediate_size, c.norm_topk_prob
+        c.num_experts, c.intermediate_size, c.norm_topk_prob
     ),
     "qwen2_moe": lambda c: _softmax(
-        c,
         c.num_experts,
         c.moe_intermediate_size,
         c.norm_topk_prob,
         **_qwen_shared(c),
     ),
     "qwen3_5_moe": lambda c: _softmax(
-        c, c.num_experts, c.moe_intermediate_size, True, **_qwen_shared(c)
+        c.num_experts, c.moe_intermediate_size, True, **_qwen_shared(c)
     ),
     "qwen3_moe": lambda c: _softmax(
-        c, c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
+        c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
     ),
     "qwen3_next": lambda c: _softmax(
-        c,
         c.num_experts,
         c.moe_intermediate_size,
         c.norm_topk_prob,
         **_qwen_shared(c),
     ),
     "qwen3_omni_moe": lambda c: _softmax(
-        c, c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
+        c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
     ),
     "qwen3_vl_moe": lambda c: _softmax(
-        c, c.num_experts, c.moe_intermediate_size, True
+        c.num_experts, c.moe_intermediate_size, True
     ),
     "qwen4_exp": lambda c: _softmax(
-        c,
         c.num_experts,
         c.moe_intermediate_size,
         c.norm_topk_prob,
@@ -554,7 +550,7 @@ def moe_config_from_hf(
     fields = _CONVERTERS[model_type](c)
   fields.setdefault("top_k", _get(c, "num_experts_per_tok"))
   fields.setdefault("hidden_size", c.hidden_size)
-  fields.setdefault("activation", _activation(c))
+  fields.setdefault("activation", _activation(getattr(c, "hidden_act", None)))
   fields.update(overrides)
   return config_lib.MoEConfig(**fields)
 
