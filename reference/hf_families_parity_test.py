@@ -248,6 +248,40 @@ class HfFamiliesParityTest(parameterized.TestCase):
         hf_convert.moe_config_from_hf(top.text_config),
     )
 
+  @parameterized.named_parameters(
+      ("hidden_act", "qwen3_moe", dict(hidden_act="relu"), "hidden_act"),
+      (
+          "dbrx_ffn_act_fn",
+          "dbrx",
+          dict(
+              ffn_config=dict(
+                  ffn_hidden_size=parity.F,
+                  moe_num_experts=parity.E,
+                  moe_top_k=parity.K,
+                  ffn_act_fn=dict(name="relu"),
+              )
+          ),
+          r"ffn_config.ffn_act_fn\['name'\]",
+      ),
+  )
+  def test_unknown_activation_names_the_field(self, model_type, fields, name):
+    hf_cfg = parity.hf_config(model_type, **fields)
+    with self.assertRaisesRegex(NotImplementedError, f"{name} .*'relu'"):
+      hf_convert.moe_config_from_hf(hf_cfg)
+
+  def test_missing_router_or_bias_names_the_keys(self):
+    hf_cfg, block, _ = parity.build_block("deepseek_v3")
+    cfg = hf_convert.moe_config_from_hf(hf_cfg)
+    state = dict(block.state_dict())
+    del state["gate.e_score_correction_bias"]
+    with self.assertRaisesRegex(
+        ValueError, r"correction_bias=True needs one of .*gate\.e_score"
+    ):
+      hf_convert.params_from_hf(state, cfg)
+    del state["gate.weight"]
+    with self.assertRaisesRegex(ValueError, r"no router matrix .*gate\.weight"):
+      hf_convert.params_from_hf(state, cfg)
+
   def test_every_family_without_lacks_has_a_converter(self):
     self.assertEqual(
         hf_convert.SUPPORTED_MODEL_TYPES, tuple(sorted(families.SUPPORTED))
