@@ -164,8 +164,6 @@ def hf_config(model_type: str, **overrides):
   cls = _config_class(model_type)
   default = cls()
   fields = {k: v for k, v in _SMALL.items() if _has(default, k)}
-  if isinstance(getattr(default, "hidden_activation", None), str):
-    fields["hidden_activation"] = "gelu_pytorch_tanh"
   fields.update(_OVERRIDES.get(model_type, {}))
   fields.update(overrides)
   return cls(**fields)
@@ -197,13 +195,7 @@ def build_block(model_type: str, seed: int = 0, **overrides):
   cfg = hf_config(model_type, **overrides)
   block_cls = getattr(modeling, family.block)
   params = inspect.signature(block_cls.__init__).parameters
-  if model_type == "dbrx":
-    block = (
-        block_cls(cfg.ffn_config, hidden_size=D)
-        if ("hidden_size" in params)
-        else block_cls(cfg)
-    )
-  elif "layer_idx" in params:
+  if "layer_idx" in params:  # Blocks whose settings may vary by layer.
     block = block_cls(cfg, layer_idx=0)
   else:
     block = block_cls(cfg)
