@@ -14,7 +14,8 @@ softmax over the K best logits (the same weights as softmax -> top-k ->
 renormalise); "ds3" is the DeepSeek-V3 router (sigmoid, correction bias for
 the choice only, groups scored by their two best biased scores, -inf
 outside the chosen groups). "fused" experts are `experts.gate_up_proj`
-[E, 2F, D] (gate rows first) and `experts.down_proj` [E, D, F].
+[E, 2F, D] (gate rows first) and `experts.down_proj` [E, D, F]. Over 400
+lines because it is the 75-row table itself: data, one row per family.
 """
 
 from __future__ import annotations
