@@ -19,6 +19,7 @@ import jax
 from jax import ad_checkpoint
 import jax.numpy as jnp
 
+from moe_core import activations as activations_lib
 from moe_core import checks
 from moe_core import config as config_lib
 from moe_core import ffn
@@ -313,56 +314,77 @@ class Backend(abc.ABC):
     self._check_dtype(rows.dtype)
     recipe = self._check_precision(cfg.precision)
     group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
-    w_gate, w_up, w_down = (
-        params[n].astype(rows.dtype) for n in ("w_gate", "w_up", "w_down")
-    )
+    settings = activations_lib.Settings.from_config(cfg)
+    gated = settings.activation.gated
+
+    def param(name):
+      return params[name].astype(rows.dtype) if name in params else None
+
     ffn_in = operands.FfnOperands(
         rows=rows,
         group_sizes=group_sizes,  # int32, sanitised above.
-        w_gate=w_gate,
-        w_up=w_up,
-        w_down=w_down,
+        w_gate=param("w_gate") if gated else None,
+        w_up=param("w_up"),
+        w_down=param("w_down"),
         activation=cfg.activation,
         row_weights=row_weights,
+        b_gate=param("b_gate") if cfg.expert_bias and gated else None,
+        b_up=param("b_up") if cfg.expert_bias else None,
+        b_down=param("b_down") if cfg.expert_bias else None,
+        settings=settings,
     )
     if recipe != precision_lib.UNQUANTIZED:
       out = self._quantized_ffn(ffn_in, recipe)
-    elif self._fuses_activation(cfg.activation):
+    elif ffn.is_plain_glu(cfg) and self._fuses_activation(cfg.activation):
       # Gate and up never leave the fused op: there is nothing to name.
       h = self._gated_gate_up(ffn_in)
       out = self._down(h, ffn_in)
     else:
-      gate, up = self._gate_up(ffn_in)
-      h = ffn.gated(
-          ad_checkpoint.checkpoint_name(gate, GATE_NAME),
-          ad_checkpoint.checkpoint_name(up, UP_NAME),
-          cfg.activation,
-      )
-      out = self._down(h, ffn_in)
-    out = _poisoned(bad, out, rows, w_gate, w_up, w_down)
+      if gated:
+        gate, up = self._gate_up(ffn_in)
+        gate = ad_checkpoint.checkpoint_name(gate, GATE_NAME)
+      else:
+        gate, up = None, self._prevalidated_gemm(rows, ffn_in.w_up, ffn_in)
+      h = _hidden(gate, ad_checkpoint.checkpoint_name(up, UP_NAME), ffn_in)
+      out = self._biased_down(h, ffn_in)
+    weights = [ffn_in.w_gate, ffn_in.w_up, ffn_in.w_down]
+    out = _poisoned(bad, out, rows, *(w for w in weights if w is not None))
     return ad_checkpoint.checkpoint_name(out, DOWN_NAME)
+
+  def _biased_down(self, h: jax.Array, ffn_in: operands.FfnOperands):
+    """`_down`, with b_down added before the routing weight scales a row:
+    then `_down` runs unweighted and the weight comes after the bias."""
+    if ffn_in.b_down is None:
+      return self._down(h, ffn_in)
+    out = self._down(h, dataclasses.replace(ffn_in, row_weights=None))
+    out = ffn.add_row_bias(out, ffn_in.b_down, ffn_in.group_sizes)
+    return scale_rows(out, ffn_in.row_weights)
 
   def _quantized_ffn(self, ffn_in: operands.FfnOperands, recipe: str):
     """The expert FFN with each GEMM's operands quantised: [M, D].
 
-    Three quantised GEMMs (the input of down, act(gate) * up, is quantised
-    per group like the rows); never fused, so every name is emitted.
+    Three quantised GEMMs (two without a gate; the input of down, h, is
+    quantised per group like the rows); never fused, so every name is
+    emitted. Biases are added unquantised, in float32.
     """
 
     def gemm(lhs, weights):
       return self._quantized_gemm(_projection(lhs, weights, ffn_in), recipe)
 
-    h = ffn.gated(
-        ad_checkpoint.checkpoint_name(
-            gemm(ffn_in.rows, ffn_in.w_gate), GATE_NAME
-        ),
-        ad_checkpoint.checkpoint_name(gemm(ffn_in.rows, ffn_in.w_up), UP_NAME),
-        ffn_in.activation,
-    )
-    return scale_rows(gemm(h, ffn_in.w_down), ffn_in.row_weights)
+    gate = None
+    if ffn_in.w_gate is not None:
+      gate = ad_checkpoint.checkpoint_name(
+          gemm(ffn_in.rows, ffn_in.w_gate), GATE_NAME
+      )
+    up = ad_checkpoint.checkpoint_name(gemm(ffn_in.rows, ffn_in.w_up), UP_NAME)
+    out = gemm(_hidden(gate, up, ffn_in), ffn_in.w_down)
+    out = ffn.add_row_bias(out, ffn_in.b_down, ffn_in.group_sizes)
+    return scale_rows(out, ffn_in.row_weights)
 
   def checkpoint_names(
-      self, activation: str, precision: str = precision_lib.UNQUANTIZED
+      self,
+      activation: str | config_lib.MoEConfig,
+      precision: str = precision_lib.UNQUANTIZED,
   ) -> tuple[str, ...]:
     """The checkpoint names `expert_ffn` gives its outputs for `activation`.
 
@@ -370,11 +392,26 @@ class Backend(abc.ABC):
     activation into the gate/up op (a remat policy then cannot keep gate and
     up: "save_moe" saves the down output and recomputes the fused op). A
     quantised `precision` never fuses: all of them. `precision` is a
-    recipe of `moe_core.precision` (or its deprecated alias "bf16").
+    recipe of `moe_core.precision` (or its deprecated alias "bf16"). A
+    non-gated activation has no GATE_NAME. Given a `MoEConfig` instead of
+    an activation name, its activation and precision, and its clamp and
+    biases (which no epilogue fuses), decide.
     """
+    plain = True
+    if isinstance(activation, config_lib.MoEConfig):
+      cfg = activation
+      activation, precision, plain = (
+          cfg.activation,
+          cfg.precision,
+          ffn.is_plain_glu(cfg),
+      )
     precision = precision_lib.check_recipe(precision, stacklevel=2)
-    if precision == precision_lib.UNQUANTIZED and self._fuses_activation(
-        activation
+    if not activations_lib.get(activation).gated:
+      return (UP_NAME, DOWN_NAME)
+    if (
+        plain
+        and precision == precision_lib.UNQUANTIZED
+        and self._fuses_activation(activation)
     ):
       return (DOWN_NAME,)
     return CHECKPOINT_NAMES
@@ -406,7 +443,9 @@ class Backend(abc.ABC):
   def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
     """The down projection: h [M, F] x w_down [E, F, D] -> [M, D].
 
-    h is act(gate) * up, of rows' dtype. With `ffn_in.row_weights` (where
+    h is the activation's output (act(gate) * up for a GLU), of rows'
+    dtype. b_down, if any, is the template's (`_biased_down`): this hook
+    then gets no row_weights. With `ffn_in.row_weights` (where
     `_routing_weights_in_down` says so), output row r is scaled by
     row_weights[r]; a kernel backend overrides this to scale its float32
     accumulator in the GEMM's epilogue.
@@ -521,9 +560,19 @@ class Backend(abc.ABC):
   def _routed_experts(self, params, x, aux, cfg) -> jax.Array:
     """`routed_experts` on validated arguments: dispatch, the expert FFN
     (with the routing weights in its down projection where
-    `_routing_weights_in_down`), combine."""
+    `_routing_weights_in_down`, or on its input rows where
+    cfg.routing_weights_on_input), combine."""
     dispatched = self._dispatch(x, aux, cfg)
     kept = None if cfg.dropless else aux.kept
+    ones = jnp.ones_like(aux.combine_weights)
+    if cfg.routing_weights_on_input:
+      # Llama 4: each copy enters its expert scaled by its weight (in
+      # float32, then rows' dtype), and the outputs are summed unweighted.
+      # A NaN weight makes its row, and so its token, NaN.
+      flat_weights = aux.combine_weights.astype(jnp.float32).reshape(-1)
+      rows = scale_rows(dispatched.rows, flat_weights[dispatched.assignment])
+      out = self._expert_ffn(rows, dispatched.group_sizes, params, cfg)
+      return self._combine(out, dispatched, ones, kept)
     if not self._routing_weights_in_down(cfg, x.dtype):
       out = self._expert_ffn(
           dispatched.rows, dispatched.group_sizes, params, cfg
@@ -540,7 +589,6 @@ class Backend(abc.ABC):
         cfg,
         row_weights=flat_weights[dispatched.assignment],
     )
-    ones = jnp.ones_like(aux.combine_weights)
     return self._combine(out, dispatched, ones, kept)
 
   def _routing_weights_in_down(
@@ -558,6 +606,24 @@ def scale_rows(out: jax.Array, row_weights: jax.Array | None) -> jax.Array:
   if row_weights is None:
     return out
   return (out.astype(jnp.float32) * row_weights[:, None]).astype(out.dtype)
+
+
+def _hidden(gate, up, ffn_in: operands.FfnOperands) -> jax.Array:
+  """h from the gate (None: not gated) and up products [M, F], with their
+  biases gathered per row: `ffn.hidden`, in up's dtype."""
+
+  def bias(b):
+    if b is None:
+      return None
+    return ffn.row_bias(b, ffn_in.group_sizes, up.shape[0])
+
+  return ffn.hidden(
+      gate,
+      up,
+      ffn_in.activation_settings,
+      gate_bias=bias(ffn_in.b_gate),
+      up_bias=bias(ffn_in.b_up),
+  )
 
 
 def _sanitised_group_sizes(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from moe_core import activations as activations_lib
 from moe_core import precision as precision_lib
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "sum_top2")
+# The built-in activations; `moe_core.activations` registers more.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
@@ -40,7 +42,25 @@ class MoEConfig:
       (0 = none).
     shared_expert_gate: scale the shared expert's output per token by
       sigmoid(x @ shared_gate) (Qwen2-MoE).
-    activation: "silu" (SwiGLU), "gelu" (GeGLU, exact erf) or "gelu_tanh".
+    activation: the expert FFN's activation, a name of the registry
+      `moe_core.activations`: gated "silu" (SwiGLU), "gelu" (GeGLU, exact
+      erf), "gelu_tanh", "gpt_oss_glu" (GPT-OSS: (u + 1) g sigmoid(alpha g))
+      and "softcapped_silu" (Inkling 2); non-gated "relu" and "relu2"
+      (squared ReLU), whose experts (and shared expert) have no w_gate.
+    routing_weights_on_input: scale each token copy by its routing weight
+      before its expert (Llama 4: FFN(w x)), and sum the outputs unweighted,
+      instead of w * FFN(x).
+    swiglu_limit: None, or L > 0: a gated activation first clamps gate to
+      (-inf, L] and up to [-L, L] (GLM-5-Next, DeepSeek-V4, GPT-OSS); in the
+      routed and the shared experts.
+    swiglu_alpha: the sigmoid's scale of "gpt_oss_glu" (GPT-OSS: 1.702);
+      None for every other activation.
+    gate_softcap, up_softcap: c > 0, the soft caps c * tanh(z / c) of
+      "softcapped_silu"'s gate and up factors; None for every other
+      activation.
+    expert_bias: the routed experts' linears have biases, b_gate and b_up
+      [E, F] (no b_gate when not gated) and b_down [E, D], added in float32
+      to the products, before the activation and before the routing weight.
     capacity_factor: None means dropless. A number gives each expert
       ceil(capacity_factor * T * K / E) slots; assignments beyond them are
       dropped (top-1 choices first, then by token order) and counted.
@@ -68,6 +88,12 @@ class MoEConfig:
   shared_ffn_size: int = 0
   shared_expert_gate: bool = False
   activation: str = "silu"
+  routing_weights_on_input: bool = False
+  swiglu_limit: float | None = None
+  swiglu_alpha: float | None = None
+  gate_softcap: float | None = None
+  up_softcap: float | None = None
+  expert_bias: bool = False
   capacity_factor: float | None = None
   precision: str = precision_lib.UNQUANTIZED
 
@@ -96,7 +122,7 @@ class MoEConfig:
       )
     _check_choice("score_func", self.score_func, SCORE_FUNCS)
     _check_choice("group_score", self.group_score, GROUP_SCORES)
-    _check_choice("activation", self.activation, ACTIVATIONS)
+    _check_activation(self)
     # Frozen: the canonical name replaces a deprecated alias in place, so
     # that no code past the config sees the alias. Stack level 3: the
     # caller of the generated __init__, which calls this.
@@ -193,6 +219,47 @@ def _check_int(cfg, name, *, minimum):
   value = getattr(cfg, name)
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
     raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+def _check_activation(cfg) -> None:
+  """The activation is registered and its options are exactly the ones set."""
+  for name in ("routing_weights_on_input", "expert_bias"):
+    if not isinstance(getattr(cfg, name), bool):
+      raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+  act = activations_lib.get(cfg.activation)
+  for name in ("swiglu_limit",) + activations_lib.OPTIONS:
+    value = getattr(cfg, name)
+    if value is not None and not (_is_finite_number(value) and value > 0):
+      raise ValueError(
+          f"{name} must be None or a finite number > 0, got {value!r}."
+      )
+  if cfg.swiglu_limit is not None and not act.gated:
+    raise ValueError(
+        "swiglu_limit clamps the gate and up of a gated activation, got "
+        f"swiglu_limit={cfg.swiglu_limit!r} with the non-gated "
+        f"activation={cfg.activation!r}."
+    )
+  for name in activations_lib.OPTIONS:
+    value = getattr(cfg, name)
+    if name in act.reads and value is None:
+      raise ValueError(
+          f"activation={cfg.activation!r} needs {name} (a finite number "
+          "> 0), got None."
+      )
+    if name not in act.reads and value is not None:
+      raise ValueError(
+          f"{name} is read only by the activations "
+          f"{_readers(name)}, got {name}={value!r} with "
+          f"activation={cfg.activation!r}."
+      )
+
+
+def _readers(option: str) -> tuple[str, ...]:
+  return tuple(
+      n
+      for n in activations_lib.names()
+      if option in activations_lib.get(n).reads
+  )
 
 
 def _check_choice(name, value, choices):

@@ -52,13 +52,68 @@ class ValidationTest(parameterized.TestCase):
   @parameterized.parameters(
       ("score_func", "softplus", r"\('softmax', 'sigmoid'\)"),
       ("group_score", "mean", r"\('max', 'sum_top2'\)"),
-      ("activation", "relu", r"\('silu', 'gelu', 'gelu_tanh'\)"),
+      (
+          "activation",
+          "swish",
+          r"\('silu', 'gelu', 'gelu_tanh', 'gpt_oss_glu', 'softcapped_silu', "
+          r"'relu', 'relu2'\)",
+      ),
   )
   def test_choices(self, name, value, choices):
     with self.assertRaisesRegex(
         ValueError, rf"^{name} must be one of {choices}, got '{value}'\.$"
     ):
       _cfg(**{name: value})
+
+  @parameterized.product(
+      name=("swiglu_limit", "swiglu_alpha", "gate_softcap", "up_softcap"),
+      value=(0.0, -1.0, math.nan, math.inf, True, "7"),
+  )
+  def test_activation_options_positive_finite(self, name, value):
+    with self.assertRaisesRegex(
+        ValueError,
+        rf"^{name} must be None or a finite number > 0, got {value!r}\.$",
+    ):
+      _cfg(**{name: value})
+
+  @parameterized.parameters(
+      (dict(activation="gpt_oss_glu"), r"needs swiglu_alpha"),
+      (
+          dict(activation="softcapped_silu", gate_softcap=1.0),
+          r"needs up_softcap",
+      ),
+      (dict(swiglu_alpha=1.702), r"swiglu_alpha is read only by.*gpt_oss"),
+      (
+          dict(activation="gpt_oss_glu", swiglu_alpha=1.0, up_softcap=2.0),
+          r"up_softcap is read only by.*softcapped_silu.*'gpt_oss_glu'",
+      ),
+      (dict(activation="relu2", swiglu_limit=7.0), r"non-gated"),
+  )
+  def test_activation_options_match_the_activation(self, changes, message):
+    with self.assertRaisesRegex(ValueError, message):
+      _cfg(**changes)
+
+  @parameterized.parameters("routing_weights_on_input", "expert_bias")
+  def test_ffn_switches_are_bools(self, name):
+    with self.assertRaisesRegex(TypeError, rf"^{name} must be a bool, got 1"):
+      _cfg(**{name: 1})
+
+  def test_ffn_switches_accept_the_models_settings(self):
+    # GPT-OSS, DeepSeek-V4, Inkling 2, Nemotron-H, Llama 4.
+    for changes in (
+        dict(
+            activation="gpt_oss_glu",
+            swiglu_alpha=1.702,
+            swiglu_limit=7.0,
+            expert_bias=True,
+        ),
+        dict(swiglu_limit=10.0),
+        dict(activation="softcapped_silu", gate_softcap=30.0, up_softcap=30.0),
+        dict(activation="relu2", shared_ffn_size=8),
+        dict(top_k=1, score_func="sigmoid", routing_weights_on_input=True),
+    ):
+      with self.subTest(**{k: str(v) for k, v in changes.items()}):
+        self.assertEqual(_cfg(**changes).replace(), _cfg(**changes))
 
   def test_n_group_divides_num_experts(self):
     with self.assertRaisesRegex(

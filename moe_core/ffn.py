@@ -1,4 +1,8 @@
-"""Gated FFN pieces: activations and the dense shared expert."""
+"""Expert FFN pieces: activations, biases and the dense shared expert.
+
+The activations themselves are the registry `moe_core.activations` (the
+extension point for a new one); this module applies them.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moe_core import activations as activations_lib
 from moe_core import config as config_lib
 
 _ACTIVATIONS = {
@@ -19,14 +24,74 @@ _ACTIVATIONS = {
 
 
 def activation(name: str):
-  """The elementwise function called `name` ("silu", "gelu", "gelu_tanh")."""
+  """The elementwise function of a plain GLU ("silu", "gelu", "gelu_tanh"),
+  the ones kernel epilogues fuse by name."""
   return _ACTIVATIONS[name]
 
 
 def gated(gate: jax.Array, up: jax.Array, name: str) -> jax.Array:
-  """act(gate) * up: two [M, F] -> [M, F], computed in float32, gate's dtype."""
+  """act(gate) * up: two [M, F] -> [M, F], computed in float32, gate's dtype.
+
+  Only the plain GLUs of `activation`; `hidden` computes every activation.
+  """
   h = activation(name)(gate.astype(jnp.float32)) * up.astype(jnp.float32)
   return h.astype(gate.dtype)
+
+
+def is_plain_glu(cfg: config_lib.MoEConfig) -> bool:
+  """Whether cfg's expert FFN is act(x Wg) * (x Wu) with act of `activation`:
+  no clamp, no bias. Only then may a kernel epilogue fuse it by name."""
+  return (
+      cfg.activation in _ACTIVATIONS
+      and cfg.swiglu_limit is None
+      and not cfg.expert_bias
+  )
+
+
+def hidden(
+    gate: jax.Array | None,
+    up: jax.Array,
+    settings: activations_lib.Settings,
+    gate_bias: jax.Array | None = None,
+    up_bias: jax.Array | None = None,
+) -> jax.Array:
+  """h = f(gate, up) (gated) or f(up) (gate None): [M, F] -> [M, F].
+
+  Biases [M, F] (per row, already gathered by `row_bias`) are added in
+  float32 first; then the activation of `settings` (`moe_core.activations`,
+  its clamp included), in float32; h is returned in up's dtype.
+  """
+  up32 = up.astype(jnp.float32)
+  if up_bias is not None:
+    up32 = up32 + up_bias
+  gate32 = None
+  if gate is not None:
+    gate32 = gate.astype(jnp.float32)
+    if gate_bias is not None:
+      gate32 = gate32 + gate_bias
+  return activations_lib.hidden(settings, gate32, up32).astype(up.dtype)
+
+
+def row_bias(bias: jax.Array, group_sizes: jax.Array, num_rows: int):
+  """Each row's bias: bias [E, N] over rows sorted by group -> [M, N] float32.
+
+  Rows at or past sum(group_sizes) get 0, so that they stay zero rows.
+  """
+  ends = jnp.cumsum(group_sizes)
+  group = jnp.searchsorted(ends, jnp.arange(num_rows), side="right")
+  return jnp.take(
+      bias.astype(jnp.float32), group, axis=0, mode="fill", fill_value=0
+  )
+
+
+def add_row_bias(
+    out: jax.Array, bias: jax.Array | None, group_sizes: jax.Array
+) -> jax.Array:
+  """out [M, N] + `row_bias(bias)` in float32, in out's dtype; out if None."""
+  if bias is None:
+    return out
+  summed = out.astype(jnp.float32) + row_bias(bias, group_sizes, out.shape[0])
+  return summed.astype(out.dtype)
 
 
 def _matmul(a, b):
@@ -39,12 +104,16 @@ def _matmul(a, b):
 def shared_expert(
     params: dict, x: jax.Array, cfg: config_lib.MoEConfig
 ) -> jax.Array:
-  """The always-on expert: [T, D] -> [T, D], optionally sigmoid-gated."""
-  h = gated(
-      _matmul(x, params["shared_w_gate"]),
-      _matmul(x, params["shared_w_up"]),
-      cfg.activation,
-  )
+  """The always-on expert: [T, D] -> [T, D], optionally sigmoid-gated.
+
+  Its activation is the routed experts' (clamp included; no biases): a
+  non-gated one has no shared_w_gate.
+  """
+  settings = activations_lib.Settings.from_config(cfg)
+  gate = None
+  if settings.activation.gated:
+    gate = _matmul(x, params["shared_w_gate"])
+  h = hidden(gate, _matmul(x, params["shared_w_up"]), settings)
   y = _matmul(h, params["shared_w_down"])
   if cfg.shared_expert_gate:
     gate_logit = jnp.dot(

@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from moe_core import activations
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmOperands:
@@ -44,21 +46,34 @@ class FfnOperands:
   Attributes:
     rows: [M, D], of a dtype in the backend's `dtypes`.
     group_sizes: [E] int32, sum <= M.
-    w_gate: [E, D, F] of rows' dtype.
+    w_gate: [E, D, F] of rows' dtype; None for a non-gated activation.
     w_up: [E, D, F] of rows' dtype.
     w_down: [E, F, D] of rows' dtype.
-    activation: a name of `moe_core.ffn.activation` ("silu", "gelu", ...).
+    activation: a name of the registry `moe_core.activations`.
     row_weights: [M] float32 or None: the routing weight of each row, which
       the down projection applies (`Backend._routing_weights_in_down`).
+    b_gate, b_up: [E, F] or None, the biases of gate and up (b_gate None
+      when not gated), in rows' dtype.
+    b_down: [E, D] or None, the down projection's bias.
+    settings: the activation's options (`activations.Settings`); None
+      means `activation` with none.
   """
 
   rows: jax.Array
   group_sizes: jax.Array
-  w_gate: jax.Array
+  w_gate: jax.Array | None
   w_up: jax.Array
   w_down: jax.Array
   activation: str
   row_weights: jax.Array | None = None
+  b_gate: jax.Array | None = None
+  b_up: jax.Array | None = None
+  b_down: jax.Array | None = None
+  settings: activations.Settings | None = None
+
+  @property
+  def activation_settings(self) -> activations.Settings:
+    return self.settings or activations.Settings(self.activation)
 
 
 @dataclasses.dataclass(frozen=True)

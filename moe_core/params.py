@@ -5,15 +5,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_core import activations as activations_lib
 from moe_core import config as config_lib
+
+# The routed experts' biases (cfg.expert_bias); they start at zero.
+BIAS_NAMES = ("b_gate", "b_up", "b_down")
 
 
 def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   """Name -> shape of every parameter `cfg` needs; each matrix is used x @ W.
 
   router [D, E]; correction_bias [E] (if enabled); w_gate, w_up [E, D, F];
-  w_down [E, F, D]; shared_w_gate, shared_w_up [D, Fs], shared_w_down [Fs, D]
-  (if shared_ffn_size); shared_gate [D, 1] (if shared_expert_gate).
+  w_down [E, F, D]; b_gate, b_up [E, F] and b_down [E, D] (if expert_bias);
+  shared_w_gate, shared_w_up [D, Fs], shared_w_down [Fs, D] (if
+  shared_ffn_size); shared_gate [D, 1] (if shared_expert_gate). A non-gated
+  activation has no w_gate, b_gate or shared_w_gate.
   """
   if not isinstance(cfg, config_lib.MoEConfig):
     raise TypeError(f"cfg must be a moe_core.MoEConfig, got {type(cfg)}.")
@@ -21,12 +27,19 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   shapes = {"router": (d, e)}
   if cfg.correction_bias:
     shapes["correction_bias"] = (e,)
-  shapes.update(w_gate=(e, d, f), w_up=(e, d, f), w_down=(e, f, d))
+  gated = activations_lib.get(cfg.activation).gated
+  if gated:
+    shapes["w_gate"] = (e, d, f)
+  shapes.update(w_up=(e, d, f), w_down=(e, f, d))
+  if cfg.expert_bias:
+    if gated:
+      shapes["b_gate"] = (e, f)
+    shapes.update(b_up=(e, f), b_down=(e, d))
   if cfg.shared_ffn_size:
     fs = cfg.shared_ffn_size
-    shapes.update(
-        shared_w_gate=(d, fs), shared_w_up=(d, fs), shared_w_down=(fs, d)
-    )
+    if gated:
+      shapes["shared_w_gate"] = (d, fs)
+    shapes.update(shared_w_up=(d, fs), shared_w_down=(fs, d))
     if cfg.shared_expert_gate:
       shapes["shared_gate"] = (d, 1)
   return shapes
@@ -39,7 +52,8 @@ def init_params(
 
   Matrices are drawn from a truncated normal with std 1/sqrt(fan_in), fan_in
   being the contracted dimension; the correction bias starts at zero and stays
-  float32 whatever `dtype` is (it is routing state, updated by a sign rule).
+  float32 whatever `dtype` is (it is routing state, updated by a sign rule);
+  expert biases start at zero, in `dtype`.
 
   Args:
     key: a PRNG key (jax.random.key or the legacy uint32 [2] PRNGKey).
@@ -59,6 +73,9 @@ def init_params(
   for name, shape in shapes.items():
     if name == "correction_bias":
       params[name] = jnp.zeros(shape, jnp.float32)
+      continue
+    if name in BIAS_NAMES:
+      params[name] = jnp.zeros(shape, dtype)
       continue
     fan_in = shape[-2]
     std = fan_in**-0.5

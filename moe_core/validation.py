@@ -73,7 +73,7 @@ def check_params(params, cfg: config_lib.MoEConfig) -> None:
     raise ValueError(
         f"params has keys {extra} that this config does not use "
         f"(expected {sorted(expected)}); check correction_bias / "
-        "shared_ffn_size / shared_expert_gate."
+        "shared_ffn_size / shared_expert_gate / activation / expert_bias."
     )
 
 
@@ -424,42 +424,57 @@ def check_is_array(x, name: str) -> None:
     raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
 
 
+def expert_weight_names(cfg: config_lib.MoEConfig) -> tuple[str, ...]:
+  """The routed experts' parameters of `cfg`: w_gate (if gated), w_up,
+  w_down, then b_gate (if gated), b_up, b_down where cfg.expert_bias."""
+  shapes = params_lib.param_shapes(cfg)
+  return tuple(
+      n
+      for n in ("w_gate", "w_up", "w_down") + params_lib.BIAS_NAMES
+      if n in shapes
+  )
+
+
 def check_expert_weights(params, cfg: config_lib.MoEConfig) -> int:
-  """w_gate, w_up [E_l, D, F] and w_down [E_l, F, D]; returns E_l.
+  """w_gate, w_up [E_l, D, F], w_down [E_l, F, D] (and the biases b_gate,
+  b_up [E_l, F], b_down [E_l, D]) as cfg has them; returns E_l.
 
   E_l is the experts `params` holds: cfg.num_experts on one device, this
   device's slice under expert parallelism. A missing key is named.
   """
   if not isinstance(params, dict):
     raise TypeError(f"params must be a dict of arrays, got {type(params)}.")
-  missing = [n for n in ("w_gate", "w_up", "w_down") if n not in params]
+  names = expert_weight_names(cfg)
+  missing = [n for n in names if n not in params]
   if missing:
     raise ValueError(
         f"params is missing {missing}, needed by the expert FFN; got keys "
         f"{sorted(params)}."
     )
-  for name in ("w_gate", "w_up", "w_down"):
+  for name in names:
     check_is_array(params[name], f"params[{name!r}]")
-  num_local = params["w_gate"].shape[0] if params["w_gate"].ndim else 0
+  first = names[0]
+  num_local = params[first].shape[0] if params[first].ndim else 0
   d, f = cfg.hidden_size, cfg.expert_ffn_size
   want = {
-      "w_gate": (num_local, d, f),
-      "w_up": (num_local, d, f),
-      "w_down": (num_local, f, d),
+      name: (num_local,) + shape[1:]
+      for name, shape in params_lib.param_shapes(cfg).items()
+      if name in names
   }
   for name, shape in want.items():
     got = tuple(params[name].shape)
     if got != shape:
       raise ValueError(
           f"params[{name!r}] must have shape {shape} ([E, D, F] for w_gate "
-          f"and w_up, [E, F, D] for w_down, with D={d}, F={f} and the "
-          f"{num_local} experts of w_gate), got {got}."
+          f"and w_up, [E, F, D] for w_down, [E, F] for b_gate and b_up, "
+          f"[E, D] for b_down, with D={d}, F={f} and the {num_local} "
+          f"experts of {first}), got {got}."
       )
     check_floating(params[name], f"params[{name!r}]")
   if num_local < 1:
     raise ValueError(
-        "params['w_gate'] must hold at least one expert, got shape "
-        f"{tuple(params['w_gate'].shape)}."
+        f"params[{first!r}] must hold at least one expert, got shape "
+        f"{tuple(params[first].shape)}."
     )
   return num_local
 
@@ -521,8 +536,8 @@ def check_routed_experts(
     if num_local != cfg.num_experts:
       raise ValueError(
           f"routed_experts needs the weights of all num_experts="
-          f"{cfg.num_experts} experts, got params['w_gate'] with "
-          f"{num_local}."
+          f"{cfg.num_experts} experts, got "
+          f"params[{expert_weight_names(cfg)[0]!r}] with {num_local}."
       )
 
 

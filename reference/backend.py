@@ -7,6 +7,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from moe_core import activations
 from moe_core import backend
 from moe_core import checks
 from moe_core import operands
@@ -70,30 +71,50 @@ def expert_ffn_dense(
     x: jax.Array,
     params: dict,
     expert: int,
-    activation: str,
+    activation: str | activations.Settings,
     recipe: str = precision.UNQUANTIZED,
     mine: jax.Array | None = None,
 ) -> jax.Array:
-  """One expert's gated FFN on every token, in float32: [T, D] -> [T, D].
+  """One expert's FFN on every token, in float32: [T, D] -> [T, D].
+
+  gate = x Wg + bg, up = x Wu + bu, h = f(gate, up) (f(up) and no gate
+  when the activation is not gated), out = h Wd + bd; the biases where
+  `params` holds b_gate, b_up, b_down. `activation` is a registry name
+  (`moe_core.activations`) or its `Settings` (clamp and options).
 
   With a quantised `recipe`, each GEMM's operands go through it first:
   activations as one tensor of the tokens `mine` ([T] bool: the expert's
   group; the others are zeroed, so they change no scale), each weight as
-  one tensor. gate, up and act(gate) * up are then rounded to x's dtype
-  before they are used, as the sorted path stores them. `recipe` is one of
+  one tensor. The products and h are then rounded to x's dtype before they
+  are used, as the sorted path stores them. `recipe` is one of
   `moe_core.precision.RECIPES` (or its deprecated alias "bf16").
   """
   recipe = precision.check_recipe(recipe, stacklevel=2)
+  settings = (
+      activation
+      if isinstance(activation, activations.Settings)
+      else activations.Settings(activation)
+  )
+  gated = settings.activation.gated
+
+  def bias(name):
+    if name not in params:
+      return None
+    return params[name][expert].astype(jnp.float32)
+
   if recipe == precision.UNQUANTIZED:
     x = x.astype(jnp.float32)
-    w = {
-        n: params[n][expert].astype(jnp.float32)
-        for n in ("w_gate", "w_up", "w_down")
-    }
-    gate = jnp.dot(x, w["w_gate"], precision=_HIGHEST)
-    up = jnp.dot(x, w["w_up"], precision=_HIGHEST)
-    h = ffn.activation(activation)(gate) * up
-    return jnp.dot(h, w["w_down"], precision=_HIGHEST)
+
+    def linear(lhs, name, bias_name):
+      out = jnp.dot(
+          lhs, params[name][expert].astype(jnp.float32), precision=_HIGHEST
+      )
+      b = bias(bias_name)
+      return out if b is None else out + b
+
+    gate = linear(x, "w_gate", "b_gate") if gated else None
+    h = activations.hidden(settings, gate, linear(x, "w_up", "b_up"))
+    return linear(h, "w_down", "b_down")
   dtype = x.dtype
   if mine is not None:
     x = jnp.where(mine[:, None], x, jnp.zeros((), dtype))
@@ -106,14 +127,27 @@ def expert_ffn_dense(
     )
     return out.astype(dtype)
 
-  h = ffn.gated(product(x, "w_gate"), product(x, "w_up"), activation)
-  return product(h, "w_down").astype(jnp.float32)
+  h = ffn.hidden(
+      product(x, "w_gate") if gated else None,
+      product(x, "w_up"),
+      settings,
+      gate_bias=bias("b_gate"),
+      up_bias=bias("b_up"),
+  )
+  out = product(h, "w_down").astype(jnp.float32)
+  b_down = bias("b_down")
+  return (
+      out
+      if b_down is None
+      else (out + b_down).astype(dtype).astype(jnp.float32)
+  )
 
 
 def dense_mixture(
     params: dict, x: jax.Array, aux: routing.MoEAux, cfg: config_lib.MoEConfig
 ) -> jax.Array:
-  """y[t] = sum_e w[t, e] * FFN_e(x[t]) with no dispatch at all.
+  """y[t] = sum_e w[t, e] * FFN_e(x[t]) with no dispatch at all
+  (sum_e FFN_e(w[t, e] * x[t]) with cfg.routing_weights_on_input).
 
   w[t, e] is the combine weight of the (kept) choices of token t that name
   expert e; every expert runs on every token and the weights pick (a
@@ -152,11 +186,20 @@ def _dense_mixture(params, x, aux, cfg) -> jax.Array:
       )
       > 0
   )
+  settings = activations.Settings.from_config(cfg)
   y = jnp.zeros(x.shape, jnp.float32)
   for e in range(cfg.num_experts):
-    contribution = token_expert_weight[:, e : e + 1] * expert_ffn_dense(
-        x, params, e, cfg.activation, cfg.precision, reaches[:, e]
-    )
+    weight = token_expert_weight[:, e : e + 1]
+    if cfg.routing_weights_on_input:
+      # Llama 4: FFN_e(w x), the scaled token rounded to x's dtype.
+      scaled = (weight * x.astype(jnp.float32)).astype(x.dtype)
+      contribution = expert_ffn_dense(
+          scaled, params, e, settings, cfg.precision, reaches[:, e]
+      )
+    else:
+      contribution = weight * expert_ffn_dense(
+          x, params, e, settings, cfg.precision, reaches[:, e]
+      )
     y += jnp.where(reaches[:, e : e + 1], contribution, 0.0)
   return checks.nan_rows(jnp.any(invalid, axis=-1), y).astype(x.dtype)
 

@@ -86,6 +86,37 @@ LAYER_CASES = (
     ),
     # ceil(0.5 * 16 * 2 / 8) = 2 slots per expert: copies are dropped.
     ("capacity_0.5", _cfg(capacity_factor=0.5), 16),
+    # The expert-FFN switches: GPT-OSS's clamped GLU with biases; Inkling
+    # 2's soft caps; a non-gated squared ReLU with biases, its shared
+    # expert and Llama 4's weights on the input.
+    (
+        "gpt_oss_glu_bias_limit",
+        _cfg(
+            activation="gpt_oss_glu",
+            swiglu_alpha=1.702,
+            # Above these products (the clamp's kink would break the
+            # difference quotient): the clamp's derivative is checked
+            # against the reference on every backend instead.
+            swiglu_limit=4.0,
+            expert_bias=True,
+        ),
+        12,
+    ),
+    (
+        "softcapped_silu",
+        _cfg(activation="softcapped_silu", gate_softcap=0.7, up_softcap=0.9),
+        16,
+    ),
+    (
+        "relu2_bias_weights_on_input",
+        _cfg(
+            activation="relu2",
+            expert_bias=True,
+            shared_ffn_size=20,
+            routing_weights_on_input=True,
+        ),
+        16,
+    ),
 )
 
 
