@@ -23,6 +23,9 @@ CFG = moe_core.MoEConfig(
 BIAS_CFG = CFG.replace(score_func="sigmoid", correction_bias=True)
 # ceil(1.0 * T * K / E) = 3 slots per expert: some assignments are dropped.
 CAPACITY_CFG = CFG.replace(capacity_factor=1.0)
+# The expert FFN's switches: biases on its linears; no gate GEMM.
+EXPERT_BIAS_CFG = CFG.replace(expert_bias=True)
+RELU_CFG = CFG.replace(activation="relu")
 
 # The grouped GEMM's inputs: rows [M, C] x weights [G, C, N], G groups.
 GEMM_M, GEMM_C, GEMM_N = 28, 16, 8
@@ -122,7 +125,7 @@ def _good_expert_ffn(cfg):
   return dict(
       rows=_normal(rng, (T * K, cfg.hidden_size)),
       group_sizes=jnp.asarray(_FFN_GROUP_SIZES, jnp.int32),
-      params={n: params[n] for n in ("w_gate", "w_up", "w_down")},
+      params={n: params[n] for n in params if n.startswith(("w_", "b_"))},
       cfg=cfg,
   )
 

@@ -6,7 +6,7 @@ outcome), ...)}. A row's name is the entry point's prefix, the label of
 what it changes and its tag ("route" "x" "rank3": route_x_rank3). The valid
 calls and the changes are in bad_input_calls, the outcomes in
 bad_input_outcomes, the runner in bad_input_suite. Over 400 lines because
-it is data: 103 rows, a line each.
+it is data: 116 rows, a line each.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ from conformance.bad_input_calls import (
     CAPACITY_CFG,
     D,
     E,
+    EXPERT_BIAS_CFG,
+    F,
     GEMM_GROUP_SIZES,
     GEMM_M,
     K,
+    RELU_CFG,
     T,
     WHOLE_CALL,
     Target,
@@ -287,6 +290,13 @@ _EXPERT_FFN = {
     ),
     "cfg": (("not_a_config", to("cfg"), TE(r"cfg.*str")),),
 }
+# The same with the expert biases (EXPERT_BIAS_CFG).
+_EXPERT_FFN_BIAS = {
+    param("b_down"): (
+        ("missing", to(None), VE(r"missing \['b_down'\]")),
+        ("wrong_width", zeros(E, 4), VE(r"b_down.*\(8, 16\).*\(8, 4\)")),
+    ),
+}
 _EXPERT_FFN_VJP = {
     "group_sizes": _bad_group_sizes(
         (-4, 6, 2, 4, 0, 5, 2, 3), (4, 3, 1, 4, 0, 5, 2, 3), T * K
@@ -323,6 +333,13 @@ _LAYER = {
         ("parameter", zeros(D, 1), VE(r"shared_gate")),
     ),
     "cfg": (("not_a_config", to(None), TE(r"cfg.*None")),),
+}
+
+# moe_layer with a non-gated activation (RELU_CFG): no w_gate.
+_LAYER_RELU = {
+    param("w_gate", "extra"): (
+        ("parameter", zeros(E, D, F), VE(r"keys \['w_gate'\].*not use")),
+    ),
 }
 
 # update_correction_bias(correction_bias [E], tokens_per_expert [E], rate).
@@ -386,6 +403,14 @@ _CONFIG_FIELDS = (
     ("capacity_factor", "inf", INF, VE(r"capacity_factor.*inf")),
     ("capacity_factor", "bool", True, VE(r"capacity_factor.*True")),
     ("score_func", "unknown", "relu", VE(r"score_func.*relu")),
+    ("activation", "unknown", "swish", VE(r"activation.*'swish'")),
+    ("swiglu_limit", "zero", 0.0, VE(r"swiglu_limit.*None or.*0\.0")),
+    ("swiglu_limit", "nan", NAN, VE(r"swiglu_limit.*nan")),
+    ("swiglu_alpha", "unread", 1.702, VE(r"swiglu_alpha.*gpt_oss_glu.*silu")),
+    ("gate_softcap", "unread", 30.0, VE(r"gate_softcap.*softcapped_silu")),
+    ("up_softcap", "negative", -1.0, VE(r"up_softcap.*-1\.0")),
+    ("expert_bias", "int", 1, TE(r"expert_bias must be a bool, got 1")),
+    ("routing_weights_on_input", "str", "y", TE(r"routing_weights_on_input")),
 )
 
 
@@ -398,9 +423,14 @@ def _by_field(rows) -> dict:
   return groups
 
 
+_GPT_OSS, _LIMIT = "gpt_oss_glu", dict(swiglu_limit=7.0)
+_NO_ALPHA = VE(r"activation='gpt_oss_glu' needs swiglu_alpha.*got None")
+_RELU_LIMIT = VE(r"swiglu_limit.*non-gated activation='relu'")
 _CONFIG = {
     WHOLE_CALL: (
         ("unknown_field", replace_args(num_expert=E), TE(r"\bnum_expert\b")),
+        ("gpt_oss_glu_no_alpha", replace_args(activation=_GPT_OSS), _NO_ALPHA),
+        ("relu_limit", replace_args(activation="relu", **_LIMIT), _RELU_LIMIT),
     ),
 }
 
@@ -419,9 +449,11 @@ TABLE = (
     *_rows("grouped_gemm", _GEMM),
     *_rows("grouped_gemm_vjp", _GEMM_VJP),
     *_rows("expert_ffn", _EXPERT_FFN),
+    *_rows("expert_ffn", _EXPERT_FFN_BIAS, cfg=EXPERT_BIAS_CFG),
     *_rows("expert_ffn_vjp", _EXPERT_FFN_VJP),
     *_rows("routed_experts", _ROUTED_EXPERTS),
     *_rows("moe_layer", _LAYER),
+    *_rows("moe_layer", _LAYER_RELU, cfg=RELU_CFG),
     *_rows("update_correction_bias", _UPDATE_BIAS),
     *_rows(
         "update_correction_bias",

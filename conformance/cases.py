@@ -359,6 +359,41 @@ ROUTING_VARIANTS = tuple(
     for seed, (name, cfg) in enumerate(_ROUTING_CONFIGS.items(), start=20)
 )
 
+# The expert-FFN switches (`MoEConfig` activation and its options,
+# expert_bias, routing_weights_on_input), each in one case: the clamp is
+# small enough to bite on N(0, 1) products; the biases are drawn like the
+# weights (nonzero). 16 tokens each, differentiated. Seeds 50, 51, ... in
+# order (a new variant goes last).
+_FFN_CONFIGS = {
+    "ffn_swiglu_limit_shared": _cfg(swiglu_limit=0.5, shared_ffn_size=24),
+    "ffn_gpt_oss_glu_bias": _cfg(
+        activation="gpt_oss_glu",
+        swiglu_alpha=1.702,
+        swiglu_limit=0.8,
+        expert_bias=True,
+    ),
+    "ffn_softcapped_silu": _cfg(
+        activation="softcapped_silu", gate_softcap=0.7, up_softcap=0.9
+    ),
+    "ffn_relu2_shared": _cfg(activation="relu2", shared_ffn_size=24),
+    "ffn_relu_bias_bf16": _cfg(activation="relu", expert_bias=True),
+    # Llama 4's router: one expert, its sigmoid weight on the input.
+    "ffn_weights_on_input": _cfg(
+        top_k=1, score_func="sigmoid", routing_weights_on_input=True
+    ),
+}
+FFN_VARIANTS = tuple(
+    LayerCase(
+        name,
+        cfg,
+        (16,),
+        _BF16 if name.endswith("_bf16") else "float32",
+        grads=True,
+        seed=seed,
+    )
+    for seed, (name, cfg) in enumerate(_FFN_CONFIGS.items(), start=50)
+)
+
 # capacity = ceil(capacity_factor * T * K / E) = 4 and 2 slots per expert.
 CAPACITY_CASES = (
     LayerCase("capacity_1.0", _cfg(capacity_factor=1.0), (16,), seed=40),
@@ -395,7 +430,9 @@ GPU_LAYER_CASES = tuple(
 if ON_GPU:
   LAYER_CASES += GPU_LAYER_CASES
 LAYER_BY_NAME = {c.name: c for c in LAYER_CASES}
-LAYER_GRAD_CASES = tuple(c for c in LAYER_CASES + ROUTING_VARIANTS if c.grads)
+LAYER_GRAD_CASES = tuple(
+    c for c in LAYER_CASES + ROUTING_VARIANTS + FFN_VARIANTS if c.grads
+)
 
 
 def named(cases) -> list[tuple]:
@@ -469,18 +506,32 @@ FFN_GROUP_SIZES = (5, 0, 9, 7)
 FFN_ROWS = 29
 
 
+# The stage again with a clamped, biased GLU and a biased non-gated FFN:
+# the biases must leave the padding rows exactly zero.
+FFN_STAGE_CFGS = {
+    "": FFN_CFG,
+    "_gpt_oss_glu_bias": FFN_CFG.replace(
+        activation="gpt_oss_glu",
+        swiglu_alpha=1.702,
+        swiglu_limit=0.8,
+        expert_bias=True,
+    ),
+    "_relu2_bias": FFN_CFG.replace(activation="relu2", expert_bias=True),
+}
+
+
 @functools.lru_cache(maxsize=None)
-def ffn_inputs(dtype: str):
+def ffn_inputs(dtype: str, cfg: moe_core.MoEConfig = FFN_CFG):
   """(rows [29, D], group_sizes [4], params, cotangent [29, D]) as jax
-  arrays; the padding rows hold NaN."""
-  cfg = FFN_CFG
+  arrays; the padding rows hold NaN. params: the expert weights (and
+  biases) of `cfg`, one of FFN_STAGE_CFGS."""
   rng = np.random.default_rng(3001)
   rows = _normal(rng, (FFN_ROWS, cfg.hidden_size))
   rows[sum(FFN_GROUP_SIZES) :] = np.nan
   params = {
       n: jnp.asarray(_normal(rng, s, s[-2] ** -0.5), dtype)
       for n, s in moe_core.param_shapes(cfg).items()
-      if n.startswith("w_")
+      if n.startswith(("w_", "b_"))
   }
   cotangent = _normal(rng, (FFN_ROWS, cfg.hidden_size))
   return (

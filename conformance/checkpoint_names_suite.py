@@ -82,12 +82,12 @@ class CheckpointNamesSuite(base.BackendTestCase):
     backward needs the down projection's output too (a loss linear in it
     would not): with "save_moe", every named output is then a residual.
     """
+    cfg = cases.FFN_CFG.replace(activation=activation)
     rows, group_sizes, params, cotangent = cases.ffn_inputs(
-        self.compute_dtype()
+        self.compute_dtype(), cfg
     )
     # Tracing only; finite rows keep the jaxpr free of NaN constants.
     rows = jnp.nan_to_num(rows)
-    cfg = cases.FFN_CFG.replace(activation=activation)
 
     def block(rows, params):
       out = self.backend.expert_ffn(rows, group_sizes, params, cfg)
@@ -114,8 +114,9 @@ class CheckpointNamesSuite(base.BackendTestCase):
     return sorted(names)
 
   # "silu" runs in the pallas epilogue when fuse_activation is set; the exact
-  # "gelu" never does, so it covers the unfused path of such a backend.
-  @parameterized.parameters("silu", "gelu")
+  # "gelu" never does, so it covers the unfused path of such a backend;
+  # "relu2" has no gate GEMM, so no moe_gate name.
+  @parameterized.parameters("silu", "gelu", "relu2")
   def test_save_moe_saves_exactly_the_named_outputs(self, activation):
     saved = self._checkpointed_ffn_residuals("save_moe", activation)
     self.assertEqual(

@@ -36,6 +36,20 @@ class LayerSuite(base.BackendTestCase):
   def test_aux_fields_match_contract_and_reference(self, case):
     self.assertAuxMatchesReference(case, self.run_layer(case))
 
+  @_named(cases.FFN_VARIANTS)
+  def test_ffn_variant_matches_reference(self, case):
+    got = self.run_layer(case)
+    self.assertYMatchesReference(case, got)
+    self.assertAuxMatchesReference(case, got)
+
+  @_named(cases.FFN_VARIANTS)
+  def test_ffn_variant_matches_per_token_math(self, case):
+    # Every backend, the oracle included, against the numpy formulas of
+    # conformance/oracles.py (activation, clamp, biases, weights on input).
+    got = self.run_layer(case)
+    self.assertEqual(int(got.aux["dropped_tokens"]), 0)
+    self.assertMatchesPerTokenMath(case, got)
+
   @_named(cases.LAYER_GRAD_CASES)
   def test_gradients_match_reference(self, case):
     params, x, _ = cases.layer_inputs(case)

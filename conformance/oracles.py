@@ -196,6 +196,7 @@ def gshard_keep(expert_ids, num_experts: int, capacity: int) -> np.ndarray:
 
 
 def activation(name: str, z):
+  """A plain GLU's elementwise function of the gate, in float64."""
   if name == "silu":
     return z * _sigmoid(z)
   if name == "gelu":  # Exact, erf-based.
@@ -209,19 +210,63 @@ def activation(name: str, z):
   raise ValueError(f"unknown activation {name!r}")
 
 
-def expert_ffn(x, params, expert: int, act: str):
-  """Expert `expert`'s gated FFN on rows x [N, D] -> [N, D]."""
+NON_GATED = ("relu", "relu2")
+
+
+def hidden(gate, up, cfg):
+  """h of an expert FFN from float64 products (gate None when not gated),
+  with cfg's activation, clamp and options, written from the model cards'
+  formulas."""
+  name = cfg.activation
+  if name == "relu":
+    return np.maximum(up, 0.0)
+  if name == "relu2":
+    return np.maximum(up, 0.0) ** 2
+  limit = getattr(cfg, "swiglu_limit", None)
+  if limit is not None:
+    gate = np.minimum(gate, limit)
+    up = np.clip(up, -limit, limit)
+  if name == "gpt_oss_glu":
+    return (up + 1.0) * gate * _sigmoid(cfg.swiglu_alpha * gate)
+  if name == "softcapped_silu":
+    cg, cu = cfg.gate_softcap, cfg.up_softcap
+    return cg * np.tanh(gate / cg) * _sigmoid(gate) * cu * np.tanh(up / cu)
+  return activation(name, gate) * up
+
+
+def expert_ffn(x, params, expert: int, cfg):
+  """Expert `expert`'s FFN on rows x [N, D] -> [N, D], biases included.
+
+  `cfg` is a MoEConfig, or an activation name (a plain GLU, no biases).
+  """
+  if isinstance(cfg, str):
+    cfg = _PlainGlu(cfg)
   x = f64(x)
-  gate = x @ f64(params["w_gate"][expert])
-  up = x @ f64(params["w_up"][expert])
-  return (activation(act, gate) * up) @ f64(params["w_down"][expert])
+
+  def linear(lhs, weight, bias):
+    out = lhs @ f64(params[weight][expert])
+    if bias in params:
+      out = out + f64(params[bias][expert])
+    return out
+
+  gate = None if cfg.activation in NON_GATED else linear(x, "w_gate", "b_gate")
+  h = hidden(gate, linear(x, "w_up", "b_up"), cfg)
+  return linear(h, "w_down", "b_down")
+
+
+class _PlainGlu:
+  """An activation name as the config `hidden` reads."""
+
+  def __init__(self, name):
+    self.activation = name
 
 
 def shared_expert(x, params, cfg):
   x = f64(x)
-  h = activation(cfg.activation, x @ f64(params["shared_w_gate"])) * (
-      x @ f64(params["shared_w_up"])
-  )
+  gate = None
+  if cfg.activation not in NON_GATED:
+    gate = x @ f64(params["shared_w_gate"])
+  h = hidden(gate, x @ f64(params["shared_w_up"]), cfg)
   y = h @ f64(params["shared_w_down"])
   if cfg.shared_expert_gate:
     y = _sigmoid(x @ f64(params["shared_gate"])) * y
@@ -230,6 +275,8 @@ def shared_expert(x, params, cfg):
 
 def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
   """y[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t]) (+ shared expert(x[t])).
+
+  With cfg.routing_weights_on_input, sum_k FFN_{ids[t, k]}(w[t, k] * x[t]).
 
   Each token and each of its choices is computed on its own: no sorting,
   no grouping, no padding. x: [T, D]; returns [T, D] float64.
@@ -240,11 +287,12 @@ def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
   y = np.zeros_like(x)
   for t in range(x.shape[0]):
     for k in range(ids.shape[1]):
-      if w[t, k] != 0.0:  # A dropped copy has weight 0 and adds nothing.
-        y[t] += (
-            w[t, k]
-            * expert_ffn(x[t : t + 1], params, ids[t, k], cfg.activation)[0]
-        )
+      if w[t, k] == 0.0:  # A dropped copy has weight 0 and adds nothing.
+        continue
+      if getattr(cfg, "routing_weights_on_input", False):
+        y[t] += expert_ffn(w[t, k] * x[t : t + 1], params, ids[t, k], cfg)[0]
+      else:
+        y[t] += w[t, k] * expert_ffn(x[t : t + 1], params, ids[t, k], cfg)[0]
   if cfg.shared_ffn_size:
     y += shared_expert(x, params, cfg)
   return y

@@ -121,16 +121,21 @@ class StagesSuite(base.BackendTestCase):
             np.asarray(d_out)[used:], msg=f"{name} d expert_out of dropped rows"
         )
 
-  @parameterized.named_parameters(("f32", "float32"), ("bf16", "bfloat16"))
-  def test_expert_ffn_matches_per_row_math(self, dtype):
+  @parameterized.named_parameters(
+      (prefix + variant, dtype, variant)
+      for prefix, dtype in (("f32", "float32"), ("bf16", "bfloat16"))
+      for variant in cases.FFN_STAGE_CFGS
+      if not variant or dtype == "float32"
+  )
+  def test_expert_ffn_matches_per_row_math(self, dtype, variant):
     """Each row through its expert's FFN; NaN padding rows give exact 0."""
     self.skip_unless_computes(dtype)
-    cfg = cases.FFN_CFG
-    rows, _, params, _ = cases.ffn_inputs(dtype)
+    cfg = cases.FFN_STAGE_CFGS[variant]
+    rows, _, params, _ = cases.ffn_inputs(dtype, cfg)
     used = sum(cases.FFN_GROUP_SIZES)
     out, d_rows, d_params = base.cached(
-        self._key("expert_ffn", dtype),
-        lambda: _ffn_and_grads(self.backend, dtype),
+        self._key("expert_ffn", dtype, variant),
+        lambda: _ffn_and_grads(self.backend, dtype, cfg),
     )
     # The oracle would be compared with itself (the same cache key): for it
     # only the numpy forward and the exact zeros are checked here, and its
@@ -138,16 +143,14 @@ class StagesSuite(base.BackendTestCase):
     oracle = self.is_oracle()
     if not oracle:
       ref_out, ref_d_rows, ref_d_params = base.cached(
-          ("reference", "{}", "expert_ffn", dtype),
-          lambda: _ffn_and_grads(moe_core.get_backend("reference"), dtype),
+          ("reference", "{}", "expert_ffn", dtype, variant),
+          lambda: _ffn_and_grads(moe_core.get_backend("reference"), dtype, cfg),
       )
 
     owner = oracles.group_of_rows(cases.FFN_GROUP_SIZES, cases.FFN_ROWS)
     want = np.zeros((cases.FFN_ROWS, cfg.hidden_size))
     for r in range(used):
-      want[r] = oracles.expert_ffn(
-          rows[r : r + 1], params, owner[r], cfg.activation
-      )[0]
+      want[r] = oracles.expert_ffn(rows[r : r + 1], params, owner[r], cfg)[0]
     with self.subTest("forward"):
       self.assertEqual(out.dtype, rows.dtype)
       self.assertClose(out, want, dtype, msg="expert_ffn vs numpy")
@@ -176,14 +179,14 @@ class StagesSuite(base.BackendTestCase):
         )
 
 
-def _ffn_and_grads(backend, dtype):
-  """Backend.expert_ffn on cases.ffn_inputs(dtype), jitted, and its vjp:
-  numpy (out, d_rows, d_params)."""
-  rows, group_sizes, params, cotangent = cases.ffn_inputs(dtype)
+def _ffn_and_grads(backend, dtype, cfg=cases.FFN_CFG):
+  """Backend.expert_ffn on cases.ffn_inputs(dtype, cfg), jitted, and its
+  vjp: numpy (out, d_rows, d_params)."""
+  rows, group_sizes, params, cotangent = cases.ffn_inputs(dtype, cfg)
 
   def fn(rows, params):
     out, vjp = jax.vjp(
-        lambda r, p: backend.expert_ffn(r, group_sizes, p, cases.FFN_CFG),
+        lambda r, p: backend.expert_ffn(r, group_sizes, p, cfg),
         rows,
         params,
     )
