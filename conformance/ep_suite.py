@@ -59,7 +59,7 @@ def _pick(what: str, predicate) -> cases.LayerCase:
   Every EP case must differentiate, split over 8 token shards and (for
   ep = 8) over 8 expert shards.
   """
-  for case in cases.LAYER_CASES + cases.ROUTING_VARIANTS:
+  for case in cases.LAYER_CASES + cases.ROUTING_VARIANTS + cases.FFN_VARIANTS:
     if (
         case.grads
         and case.num_tokens % NUM_DEVICES == 0
@@ -105,6 +105,16 @@ _DEEPSEEK = _pick(
     ),
 )
 
+# The expert-FFN switches that touch the exchange: biases split over the
+# expert axis with the weights, and copies that travel scaled.
+_EXPERT_BIAS = _pick(
+    "float32 case with expert biases",
+    lambda c: c.cfg.expert_bias and c.dtype == "float32",
+)
+_WEIGHTS_ON_INPUT = _pick(
+    "routing weights on the input", lambda c: c.cfg.routing_weights_on_input
+)
+
 
 def _product(case_list, mesh_names, exchange="padded"):
   return [
@@ -128,6 +138,7 @@ EP_CASES = (
     # emulation, which runs anywhere.
     + _product((_BASE,), ("ep8",), "ragged_emulated")
     + _product((_HOT,), ("data2_ep4",), "ragged_emulated")
+    + _product((_EXPERT_BIAS, _WEIGHTS_ON_INPUT), ("data2_ep4",))
 )
 
 

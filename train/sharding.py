@@ -24,6 +24,7 @@ P = jax.sharding.PartitionSpec
 NamedSharding = jax.sharding.NamedSharding
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+EXPERT_BIASES = ("b_gate", "b_up", "b_down")
 COLUMN_PARALLEL = (
     "wq",
     "wk",
@@ -64,6 +65,7 @@ def spec_for(path, shape, sizes: dict[str, int]) -> P:
 
       routed experts  w_gate, w_up, w_down [E, ., .]  expert on E, fsdp on
                       dim 1
+      expert biases   b_gate, b_up, b_down [E, .]     expert on E
       column-parallel wq, wk, wv, wq_b, wkv_b, dense w_gate / w_up, the
                       shared expert's gate / up, head   [in, out]: shards,
                       tensor
@@ -89,6 +91,8 @@ def _spec(path, shape, sizes: dict[str, int]) -> P:
   name = _name(path)
   if len(shape) == 3 and name in EXPERT_WEIGHTS:
     axes = ["expert", "fsdp", None]
+  elif len(shape) == 2 and name in EXPERT_BIASES:
+    axes = ["expert", None]
   elif len(shape) == 2 and name in COLUMN_PARALLEL:
     axes = [SHARDS, "tensor"]
   elif len(shape) == 2 and name in ROW_PARALLEL:

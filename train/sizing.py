@@ -43,9 +43,11 @@ def attention_param_count(cfg: model_config.ModelConfig) -> int:
 
 
 def routed_expert_param_count(moe: moe_core.MoEConfig) -> int:
-  """Parameters of one MoE block's routed experts (w_gate, w_up, w_down)."""
+  """Parameters of one MoE block's routed experts: w_gate (if gated), w_up,
+  w_down and their biases (if any)."""
   shapes = moe_core.param_shapes(moe)
-  return sum(math.prod(shapes[n]) for n in ("w_gate", "w_up", "w_down"))
+  per_expert = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+  return sum(math.prod(shapes[n]) for n in per_expert if n in shapes)
 
 
 def moe_param_counts(moe: moe_core.MoEConfig) -> tuple[int, int]:

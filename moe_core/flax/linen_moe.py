@@ -14,6 +14,7 @@ from flax import errors
 from flax import linen
 
 import moe_core
+from moe_core import params as params_lib
 from moe_core.flax.nnx_moe import BIAS_NAME
 
 LINEN_STATE_COLLECTION = "moe_state"
@@ -102,6 +103,10 @@ class LinenMoE(linen.Module):
             LINEN_STATE_COLLECTION, BIAS_NAME, jnp.zeros, shape, jnp.float32
         )
         params[name] = bias.value
+      elif name in params_lib.BIAS_NAMES:  # Expert biases start at 0.
+        params[name] = self.param(
+            name, linen.initializers.zeros, shape, self.param_dtype
+        )
       else:
         params[name] = self.param(name, _weight_init, shape, self.param_dtype)
     step = (

@@ -89,6 +89,8 @@ def routed_experts(
   # overlap (one chunk's exchange with another's expert compute).
   for i in range(chunks):
     part = slice(i * size, (i + 1) * size)
+    weights = aux.combine_weights[part]
+    on_input = cfg.routing_weights_on_input
     d = stages.dispatch(
         x[part],
         aux.expert_ids[part],
@@ -97,11 +99,14 @@ def routed_experts(
         exchange=exchange,
         buffer_factor=options.buffer_factor,
         overflow=overflow,
+        # Llama 4: the copies travel scaled and are summed unweighted.
+        input_weights=weights if on_input else None,
     )
     out = registry.call_backend(
         backend, lambda b, d=d: b.expert_ffn(d.rows, d.group_sizes, params, cfg)
     )
-    weights = aux.combine_weights[part]
+    if on_input:
+      weights = jnp.ones_like(weights)
     ys.append(stages.combine(out, d, weights, expert_axis=expert_axis))
     kept.append(stages.kept_copies(d, cfg.top_k))
   y = jnp.concatenate(ys) if chunks > 1 else ys[0]
@@ -137,13 +142,17 @@ def _overflow_bound(exchange, tokens_per_chunk, cfg, ep, options) -> str:
   return overflow_lib.overflow_bound(mover, capacity, options.buffer_factor)
 
 
+# The routed experts' parameters, split over the expert axis.
+_PER_EXPERT = ("w_gate", "w_up", "w_down") + params_lib.BIAS_NAMES
+
+
 def param_specs(
     cfg: config_lib.MoEConfig,
     expert_axis: str = "expert",
 ) -> dict[str, P]:
   """PartitionSpec of each parameter: experts split, the rest replicated."""
   return {
-      name: P(expert_axis) if name in ("w_gate", "w_up", "w_down") else P()
+      name: P(expert_axis) if name in _PER_EXPERT else P()
       for name in params_lib.param_shapes(cfg)
   }
 
@@ -180,10 +189,10 @@ def moe_layer(
   """`api.moe_layer` with expert parallelism over `mesh`.
 
   Tokens (x flattened to [T, D]) are split over data_axes x expert_axis;
-  w_gate, w_up, w_down over expert_axis; the router and shared expert are
-  replicated. Works under jit and grad, single- or multi-process (x and
-  params are then global arrays). Mesh axes not named here replicate the
-  computation.
+  w_gate, w_up, w_down (and the expert biases) over expert_axis; the
+  router and shared expert are replicated. Works under jit and grad,
+  single- or multi-process (x and params are then global arrays). Mesh
+  axes not named here replicate the computation.
 
   Returns:
     y [..., D] in x's dtype; `MoEAux` whose per-token fields are [T, ...]

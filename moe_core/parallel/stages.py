@@ -147,6 +147,7 @@ def dispatch(
     exchange: str = "padded",
     buffer_factor: float | None = None,
     overflow: str = "error",
+    input_weights: jax.Array | None = None,
 ) -> EPDispatched:
   """Sends each token copy to the device of its expert; call in shard_map.
 
@@ -161,6 +162,9 @@ def dispatch(
       "ragged_emulated" (not "auto": see `resolve_exchange`).
     buffer_factor: see `EPOptions`.
     overflow: see `EPOptions`.
+    input_weights: None, or [T_l, K] float32 routing weights that scale
+      each copy before it is sent (cfg.routing_weights_on_input; the
+      combine then takes unit weights).
 
   Returns:
     `EPDispatched`: rows [R, D] for `backend.expert_ffn` with group_sizes
@@ -181,6 +185,10 @@ def dispatch(
 
   # Send order: copies sorted by global expert, hence by destination device.
   local = permute.dispatch(x, expert_ids, cfg.num_experts)
+  if input_weights is not None:
+    flat = input_weights.astype(jnp.float32).reshape(-1)[local.assignment]
+    scaled = local.rows.astype(jnp.float32) * flat[:, None]
+    local = dataclasses.replace(local, rows=scaled.astype(local.rows.dtype))
   # counts[i, j, e]: copies device i sends to local expert e of device j.
   counts = jax.lax.all_gather(local.group_sizes, expert_axis).reshape(
       ep, ep, num_local_experts
