@@ -411,6 +411,7 @@ _CONFIG_FIELDS = (
     ("up_softcap", "negative", -1.0, VE(r"up_softcap.*-1\.0")),
     ("expert_bias", "int", 1, TE(r"expert_bias must be a bool, got 1")),
     ("routing_weights_on_input", "str", "y", TE(r"routing_weights_on_input")),
+    ("sparsemixer_epsilon", "negative", -0.1, VE(r"sparsemixer_eps.*-0\.1")),
 )
 
 
@@ -431,6 +432,11 @@ _CONFIG = {
         ("unknown_field", replace_args(num_expert=E), TE(r"\bnum_expert\b")),
         ("gpt_oss_glu_no_alpha", replace_args(activation=_GPT_OSS), _NO_ALPHA),
         ("relu_limit", replace_args(activation="relu", **_LIMIT), _RELU_LIMIT),
+        (
+            "sparsemixer_norm",
+            replace_args(score_func="sparsemixer", norm_topk_prob=True),
+            VE(r"'sparsemixer'.*norm_topk_prob"),
+        ),
     ),
 }
 

@@ -331,7 +331,8 @@ LAYER_CASES = (
 # sigmoid scores; norm_topk_prob off, on with epsilon 0 and 1e-20; a nonzero
 # correction bias with softmax and with sigmoid; groups scored by "max" and
 # "sum_top2"; routed_scaling_factor != 1; shared expert gated and ungated;
-# activations silu (the LAYER_CASES), gelu and gelu_tanh.
+# activations silu (the LAYER_CASES), gelu and gelu_tanh; the score
+# functions sqrtsoftplus and sparsemixer.
 _ROUTING_CONFIGS = {
     "softmax_norm_eps0_scaled": _cfg(
         norm_topk_prob=True, routed_scaling_factor=2.5
@@ -350,6 +351,19 @@ _ROUTING_CONFIGS = {
     "shared_gated_gelu": _SHARED_GATED_CFG.replace(activation="gelu"),
     "shared_ungated_gelu_tanh": _cfg(
         activation="gelu_tanh", shared_ffn_size=24
+    ),
+    # DeepSeek-V4's router: sqrt(softplus) scores, a correction bias.
+    "sqrtsoftplus_bias_norm_eps1e-20_scaled": _cfg(
+        score_func="sqrtsoftplus",
+        correction_bias=True,
+        norm_topk_prob=True,
+        norm_epsilon=1e-20,
+        routed_scaling_factor=1.5,
+    ),
+    # Phi-MoE's; a threshold wide enough that a step's softmax spans some
+    # experts but not all (Phi's own 0.01 mostly leaves one).
+    "sparsemixer_eps0.3": _cfg(
+        score_func="sparsemixer", sparsemixer_epsilon=0.3
     ),
 }
 # 16 tokens through each, differentiated too. Seeds 20, 21, ... in order (a

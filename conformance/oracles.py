@@ -80,12 +80,55 @@ def _sigmoid(z):
   return np.exp(_log_sigmoid(z))
 
 
+def _log_sqrt_softplus(z):
+  # log(sqrt(log(1 + e^z))); log1p(e^z) is e^z (to float64) for z < -40,
+  # whose log is z, and e^z underflows below -745.
+  return 0.5 * np.where(
+      z < -40.0, z, np.log(np.logaddexp(0.0, np.maximum(z, -40.0)))
+  )
+
+
+def _log_scores(logits, score_func: str) -> np.ndarray:
+  """[T, E] float64 logs of the elementwise scores (sigmoid, sqrtsoftplus)."""
+  if score_func == "sigmoid":
+    return _log_sigmoid(logits)
+  if score_func == "sqrtsoftplus":
+    return _log_sqrt_softplus(logits)
+  raise ValueError(f"no elementwise score function {score_func!r}")
+
+
 def score(logits, score_func: str) -> np.ndarray:
-  """[T, E] float64 scores of the logits: softmax or sigmoid."""
+  """[T, E] float64 scores of the logits: softmax (also what sparsemixer
+  chooses by), sigmoid, or sqrtsoftplus = sqrt(log(1 + e^l))."""
   logits = f64(logits)
-  if score_func == "softmax":
+  if score_func in ("softmax", "sparsemixer"):
     return _softmax(logits)
-  return _sigmoid(logits)
+  return np.exp(_log_scores(logits, score_func))
+
+
+def sparsemixer_weights(logits, ids, epsilon: float) -> np.ndarray:
+  """[T, K] Phi-MoE's inference-time weights, one token and step at a time.
+
+  Step k: m = the k-th chosen logit; the experts not chosen before and with
+  (m - l_j) / max(|l_j|, m) <= 2 epsilon share a softmax, and the k-th
+  chosen expert's share is its weight.
+  """
+  logits = f64(logits)
+  t, k = ids.shape
+  weights = np.zeros((t, k))
+  for i in range(t):
+    row = logits[i]
+    taken = []
+    for step in range(k):
+      chosen = ids[i, step]
+      m = row[chosen]
+      with np.errstate(invalid="ignore", divide="ignore"):
+        far = (m - row) / np.maximum(np.abs(row), m) > 2.0 * epsilon
+      near = [j for j in range(row.size) if not far[j] and j not in taken]
+      z = np.exp(row[near] - row[near].max())
+      weights[i, step] = z[near.index(chosen)] / z.sum()
+      taken.append(chosen)
+  return weights
 
 
 def renormalised(logits, ids, cfg) -> np.ndarray:
@@ -101,7 +144,7 @@ def renormalised(logits, ids, cfg) -> np.ndarray:
     lse = m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True))
     log_w = np.take_along_axis(logits, ids, axis=1) - lse
   else:
-    log_w = _log_sigmoid(np.take_along_axis(logits, ids, axis=1))
+    log_w = _log_scores(np.take_along_axis(logits, ids, axis=1), cfg.score_func)
   log_total = np.logaddexp.reduce(log_w, axis=1, keepdims=True)
   if cfg.norm_epsilon:
     log_total = np.logaddexp(log_total, np.log(cfg.norm_epsilon))
@@ -119,11 +162,11 @@ def route(logits, cfg, correction_bias=None) -> dict:
   logits = f64(logits)
   t, e = logits.shape
   scores = score(logits, cfg.score_func)
-  if cfg.score_func == "softmax":
+  if cfg.score_func in ("softmax", "sparsemixer"):
     probs = scores
   else:
     # scores / sum(scores) from their logs, finite where they underflow.
-    log_scores = _log_sigmoid(logits)
+    log_scores = _log_scores(logits, cfg.score_func)
     probs = np.exp(
         log_scores - np.logaddexp.reduce(log_scores, axis=-1, keepdims=True)
     )
@@ -144,7 +187,9 @@ def route(logits, cfg, correction_bias=None) -> dict:
     candidates = [j for j in range(e) if eligible[j]]
     candidates.sort(key=lambda j: (-choice[j], j))
     ids[i] = candidates[: cfg.top_k]
-  if cfg.norm_topk_prob:
+  if cfg.score_func == "sparsemixer":
+    weights = sparsemixer_weights(logits, ids, cfg.sparsemixer_epsilon)
+  elif cfg.norm_topk_prob:
     weights = renormalised(logits, ids, cfg)
   else:
     weights = np.take_along_axis(scores, ids, axis=1)

@@ -49,6 +49,12 @@ EXTREME_CONFIGS = {
     "groups_sum_top2_sigmoid_bias_norm_eps1e-20_scaled": _extreme_cfg(
         num_experts=16, top_k=4, **cases.DEEPSEEK_V3_ROUTER
     ),
+    "sqrtsoftplus_bias_norm_eps1e-20": _extreme_cfg(
+        score_func="sqrtsoftplus",
+        correction_bias=True,
+        norm_topk_prob=True,
+        norm_epsilon=1e-20,
+    ),
     "groups_max_softmax_bias_norm_eps0": _extreme_cfg(
         num_experts=16,
         top_k=3,

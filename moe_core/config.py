@@ -7,10 +7,12 @@ import math
 
 from moe_core import activations as activations_lib
 from moe_core import precision as precision_lib
+from moe_core import score_functions
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+SCORE_FUNCS = tuple(score_functions.SCORE_FUNCTIONS)
 GROUP_SCORES = ("max", "sum_top2")
 # The built-in activations; `moe_core.activations` registers more.
+CORRECTION_BIAS_ON = ("scores", "logits")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
@@ -27,7 +29,12 @@ class MoEConfig:
     top_k: K, experts chosen per token.
     hidden_size: D, model width.
     expert_ffn_size: F, hidden width of one routed expert.
-    score_func: "softmax" over all E logits, or "sigmoid" per expert.
+    score_func: how logits become scores, a key of
+      `moe_core.score_functions.SCORE_FUNCTIONS`: "softmax" over all E
+      logits, "sigmoid" or "sqrtsoftplus" (sqrt(softplus(l)), DeepSeek-V4)
+      per expert, or "sparsemixer" (Phi-MoE's inference-time router: top-k
+      of the logits, each weighed by a softmax over the experts within
+      `sparsemixer_epsilon` of it; docs/api.md, "Score functions").
     norm_topk_prob: renormalise the K chosen weights to sum to 1.
     norm_epsilon: added to that denominator (DeepSeek-V3 uses 1e-20).
     routed_scaling_factor: multiplies the routed weights after the optional
@@ -38,6 +45,8 @@ class MoEConfig:
     topk_group: only experts of the `topk_group` best groups may be chosen.
     group_score: a group's score: "max" of its (biased) scores (DeepSeek-V2)
       or "sum_top2", the sum of its two best (DeepSeek-V3).
+    sparsemixer_epsilon: score_func="sparsemixer"'s jitter threshold
+      (Phi-MoE's router_jitter_noise): a finite float >= 0.
     shared_ffn_size: Fs, hidden width of the always-on shared expert
       (0 = none).
     shared_expert_gate: scale the shared expert's output per token by
@@ -85,6 +94,7 @@ class MoEConfig:
   n_group: int = 1
   topk_group: int = 1
   group_score: str = "max"
+  sparsemixer_epsilon: float = 0.01
   shared_ffn_size: int = 0
   shared_expert_gate: bool = False
   activation: str = "silu"
@@ -177,6 +187,7 @@ class MoEConfig:
           "capacity_factor must be None (dropless) or a finite number "
           f"> 0, got {self.capacity_factor!r}."
       )
+    _check_router_switches(self)
 
   @property
   def dropless(self) -> bool:
@@ -199,6 +210,31 @@ class MoEConfig:
 
   def replace(self, **changes) -> MoEConfig:
     return dataclasses.replace(self, **changes)
+
+
+def _check_router_switches(cfg: MoEConfig) -> None:
+  """The routing fields that came with issue 33's families."""
+  if not (
+      _is_finite_number(cfg.sparsemixer_epsilon)
+      and cfg.sparsemixer_epsilon >= 0
+  ):
+    raise ValueError(
+        "sparsemixer_epsilon must be a finite float >= 0, got "
+        f"{cfg.sparsemixer_epsilon!r}."
+    )
+  if cfg.score_func == "sparsemixer":
+    # Sparsemixer computes its own weights from the plain logits' order.
+    clashes = {
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "correction_bias": cfg.correction_bias,
+        "n_group": cfg.n_group if cfg.n_group > 1 else None,
+    }
+    for name, value in clashes.items():
+      if value:
+        raise ValueError(
+            "score_func='sparsemixer' weighs its top-k of the logits itself, "
+            f"so it takes no {name}, got {name}={value!r}."
+        )
 
 
 def _is_finite_number(value) -> bool:

@@ -50,7 +50,11 @@ class ValidationTest(parameterized.TestCase):
       _cfg(top_k=9)
 
   @parameterized.parameters(
-      ("score_func", "softplus", r"\('softmax', 'sigmoid'\)"),
+      (
+          "score_func",
+          "softplus",
+          r"\('softmax', 'sigmoid', 'sqrtsoftplus', 'sparsemixer'\)",
+      ),
       ("group_score", "mean", r"\('max', 'sum_top2'\)"),
       (
           "activation",

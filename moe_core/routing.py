@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from moe_core import checks
 from moe_core import config as config_lib
+from moe_core import score_functions
 from moe_core import validation
 
 
@@ -21,7 +22,8 @@ class MoEAux:
   Attributes:
     router_logits: [T, E] float32, x @ router.
     router_probs: [T, E] float32, the scores the load-balancing loss uses:
-      softmax of the logits, or sigmoid scores normalised per token.
+      softmax of the logits, or elementwise (sigmoid, sqrtsoftplus) scores
+      normalised per token.
     expert_ids: [T, K] int32, the experts chosen for each token (best first).
     combine_weights: [T, K] float32, the weight of each chosen expert's
       output (normalised and scaled as the config says); 0 where dropped,
@@ -131,10 +133,11 @@ class RouterScores:
 
   Attributes:
     logits: [T, E], x @ router.
-    scores: [T, E], softmax of the logits or their sigmoid: what experts are
-      chosen by (plus the bias) and weighted with.
-    probs: [T, E], `MoEAux.router_probs`: the softmax, or the sigmoid scores
-      normalised per token.
+    scores: [T, E], the config's score function of the logits
+      (`score_functions.SCORE_FUNCTIONS`): what experts are chosen by (plus
+      the bias) and weighted with.
+    probs: [T, E], `MoEAux.router_probs`: the softmax, or the elementwise
+      scores normalised per token.
     bias: [E] correction bias (no gradient flows into it), or None.
   """
 
@@ -165,15 +168,12 @@ def router_scores(
 def router_scores_unchecked(x, router, cfg, correction_bias) -> RouterScores:
   """`router_scores` on validated arguments (of its types)."""
   logits = router_logits(x, router)
-  if cfg.score_func == "softmax":
-    scores = jax.nn.softmax(logits, axis=-1)
-    probs = scores
-  else:
-    scores = jax.nn.sigmoid(logits)
-    # scores / sum(scores), in the max-subtracted form: the sigmoids of
-    # logits below about -104 underflow to 0 in float32, and the plain
-    # quotient is then 0/0.
-    probs = jax.nn.softmax(jax.nn.log_sigmoid(logits), axis=-1)
+  score_function = score_functions.SCORE_FUNCTIONS[cfg.score_func]
+  scores = score_function.scores(logits)
+  # Per-token normalised scores come from their logs (max-subtracted): a
+  # sigmoid of a logit below about -104 underflows to 0 in float32, and
+  # the plain quotient is then 0/0.
+  probs = score_function.probs(logits)
   bias = None
   if correction_bias is not None:
     # The bias steers selection only; no gradient flows into it.
@@ -199,7 +199,12 @@ def route_unchecked(x, router, cfg, correction_bias) -> MoEAux:
   """`route` on validated arguments (of its types)."""
   scored = router_scores_unchecked(x, router, cfg, correction_bias)
   expert_ids = select_experts(scored.scores, cfg, scored.bias)
-  if cfg.norm_topk_prob:
+  chosen_weights = score_functions.SCORE_FUNCTIONS[
+      cfg.score_func
+  ].chosen_weights
+  if chosen_weights is not None:
+    weights = chosen_weights(scored.logits, expert_ids, cfg)
+  elif cfg.norm_topk_prob:
     weights = _renormalised_weights(scored.logits, expert_ids, cfg)
   else:
     weights = jnp.take_along_axis(scored.scores, expert_ids, axis=-1)
@@ -218,7 +223,8 @@ def _renormalised_weights(
   themselves are renormalised and lse moves into the epsilon term,
   e^l / (sum e^l + epsilon * e^lse); that is a softmax over the K chosen
   logits when epsilon is 0, as exact as the logits are. Sigmoid scores have
-  log w = log_sigmoid(l), which is l itself for l << 0.
+  log w = log_sigmoid(l), which is l itself for l << 0; other elementwise
+  scores have their registry's `log_scores`.
   """
   chosen = jnp.take_along_axis(logits, expert_ids, axis=-1)
   log_epsilon = None
@@ -230,7 +236,8 @@ def _renormalised_weights(
           logits, axis=-1, keepdims=True
       )
     return renormalise(chosen, log_epsilon)
-  return renormalise(jax.nn.log_sigmoid(chosen), log_epsilon)
+  log_scores = score_functions.SCORE_FUNCTIONS[cfg.score_func].log_scores
+  return renormalise(log_scores(chosen), log_epsilon)
 
 
 def renormalise(

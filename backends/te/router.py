@@ -43,6 +43,8 @@ def choice(cfg: config_lib.MoEConfig) -> tuple[bool, str]:
       "sum_top2" needs 2. Without use_pre_softmax the groups are scored on
       the logits, which picks the same groups as the probabilities for
       "max" only.
+    * score functions: softmax and sigmoid only (not "sqrtsoftplus" nor
+      "sparsemixer").
   The rest is equal or the backend's: routed_scaling_factor is TE's
   scaling_factor, the correction bias is its expert_bias (selection only),
   capacity is applied after TE's top-k (`routing.capacity_keep_mask`), and
@@ -50,6 +52,11 @@ def choice(cfg: config_lib.MoEConfig) -> tuple[bool, str]:
   `routing.route` marks them.
   """
   k = cfg.top_k
+  if cfg.score_func not in ("softmax", "sigmoid"):
+    return False, (
+        "TE's fused router scores with softmax or sigmoid only, not "
+        f"score_func={cfg.score_func!r}"
+    )
   if cfg.score_func == "softmax":
     if cfg.correction_bias:
       return False, (
