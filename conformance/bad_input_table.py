@@ -412,6 +412,11 @@ _CONFIG_FIELDS = (
     ("expert_bias", "int", 1, TE(r"expert_bias must be a bool, got 1")),
     ("routing_weights_on_input", "str", "y", TE(r"routing_weights_on_input")),
     ("sparsemixer_epsilon", "negative", -0.1, VE(r"sparsemixer_eps.*-0\.1")),
+    ("router_bias", "int", 1, TE(r"router_bias must be a bool, got 1")),
+    ("router_logit_softcap", "negative", -1.0, VE(r"softcap.*>= 0.*-1\.0")),
+    ("router_norm_epsilon", "zero", 0.0, VE(r"router_norm_eps.*> 0.*0\.0")),
+    ("router_input_scale", "inf", INF, VE(r"router_input_scale.*inf")),
+    ("correction_bias_on", "unknown", "weights", VE(r"bias_on.*'weights'")),
 )
 
 
@@ -436,6 +441,11 @@ _CONFIG = {
             "sparsemixer_norm",
             replace_args(score_func="sparsemixer", norm_topk_prob=True),
             VE(r"'sparsemixer'.*norm_topk_prob"),
+        ),
+        (
+            "bias_on_logits_without_bias",
+            replace_args(correction_bias_on="logits"),
+            VE(r"correction_bias_on='logits' needs correction_bias=True"),
         ),
     ),
 }

@@ -332,7 +332,9 @@ LAYER_CASES = (
 # correction bias with softmax and with sigmoid; groups scored by "max" and
 # "sum_top2"; routed_scaling_factor != 1; shared expert gated and ungated;
 # activations silu (the LAYER_CASES), gelu and gelu_tanh; the score
-# functions sqrtsoftplus and sparsemixer.
+# functions sqrtsoftplus and sparsemixer; a router bias, a logit soft-cap,
+# a correction bias on the logits, a router input norm with per-expert
+# output scales.
 _ROUTING_CONFIGS = {
     "softmax_norm_eps0_scaled": _cfg(
         norm_topk_prob=True, routed_scaling_factor=2.5
@@ -364,6 +366,29 @@ _ROUTING_CONFIGS = {
     # experts but not all (Phi's own 0.01 mostly leaves one).
     "sparsemixer_eps0.3": _cfg(
         score_func="sparsemixer", sparsemixer_epsilon=0.3
+    ),
+    # GPT-OSS's router: a learned bias on the logits, a softmax over the K.
+    "router_bias_softmax_norm": _cfg(router_bias=True, norm_topk_prob=True),
+    # Laguna's: soft-capped logits (cap 1 bends N(0, 1) logits), sigmoid.
+    "sigmoid_softcap1_bias_norm": _cfg(
+        score_func="sigmoid",
+        router_logit_softcap=1.0,
+        correction_bias=True,
+        norm_topk_prob=True,
+    ),
+    # Kolibri's: the correction bias on the logits, before the sigmoid.
+    "sigmoid_bias_on_logits_norm": _cfg(
+        score_func="sigmoid",
+        correction_bias=True,
+        correction_bias_on="logits",
+        norm_topk_prob=True,
+    ),
+    # Gemma 4's: the router's own input norm and scale, per-expert scales.
+    "router_input_norm_expert_scale": _cfg(
+        norm_topk_prob=True,
+        router_input_norm=True,
+        router_input_scale=32**-0.5,
+        expert_output_scale=True,
     ),
 }
 # 16 tokens through each, differentiated too. Seeds 20, 21, ... in order (a
@@ -469,7 +494,13 @@ def layer_inputs(case: LayerCase):
   params = {}
   for name, shape in moe_core.param_shapes(cfg).items():
     if name == "correction_bias":
-      params[name] = _normal(rng, shape, 0.1)
+      # Against logits (spread about 1) a larger bias than against scores.
+      on_logits = cfg.correction_bias_on == "logits"
+      params[name] = _normal(rng, shape, 1.0 if on_logits else 0.1)
+    elif name == "router_bias":
+      params[name] = _normal(rng, shape)
+    elif name in ("router_norm_scale", "expert_output_scale"):
+      params[name] = rng.uniform(0.5, 2.0, shape).astype(np.float32)
     else:
       params[name] = _normal(rng, shape, shape[-2] ** -0.5)
   if case.hot_expert is not None or case.cold_experts:

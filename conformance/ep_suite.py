@@ -114,6 +114,12 @@ _EXPERT_BIAS = _pick(
 _WEIGHTS_ON_INPUT = _pick(
     "routing weights on the input", lambda c: c.cfg.routing_weights_on_input
 )
+# The router's learned extras (replicated like the router): an input norm
+# scale and per-expert output scales.
+_ROUTER_PARAMS = _pick(
+    "router input norm and expert output scale",
+    lambda c: c.cfg.router_input_norm and c.cfg.expert_output_scale,
+)
 
 
 def _product(case_list, mesh_names, exchange="padded"):
@@ -134,6 +140,7 @@ _ALL_MESHES = [m.name for m in MESHES]
 EP_CASES = (
     _product((_BASE, _COLD, _HOT), _ALL_MESHES)
     + _product((_BF16, _DEEPSEEK), ("ep8", "data2_ep4"))
+    + _product((_ROUTER_PARAMS,), ("ep8",))
     # The ragged layout (ragged_all_to_all on GPU/TPU) through its all_gather
     # emulation, which runs anywhere.
     + _product((_BASE,), ("ep8",), "ragged_emulated")

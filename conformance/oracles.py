@@ -151,8 +151,32 @@ def renormalised(logits, ids, cfg) -> np.ndarray:
   return np.exp(log_w - log_total)
 
 
-def route(logits, cfg, correction_bias=None) -> dict:
+def router_logits(x, params, cfg) -> np.ndarray:
+  """[T, E] float64 logits of tokens x [T, D]: the router input (RMS-norm
+  with its learned scale, the fixed scale), @ router, + router bias, then
+  the soft-cap."""
+  x = f64(x)
+  if cfg.router_input_norm:
+    rms = np.sqrt(
+        np.mean(x**2, axis=-1, keepdims=True) + cfg.router_norm_epsilon
+    )
+    x = x / rms * f64(params["router_norm_scale"])
+  x = x * cfg.router_input_scale
+  logits = x @ f64(params["router"])
+  if cfg.router_bias:
+    logits = logits + f64(params["router_bias"])
+  if cfg.router_logit_softcap:
+    cap = cfg.router_logit_softcap
+    logits = cap * np.tanh(logits / cap)
+  return logits
+
+
+def route(logits, cfg, correction_bias=None, expert_scale=None) -> dict:
   """The router of `cfg`, from float32 logits [T, E], one token at a time.
+
+  The correction bias is added to the scores, or to the logits where
+  `cfg.correction_bias_on == "logits"`, to choose; expert_scale [E]
+  multiplies each chosen expert's weight.
 
   Returns a dict with expert_ids [T, K] (best first, lower index on ties),
   combine_weights [T, K] (0 where dropped), kept [T, K], router_probs,
@@ -174,7 +198,8 @@ def route(logits, cfg, correction_bias=None) -> dict:
   size = e // cfg.n_group
   ids = np.zeros((t, cfg.top_k), np.int64)
   for i in range(t):
-    choice = scores[i] + bias
+    base = logits[i] if cfg.correction_bias_on == "logits" else scores[i]
+    choice = base + bias
     eligible = np.ones(e, bool)
     if cfg.n_group > 1:
       groups = choice.reshape(cfg.n_group, size)
@@ -194,6 +219,8 @@ def route(logits, cfg, correction_bias=None) -> dict:
   else:
     weights = np.take_along_axis(scores, ids, axis=1)
   weights = weights * cfg.routed_scaling_factor
+  if expert_scale is not None:
+    weights = weights * f64(expert_scale)[ids]
   kept = np.ones(ids.shape, bool)
   capacity = None
   if cfg.capacity_factor is not None:

@@ -55,6 +55,13 @@ EXTREME_CONFIGS = {
         norm_topk_prob=True,
         norm_epsilon=1e-20,
     ),
+    # Capped at 5: every +-1e4 logit ties at about +-5.
+    "sigmoid_softcap5_bias_norm_eps0": _extreme_cfg(
+        score_func="sigmoid",
+        router_logit_softcap=5.0,
+        correction_bias=True,
+        norm_topk_prob=True,
+    ),
     "groups_max_softmax_bias_norm_eps0": _extreme_cfg(
         num_experts=16,
         top_k=3,
@@ -152,10 +159,12 @@ class RoutingSuite(base.BackendTestCase):
     check_close(
         "router_logits",
         aux["router_logits"],
-        tokens @ oracles.f64(params["router"]),
+        oracles.router_logits(tokens, params, cfg),
     )
     bias = params.get("correction_bias")
-    want = oracles.route(aux["router_logits"], cfg, bias)
+    want = oracles.route(
+        aux["router_logits"], cfg, bias, params.get("expert_output_scale")
+    )
     np.testing.assert_array_equal(
         aux["expert_ids"], want["expert_ids"], "expert_ids vs numpy router"
     )
@@ -175,7 +184,10 @@ class RoutingSuite(base.BackendTestCase):
       check_close(name, aux[name], want[name])
     if bias is not None:
       unbiased = oracles.route(
-          aux["router_logits"], dataclasses.replace(cfg, correction_bias=False)
+          aux["router_logits"],
+          dataclasses.replace(
+              cfg, correction_bias=False, correction_bias_on="scores"
+          ),
       )
       self.assertFalse(
           np.array_equal(unbiased["expert_ids"], want["expert_ids"]),

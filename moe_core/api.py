@@ -82,7 +82,8 @@ def moe_layer(
     # were validated above (params holds the router and correction bias
     # the config names), and route's aux is valid: the unchecked stages.
     bias = params.get("correction_bias")
-    aux = b._route(tokens, params["router"], cfg, bias)
+    extras = routing.router_extras(params)
+    aux = b._route(tokens, params["router"], cfg, bias, **extras)
     return b._routed_experts(params, tokens, aux, cfg), aux
 
   y, aux = registry.call_backend(backend, route_and_compute)

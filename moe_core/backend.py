@@ -472,22 +472,25 @@ class Backend(abc.ABC):
       router: jax.Array,
       cfg: config_lib.MoEConfig,
       correction_bias: jax.Array | None = None,
+      **extras: jax.Array | None,
   ) -> routing.MoEAux:
     """Routes tokens: x [T, D], router [D, E] -> `MoEAux` (float32).
 
     Validates, then `_route`. `moe_layer` and the expert-parallel layer
     call the backend's `_route`, from the same backend that computes the
-    routed experts.
+    routed experts. `extras` are `routing.route`'s optional router params
+    (`routing.ROUTER_EXTRAS`: router_bias, router_norm_scale,
+    expert_output_scale).
     """
-    validation.check_route(x, router, cfg, correction_bias)
-    return self._route(x, router, cfg, correction_bias)
+    validation.check_route(x, router, cfg, correction_bias, **extras)
+    return self._route(x, router, cfg, correction_bias, **extras)
 
-  def _route(self, x, router, cfg, correction_bias) -> routing.MoEAux:
+  def _route(self, x, router, cfg, correction_bias, **extras):
     """`route` on validated arguments (of its types): `routing.route`'s
     by default. A backend with its own router overrides this and returns
     the same `MoEAux` fields with `routing.route`'s meaning (or falls back
     to it)."""
-    return routing.route_unchecked(x, router, cfg, correction_bias)
+    return routing.route_unchecked(x, router, cfg, correction_bias, **extras)
 
   # --- Dispatch and combine -------------------------------------------------
   # The plan (the sort by expert, group sizes, the dropped and invalid

@@ -47,6 +47,24 @@ class MoEConfig:
       or "sum_top2", the sum of its two best (DeepSeek-V3).
     sparsemixer_epsilon: score_func="sparsemixer"'s jitter threshold
       (Phi-MoE's router_jitter_noise): a finite float >= 0.
+    router_bias: a learned bias [E] (param "router_bias") added to the
+      router logits before anything else sees them (GPT-OSS).
+    router_logit_softcap: c > 0 soft-caps the logits (after the router
+      bias) to c * tanh(logits / c) (Laguna); 0 (the default) is no cap.
+    correction_bias_on: where the correction bias steers the choice:
+      "scores", added to the scores (DeepSeek-V3), or "logits", added to
+      the logits before the score function (Kolibri); either way for the
+      choice only.
+    router_input_norm: RMS-normalise the router's input with its own
+      learned scale [D] (param "router_norm_scale"), distinct from the
+      experts' input (Gemma 4): x / sqrt(mean(x^2) + router_norm_epsilon)
+      * router_norm_scale.
+    router_norm_epsilon: that norm's epsilon, a finite float > 0.
+    router_input_scale: a fixed number multiplying the router's input
+      (after the norm, if any; Gemma 4: hidden_size ** -0.5).
+    expert_output_scale: a learned scale [E] (param
+      "expert_output_scale") multiplying each chosen expert's combine
+      weight, after normalisation and routed_scaling_factor (Gemma 4).
     shared_ffn_size: Fs, hidden width of the always-on shared expert
       (0 = none).
     shared_expert_gate: scale the shared expert's output per token by
@@ -95,6 +113,13 @@ class MoEConfig:
   topk_group: int = 1
   group_score: str = "max"
   sparsemixer_epsilon: float = 0.01
+  router_bias: bool = False
+  router_logit_softcap: float = 0.0
+  correction_bias_on: str = "scores"
+  router_input_norm: bool = False
+  router_norm_epsilon: float = 1e-6
+  router_input_scale: float = 1.0
+  expert_output_scale: bool = False
   shared_ffn_size: int = 0
   shared_expert_gate: bool = False
   activation: str = "silu"
@@ -214,13 +239,34 @@ class MoEConfig:
 
 def _check_router_switches(cfg: MoEConfig) -> None:
   """The routing fields that came with issue 33's families."""
-  if not (
-      _is_finite_number(cfg.sparsemixer_epsilon)
-      and cfg.sparsemixer_epsilon >= 0
+  for name in ("router_bias", "router_input_norm", "expert_output_scale"):
+    if not isinstance(getattr(cfg, name), bool):
+      raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+  for name, low, strict in (
+      ("sparsemixer_epsilon", 0, False),
+      ("router_logit_softcap", 0, False),
+      ("router_norm_epsilon", 0, True),
   ):
+    value = getattr(cfg, name)
+    if not (
+        _is_finite_number(value) and (value > low if strict else value >= low)
+    ):
+      raise ValueError(
+          f"{name} must be a finite float {'>' if strict else '>='} {low}, "
+          f"got {value!r}."
+      )
+  if not _is_finite_number(cfg.router_input_scale):
     raise ValueError(
-        "sparsemixer_epsilon must be a finite float >= 0, got "
-        f"{cfg.sparsemixer_epsilon!r}."
+        "router_input_scale must be a finite number, got "
+        f"{cfg.router_input_scale!r}."
+    )
+  _check_choice(
+      "correction_bias_on", cfg.correction_bias_on, CORRECTION_BIAS_ON
+  )
+  if cfg.correction_bias_on != "scores" and not cfg.correction_bias:
+    raise ValueError(
+        f"correction_bias_on={cfg.correction_bias_on!r} needs "
+        "correction_bias=True, got correction_bias=False."
     )
   if cfg.score_func == "sparsemixer":
     # Sparsemixer computes its own weights from the plain logits' order.

@@ -15,11 +15,13 @@ BIAS_NAMES = ("b_gate", "b_up", "b_down")
 def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   """Name -> shape of every parameter `cfg` needs; each matrix is used x @ W.
 
-  router [D, E]; correction_bias [E] (if enabled); w_gate, w_up [E, D, F];
-  w_down [E, F, D]; b_gate, b_up [E, F] and b_down [E, D] (if expert_bias);
-  shared_w_gate, shared_w_up [D, Fs], shared_w_down [Fs, D] (if
-  shared_ffn_size); shared_gate [D, 1] (if shared_expert_gate). A non-gated
-  activation has no w_gate, b_gate or shared_w_gate.
+  router [D, E]; correction_bias [E] (if enabled); router_bias [E],
+  router_norm_scale [D], expert_output_scale [E] (if their fields say so,
+  `_router_extras`); w_gate, w_up [E, D, F]; w_down [E, F, D]; b_gate, b_up
+  [E, F] and b_down [E, D] (if expert_bias); shared_w_gate, shared_w_up
+  [D, Fs], shared_w_down [Fs, D] (if shared_ffn_size); shared_gate [D, 1]
+  (if shared_expert_gate). A non-gated activation has no w_gate, b_gate or
+  shared_w_gate.
   """
   if not isinstance(cfg, config_lib.MoEConfig):
     raise TypeError(f"cfg must be a moe_core.MoEConfig, got {type(cfg)}.")
@@ -27,6 +29,9 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   shapes = {"router": (d, e)}
   if cfg.correction_bias:
     shapes["correction_bias"] = (e,)
+  shapes.update(
+      {name: shape for name, shape in _router_extras(cfg).items() if shape}
+  )
   gated = activations_lib.get(cfg.activation).gated
   if gated:
     shapes["w_gate"] = (e, d, f)
@@ -53,7 +58,8 @@ def init_params(
   Matrices are drawn from a truncated normal with std 1/sqrt(fan_in), fan_in
   being the contracted dimension; the correction bias starts at zero and stays
   float32 whatever `dtype` is (it is routing state, updated by a sign rule);
-  expert biases start at zero, in `dtype`.
+  expert biases start at zero, in `dtype`; the router bias starts at 0 and
+  the router's scales at 1 (`CONSTANT_INIT`).
 
   Args:
     key: a PRNG key (jax.random.key or the legacy uint32 [2] PRNGKey).
@@ -77,6 +83,9 @@ def init_params(
     if name in BIAS_NAMES:
       params[name] = jnp.zeros(shape, dtype)
       continue
+    if name in CONSTANT_INIT:
+      params[name] = jnp.full(shape, CONSTANT_INIT[name], dtype)
+      continue
     fan_in = shape[-2]
     std = fan_in**-0.5
     params[name] = (
@@ -84,6 +93,25 @@ def init_params(
         * jax.random.truncated_normal(keys[name], -2.0, 2.0, shape, jnp.float32)
     ).astype(dtype)
   return params
+
+
+# Router params that start at a constant (a bias at 0, a scale at 1, so
+# that a new block routes as it would without them).
+CONSTANT_INIT = {
+    "router_bias": 0.0,
+    "router_norm_scale": 1.0,
+    "expert_output_scale": 1.0,
+}
+
+
+def _router_extras(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
+  """The optional router params: name -> shape, () where disabled."""
+  d, e = cfg.hidden_size, cfg.num_experts
+  return {
+      "router_bias": (e,) if cfg.router_bias else (),
+      "router_norm_scale": (d,) if cfg.router_input_norm else (),
+      "expert_output_scale": (e,) if cfg.expert_output_scale else (),
+  }
 
 
 def _check_key(key) -> None:

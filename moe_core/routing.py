@@ -127,24 +127,72 @@ def capacity_keep_mask(
   return ((rank < capacity) & (by_choice < num_experts)).reshape(k, t).T
 
 
+# The router's optional parameters besides `router` and `correction_bias`,
+# each present iff the config field of the same role says so: name -> that
+# field (`MoEConfig`).
+ROUTER_EXTRAS = {
+    "router_bias": "router_bias",
+    "router_norm_scale": "router_input_norm",
+    "expert_output_scale": "expert_output_scale",
+}
+
+
+def router_extras(params: dict) -> dict:
+  """The `ROUTER_EXTRAS` that a block's params hold, as route's keywords."""
+  return {name: params[name] for name in ROUTER_EXTRAS if name in params}
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterScores:
   """The router's float32 scores of T tokens over E experts, before a choice.
 
   Attributes:
-    logits: [T, E], x @ router.
+    logits: [T, E], the router's logits: `router_input(x) @ router`, plus
+      the router bias, soft-capped (`MoEConfig.router_logit_softcap`).
     scores: [T, E], the config's score function of the logits
-      (`score_functions.SCORE_FUNCTIONS`): what experts are chosen by (plus
-      the bias) and weighted with.
+      (`score_functions.SCORE_FUNCTIONS`): what experts are weighted with.
     probs: [T, E], `MoEAux.router_probs`: the softmax, or the elementwise
       scores normalised per token.
     bias: [E] correction bias (no gradient flows into it), or None.
+    choice: [T, E], what experts (and groups) are chosen by: the scores
+      plus the correction bias, or with `correction_bias_on="logits"` the
+      logits plus it; no gradient flows through the choice.
+    expert_scale: [E] learned per-expert scale of the combine weights
+      (`MoEConfig.expert_output_scale`), or None.
   """
 
   logits: jax.Array
   scores: jax.Array
   probs: jax.Array
   bias: jax.Array | None
+  choice: jax.Array | None = None
+  expert_scale: jax.Array | None = None
+
+  def __post_init__(self):
+    if self.choice is None:  # Built without one: the DeepSeek-V3 choice.
+      choice = self.scores if self.bias is None else self.scores + self.bias
+      object.__setattr__(self, "choice", choice)
+
+
+def router_input(
+    x: jax.Array,
+    cfg: config_lib.MoEConfig,
+    router_norm_scale: jax.Array | None = None,
+) -> jax.Array:
+  """The router's input, float32 [T, D]: x, RMS-normalised and scaled.
+
+  With `cfg.router_input_norm`, x / sqrt(mean(x^2) + router_norm_epsilon)
+  * router_norm_scale [D] (Gemma 4's router norm, its own, not the
+  experts'); then times the fixed `cfg.router_input_scale`.
+  """
+  x = x.astype(jnp.float32)
+  if cfg.router_input_norm:
+    mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    x = x * jax.lax.rsqrt(mean_square + cfg.router_norm_epsilon)
+    x = x * router_norm_scale.astype(jnp.float32)
+  if cfg.router_input_scale != 1.0:
+    x = x * jnp.float32(cfg.router_input_scale)
+  return x
 
 
 def router_scores(
@@ -152,6 +200,10 @@ def router_scores(
     router: jax.Array,
     cfg: config_lib.MoEConfig,
     correction_bias: jax.Array | None = None,
+    *,
+    router_bias: jax.Array | None = None,
+    router_norm_scale: jax.Array | None = None,
+    expert_output_scale: jax.Array | None = None,
 ) -> RouterScores:
   """Checks the routing inputs and scores x [T, D] with router [D, E].
 
@@ -160,14 +212,38 @@ def router_scores(
     router: [D, E] router weights.
     cfg: the block's config.
     correction_bias: [E] float32, required iff `cfg.correction_bias`.
+    router_bias: [E], added to the logits; required iff `cfg.router_bias`.
+    router_norm_scale: [D], the router input norm's learned scale; required
+      iff `cfg.router_input_norm`.
+    expert_output_scale: [E], multiplies each chosen expert's combine
+      weight; required iff `cfg.expert_output_scale`.
   """
-  validation.check_route(x, router, cfg, correction_bias)
-  return router_scores_unchecked(x, router, cfg, correction_bias)
+  extras = dict(
+      router_bias=router_bias,
+      router_norm_scale=router_norm_scale,
+      expert_output_scale=expert_output_scale,
+  )
+  validation.check_route(x, router, cfg, correction_bias, **extras)
+  return router_scores_unchecked(x, router, cfg, correction_bias, **extras)
 
 
-def router_scores_unchecked(x, router, cfg, correction_bias) -> RouterScores:
+def router_scores_unchecked(
+    x,
+    router,
+    cfg,
+    correction_bias,
+    *,
+    router_bias=None,
+    router_norm_scale=None,
+    expert_output_scale=None,
+) -> RouterScores:
   """`router_scores` on validated arguments (of its types)."""
-  logits = router_logits(x, router)
+  logits = router_logits(router_input(x, cfg, router_norm_scale), router)
+  if router_bias is not None:
+    logits = logits + router_bias.astype(jnp.float32)
+  cap = cfg.router_logit_softcap
+  if cap:
+    logits = jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
   score_function = score_functions.SCORE_FUNCTIONS[cfg.score_func]
   scores = score_function.scores(logits)
   # Per-token normalised scores come from their logs (max-subtracted): a
@@ -175,10 +251,27 @@ def router_scores_unchecked(x, router, cfg, correction_bias) -> RouterScores:
   # the plain quotient is then 0/0.
   probs = score_function.probs(logits)
   bias = None
+  choice = scores
   if correction_bias is not None:
     # The bias steers selection only; no gradient flows into it.
     bias = jax.lax.stop_gradient(correction_bias.astype(jnp.float32))
-  return RouterScores(logits=logits, scores=scores, probs=probs, bias=bias)
+    if cfg.correction_bias_on == "logits":
+      # Kolibri: the choice is top-k of logits + bias (the order of the
+      # score function of it, without its float32 saturation).
+      choice = logits + bias
+    else:
+      choice = scores + bias
+  expert_scale = None
+  if expert_output_scale is not None:
+    expert_scale = expert_output_scale.astype(jnp.float32)
+  return RouterScores(
+      logits=logits,
+      scores=scores,
+      probs=probs,
+      bias=bias,
+      choice=jax.lax.stop_gradient(choice),
+      expert_scale=expert_scale,
+  )
 
 
 def route(
@@ -186,19 +279,29 @@ def route(
     router: jax.Array,
     cfg: config_lib.MoEConfig,
     correction_bias: jax.Array | None = None,
+    *,
+    router_bias: jax.Array | None = None,
+    router_norm_scale: jax.Array | None = None,
+    expert_output_scale: jax.Array | None = None,
 ) -> MoEAux:
   """Routes tokens: x [T, D], router [D, E] -> `MoEAux`, all in float32.
 
   The arguments are `router_scores`'s, checked as there.
   """
-  validation.check_route(x, router, cfg, correction_bias)
-  return route_unchecked(x, router, cfg, correction_bias)
+  extras = dict(
+      router_bias=router_bias,
+      router_norm_scale=router_norm_scale,
+      expert_output_scale=expert_output_scale,
+  )
+  validation.check_route(x, router, cfg, correction_bias, **extras)
+  return route_unchecked(x, router, cfg, correction_bias, **extras)
 
 
-def route_unchecked(x, router, cfg, correction_bias) -> MoEAux:
-  """`route` on validated arguments (of its types)."""
-  scored = router_scores_unchecked(x, router, cfg, correction_bias)
-  expert_ids = select_experts(scored.scores, cfg, scored.bias)
+def route_unchecked(x, router, cfg, correction_bias, **extras) -> MoEAux:
+  """`route` on validated arguments (of its types); `extras` are
+  `router_scores`' keywords."""
+  scored = router_scores_unchecked(x, router, cfg, correction_bias, **extras)
+  expert_ids = select_experts(scored.choice, cfg)
   chosen_weights = score_functions.SCORE_FUNCTIONS[
       cfg.score_func
   ].chosen_weights
@@ -297,11 +400,14 @@ def aux_from_choice(
     scored: `router_scores` of the T tokens.
     expert_ids: [T, K] int32, the chosen experts, best first.
     weights: [T, K] float32, their combine weights, normalised and scaled
-      as the config says.
+      as the config says; `scored.expert_scale` (if any) is applied here.
     cfg: the block's config.
   """
   num_tokens = scored.logits.shape[0]
-  valid = _finite_selection(scored.logits, scored.scores, scored.bias)
+  valid = _finite_selection(scored.logits, scored.choice)
+  if scored.expert_scale is not None:
+    # Gemma 4's per-expert scale, after normalisation and scaling.
+    weights = weights * scored.expert_scale[expert_ids]
   capacity = cfg.expert_capacity(num_tokens)
   if capacity is None:
     kept = jnp.broadcast_to(valid[:, None], expert_ids.shape)
@@ -336,9 +442,7 @@ def aux_from_choice(
   )
 
 
-def _finite_selection(
-    logits: jax.Array, scores: jax.Array, bias: jax.Array | None
-) -> jax.Array:
+def _finite_selection(logits: jax.Array, choice: jax.Array) -> jax.Array:
   """[T] bool: the token's logits and selection scores are all finite.
 
   A NaN or Inf there (from x, the router or the bias) makes top-k pick
@@ -346,7 +450,6 @@ def _finite_selection(
   infinite logit to 0 or 1): such tokens are invalid. Under
   `checks.checked` the first one raises instead.
   """
-  choice = scores if bias is None else scores + bias
   valid = jnp.all(jnp.isfinite(logits), axis=-1) & jnp.all(
       jnp.isfinite(choice), axis=-1
   )

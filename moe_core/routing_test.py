@@ -687,5 +687,139 @@ class ScoreFunctionTest(parameterized.TestCase):
           _cfg(score_func="sparsemixer", **{field: value})
 
 
+class RouterSwitchTest(parameterized.TestCase):
+  """The router switches of GPT-OSS, Laguna, Kolibri and Gemma 4, each
+  against its family's formula in numpy."""
+
+  def _route(self, cfg, seed, **extras):
+    x, router, bias = _inputs(cfg, seed=seed, bias_scale=1.0)
+    aux = routing.route(
+        x,
+        router,
+        cfg,
+        None if bias is None else jnp.asarray(bias),
+        **{n: jnp.asarray(v) for n, v in extras.items()},
+    )
+    xw = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+    return aux, np.asarray(x, np.float64), xw, bias
+
+  def test_router_bias_gpt_oss(self):
+    # GPT-OSS: logits = x W + b; top-k of the logits; softmax over those K.
+    cfg = _cfg(top_k=3, router_bias=True, norm_topk_prob=True)
+    b = np.linspace(-1.0, 1.0, cfg.num_experts).astype(np.float32)
+    aux, _, xw, _ = self._route(cfg, 13, router_bias=b)
+    logits = xw + b
+    np.testing.assert_allclose(aux.router_logits, logits, rtol=1e-5, atol=1e-6)
+    ids = _plain_top_k(logits, 3)
+    np.testing.assert_array_equal(aux.expert_ids, ids)
+    top = np.take_along_axis(logits, ids, axis=-1)
+    want = np.exp(top) / np.exp(top).sum(-1, keepdims=True)
+    np.testing.assert_allclose(aux.combine_weights, want, rtol=1e-5)
+
+  def test_logit_softcap_laguna(self):
+    cfg = _cfg(
+        score_func="sigmoid", norm_topk_prob=True, router_logit_softcap=0.7
+    )
+    aux, _, xw, _ = self._route(cfg, 14)
+    logits = 0.7 * np.tanh(xw / 0.7)
+    np.testing.assert_allclose(aux.router_logits, logits, rtol=1e-5, atol=1e-6)
+    ids = _plain_top_k(logits, 2)
+    np.testing.assert_array_equal(aux.expert_ids, ids)
+    w = 1 / (1 + np.exp(-np.take_along_axis(logits, ids, axis=-1)))
+    np.testing.assert_allclose(
+        aux.combine_weights, w / w.sum(-1, keepdims=True), rtol=1e-5
+    )
+
+  def test_correction_bias_on_logits_kolibri(self):
+    # Kolibri: top-k of logits + bias; weights sigmoid(unbiased logits).
+    cfg = _cfg(
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        correction_bias=True,
+        correction_bias_on="logits",
+    )
+    aux, _, xw, bias = self._route(cfg, 15)
+    ids = _plain_top_k(xw + bias, 2)
+    np.testing.assert_array_equal(aux.expert_ids, ids)
+    w = 1 / (1 + np.exp(-np.take_along_axis(xw, ids, axis=-1)))
+    np.testing.assert_allclose(
+        aux.combine_weights, w / w.sum(-1, keepdims=True), rtol=1e-5
+    )
+    # The same bias on the scores chooses otherwise (it is added to values
+    # in (0, 1) there): the two sites differ.
+    on_scores = routing.route(
+        *_inputs(cfg, seed=15)[:2],
+        cfg.replace(correction_bias_on="scores"),
+        jnp.asarray(bias),
+    )
+    self.assertFalse(np.array_equal(on_scores.expert_ids, aux.expert_ids))
+
+  def test_router_input_norm_and_expert_scale_gemma4(self):
+    cfg = _cfg(
+        top_k=3,
+        norm_topk_prob=True,
+        router_input_norm=True,
+        router_norm_epsilon=1e-6,
+        router_input_scale=_D**-0.5,
+        expert_output_scale=True,
+    )
+    rng = np.random.default_rng(16)
+    norm_scale = rng.uniform(0.5, 2.0, _D).astype(np.float32)
+    expert_scale = rng.uniform(0.5, 2.0, cfg.num_experts).astype(np.float32)
+    aux, x, _, _ = self._route(
+        cfg, 16, router_norm_scale=norm_scale, expert_output_scale=expert_scale
+    )
+    _, router, _ = _inputs(cfg, seed=16)
+    # Gemma4TextRouter: norm without weight, * scale * D^-0.5, proj,
+    # softmax, top-k, renormalise, * per_expert_scale[ids].
+    h = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + 1e-6)
+    logits = (h * norm_scale * _D**-0.5) @ np.asarray(router, np.float64)
+    np.testing.assert_allclose(aux.router_logits, logits, rtol=1e-5, atol=1e-6)
+    ids = _plain_top_k(logits, 3)
+    np.testing.assert_array_equal(aux.expert_ids, ids)
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    top = np.take_along_axis(p, ids, axis=-1)
+    want = top / top.sum(-1, keepdims=True) * expert_scale[ids]
+    np.testing.assert_allclose(aux.combine_weights, want, rtol=1e-5)
+
+  def test_learned_router_params_get_gradients(self):
+    cfg = _cfg(
+        router_bias=True, router_input_norm=True, expert_output_scale=True
+    )
+    x, router, _ = _inputs(cfg, seed=17)
+    extras = dict(
+        router_bias=jnp.zeros(8),
+        router_norm_scale=jnp.ones(_D),
+        expert_output_scale=jnp.ones(8),
+    )
+
+    def loss(extras):
+      aux = routing.route(x, router, cfg, **extras)
+      return jnp.sum(aux.combine_weights * jnp.arange(2.0))
+
+    grads = jax.grad(loss)(extras)
+    for name, g in grads.items():
+      with self.subTest(name):
+        self.assertTrue(np.any(np.asarray(g) != 0), f"d {name} is all 0")
+
+  @parameterized.parameters(
+      ("router_bias", "router_bias", (8,)),
+      ("router_input_norm", "router_norm_scale", (_D,)),
+      ("expert_output_scale", "expert_output_scale", (8,)),
+  )
+  def test_router_params_required_iff_enabled(self, field, name, shape):
+    x, router, _ = _inputs(_cfg(), seed=18)
+    with self.assertRaisesRegex(
+        ValueError, rf"{name} must be given iff cfg.{field} is True"
+    ):
+      routing.route(x, router, _cfg(**{field: True}))
+    with self.assertRaisesRegex(
+        ValueError, rf"{name} must be given iff cfg.{field} is True"
+    ):
+      routing.route(x, router, _cfg(), **{name: jnp.ones(shape)})
+    with self.assertRaisesRegex(ValueError, rf"{name} must have shape"):
+      routing.route(x, router, _cfg(**{field: True}), **{name: jnp.ones((3,))})
+
+
 if __name__ == "__main__":
   absltest.main()

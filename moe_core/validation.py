@@ -200,19 +200,38 @@ def check_token_matrix(x, cfg: config_lib.MoEConfig, caller: str) -> None:
     )
 
 
-def check_route(x, router, cfg: config_lib.MoEConfig, correction_bias) -> None:
-  """route's x [T, D], router [D, E] and correction_bias [E] (or None)."""
+def check_route(
+    x,
+    router,
+    cfg: config_lib.MoEConfig,
+    correction_bias,
+    *,
+    router_bias=None,
+    router_norm_scale=None,
+    expert_output_scale=None,
+) -> None:
+  """route's x [T, D], router [D, E], correction_bias [E] (or None) and
+  the optional router params: router_bias [E], router_norm_scale [D],
+  expert_output_scale [E], each given iff its config field says so."""
   check_config(cfg)
   check_token_matrix(x, cfg, "route")
   check_array(router, "router", (cfg.hidden_size, cfg.num_experts))
-  if correction_bias is not None:
-    check_array(correction_bias, "correction_bias", (cfg.num_experts,))
-  if cfg.correction_bias != (correction_bias is not None):
-    raise ValueError(
-        "correction_bias must be given iff cfg.correction_bias is True, got "
-        f"cfg.correction_bias={cfg.correction_bias}, correction_bias="
-        f"{'None' if correction_bias is None else 'an array'}."
-    )
+  e, d = cfg.num_experts, cfg.hidden_size
+  optional = (
+      ("correction_bias", correction_bias, (e,), "correction_bias"),
+      ("router_bias", router_bias, (e,), "router_bias"),
+      ("router_norm_scale", router_norm_scale, (d,), "router_input_norm"),
+      ("expert_output_scale", expert_output_scale, (e,), "expert_output_scale"),
+  )
+  for name, value, shape, field in optional:
+    if value is not None:
+      check_array(value, name, shape)
+    if getattr(cfg, field) != (value is not None):
+      raise ValueError(
+          f"{name} must be given iff cfg.{field} is True, got "
+          f"cfg.{field}={getattr(cfg, field)}, {name}="
+          f"{'None' if value is None else 'an array'}."
+      )
 
 
 def check_expert_ids_in_range(expert_ids, num_experts: int) -> None:

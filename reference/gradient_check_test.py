@@ -34,6 +34,7 @@ import numpy as np
 
 from conformance import cases
 import moe_core
+from moe_core import params as params_lib
 from reference import backend as reference
 
 _saved_x64 = None
@@ -117,6 +118,25 @@ LAYER_CASES = (
         ),
         16,
     ),
+    # Every learned router switch at once, through sqrt(softplus) scores.
+    (
+        "router_switches_sqrtsoftplus",
+        _cfg(
+            score_func="sqrtsoftplus",
+            norm_topk_prob=True,
+            router_bias=True,
+            router_logit_softcap=2.0,
+            router_input_norm=True,
+            router_input_scale=0.5,
+            expert_output_scale=True,
+        ),
+        16,
+    ),
+    (
+        "sparsemixer",
+        _cfg(score_func="sparsemixer", sparsemixer_epsilon=0.3),
+        16,
+    ),
 )
 
 
@@ -125,6 +145,10 @@ def _layer_inputs(cfg, num_tokens, seed):
   rng = np.random.default_rng(seed)
   params = {}
   for name, shape in moe_core.param_shapes(cfg).items():
+    if name in params_lib.CONSTANT_INIT:  # A bias or scale, moved off 0 or 1.
+      start = params_lib.CONSTANT_INIT[name]
+      params[name] = start + 0.3 * rng.standard_normal(shape)
+      continue
     scale = 0.1 if name == "correction_bias" else shape[-2] ** -0.5
     params[name] = scale * rng.standard_normal(shape)
   x = rng.standard_normal((num_tokens, cfg.hidden_size))

@@ -173,15 +173,15 @@ class TEBackend(backend.Backend):
       return False, "fused_router=False"
     return router_lib.choice(cfg)
 
-  def _route(self, x, router, cfg, correction_bias) -> routing.MoEAux:
+  def _route(self, x, router, cfg, correction_bias, **extras):
     """x [T, D], router [D, E] -> `MoEAux`, through TE's fused router where
     `router_choice(cfg)` allows, else the library's router (validated
-    arguments)."""
+    arguments; `extras` are `routing.route`'s optional router params)."""
     fused, why = self.router_choice(cfg)
     if not fused:
       _log_once(f"te: routing with moe_core.routing.route: {why}.")
-      return routing.route_unchecked(x, router, cfg, correction_bias)
-    return router_lib.route(x, router, cfg, correction_bias)
+      return routing.route_unchecked(x, router, cfg, correction_bias, **extras)
+    return router_lib.route(x, router, cfg, correction_bias, **extras)
 
   # --- The grouped GEMM -------------------------------------------------------
 

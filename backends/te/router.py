@@ -44,8 +44,12 @@ def choice(cfg: config_lib.MoEConfig) -> tuple[bool, str]:
       the logits, which picks the same groups as the probabilities for
       "max" only.
     * score functions: softmax and sigmoid only (not "sqrtsoftplus" nor
-      "sparsemixer").
-  The rest is equal or the backend's: routed_scaling_factor is TE's
+      "sparsemixer"); the expert bias is added to the scores
+      (correction_bias_on="scores" only).
+  The rest is equal or the backend's: TE takes the library's logits, so
+  the router input norm and scale, the router bias and the logit soft-cap
+  are in them; the per-expert output scale multiplies TE's weights
+  (`routing.aux_from_choice`); routed_scaling_factor is TE's
   scaling_factor, the correction bias is its expert_bias (selection only),
   capacity is applied after TE's top-k (`routing.capacity_keep_mask`), and
   tokens with non-finite logits or scores are marked invalid as
@@ -56,6 +60,11 @@ def choice(cfg: config_lib.MoEConfig) -> tuple[bool, str]:
     return False, (
         "TE's fused router scores with softmax or sigmoid only, not "
         f"score_func={cfg.score_func!r}"
+    )
+  if cfg.correction_bias_on != "scores":
+    return False, (
+        "TE's fused router adds its expert bias to the scores, not to the "
+        f"logits (correction_bias_on={cfg.correction_bias_on!r})"
     )
   if cfg.score_func == "softmax":
     if cfg.correction_bias:
@@ -113,6 +122,7 @@ def route(
     router: jax.Array,
     cfg: config_lib.MoEConfig,
     correction_bias: jax.Array | None = None,
+    **extras: jax.Array | None,
 ) -> routing.MoEAux:
   """`routing.route` with TE's fused router choosing and weighting experts.
 
@@ -130,7 +140,9 @@ def route(
   Returns:
     `MoEAux` as `routing.route` defines it.
   """
-  scored = routing.router_scores_unchecked(x, router, cfg, correction_bias)
+  scored = routing.router_scores_unchecked(
+      x, router, cfg, correction_bias, **extras
+  )
   expressible, why = choice(cfg)
   if not expressible:
     raise NotImplementedError(f"te: fused router: {why}.")
@@ -149,10 +161,7 @@ def route(
   )
   # Best first among TE's K: a token with non-finite scores may have fewer
   # than K marked; top_k still returns K distinct ids (it is invalid).
-  selection = scored.scores
-  if scored.bias is not None:
-    selection = selection + scored.bias
-  ranked = jnp.where(chosen, jax.lax.stop_gradient(selection), -jnp.inf)
+  ranked = jnp.where(chosen, scored.choice, -jnp.inf)
   _, expert_ids = jax.lax.top_k(ranked, cfg.top_k)
   expert_ids = expert_ids.astype(jnp.int32)
   weights = jnp.take_along_axis(

@@ -107,6 +107,14 @@ class LinenMoE(linen.Module):
         params[name] = self.param(
             name, linen.initializers.zeros, shape, self.param_dtype
         )
+      elif name in params_lib.CONSTANT_INIT:
+        value = params_lib.CONSTANT_INIT[name]
+        params[name] = self.param(
+            name,
+            lambda _, s, d, v=value: jnp.full(s, v, d),
+            shape,
+            self.param_dtype,
+        )
       else:
         params[name] = self.param(name, _weight_init, shape, self.param_dtype)
     step = (

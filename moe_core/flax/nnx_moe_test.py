@@ -10,6 +10,7 @@ from flax import nnx
 
 import moe_core
 from moe_core import flax as moe_flax
+from moe_core import params as params_lib
 
 # DeepSeek-V3 routing (bias, groups, scaling) plus a gated shared expert, so
 # every parameter of the layout is exercised.
@@ -139,6 +140,19 @@ class LinenMoETest(absltest.TestCase):
     y, _ = module.apply(variables, x)
     y_ref, _ = moe_core.moe_layer(params, x, CFG, backend="xla")
     np.testing.assert_array_equal(y, y_ref)
+
+  def test_linen_starts_router_biases_at_0_and_scales_at_1(self):
+    cfg = CFG.replace(
+        router_bias=True, router_input_norm=True, expert_output_scale=True
+    )
+    variables = moe_flax.LinenMoE(cfg).init(
+        jax.random.key(0), _tokens(jnp.float32)
+    )
+    for name, start in params_lib.CONSTANT_INIT.items():
+      np.testing.assert_array_equal(variables["params"][name], start)
+    layer = moe_flax.MoE(cfg, rngs=nnx.Rngs(0))
+    for name, start in params_lib.CONSTANT_INIT.items():
+      np.testing.assert_array_equal(getattr(layer, name)[...], start)
 
   def test_linen_updates_bias_when_mutable(self):
     module = moe_flax.LinenMoE(CFG, backend="xla")

@@ -261,6 +261,7 @@ def moe_layer(
         params.get("correction_bias"),
         token_axes=token_axes,
         local_route=b.route,
+        **routing.router_extras(params),
     )
     return routed_experts(
         b,

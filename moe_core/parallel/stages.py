@@ -41,6 +41,7 @@ def route(
     *,
     token_axes: Sequence[str],
     local_route: Callable[..., routing.MoEAux] = routing.route,
+    **extras: jax.Array | None,
 ) -> routing.MoEAux:
   """`routing.route` on this shard's tokens, with global statistics.
 
@@ -58,12 +59,13 @@ def route(
     correction_bias: [E], replicated; iff `cfg.correction_bias`.
     token_axes: the mesh axes the tokens are sharded over.
     local_route: what routes this shard's tokens, (x, router, cfg,
-      correction_bias) -> `MoEAux` of `routing.route`'s meaning (a
-      backend's `route`); the statistics are then made global here.
+      correction_bias, **extras) -> `MoEAux` of `routing.route`'s meaning
+      (a backend's `route`); the statistics are then made global here.
+    **extras: `routing.route`'s optional router params, replicated.
   """
   validation.check_dropless(cfg)
   token_axes = tuple(token_axes)
-  aux = local_route(x, router, cfg, correction_bias)
+  aux = local_route(x, router, cfg, correction_bias, **extras)
   num_local = x.shape[0]
   num_tokens = num_local * math.prod(compat.axis_size(a) for a in token_axes)
   tokens_per_expert = psum(aux.tokens_per_expert, token_axes)
