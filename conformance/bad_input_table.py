@@ -413,8 +413,9 @@ _CONFIG_FIELDS = (
     ("routing_weights_on_input", "str", "y", TE(r"routing_weights_on_input")),
     ("sparsemixer_epsilon", "negative", -0.1, VE(r"sparsemixer_eps.*-0\.1")),
     ("router_bias", "int", 1, TE(r"router_bias must be a bool, got 1")),
+    ("expert_input_norm", "str", "yes", TE(r"expert_input_norm.*'yes'")),
     ("router_logit_softcap", "negative", -1.0, VE(r"softcap.*>= 0.*-1\.0")),
-    ("router_norm_epsilon", "zero", 0.0, VE(r"router_norm_eps.*> 0.*0\.0")),
+    ("input_norm_epsilon", "zero", 0.0, VE(r"input_norm_eps.*> 0.*0\.0")),
     ("router_input_scale", "inf", INF, VE(r"router_input_scale.*inf")),
     ("correction_bias_on", "unknown", "weights", VE(r"bias_on.*'weights'")),
 )

@@ -333,8 +333,8 @@ LAYER_CASES = (
 # "sum_top2"; routed_scaling_factor != 1; shared expert gated and ungated;
 # activations silu (the LAYER_CASES), gelu and gelu_tanh; the score
 # functions sqrtsoftplus and sparsemixer; a router bias, a logit soft-cap,
-# a correction bias on the logits, a router input norm with per-expert
-# output scales.
+# a correction bias on the logits, router and expert input norms with
+# per-expert output scales.
 _ROUTING_CONFIGS = {
     "softmax_norm_eps0_scaled": _cfg(
         norm_topk_prob=True, routed_scaling_factor=2.5
@@ -383,11 +383,13 @@ _ROUTING_CONFIGS = {
         correction_bias_on="logits",
         norm_topk_prob=True,
     ),
-    # Gemma 4's: the router's own input norm and scale, per-expert scales.
-    "router_input_norm_expert_scale": _cfg(
+    # Gemma 4's: the router's own input norm and scale, the experts' own
+    # input norm, per-expert output scales.
+    "gemma4_input_norms_expert_scale": _cfg(
         norm_topk_prob=True,
         router_input_norm=True,
         router_input_scale=32**-0.5,
+        expert_input_norm=True,
         expert_output_scale=True,
     ),
 }
@@ -499,7 +501,9 @@ def layer_inputs(case: LayerCase):
       params[name] = _normal(rng, shape, 1.0 if on_logits else 0.1)
     elif name == "router_bias":
       params[name] = _normal(rng, shape)
-    elif name in ("router_norm_scale", "expert_output_scale"):
+    elif name in ("router_norm_scale", "expert_norm_scale"):
+      params[name] = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    elif name == "expert_output_scale":
       params[name] = rng.uniform(0.5, 2.0, shape).astype(np.float32)
     else:
       params[name] = _normal(rng, shape, shape[-2] ** -0.5)

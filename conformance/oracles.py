@@ -158,7 +158,7 @@ def router_logits(x, params, cfg) -> np.ndarray:
   x = f64(x)
   if cfg.router_input_norm:
     rms = np.sqrt(
-        np.mean(x**2, axis=-1, keepdims=True) + cfg.router_norm_epsilon
+        np.mean(x**2, axis=-1, keepdims=True) + cfg.input_norm_epsilon
     )
     x = x / rms * f64(params["router_norm_scale"])
   x = x * cfg.router_input_scale
@@ -346,7 +346,8 @@ def shared_expert(x, params, cfg):
 
 
 def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
-  """y[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t]) (+ shared expert(x[t])).
+  """y[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t]) (+ shared expert(x[t])),
+  x the experts' input (RMS-normed where `cfg.expert_input_norm`).
 
   With cfg.routing_weights_on_input, sum_k FFN_{ids[t, k]}(w[t, k] * x[t]).
 
@@ -354,6 +355,11 @@ def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
   no grouping, no padding. x: [T, D]; returns [T, D] float64.
   """
   x = f64(x)
+  if cfg.expert_input_norm:  # The experts' own input norm.
+    rms = np.sqrt(
+        np.mean(x**2, axis=-1, keepdims=True) + cfg.input_norm_epsilon
+    )
+    x = x / rms * f64(params["expert_norm_scale"])
   ids = np.asarray(expert_ids)
   w = f64(combine_weights)
   y = np.zeros_like(x)

@@ -22,6 +22,7 @@ import jax
 from moe_core import backend as backend_lib
 from moe_core import config as config_lib
 from moe_core import ffn
+from moe_core import norms
 from moe_core import parallel
 from moe_core import registry
 from moe_core import routing
@@ -76,6 +77,8 @@ def moe_layer(
   if ep_options is not None:
     raise ValueError("ep_options needs a mesh, got mesh=None.")
   tokens = x.reshape(-1, cfg.hidden_size)
+  # The router sees the tokens; the experts their own norm, if any.
+  expert_tokens = norms.expert_input(tokens, params, cfg)
 
   def route_and_compute(b: backend_lib.Backend):
     # One backend for both ("auto" falls through as a whole). The inputs
@@ -84,8 +87,8 @@ def moe_layer(
     bias = params.get("correction_bias")
     extras = routing.router_extras(params)
     aux = b._route(tokens, params["router"], cfg, bias, **extras)
-    return b._routed_experts(params, tokens, aux, cfg), aux
+    return b._routed_experts(params, expert_tokens, aux, cfg), aux
 
   y, aux = registry.call_backend(backend, route_and_compute)
-  y = ffn.add_shared_expert(y, params, tokens, cfg)
+  y = ffn.add_shared_expert(y, params, expert_tokens, cfg)
   return y.reshape(x.shape), aux

@@ -57,9 +57,15 @@ class MoEConfig:
       choice only.
     router_input_norm: RMS-normalise the router's input with its own
       learned scale [D] (param "router_norm_scale"), distinct from the
-      experts' input (Gemma 4): x / sqrt(mean(x^2) + router_norm_epsilon)
+      experts' input (Gemma 4): x / sqrt(mean(x^2) + input_norm_epsilon)
       * router_norm_scale.
-    router_norm_epsilon: that norm's epsilon, a finite float > 0.
+    expert_input_norm: RMS-normalise the experts' input (routed and
+      shared) with its own learned scale [D] (param "expert_norm_scale"),
+      while the router sees x itself (or its own norm): Gemma 4's
+      pre_feedforward_layernorm_2, so that x is the block's un-normed
+      input.
+    input_norm_epsilon: the epsilon of both input norms, a finite
+      float > 0.
     router_input_scale: a fixed number multiplying the router's input
       (after the norm, if any; Gemma 4: hidden_size ** -0.5).
     expert_output_scale: a learned scale [E] (param
@@ -117,7 +123,8 @@ class MoEConfig:
   router_logit_softcap: float = 0.0
   correction_bias_on: str = "scores"
   router_input_norm: bool = False
-  router_norm_epsilon: float = 1e-6
+  expert_input_norm: bool = False
+  input_norm_epsilon: float = 1e-6
   router_input_scale: float = 1.0
   expert_output_scale: bool = False
   shared_ffn_size: int = 0
@@ -239,13 +246,18 @@ class MoEConfig:
 
 def _check_router_switches(cfg: MoEConfig) -> None:
   """The routing fields that came with issue 33's families."""
-  for name in ("router_bias", "router_input_norm", "expert_output_scale"):
+  for name in (
+      "router_bias",
+      "router_input_norm",
+      "expert_input_norm",
+      "expert_output_scale",
+  ):
     if not isinstance(getattr(cfg, name), bool):
       raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
   for name, low, strict in (
       ("sparsemixer_epsilon", 0, False),
       ("router_logit_softcap", 0, False),
-      ("router_norm_epsilon", 0, True),
+      ("input_norm_epsilon", 0, True),
   ):
     value = getattr(cfg, name)
     if not (

@@ -16,12 +16,12 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   """Name -> shape of every parameter `cfg` needs; each matrix is used x @ W.
 
   router [D, E]; correction_bias [E] (if enabled); router_bias [E],
-  router_norm_scale [D], expert_output_scale [E] (if their fields say so,
-  `_router_extras`); w_gate, w_up [E, D, F]; w_down [E, F, D]; b_gate, b_up
-  [E, F] and b_down [E, D] (if expert_bias); shared_w_gate, shared_w_up
-  [D, Fs], shared_w_down [Fs, D] (if shared_ffn_size); shared_gate [D, 1]
-  (if shared_expert_gate). A non-gated activation has no w_gate, b_gate or
-  shared_w_gate.
+  router_norm_scale [D], expert_norm_scale [D], expert_output_scale [E]
+  (if their fields say so, `_router_extras`); w_gate, w_up [E, D, F];
+  w_down [E, F, D]; b_gate, b_up [E, F] and b_down [E, D] (if expert_bias);
+  shared_w_gate, shared_w_up [D, Fs], shared_w_down [Fs, D] (if
+  shared_ffn_size); shared_gate [D, 1] (if shared_expert_gate). A non-gated
+  activation has no w_gate, b_gate or shared_w_gate.
   """
   if not isinstance(cfg, config_lib.MoEConfig):
     raise TypeError(f"cfg must be a moe_core.MoEConfig, got {type(cfg)}.")
@@ -95,21 +95,24 @@ def init_params(
   return params
 
 
-# Router params that start at a constant (a bias at 0, a scale at 1, so
+# Router and norm params that start at a constant (a bias at 0, a scale at 1, so
 # that a new block routes as it would without them).
 CONSTANT_INIT = {
     "router_bias": 0.0,
     "router_norm_scale": 1.0,
+    "expert_norm_scale": 1.0,
     "expert_output_scale": 1.0,
 }
 
 
 def _router_extras(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
-  """The optional router params: name -> shape, () where disabled."""
+  """The optional router and input-norm params: name -> shape, () where
+  disabled."""
   d, e = cfg.hidden_size, cfg.num_experts
   return {
       "router_bias": (e,) if cfg.router_bias else (),
       "router_norm_scale": (d,) if cfg.router_input_norm else (),
+      "expert_norm_scale": (d,) if cfg.expert_input_norm else (),
       "expert_output_scale": (e,) if cfg.expert_output_scale else (),
   }
 

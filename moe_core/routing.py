@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from moe_core import checks
 from moe_core import config as config_lib
+from moe_core import norms
 from moe_core import score_functions
 from moe_core import validation
 
@@ -181,15 +182,13 @@ def router_input(
 ) -> jax.Array:
   """The router's input, float32 [T, D]: x, RMS-normalised and scaled.
 
-  With `cfg.router_input_norm`, x / sqrt(mean(x^2) + router_norm_epsilon)
+  With `cfg.router_input_norm`, x / sqrt(mean(x^2) + input_norm_epsilon)
   * router_norm_scale [D] (Gemma 4's router norm, its own, not the
   experts'); then times the fixed `cfg.router_input_scale`.
   """
   x = x.astype(jnp.float32)
   if cfg.router_input_norm:
-    mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    x = x * jax.lax.rsqrt(mean_square + cfg.router_norm_epsilon)
-    x = x * router_norm_scale.astype(jnp.float32)
+    x = norms.rms_norm(x, router_norm_scale, cfg.input_norm_epsilon)
   if cfg.router_input_scale != 1.0:
     x = x * jnp.float32(cfg.router_input_scale)
   return x

@@ -759,7 +759,7 @@ class RouterSwitchTest(parameterized.TestCase):
         top_k=3,
         norm_topk_prob=True,
         router_input_norm=True,
-        router_norm_epsilon=1e-6,
+        input_norm_epsilon=1e-6,
         router_input_scale=_D**-0.5,
         expert_output_scale=True,
     )

@@ -128,6 +128,7 @@ LAYER_CASES = (
             router_logit_softcap=2.0,
             router_input_norm=True,
             router_input_scale=0.5,
+            expert_input_norm=True,
             expert_output_scale=True,
         ),
         16,

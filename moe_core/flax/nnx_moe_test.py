@@ -143,7 +143,10 @@ class LinenMoETest(absltest.TestCase):
 
   def test_linen_starts_router_biases_at_0_and_scales_at_1(self):
     cfg = CFG.replace(
-        router_bias=True, router_input_norm=True, expert_output_scale=True
+        router_bias=True,
+        router_input_norm=True,
+        expert_input_norm=True,
+        expert_output_scale=True,
     )
     variables = moe_flax.LinenMoE(cfg).init(
         jax.random.key(0), _tokens(jnp.float32)

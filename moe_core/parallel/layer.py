@@ -19,6 +19,7 @@ from moe_core import backend as backend_lib
 from moe_core import compat
 from moe_core import config as config_lib
 from moe_core import ffn
+from moe_core import norms
 from moe_core import params as params_lib
 from moe_core import registry
 from moe_core import routing
@@ -253,7 +254,7 @@ def moe_layer(
         for k, v in params.items()
     }
 
-  def route_and_compute(b: backend_lib.Backend, params, tokens):
+  def route_and_compute(b: backend_lib.Backend, params, tokens, expert_tokens):
     aux = stages.route(
         tokens,
         params["router"],
@@ -266,7 +267,7 @@ def moe_layer(
     return routed_experts(
         b,
         params,
-        tokens,
+        expert_tokens,
         aux,
         cfg,
         expert_axis=expert_axis,
@@ -276,11 +277,14 @@ def moe_layer(
     )
 
   def body(params, tokens):
+    # The router sees the tokens; the experts their own norm, if any.
+    expert_tokens = norms.expert_input(tokens, params, cfg)
     # One backend routes and computes ("auto" falls through as a whole).
     y, aux = registry.call_backend(
-        backend, lambda b: route_and_compute(b, params, tokens)
+        backend,
+        lambda b: route_and_compute(b, params, tokens, expert_tokens),
     )
-    return ffn.add_shared_expert(y, params, tokens, cfg), aux
+    return ffn.add_shared_expert(y, params, expert_tokens, cfg), aux
 
   aux_specs = routing.MoEAux(
       **{
