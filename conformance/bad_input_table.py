@@ -418,6 +418,8 @@ _CONFIG_FIELDS = (
     ("input_norm_epsilon", "zero", 0.0, VE(r"input_norm_eps.*> 0.*0\.0")),
     ("router_input_scale", "inf", INF, VE(r"router_input_scale.*inf")),
     ("correction_bias_on", "unknown", "weights", VE(r"bias_on.*'weights'")),
+    ("num_zero_experts", "negative", -1, VE(r"num_zero_experts.*>= 0.*-1")),
+    ("zero_expert_output", "unknown", "mean", VE(r"zero_expert_out.*'mean'")),
 )
 
 
@@ -442,6 +444,11 @@ _CONFIG = {
             "sparsemixer_norm",
             replace_args(score_func="sparsemixer", norm_topk_prob=True),
             VE(r"'sparsemixer'.*norm_topk_prob"),
+        ),
+        (
+            "zero_experts_with_capacity",
+            replace_args(num_zero_experts=2, capacity_factor=1.0),
+            VE(r"num_zero_experts > 0 needs.*capacity_factor=1\.0"),
         ),
         (
             "bias_on_logits_without_bias",

@@ -354,7 +354,8 @@ class BackendTestCase(parameterized.TestCase):
     """Every aux field has its contract shape and dtype and equals the
     reference's: integers and masks exactly, floats to float32 rounding
     (the contract only, for the oracle itself)."""
-    t, e, k = case.num_tokens, case.cfg.num_experts, case.cfg.top_k
+    # The router's width: E plus any zero experts.
+    t, e, k = case.num_tokens, case.cfg.num_router_experts, case.cfg.top_k
     contract = {
         "router_logits": ((t, e), np.float32),
         "router_probs": ((t, e), np.float32),

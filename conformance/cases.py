@@ -334,7 +334,7 @@ LAYER_CASES = (
 # activations silu (the LAYER_CASES), gelu and gelu_tanh; the score
 # functions sqrtsoftplus and sparsemixer; a router bias, a logit soft-cap,
 # a correction bias on the logits, router and expert input norms with
-# per-expert output scales.
+# per-expert output scales; zero experts returning x or nothing.
 _ROUTING_CONFIGS = {
     "softmax_norm_eps0_scaled": _cfg(
         norm_topk_prob=True, routed_scaling_factor=2.5
@@ -391,6 +391,21 @@ _ROUTING_CONFIGS = {
         router_input_scale=32**-0.5,
         expert_input_norm=True,
         expert_output_scale=True,
+    ),
+    # LongCat-Flash's: identity experts besides the 8 FFN experts, chosen
+    # through the correction bias, the routing weights scaled.
+    "zero_experts_identity_bias_scaled": _cfg(
+        top_k=3,
+        num_zero_experts=4,
+        correction_bias=True,
+        routed_scaling_factor=2.0,
+    ),
+    # Zaya's skip expert: chosen, it adds nothing.
+    "zero_expert_skip_sigmoid_norm": _cfg(
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        num_zero_experts=1,
+        zero_expert_output="zero",
     ),
 }
 # 16 tokens through each, differentiated too. Seeds 20, 21, ... in order (a

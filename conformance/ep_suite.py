@@ -121,6 +121,13 @@ _ROUTER_PARAMS = _pick(
     lambda c: c.cfg.router_input_norm and c.cfg.expert_output_scale,
 )
 
+# Zero experts: their copies travel with weight 0, their x is added back.
+_ZERO_EXPERTS = _pick(
+    "zero experts",
+    lambda c: c.cfg.zero_expert_output == "identity"
+    and c.cfg.num_zero_experts > 0,
+)
+
 
 def _product(case_list, mesh_names, exchange="padded"):
   return [
@@ -140,7 +147,7 @@ _ALL_MESHES = [m.name for m in MESHES]
 EP_CASES = (
     _product((_BASE, _COLD, _HOT), _ALL_MESHES)
     + _product((_BF16, _DEEPSEEK), ("ep8", "data2_ep4"))
-    + _product((_ROUTER_PARAMS,), ("ep8",))
+    + _product((_ROUTER_PARAMS, _ZERO_EXPERTS), ("ep8",))
     # The ragged layout (ragged_all_to_all on GPU/TPU) through its all_gather
     # emulation, which runs anywhere.
     + _product((_BASE,), ("ep8",), "ragged_emulated")

@@ -365,6 +365,10 @@ def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
   y = np.zeros_like(x)
   for t in range(x.shape[0]):
     for k in range(ids.shape[1]):
+      if ids[t, k] >= cfg.num_experts:  # A zero expert: x itself, or 0.
+        if cfg.zero_expert_output == "identity":
+          y[t] += w[t, k] * x[t]
+        continue
       if w[t, k] == 0.0:  # A dropped copy has weight 0 and adds nothing.
         continue
       if getattr(cfg, "routing_weights_on_input", False):

@@ -87,7 +87,13 @@ def moe_layer(
     bias = params.get("correction_bias")
     extras = routing.router_extras(params)
     aux = b._route(tokens, params["router"], cfg, bias, **extras)
-    return b._routed_experts(params, expert_tokens, aux, cfg), aux
+    routed_aux, zero_weights = aux, None
+    if cfg.num_zero_experts:
+      routed_aux, zero_weights = routing.split_zero_experts(aux, cfg)
+    y = b._routed_experts(params, expert_tokens, routed_aux, cfg)
+    if zero_weights is not None:
+      y = y + routing.zero_expert_output(zero_weights, expert_tokens, cfg)
+    return y, aux
 
   y, aux = registry.call_backend(backend, route_and_compute)
   y = ffn.add_shared_expert(y, params, expert_tokens, cfg)

@@ -505,7 +505,7 @@ class Backend(abc.ABC):
     return self._dispatch(x, aux, cfg)
 
   def _dispatch(self, x, aux, cfg) -> permute.Dispatched:
-    kept = None if cfg.dropless else aux.kept
+    kept = aux.kept if cfg.masks_copies else None
     plan = permute.plan_unchecked(aux.expert_ids, cfg.num_experts, kept)
     return self._gather(x, plan)
 
@@ -518,7 +518,7 @@ class Backend(abc.ABC):
   ) -> jax.Array:
     """Undoes `dispatch`, weighting each copy: [T*K, D] -> [T, D]."""
     validation.check_combine_stage(expert_out, dispatched, aux, cfg)
-    kept = None if cfg.dropless else aux.kept
+    kept = aux.kept if cfg.masks_copies else None
     return self._combine(expert_out, dispatched, aux.combine_weights, kept)
 
   def _gather(
@@ -566,7 +566,7 @@ class Backend(abc.ABC):
     `_routing_weights_in_down`, or on its input rows where
     cfg.routing_weights_on_input), combine."""
     dispatched = self._dispatch(x, aux, cfg)
-    kept = None if cfg.dropless else aux.kept
+    kept = aux.kept if cfg.masks_copies else None
     ones = jnp.ones_like(aux.combine_weights)
     if cfg.routing_weights_on_input:
       # Llama 4: each copy enters its expert scaled by its weight (in

@@ -13,6 +13,7 @@ SCORE_FUNCS = tuple(score_functions.SCORE_FUNCTIONS)
 GROUP_SCORES = ("max", "sum_top2")
 # The built-in activations; `moe_core.activations` registers more.
 CORRECTION_BIAS_ON = ("scores", "logits")
+ZERO_EXPERT_OUTPUTS = ("identity", "zero")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
@@ -68,6 +69,12 @@ class MoEConfig:
       float > 0.
     router_input_scale: a fixed number multiplying the router's input
       (after the norm, if any; Gemma 4: hidden_size ** -0.5).
+    num_zero_experts: Z extra experts the router may choose that run no
+      FFN (LongCat-Flash, Zaya): the router and its [E] params are
+      [E + Z] wide, and ids E..E+Z-1 are these. Dropless and ungrouped only.
+    zero_expert_output: what a zero expert returns: "identity", the
+      experts' input scaled by its combine weight (LongCat-Flash), or
+      "zero", nothing (Zaya's skip expert).
     expert_output_scale: a learned scale [E] (param
       "expert_output_scale") multiplying each chosen expert's combine
       weight, after normalisation and routed_scaling_factor (Gemma 4).
@@ -127,6 +134,8 @@ class MoEConfig:
   input_norm_epsilon: float = 1e-6
   router_input_scale: float = 1.0
   expert_output_scale: bool = False
+  num_zero_experts: int = 0
+  zero_expert_output: str = "identity"
   shared_ffn_size: int = 0
   shared_expert_gate: bool = False
   activation: str = "silu"
@@ -226,6 +235,17 @@ class MoEConfig:
     return self.capacity_factor is None
 
   @property
+  def num_router_experts(self) -> int:
+    """The router's width: E routed experts plus the Z zero experts."""
+    return self.num_experts + self.num_zero_experts
+
+  @property
+  def masks_copies(self) -> bool:
+    """Whether some token copies skip the expert FFN (`MoEAux.kept`
+    False): dropped by capacity, or sent to a zero expert."""
+    return self.capacity_factor is not None or self.num_zero_experts > 0
+
+  @property
   def experts_per_group(self) -> int:
     return self.num_experts // self.n_group
 
@@ -275,6 +295,20 @@ def _check_router_switches(cfg: MoEConfig) -> None:
   _check_choice(
       "correction_bias_on", cfg.correction_bias_on, CORRECTION_BIAS_ON
   )
+  _check_int(cfg, "num_zero_experts", minimum=0)
+  _check_choice(
+      "zero_expert_output", cfg.zero_expert_output, ZERO_EXPERT_OUTPUTS
+  )
+  if cfg.num_zero_experts:
+    for name, value, ok in (
+        ("capacity_factor", cfg.capacity_factor, cfg.capacity_factor is None),
+        ("n_group", cfg.n_group, cfg.n_group == 1),
+    ):
+      if not ok:
+        raise ValueError(
+            "num_zero_experts > 0 needs a dropless, ungrouped router "
+            f"(capacity_factor=None, n_group=1), got {name}={value!r}."
+        )
   if cfg.correction_bias_on != "scores" and not cfg.correction_bias:
     raise ValueError(
         f"correction_bias_on={cfg.correction_bias_on!r} needs "

@@ -15,7 +15,8 @@ BIAS_NAMES = ("b_gate", "b_up", "b_down")
 def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   """Name -> shape of every parameter `cfg` needs; each matrix is used x @ W.
 
-  router [D, E]; correction_bias [E] (if enabled); router_bias [E],
+  router [D, E]; correction_bias [E] (if enabled) (E + num_zero_experts
+  for the router and its [E] params); router_bias [E],
   router_norm_scale [D], expert_norm_scale [D], expert_output_scale [E]
   (if their fields say so, `_router_extras`); w_gate, w_up [E, D, F];
   w_down [E, F, D]; b_gate, b_up [E, F] and b_down [E, D] (if expert_bias);
@@ -26,9 +27,10 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   if not isinstance(cfg, config_lib.MoEConfig):
     raise TypeError(f"cfg must be a moe_core.MoEConfig, got {type(cfg)}.")
   d, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_ffn_size
-  shapes = {"router": (d, e)}
+  # The router's [E] params span the zero experts too.
+  shapes = {"router": (d, cfg.num_router_experts)}
   if cfg.correction_bias:
-    shapes["correction_bias"] = (e,)
+    shapes["correction_bias"] = (cfg.num_router_experts,)
   shapes.update(
       {name: shape for name, shape in _router_extras(cfg).items() if shape}
   )
@@ -108,7 +110,7 @@ CONSTANT_INIT = {
 def _router_extras(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   """The optional router and input-norm params: name -> shape, () where
   disabled."""
-  d, e = cfg.hidden_size, cfg.num_experts
+  d, e = cfg.hidden_size, cfg.num_router_experts
   return {
       "router_bias": (e,) if cfg.router_bias else (),
       "router_norm_scale": (d,) if cfg.router_input_norm else (),

@@ -35,7 +35,8 @@ class MoEAux:
     kept: [T, K] bool, False where capacity dropped the assignment or it is
       invalid (all True when dropless and every score is finite).
     tokens_per_expert: [E] int32, valid assignments the router made per
-      expert, before any capacity drop; sums to T*K - invalid_assignments.
+      expert, before any capacity drop; sums to T*K - invalid_assignments
+      ([E + Z] with Z zero experts, theirs last).
     load_balancing_loss: scalar float32, Switch-style E * sum_e f_e * P_e
       with f_e = tokens_per_expert / (T*K) and P_e = mean router_probs; 1.0
       at perfect balance.
@@ -411,17 +412,20 @@ def aux_from_choice(
   if capacity is None:
     kept = jnp.broadcast_to(valid[:, None], expert_ids.shape)
   else:
-    kept = capacity_keep_mask(expert_ids, cfg.num_experts, capacity, valid)
+    kept = capacity_keep_mask(
+        expert_ids, cfg.num_router_experts, capacity, valid
+    )
   # Dropped: weight 0. Invalid: NaN, which no mask downstream can hide.
   weights = jnp.where(kept, weights, 0.0)
   weights = checks.nan_rows(~valid, weights)
 
-  valid_ids = jnp.where(valid[:, None], expert_ids, cfg.num_experts)
+  num_router_experts = cfg.num_router_experts  # E, plus any zero experts.
+  valid_ids = jnp.where(valid[:, None], expert_ids, num_router_experts)
   tokens_per_expert = jnp.bincount(
-      valid_ids.reshape(-1), length=cfg.num_experts
+      valid_ids.reshape(-1), length=num_router_experts
   ).astype(jnp.int32)
   fraction = tokens_per_expert.astype(jnp.float32) / (num_tokens * cfg.top_k)
-  load_balancing_loss = cfg.num_experts * jnp.sum(
+  load_balancing_loss = num_router_experts * jnp.sum(
       fraction * scored.probs.mean(axis=0)
   )
   router_z_loss = jnp.mean(jax.nn.logsumexp(scored.logits, axis=-1) ** 2)
@@ -459,6 +463,66 @@ def _finite_selection(logits: jax.Array, choice: jax.Array) -> jax.Array:
       jnp.sum(~valid),
   )
   return valid
+
+
+def split_zero_experts(
+    aux: MoEAux, cfg: config_lib.MoEConfig
+) -> tuple[MoEAux, jax.Array]:
+  """(the choice of the E routed experts, [T, K] zero-expert weights).
+
+  With `cfg.num_zero_experts`, ids E..E+Z-1 are experts that run no FFN.
+  The first result is `aux` with those copies not kept (their ids folded
+  into [0, E), their weights 0), for `Backend.routed_experts`; the second
+  holds their combine weights (0 for the other copies, NaN where the token
+  is invalid), with which `zero_expert_output` adds the experts' input
+  ("identity") or nothing ("zero").
+  """
+  zero = aux.expert_ids >= cfg.num_experts
+  routed = dataclasses.replace(
+      aux,
+      expert_ids=jnp.where(
+          zero, aux.expert_ids % cfg.num_experts, aux.expert_ids
+      ),
+      combine_weights=jnp.where(zero, 0.0, aux.combine_weights),
+      kept=aux.kept & ~zero,
+  )
+  return routed, jnp.where(zero, aux.combine_weights, 0.0)
+
+
+def rejoin_zero_experts(
+    aux: MoEAux, routed: MoEAux, cfg: config_lib.MoEConfig
+) -> MoEAux:
+  """`routed` (`split_zero_experts`' first result, as the expert stage
+  returned it) with `aux`'s zero-expert copies put back: their ids, weights
+  and kept."""
+  zero = aux.expert_ids >= cfg.num_experts
+  return dataclasses.replace(
+      routed,
+      expert_ids=aux.expert_ids,
+      combine_weights=jnp.where(
+          zero, aux.combine_weights, routed.combine_weights
+      ),
+      kept=jnp.where(zero, aux.kept, routed.kept),
+  )
+
+
+def zero_expert_output(
+    zero_weights: jax.Array, expert_tokens: jax.Array, cfg: config_lib.MoEConfig
+) -> jax.Array | None:
+  """[T, D] what the zero experts add (in the tokens' dtype), or None.
+
+  "identity": sum_k zero_weights[:, k] * tokens (float32 sum); "zero":
+  nothing, except that a NaN weight (an invalid token) still makes its
+  row NaN.
+  """
+  if not cfg.num_zero_experts:
+    return None
+  total = jnp.sum(zero_weights, axis=-1, keepdims=True)
+  if cfg.zero_expert_output == "identity":
+    out = total * expert_tokens.astype(jnp.float32)
+  else:
+    out = jnp.broadcast_to(total * 0.0, expert_tokens.shape)
+  return out.astype(expert_tokens.dtype)
 
 
 def update_correction_bias(

@@ -215,8 +215,8 @@ def check_route(
   expert_output_scale [E], each given iff its config field says so."""
   check_config(cfg)
   check_token_matrix(x, cfg, "route")
-  check_array(router, "router", (cfg.hidden_size, cfg.num_experts))
-  e, d = cfg.num_experts, cfg.hidden_size
+  e, d = cfg.num_router_experts, cfg.hidden_size
+  check_array(router, "router", (d, e))
   optional = (
       ("correction_bias", correction_bias, (e,), "correction_bias"),
       ("router_bias", router_bias, (e,), "router_bias"),
@@ -286,7 +286,7 @@ def _stage_kept(aux, cfg):
   for a dropless config)."""
   check_config(cfg)
   check_aux(aux)
-  return None if cfg.dropless else aux.kept
+  return aux.kept if cfg.masks_copies else None
 
 
 def check_plan(expert_ids, num_experts, kept) -> None:
@@ -548,7 +548,7 @@ def check_routed_experts(
   check_aux(aux)
   check_routing(aux.expert_ids, aux.combine_weights, x.shape[0], cfg)
   check_plan(
-      aux.expert_ids, cfg.num_experts, None if cfg.dropless else aux.kept
+      aux.expert_ids, cfg.num_experts, aux.kept if cfg.masks_copies else None
   )
   if params is not None:
     num_local = check_expert_weights(params, cfg)

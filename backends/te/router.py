@@ -61,6 +61,11 @@ def choice(cfg: config_lib.MoEConfig) -> tuple[bool, str]:
         "TE's fused router scores with softmax or sigmoid only, not "
         f"score_func={cfg.score_func!r}"
     )
+  if cfg.num_zero_experts:
+    return False, (
+        "the fused router is not wired for zero experts "
+        f"(num_zero_experts={cfg.num_zero_experts})"
+    )
   if cfg.correction_bias_on != "scores":
     return False, (
         "TE's fused router adds its expert bias to the scores, not to the "

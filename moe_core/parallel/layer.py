@@ -264,17 +264,26 @@ def moe_layer(
         local_route=b.route,
         **routing.router_extras(params),
     )
-    return routed_experts(
+    routed_aux, zero_weights = aux, None
+    if cfg.num_zero_experts:
+      # The zero experts' copies still travel (to expert id mod E, weight
+      # 0): the exchange has no per-copy mask.
+      routed_aux, zero_weights = routing.split_zero_experts(aux, cfg)
+    y, routed_aux = routed_experts(
         b,
         params,
         expert_tokens,
-        aux,
+        routed_aux,
         cfg,
         expert_axis=expert_axis,
         token_axes=token_axes,
         options=inner_options,
         platform=platform,
     )
+    if zero_weights is None:
+      return y, routed_aux
+    y = y + routing.zero_expert_output(zero_weights, expert_tokens, cfg)
+    return y, routing.rejoin_zero_experts(aux, routed_aux, cfg)
 
   def body(params, tokens):
     # The router sees the tokens; the experts their own norm, if any.

@@ -71,7 +71,7 @@ def route(
   tokens_per_expert = psum(aux.tokens_per_expert, token_axes)
   fraction = tokens_per_expert.astype(jnp.float32) / (num_tokens * cfg.top_k)
   mean_probs = psum(aux.router_probs.sum(axis=0), token_axes) / num_tokens
-  load_balancing_loss = cfg.num_experts * jnp.sum(fraction * mean_probs)
+  load_balancing_loss = cfg.num_router_experts * jnp.sum(fraction * mean_probs)
   lse = jax.nn.logsumexp(aux.router_logits, axis=-1)
   router_z_loss = psum(jnp.sum(lse**2), token_axes) / num_tokens
   return dataclasses.replace(
