@@ -419,6 +419,7 @@ _CONFIG_FIELDS = (
     ("router_input_scale", "inf", INF, VE(r"router_input_scale.*inf")),
     ("correction_bias_on", "unknown", "weights", VE(r"bias_on.*'weights'")),
     ("num_zero_experts", "negative", -1, VE(r"num_zero_experts.*>= 0.*-1")),
+    ("hash_vocab_size", "negative", -5, VE(r"hash_vocab_size.*>= 0.*-5")),
     ("zero_expert_output", "unknown", "mean", VE(r"zero_expert_out.*'mean'")),
 )
 

@@ -11,6 +11,7 @@ import functools
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -450,6 +451,29 @@ FFN_VARIANTS = tuple(
     for seed, (name, cfg) in enumerate(_FFN_CONFIGS.items(), start=50)
 )
 
+# DeepSeek-V4's hash layers: experts from a table of 50 token ids.
+HASH_ROUTING_CASE = LayerCase(
+    "hash_sqrtsoftplus_norm_scaled",
+    _cfg(
+        hash_vocab_size=50,
+        score_func="sqrtsoftplus",
+        norm_topk_prob=True,
+        norm_epsilon=1e-20,
+        routed_scaling_factor=1.5,
+    ),
+    (16,),
+    grads=True,
+    seed=45,
+)
+
+
+def hash_token_ids(case: LayerCase) -> jax.Array:
+  """[T] int32 token ids in [0, V) for a hash-routing case."""
+  rng = np.random.default_rng(3000 + case.seed)
+  ids = rng.integers(0, case.cfg.hash_vocab_size, case.num_tokens)
+  return jnp.asarray(ids, jnp.int32)
+
+
 # capacity = ceil(capacity_factor * T * K / E) = 4 and 2 slots per expert.
 CAPACITY_CASES = (
     LayerCase("capacity_1.0", _cfg(capacity_factor=1.0), (16,), seed=40),
@@ -514,6 +538,9 @@ def layer_inputs(case: LayerCase):
       # Against logits (spread about 1) a larger bias than against scores.
       on_logits = cfg.correction_bias_on == "logits"
       params[name] = _normal(rng, shape, 1.0 if on_logits else 0.1)
+    elif name == "hash_table":  # K distinct experts per token id.
+      params[name] = np.argsort(rng.random((shape[0], cfg.num_router_experts)))
+      params[name] = params[name][:, : shape[1]].astype(np.int32)
     elif name == "router_bias":
       params[name] = _normal(rng, shape)
     elif name in ("router_norm_scale", "expert_norm_scale"):
@@ -532,10 +559,13 @@ def layer_inputs(case: LayerCase):
   cotangent = _normal(rng, x.shape)
   dtype = jnp.dtype(case.dtype)
   params = {
-      n: jnp.asarray(v, jnp.float32 if n == "correction_bias" else dtype)
-      for n, v in params.items()
+      n: jnp.asarray(v, _PARAM_DTYPES.get(n, dtype)) for n, v in params.items()
   }
   return params, jnp.asarray(x, dtype), jnp.asarray(cotangent)
+
+
+# The params that keep their dtype whatever the case's: routing state.
+_PARAM_DTYPES = {"correction_bias": jnp.float32, "hash_table": jnp.int32}
 
 
 # --- Single stages -----------------------------------------------------------

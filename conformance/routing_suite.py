@@ -194,6 +194,67 @@ class RoutingSuite(base.BackendTestCase):
           "the case's correction bias should change some token's experts",
       )
 
+  def test_hash_routing_takes_the_tables_experts(self):
+    """DeepSeek-V4's hash layers: the experts are the table's row of each
+    token id, weighted by their renormalised sqrt(softplus) scores; y and
+    the gradients of x and the float params equal the reference's."""
+    case = cases.HASH_ROUTING_CASE
+    cfg = case.cfg
+    params, x, cotangent = cases.layer_inputs(case)
+    token_ids = cases.hash_token_ids(case)
+    floats = {n: v for n, v in params.items() if n != "hash_table"}
+
+    def loss(floats, x, backend):
+      y, aux = moe_core.moe_layer(
+          dict(floats, hash_table=params["hash_table"]),
+          x,
+          cfg,
+          backend=backend,
+          token_ids=token_ids,
+      )
+      return jnp.sum(y.astype(jnp.float32) * cotangent), (y, aux)
+
+    def run(backend):
+      fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+      (_, (y, aux)), (d_floats, d_x) = jax.jit(fn, static_argnums=2)(
+          floats, x, backend
+      )
+      return np.asarray(y), aux, dict(d_floats, x=d_x)
+
+    y, aux, grads = run(self.backend)
+    ids = np.asarray(params["hash_table"])[np.asarray(token_ids)]
+    np.testing.assert_array_equal(aux.expert_ids, ids)
+    logits = oracles.router_logits(x, params, cfg)
+    want = oracles.renormalised(logits, ids, cfg) * cfg.routed_scaling_factor
+    problem = tolerances.violation(
+        aux.combine_weights, want, tolerances.TABLE["float32"]["forward"]
+    )
+    self.assertIsNone(problem, f"combine_weights vs numpy: {problem}")
+    self.assertClose(
+        y,
+        oracles.layer_from_routing(params, x, ids, aux.combine_weights, cfg),
+        case.dtype,
+        msg="y vs per-token float64 recomputation",
+    )
+    if not self.is_oracle():
+      _, _, want_grads = run(moe_core.get_backend("reference"))
+      for name, g in grads.items():
+        with self.subTest(name):
+          self.assertClose(g, want_grads[name], case.dtype, "gradient")
+
+  def test_hash_routing_token_id_out_of_range_is_invalid(self):
+    case = cases.HASH_ROUTING_CASE
+    params, x, _ = cases.layer_inputs(case)
+    token_ids = cases.hash_token_ids(case).at[3].set(case.cfg.hash_vocab_size)
+    y, aux = jax.jit(
+        lambda p, x, t: moe_core.moe_layer(
+            p, x, case.cfg, backend=self.backend, token_ids=t
+        )
+    )(params, x, token_ids)
+    self.assertEqual(int(aux.invalid_assignments), case.cfg.top_k)
+    self.assertTrue(np.all(np.isnan(np.asarray(y)[3])))
+    self.assertTrue(np.all(np.isfinite(np.delete(np.asarray(y), 3, 0))))
+
   @parameterized.named_parameters(*EXTREME_CONFIGS.items())
   def test_extreme_finite_logits_give_finite_outputs(self, cfg):
     """Finite logits, however large (here up to 1e4 in magnitude, sigmoid

@@ -39,6 +39,7 @@ def moe_layer(
     expert_axis: str = "expert",
     data_axes: Sequence[str] = ("data",),
     ep_options: parallel.EPOptions | None = None,
+    token_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, routing.MoEAux]:
   """Applies one MoE block.
 
@@ -58,12 +59,21 @@ def moe_layer(
     expert_axis: the mesh axis the experts are split over.
     data_axes: further mesh axes the tokens are split over (() for none).
     ep_options: `parallel.EPOptions` (exchange, bounded buffers, chunks).
+    token_ids: [...] int, x's token ids (x.shape[:-1]); required iff
+      `cfg.hash_vocab_size` (hash routing; one device only for now).
 
   Returns:
     y [..., D] in x's dtype, and the `MoEAux` of the routing.
   """
   validation.check_moe_layer(params, x, cfg)
+  validation.check_token_ids(token_ids, x.size // cfg.hidden_size, cfg)
   if mesh is not None:
+    if token_ids is not None:
+      raise NotImplementedError(
+          "hash routing (hash_vocab_size="
+          f"{cfg.hash_vocab_size}) under expert parallelism (mesh=...) is "
+          "not implemented: token_ids would need the tokens' sharding."
+      )
     return parallel.moe_layer(
         params,
         x,
@@ -86,6 +96,8 @@ def moe_layer(
     # the config names), and route's aux is valid: the unchecked stages.
     bias = params.get("correction_bias")
     extras = routing.router_extras(params)
+    if token_ids is not None:
+      extras["token_ids"] = token_ids.reshape(-1)
     aux = b._route(tokens, params["router"], cfg, bias, **extras)
     routed_aux, zero_weights = aux, None
     if cfg.num_zero_experts:

@@ -75,6 +75,12 @@ class MoEConfig:
     zero_expert_output: what a zero expert returns: "identity", the
       experts' input scaled by its combine weight (LongCat-Flash), or
       "zero", nothing (Zaya's skip expert).
+    hash_vocab_size: V > 0 routes by token id (DeepSeek-V4's hash
+      layers): the experts of a token are row token_id of a fixed int32
+      table [V, K] (param "hash_table", not learned), and `moe_layer` then
+      needs `token_ids`; the weights are the chosen experts' scores,
+      normalised and scaled as the config says. 0 (the default): the
+      router chooses. Takes no correction bias, groups or sparsemixer.
     expert_output_scale: a learned scale [E] (param
       "expert_output_scale") multiplying each chosen expert's combine
       weight, after normalisation and routed_scaling_factor (Gemma 4).
@@ -134,6 +140,7 @@ class MoEConfig:
   input_norm_epsilon: float = 1e-6
   router_input_scale: float = 1.0
   expert_output_scale: bool = False
+  hash_vocab_size: int = 0
   num_zero_experts: int = 0
   zero_expert_output: str = "identity"
   shared_ffn_size: int = 0
@@ -295,6 +302,18 @@ def _check_router_switches(cfg: MoEConfig) -> None:
   _check_choice(
       "correction_bias_on", cfg.correction_bias_on, CORRECTION_BIAS_ON
   )
+  _check_int(cfg, "hash_vocab_size", minimum=0)
+  if cfg.hash_vocab_size:
+    for name, value, ok in (
+        ("correction_bias", cfg.correction_bias, not cfg.correction_bias),
+        ("n_group", cfg.n_group, cfg.n_group == 1),
+        ("score_func", cfg.score_func, cfg.score_func != "sparsemixer"),
+    ):
+      if not ok:
+        raise ValueError(
+            "hash_vocab_size > 0 takes its experts from a table, so it takes "
+            f"no router choice settings, got {name}={value!r}."
+        )
   _check_int(cfg, "num_zero_experts", minimum=0)
   _check_choice(
       "zero_expert_output", cfg.zero_expert_output, ZERO_EXPERT_OUTPUTS

@@ -17,12 +17,12 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
 
   router [D, E]; correction_bias [E] (if enabled) (E + num_zero_experts
   for the router and its [E] params); router_bias [E],
-  router_norm_scale [D], expert_norm_scale [D], expert_output_scale [E]
-  (if their fields say so, `_router_extras`); w_gate, w_up [E, D, F];
-  w_down [E, F, D]; b_gate, b_up [E, F] and b_down [E, D] (if expert_bias);
-  shared_w_gate, shared_w_up [D, Fs], shared_w_down [Fs, D] (if
-  shared_ffn_size); shared_gate [D, 1] (if shared_expert_gate). A non-gated
-  activation has no w_gate, b_gate or shared_w_gate.
+  router_norm_scale [D], expert_norm_scale [D], expert_output_scale [E],
+  hash_table [V, K] int32 (if their fields say so, `_router_extras`);
+  w_gate, w_up [E, D, F]; w_down [E, F, D]; b_gate, b_up [E, F] and b_down
+  [E, D] (if expert_bias); shared_w_gate, shared_w_up [D, Fs], shared_w_down
+  [Fs, D] (if shared_ffn_size); shared_gate [D, 1] (if shared_expert_gate).
+  A non-gated activation has no w_gate, b_gate or shared_w_gate.
   """
   if not isinstance(cfg, config_lib.MoEConfig):
     raise TypeError(f"cfg must be a moe_core.MoEConfig, got {type(cfg)}.")
@@ -61,7 +61,8 @@ def init_params(
   being the contracted dimension; the correction bias starts at zero and stays
   float32 whatever `dtype` is (it is routing state, updated by a sign rule);
   expert biases start at zero, in `dtype`; the router bias starts at 0 and
-  the router's scales at 1 (`CONSTANT_INIT`).
+  the router's scales at 1 (`CONSTANT_INIT`); the hash table (int32) holds
+  K distinct random experts per token id.
 
   Args:
     key: a PRNG key (jax.random.key or the legacy uint32 [2] PRNGKey).
@@ -85,6 +86,9 @@ def init_params(
     if name in BIAS_NAMES:
       params[name] = jnp.zeros(shape, dtype)
       continue
+    if name == "hash_table":
+      params[name] = hash_table(keys[name], cfg)
+      continue
     if name in CONSTANT_INIT:
       params[name] = jnp.full(shape, CONSTANT_INIT[name], dtype)
       continue
@@ -107,6 +111,14 @@ CONSTANT_INIT = {
 }
 
 
+def hash_table(key: jax.Array, cfg: config_lib.MoEConfig) -> jax.Array:
+  """[V, K] int32: for each token id, K distinct experts drawn at random
+  (a stand-in; a checkpoint's table replaces it)."""
+  v, e = cfg.hash_vocab_size, cfg.num_router_experts
+  draws = jax.random.uniform(key, (v, e))
+  return jnp.argsort(draws, axis=-1)[:, : cfg.top_k].astype(jnp.int32)
+
+
 def _router_extras(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   """The optional router and input-norm params: name -> shape, () where
   disabled."""
@@ -116,6 +128,9 @@ def _router_extras(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
       "router_norm_scale": (d,) if cfg.router_input_norm else (),
       "expert_norm_scale": (d,) if cfg.expert_input_norm else (),
       "expert_output_scale": (e,) if cfg.expert_output_scale else (),
+      "hash_table": (
+          (cfg.hash_vocab_size, cfg.top_k) if cfg.hash_vocab_size else ()
+      ),
   }
 
 

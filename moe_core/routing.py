@@ -136,6 +136,7 @@ ROUTER_EXTRAS = {
     "router_bias": "router_bias",
     "router_norm_scale": "router_input_norm",
     "expert_output_scale": "expert_output_scale",
+    "hash_table": "hash_vocab_size",
 }
 
 
@@ -204,6 +205,8 @@ def router_scores(
     router_bias: jax.Array | None = None,
     router_norm_scale: jax.Array | None = None,
     expert_output_scale: jax.Array | None = None,
+    hash_table: jax.Array | None = None,
+    token_ids: jax.Array | None = None,
 ) -> RouterScores:
   """Checks the routing inputs and scores x [T, D] with router [D, E].
 
@@ -217,11 +220,16 @@ def router_scores(
       iff `cfg.router_input_norm`.
     expert_output_scale: [E], multiplies each chosen expert's combine
       weight; required iff `cfg.expert_output_scale`.
+    hash_table: [V, K] int32 expert ids per token id; required iff
+      `cfg.hash_vocab_size` (the choice's, not used for the scores).
+    token_ids: [T] int token ids; required iff `cfg.hash_vocab_size`.
   """
   extras = dict(
       router_bias=router_bias,
       router_norm_scale=router_norm_scale,
       expert_output_scale=expert_output_scale,
+      hash_table=hash_table,
+      token_ids=token_ids,
   )
   validation.check_route(x, router, cfg, correction_bias, **extras)
   return router_scores_unchecked(x, router, cfg, correction_bias, **extras)
@@ -236,8 +244,11 @@ def router_scores_unchecked(
     router_bias=None,
     router_norm_scale=None,
     expert_output_scale=None,
+    hash_table=None,
+    token_ids=None,
 ) -> RouterScores:
   """`router_scores` on validated arguments (of its types)."""
+  del hash_table, token_ids  # They choose experts; the scores are x's.
   logits = router_logits(router_input(x, cfg, router_norm_scale), router)
   if router_bias is not None:
     logits = logits + router_bias.astype(jnp.float32)
@@ -283,15 +294,22 @@ def route(
     router_bias: jax.Array | None = None,
     router_norm_scale: jax.Array | None = None,
     expert_output_scale: jax.Array | None = None,
+    hash_table: jax.Array | None = None,
+    token_ids: jax.Array | None = None,
 ) -> MoEAux:
   """Routes tokens: x [T, D], router [D, E] -> `MoEAux`, all in float32.
 
-  The arguments are `router_scores`'s, checked as there.
+  The arguments are `router_scores`'s, checked as there. With hash
+  routing (`cfg.hash_vocab_size`), token t's experts are
+  hash_table[token_ids[t]]; a token id outside [0, V) makes the token
+  invalid (NaN weights, counted), as a NaN in x does.
   """
   extras = dict(
       router_bias=router_bias,
       router_norm_scale=router_norm_scale,
       expert_output_scale=expert_output_scale,
+      hash_table=hash_table,
+      token_ids=token_ids,
   )
   validation.check_route(x, router, cfg, correction_bias, **extras)
   return route_unchecked(x, router, cfg, correction_bias, **extras)
@@ -301,7 +319,12 @@ def route_unchecked(x, router, cfg, correction_bias, **extras) -> MoEAux:
   """`route` on validated arguments (of its types); `extras` are
   `router_scores`' keywords."""
   scored = router_scores_unchecked(x, router, cfg, correction_bias, **extras)
-  expert_ids = select_experts(scored.choice, cfg)
+  if cfg.hash_vocab_size:
+    scored, expert_ids = _hashed_choice(
+        scored, extras["hash_table"], extras["token_ids"], cfg
+    )
+  else:
+    expert_ids = select_experts(scored.choice, cfg)
   chosen_weights = score_functions.SCORE_FUNCTIONS[
       cfg.score_func
   ].chosen_weights
@@ -313,6 +336,18 @@ def route_unchecked(x, router, cfg, correction_bias, **extras) -> MoEAux:
     weights = jnp.take_along_axis(scored.scores, expert_ids, axis=-1)
   weights = weights * cfg.routed_scaling_factor
   return aux_from_choice(scored, expert_ids, weights, cfg)
+
+
+def _hashed_choice(scored, hash_table, token_ids, cfg):
+  """(scored, [T, K] int32 ids) of DeepSeek-V4's hash routing: each token's
+  row of the fixed table; a token id outside [0, V) makes its choice NaN,
+  so the token is invalid."""
+  token_ids = token_ids.reshape(-1)
+  in_range = (token_ids >= 0) & (token_ids < cfg.hash_vocab_size)
+  rows = jnp.clip(token_ids, 0, cfg.hash_vocab_size - 1)
+  expert_ids = hash_table.astype(jnp.int32)[rows]
+  choice = jnp.where(in_range[:, None], scored.choice, jnp.nan)
+  return dataclasses.replace(scored, choice=choice), expert_ids
 
 
 def _renormalised_weights(

@@ -864,5 +864,48 @@ class ZeroExpertTest(parameterized.TestCase):
           _cfg(num_zero_experts=2, **{field: value})
 
 
+class HashRoutingTest(absltest.TestCase):
+  """DeepSeek-V4's hash router: experts from the table, weights scored."""
+
+  def test_matches_deepseek_v4_hash_router(self):
+    cfg = _cfg(
+        top_k=3,
+        hash_vocab_size=11,
+        score_func="sqrtsoftplus",
+        norm_topk_prob=True,
+        norm_epsilon=1e-20,
+        routed_scaling_factor=1.5,
+    )
+    x, router, _ = _inputs(cfg, seed=21)
+    table = moe_core.init_params(jax.random.key(1), cfg)["hash_table"]
+    self.assertEqual(table.dtype, jnp.int32)
+    token_ids = jnp.arange(_T, dtype=jnp.int32) % 11
+    aux = routing.route(x, router, cfg, hash_table=table, token_ids=token_ids)
+    ids = np.asarray(table)[np.asarray(token_ids)]
+    np.testing.assert_array_equal(aux.expert_ids, ids)
+    # DeepseekV4HashRouter: w = score_fn(logits)[ids]; w / (sum + 1e-20).
+    w = np.take_along_axis(
+        np.sqrt(np.log1p(np.exp(_logits(cfg, seed=21)))), ids, axis=-1
+    )
+    want = w / (w.sum(-1, keepdims=True) + 1e-20) * 1.5
+    np.testing.assert_allclose(aux.combine_weights, want, rtol=1e-5)
+
+  def test_needs_token_ids_and_a_table_of_expert_ids(self):
+    cfg = _cfg(hash_vocab_size=5)
+    x, router, _ = _inputs(cfg, seed=22)
+    table = jnp.zeros((5, 2), jnp.int32)
+    ids = jnp.zeros(_T, jnp.int32)
+    with self.assertRaisesRegex(ValueError, "token_ids must be given iff"):
+      routing.route(x, router, cfg, hash_table=table)
+    with self.assertRaisesRegex(ValueError, "hash_table must be given iff"):
+      routing.route(x, router, cfg, token_ids=ids)
+    with self.assertRaisesRegex(TypeError, "token_ids must be an int array"):
+      routing.route(x, router, cfg, hash_table=table, token_ids=ids * 1.0)
+    with self.assertRaisesRegex(ValueError, r"hash_table must hold .*\[0, 8\)"):
+      routing.route(x, router, cfg, hash_table=table + 8, token_ids=ids)
+    with self.assertRaisesRegex(ValueError, "hash_vocab_size > 0 .*correct"):
+      _cfg(hash_vocab_size=5, correction_bias=True)
+
+
 if __name__ == "__main__":
   absltest.main()

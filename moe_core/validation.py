@@ -66,6 +66,9 @@ def check_params(params, cfg: config_lib.MoEConfig) -> None:
     got = tuple(getattr(params[name], "shape", ()))
     if got != shape:
       raise ValueError(f"params[{name!r}] must have shape {shape}, got {got}.")
+    if name == "hash_table":  # Expert ids, not weights.
+      check_hash_table(params[name], cfg)
+      continue
     check_floating(params[name], f"params[{name!r}]")
   extra = sorted(set(params) - set(expected))
   if extra:
@@ -209,6 +212,8 @@ def check_route(
     router_bias=None,
     router_norm_scale=None,
     expert_output_scale=None,
+    hash_table=None,
+    token_ids=None,
 ) -> None:
   """route's x [T, D], router [D, E], correction_bias [E] (or None) and
   the optional router params: router_bias [E], router_norm_scale [D],
@@ -223,15 +228,64 @@ def check_route(
       ("router_norm_scale", router_norm_scale, (d,), "router_input_norm"),
       ("expert_output_scale", expert_output_scale, (e,), "expert_output_scale"),
   )
+  check_token_ids(token_ids, x.shape[0], cfg)
+  if bool(cfg.hash_vocab_size) != (hash_table is not None):
+    raise ValueError(
+        "hash_table must be given iff cfg.hash_vocab_size > 0, got "
+        f"cfg.hash_vocab_size={cfg.hash_vocab_size}, hash_table="
+        f"{'None' if hash_table is None else 'an array'}."
+    )
+  if hash_table is not None:
+    check_hash_table(hash_table, cfg)
   for name, value, shape, field in optional:
     if value is not None:
       check_array(value, name, shape)
-    if getattr(cfg, field) != (value is not None):
+    if bool(getattr(cfg, field)) != (value is not None):
       raise ValueError(
           f"{name} must be given iff cfg.{field} is True, got "
           f"cfg.{field}={getattr(cfg, field)}, {name}="
           f"{'None' if value is None else 'an array'}."
       )
+
+
+def check_hash_table(table, cfg: config_lib.MoEConfig) -> None:
+  """hash_table: int [V, K], concrete ids in [0, E + Z)."""
+  check_array(
+      table, "hash_table", (cfg.hash_vocab_size, cfg.top_k), floating=False
+  )
+  if not jnp.issubdtype(table.dtype, jnp.integer):
+    raise TypeError(
+        f"hash_table must be an int32 array, got dtype {_dtype_name(table)}."
+    )
+  ids = concrete_value(table)
+  e = cfg.num_router_experts
+  if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= e):
+    raise ValueError(
+        f"hash_table must hold expert ids in [0, {e}), got values in "
+        f"[{int(ids.min())}, {int(ids.max())}]."
+    )
+
+
+def check_token_ids(token_ids, num_tokens: int, cfg) -> None:
+  """token_ids: int [...] with one id per token, given iff hash routing."""
+  if bool(cfg.hash_vocab_size) != (token_ids is not None):
+    raise ValueError(
+        "token_ids must be given iff cfg.hash_vocab_size > 0, got "
+        f"cfg.hash_vocab_size={cfg.hash_vocab_size}, token_ids="
+        f"{'None' if token_ids is None else 'an array'}."
+    )
+  if token_ids is None:
+    return
+  check_is_array(token_ids, "token_ids")
+  if not jnp.issubdtype(token_ids.dtype, jnp.integer):
+    raise TypeError(
+        f"token_ids must be an int array, got dtype {_dtype_name(token_ids)}."
+    )
+  if token_ids.size != num_tokens:
+    raise ValueError(
+        f"token_ids must hold one id per token ({num_tokens}), got "
+        f"token_ids.shape={tuple(token_ids.shape)}."
+    )
 
 
 def check_expert_ids_in_range(expert_ids, num_experts: int) -> None:

@@ -61,6 +61,11 @@ def choice(cfg: config_lib.MoEConfig) -> tuple[bool, str]:
         "TE's fused router scores with softmax or sigmoid only, not "
         f"score_func={cfg.score_func!r}"
     )
+  if cfg.hash_vocab_size:
+    return False, (
+        "the fused router chooses by top-k, not from a hash table "
+        f"(hash_vocab_size={cfg.hash_vocab_size})"
+    )
   if cfg.num_zero_experts:
     return False, (
         "the fused router is not wired for zero experts "
