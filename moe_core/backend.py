@@ -478,9 +478,9 @@ class Backend(abc.ABC):
 
     Validates, then `_route`. `moe_layer` and the expert-parallel layer
     call the backend's `_route`, from the same backend that computes the
-    routed experts. `extras` are `routing.route`'s optional router params
-    (`routing.ROUTER_EXTRAS`: router_bias, router_norm_scale,
-    expert_output_scale).
+    routed experts. `extras` are `routing.route`'s optional keywords: the
+    router params of `routing.ROUTER_EXTRAS` (router_bias,
+    router_norm_scale, expert_output_scale, hash_table) and token_ids.
     """
     validation.check_route(x, router, cfg, correction_bias, **extras)
     return self._route(x, router, cfg, correction_bias, **extras)
@@ -555,7 +555,9 @@ class Backend(abc.ABC):
     """The routed experts' weighted output: x [T, D] -> [T, D].
 
     A token whose aux.expert_ids hold an id outside [0, E) (traced; concrete
-    ones raise) or whose combine weights hold NaN comes out as NaN.
+    ones raise) or whose combine weights hold NaN comes out as NaN. With
+    zero experts, pass `routing.split_zero_experts(aux, cfg)[0]` (the FFN
+    experts' share; `moe_layer` adds the zero experts' own).
     """
     validation.check_routed_experts(x, aux, cfg, params)
     return self._routed_experts(params, x, aux, cfg)

@@ -150,13 +150,14 @@ class TritonBackend(tile_backend.TileKernelBackend):
   # --- The routing weights in the down GEMM's epilogue ------------------------
 
   def _routing_weights_in_down(self, cfg: config_lib.MoEConfig, dtype) -> bool:
-    # With `fuse_routing_weights`, only dropless blocks of the unquantised
-    # recipe and of a dtype the kernels take: a capacity config's dropped
-    # copies, the quantised FFN (which never fuses) and other dtypes
+    # With `fuse_routing_weights`, only blocks that compute every copy, of
+    # the unquantised recipe and of a dtype the kernels take: a capacity
+    # config's dropped copies and zero experts' copies (masks_copies), the
+    # quantised FFN (which never fuses) and other dtypes
     # (NotImplementedError) keep the plain path.
     return (
         self.fuse_routing_weights
-        and cfg.dropless
+        and not cfg.masks_copies
         and cfg.precision == precision_lib.UNQUANTIZED
         and self._gathers(dtype)
     )
