@@ -654,6 +654,56 @@ def _emulated_backward(ct, logits, bias, spec):
   return vjp(ct)[0]
 
 
+class RouterChoiceTest(parameterized.TestCase):
+  """Which router switches TE's fused router takes (pure Python: runs
+  without TE). Refusals name the switch; `TEBackend._route` then uses the
+  library's router."""
+
+  def cfg(self, **fields):
+    base = dict(num_experts=_E, top_k=_K, hidden_size=_D, expert_ffn_size=_F)
+    return moe_core.MoEConfig(**{**base, **fields})
+
+  @parameterized.named_parameters(
+      ("sqrtsoftplus", dict(score_func="sqrtsoftplus"), "sqrtsoftplus"),
+      ("sparsemixer", dict(score_func="sparsemixer"), "sparsemixer"),
+      (
+          "bias_on_logits",
+          dict(
+              score_func="sigmoid",
+              correction_bias=True,
+              correction_bias_on="logits",
+              norm_topk_prob=True,
+              norm_epsilon=1e-20,
+          ),
+          "correction_bias_on='logits'",
+      ),
+      ("zero_experts", dict(num_zero_experts=2), "num_zero_experts=2"),
+      ("hash", dict(hash_vocab_size=4), "hash_vocab_size=4"),
+  )
+  def test_refuses_naming_the_switch(self, fields, switch):
+    # pylint: disable-next=g-import-not-at-top
+    from backends.te import router as router_lib
+
+    fused, why = router_lib.choice(self.cfg(**fields))
+    self.assertFalse(fused)
+    self.assertIn(switch, why)
+
+  def test_takes_the_switches_in_its_logits_and_weights(self):
+    # pylint: disable-next=g-import-not-at-top
+    from backends.te import router as router_lib
+
+    cfg = self.cfg(
+        norm_topk_prob=True,
+        router_bias=True,
+        router_logit_softcap=3.0,
+        router_input_norm=True,
+        router_input_scale=0.5,
+        expert_input_norm=True,
+        expert_output_scale=True,
+    )
+    self.assertEqual(router_lib.choice(cfg), (True, ""))
+
+
 class FusedRouterAuxTest(parameterized.TestCase):
   """The te backend's MoEAux from TE's router outputs, against route().
 
