@@ -11,9 +11,9 @@ from moe_core import score_functions
 
 SCORE_FUNCS = tuple(score_functions.SCORE_FUNCTIONS)
 GROUP_SCORES = ("max", "sum_top2")
-# The built-in activations; `moe_core.activations` registers more.
 CORRECTION_BIAS_ON = ("scores", "logits")
 ZERO_EXPERT_OUTPUTS = ("identity", "zero")
+# The built-in activations; `moe_core.activations` registers more.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
