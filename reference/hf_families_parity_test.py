@@ -66,6 +66,7 @@ _VARIANTS = (
         dict(norm_topk_prob=False, hidden_act="gelu"),
     ),
     ("qwen3_next_no_norm", "qwen3_next", dict(norm_topk_prob=False)),
+    ("nemotron_h_relu", "nemotron_h", dict(mlp_hidden_act="relu")),
     (
         "granitemoe_swa_no_shared",
         "granitemoe_swa",
@@ -127,7 +128,28 @@ _REFUSED_SETTINGS = (
             num_hidden_layers=2,
         ),
         1,
-        families.SWIGLU_CLAMP,
+        families.CLAMP_AFTER_ACTIVATION,
+    ),
+    (
+        "hy_v4_shared_expert",
+        "hy_v4",
+        dict(n_shared_experts=1),
+        None,
+        families.ROUTED_ONLY_CLAMP,
+    ),
+    (
+        "nemotron_h_latent",
+        "nemotron_h",
+        dict(moe_latent_size=16),
+        None,
+        families.LATENT_PROJECTIONS,
+    ),
+    (
+        "nemotron_h_mlp_bias",
+        "nemotron_h",
+        dict(mlp_bias=True),
+        None,
+        families.SHARED_BIASES,
     ),
 )
 

@@ -10,7 +10,7 @@ Attention, norms and the choice of which layers are sparse
 (`decoder_sparse_step`, `mlp_only_layers`, `first_k_dense_replace`) are out
 of scope. Nothing here imports torch: tensors are read through their own
 methods, and numpy arrays are accepted as well. Over 400 lines because it
-holds one reader per router kind and weight layout of 51 families; each is
+holds one reader per router kind and weight layout of 59 families; each is
 short, and splitting them would scatter the shared key handling.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from moe_core import activations as activations_lib
 from moe_core import config as config_lib
 from moe_core import params as params_lib
 
@@ -32,6 +33,10 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
 }
+
+# transformers activation -> dropless non-gated activation (Nemotron-H's
+# mlp_hidden_act: act(x W_up) W_down, no gate).
+_NON_GATED_ACTIVATIONS = {"relu": "relu", "relu2": "relu2"}
 
 # DeepSeek-V3 and its descendants add this to the top-k sum before dividing.
 _DEEPSEEK_V3_NORM_EPSILON = 1e-20
@@ -277,7 +282,9 @@ def _step3p7(c, layer_idx) -> dict:
     limit = _layer_value(c, name, layer_idx)
     if limit:
       raise _needs_switch(
-          "step3p7", families_lib.SWIGLU_CLAMP, f"{name}[{layer_idx}]={limit}"
+          "step3p7",
+          families_lib.CLAMP_AFTER_ACTIVATION,
+          f"{name}[{layer_idx}]={limit}",
       )
   return dict(
       num_experts=c.num_local_experts,
@@ -287,6 +294,120 @@ def _step3p7(c, layer_idx) -> dict:
       norm_topk_prob=True,
       routed_scaling_factor=float(c.moe_router_scaling_factor),
       shared_ffn_size=c.share_expert_dim,
+  )
+
+
+def _silu_only(model_type, c) -> None:
+  """Families whose routed experts always run silu, whatever hidden_act."""
+  act = _activation(getattr(c, "hidden_act", None))
+  if act != "silu":
+    raise NotImplementedError(
+        f"{model_type}'s routed experts always use silu and its shared "
+        "expert hidden_act; dropless gives both one activation, so "
+        f"hidden_act must be 'silu', got {c.hidden_act!r}."
+    )
+
+
+def _glm5_next(c) -> dict:
+  # The routed and the shared experts both clamp gate and up.
+  _silu_only("glm5_next", c)
+  return _deepseek_v3(c, activation="silu", swiglu_limit=float(c.swiglu_limit))
+
+
+def _hy_v4(model_type):
+  def convert(c) -> dict:
+    # The routed experts clamp; the shared expert does not.
+    if c.n_shared_experts:
+      raise _needs_switch(
+          model_type,
+          families_lib.ROUTED_ONLY_CLAMP,
+          f"n_shared_experts={c.n_shared_experts}",
+      )
+    return _deepseek_v3(
+        c,
+        shared_width=0,
+        activation="silu",
+        swiglu_limit=float(c.swiglu_limit),
+    )
+
+  return convert
+
+
+def _inkling2(model_type):
+  def convert(c) -> dict:
+    if c.scoring_func != "sigmoid":
+      raise NotImplementedError(
+          f"{model_type}'s scoring_func must be 'sigmoid' (the one dropless "
+          f"has among its ACT2FN choices), got {c.scoring_func!r}."
+      )
+    # Scores + bias for the choice, always normalised (+1e-20), scaled.
+    return dict(
+        num_experts=c.n_routed_experts,
+        expert_ffn_size=c.moe_intermediate_size,
+        score_func="sigmoid",
+        correction_bias=True,
+        norm_topk_prob=True,
+        norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
+        routed_scaling_factor=float(c.routed_scaling_factor),
+        activation="softcapped_silu",
+        gate_softcap=float(c.mlp_gate_softcap),
+        up_softcap=float(c.mlp_up_softcap),
+    )
+
+  return convert
+
+
+def _nemotron_h(c) -> dict:
+  if c.moe_latent_size is not None:
+    raise _needs_switch(
+        "nemotron_h",
+        families_lib.LATENT_PROJECTIONS,
+        f"moe_latent_size={c.moe_latent_size}",
+    )
+  if c.mlp_bias:
+    raise _needs_switch(
+        "nemotron_h", families_lib.SHARED_BIASES, "mlp_bias=True"
+    )
+  act = c.mlp_hidden_act
+  if act not in _NON_GATED_ACTIVATIONS:
+    raise NotImplementedError(
+        f"mlp_hidden_act must be one of {sorted(_NON_GATED_ACTIVATIONS)}, "
+        f"got {act!r}."
+    )
+  # NemotronHMLP falls back to intermediate_size for a width of 0.
+  shared = c.moe_shared_expert_intermediate_size or c.intermediate_size
+  return _deepseek_v3(
+      c, shared_width=shared, activation=_NON_GATED_ACTIVATIONS[act]
+  )
+
+
+def _minimax_m3_vl(c) -> dict:
+  # MiniMax-M2's router; GPT-OSS's clamped GLU in the routed and the shared
+  # experts; the scale multiplies the routed sum only.
+  return dict(
+      num_experts=c.num_local_experts,
+      expert_ffn_size=c.intermediate_size,
+      score_func="sigmoid",
+      correction_bias=True,
+      norm_topk_prob=True,
+      routed_scaling_factor=float(c.routed_scaling_factor),
+      shared_ffn_size=c.shared_intermediate_size or 0,
+      activation="gpt_oss_glu",
+      swiglu_alpha=float(c.swiglu_alpha),
+      swiglu_limit=float(c.swiglu_limit),
+  )
+
+
+def _llama4(c) -> dict:
+  # Top-k of the logits, then the sigmoid of each chosen logit (the same
+  # choice as top-k of sigmoid scores), never renormalised; the weight
+  # scales the expert's input.
+  return dict(
+      num_experts=c.num_local_experts,
+      expert_ffn_size=c.intermediate_size,
+      score_func="sigmoid",
+      routing_weights_on_input=True,
+      shared_ffn_size=c.intermediate_size,
   )
 
 
@@ -354,6 +475,7 @@ _CONVERTERS = {
     "glm4_moe": _deepseek_v3,
     "glm4_moe_lite": _deepseek_v3,
     "glm4v_moe": _deepseek_v3,
+    "glm5_next": _glm5_next,
     "glm_moe_dsa": _deepseek_v3,
     "granitemoe": lambda c: _softmax(
         c.num_local_experts, c.intermediate_size, True
@@ -386,6 +508,10 @@ _CONVERTERS = {
         routed_scaling_factor=float(c.router_scaling_factor),
         shared_ffn_size=c.moe_intermediate_size * (c.num_shared_experts or 0),
     ),
+    "hy_v4": _hy_v4("hy_v4"),
+    "hy_v4_vl": _hy_v4("hy_v4_vl"),
+    "inkling2": _inkling2("inkling2"),
+    "inkling2_loop": _inkling2("inkling2_loop"),
     "jamba": lambda c: _softmax(c.num_experts, c.intermediate_size, False),
     "kimi_linear": _deepseek_v3,
     "laguna": _laguna,
@@ -405,6 +531,7 @@ _CONVERTERS = {
         routed_scaling_factor=float(c.routed_scaling_factor),
         activation="silu",
     ),
+    "llama4": _llama4,
     "longcat_flash": _longcat_flash,
     "mellum": lambda c: _softmax(
         c.num_experts, c.moe_intermediate_size, c.norm_topk_prob
@@ -420,11 +547,13 @@ _CONVERTERS = {
         correction_bias=True,
         norm_topk_prob=True,
     ),
+    "minimax_m3_vl": _minimax_m3_vl,
     "mistral4": lambda c: _mistral4(c, c.norm_topk_prob),
     "mistral_large4": lambda c: _mistral4(c, True),
     "mixtral": lambda c: _softmax(
         c.num_local_experts, c.intermediate_size, True
     ),
+    "nemotron_h": _nemotron_h,
     "olmoe": lambda c: _softmax(
         c.num_experts, c.intermediate_size, c.norm_topk_prob
     ),
@@ -507,7 +636,8 @@ def moe_config_from_hf(
 
   Converted: expert count, top-k, widths, score function, top-k
   normalisation (and its epsilon), routed scaling, correction bias,
-  group-limited selection, shared expert and its gate, activation, for
+  group-limited selection, shared expert and its gate, activation (with
+  its clamp, soft caps or GPT-OSS alpha), routing weights on the input, for
   every family in `SUPPORTED_MODEL_TYPES` (docs/hf_families.md says how
   each maps).
 
@@ -590,9 +720,23 @@ BIAS_KEYS = (
 
 
 def _expert_stack(state_dict, prefix, cfg):
-  """[E, D, F] gate, [E, D, F] up, [E, F, D] down from any family's layout."""
+  """[E, D, F] gate, [E, D, F] up, [E, F, D] down from any family's layout.
+
+  The gate is None for a non-gated activation.
+  """
   e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
   fused = prefix + "experts.gate_up_proj"
+  if not activations_lib.get(cfg.activation).gated:
+    # Nemotron-H: up_proj [E, F, D], down_proj [E, D, F], no gate.
+    up_key = prefix + "experts.up_proj"
+    if up_key not in state_dict:
+      raise ValueError(
+          f"the non-gated activation={cfg.activation!r} needs '{up_key}' "
+          f"in state_dict; got keys {sorted(state_dict)[:8]}..."
+      )
+    up = _to_numpy(state_dict[up_key])
+    down = _to_numpy(state_dict[prefix + "experts.down_proj"])
+    return None, np.swapaxes(up, 1, 2), np.swapaxes(down, 1, 2)
   if fused in state_dict:
     gate_up = _to_numpy(state_dict[fused])
     down = _to_numpy(state_dict[prefix + "experts.down_proj"])
@@ -644,6 +788,21 @@ def _shared_expert(state_dict, prefix, cfg):
   """shared_w_gate/up [D, Fs], shared_w_down [Fs, D] from any layout."""
   for name in ("shared_expert.", "shared_experts.", "shared_mlp."):
     base = prefix + name
+    if (
+        base + "up_proj.weight" in state_dict
+        and not activations_lib.get(cfg.activation).gated
+    ):
+      # Nemotron-H: up_proj / down_proj, no gate.
+      return None, *(
+          _to_numpy(state_dict[f"{base}{n}.weight"]).T
+          for n in ("up_proj", "down_proj")
+      )
+    if base + "gate_up_proj.weight" in state_dict:
+      # MiniMax-M3: gate_up_proj [2Fs, D], gate rows then up rows.
+      fused = _to_numpy(state_dict[base + "gate_up_proj.weight"])
+      half = fused.shape[0] // 2
+      down = _to_numpy(state_dict[base + "down_proj.weight"])
+      return fused[:half].T, fused[half:].T, down.T
     if base + "gate_proj.weight" in state_dict:
       return tuple(
           _to_numpy(state_dict[f"{base}{n}.weight"]).T
@@ -711,6 +870,12 @@ def params_from_hf(
     experts.{e}.{w1,w3,w2}.weight           -> the same (Mixtral checkpoints)
     {shared_expert,shared_experts,shared_mlp}.{gate,up,down}_proj.weight
                                             -> shared_w_* [in, out]
+    experts.up_proj [E, F, D], experts.down_proj [E, D, F]
+                                            -> w_up, w_down (non-gated
+      activation, Nemotron-H: no w_gate)
+    shared_experts.gate_up_proj.weight [2Fs, D]
+                                            -> shared_w_gate, shared_w_up
+      (MiniMax-M3: gate rows first); non-gated: shared_experts.{up,down}_proj
     shared_mlp.input_linear.weight [2Fs, D] -> shared_w_gate, shared_w_up
       (Granite: gate rows first), shared_mlp.output_linear.weight
       [D, Fs] -> shared_w_down
@@ -750,6 +915,8 @@ def params_from_hf(
       params["shared_gate"] = _to_numpy(
           state_dict[prefix + "shared_expert_gate.weight"]
       ).T
+  # A non-gated activation has no gate matrices.
+  params = {k: v for k, v in params.items() if v is not None}
   out = {}
   for name, value in params.items():
     if value.shape != want[name]:

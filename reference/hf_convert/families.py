@@ -49,6 +49,10 @@ ROUTER_WEIGHTED_SHARED = "router-weighted shared experts"
 ZERO_FILLED_GROUPS = "excluded groups filled with 0 under sigmoid + bias"
 TOKEN_TYPE_EXPERTS = "expert sets by token type"
 CAPACITY_POLICY = "2021-era capacity policy and token dropout"
+# Switches found missing while converting (not in issue 33's table).
+ROUTED_ONLY_CLAMP = "SwiGLU clamp on the routed experts only (shared unclamped)"
+CLAMP_AFTER_ACTIVATION = "SwiGLU clamp after the activation (act(gate) <= L)"
+SHARED_BIASES = "biases on the shared expert's linears"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +214,7 @@ FAMILIES: tuple[Family, ...] = (
         "by token id",
         "fused SwiGLU with clamp (swiglu_limit)",
         "shared_experts: one SwiGLU, ungated",
-        (SCORE_SQRTSOFTPLUS, SWIGLU_CLAMP, HASH_ROUTING),
+        (SCORE_SQRTSOFTPLUS, HASH_ROUTING),
     ),
     Family(
         "diffusion_gemma",
@@ -307,9 +311,9 @@ FAMILIES: tuple[Family, ...] = (
         "Glm5NextTextMoE",
         "Glm5NextTextConfig",
         _DS3,
-        "fused SwiGLU with clamp",
-        _DS_SHARED,
-        (SWIGLU_CLAMP,),
+        "fused SwiGLU (always silu) with clamp (swiglu_limit)",
+        _DS_SHARED + ", SwiGLU (hidden_act) with the same clamp",
+        note="supported with hidden_act='silu' (the default)",
     ),
     Family(
         "glm_moe_dsa",
@@ -327,7 +331,7 @@ FAMILIES: tuple[Family, ...] = (
         "clamped GLU (up + 1) * g * sigmoid(1.702 g), interleaved gate/up, "
         "biases",
         "-",
-        (GPT_OSS_GLU, EXPERT_BIASES, ROUTER_BIAS),
+        (ROUTER_BIAS,),
     ),
     Family(
         "granitemoe",
@@ -398,18 +402,26 @@ FAMILIES: tuple[Family, ...] = (
         "HYV4MoE",
         "HYV4Config",
         _DS3,
-        "fused SwiGLU with clamp",
-        _DS_SHARED,
-        (SWIGLU_CLAMP,),
+        "fused SwiGLU (always silu) with clamp (swiglu_limit)",
+        _DS_SHARED + ", not clamped",
+        note=(
+            "supported with n_shared_experts=0; the shared expert (the "
+            "default) is not clamped while the routed ones are, which needs: "
+        )
+        + ROUTED_ONLY_CLAMP,
     ),
     Family(
         "hy_v4_vl",
         "HYV4VLMoE",
         "HYV4VLTextConfig",
         _DS3,
-        "fused SwiGLU with clamp",
-        _DS_SHARED,
-        (SWIGLU_CLAMP,),
+        "fused SwiGLU (always silu) with clamp (swiglu_limit)",
+        _DS_SHARED + ", not clamped",
+        note=(
+            "supported with n_shared_experts=0; the shared expert (the "
+            "default) is not clamped while the routed ones are, which needs: "
+        )
+        + ROUTED_ONLY_CLAMP,
     ),
     Family(
         "inkling",
@@ -428,18 +440,19 @@ FAMILIES: tuple[Family, ...] = (
         "Inkling2TextConfig",
         "scoring_func (sigmoid by default) + bias (choice only), norm "
         "(+1e-20), x routed_scaling_factor",
-        "soft-capped SwiGLU",
+        "soft-capped SwiGLU: softcap(g) * sigmoid(g) * softcap(u) "
+        "(mlp_gate_softcap, mlp_up_softcap)",
         "-",
-        (SOFTCAP_SWIGLU,),
+        note="supported with scoring_func='sigmoid' (the default)",
     ),
     Family(
         "inkling2_loop",
         "Inkling2LoopSparseMoeBlock",
         "Inkling2LoopTextConfig",
         "as inkling2",
-        "soft-capped SwiGLU",
+        "as inkling2",
         "-",
-        (SOFTCAP_SWIGLU,),
+        note="supported with scoring_func='sigmoid' (the default)",
     ),
     Family(
         "jamba",
@@ -520,7 +533,6 @@ FAMILIES: tuple[Family, ...] = (
         "expert's input",
         "SwiGLU, gate_up_proj [E, D, 2F]",
         "shared_expert: intermediate_size, ungated",
-        (INPUT_SIDE_WEIGHTS,),
     ),
     Family(
         "longcat_flash",
@@ -574,8 +586,8 @@ FAMILIES: tuple[Family, ...] = (
         "MiniMaxM3VLTextConfig",
         "as minimax_m2, x routed_scaling_factor (after the combine)",
         "GPT-OSS clamped GLU with gate and up chunked (not interleaved)",
-        "shared_experts: shared_intermediate_size, the same clamped GLU",
-        (GPT_OSS_GLU,),
+        "shared_experts: shared_intermediate_size, the same clamped GLU "
+        "(gate_up_proj [2Fs, D], gate rows first)",
     ),
     Family(
         "mistral4",
@@ -621,11 +633,14 @@ FAMILIES: tuple[Family, ...] = (
         _DS3,
         "non-gated up_proj / down_proj with mlp_hidden_act (relu2: squared "
         "ReLU); fc1/fc2 latent projections when moe_latent_size is set",
-        "shared_experts: moe_shared_expert_intermediate_size, non-gated",
-        (NON_GATED_FFN,),
+        "shared_experts: moe_shared_expert_intermediate_size (0: "
+        "intermediate_size), non-gated, biases if mlp_bias",
         note=(
-            "with moe_latent_size set (not the default) it also needs: "
+            "supported with moe_latent_size unset and mlp_bias=False (the "
+            "defaults); moe_latent_size needs: "
             + LATENT_PROJECTIONS
+            + "; mlp_bias needs: "
+            + SHARED_BIASES
         ),
     ),
     Family(
@@ -635,7 +650,7 @@ FAMILIES: tuple[Family, ...] = (
         "top-2 with capacity and second-expert policy",
         "non-gated ReLU with biases",
         "-",
-        (NON_GATED_FFN, EXPERT_BIASES, CAPACITY_POLICY),
+        (CAPACITY_POLICY,),
     ),
     Family(
         "olmoe",
@@ -652,7 +667,7 @@ FAMILIES: tuple[Family, ...] = (
         "as gpt_oss",
         "as gpt_oss",
         "-",
-        (GPT_OSS_GLU, EXPERT_BIASES, ROUTER_BIAS),
+        (ROUTER_BIAS,),
     ),
     Family(
         "phimoe",
@@ -744,7 +759,8 @@ FAMILIES: tuple[Family, ...] = (
         note=(
             "supported layer by layer (moe_config_from_hf(..., layer_idx=i)) "
             "where swiglu_limits and swiglu_limits_shared are 0 or unset; "
-            "clamped layers need: " + SWIGLU_CLAMP
+            "clamped layers clamp silu(gate), not gate, which needs: "
+            + CLAMP_AFTER_ACTIVATION
         ),
     ),
     Family(
@@ -754,7 +770,7 @@ FAMILIES: tuple[Family, ...] = (
         "softmax -> top-1 with expert capacity",
         "non-gated ReLU (wi, wo)",
         "-",
-        (NON_GATED_FFN, CAPACITY_POLICY),
+        (CAPACITY_POLICY,),
     ),
     Family(
         "unlimited_ocr",

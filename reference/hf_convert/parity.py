@@ -96,6 +96,14 @@ _OVERRIDES = {
     "longcat_flash": dict(zero_expert_num=0),
     "axk2": dict(n_group=None, topk_group=None),
     "step3p7": dict(swiglu_limits=None, swiglu_limits_shared=None),
+    # Clamps and soft caps tight enough to bite on products of std ~1.
+    "glm5_next": dict(swiglu_limit=1.0),
+    "hy_v4": dict(n_shared_experts=0, swiglu_limit=1.0),
+    "hy_v4_vl": dict(n_shared_experts=0, swiglu_limit=1.0),
+    "minimax_m3_vl": dict(swiglu_limit=1.0),
+    "inkling2": dict(mlp_gate_softcap=1.0, mlp_up_softcap=2.0),
+    "inkling2_loop": dict(mlp_gate_softcap=1.0, mlp_up_softcap=2.0),
+    "nemotron_h": dict(moe_shared_expert_intermediate_size=_SHARED_F),
     # The Mamba layers' own check; the MoE block never reads these.
     "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=8),
     # Settings the small config needs to build at all.
@@ -177,6 +185,8 @@ def _init_(module, gen, router_keys):
   """
   with torch.no_grad():
     for name, p in module.named_parameters():
+      if not p.numel():  # A width-0 shared expert (HY-V4 without one).
+        continue
       if name.split(".")[-1] in _BIAS_NAMES:
         p.copy_(torch.rand(p.shape, generator=gen) * 0.5)
       elif name in router_keys:
@@ -219,14 +229,26 @@ def run_hf(block, shared, x: np.ndarray):
   """(output [..., D], chosen ids [T, K] or None) of the transformers block.
 
   The ids are read where the block hands them to its experts: every 5.x
-  expert bank is called as `experts(hidden, top_k_index, top_k_weights)`.
+  expert bank is called as `experts(hidden, top_k_index, top_k_weights)`,
+  except Llama 4's, which takes the weighted copies of every token: its ids
+  are the K experts whose router score (0 outside the choice) is not 0.
   """
   captured = []
+  scores = []
   experts = getattr(block, "experts", None)
-  handle = None
+  handles = []
   if isinstance(experts, torch.nn.Module):
-    handle = experts.register_forward_pre_hook(
-        lambda module, args: captured.append(args)
+    handles.append(
+        experts.register_forward_pre_hook(
+            lambda module, args: captured.append(args)
+        )
+    )
+  router = getattr(block, "router", None)
+  if isinstance(router, torch.nn.Module) and hasattr(block, "top_k"):
+    handles.append(
+        router.register_forward_hook(
+            lambda module, args, out: scores.append(out[0])
+        )
     )
   try:
     with torch.no_grad():
@@ -237,13 +259,17 @@ def run_hf(block, shared, x: np.ndarray):
       if shared is not None:
         y = y + shared(xt)
   finally:
-    if handle is not None:
+    for handle in handles:
       handle.remove()
   ids = None
   if captured and len(captured[0]) > 1:
     index = captured[0][1]
     if isinstance(index, torch.Tensor) and not index.is_floating_point():
       ids = index.reshape(-1, index.shape[-1]).numpy()
+  elif scores and scores[0].ndim == 2:
+    chosen = scores[0].numpy() != 0
+    if (chosen.sum(-1) == block.top_k).all():
+      ids = np.argsort(~chosen, axis=-1, kind="stable")[:, : block.top_k]
   return y.reshape(x.shape).numpy(), ids
 
 
