@@ -67,6 +67,15 @@ _VARIANTS = (
     ),
     ("qwen3_next_no_norm", "qwen3_next", dict(norm_topk_prob=False)),
     ("nemotron_h_relu", "nemotron_h", dict(mlp_hidden_act="relu")),
+    # A soft-cap tight enough to bend logits of std ~1.7.
+    ("laguna_softcap", "laguna", dict(moe_router_logit_softcapping=1.0)),
+    ("longcat_flash_no_zero_experts", "longcat_flash", dict(zero_expert_num=0)),
+    ("kolibri1_no_norm", "kolibri1", dict(norm_topk_prob=False)),
+    (
+        "deepseek_v4_scored_layer",
+        "deepseek_v4",
+        dict(mlp_layer_types=["moe", "moe"]),
+    ),
     (
         "granitemoe_swa_no_shared",
         "granitemoe_swa",
@@ -77,13 +86,6 @@ _VARIANTS = (
 # Settings of supported families that need a missing switch: (name,
 # model_type, HF config fields, layer_idx, the switch the error must name).
 _REFUSED_SETTINGS = (
-    (
-        "laguna_softcap",
-        "laguna",
-        dict(moe_router_logit_softcapping=30.0),
-        None,
-        families.LOGIT_SOFTCAP,
-    ),
     (
         "cohere2_moe_average",
         "cohere2_moe",
@@ -113,13 +115,6 @@ _REFUSED_SETTINGS = (
         families.ZERO_FILLED_GROUPS,
     ),
     (
-        "longcat_flash_zero_experts",
-        "longcat_flash",
-        dict(zero_expert_num=4),
-        None,
-        families.ZERO_EXPERTS,
-    ),
-    (
         "step3p7_clamped_layer",
         "step3p7",
         dict(
@@ -143,6 +138,13 @@ _REFUSED_SETTINGS = (
         dict(moe_latent_size=16),
         None,
         families.LATENT_PROJECTIONS,
+    ),
+    (
+        "deepseek_v4_mlp_bias",
+        "deepseek_v4",
+        dict(mlp_bias=True),
+        0,
+        families.SHARED_BIASES,
     ),
     (
         "nemotron_h_mlp_bias",
@@ -213,6 +215,28 @@ class HfFamiliesParityTest(parameterized.TestCase):
     self.assertEqual(cfg.num_experts, parity.E)
     with self.assertRaisesRegex(ValueError, "layer_idx must be given"):
       hf_convert.moe_config_from_hf(hf_cfg)
+
+  def test_deepseek_v4_layer_kinds(self):
+    hf_cfg = parity.hf_config("deepseek_v4")  # A hash layer, then a scored.
+    hashed = hf_convert.moe_config_from_hf(hf_cfg, layer_idx=0)
+    scored = hf_convert.moe_config_from_hf(hf_cfg, layer_idx=1)
+    self.assertEqual(hashed.hash_vocab_size, hf_cfg.vocab_size)
+    self.assertFalse(hashed.correction_bias)
+    self.assertEqual(scored.hash_vocab_size, 0)
+    self.assertTrue(scored.correction_bias)
+    with self.assertRaisesRegex(ValueError, "layer_idx must be given"):
+      hf_convert.moe_config_from_hf(hf_cfg)
+
+  def test_gpt_oss_layout_needs_the_model_type(self):
+    hf_cfg, block, _ = parity.build_block("gpt_oss")
+    cfg = hf_convert.moe_config_from_hf(hf_cfg)
+    state = dict(block.state_dict())
+    with self.assertRaisesRegex(ValueError, "model_type must be given"):
+      hf_convert.params_from_hf(state, cfg)
+    interleaved = hf_convert.params_from_hf(state, cfg, model_type="gpt_oss")
+    fused = state["experts.gate_up_proj"].numpy()
+    np.testing.assert_array_equal(interleaved["w_gate"], fused[:, :, ::2])
+    np.testing.assert_array_equal(interleaved["w_up"], fused[:, :, 1::2])
 
   def test_hunyuan_per_layer_counts(self):
     # HunYuan's modeling code reads per-layer lists; its config class

@@ -10,7 +10,7 @@ Attention, norms and the choice of which layers are sparse
 (`decoder_sparse_step`, `mlp_only_layers`, `first_k_dense_replace`) are out
 of scope. Nothing here imports torch: tensors are read through their own
 methods, and numpy arrays are accepted as well. Over 400 lines because it
-holds one reader per router kind and weight layout of 59 families; each is
+holds one reader per router kind and weight layout of 66 families; each is
 short, and splitting them would scatter the shared key handling.
 """
 
@@ -189,13 +189,8 @@ def _dbrx(c) -> dict:
 
 
 def _laguna(c) -> dict:
+  # The soft-cap (0: none) bends the logits before the sigmoid.
   cap = getattr(c, "moe_router_logit_softcapping", 0.0) or 0.0
-  if cap > 0:
-    raise _needs_switch(
-        "laguna",
-        families_lib.LOGIT_SOFTCAP,
-        f"moe_router_logit_softcapping={cap}",
-    )
   if getattr(c, "moe_apply_router_weight_on_input", False):
     raise _needs_switch(
         "laguna",
@@ -210,6 +205,7 @@ def _laguna(c) -> dict:
       norm_topk_prob=True,
       routed_scaling_factor=float(c.moe_routed_scaling_factor),
       shared_ffn_size=c.shared_expert_intermediate_size or 0,
+      router_logit_softcap=float(cap),
   )
 
 
@@ -243,22 +239,17 @@ def _axk2(c) -> dict:
 
 
 def _longcat_flash(c) -> dict:
-  if c.zero_expert_num:
-    raise _needs_switch(
-        "longcat_flash",
-        families_lib.ZERO_EXPERTS,
-        f"zero_expert_num={c.zero_expert_num}",
-    )
-  if getattr(c, "router_bias", False):
-    raise _needs_switch(
-        "longcat_flash", families_lib.ROUTER_BIAS, "router_bias=True"
-    )
+  # Zero experts return their (weighted) input. With router_bias=True the
+  # classifier has a bias, but the router's forward never adds it (it
+  # multiplies by classifier.weight alone), so there is none to convert.
   return dict(
       num_experts=c.n_routed_experts,
       top_k=c.moe_topk,
       expert_ffn_size=c.expert_ffn_hidden_size,
       correction_bias=True,
       routed_scaling_factor=float(c.routed_scaling_factor),
+      num_zero_experts=c.zero_expert_num or 0,
+      zero_expert_output="identity",
   )
 
 
@@ -411,6 +402,106 @@ def _llama4(c) -> dict:
   )
 
 
+def _gpt_oss(c) -> dict:
+  # Biased logits -> top-k -> softmax over the K (the renormalised softmax);
+  # the clamped GLU with biases. The privacy filter divides the weights by K
+  # and multiplies the output by K: the same block.
+  return dict(
+      num_experts=c.num_local_experts,
+      expert_ffn_size=c.intermediate_size,
+      norm_topk_prob=True,
+      router_bias=True,
+      activation="gpt_oss_glu",
+      swiglu_alpha=float(c.swiglu_alpha),
+      swiglu_limit=float(c.swiglu_limit),
+      expert_bias=True,
+  )
+
+
+def _phimoe(c) -> dict:
+  # Phi's sparsemixer always takes two experts (its top_k argument is
+  # unused); inference routing (eval mode), whose jitter threshold is
+  # router_jitter_noise.
+  return dict(
+      num_experts=c.num_local_experts,
+      top_k=2,
+      expert_ffn_size=c.intermediate_size,
+      score_func="sparsemixer",
+      sparsemixer_epsilon=float(c.router_jitter_noise),
+  )
+
+
+def _kolibri1(c) -> dict:
+  # The bias moves the logits for the choice; the weights are the sigmoid
+  # of the unbiased chosen logits, normalised with no epsilon.
+  return dict(
+      num_experts=c.num_experts,
+      expert_ffn_size=c.moe_intermediate_size,
+      score_func="sigmoid",
+      correction_bias=True,
+      correction_bias_on="logits",
+      norm_topk_prob=bool(c.norm_topk_prob),
+      shared_ffn_size=c.shared_expert_intermediate_size or 0,
+  )
+
+
+def _gemma4(c) -> dict:
+  # The decoder layer's MoE half: the router sees the layer's residual
+  # through its own RMS norm, scale [D] and D**-0.5; the experts see it
+  # through pre_feedforward_layernorm_2; per_expert_scale multiplies the
+  # normalised weights. Both norms use rms_norm_eps.
+  return dict(
+      num_experts=c.num_experts,
+      top_k=c.top_k_experts,
+      expert_ffn_size=c.moe_intermediate_size,
+      norm_topk_prob=True,
+      router_input_norm=True,
+      router_input_scale=float(c.hidden_size**-0.5),
+      expert_input_norm=True,
+      input_norm_epsilon=float(c.rms_norm_eps),
+      expert_output_scale=True,
+      activation=_activation(c.hidden_activation, "hidden_activation"),
+  )
+
+
+# DeepSeek-V4's scoring_func (an ACT2FN name) -> dropless score function.
+_DEEPSEEK_V4_SCORES = {"sqrtsoftplus": "sqrtsoftplus", "sigmoid": "sigmoid"}
+
+
+def _deepseek_v4(c, layer_idx) -> dict:
+  if c.mlp_bias:
+    raise _needs_switch(
+        "deepseek_v4", families_lib.SHARED_BIASES, "mlp_bias=True"
+    )
+  if c.scoring_func not in _DEEPSEEK_V4_SCORES:
+    raise NotImplementedError(
+        "deepseek_v4's scoring_func must be one of "
+        f"{sorted(_DEEPSEEK_V4_SCORES)}, got {c.scoring_func!r}."
+    )
+  types = c.mlp_layer_types
+  if layer_idx is None and len(set(types)) > 1:
+    raise ValueError(
+        "layer_idx must be given: deepseek_v4's mlp_layer_types differ "
+        f"across layers ({types}); got layer_idx=None."
+    )
+  hashed = types[0 if layer_idx is None else layer_idx] == "hash_moe"
+  # Hash layers take their experts from tid2eid [vocab_size, K] and have no
+  # correction bias; both kinds normalise (+1e-20) and scale. The routed
+  # and the shared experts (one, of intermediate_size) clamp alike.
+  return dict(
+      num_experts=c.num_local_experts,
+      expert_ffn_size=c.intermediate_size,
+      score_func=_DEEPSEEK_V4_SCORES[c.scoring_func],
+      correction_bias=not hashed,
+      hash_vocab_size=c.vocab_size if hashed else 0,
+      norm_topk_prob=True,
+      norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
+      routed_scaling_factor=float(c.routed_scaling_factor),
+      shared_ffn_size=c.intermediate_size,
+      swiglu_limit=float(c.swiglu_limit),
+  )
+
+
 def _qwen_shared(c) -> dict:
   shared = c.shared_expert_intermediate_size or 0
   return dict(shared_ffn_size=shared, shared_expert_gate=bool(shared))
@@ -462,6 +553,7 @@ _CONVERTERS = {
         * (c.moe_num_shared_experts or 0),
     ),
     "exaone_moe": _deepseek_v3,
+    "diffusion_gemma": _gemma4,
     "flex_olmo": lambda c: _softmax(
         c.num_experts, c.intermediate_size, c.norm_topk_prob
     ),
@@ -472,11 +564,13 @@ _CONVERTERS = {
         norm_topk_prob=bool(c.norm_topk_prob),
         shared_ffn_size=c.shared_expert_intermediate_size or 0,
     ),
+    "gemma4": _gemma4,
     "glm4_moe": _deepseek_v3,
     "glm4_moe_lite": _deepseek_v3,
     "glm4v_moe": _deepseek_v3,
     "glm5_next": _glm5_next,
     "glm_moe_dsa": _deepseek_v3,
+    "gpt_oss": _gpt_oss,
     "granitemoe": lambda c: _softmax(
         c.num_local_experts, c.intermediate_size, True
     ),
@@ -514,6 +608,7 @@ _CONVERTERS = {
     "inkling2_loop": _inkling2("inkling2_loop"),
     "jamba": lambda c: _softmax(c.num_experts, c.intermediate_size, False),
     "kimi_linear": _deepseek_v3,
+    "kolibri1": _kolibri1,
     "laguna": _laguna,
     "lara_mini": lambda c: _softmax(
         c.num_experts,
@@ -557,6 +652,8 @@ _CONVERTERS = {
     "olmoe": lambda c: _softmax(
         c.num_experts, c.intermediate_size, c.norm_topk_prob
     ),
+    "openai_privacy_filter": _gpt_oss,
+    "phimoe": _phimoe,
     "qwen2_moe": lambda c: _softmax(
         c.num_experts,
         c.moe_intermediate_size,
@@ -593,7 +690,11 @@ _CONVERTERS = {
 
 
 # Converters that read per-layer settings take the layer index as well.
-_PER_LAYER = {"hunyuan_v1_moe": _hunyuan, "step3p7": _step3p7}
+_PER_LAYER = {
+    "deepseek_v4": _deepseek_v4,
+    "hunyuan_v1_moe": _hunyuan,
+    "step3p7": _step3p7,
+}
 
 
 # Every model_type with a converter; the tests check that these are the
@@ -637,7 +738,10 @@ def moe_config_from_hf(
   Converted: expert count, top-k, widths, score function, top-k
   normalisation (and its epsilon), routed scaling, correction bias,
   group-limited selection, shared expert and its gate, activation (with
-  its clamp, soft caps or GPT-OSS alpha), routing weights on the input, for
+  its clamp, soft caps or GPT-OSS alpha), routing weights on the input,
+  the router switches (router bias, logit soft-cap, correction bias on the
+  logits, router and expert input norms, per-expert output scale, zero
+  experts, hash routing, sqrtsoftplus and sparsemixer scores), for
   every family in `SUPPORTED_MODEL_TYPES` (docs/hf_families.md says how
   each maps).
 
@@ -647,7 +751,8 @@ def moe_config_from_hf(
       config's `text_config` is used when the top level has no MoE fields.
     layer_idx: the decoder layer, for the families whose MoE settings vary
       by layer (HunYuan's per-layer expert counts, Step-3.7's per-layer
-      clamps); other families ignore it.
+      clamps, DeepSeek-V4's hash and scored layers); other families ignore
+      it.
     **overrides: `MoEConfig` fields to set on top, e.g. `capacity_factor`.
 
   Returns:
@@ -701,6 +806,15 @@ def _first_key(state_dict, prefix, candidates):
   return None
 
 
+# Routing state, kept float32 whatever `dtype` says.
+_FLOAT32_PARAMS = (
+    "router",
+    "correction_bias",
+    "router_bias",
+    "router_norm_scale",
+    "expert_output_scale",
+)
+
 # Where each family keeps its router matrix [E, D] and its choice bias [E].
 ROUTER_KEYS = (
     "gate.weight",  # Mixtral, Qwen, DeepSeek, GLM, ...
@@ -709,6 +823,7 @@ ROUTER_KEYS = (
     "router.gate.weight",  # AFMoE
     "router.layer.weight",  # DBRX
     "router.classifier.weight",  # LongCat-Flash
+    "router.proj.weight",  # Gemma 4 (its decoder layer's router)
 )
 BIAS_KEYS = (
     "gate.e_score_correction_bias",  # DeepSeek-V3 and descendants, Laguna
@@ -719,10 +834,11 @@ BIAS_KEYS = (
 )
 
 
-def _expert_stack(state_dict, prefix, cfg):
+def _expert_stack(state_dict, prefix, cfg, interleaved=False):
   """[E, D, F] gate, [E, D, F] up, [E, F, D] down from any family's layout.
 
-  The gate is None for a non-gated activation.
+  The gate is None for a non-gated activation. `interleaved`: GPT-OSS's
+  [E, D, 2F] gate_up_proj holds gate and up in alternate columns.
   """
   e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
   fused = prefix + "experts.gate_up_proj"
@@ -740,8 +856,13 @@ def _expert_stack(state_dict, prefix, cfg):
   if fused in state_dict:
     gate_up = _to_numpy(state_dict[fused])
     down = _to_numpy(state_dict[prefix + "experts.down_proj"])
+    if cfg.num_zero_experts and gate_up.shape[0] > e:
+      # LongCat-Flash gives its zero experts gate_up rows they never use.
+      gate_up = gate_up[:e]
     if gate_up.shape == (e, d, 2 * f) and down.shape == (e, f, d):
-      # Aria: [E, D, 2F] and [E, F, D], already x @ W.
+      # Aria, Llama 4, GPT-OSS: [E, D, 2F] and [E, F, D], already x @ W.
+      if interleaved:
+        return gate_up[:, :, ::2], gate_up[:, :, 1::2], down
       return gate_up[:, :, :f], gate_up[:, :, f:], down
     if gate_up.ndim != 3 or gate_up.shape[1] % 2:
       raise ValueError(f"{fused} must be [E, 2F, D], got {gate_up.shape}.")
@@ -782,6 +903,49 @@ def _expert_stack(state_dict, prefix, cfg):
     ]
     stacks.append(np.swapaxes(np.stack(per_expert), 1, 2))
   return tuple(stacks)
+
+
+def _required(state_dict, key, setting):
+  """state_dict[key] as float32 numpy; ValueError naming it if absent."""
+  if key not in state_dict:
+    raise ValueError(
+        f"{setting} needs '{key}' in state_dict; found none (keys: "
+        f"{sorted(state_dict)[:8]}...)."
+    )
+  return _to_numpy(state_dict[key])
+
+
+def _expert_biases(state_dict, prefix, cfg, interleaved):
+  """b_gate, b_up [E, F] and b_down [E, D] (GPT-OSS's layout)."""
+  fused = _required(
+      state_dict, prefix + "experts.gate_up_proj_bias", "cfg.expert_bias=True"
+  )
+  if interleaved:
+    b_gate, b_up = fused[:, ::2], fused[:, 1::2]
+  else:
+    b_gate, b_up = np.split(fused, 2, axis=-1)
+  b_down = _required(
+      state_dict, prefix + "experts.down_proj_bias", "cfg.expert_bias=True"
+  )
+  return b_gate, b_up, b_down
+
+
+# The router-side parameters: param name -> (the config switch that needs
+# it, its key relative to the block). Gemma 4's are its decoder layer's
+# (router.*, pre_feedforward_layernorm_2).
+_ROUTER_EXTRAS = {
+    "router_bias": ("router_bias", "router.bias"),  # GPT-OSS
+    "router_norm_scale": ("router_input_norm", "router.scale"),
+    "expert_norm_scale": (
+        "expert_input_norm",
+        "pre_feedforward_layernorm_2.weight",
+    ),
+    "expert_output_scale": ("expert_output_scale", "router.per_expert_scale"),
+}
+
+# Families whose [E, D, 2F] gate_up_proj interleaves gate and up columns;
+# the privacy filter stores the same shape with gate and up in halves.
+_INTERLEAVED_GATE_UP = ("gpt_oss",)
 
 
 def _shared_expert(state_dict, prefix, cfg):
@@ -829,6 +993,7 @@ def params_from_hf(
     *,
     prefix: str = "",
     shared_prefix: str | None = None,
+    model_type: str | None = None,
     dtype=jnp.float32,
 ) -> dict:
   """dropless parameters from a Hugging Face MoE block's state dict.
@@ -845,9 +1010,15 @@ def params_from_hf(
       layer's `shared_mlp`, beside its `block_sparse_moe`: for layer 3 of a
       whole model, prefix="model.layers.3.block_sparse_moe." and
       shared_prefix="model.layers.3.".
-    dtype: dtype of the expert and shared weights. The router and the
-      correction bias stay float32: routing runs in float32, and rounding
-      the router would change which experts are chosen.
+    model_type: the family, needed where the keys alone do not say the
+      layout: GPT-OSS interleaves the gate and up columns of its
+      `experts.gate_up_proj` [E, D, 2F] (and of its bias), the privacy
+      filter stores the same shapes in halves; a state dict with
+      `experts.gate_up_proj_bias` and no model_type is a ValueError.
+    dtype: dtype of the expert and shared weights. The router and its
+      other parameters (correction and router biases, scales, hash table)
+      stay float32 (int32): routing runs in float32, and rounding the
+      router would change which experts are chosen.
 
   Returns:
     A dict in the layout of `moe_core.param_shapes(cfg)`.
@@ -880,6 +1051,15 @@ def params_from_hf(
       (Granite: gate rows first), shared_mlp.output_linear.weight
       [D, Fs] -> shared_w_down
     shared_expert_gate.weight [1, D]        -> shared_gate [D, 1]
+    experts.gate_up_proj_bias [E, 2F], experts.down_proj_bias [E, D]
+                                            -> b_gate, b_up, b_down (GPT-OSS:
+      interleaved like its weights; the privacy filter: in halves)
+    router.bias [E]                         -> router_bias (GPT-OSS)
+    router.scale [D], router.per_expert_scale [E],
+    pre_feedforward_layernorm_2.weight [D]  -> router_norm_scale,
+      expert_output_scale, expert_norm_scale (Gemma 4's decoder layer)
+    gate.tid2eid [V, K]                     -> hash_table, int32
+      (DeepSeek-V4's hash layers)
 
   Hugging Face stores nn.Linear weights as [out, in]; dropless multiplies
   x @ W, so every matrix is transposed.
@@ -900,9 +1080,35 @@ def params_from_hf(
           f"{[prefix + k for k in BIAS_KEYS]} in state_dict; found none."
       )
     params["correction_bias"] = _to_numpy(state_dict[bias_key]).reshape(-1)
+  for name, (switch, key) in _ROUTER_EXTRAS.items():
+    if getattr(cfg, switch):
+      params[name] = _required(state_dict, prefix + key, f"cfg.{switch}=True")
+  if cfg.hash_vocab_size:
+    # DeepSeek-V4's hash layers: token id -> its K experts.
+    key = prefix + "gate.tid2eid"
+    if key not in state_dict:
+      raise ValueError(
+          f"cfg.hash_vocab_size={cfg.hash_vocab_size} needs '{key}' in "
+          "state_dict; found none."
+      )
+    table = state_dict[key]
+    if hasattr(table, "detach"):
+      table = table.detach().cpu().numpy()
+    params["hash_table"] = np.asarray(table, np.int32)
+  if prefix + "experts.gate_up_proj_bias" in state_dict and model_type is None:
+    raise ValueError(
+        "model_type must be given for a state dict with "
+        f"'{prefix}experts.gate_up_proj_bias': gpt_oss interleaves gate and "
+        "up, openai_privacy_filter keeps them in halves; got model_type=None."
+    )
+  interleaved = model_type in _INTERLEAVED_GATE_UP
   params["w_gate"], params["w_up"], params["w_down"] = _expert_stack(
-      state_dict, prefix, cfg
+      state_dict, prefix, cfg, interleaved
   )
+  if cfg.expert_bias:
+    params["b_gate"], params["b_up"], params["b_down"] = _expert_biases(
+        state_dict, prefix, cfg, interleaved
+    )
   if cfg.shared_ffn_size:
     (
         params["shared_w_gate"],
@@ -924,6 +1130,9 @@ def params_from_hf(
           f"converted {name} must have shape {want[name]} for this cfg, got "
           f"{value.shape}; does cfg match the checkpoint?"
       )
-    keep_f32 = name in ("router", "correction_bias")
+    if name == "hash_table":
+      out[name] = jnp.asarray(value, jnp.int32)
+      continue
+    keep_f32 = name in _FLOAT32_PARAMS
     out[name] = jnp.asarray(value, jnp.float32 if keep_f32 else dtype)
   return out

@@ -94,6 +94,13 @@ _DS2 = (
     "normalised, x routed_scaling_factor"
 )
 _FUSED = "fused SwiGLU (hidden_act)"
+_GEMMA_NOTE = (
+    "the MoE half of the decoder layer: router.* (proj, scale, "
+    "per_expert_scale), experts.* and pre_feedforward_layernorm_2 from the "
+    "layer's state dict, on the layer's residual (the input of "
+    "pre_feedforward_layernorm); the dense MLP beside it and "
+    "post_feedforward_layernorm_2 after it stay outside"
+)
 _DS_SHARED = (
     "shared_experts: SwiGLU, n_shared_experts x moe_intermediate_size, ungated"
 )
@@ -212,9 +219,16 @@ FAMILIES: tuple[Family, ...] = (
         "DeepseekV4Config",
         "sqrtsoftplus (scoring_func) + bias, norm, scale; hash layers route "
         "by token id",
-        "fused SwiGLU with clamp (swiglu_limit)",
-        "shared_experts: one SwiGLU, ungated",
-        (SCORE_SQRTSOFTPLUS, HASH_ROUTING),
+        "fused SwiGLU with clamp (swiglu_limit), width intermediate_size",
+        "shared_experts: one SwiGLU of intermediate_size, the same clamp",
+        note=(
+            "layer by layer (moe_config_from_hf(..., layer_idx=i)): a "
+            "'hash_moe' layer of mlp_layer_types routes by gate.tid2eid "
+            "(hash_vocab_size=vocab_size; moe_layer then needs "
+            "token_ids=input_ids), a 'moe' layer by sqrtsoftplus + bias; "
+            "mlp_bias=True needs: "
+        )
+        + SHARED_BIASES,
     ),
     Family(
         "diffusion_gemma",
@@ -224,7 +238,7 @@ FAMILIES: tuple[Family, ...] = (
         "per_expert_scale",
         "fused GeGLU",
         "dense MLP beside it",
-        (ROUTER_INPUT_NORM,),
+        note=_GEMMA_NOTE,
     ),
     Family("dots1", "Dots1MoE", "Dots1Config", _DS3, _FUSED, _DS_SHARED),
     Family(
@@ -287,7 +301,7 @@ FAMILIES: tuple[Family, ...] = (
         "per_expert_scale (router in the decoder layer)",
         "fused GeGLU",
         "dense MLP beside it",
-        (ROUTER_INPUT_NORM,),
+        note=_GEMMA_NOTE,
     ),
     Family("glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig", _DS3, _FUSED, _DS_SHARED),
     Family(
@@ -331,7 +345,10 @@ FAMILIES: tuple[Family, ...] = (
         "clamped GLU (up + 1) * g * sigmoid(1.702 g), interleaved gate/up, "
         "biases",
         "-",
-        (ROUTER_BIAS,),
+        note=(
+            "params_from_hf(..., model_type='gpt_oss'): the interleaved "
+            "columns are not told apart by their shape"
+        ),
     ),
     Family(
         "granitemoe",
@@ -492,7 +509,6 @@ FAMILIES: tuple[Family, ...] = (
         "(unbiased) logits, norm if norm_topk_prob",
         _FUSED,
         "shared_experts: shared_expert_intermediate_size, ungated",
-        (LOGIT_BIAS_BEFORE_SIGMOID,),
     ),
     Family(
         "laguna",
@@ -502,11 +518,6 @@ FAMILIES: tuple[Family, ...] = (
         "moe_routed_scaling_factor",
         _FUSED,
         "shared_experts: shared_expert_intermediate_size, ungated",
-        note=(
-            "supported with moe_router_logit_softcapping=0 (the default); a "
-            "soft-cap needs: "
-        )
-        + LOGIT_SOFTCAP,
     ),
     Family(
         "lara_mini",
@@ -543,10 +554,9 @@ FAMILIES: tuple[Family, ...] = (
         _FUSED + ", width expert_ffn_hidden_size",
         "-",
         note=(
-            "supported with zero_expert_num=0 and router_bias=False; the "
-            "default 256 zero experts need: "
-        )
-        + ZERO_EXPERTS,
+            "zero_expert_num identity experts; the classifier's bias "
+            "(router_bias=True) is never added by the router's forward"
+        ),
     ),
     Family(
         "mellum",
@@ -664,19 +674,22 @@ FAMILIES: tuple[Family, ...] = (
         "openai_privacy_filter",
         "OpenAIPrivacyFilterMLP",
         "OpenAIPrivacyFilterConfig",
-        "as gpt_oss",
-        "as gpt_oss",
+        "as gpt_oss (weights / K, output x K: the same)",
+        "as gpt_oss, gate and up in halves (not interleaved), float32",
         "-",
-        (ROUTER_BIAS,),
+        note="params_from_hf(..., model_type='openai_privacy_filter')",
     ),
     Family(
         "phimoe",
         "PhimoeSparseMoeBlock",
         "PhimoeConfig",
         "sparsemixer (masked softmax with jitter threshold)",
-        _FUSED,
+        _FUSED + ", width intermediate_size",
         "-",
-        (SPARSEMIXER,),
+        note=(
+            "inference routing (eval mode: training samples with Gumbel "
+            "noise); always two experts, whatever num_experts_per_tok"
+        ),
     ),
     Family(
         "qwen2_moe",
@@ -787,7 +800,7 @@ FAMILIES: tuple[Family, ...] = (
         "MLP router with state across layers, skip expert, balancing biases",
         _FUSED,
         "-",
-        (ROUTER_MLP_STATE, ZERO_EXPERTS),
+        (ROUTER_MLP_STATE,),
     ),
     Family(
         "doge",

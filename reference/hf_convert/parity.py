@@ -4,7 +4,10 @@ Shared by `reference/hf_families_parity_test.py` and `report.py`. Needs
 torch and transformers (the py311-jax0.10 leg); `IMPORT_ERROR` says why not
 elsewhere. Blocks are built directly from their classes with a small config
 (D=32, F=48, E=16, K=4, 4 groups of which 2 are kept, scaling 2.5 where the
-family scales) and seeded random weights, in float32 and eval mode.
+family scales) and seeded random weights, in float32 and eval mode. Gemma 4's
+MoE half lives in its decoder layer: `_GemmaMoE` assembles its router,
+experts and expert input norm under the layer's names. DeepSeek-V4's hash
+layer also gets random token ids, passed to both sides.
 """
 
 from __future__ import annotations
@@ -93,7 +96,20 @@ _OVERRIDES = {
         ),
     ),
     "lfm2_moe": dict(use_expert_bias=True),
-    "longcat_flash": dict(zero_expert_num=0),
+    # Fewer zero experts than routed ones, so that both kinds are chosen.
+    "longcat_flash": dict(zero_expert_num=8),
+    "gpt_oss": dict(swiglu_limit=1.0),
+    "openai_privacy_filter": dict(swiglu_limit=1.0),
+    # A jitter threshold wide enough that the masked softmaxes weigh
+    # several experts.
+    "phimoe": dict(router_jitter_noise=0.3),
+    # Two layers, a hash one first (the block is built as layer 0).
+    "deepseek_v4": dict(
+        vocab_size=64,
+        num_hidden_layers=2,
+        mlp_layer_types=["hash_moe", "moe"],
+        swiglu_limit=1.0,
+    ),
     "axk2": dict(n_group=None, topk_group=None),
     "step3p7": dict(swiglu_limits=None, swiglu_limits_shared=None),
     # Clamps and soft caps tight enough to bite on products of std ~1.
@@ -121,6 +137,20 @@ _LAYER_SHARED_MLP = {
 
 # Names of a choice bias [E] (a buffer or a frozen parameter).
 _BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
+
+# Multiplicative scales (Gemma 4's router and expert norms): 1 + noise.
+_SCALE_NAMES = ("scale", "per_expert_scale")
+
+# Gemma 4's MoE half lives in its decoder layer: the router, the experts and
+# the experts' own input norm, built from their classes (`_GemmaMoE`).
+_GEMMA_PARTS = {
+    "gemma4": ("Gemma4TextRouter", "Gemma4TextExperts", "Gemma4RMSNorm"),
+    "diffusion_gemma": (
+        "DiffusionGemmaTextRouter",
+        "DiffusionGemmaTextExperts",
+        "DiffusionGemmaRMSNorm",
+    ),
+}
 
 
 def modeling_module(model_type: str):
@@ -187,7 +217,9 @@ def _init_(module, gen, router_keys):
     for name, p in module.named_parameters():
       if not p.numel():  # A width-0 shared expert (HY-V4 without one).
         continue
-      if name.split(".")[-1] in _BIAS_NAMES:
+      if name.split(".")[-1] in _SCALE_NAMES or "layernorm" in name:
+        p.copy_(1.0 + 0.25 * torch.randn(p.shape, generator=gen))
+      elif name.split(".")[-1] in _BIAS_NAMES:
         p.copy_(torch.rand(p.shape, generator=gen) * 0.5)
       elif name in router_keys:
         p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
@@ -196,6 +228,52 @@ def _init_(module, gen, router_keys):
     for name, b in module.named_buffers():
       if name.split(".")[-1] in _BIAS_NAMES:
         b.copy_(torch.rand(b.shape, generator=gen) * 0.5)
+      elif name.split(".")[-1] == "tid2eid":
+        # DeepSeek-V4's hash table: K distinct experts per token id.
+        b.copy_(
+            torch.stack(
+                [
+                    torch.randperm(_num_experts(module), generator=gen)[
+                        : b.shape[1]
+                    ]
+                    for _ in range(b.shape[0])
+                ]
+            )
+        )
+
+
+def _num_experts(module) -> int:
+  for sub in module.modules():
+    if hasattr(sub, "num_experts") and isinstance(sub.num_experts, int):
+      return sub.num_experts
+  raise ValueError(f"{type(module).__name__} names no num_experts.")
+
+
+class _GemmaMoE(torch.nn.Module if torch is not None else object):
+  """Gemma 4's decoder-layer MoE half, with the layer's own names.
+
+  forward(residual) -> the experts' output before post_feedforward_layernorm_2,
+  as Gemma4TextDecoderLayer computes it: the router sees the residual, the
+  experts its pre_feedforward_layernorm_2.
+  """
+
+  def __init__(self, model_type, cfg):
+    super().__init__()
+    router, experts, norm = (
+        getattr(modeling_module(model_type), n)
+        for n in _GEMMA_PARTS[model_type]
+    )
+    self.router = router(cfg)
+    self.experts = experts(cfg)
+    self.pre_feedforward_layernorm_2 = norm(
+        cfg.hidden_size, eps=cfg.rms_norm_eps
+    )
+
+  def forward(self, hidden_states):
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    _, weights, index = self.router(flat)
+    out = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights)
+    return out.reshape(hidden_states.shape)
 
 
 def build_block(model_type: str, seed: int = 0, **overrides):
@@ -203,12 +281,15 @@ def build_block(model_type: str, seed: int = 0, **overrides):
   family = families.BY_MODEL_TYPE[model_type]
   modeling = modeling_module(model_type)
   cfg = hf_config(model_type, **overrides)
-  block_cls = getattr(modeling, family.block)
-  params = inspect.signature(block_cls.__init__).parameters
-  if "layer_idx" in params:  # Blocks whose settings may vary by layer.
-    block = block_cls(cfg, layer_idx=0)
+  if model_type in _GEMMA_PARTS:
+    block = _GemmaMoE(model_type, cfg)
   else:
-    block = block_cls(cfg)
+    block_cls = getattr(modeling, family.block)
+    params = inspect.signature(block_cls.__init__).parameters
+    if "layer_idx" in params:  # Blocks whose settings may vary by layer.
+      block = block_cls(cfg, layer_idx=0)
+    else:
+      block = block_cls(cfg)
   block = block.float().eval()
   gen = torch.Generator().manual_seed(seed)
   _init_(block, gen, set(convert.ROUTER_KEYS) & set(block.state_dict()))
@@ -225,7 +306,7 @@ def tokens(seed: int = 1, shape=(2, 16, D)) -> np.ndarray:
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-def run_hf(block, shared, x: np.ndarray):
+def run_hf(block, shared, x: np.ndarray, token_ids=None):
   """(output [..., D], chosen ids [T, K] or None) of the transformers block.
 
   The ids are read where the block hands them to its experts: every 5.x
@@ -253,7 +334,10 @@ def run_hf(block, shared, x: np.ndarray):
   try:
     with torch.no_grad():
       xt = torch.from_numpy(x)
-      y = block(xt)
+      if token_ids is None:
+        y = block(xt)
+      else:  # DeepSeek-V4's hash layers read the token ids.
+        y = block(xt, torch.from_numpy(token_ids).long())
       if isinstance(y, tuple):
         y = y[0]
       if shared is not None:
@@ -288,16 +372,26 @@ def compare(
   """Runs the family's block and moe_layer on `backends` on the same tokens."""
   hf_cfg, block, shared = build_block(model_type, seed, **overrides)
   x = tokens()
-  y_hf, ids_hf = run_hf(block, shared, x)
-  cfg = hf_convert.moe_config_from_hf(hf_cfg)
+  # The block is layer 0 (for the families whose settings vary by layer).
+  cfg = hf_convert.moe_config_from_hf(hf_cfg, layer_idx=0)
+  token_ids = None
+  extra = {}
+  if cfg.hash_vocab_size:
+    token_ids = np.random.default_rng(2).integers(
+        0, cfg.hash_vocab_size, x.shape[:-1]
+    )
+    extra = dict(token_ids=jnp.asarray(token_ids, jnp.int32))
+  y_hf, ids_hf = run_hf(block, shared, x, token_ids)
   state = dict(block.state_dict())
   if shared is not None:
     state.update({f"shared_mlp.{k}": v for k, v in shared.state_dict().items()})
-  params = hf_convert.params_from_hf(state, cfg)
+  params = hf_convert.params_from_hf(state, cfg, model_type=model_type)
   errors = {}
   ids = None
   for backend in backends:
-    y, aux = moe_core.moe_layer(params, jnp.asarray(x), cfg, backend=backend)
+    y, aux = moe_core.moe_layer(
+        params, jnp.asarray(x), cfg, backend=backend, **extra
+    )
     errors[backend] = float(np.abs(np.asarray(y) - y_hf).max())
     ids = np.asarray(aux.expert_ids)
   return Result(model_type, errors, float(np.abs(y_hf).max()), ids, ids_hf)
