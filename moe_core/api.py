@@ -65,8 +65,7 @@ def moe_layer(
   Returns:
     y [..., D] in x's dtype, and the `MoEAux` of the routing.
   """
-  validation.check_moe_layer(params, x, cfg)
-  validation.check_token_ids(token_ids, x.size // cfg.hidden_size, cfg)
+  validation.check_moe_layer(params, x, cfg, token_ids)
   if mesh is not None:
     if token_ids is not None:
       raise NotImplementedError(

@@ -26,12 +26,13 @@ def check_config(cfg) -> None:
     raise TypeError(f"cfg must be a moe_core.MoEConfig, got {type(cfg)}.")
 
 
-def check_moe_layer(params, x, cfg) -> None:
+def check_moe_layer(params, x, cfg, token_ids=None) -> None:
   """moe_layer's params (every one the config needs, exact shapes), tokens
-  x [..., D] and config."""
+  x [..., D], config and token_ids (given iff hash routing)."""
   check_config(cfg)
   check_params(params, cfg)
   check_tokens(x, cfg)
+  check_token_ids(token_ids, x.size // cfg.hidden_size, cfg)
 
 
 def check_tokens(x, cfg: config_lib.MoEConfig, *, name: str = "x") -> None:
