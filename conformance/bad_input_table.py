@@ -421,6 +421,7 @@ _CONFIG_FIELDS = (
     ("num_zero_experts", "negative", -1, VE(r"num_zero_experts.*>= 0.*-1")),
     ("hash_vocab_size", "negative", -5, VE(r"hash_vocab_size.*>= 0.*-5")),
     ("zero_expert_output", "unknown", "mean", VE(r"zero_expert_out.*'mean'")),
+    ("output_bias", "int", 1, TE(r"output_bias must be a bool, got 1")),
 )
 
 

@@ -438,6 +438,8 @@ _FFN_CONFIGS = {
     "ffn_weights_on_input": _cfg(
         top_k=1, score_func="sigmoid", routing_weights_on_input=True
     ),
+    # JetMoE's: a learned bias [D] after the combine.
+    "ffn_output_bias": _cfg(output_bias=True),
 }
 FFN_VARIANTS = tuple(
     LayerCase(
@@ -541,7 +543,7 @@ def layer_inputs(case: LayerCase):
     elif name == "hash_table":  # K distinct experts per token id.
       params[name] = np.argsort(rng.random((shape[0], cfg.num_router_experts)))
       params[name] = params[name][:, : shape[1]].astype(np.int32)
-    elif name == "router_bias":
+    elif name in ("router_bias", "output_bias"):
       params[name] = _normal(rng, shape)
     elif name in ("router_norm_scale", "expert_norm_scale"):
       params[name] = rng.uniform(0.5, 2.0, shape).astype(np.float32)

@@ -120,6 +120,8 @@ _ROUTER_PARAMS = _pick(
     "router input norm and expert output scale",
     lambda c: c.cfg.router_input_norm and c.cfg.expert_output_scale,
 )
+# JetMoE's output bias, replicated and added per device after the combine.
+_OUTPUT_BIAS = _pick("output bias", lambda c: c.cfg.output_bias)
 
 # Zero experts: their copies travel with weight 0, their x is added back.
 _ZERO_EXPERTS = _pick(
@@ -147,7 +149,7 @@ _ALL_MESHES = [m.name for m in MESHES]
 EP_CASES = (
     _product((_BASE, _COLD, _HOT), _ALL_MESHES)
     + _product((_BF16, _DEEPSEEK), ("ep8", "data2_ep4"))
-    + _product((_ROUTER_PARAMS, _ZERO_EXPERTS), ("ep8",))
+    + _product((_ROUTER_PARAMS, _ZERO_EXPERTS, _OUTPUT_BIAS), ("ep8",))
     # The ragged layout (ragged_all_to_all on GPU/TPU) through its all_gather
     # emulation, which runs anywhere.
     + _product((_BASE,), ("ep8",), "ragged_emulated")

@@ -346,7 +346,8 @@ def shared_expert(x, params, cfg):
 
 
 def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
-  """y[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t]) (+ shared expert(x[t])),
+  """y[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t]) (+ shared expert(x[t]))
+  (+ output_bias),
   x the experts' input (RMS-normed where `cfg.expert_input_norm`).
 
   With cfg.routing_weights_on_input, sum_k FFN_{ids[t, k]}(w[t, k] * x[t]).
@@ -377,4 +378,6 @@ def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
         y[t] += w[t, k] * expert_ffn(x[t : t + 1], params, ids[t, k], cfg)[0]
   if cfg.shared_ffn_size:
     y += shared_expert(x, params, cfg)
+  if getattr(cfg, "output_bias", False):  # JetMoE: after the combine.
+    y += f64(params["output_bias"])
   return y

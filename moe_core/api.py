@@ -107,5 +107,5 @@ def moe_layer(
     return y, aux
 
   y, aux = registry.call_backend(backend, route_and_compute)
-  y = ffn.add_shared_expert(y, params, expert_tokens, cfg)
+  y = ffn.finish_block(y, params, expert_tokens, cfg)
   return y.reshape(x.shape), aux

@@ -84,6 +84,9 @@ class MoEConfig:
     expert_output_scale: a learned scale [E] (param
       "expert_output_scale") multiplying each chosen expert's combine
       weight, after normalisation and routed_scaling_factor (Gemma 4).
+    output_bias: a learned bias [D] (param "output_bias", starts at 0)
+      added to the block's output, after the combine and the shared expert
+      (JetMoE).
     shared_ffn_size: Fs, hidden width of the always-on shared expert
       (0 = none).
     shared_expert_gate: scale the shared expert's output per token by
@@ -143,6 +146,7 @@ class MoEConfig:
   hash_vocab_size: int = 0
   num_zero_experts: int = 0
   zero_expert_output: str = "identity"
+  output_bias: bool = False
   shared_ffn_size: int = 0
   shared_expert_gate: bool = False
   activation: str = "silu"
@@ -278,6 +282,7 @@ def _check_router_switches(cfg: MoEConfig) -> None:
       "router_input_norm",
       "expert_input_norm",
       "expert_output_scale",
+      "output_bias",
   ):
     if not isinstance(getattr(cfg, name), bool):
       raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")

@@ -143,3 +143,20 @@ def add_shared_expert(
   return (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(
       tokens.dtype
   )
+
+
+def finish_block(
+    y: jax.Array, params: dict, tokens: jax.Array, cfg: config_lib.MoEConfig
+) -> jax.Array:
+  """The block's last steps after the routed experts' y [T, D]: the shared
+  expert (`add_shared_expert`), then the output bias [D] where
+  cfg.output_bias (JetMoE), summed in float32; [T, D] in tokens' dtype.
+
+  Run outside the backends (on one device and per device under a mesh), so
+  every backend gets both.
+  """
+  y = add_shared_expert(y, params, tokens, cfg)
+  if not cfg.output_bias:
+    return y
+  bias = params["output_bias"].astype(jnp.float32)
+  return (y.astype(jnp.float32) + bias).astype(tokens.dtype)

@@ -147,6 +147,7 @@ class LinenMoETest(absltest.TestCase):
         router_input_norm=True,
         expert_input_norm=True,
         expert_output_scale=True,
+        output_bias=True,
     )
     variables = moe_flax.LinenMoE(cfg).init(
         jax.random.key(0), _tokens(jnp.float32)

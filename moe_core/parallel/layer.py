@@ -293,7 +293,7 @@ def moe_layer(
         backend,
         lambda b: route_and_compute(b, params, tokens, expert_tokens),
     )
-    return ffn.add_shared_expert(y, params, expert_tokens, cfg), aux
+    return ffn.finish_block(y, params, expert_tokens, cfg), aux
 
   aux_specs = routing.MoEAux(
       **{
