@@ -607,6 +607,14 @@ _CONVERTERS = {
     "inkling2": _inkling2("inkling2"),
     "inkling2_loop": _inkling2("inkling2_loop"),
     "jamba": lambda c: _softmax(c.num_experts, c.intermediate_size, False),
+    # JetMoE: top-k logits -> softmax, a bias [D] after the combine.
+    "jetmoe": lambda c: _softmax(
+        c.num_local_experts,
+        c.intermediate_size,
+        True,
+        output_bias=True,
+        activation=_activation(c.activation_function, "activation_function"),
+    ),
     "kimi_linear": _deepseek_v3,
     "kolibri1": _kolibri1,
     "laguna": _laguna,
@@ -741,7 +749,8 @@ def moe_config_from_hf(
   its clamp, soft caps or GPT-OSS alpha), routing weights on the input,
   the router switches (router bias, logit soft-cap, correction bias on the
   logits, router and expert input norms, per-expert output scale, zero
-  experts, hash routing, sqrtsoftplus and sparsemixer scores), for
+  experts, hash routing, sqrtsoftplus and sparsemixer scores), the output
+  bias after the combine, for
   every family in `SUPPORTED_MODEL_TYPES` (docs/hf_families.md says how
   each maps).
 
@@ -872,6 +881,14 @@ def _expert_stack(state_dict, prefix, cfg, interleaved=False):
         np.swapaxes(gate_up[:, half:], 1, 2),
         np.swapaxes(down, 1, 2),
     )
+  jetmoe = prefix + "input_linear.weight"
+  if jetmoe in state_dict:
+    # JetMoE: input_linear [E, 2F, D] (gate rows, then up), output_linear
+    # [E, D, F], each used as x @ W[e].T.
+    gate_up = _to_numpy(state_dict[jetmoe])
+    down = _to_numpy(state_dict[prefix + "output_linear.weight"])
+    gate, up = np.split(np.swapaxes(gate_up, 1, 2), 2, axis=-1)
+    return gate, up, np.swapaxes(down, 1, 2)
   dbrx = prefix + "experts.mlp.w1"
   if dbrx in state_dict:
     # DBRX: w1 (gate), v1 (up), w2 (down) stacked as [E * F, D]; the block
@@ -941,6 +958,7 @@ _ROUTER_EXTRAS = {
         "pre_feedforward_layernorm_2.weight",
     ),
     "expert_output_scale": ("expert_output_scale", "router.per_expert_scale"),
+    "output_bias": ("output_bias", "bias"),  # JetMoE, after the combine
 }
 
 # Families whose [E, D, 2F] gate_up_proj interleaves gate and up columns;
@@ -1039,6 +1057,8 @@ def params_from_hf(
     experts.mlp.{w1,v1,w2} [E * F, D]       -> gate, up, down (DBRX)
     experts.{e}.{gate,up,down}_proj.weight  -> the same, per expert
     experts.{e}.{w1,w3,w2}.weight           -> the same (Mixtral checkpoints)
+    input_linear.weight [E, 2F, D] (gate rows first),
+    output_linear.weight [E, D, F]          -> the same (JetMoE)
     {shared_expert,shared_experts,shared_mlp}.{gate,up,down}_proj.weight
                                             -> shared_w_* [in, out]
     experts.up_proj [E, F, D], experts.down_proj [E, D, F]
@@ -1058,6 +1078,7 @@ def params_from_hf(
     router.scale [D], router.per_expert_scale [E],
     pre_feedforward_layernorm_2.weight [D]  -> router_norm_scale,
       expert_output_scale, expert_norm_scale (Gemma 4's decoder layer)
+    bias [D]                                -> output_bias (JetMoE)
     gate.tid2eid [V, K]                     -> hash_table, int32
       (DeepSeek-V4's hash layers)
 

@@ -487,10 +487,9 @@ FAMILIES: tuple[Family, ...] = (
         "SwiGLU input_linear [E, 2F, D] / output_linear; a bias [D] added "
         "after the combine",
         "-",
-        (OUTPUT_BIAS,),
         note=(
-            "its attention experts (JetMoeMoA) are attention, out of scope "
-            "like all attention"
+            "output_bias=True (its `bias` [D]); its attention experts "
+            "(JetMoeMoA) are attention, out of scope like all attention"
         ),
     ),
     Family(

@@ -312,7 +312,8 @@ def run_hf(block, shared, x: np.ndarray, token_ids=None):
   The ids are read where the block hands them to its experts: every 5.x
   expert bank is called as `experts(hidden, top_k_index, top_k_weights)`,
   except Llama 4's, which takes the weighted copies of every token: its ids
-  are the K experts whose router score (0 outside the choice) is not 0.
+  are the K experts whose router score (0 outside the choice) is not 0;
+  and JetMoE's, whose router hands back its copies sorted by expert.
   """
   captured = []
   scores = []
@@ -325,6 +326,13 @@ def run_hf(block, shared, x: np.ndarray, token_ids=None):
         )
     )
   router = getattr(block, "router", None)
+  sorted_routing = []
+  if type(router).__name__ == "JetMoeTopKGating":
+    handles.append(
+        router.register_forward_hook(
+            lambda module, args, out: sorted_routing.append((module.top_k, out))
+        )
+    )
   if isinstance(router, torch.nn.Module) and hasattr(block, "top_k"):
     handles.append(
         router.register_forward_hook(
@@ -346,7 +354,9 @@ def run_hf(block, shared, x: np.ndarray, token_ids=None):
     for handle in handles:
       handle.remove()
   ids = None
-  if captured and len(captured[0]) > 1:
+  if sorted_routing:
+    ids = _jetmoe_ids(*sorted_routing[0])
+  elif captured and len(captured[0]) > 1:
     index = captured[0][1]
     if isinstance(index, torch.Tensor) and not index.is_floating_point():
       ids = index.reshape(-1, index.shape[-1]).numpy()
@@ -355,6 +365,18 @@ def run_hf(block, shared, x: np.ndarray, token_ids=None):
     if (chosen.sum(-1) == block.top_k).all():
       ids = np.argsort(~chosen, axis=-1, kind="stable")[:, : block.top_k]
   return y.reshape(x.shape).numpy(), ids
+
+
+def _jetmoe_ids(top_k: int, routing) -> np.ndarray:
+  """[T, K] ids from JetMoE's router output: its copies sorted by expert
+  (index_sorted_experts, the flat [T*K] index of each sorted copy) and the
+  copies per expert (expert_size)."""
+  order, _, _, expert_size, _ = routing
+  num_copies = order.numel()
+  expert_of_sorted = np.repeat(np.arange(len(expert_size)), expert_size)
+  flat = np.empty(num_copies, np.int64)
+  flat[order.numpy()] = expert_of_sorted
+  return flat.reshape(-1, top_k)
 
 
 @dataclasses.dataclass
