@@ -422,6 +422,7 @@ _CONFIG_FIELDS = (
     ("hash_vocab_size", "negative", -5, VE(r"hash_vocab_size.*>= 0.*-5")),
     ("zero_expert_output", "unknown", "mean", VE(r"zero_expert_out.*'mean'")),
     ("output_bias", "int", 1, TE(r"output_bias must be a bool, got 1")),
+    ("output_norm_epsilon", "zero", 0.0, VE(r"output_norm_eps.*> 0.*0\.0")),
 )
 
 

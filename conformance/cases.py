@@ -440,6 +440,10 @@ _FFN_CONFIGS = {
     ),
     # JetMoE's: a learned bias [D] after the combine.
     "ffn_output_bias": _cfg(output_bias=True),
+    # A.X-K1's: an RMS norm of the output, the shared expert's included.
+    "ffn_output_norm_shared": _cfg(
+        output_norm=True, output_norm_epsilon=1e-5, shared_ffn_size=24
+    ),
 }
 FFN_VARIANTS = tuple(
     LayerCase(
@@ -545,7 +549,11 @@ def layer_inputs(case: LayerCase):
       params[name] = params[name][:, : shape[1]].astype(np.int32)
     elif name in ("router_bias", "output_bias"):
       params[name] = _normal(rng, shape)
-    elif name in ("router_norm_scale", "expert_norm_scale"):
+    elif name in (
+        "router_norm_scale",
+        "expert_norm_scale",
+        "output_norm_scale",
+    ):
       params[name] = rng.uniform(0.5, 2.0, shape).astype(np.float32)
     elif name == "expert_output_scale":
       params[name] = rng.uniform(0.5, 2.0, shape).astype(np.float32)

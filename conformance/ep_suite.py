@@ -122,6 +122,7 @@ _ROUTER_PARAMS = _pick(
 )
 # JetMoE's output bias, replicated and added per device after the combine.
 _OUTPUT_BIAS = _pick("output bias", lambda c: c.cfg.output_bias)
+_OUTPUT_NORM = _pick("output norm", lambda c: c.cfg.output_norm)
 
 # Zero experts: their copies travel with weight 0, their x is added back.
 _ZERO_EXPERTS = _pick(
@@ -149,7 +150,10 @@ _ALL_MESHES = [m.name for m in MESHES]
 EP_CASES = (
     _product((_BASE, _COLD, _HOT), _ALL_MESHES)
     + _product((_BF16, _DEEPSEEK), ("ep8", "data2_ep4"))
-    + _product((_ROUTER_PARAMS, _ZERO_EXPERTS, _OUTPUT_BIAS), ("ep8",))
+    + _product(
+        (_ROUTER_PARAMS, _ZERO_EXPERTS, _OUTPUT_BIAS, _OUTPUT_NORM),
+        ("ep8",),
+    )
     # The ragged layout (ragged_all_to_all on GPU/TPU) through its all_gather
     # emulation, which runs anywhere.
     + _product((_BASE,), ("ep8",), "ragged_emulated")

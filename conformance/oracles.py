@@ -347,7 +347,7 @@ def shared_expert(x, params, cfg):
 
 def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
   """y[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t]) (+ shared expert(x[t]))
-  (+ output_bias),
+  (+ output_bias), RMS-normed where `cfg.output_norm`,
   x the experts' input (RMS-normed where `cfg.expert_input_norm`).
 
   With cfg.routing_weights_on_input, sum_k FFN_{ids[t, k]}(w[t, k] * x[t]).
@@ -380,4 +380,9 @@ def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
     y += shared_expert(x, params, cfg)
   if getattr(cfg, "output_bias", False):  # JetMoE: after the combine.
     y += f64(params["output_bias"])
+  if getattr(cfg, "output_norm", False):  # A.X-K1: an RMS norm of y.
+    rms = np.sqrt(
+        np.mean(y**2, axis=-1, keepdims=True) + cfg.output_norm_epsilon
+    )
+    y = y / rms * f64(params["output_norm_scale"])
   return y

@@ -87,6 +87,11 @@ class MoEConfig:
     output_bias: a learned bias [D] (param "output_bias", starts at 0)
       added to the block's output, after the combine and the shared expert
       (JetMoE).
+    output_norm: an RMS norm of the block's output, after the shared
+      expert and output_bias: y / sqrt(mean(y^2) + output_norm_epsilon) *
+      output_norm_scale, a learned scale [D] (param "output_norm_scale",
+      starts at 1) (A.X-K1's post_mlp_layernorm).
+    output_norm_epsilon: that norm's epsilon, > 0.
     shared_ffn_size: Fs, hidden width of the always-on shared expert
       (0 = none).
     shared_expert_gate: scale the shared expert's output per token by
@@ -147,6 +152,8 @@ class MoEConfig:
   num_zero_experts: int = 0
   zero_expert_output: str = "identity"
   output_bias: bool = False
+  output_norm: bool = False
+  output_norm_epsilon: float = 1e-6
   shared_ffn_size: int = 0
   shared_expert_gate: bool = False
   activation: str = "silu"
@@ -283,6 +290,7 @@ def _check_router_switches(cfg: MoEConfig) -> None:
       "expert_input_norm",
       "expert_output_scale",
       "output_bias",
+      "output_norm",
   ):
     if not isinstance(getattr(cfg, name), bool):
       raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
@@ -290,6 +298,7 @@ def _check_router_switches(cfg: MoEConfig) -> None:
       ("sparsemixer_epsilon", 0, False),
       ("router_logit_softcap", 0, False),
       ("input_norm_epsilon", 0, True),
+      ("output_norm_epsilon", 0, True),
   ):
     value = getattr(cfg, name)
     if not (

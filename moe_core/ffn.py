@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from moe_core import activations as activations_lib
 from moe_core import config as config_lib
+from moe_core import norms
 
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -150,13 +151,18 @@ def finish_block(
 ) -> jax.Array:
   """The block's last steps after the routed experts' y [T, D]: the shared
   expert (`add_shared_expert`), then the output bias [D] where
-  cfg.output_bias (JetMoE), summed in float32; [T, D] in tokens' dtype.
+  cfg.output_bias (JetMoE), summed in float32, then the output's RMS norm
+  where cfg.output_norm (A.X-K1), in float32; [T, D] in tokens' dtype.
 
   Run outside the backends (on one device and per device under a mesh), so
   every backend gets both.
   """
   y = add_shared_expert(y, params, tokens, cfg)
-  if not cfg.output_bias:
+  if not (cfg.output_bias or cfg.output_norm):
     return y
-  bias = params["output_bias"].astype(jnp.float32)
-  return (y.astype(jnp.float32) + bias).astype(tokens.dtype)
+  y = y.astype(jnp.float32)
+  if cfg.output_bias:
+    y = y + params["output_bias"].astype(jnp.float32)
+  if cfg.output_norm:
+    y = norms.rms_norm(y, params["output_norm_scale"], cfg.output_norm_epsilon)
+  return y.astype(tokens.dtype)

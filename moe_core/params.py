@@ -18,8 +18,8 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   router [D, E]; correction_bias [E] (if enabled) (E + num_zero_experts
   for the router and its [E] params); router_bias [E],
   router_norm_scale [D], expert_norm_scale [D], expert_output_scale [E],
-  output_bias [D], hash_table [V, K] int32 (if their fields say so,
-  `_router_extras`);
+  output_bias [D], output_norm_scale [D], hash_table [V, K] int32 (if their
+  fields say so, `_router_extras`);
   w_gate, w_up [E, D, F]; w_down [E, F, D]; b_gate, b_up [E, F] and b_down
   [E, D] (if expert_bias); shared_w_gate, shared_w_up [D, Fs], shared_w_down
   [Fs, D] (if shared_ffn_size); shared_gate [D, 1] (if shared_expert_gate).
@@ -110,6 +110,7 @@ CONSTANT_INIT = {
     "expert_norm_scale": 1.0,
     "expert_output_scale": 1.0,
     "output_bias": 0.0,
+    "output_norm_scale": 1.0,
 }
 
 
@@ -131,6 +132,7 @@ def _router_extras(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
       "expert_norm_scale": (d,) if cfg.expert_input_norm else (),
       "expert_output_scale": (e,) if cfg.expert_output_scale else (),
       "output_bias": (d,) if cfg.output_bias else (),
+      "output_norm_scale": (d,) if cfg.output_norm else (),
       "hash_table": (
           (cfg.hash_vocab_size, cfg.top_k) if cfg.hash_vocab_size else ()
       ),

@@ -148,6 +148,7 @@ class LinenMoETest(absltest.TestCase):
         expert_input_norm=True,
         expert_output_scale=True,
         output_bias=True,
+        output_norm=True,
     )
     variables = moe_flax.LinenMoE(cfg).init(
         jax.random.key(0), _tokens(jnp.float32)
