@@ -528,6 +528,10 @@ _CONVERTERS = {
         activation="silu",
         shared_ffn_size=c.intermediate_size * c.moe_num_shared_experts,
     ),
+    # A.X-K1: DeepSeek-V3's block, then an RMS norm of its output.
+    "axk1": lambda c: _deepseek_v3(
+        c, output_norm=True, output_norm_epsilon=float(c.rms_norm_eps)
+    ),
     "axk2": _axk2,
     "bailing_hybrid": _deepseek_v3,
     "beam": lambda c: _deepseek_v3(c, shared_width=0),
@@ -750,7 +754,7 @@ def moe_config_from_hf(
   the router switches (router bias, logit soft-cap, correction bias on the
   logits, router and expert input norms, per-expert output scale, zero
   experts, hash routing, sqrtsoftplus and sparsemixer scores), the output
-  bias after the combine, for
+  bias after the combine and the output norm, for
   every family in `SUPPORTED_MODEL_TYPES` (docs/hf_families.md says how
   each maps).
 
@@ -959,6 +963,8 @@ _ROUTER_EXTRAS = {
     ),
     "expert_output_scale": ("expert_output_scale", "router.per_expert_scale"),
     "output_bias": ("output_bias", "bias"),  # JetMoE, after the combine
+    # A.X-K1's norm of the block's output.
+    "output_norm_scale": ("output_norm", "post_mlp_layernorm.weight"),
 }
 
 # Families whose [E, D, 2F] gate_up_proj interleaves gate and up columns;
@@ -1079,6 +1085,7 @@ def params_from_hf(
     pre_feedforward_layernorm_2.weight [D]  -> router_norm_scale,
       expert_output_scale, expert_norm_scale (Gemma 4's decoder layer)
     bias [D]                                -> output_bias (JetMoE)
+    post_mlp_layernorm.weight [D]           -> output_norm_scale (A.X-K1)
     gate.tid2eid [V, K]                     -> hash_table, int32
       (DeepSeek-V4's hash layers)
 

@@ -37,10 +37,8 @@ LOGIT_SOFTCAP = "router logit soft-cap"
 ROUTER_INPUT_NORM = "router input norm and scale; per-expert output scale"
 ZERO_EXPERTS = "zero (skip) experts"
 HASH_ROUTING = "routing by token-id hash"
-OUTPUT_BIAS = "bias after the combine"
 SHARED_AVERAGE = "shared and routed outputs averaged"
 P_NORM = "p-norm normalisation with p != 1"
-POST_NORM = "a norm after the block"
 LATENT_PROJECTIONS = "latent projections"
 EXPERT_INPUT_NORM = "a norm on the experts' (latent) input"
 PRODUCT_KEYS = "product-key experts"
@@ -123,7 +121,17 @@ FAMILIES: tuple[Family, ...] = (
         "shared_experts: moe_num_shared_experts x intermediate_size, ungated",
     ),
     Family(
-        "axk1", "AXK1MoE", "AXK1Config", _DS3, _FUSED, _DS_SHARED, (POST_NORM,)
+        "axk1",
+        "AXK1MoE",
+        "AXK1Config",
+        _DS3,
+        _FUSED,
+        _DS_SHARED,
+        note=(
+            "output_norm=True, output_norm_epsilon=rms_norm_eps: its "
+            "post_mlp_layernorm (weight -> output_norm_scale) normalises the "
+            "routed plus shared output"
+        ),
     ),
     Family(
         "axk2",
