@@ -423,6 +423,7 @@ _CONFIG_FIELDS = (
     ("zero_expert_output", "unknown", "mean", VE(r"zero_expert_out.*'mean'")),
     ("output_bias", "int", 1, TE(r"output_bias must be a bool, got 1")),
     ("output_norm_epsilon", "zero", 0.0, VE(r"output_norm_eps.*> 0.*0\.0")),
+    ("num_always_on_experts", "not_below_top_k", 9, VE(r"always_on.*< top_k")),
 )
 
 
@@ -452,6 +453,11 @@ _CONFIG = {
             "zero_experts_with_capacity",
             replace_args(num_zero_experts=2, capacity_factor=1.0),
             VE(r"num_zero_experts > 0 needs.*capacity_factor=1\.0"),
+        ),
+        (
+            "always_on_experts_with_hash_routing",
+            replace_args(num_always_on_experts=1, hash_vocab_size=10),
+            VE(r"num_always_on_experts > 0 needs.*hash_vocab_size=10"),
         ),
         (
             "bias_on_logits_without_bias",

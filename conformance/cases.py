@@ -408,6 +408,15 @@ _ROUTING_CONFIGS = {
         num_zero_experts=1,
         zero_expert_output="zero",
     ),
+    # Inkling's: 2 always-on experts weighed with the 2 chosen (by score +
+    # bias), sigmoid weights normalised over all 4.
+    "always_on_sigmoid_bias_norm": _cfg(
+        top_k=4,
+        score_func="sigmoid",
+        correction_bias=True,
+        norm_topk_prob=True,
+        num_always_on_experts=2,
+    ),
 }
 # 16 tokens through each, differentiated too. Seeds 20, 21, ... in order (a
 # new variant goes last, so that the others keep their inputs).

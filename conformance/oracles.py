@@ -209,9 +209,11 @@ def route(logits, cfg, correction_bias=None, expert_scale=None) -> dict:
         group_score = np.sort(groups, axis=1)[:, -2:].sum(axis=1)
       best = np.argsort(-group_score, kind="stable")[: cfg.topk_group]
       eligible = np.repeat(np.isin(np.arange(cfg.n_group), best), size)
-    candidates = [j for j in range(e) if eligible[j]]
+    # Inkling: the last S experts always, after the top K - S of the rest.
+    s = getattr(cfg, "num_always_on_experts", 0)
+    candidates = [j for j in range(e - s) if eligible[j]]
     candidates.sort(key=lambda j: (-choice[j], j))
-    ids[i] = candidates[: cfg.top_k]
+    ids[i] = candidates[: cfg.top_k - s] + list(range(e - s, e))
   if cfg.score_func == "sparsemixer":
     weights = sparsemixer_weights(logits, ids, cfg.sparsemixer_epsilon)
   elif cfg.norm_topk_prob:

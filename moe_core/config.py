@@ -75,6 +75,12 @@ class MoEConfig:
     zero_expert_output: what a zero expert returns: "identity", the
       experts' input scaled by its combine weight (LongCat-Flash), or
       "zero", nothing (Zaya's skip expert).
+    num_always_on_experts: S >= 0, S < top_k: the last S of the
+      num_experts FFN experts are chosen by every token, in the last S of
+      its top_k slots; the router picks the other top_k - S among the first
+      num_experts - S, and weighs all top_k alike (normalised together with
+      norm_topk_prob): shared experts weighted by the router (Inkling's).
+      Takes no groups, zero experts, hash routing or sparsemixer.
     hash_vocab_size: V > 0 routes by token id (DeepSeek-V4's hash
       layers): the experts of a token are row token_id of a fixed int32
       table [V, K] (param "hash_table", not learned), and `moe_layer` then
@@ -149,6 +155,7 @@ class MoEConfig:
   router_input_scale: float = 1.0
   expert_output_scale: bool = False
   hash_vocab_size: int = 0
+  num_always_on_experts: int = 0
   num_zero_experts: int = 0
   zero_expert_output: str = "identity"
   output_bias: bool = False
@@ -282,6 +289,30 @@ class MoEConfig:
     return dataclasses.replace(self, **changes)
 
 
+def _check_always_on_experts(cfg: MoEConfig) -> None:
+  """num_always_on_experts: below top_k, with a top-k router of its own."""
+  _check_int(cfg, "num_always_on_experts", minimum=0)
+  s = cfg.num_always_on_experts
+  if not s:
+    return
+  if s >= cfg.top_k:
+    raise ValueError(
+        f"num_always_on_experts must be < top_k={cfg.top_k} (the router "
+        f"still chooses at least one expert), got {s}."
+    )
+  for name, value, ok in (
+      ("n_group", cfg.n_group, cfg.n_group == 1),
+      ("num_zero_experts", cfg.num_zero_experts, not cfg.num_zero_experts),
+      ("hash_vocab_size", cfg.hash_vocab_size, not cfg.hash_vocab_size),
+      ("score_func", cfg.score_func, cfg.score_func != "sparsemixer"),
+  ):
+    if not ok:
+      raise ValueError(
+          "num_always_on_experts > 0 needs a plain top-k router, got "
+          f"{name}={value!r}."
+      )
+
+
 def _check_router_switches(cfg: MoEConfig) -> None:
   """The routing fields that came with issue 33's families."""
   for name in (
@@ -342,6 +373,7 @@ def _check_router_switches(cfg: MoEConfig) -> None:
             "num_zero_experts > 0 needs a dropless, ungrouped router "
             f"(capacity_factor=None, n_group=1), got {name}={value!r}."
         )
+  _check_always_on_experts(cfg)
   if cfg.correction_bias_on != "scores" and not cfg.correction_bias:
     raise ValueError(
         f"correction_bias_on={cfg.correction_bias_on!r} needs "

@@ -323,6 +323,8 @@ def route_unchecked(x, router, cfg, correction_bias, **extras) -> MoEAux:
     scored, expert_ids = _hashed_choice(
         scored, extras["hash_table"], extras["token_ids"], cfg
     )
+  elif cfg.num_always_on_experts:
+    expert_ids = _with_always_on_experts(scored.choice, cfg)
   else:
     expert_ids = select_experts(scored.choice, cfg)
   chosen_weights = score_functions.SCORE_FUNCTIONS[
@@ -336,6 +338,20 @@ def route_unchecked(x, router, cfg, correction_bias, **extras) -> MoEAux:
     weights = jnp.take_along_axis(scored.scores, expert_ids, axis=-1)
   weights = weights * cfg.routed_scaling_factor
   return aux_from_choice(scored, expert_ids, weights, cfg)
+
+
+def _with_always_on_experts(
+    choice: jax.Array, cfg: config_lib.MoEConfig
+) -> jax.Array:
+  """[T, K] int32 ids: the top K - S of the first E - S experts' choice
+  scores, best first, then the S always-on experts E - S .. E - 1 (Inkling's
+  router-weighted shared experts). Validated config: no groups."""
+  e, s = cfg.num_experts, cfg.num_always_on_experts
+  _, routed = jax.lax.top_k(choice[:, : e - s], cfg.top_k - s)
+  always_on = jnp.broadcast_to(
+      jnp.arange(e - s, e, dtype=jnp.int32), (choice.shape[0], s)
+  )
+  return jnp.concatenate([routed.astype(jnp.int32), always_on], axis=-1)
 
 
 def _hashed_choice(scored, hash_table, token_ids, cfg):

@@ -61,6 +61,12 @@ def choice(cfg: config_lib.MoEConfig) -> tuple[bool, str]:
         "TE's fused router scores with softmax or sigmoid only, not "
         f"score_func={cfg.score_func!r}"
     )
+  if cfg.num_always_on_experts:
+    return False, (
+        "the fused router chooses all top_k, not top_k - S beside S "
+        f"always-on experts (num_always_on_experts="
+        f"{cfg.num_always_on_experts})"
+    )
   if cfg.hash_vocab_size:
     return False, (
         "the fused router chooses by top-k, not from a hash table "
