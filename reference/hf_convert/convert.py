@@ -502,6 +502,30 @@ def _deepseek_v4(c, layer_idx) -> dict:
   )
 
 
+def _inkling(c) -> dict:
+  # Its S shared experts are scored by the router beside the E routed ones
+  # (router [E + S, D]) and weighted with the K chosen: sigmoid weights
+  # normalised over all K + S, x route_scale, x the router's learned
+  # global_scale (expert_output_scale, the same for every expert).
+  shared = c.n_shared_experts or 0
+  if not shared:
+    raise NotImplementedError(
+        "inkling with n_shared_experts=0: its router slices off the last "
+        "n_shared_experts logits as the shared ones, and needs >= 1."
+    )
+  return dict(
+      num_experts=c.n_routed_experts + shared,
+      top_k=c.num_experts_per_tok + shared,
+      num_always_on_experts=shared,
+      expert_ffn_size=c.moe_intermediate_size,
+      score_func="sigmoid",
+      correction_bias=True,
+      norm_topk_prob=True,
+      routed_scaling_factor=float(c.route_scale),
+      expert_output_scale=True,
+  )
+
+
 def _qwen_shared(c) -> dict:
   shared = c.shared_expert_intermediate_size or 0
   return dict(shared_ffn_size=shared, shared_expert_gate=bool(shared))
@@ -608,6 +632,7 @@ _CONVERTERS = {
     ),
     "hy_v4": _hy_v4("hy_v4"),
     "hy_v4_vl": _hy_v4("hy_v4_vl"),
+    "inkling": _inkling,
     "inkling2": _inkling2("inkling2"),
     "inkling2_loop": _inkling2("inkling2_loop"),
     "jamba": lambda c: _softmax(c.num_experts, c.intermediate_size, False),
@@ -1011,6 +1036,38 @@ def _shared_expert(state_dict, prefix, cfg):
   )
 
 
+def _always_on_experts(state_dict, prefix, cfg, params) -> None:
+  """Inkling's router-weighted shared experts, in place: their stacked
+  shared_experts.{gate,up}_proj [S, F, D] and down_proj [S, D, F] become
+  experts E - S .. E - 1 after the routed ones; the correction bias [E - S]
+  gets 0 for them (they are always chosen); the router's global_scale [1]
+  becomes expert_output_scale [E]."""
+  s, e = cfg.num_always_on_experts, cfg.num_experts
+  shared = [
+      np.swapaxes(
+          _required(
+              state_dict,
+              f"{prefix}shared_experts.{name}",
+              f"cfg.num_always_on_experts={s}",
+          ),
+          1,
+          2,
+      )
+      for name in ("gate_proj", "up_proj", "down_proj")
+  ]
+  for name, stack in zip(("w_gate", "w_up", "w_down"), shared):
+    params[name] = np.concatenate([params[name], stack], axis=0)
+  if cfg.correction_bias and params["correction_bias"].shape == (e - s,):
+    params["correction_bias"] = np.concatenate(
+        [params["correction_bias"], np.zeros(s, np.float32)]
+    )
+  if cfg.expert_output_scale:
+    scale = _required(
+        state_dict, prefix + "gate.global_scale", "cfg.expert_output_scale"
+    )
+    params["expert_output_scale"] = np.full(e, scale.reshape(-1)[0])
+
+
 def params_from_hf(
     state_dict,
     cfg: config_lib.MoEConfig,
@@ -1086,6 +1143,9 @@ def params_from_hf(
       expert_output_scale, expert_norm_scale (Gemma 4's decoder layer)
     bias [D]                                -> output_bias (JetMoE)
     post_mlp_layernorm.weight [D]           -> output_norm_scale (A.X-K1)
+    shared_experts.{gate,up,down}_proj [S, ...] -> experts E - S .. E - 1,
+      gate.global_scale [1] -> expert_output_scale [E] (Inkling, whose
+      router weighs its S shared experts: num_always_on_experts = S)
     gate.tid2eid [V, K]                     -> hash_table, int32
       (DeepSeek-V4's hash layers)
 
@@ -1109,6 +1169,8 @@ def params_from_hf(
       )
     params["correction_bias"] = _to_numpy(state_dict[bias_key]).reshape(-1)
   for name, (switch, key) in _ROUTER_EXTRAS.items():
+    if name == "expert_output_scale" and cfg.num_always_on_experts:
+      continue  # Inkling's one global scale: `_always_on_experts`.
     if getattr(cfg, switch):
       params[name] = _required(state_dict, prefix + key, f"cfg.{switch}=True")
   if cfg.hash_vocab_size:
@@ -1149,6 +1211,8 @@ def params_from_hf(
       params["shared_gate"] = _to_numpy(
           state_dict[prefix + "shared_expert_gate.weight"]
       ).T
+  if cfg.num_always_on_experts:
+    _always_on_experts(state_dict, prefix, cfg, params)
   # A non-gated activation has no gate matrices.
   params = {k: v for k, v in params.items() if v is not None}
   out = {}

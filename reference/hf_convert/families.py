@@ -43,7 +43,6 @@ LATENT_PROJECTIONS = "latent projections"
 EXPERT_INPUT_NORM = "a norm on the experts' (latent) input"
 PRODUCT_KEYS = "product-key experts"
 ROUTER_MLP_STATE = "MLP router with state across layers"
-ROUTER_WEIGHTED_SHARED = "router-weighted shared experts"
 ZERO_FILLED_GROUPS = "excluded groups filled with 0 under sigmoid + bias"
 TOKEN_TYPE_EXPERTS = "expert sets by token type"
 CAPACITY_POLICY = "2021-era capacity policy and token dropout"
@@ -457,7 +456,12 @@ FAMILIES: tuple[Family, ...] = (
         "log-sigmoid), x route_scale x global_scale",
         _FUSED,
         "shared_experts: SwiGLU, each scaled by its router weight",
-        (ROUTER_WEIGHTED_SHARED,),
+        note=(
+            "num_always_on_experts=S: its S shared experts are dropless' "
+            "last S experts (num_experts = E + S, top_k = K + S), always "
+            "chosen and weighed by the router with the K; gate.global_scale "
+            "-> expert_output_scale"
+        ),
     ),
     Family(
         "inkling2",

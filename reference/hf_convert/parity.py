@@ -118,6 +118,8 @@ _OVERRIDES = {
     "hy_v4_vl": dict(n_shared_experts=0, swiglu_limit=1.0),
     "minimax_m3_vl": dict(swiglu_limit=1.0),
     "inkling2": dict(mlp_gate_softcap=1.0, mlp_up_softcap=2.0),
+    # Two router-weighted shared experts.
+    "inkling": dict(n_shared_experts=2),
     "inkling2_loop": dict(mlp_gate_softcap=1.0, mlp_up_softcap=2.0),
     "nemotron_h": dict(moe_shared_expert_intermediate_size=_SHARED_F),
     # The Mamba layers' own check; the MoE block never reads these.
@@ -139,7 +141,7 @@ _LAYER_SHARED_MLP = {
 _BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 
 # Multiplicative scales (Gemma 4's router and expert norms): 1 + noise.
-_SCALE_NAMES = ("scale", "per_expert_scale")
+_SCALE_NAMES = ("scale", "per_expert_scale", "global_scale")
 
 # Gemma 4's MoE half lives in its decoder layer: the router, the experts and
 # the experts' own input norm, built from their classes (`_GemmaMoE`).
@@ -404,6 +406,14 @@ def compare(
     )
     extra = dict(token_ids=jnp.asarray(token_ids, jnp.int32))
   y_hf, ids_hf = run_hf(block, shared, x, token_ids)
+  s = cfg.num_always_on_experts
+  if ids_hf is not None and s:
+    # Inkling hands its experts the K routed ids; every token also runs
+    # the S shared ones, dropless' experts E - S .. E - 1.
+    always_on = np.arange(cfg.num_experts - s, cfg.num_experts)
+    ids_hf = np.concatenate(
+        [ids_hf, np.broadcast_to(always_on, (ids_hf.shape[0], s))], axis=-1
+    )
   state = dict(block.state_dict())
   if shared is not None:
     state.update({f"shared_mlp.{k}": v for k, v in shared.state_dict().items()})
