@@ -424,6 +424,7 @@ _CONFIG_FIELDS = (
     ("output_bias", "int", 1, TE(r"output_bias must be a bool, got 1")),
     ("output_norm_epsilon", "zero", 0.0, VE(r"output_norm_eps.*> 0.*0\.0")),
     ("num_always_on_experts", "not_below_top_k", 9, VE(r"always_on.*< top_k")),
+    ("norm_topk_p", "zero", 0.0, VE(r"norm_topk_p.*> 0.*0\.0")),
 )
 
 
@@ -458,6 +459,11 @@ _CONFIG = {
             "always_on_experts_with_hash_routing",
             replace_args(num_always_on_experts=1, hash_vocab_size=10),
             VE(r"num_always_on_experts > 0 needs.*hash_vocab_size=10"),
+        ),
+        (
+            "p_norm_without_norm_topk_prob",
+            replace_args(norm_topk_p=2.0),
+            VE(r"norm_topk_p=2\.0 needs norm_topk_prob=True"),
         ),
         (
             "bias_on_logits_without_bias",

@@ -417,6 +417,8 @@ _ROUTING_CONFIGS = {
         norm_topk_prob=True,
         num_always_on_experts=2,
     ),
+    # DBRX's with p = 2: the K softmax weights over their 2-norm.
+    "softmax_p2_norm": _cfg(top_k=3, norm_topk_prob=True, norm_topk_p=2.0),
 }
 # 16 tokens through each, differentiated too. Seeds 20, 21, ... in order (a
 # new variant goes last, so that the others keep their inputs).

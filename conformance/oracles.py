@@ -132,7 +132,8 @@ def sparsemixer_weights(logits, ids, epsilon: float) -> np.ndarray:
 
 
 def renormalised(logits, ids, cfg) -> np.ndarray:
-  """[T, K] w_k / (sum_j w_j + norm_epsilon) of the scores w of `ids`.
+  """[T, K] w_k / (sum_j w_j + norm_epsilon) of the scores w of `ids`
+  (w_k / (sum_j w_j^p)^(1/p) with p = cfg.norm_topk_p != 1).
 
   From float64 logs of the scores, which stay finite where the scores
   underflow (sigmoid(-1e4) is 0 even in float64): finite logits, finite
@@ -145,6 +146,10 @@ def renormalised(logits, ids, cfg) -> np.ndarray:
     log_w = np.take_along_axis(logits, ids, axis=1) - lse
   else:
     log_w = _log_scores(np.take_along_axis(logits, ids, axis=1), cfg.score_func)
+  p = getattr(cfg, "norm_topk_p", 1.0)
+  if p != 1:  # DBRX: w / ||w||_p, no epsilon.
+    log_norm = np.logaddexp.reduce(p * log_w, axis=1, keepdims=True) / p
+    return np.exp(log_w - log_norm)
   log_total = np.logaddexp.reduce(log_w, axis=1, keepdims=True)
   if cfg.norm_epsilon:
     log_total = np.logaddexp(log_total, np.log(cfg.norm_epsilon))

@@ -38,6 +38,10 @@ class MoEConfig:
       `sparsemixer_epsilon` of it; docs/api.md, "Score functions").
     norm_topk_prob: renormalise the K chosen weights to sum to 1.
     norm_epsilon: added to that denominator (DeepSeek-V3 uses 1e-20).
+    norm_topk_p: the norm that normalisation divides by: the K chosen
+      weights w become w / (sum_j w_j^p)^(1/p), p a finite float > 0; 1.0
+      (the default) is the sum. p != 1 (DBRX's moe_normalize_expert_weights)
+      needs norm_topk_prob=True and norm_epsilon=0.
     routed_scaling_factor: multiplies the routed weights after the optional
       normalisation; never the shared expert.
     correction_bias: DeepSeek-V3's aux-loss-free bias [E], added to the scores
@@ -140,6 +144,7 @@ class MoEConfig:
   score_func: str = "softmax"
   norm_topk_prob: bool = False
   norm_epsilon: float = 0.0
+  norm_topk_p: float = 1.0
   routed_scaling_factor: float = 1.0
   correction_bias: bool = False
   n_group: int = 1
@@ -289,6 +294,19 @@ class MoEConfig:
     return dataclasses.replace(self, **changes)
 
 
+def _check_norm_topk_p(cfg: MoEConfig) -> None:
+  """norm_topk_p: a finite p > 0, read by norm_topk_prob (no epsilon)."""
+  p = cfg.norm_topk_p
+  if not (_is_finite_number(p) and p > 0):
+    raise ValueError(f"norm_topk_p must be a finite float > 0, got {p!r}.")
+  if p != 1 and not (cfg.norm_topk_prob and cfg.norm_epsilon == 0):
+    raise ValueError(
+        f"norm_topk_p={p} needs norm_topk_prob=True and norm_epsilon=0 (the "
+        f"p-norm has no epsilon), got norm_topk_prob={cfg.norm_topk_prob}, "
+        f"norm_epsilon={cfg.norm_epsilon}."
+    )
+
+
 def _check_always_on_experts(cfg: MoEConfig) -> None:
   """num_always_on_experts: below top_k, with a top-k router of its own."""
   _check_int(cfg, "num_always_on_experts", minimum=0)
@@ -374,6 +392,7 @@ def _check_router_switches(cfg: MoEConfig) -> None:
             f"(capacity_factor=None, n_group=1), got {name}={value!r}."
         )
   _check_always_on_experts(cfg)
+  _check_norm_topk_p(cfg)
   if cfg.correction_bias_on != "scores" and not cfg.correction_bias:
     raise ValueError(
         f"correction_bias_on={cfg.correction_bias_on!r} needs "

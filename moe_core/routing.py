@@ -381,6 +381,8 @@ def _renormalised_weights(
   scores have their registry's `log_scores`.
   """
   chosen = jnp.take_along_axis(logits, expert_ids, axis=-1)
+  if cfg.norm_topk_p != 1:
+    return _p_normalised(chosen, cfg)
   log_epsilon = None
   if cfg.norm_epsilon > 0:
     log_epsilon = math.log(cfg.norm_epsilon)
@@ -392,6 +394,21 @@ def _renormalised_weights(
     return renormalise(chosen, log_epsilon)
   log_scores = score_functions.SCORE_FUNCTIONS[cfg.score_func].log_scores
   return renormalise(log_scores(chosen), log_epsilon)
+
+
+def _p_normalised(chosen: jax.Array, cfg: config_lib.MoEConfig) -> jax.Array:
+  """[T, K] w_k / (sum_j w_j^p)^(1/p) of the chosen scores w, p =
+  cfg.norm_topk_p (DBRX), from their logits [T, K]: exp(log w_k - lse(p
+  log w) / p), finite where the scores underflow. Softmax scores' common
+  log-normaliser cancels (the quotient is scale-free), so their chosen
+  logits serve as log w."""
+  p = cfg.norm_topk_p
+  if cfg.score_func == "softmax":
+    log_w = chosen
+  else:
+    log_w = score_functions.SCORE_FUNCTIONS[cfg.score_func].log_scores(chosen)
+  log_norm = jax.nn.logsumexp(p * log_w, axis=-1, keepdims=True) / p
+  return jnp.exp(log_w - log_norm)
 
 
 def renormalise(

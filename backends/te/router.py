@@ -61,6 +61,11 @@ def choice(cfg: config_lib.MoEConfig) -> tuple[bool, str]:
         "TE's fused router scores with softmax or sigmoid only, not "
         f"score_func={cfg.score_func!r}"
     )
+  if cfg.norm_topk_p != 1:
+    return False, (
+        "the fused router normalises by the sum, not a p-norm "
+        f"(norm_topk_p={cfg.norm_topk_p})"
+    )
   if cfg.num_always_on_experts:
     return False, (
         "the fused router chooses all top_k, not top_k - S beside S "
