@@ -53,6 +53,18 @@ _VARIANTS = (
             )
         ),
     ),
+    (
+        "dbrx_p2",
+        "dbrx",
+        dict(
+            ffn_config=dict(
+                ffn_hidden_size=parity.F,
+                moe_num_experts=parity.E,
+                moe_top_k=parity.K,
+                moe_normalize_expert_weights=2.0,
+            )
+        ),
+    ),
     ("flint_no_norm", "flint", dict(norm_topk_prob=False)),
     (
         "lfm2_moe_no_bias_no_norm",
@@ -92,20 +104,6 @@ _REFUSED_SETTINGS = (
         dict(shared_expert_combination_strategy="average"),
         None,
         families.SHARED_AVERAGE,
-    ),
-    (
-        "dbrx_p2",
-        "dbrx",
-        dict(
-            ffn_config=dict(
-                ffn_hidden_size=parity.F,
-                moe_num_experts=parity.E,
-                moe_top_k=parity.K,
-                moe_normalize_expert_weights=2.0,
-            )
-        ),
-        None,
-        families.P_NORM,
     ),
     (
         "axk2_groups",

@@ -173,17 +173,16 @@ def _cohere2_moe(c) -> dict:
 
 def _dbrx(c) -> dict:
   ffn = c.ffn_config
+  # moe_normalize_expert_weights: None (no normalisation) or the p of the
+  # p-norm the top-k softmax weights are divided by.
   p = getattr(ffn, "moe_normalize_expert_weights", None)
-  if p is not None and p != 1:
-    raise _needs_switch(
-        "dbrx", families_lib.P_NORM, f"moe_normalize_expert_weights={p}"
-    )
   act = (getattr(ffn, "ffn_act_fn", None) or {}).get("name")
   return dict(
       num_experts=ffn.moe_num_experts,
       top_k=ffn.moe_top_k,
       expert_ffn_size=ffn.ffn_hidden_size,
       norm_topk_prob=p is not None,
+      norm_topk_p=1.0 if p is None else float(p),
       activation=_activation(act, "ffn_config.ffn_act_fn['name']"),
   )
 

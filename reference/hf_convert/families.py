@@ -38,7 +38,6 @@ ROUTER_INPUT_NORM = "router input norm and scale; per-expert output scale"
 ZERO_EXPERTS = "zero (skip) experts"
 HASH_ROUTING = "routing by token-id hash"
 SHARED_AVERAGE = "shared and routed outputs averaged"
-P_NORM = "p-norm normalisation with p != 1"
 LATENT_PROJECTIONS = "latent projections"
 EXPERT_INPUT_NORM = "a norm on the experts' (latent) input"
 PRODUCT_KEYS = "product-key experts"
@@ -183,10 +182,9 @@ FAMILIES: tuple[Family, ...] = (
         "SwiGLU w1 (gate) / v1 (up) / w2 (down) [E*F, D]",
         "-",
         note=(
-            "supported with moe_normalize_expert_weights=1 (or None); other p "
-            "needs: "
-        )
-        + P_NORM,
+            "moe_normalize_expert_weights=p -> norm_topk_prob=True, "
+            "norm_topk_p=p (None: no normalisation)"
+        ),
     ),
     Family(
         "deepseek_ocr2",
