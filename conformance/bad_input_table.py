@@ -425,6 +425,7 @@ _CONFIG_FIELDS = (
     ("output_norm_epsilon", "zero", 0.0, VE(r"output_norm_eps.*> 0.*0\.0")),
     ("num_always_on_experts", "not_below_top_k", 9, VE(r"always_on.*< top_k")),
     ("norm_topk_p", "zero", 0.0, VE(r"norm_topk_p.*> 0.*0\.0")),
+    ("shared_combine", "unknown", "max", VE(r"shared_combine.*'max'")),
 )
 
 
@@ -464,6 +465,11 @@ _CONFIG = {
             "p_norm_without_norm_topk_prob",
             replace_args(norm_topk_p=2.0),
             VE(r"norm_topk_p=2\.0 needs norm_topk_prob=True"),
+        ),
+        (
+            "shared_mean_without_shared_expert",
+            replace_args(shared_combine="mean"),
+            VE(r"shared_combine='mean' needs shared_ffn_size > 0"),
         ),
         (
             "bias_on_logits_without_bias",

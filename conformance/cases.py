@@ -455,6 +455,8 @@ _FFN_CONFIGS = {
     "ffn_output_norm_shared": _cfg(
         output_norm=True, output_norm_epsilon=1e-5, shared_ffn_size=24
     ),
+    # Cohere 2 MoE's default: routed and shared outputs averaged.
+    "ffn_shared_mean": _cfg(shared_ffn_size=24, shared_combine="mean"),
 }
 FFN_VARIANTS = tuple(
     LayerCase(

@@ -385,6 +385,8 @@ def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
         y[t] += w[t, k] * expert_ffn(x[t : t + 1], params, ids[t, k], cfg)[0]
   if cfg.shared_ffn_size:
     y += shared_expert(x, params, cfg)
+    if getattr(cfg, "shared_combine", "sum") == "mean":  # Cohere 2 MoE.
+      y /= 2
   if getattr(cfg, "output_bias", False):  # JetMoE: after the combine.
     y += f64(params["output_bias"])
   if getattr(cfg, "output_norm", False):  # A.X-K1: an RMS norm of y.

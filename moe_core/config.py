@@ -13,6 +13,7 @@ SCORE_FUNCS = tuple(score_functions.SCORE_FUNCTIONS)
 GROUP_SCORES = ("max", "sum_top2")
 CORRECTION_BIAS_ON = ("scores", "logits")
 ZERO_EXPERT_OUTPUTS = ("identity", "zero")
+SHARED_COMBINES = ("sum", "mean")
 # The built-in activations; `moe_core.activations` registers more.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
@@ -106,6 +107,9 @@ class MoEConfig:
       (0 = none).
     shared_expert_gate: scale the shared expert's output per token by
       sigmoid(x @ shared_gate) (Qwen2-MoE).
+    shared_combine: how the shared expert joins the routed output: "sum"
+      (routed + shared) or "mean" ((routed + shared) / 2, Cohere 2 MoE's
+      default "average"); "mean" needs shared_ffn_size > 0.
     activation: the expert FFN's activation, a name of the registry
       `moe_core.activations`: gated "silu" (SwiGLU), "gelu" (GeGLU, exact
       erf), "gelu_tanh", "gpt_oss_glu" (GPT-OSS: (u + 1) g sigmoid(alpha g))
@@ -168,6 +172,7 @@ class MoEConfig:
   output_norm_epsilon: float = 1e-6
   shared_ffn_size: int = 0
   shared_expert_gate: bool = False
+  shared_combine: str = "sum"
   activation: str = "silu"
   routing_weights_on_input: bool = False
   swiglu_limit: float | None = None
@@ -236,6 +241,12 @@ class MoEConfig:
             f"that may be chosen), got top_k={self.top_k}, topk_group="
             f"{self.topk_group}, experts per group={per_group}."
         )
+    _check_choice("shared_combine", self.shared_combine, SHARED_COMBINES)
+    if self.shared_combine != "sum" and not self.shared_ffn_size:
+      raise ValueError(
+          f"shared_combine={self.shared_combine!r} needs shared_ffn_size > "
+          f"0, got shared_ffn_size={self.shared_ffn_size}."
+      )
     if self.shared_expert_gate and not self.shared_ffn_size:
       raise ValueError(
           "shared_expert_gate=True needs shared_ffn_size > 0, "

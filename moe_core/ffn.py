@@ -127,7 +127,8 @@ def shared_expert(
 def add_shared_expert(
     y: jax.Array, params: dict, tokens: jax.Array, cfg: config_lib.MoEConfig
 ) -> jax.Array:
-  """y + the shared expert of `tokens` (summed in float32), in tokens' dtype.
+  """y + the shared expert of `tokens` (summed in float32; halved where
+  cfg.shared_combine == "mean"), in tokens' dtype.
 
   The last step of the block, on one device and per device under a mesh
   (`parallel.moe_layer`). y unchanged if cfg has no shared expert.
@@ -141,9 +142,10 @@ def add_shared_expert(
   if not cfg.shared_ffn_size:
     return y
   shared = shared_expert(params, tokens, cfg)
-  return (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(
-      tokens.dtype
-  )
+  total = y.astype(jnp.float32) + shared.astype(jnp.float32)
+  if cfg.shared_combine == "mean":  # Cohere 2 MoE's "average".
+    total = total * 0.5
+  return total.astype(tokens.dtype)
 
 
 def finish_block(
