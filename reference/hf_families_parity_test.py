@@ -31,6 +31,11 @@ _BACKENDS = ("reference", "xla")
 # fields); the defaults are covered by the per-family cases.
 _VARIANTS = (
     (
+        "cohere2_moe_sum",
+        "cohere2_moe",
+        dict(shared_expert_combination_strategy="sum"),
+    ),
+    (
         "cohere2_moe_sigmoid",
         "cohere2_moe",
         dict(expert_selection_fn="sigmoid", norm_topk_prob=True),
@@ -98,13 +103,6 @@ _VARIANTS = (
 # Settings of supported families that need a missing switch: (name,
 # model_type, HF config fields, layer_idx, the switch the error must name).
 _REFUSED_SETTINGS = (
-    (
-        "cohere2_moe_average",
-        "cohere2_moe",
-        dict(shared_expert_combination_strategy="average"),
-        None,
-        families.SHARED_AVERAGE,
-    ),
     (
         "axk2_groups",
         "axk2",

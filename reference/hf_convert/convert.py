@@ -144,15 +144,20 @@ def _mistral4(c, norm) -> dict:
   )
 
 
+# Cohere 2 MoE's shared_expert_combination_strategy -> shared_combine.
+_COHERE_COMBINES = {"sum": "sum", "average": "mean"}
+
+
 def _cohere2_moe(c) -> dict:
   shared = c.intermediate_size * (c.num_shared_experts or 0)
-  if shared and c.shared_expert_combination_strategy != "sum":
-    raise _needs_switch(
-        "cohere2_moe",
-        families_lib.SHARED_AVERAGE,
-        "shared_expert_combination_strategy="
-        f"{c.shared_expert_combination_strategy!r}",
+  combine = c.shared_expert_combination_strategy
+  if combine not in _COHERE_COMBINES:
+    raise ValueError(
+        "shared_expert_combination_strategy must be one of "
+        f"{tuple(_COHERE_COMBINES)}, got {combine!r}."
     )
+  # Without a shared expert the block adds nothing, so there is no mean.
+  extra = dict(shared_combine=_COHERE_COMBINES[combine]) if shared else {}
   if c.expert_selection_fn == "softmax":
     # A softmax over the K best logits is the renormalised top-k softmax.
     routing = dict(norm_topk_prob=True)
@@ -168,6 +173,7 @@ def _cohere2_moe(c) -> dict:
       expert_ffn_size=c.intermediate_size,
       shared_ffn_size=shared,
       **routing,
+      **extra,
   )
 
 

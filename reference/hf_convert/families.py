@@ -37,7 +37,6 @@ LOGIT_SOFTCAP = "router logit soft-cap"
 ROUTER_INPUT_NORM = "router input norm and scale; per-expert output scale"
 ZERO_EXPERTS = "zero (skip) experts"
 HASH_ROUTING = "routing by token-id hash"
-SHARED_AVERAGE = "shared and routed outputs averaged"
 LATENT_PROJECTIONS = "latent projections"
 EXPERT_INPUT_NORM = "a norm on the experts' (latent) input"
 PRODUCT_KEYS = "product-key experts"
@@ -169,10 +168,9 @@ FAMILIES: tuple[Family, ...] = (
         "shared_experts: num_shared_experts x intermediate_size, summed or "
         "averaged",
         note=(
-            "supported with shared_expert_combination_strategy='sum' (or no "
-            "shared expert); 'average' (the default) needs: "
-        )
-        + SHARED_AVERAGE,
+            "shared_expert_combination_strategy 'average' (the default) -> "
+            "shared_combine='mean', 'sum' -> 'sum'"
+        ),
     ),
     Family(
         "dbrx",

@@ -85,7 +85,6 @@ _OVERRIDES = {
     "deepseek_v2": dict(topk_method="group_limited_greedy"),
     "deepseek_ocr2": dict(topk_method="group_limited_greedy"),
     "unlimited_ocr": dict(topk_method="group_limited_greedy"),
-    "cohere2_moe": dict(shared_expert_combination_strategy="sum"),
     "dbrx": dict(
         d_model=D,
         ffn_config=dict(
