@@ -426,6 +426,7 @@ _CONFIG_FIELDS = (
     ("num_always_on_experts", "not_below_top_k", 9, VE(r"always_on.*< top_k")),
     ("norm_topk_p", "zero", 0.0, VE(r"norm_topk_p.*> 0.*0\.0")),
     ("shared_combine", "unknown", "max", VE(r"shared_combine.*'max'")),
+    ("shared_swiglu_clamp", "str", "no", TE(r"shared_swiglu_clamp.*'no'")),
 )
 
 
@@ -470,6 +471,11 @@ _CONFIG = {
             "shared_mean_without_shared_expert",
             replace_args(shared_combine="mean"),
             VE(r"shared_combine='mean' needs shared_ffn_size > 0"),
+        ),
+        (
+            "shared_clamp_off_without_limit",
+            replace_args(shared_swiglu_clamp=False),
+            VE(r"shared_swiglu_clamp=False.*swiglu_limit=None"),
         ),
         (
             "bias_on_logits_without_bias",

@@ -457,6 +457,10 @@ _FFN_CONFIGS = {
     ),
     # Cohere 2 MoE's default: routed and shared outputs averaged.
     "ffn_shared_mean": _cfg(shared_ffn_size=24, shared_combine="mean"),
+    # HY-V4's: the routed experts clamped, the shared one not.
+    "ffn_swiglu_limit_routed_only": _cfg(
+        swiglu_limit=0.5, shared_ffn_size=24, shared_swiglu_clamp=False
+    ),
 }
 FFN_VARIANTS = tuple(
     LayerCase(

@@ -342,6 +342,8 @@ class _PlainGlu:
 
 def shared_expert(x, params, cfg):
   x = f64(x)
+  if not getattr(cfg, "shared_swiglu_clamp", True):  # HY-V4: not clamped.
+    cfg = cfg.replace(swiglu_limit=None, shared_swiglu_clamp=True)
   gate = None
   if cfg.activation not in NON_GATED:
     gate = x @ f64(params["shared_w_gate"])

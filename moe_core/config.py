@@ -120,7 +120,10 @@ class MoEConfig:
       instead of w * FFN(x).
     swiglu_limit: None, or L > 0: a gated activation first clamps gate to
       (-inf, L] and up to [-L, L] (GLM-5-Next, DeepSeek-V4, GPT-OSS); in the
-      routed and the shared experts.
+      routed and (unless shared_swiglu_clamp=False) the shared experts.
+    shared_swiglu_clamp: whether swiglu_limit clamps the shared expert too
+      (True, the default); False clamps the routed experts only (HY-V4).
+      False needs swiglu_limit set and a shared expert.
     swiglu_alpha: the sigmoid's scale of "gpt_oss_glu" (GPT-OSS: 1.702);
       None for every other activation.
     gate_softcap, up_softcap: c > 0, the soft caps c * tanh(z / c) of
@@ -176,6 +179,7 @@ class MoEConfig:
   activation: str = "silu"
   routing_weights_on_input: bool = False
   swiglu_limit: float | None = None
+  shared_swiglu_clamp: bool = True
   swiglu_alpha: float | None = None
   gate_softcap: float | None = None
   up_softcap: float | None = None
@@ -446,9 +450,21 @@ def _check_int(cfg, name, *, minimum):
 
 def _check_activation(cfg) -> None:
   """The activation is registered and its options are exactly the ones set."""
-  for name in ("routing_weights_on_input", "expert_bias"):
+  for name in (
+      "routing_weights_on_input",
+      "expert_bias",
+      "shared_swiglu_clamp",
+  ):
     if not isinstance(getattr(cfg, name), bool):
       raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+  if not cfg.shared_swiglu_clamp and (
+      cfg.swiglu_limit is None or not cfg.shared_ffn_size
+  ):
+    raise ValueError(
+        "shared_swiglu_clamp=False exempts the shared expert from "
+        "swiglu_limit, so it needs both, got swiglu_limit="
+        f"{cfg.swiglu_limit!r}, shared_ffn_size={cfg.shared_ffn_size}."
+    )
   act = activations_lib.get(cfg.activation)
   for name in ("swiglu_limit",) + activations_lib.OPTIONS:
     value = getattr(cfg, name)

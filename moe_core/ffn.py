@@ -6,6 +6,7 @@ extension point for a new one); this module applies them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -107,10 +108,13 @@ def shared_expert(
 ) -> jax.Array:
   """The always-on expert: [T, D] -> [T, D], optionally sigmoid-gated.
 
-  Its activation is the routed experts' (clamp included; no biases): a
-  non-gated one has no shared_w_gate.
+  Its activation is the routed experts' (clamp included unless
+  cfg.shared_swiglu_clamp is False; no biases): a non-gated one has no
+  shared_w_gate.
   """
   settings = activations_lib.Settings.from_config(cfg)
+  if not cfg.shared_swiglu_clamp:  # HY-V4: the routed experts only.
+    settings = dataclasses.replace(settings, swiglu_limit=None)
   gate = None
   if settings.activation.gated:
     gate = _matmul(x, params["shared_w_gate"])
