@@ -71,6 +71,7 @@ _VARIANTS = (
         ),
     ),
     ("flint_no_norm", "flint", dict(norm_topk_prob=False)),
+    ("hy_v4_no_shared", "hy_v4", dict(n_shared_experts=0)),
     (
         "lfm2_moe_no_bias_no_norm",
         "lfm2_moe",
@@ -120,13 +121,6 @@ _REFUSED_SETTINGS = (
         ),
         1,
         families.CLAMP_AFTER_ACTIVATION,
-    ),
-    (
-        "hy_v4_shared_expert",
-        "hy_v4",
-        dict(n_shared_experts=1),
-        None,
-        families.ROUTED_ONLY_CLAMP,
     ),
     (
         "nemotron_h_latent",

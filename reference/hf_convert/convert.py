@@ -310,23 +310,14 @@ def _glm5_next(c) -> dict:
   return _deepseek_v3(c, activation="silu", swiglu_limit=float(c.swiglu_limit))
 
 
-def _hy_v4(model_type):
-  def convert(c) -> dict:
-    # The routed experts clamp; the shared expert does not.
+def _hy_v4(c) -> dict:
+  # The routed experts clamp; the shared expert (if any) does not.
+  clamp = {}
+  if c.swiglu_limit is not None:
+    clamp = dict(swiglu_limit=float(c.swiglu_limit))
     if c.n_shared_experts:
-      raise _needs_switch(
-          model_type,
-          families_lib.ROUTED_ONLY_CLAMP,
-          f"n_shared_experts={c.n_shared_experts}",
-      )
-    return _deepseek_v3(
-        c,
-        shared_width=0,
-        activation="silu",
-        swiglu_limit=float(c.swiglu_limit),
-    )
-
-  return convert
+      clamp["shared_swiglu_clamp"] = False
+  return _deepseek_v3(c, activation="silu", **clamp)
 
 
 def _inkling2(model_type):
@@ -635,8 +626,8 @@ _CONVERTERS = {
         routed_scaling_factor=float(c.router_scaling_factor),
         shared_ffn_size=c.moe_intermediate_size * (c.num_shared_experts or 0),
     ),
-    "hy_v4": _hy_v4("hy_v4"),
-    "hy_v4_vl": _hy_v4("hy_v4_vl"),
+    "hy_v4": _hy_v4,
+    "hy_v4_vl": _hy_v4,
     "inkling": _inkling,
     "inkling2": _inkling2("inkling2"),
     "inkling2_loop": _inkling2("inkling2_loop"),

@@ -45,7 +45,6 @@ ZERO_FILLED_GROUPS = "excluded groups filled with 0 under sigmoid + bias"
 TOKEN_TYPE_EXPERTS = "expert sets by token type"
 CAPACITY_POLICY = "2021-era capacity policy and token dropout"
 # Switches found missing while converting (not in issue 33's table).
-ROUTED_ONLY_CLAMP = "SwiGLU clamp on the routed experts only (shared unclamped)"
 CLAMP_AFTER_ACTIVATION = "SwiGLU clamp after the activation (act(gate) <= L)"
 SHARED_BIASES = "biases on the shared expert's linears"
 
@@ -425,10 +424,9 @@ FAMILIES: tuple[Family, ...] = (
         "fused SwiGLU (always silu) with clamp (swiglu_limit)",
         _DS_SHARED + ", not clamped",
         note=(
-            "supported with n_shared_experts=0; the shared expert (the "
-            "default) is not clamped while the routed ones are, which needs: "
-        )
-        + ROUTED_ONLY_CLAMP,
+            "swiglu_limit clamps the routed experts; its shared expert is "
+            "not clamped: shared_swiglu_clamp=False"
+        ),
     ),
     Family(
         "hy_v4_vl",
@@ -438,10 +436,9 @@ FAMILIES: tuple[Family, ...] = (
         "fused SwiGLU (always silu) with clamp (swiglu_limit)",
         _DS_SHARED + ", not clamped",
         note=(
-            "supported with n_shared_experts=0; the shared expert (the "
-            "default) is not clamped while the routed ones are, which needs: "
-        )
-        + ROUTED_ONLY_CLAMP,
+            "swiglu_limit clamps the routed experts; its shared expert is "
+            "not clamped: shared_swiglu_clamp=False"
+        ),
     ),
     Family(
         "inkling",

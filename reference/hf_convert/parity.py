@@ -113,8 +113,8 @@ _OVERRIDES = {
     "step3p7": dict(swiglu_limits=None, swiglu_limits_shared=None),
     # Clamps and soft caps tight enough to bite on products of std ~1.
     "glm5_next": dict(swiglu_limit=1.0),
-    "hy_v4": dict(n_shared_experts=0, swiglu_limit=1.0),
-    "hy_v4_vl": dict(n_shared_experts=0, swiglu_limit=1.0),
+    "hy_v4": dict(swiglu_limit=1.0),
+    "hy_v4_vl": dict(swiglu_limit=1.0),
     "minimax_m3_vl": dict(swiglu_limit=1.0),
     "inkling2": dict(mlp_gate_softcap=1.0, mlp_up_softcap=2.0),
     # Two router-weighted shared experts.
