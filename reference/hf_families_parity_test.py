@@ -50,24 +50,14 @@ _VARIANTS = (
         "dbrx_no_norm",
         "dbrx",
         dict(
-            ffn_config=dict(
-                ffn_hidden_size=parity.F,
-                moe_num_experts=parity.E,
-                moe_top_k=parity.K,
-                moe_normalize_expert_weights=None,
-            )
+            ffn_config=parity.dbrx_ffn_config(moe_normalize_expert_weights=None)
         ),
     ),
     (
         "dbrx_p2",
         "dbrx",
         dict(
-            ffn_config=dict(
-                ffn_hidden_size=parity.F,
-                moe_num_experts=parity.E,
-                moe_top_k=parity.K,
-                moe_normalize_expert_weights=2.0,
-            )
+            ffn_config=parity.dbrx_ffn_config(moe_normalize_expert_weights=2.0)
         ),
     ),
     ("flint_no_norm", "flint", dict(norm_topk_prob=False)),
@@ -289,14 +279,7 @@ class HfFamiliesParityTest(parameterized.TestCase):
       (
           "dbrx_ffn_act_fn",
           "dbrx",
-          dict(
-              ffn_config=dict(
-                  ffn_hidden_size=parity.F,
-                  moe_num_experts=parity.E,
-                  moe_top_k=parity.K,
-                  ffn_act_fn=dict(name="relu"),
-              )
-          ),
+          dict(ffn_config=parity.dbrx_ffn_config(ffn_act_fn=dict(name="relu"))),
           r"ffn_config.ffn_act_fn\['name'\]",
       ),
   )

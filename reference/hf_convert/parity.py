@@ -80,6 +80,13 @@ _SMALL = dict(
     hidden_act="silu",
 )
 
+
+def dbrx_ffn_config(**settings) -> dict:
+  """DBRX's `ffn_config` (where its expert settings live) at the small
+  sizes, plus `settings`."""
+  return dict(ffn_hidden_size=F, moe_num_experts=E, moe_top_k=K, **settings)
+
+
 # Per family, on top of _SMALL (settings the converter supports).
 _OVERRIDES = {
     "deepseek_v2": dict(topk_method="group_limited_greedy"),
@@ -87,12 +94,7 @@ _OVERRIDES = {
     "unlimited_ocr": dict(topk_method="group_limited_greedy"),
     "dbrx": dict(
         d_model=D,
-        ffn_config=dict(
-            ffn_hidden_size=F,
-            moe_num_experts=E,
-            moe_top_k=K,
-            moe_normalize_expert_weights=1.0,
-        ),
+        ffn_config=dbrx_ffn_config(moe_normalize_expert_weights=1.0),
     ),
     "lfm2_moe": dict(use_expert_bias=True),
     # Fewer zero experts than routed ones, so that both kinds are chosen.
