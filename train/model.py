@@ -19,6 +19,7 @@ import moe_core
 from moe_core import flax as moe_flax
 from moe_core import remat as moe_remat
 from train import attention
+from train import gated_deltanet
 from train import model_config
 
 
@@ -63,7 +64,12 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
     self.rope_theta = cfg.rope_theta
     self.qk_norm = cfg.qk_norm
-    self.wq = weight(rngs.params(), (d, h * hd))
+    self.output_gate = cfg.attention_output_gate
+    self.rotary_dim = cfg.rotary_dim
+    # Gated attention: per head, the query then its gate (transformers'
+    # layout of Qwen3-Next's q_proj).
+    q_width = 2 * h * hd if self.output_gate else h * hd
+    self.wq = weight(rngs.params(), (d, q_width))
     self.wk = weight(rngs.params(), (d, hkv * hd))
     self.wv = weight(rngs.params(), (d, hkv * hd))
     self.wo = weight(rngs.params(), (h * hd, d))
@@ -77,6 +83,9 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     b, t, _ = x.shape
     q, k, v = (_matmul(x, w[...]) for w in (self.wq, self.wk, self.wv))
+    if self.output_gate:
+      q, gate = jnp.split(q.reshape(b, t, self.num_heads, -1), 2, axis=-1)
+      q = q.reshape(b, t, -1)
     if self.qk_norm == "full":
       q, k = self.q_norm(q), self.k_norm(k)
     q = q.reshape(b, t, self.num_heads, self.head_dim)
@@ -84,10 +93,21 @@ class Attention(nnx.Module):
     v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.qk_norm == "head":
       q, k = self.q_norm(q), self.k_norm(k)
-    q = attention.rope(q, positions, self.rope_theta)
-    k = attention.rope(k, positions, self.rope_theta)
-    out = attention.causal_attention(q, k, v).reshape(b, t, -1)
-    return _matmul(out, self.wo[...])
+    q = _partial_rope(q, positions, self.rope_theta, self.rotary_dim)
+    k = _partial_rope(k, positions, self.rope_theta, self.rotary_dim)
+    out = attention.causal_attention(q, k, v)
+    if self.output_gate:
+      sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
+      out = (out.astype(jnp.float32) * sigmoid).astype(out.dtype)
+    return _matmul(out.reshape(b, t, -1), self.wo[...])
+
+
+def _partial_rope(x, positions, theta, rotary_dim):
+  """RoPE on the first `rotary_dim` of x's last axis; the rest unrotated."""
+  if rotary_dim == x.shape[-1]:
+    return attention.rope(x, positions, theta)
+  rotated = attention.rope(x[..., :rotary_dim], positions, theta)
+  return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
 
 
 class LatentAttention(nnx.Module):
@@ -189,8 +209,13 @@ class Block(nnx.Module):
   ):
     self.is_moe = cfg.is_moe_layer(layer)
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    attention = LatentAttention if cfg.attention == "mla" else Attention
-    self.attn = attention(cfg, rngs=rngs)
+    if cfg.is_linear_attention_layer(layer):  # Qwen3-Next's hybrid stack.
+      self.attn = gated_deltanet.GatedDeltaNet(
+          cfg.linear_attention, cfg.hidden_size, cfg.norm_eps, rngs=rngs
+      )
+    else:
+      attention = LatentAttention if cfg.attention == "mla" else Attention
+      self.attn = attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     if self.is_moe:
       self.mlp = moe_flax.MoE(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import moe_core
+from train import gated_deltanet
 
 ATTENTIONS = ("gqa", "mla")
 QK_NORMS = ("none", "head", "full")
@@ -47,6 +48,17 @@ class ModelConfig:
     tie_embeddings: the output head reuses the input embedding.
     rope_theta: RoPE base.
     norm_eps: RMSNorm epsilon.
+    attention_output_gate: Qwen3-Next's gated attention: the query
+      projection is twice as wide (each head's query, then its gate) and
+      the attention output is scaled by sigmoid(gate) before the output
+      projection ("gqa" only).
+    partial_rotary_factor: the fraction of each head's query/key that RoPE
+      rotates (its first head_dim * factor dimensions; Qwen3-Next: 0.25).
+    linear_attention: the Gated DeltaNet layers' widths
+      (`train/gated_deltanet.py`); None: every layer is softmax attention.
+    full_attention_interval: with `linear_attention`, layer i is softmax
+      attention when (i + 1) % interval == 0 and Gated DeltaNet otherwise
+      (Qwen3-Next: 4, three linear layers then one full).
   """
 
   name: str
@@ -69,10 +81,16 @@ class ModelConfig:
   tie_embeddings: bool = False
   rope_theta: float = 10000.0
   norm_eps: float = 1e-6
+  # --- Qwen3-Next (issue 33): gated attention, partial RoPE, hybrid layout.
+  attention_output_gate: bool = False
+  partial_rotary_factor: float = 1.0
+  linear_attention: gated_deltanet.DeltaNetConfig | None = None
+  full_attention_interval: int = 0
 
   def __post_init__(self):
     _check_choice("attention", self.attention, ATTENTIONS)
     _check_choice("qk_norm", self.qk_norm, QK_NORMS)
+    self._check_qwen3_next_fields()
     if self.attention == "gqa":
       if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
         raise ValueError(
@@ -123,6 +141,71 @@ class ModelConfig:
           f"moe.hidden_size={self.moe.hidden_size}, "
           f"hidden_size={self.hidden_size}."
       )
+
+  def _check_qwen3_next_fields(self) -> None:
+    """Validates the gated attention, partial RoPE and hybrid fields."""
+    if self.attention_output_gate and self.attention != "gqa":
+      raise ValueError(
+          "attention_output_gate applies to 'gqa' attention only, got "
+          f"attention={self.attention!r}."
+      )
+    factor = self.partial_rotary_factor
+    if not 0.0 < factor <= 1.0:
+      raise ValueError(
+          f"partial_rotary_factor must be in (0, 1], got {factor!r}."
+      )
+    if factor != 1.0:
+      if self.attention != "gqa":
+        raise ValueError(
+            "partial_rotary_factor applies to 'gqa' attention only, got "
+            f"attention={self.attention!r}."
+        )
+      rotated = self.head_dim * factor
+      if rotated != int(rotated) or int(rotated) < 2 or int(rotated) % 2:
+        raise ValueError(
+            "head_dim * partial_rotary_factor must be an even int >= 2 "
+            f"(RoPE rotates pairs), got head_dim={self.head_dim}, "
+            f"partial_rotary_factor={factor}."
+        )
+    interval = self.full_attention_interval
+    if self.linear_attention is None:
+      if interval:
+        raise ValueError(
+            "full_attention_interval needs linear_attention (a "
+            f"DeltaNetConfig), got full_attention_interval={interval} "
+            "with linear_attention=None."
+        )
+      return
+    if not isinstance(self.linear_attention, gated_deltanet.DeltaNetConfig):
+      raise TypeError(
+          "linear_attention must be a gated_deltanet.DeltaNetConfig or "
+          f"None, got {type(self.linear_attention).__name__}."
+      )
+    if not isinstance(interval, int) or interval < 1:
+      raise ValueError(
+          "linear_attention needs full_attention_interval >= 1 (every "
+          f"interval-th layer is softmax attention), got {interval!r}."
+      )
+
+  def is_linear_attention_layer(self, layer: int) -> bool:
+    """Whether layer `layer` mixes tokens with Gated DeltaNet."""
+    return (
+        self.linear_attention is not None
+        and (layer + 1) % self.full_attention_interval != 0
+    )
+
+  @property
+  def num_linear_attention_layers(self) -> int:
+    return sum(map(self.is_linear_attention_layer, range(self.num_layers)))
+
+  @property
+  def num_full_attention_layers(self) -> int:
+    return self.num_layers - self.num_linear_attention_layers
+
+  @property
+  def rotary_dim(self) -> int:
+    """Per-head width RoPE rotates ("gqa")."""
+    return int(self.head_dim * self.partial_rotary_factor)
 
   @property
   def num_dense_layers(self) -> int:

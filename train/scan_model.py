@@ -107,6 +107,22 @@ def run_stack(
   return jax.lax.scan(body, x, state)
 
 
+def check_scannable(cfg: model_config.ModelConfig) -> None:
+  """Refuses a config whose layers are not runs of identical layers.
+
+  Qwen3-Next's hybrid stack alternates Gated DeltaNet and softmax-attention
+  layers (different variables), so no single stack holds them; it trains
+  with unrolled layers (`--noscan_layers`).
+  """
+  if cfg.linear_attention is not None:
+    raise ValueError(
+        f"model {cfg.name!r} mixes Gated DeltaNet and softmax-attention "
+        f"layers (full_attention_interval={cfg.full_attention_interval}); "
+        "scanned layers need identical layers: train it with "
+        "--noscan_layers (model.Transformer)."
+    )
+
+
 class ScannedTransformer(nnx.Module):
   """The language model with scanned layers: tokens [B, T] -> (logits, stats).
 
@@ -129,6 +145,7 @@ class ScannedTransformer(nnx.Module):
       moe_mesh: dict | None = None,
   ):
     moe_remat.check_policy_name(remat)
+    check_scannable(cfg)
     self.cfg = cfg
     self.compute_dtype = compute_dtype
     self.remat = remat

@@ -12,6 +12,7 @@ import math
 
 import moe_core
 from moe_core import remat as moe_remat
+from train import gated_deltanet
 from train import model_config
 
 # --- Counting ----------------------------------------------------------------
@@ -35,6 +36,8 @@ def attention_param_count(cfg: model_config.ModelConfig) -> int:
   q_width = h * cfg.head_dim
   kv_width = cfg.num_kv_heads * cfg.head_dim
   count = d * q_width + 2 * d * kv_width + q_width * d
+  if cfg.attention_output_gate:  # The gate half of the query projection.
+    count += d * q_width
   if cfg.qk_norm == "head":
     count += 2 * cfg.head_dim
   elif cfg.qk_norm == "full":
@@ -96,7 +99,11 @@ def param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
   d = cfg.hidden_size
   embedding = cfg.vocab_size * d
   head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
-  attention = cfg.num_layers * attention_param_count(cfg)
+  attention = cfg.num_full_attention_layers * attention_param_count(cfg)
+  if cfg.linear_attention is not None:  # Qwen3-Next's Gated DeltaNet layers.
+    attention += cfg.num_linear_attention_layers * gated_deltanet.param_count(
+        cfg.linear_attention, d
+    )
   dense_mlp = cfg.num_dense_layers * 3 * d * cfg.dense_ffn_size
   moe_total, moe_active = moe_param_counts(cfg.moe) if cfg.moe else (0, 0)
   moe_total *= cfg.num_moe_layers
@@ -134,11 +141,15 @@ def flops_per_token(
   context = (seq_len + 1) / 2
   attend = (
       2
-      * cfg.num_layers
+      * cfg.num_full_attention_layers
       * cfg.num_heads
       * context
       * (cfg.qk_head_dim + cfg.value_head_dim)
   )
+  if cfg.linear_attention is not None:
+    attend += cfg.num_linear_attention_layers * (
+        gated_deltanet.recurrence_flops_per_token(cfg.linear_attention)
+    )
   forward = 2.0 * matmul + attend
   return {
       "forward": forward,
@@ -181,11 +192,13 @@ def _activation_bytes_per_token_layer(
     remat: str,
     seq_len: int,
     tensor: int,
+    linear_attention: gated_deltanet.DeltaNetConfig | None = None,
 ) -> tuple[float, float]:
   """(device, host) bytes one token leaves saved for the backward, one layer.
 
   An estimate in bf16 (2 bytes) with float32 softmax statistics; tensor
-  parallelism splits the head and hidden widths.
+  parallelism splits the head and hidden widths. `linear_attention`: the
+  layer is Gated DeltaNet of these widths, not softmax attention.
   """
   d, h = cfg.hidden_size, cfg.num_heads
   block_input = 2.0 * d
@@ -202,6 +215,17 @@ def _activation_bytes_per_token_layer(
       # Causal scores and probabilities, f32, (seq_len + 1) / 2 each.
       + 2 * 4.0 * h * (seq_len + 1) / 2 / tensor
   )
+  if linear_attention is not None:
+    dn = linear_attention
+    attn = (
+        2.0 * (2 * d + 3 * dn.conv_width + 2 * dn.value_width) / tensor
+        # `gated_deltanet`'s scan keeps each step's f32 state for the backward.
+        + 4.0
+        * dn.num_value_heads
+        * dn.key_head_dim
+        * dn.value_head_dim
+        / tensor
+    )
   if moe_layer:
     moe = cfg.moe
     k, f = moe.top_k, moe.expert_ffn_size
@@ -262,7 +286,12 @@ def memory_per_device(
   device_act = host_act = 0.0
   for layer in range(cfg.num_layers):
     dev, host = _activation_bytes_per_token_layer(
-        cfg, cfg.is_moe_layer(layer), remat, seq_len, mesh["tensor"]
+        cfg,
+        cfg.is_moe_layer(layer),
+        remat,
+        seq_len,
+        mesh["tensor"],
+        cfg.linear_attention if cfg.is_linear_attention_layer(layer) else None,
     )
     device_act += dev
     host_act += host
