@@ -150,7 +150,8 @@ def describe(
         )
         + f": {human(pub.total)} total, {human(pub.active)} active "
         f"({'with' if pub.active_counts_embedding else 'without'} the input "
-        f"embedding); source: {pub.source}"
+        f"embedding{'' if pub.active_counts_head else ' and the head'}); "
+        f"source: {pub.source}"
     )
   lines += [
       f"  FLOPs per token at seq_len {seq_len}: forward "

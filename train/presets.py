@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import moe_core
+from train import gated_deltanet
 from train import model_config
 
 # The type of `Preset.model`, named here too for the presets' readers.
@@ -101,6 +102,39 @@ def softmax_moe(
   )
 
 
+# --- Qwen3-Next (issue 33) ----------------------------------------------------
+
+
+def qwen3_next_moe(
+    hidden_size: int,
+    *,
+    num_experts: int,
+    top_k: int,
+    expert_ffn_size: int,
+    shared_ffn_size: int,
+) -> moe_core.MoEConfig:
+  """Qwen3-Next's MoE block: softmax, top-k renormalised, one shared
+  expert whose output is scaled per token by sigmoid(x @ shared_gate)."""
+  return dataclasses.replace(
+      softmax_moe(
+          hidden_size,
+          num_experts=num_experts,
+          top_k=top_k,
+          expert_ffn_size=expert_ffn_size,
+      ),
+      shared_ffn_size=shared_ffn_size,
+      shared_expert_gate=True,
+  )
+
+
+# What the training model leaves out of Qwen3-Next, for the descriptions.
+_QWEN3_NEXT_LEFT_OUT = (
+    "Left out: the multi-token-prediction module; zero-centred norm "
+    "scales (1 + w; the same function, and the optimiser does not decay "
+    "1-D parameters); layers scan only unrolled (--noscan_layers)."
+)
+
+
 # --- Small presets that train on a CPU ----------------------------------------
 
 _TINY_D = 128
@@ -166,6 +200,41 @@ TINY_QWEN3 = Preset(
         moe=softmax_moe(_TINY_D, num_experts=32, top_k=8, expert_ffn_size=48),
     ),
     train=TrainDefaults(aux_loss_weight=1e-2, z_loss_weight=1e-3),
+)
+
+
+# Qwen3-Next (issue 33): every piece of the 80B's stack at CPU size.
+TINY_QWEN3_NEXT = Preset(
+    description=(
+        "Qwen3-Next family, tiny: a hybrid stack of Gated DeltaNet "
+        "(linear attention) and gated softmax attention (every 2nd "
+        "layer; per-head QK-norm, RoPE on a quarter of each head), "
+        "MoE in every layer: softmax top-4 of 16 with a sigmoid-gated "
+        "shared expert. " + _QWEN3_NEXT_LEFT_OUT
+    ),
+    model=_tiny_model(
+        "tiny_qwen3_next",
+        num_kv_heads=2,
+        qk_norm="head",
+        attention_output_gate=True,
+        partial_rotary_factor=0.25,
+        linear_attention=gated_deltanet.DeltaNetConfig(
+            num_key_heads=2,
+            num_value_heads=4,
+            key_head_dim=32,
+            value_head_dim=32,
+            conv_kernel=4,
+        ),
+        full_attention_interval=2,
+        moe=qwen3_next_moe(
+            _TINY_D,
+            num_experts=16,
+            top_k=4,
+            expert_ffn_size=64,
+            shared_ffn_size=64,
+        ),
+    ),
+    train=TrainDefaults(aux_loss_weight=1e-3),
 )
 
 
@@ -274,6 +343,48 @@ OLMOE_1B_7B = Preset(
     ),
 )
 
+# Qwen3-Next (issue 33). Values of Qwen/Qwen3-Next-80B-A3B-Instruct's
+# config.json (transformers 5.24.0's Qwen3NextConfig defaults are the same,
+# rope_theta apart: the release uses 1e7).
+QWEN3_NEXT_80B_A3B = Preset(
+    description=(
+        "Qwen3-Next-80B-A3B, main model: 48 layers, 12 x (3 Gated "
+        "DeltaNet + 1 gated attention), 512 experts top-10 with a gated "
+        "shared expert. " + _QWEN3_NEXT_LEFT_OUT
+    ),
+    model=ModelConfig(
+        name="qwen3_next_80b_a3b",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=256,
+        qk_norm="head",
+        attention_output_gate=True,
+        partial_rotary_factor=0.25,
+        linear_attention=gated_deltanet.DeltaNetConfig(
+            num_key_heads=16,
+            num_value_heads=32,
+            key_head_dim=128,
+            value_head_dim=128,
+            conv_kernel=4,
+        ),
+        full_attention_interval=4,
+        moe=qwen3_next_moe(
+            2048,
+            num_experts=512,
+            top_k=10,
+            expert_ffn_size=512,
+            shared_ffn_size=512,
+        ),
+        rope_theta=1e7,
+    ),
+    train=_full_size_training(
+        batch_size=1024, learning_rate=3e-4, aux_loss_weight=1e-3
+    ),
+)
+
 PRESETS: dict[str, Preset] = {
     p.model.name: p
     for p in (
@@ -284,10 +395,20 @@ PRESETS: dict[str, Preset] = {
         MIXTRAL_8X7B,
         QWEN3_30B_A3B,
         OLMOE_1B_7B,
+        # Qwen3-Next (issue 33).
+        TINY_QWEN3_NEXT,
+        QWEN3_NEXT_80B_A3B,
     )
 }
 DEFAULT_PRESET = "tiny_dsv3"
-FULL_SIZE = ("deepseek_v3", "mixtral_8x7b", "qwen3_30b_a3b", "olmoe_1b_7b")
+FULL_SIZE = (
+    "deepseek_v3",
+    "mixtral_8x7b",
+    "qwen3_30b_a3b",
+    "olmoe_1b_7b",
+    # Qwen3-Next (issue 33).
+    "qwen3_next_80b_a3b",
+)
 
 
 def get_preset(name: str) -> Preset:

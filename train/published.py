@@ -23,12 +23,15 @@ class Published:
     active_counts_embedding: whether `active` includes the input embedding
       table (model cards differ; the output head is always included).
     source: where the figures were read.
+    active_counts_head: whether `active` includes the output head (Qwen's
+      "non-embedding" figures leave out both tables).
   """
 
   total: float
   active: float
   active_counts_embedding: bool
   source: str
+  active_counts_head: bool = True
 
 
 # Published counts, read with the search tool from the sources named (the
@@ -78,6 +81,23 @@ PUBLISHED: dict[str, Published] = {
             "abstract rounds them to 7B and 1B"
         ),
     ),
+    # Qwen3-Next (issue 33).
+    "qwen3_next_80b_a3b": Published(
+        total=80e9,
+        active=3e9,
+        active_counts_embedding=False,
+        active_counts_head=False,
+        source=(
+            "huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct, README.md "
+            "('Number of Parameters: 80B in total and 3B activated'; "
+            "'Number of Paramaters (Non-Embedding): 79B'), as quoted by "
+            "lmstudio.ai/models/qwen3-next; the MTP module is not counted. "
+            "The config gives 79.67B total, 79.05B without the embedding "
+            "and head (Qwen's 'non-embedding', as in Qwen3-30B-A3B's "
+            "29.9B), and 3.87B active with both tables, 3.25B without: "
+            "'3B' fits only the non-embedding active count"
+        ),
+    ),
 }
 # The published figures are rounded to 2-3 significant digits: a count
 # matches when it is within half a unit of the last published digit, plus 1%
@@ -100,4 +120,6 @@ def counts_as_published(name: str) -> tuple[int, int]:
       if PUBLISHED[name].active_counts_embedding
       else counts.active_without_embedding
   )
+  if not PUBLISHED[name].active_counts_head:
+    active -= counts.head
   return counts.total, active
