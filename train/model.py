@@ -1,8 +1,10 @@
 """A decoder-only transformer language model whose MLPs are dropless MoE blocks.
 
 Pre-norm residual blocks (`Transformer`), each an attention (grouped-query
-with RoPE, optionally QK-normed, or DeepSeek's multi-head latent
-attention) and an MLP: a dense SwiGLU (the first `first_dense_layers`) or a
+with RoPE, optionally QK-normed, output-gated and partially rotated as in
+Qwen3-Next, or DeepSeek's multi-head latent attention; or, in Qwen3-Next's
+hybrid stack, a Gated DeltaNet layer, `train/gated_deltanet.py`) and an
+MLP: a dense SwiGLU (the first `first_dense_layers`) or a
 `moe_core.flax.MoE` (the rest). Mixed precision: parameters are stored in
 float32 and cast to the compute dtype (bfloat16 by default) where used;
 norms, softmax and logits are computed in float32; routing is float32
