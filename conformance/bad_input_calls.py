@@ -26,6 +26,8 @@ CAPACITY_CFG = CFG.replace(capacity_factor=1.0)
 # The expert FFN's switches: biases on its linears; no gate GEMM.
 EXPERT_BIAS_CFG = CFG.replace(expert_bias=True)
 RELU_CFG = CFG.replace(activation="relu")
+# The routed experts at a latent width of 8 (Nemotron-H, Muse Spark).
+LATENT_CFG = CFG.replace(expert_latent_size=8)
 
 # The grouped GEMM's inputs: rows [M, C] x weights [G, C, N], G groups.
 GEMM_M, GEMM_C, GEMM_N = 28, 16, 8
@@ -123,7 +125,7 @@ def _good_expert_ffn(cfg):
   params, _, _ = _model(cfg)
   rng = np.random.default_rng(1703)
   return dict(
-      rows=_normal(rng, (T * K, cfg.hidden_size)),
+      rows=_normal(rng, (T * K, cfg.expert_width)),
       group_sizes=jnp.asarray(_FFN_GROUP_SIZES, jnp.int32),
       params={n: params[n] for n in params if n.startswith(("w_", "b_"))},
       cfg=cfg,

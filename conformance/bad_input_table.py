@@ -29,6 +29,7 @@ from conformance.bad_input_calls import (
     GEMM_GROUP_SIZES,
     GEMM_M,
     K,
+    LATENT_CFG,
     RELU_CFG,
     T,
     WHOLE_CALL,
@@ -297,6 +298,19 @@ _EXPERT_FFN_BIAS = {
         ("wrong_width", zeros(E, 4), VE(r"b_down.*\(8, 16\).*\(8, 4\)")),
     ),
 }
+# At a latent width (LATENT_CFG): rows of the model's width are refused.
+_EXPERT_FFN_LATENT = {
+    "rows": (
+        (
+            "model_width",
+            zeros(T * K, D),
+            VE(r"rows.*expert_latent_size=8.*\(20, 16\)"),
+        ),
+    ),
+    param("w_up"): (
+        ("model_width", zeros(E, D, F), VE(r"w_up.*\(8, 8, 8\).*\(8, 16, 8\)")),
+    ),
+}
 _EXPERT_FFN_VJP = {
     "group_sizes": _bad_group_sizes(
         (-4, 6, 2, 4, 0, 5, 2, 3), (4, 3, 1, 4, 0, 5, 2, 3), T * K
@@ -427,6 +441,12 @@ _CONFIG_FIELDS = (
     ("norm_topk_p", "zero", 0.0, VE(r"norm_topk_p.*> 0.*0\.0")),
     ("shared_combine", "unknown", "max", VE(r"shared_combine.*'max'")),
     ("shared_swiglu_clamp", "str", "no", TE(r"shared_swiglu_clamp.*'no'")),
+    ("expert_latent_size", "negative", -4, VE(r"expert_latent_size.*>= 0.*-4")),
+    ("expert_latent_size", "float", 8.0, VE(r"expert_latent_size.*8\.0")),
+    ("latent_norm", "int", 1, TE(r"latent_norm must be a bool, got 1")),
+    ("latent_norm_epsilon", "zero", 0.0, VE(r"latent_norm_eps.*> 0.*0\.0")),
+    ("post_expert_norm", "str", "y", TE(r"post_expert_norm must be a bool")),
+    ("post_expert_norm_epsilon", "nan", NAN, VE(r"post_expert_norm_eps.*nan")),
 )
 
 
@@ -478,6 +498,16 @@ _CONFIG = {
             VE(r"shared_swiglu_clamp=False.*swiglu_limit=None"),
         ),
         (
+            "latent_norm_without_latent_size",
+            replace_args(latent_norm=True),
+            VE(r"latent_norm=True.*expert_latent_size=0"),
+        ),
+        (
+            "post_expert_norm_with_weights_on_input",
+            replace_args(post_expert_norm=True, routing_weights_on_input=True),
+            VE(r"post_expert_norm=True.*routing_weights_on_input=True"),
+        ),
+        (
             "bias_on_logits_without_bias",
             replace_args(correction_bias_on="logits"),
             VE(r"correction_bias_on='logits' needs correction_bias=True"),
@@ -501,6 +531,7 @@ TABLE = (
     *_rows("grouped_gemm_vjp", _GEMM_VJP),
     *_rows("expert_ffn", _EXPERT_FFN),
     *_rows("expert_ffn", _EXPERT_FFN_BIAS, cfg=EXPERT_BIAS_CFG),
+    *_rows("expert_ffn", _EXPERT_FFN_LATENT, cfg=LATENT_CFG),
     *_rows("expert_ffn_vjp", _EXPERT_FFN_VJP),
     *_rows("routed_experts", _ROUTED_EXPERTS),
     *_rows("moe_layer", _LAYER),

@@ -461,6 +461,29 @@ _FFN_CONFIGS = {
     "ffn_swiglu_limit_routed_only": _cfg(
         swiglu_limit=0.5, shared_ffn_size=24, shared_swiglu_clamp=False
     ),
+    # Nemotron-H's: non-gated experts at a latent width, with a shared
+    # expert at the model's width beside them.
+    "ffn_latent_relu2_shared": _cfg(
+        activation="relu2",
+        expert_latent_size=16,
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        shared_ffn_size=24,
+    ),
+    # Muse Spark's: the latent rows RMS-normed, and each expert's output
+    # scaled and normed before its weight.
+    "ffn_latent_norms_sigmoid": _cfg(
+        expert_latent_size=16,
+        latent_norm=True,
+        latent_norm_epsilon=1e-5,
+        post_expert_norm=True,
+        post_expert_norm_epsilon=1e-5,
+        score_func="sigmoid",
+        correction_bias=True,
+        norm_topk_prob=True,
+    ),
+    # The norm of each expert's output without a latent width, in bfloat16.
+    "ffn_post_expert_norm_bf16": _cfg(post_expert_norm=True),
 }
 FFN_VARIANTS = tuple(
     LayerCase(
@@ -570,6 +593,8 @@ def layer_inputs(case: LayerCase):
         "router_norm_scale",
         "expert_norm_scale",
         "output_norm_scale",
+        "latent_norm_scale",
+        "post_expert_norm_scale",
     ):
       params[name] = rng.uniform(0.5, 2.0, shape).astype(np.float32)
     elif name == "expert_output_scale":

@@ -123,6 +123,11 @@ _ROUTER_PARAMS = _pick(
 # JetMoE's output bias, replicated and added per device after the combine.
 _OUTPUT_BIAS = _pick("output bias", lambda c: c.cfg.output_bias)
 _OUTPUT_NORM = _pick("output norm", lambda c: c.cfg.output_norm)
+# Muse Spark's: latent rows travel, each expert's output normed per device.
+_LATENT_NORMS = _pick(
+    "latent width with its norms",
+    lambda c: c.cfg.expert_latent_size > 0 and c.cfg.post_expert_norm,
+)
 
 # Zero experts: their copies travel with weight 0, their x is added back.
 _ZERO_EXPERTS = _pick(
@@ -159,6 +164,7 @@ EP_CASES = (
     + _product((_BASE,), ("ep8",), "ragged_emulated")
     + _product((_HOT,), ("data2_ep4",), "ragged_emulated")
     + _product((_EXPERT_BIAS, _WEIGHTS_ON_INPUT), ("data2_ep4",))
+    + _product((_LATENT_NORMS,), ("data2_ep4",))
 )
 
 

@@ -357,7 +357,10 @@ def shared_expert(x, params, cfg):
 def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
   """y[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t]) (+ shared expert(x[t]))
   (+ output_bias), RMS-normed where `cfg.output_norm`,
-  x the experts' input (RMS-normed where `cfg.expert_input_norm`).
+  x the experts' input (RMS-normed where `cfg.expert_input_norm`); with
+  `cfg.expert_latent_size` the routed sum is taken over x @ latent_in
+  (RMS-normed where `cfg.latent_norm`) and goes back @ latent_out, and
+  with `cfg.post_expert_norm` each FFN output is normed before its weight.
 
   With cfg.routing_weights_on_input, sum_k FFN_{ids[t, k]}(w[t, k] * x[t]).
 
@@ -372,19 +375,35 @@ def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
     x = x / rms * f64(params["expert_norm_scale"])
   ids = np.asarray(expert_ids)
   w = f64(combine_weights)
-  y = np.zeros_like(x)
+  # Nemotron-H, Muse Spark: the routed experts work on x @ latent_in,
+  # RMS-normed where cfg.latent_norm; their sum goes back @ latent_out.
+  latent = getattr(cfg, "expert_latent_size", 0)
+  routed_in = x @ f64(params["latent_in"]) if latent else x
+  if getattr(cfg, "latent_norm", False):
+    rms = np.sqrt(
+        np.mean(routed_in**2, axis=-1, keepdims=True) + cfg.latent_norm_epsilon
+    )
+    routed_in = routed_in / rms * f64(params["latent_norm_scale"])
+  routed = np.zeros_like(routed_in)
   for t in range(x.shape[0]):
     for k in range(ids.shape[1]):
       if ids[t, k] >= cfg.num_experts:  # A zero expert: x itself, or 0.
         if cfg.zero_expert_output == "identity":
-          y[t] += w[t, k] * x[t]
+          routed[t] += w[t, k] * routed_in[t]
         continue
       if w[t, k] == 0.0:  # A dropped copy has weight 0 and adds nothing.
         continue
+      row = routed_in[t : t + 1]
       if getattr(cfg, "routing_weights_on_input", False):
-        y[t] += expert_ffn(w[t, k] * x[t : t + 1], params, ids[t, k], cfg)[0]
+        routed[t] += expert_ffn(w[t, k] * row, params, ids[t, k], cfg)[0]
       else:
-        y[t] += w[t, k] * expert_ffn(x[t : t + 1], params, ids[t, k], cfg)[0]
+        out = expert_ffn(row, params, ids[t, k], cfg)[0]
+        if getattr(cfg, "post_expert_norm", False):
+          # Muse Spark: scaled first, then normalised, no scale after.
+          z = out * f64(params["post_expert_norm_scale"])
+          out = z / np.sqrt(np.mean(z**2) + cfg.post_expert_norm_epsilon)
+        routed[t] += w[t, k] * out
+  y = routed @ f64(params["latent_out"]) if latent else routed
   if cfg.shared_ffn_size:
     y += shared_expert(x, params, cfg)
     if getattr(cfg, "shared_combine", "sum") == "mean":  # Cohere 2 MoE.

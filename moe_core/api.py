@@ -22,6 +22,7 @@ import jax
 from moe_core import backend as backend_lib
 from moe_core import config as config_lib
 from moe_core import ffn
+from moe_core import latent
 from moe_core import norms
 from moe_core import parallel
 from moe_core import registry
@@ -88,6 +89,9 @@ def moe_layer(
   tokens = x.reshape(-1, cfg.hidden_size)
   # The router sees the tokens; the experts their own norm, if any.
   expert_tokens = norms.expert_input(tokens, params, cfg)
+  # The routed experts' input, at their latent width if any: projected
+  # before the dispatch, so that the dispatch moves the narrower rows.
+  routed_tokens = latent.project_in(expert_tokens, params, cfg)
 
   def route_and_compute(b: backend_lib.Backend):
     # One backend for both ("auto" falls through as a whole). The inputs
@@ -101,10 +105,10 @@ def moe_layer(
     routed_aux, zero_weights = aux, None
     if cfg.num_zero_experts:
       routed_aux, zero_weights = routing.split_zero_experts(aux, cfg)
-    y = b._routed_experts(params, expert_tokens, routed_aux, cfg)
+    y = b._routed_experts(params, routed_tokens, routed_aux, cfg)
     if zero_weights is not None:
-      y = y + routing.zero_expert_output(zero_weights, expert_tokens, cfg)
-    return y, aux
+      y = y + routing.zero_expert_output(zero_weights, routed_tokens, cfg)
+    return latent.project_out(y, params, cfg), aux
 
   y, aux = registry.call_backend(backend, route_and_compute)
   y = ffn.finish_block(y, params, expert_tokens, cfg)

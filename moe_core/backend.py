@@ -23,6 +23,7 @@ from moe_core import activations as activations_lib
 from moe_core import checks
 from moe_core import config as config_lib
 from moe_core import ffn
+from moe_core import norms
 from moe_core import operands
 from moe_core import permute
 from moe_core import precision as precision_lib
@@ -552,7 +553,11 @@ class Backend(abc.ABC):
       aux: routing.MoEAux,
       cfg: config_lib.MoEConfig,
   ) -> jax.Array:
-    """The routed experts' weighted output: x [T, D] -> [T, D].
+    """The routed experts' weighted output: x [T, W] -> [T, W].
+
+    W is cfg.expert_width: D, or the latent L where cfg.expert_latent_size
+    is set (x is then the projected input, `moe_core.latent.project_in`,
+    and the output is projected back by the caller, as `moe_layer` does).
 
     A token whose aux.expert_ids hold an id outside [0, E) (traced; concrete
     ones raise) or whose combine weights hold NaN comes out as NaN. With
@@ -566,7 +571,8 @@ class Backend(abc.ABC):
     """`routed_experts` on validated arguments: dispatch, the expert FFN
     (with the routing weights in its down projection where
     `_routing_weights_in_down`, or on its input rows where
-    cfg.routing_weights_on_input), combine."""
+    cfg.routing_weights_on_input), the norm of each output row where
+    cfg.post_expert_norm, combine."""
     dispatched = self._dispatch(x, aux, cfg)
     kept = aux.kept if cfg.masks_copies else None
     ones = jnp.ones_like(aux.combine_weights)
@@ -578,10 +584,13 @@ class Backend(abc.ABC):
       rows = scale_rows(dispatched.rows, flat_weights[dispatched.assignment])
       out = self._expert_ffn(rows, dispatched.group_sizes, params, cfg)
       return self._combine(out, dispatched, ones, kept)
-    if not self._routing_weights_in_down(cfg, x.dtype):
+    # The norm of each expert's output comes between the down projection
+    # and the routing weight: then the weight stays out of the down.
+    if cfg.post_expert_norm or not self._routing_weights_in_down(cfg, x.dtype):
       out = self._expert_ffn(
           dispatched.rows, dispatched.group_sizes, params, cfg
       )
+      out = norms.post_expert(out, params, cfg)
       return self._combine(out, dispatched, aux.combine_weights, kept)
     # Each sorted row's weight scales its down output; the combine then
     # sums with unit weights. A NaN weight still makes its token NaN

@@ -103,6 +103,26 @@ class MoEConfig:
       output_norm_scale, a learned scale [D] (param "output_norm_scale",
       starts at 1) (A.X-K1's post_mlp_layernorm).
     output_norm_epsilon: that norm's epsilon, > 0.
+    expert_latent_size: L > 0 runs the routed experts at width L
+      (Nemotron-H's moe_latent_size, Muse Spark's moe_hidden_size): the
+      experts' input is projected down, x @ latent_in [D, L] (param
+      "latent_in"), before the dispatch, so that the dispatch moves [L]
+      rows; the experts' weights are [E, L, F] and [E, F, L]; the combined
+      output (zero experts' included) is projected back, @ latent_out
+      [L, D] (param "latent_out"), before the shared expert, which stays
+      at width D and sees the un-projected input. 0 (the default): none.
+    latent_norm: RMS-normalise the projected rows with a learned scale [L]
+      (param "latent_norm_scale", starts at 1) before the dispatch (Muse
+      Spark's pre_expert_norm); needs expert_latent_size > 0.
+    latent_norm_epsilon: that norm's epsilon, a finite float > 0.
+    post_expert_norm: each routed expert's output row y (width W, the
+      experts' width: L or D) becomes z / sqrt(mean(z^2) + eps), z = y *
+      post_expert_norm_scale, a learned scale [W] (param
+      "post_expert_norm_scale", starts at 1) applied before the norm and
+      none after; then the routing weight (Muse Spark's post_expert_norm).
+      The norm would undo a weight on the input: it takes no
+      routing_weights_on_input.
+    post_expert_norm_epsilon: that norm's epsilon, a finite float > 0.
     shared_ffn_size: Fs, hidden width of the always-on shared expert
       (0 = none).
     shared_expert_gate: scale the shared expert's output per token by
@@ -173,6 +193,11 @@ class MoEConfig:
   output_bias: bool = False
   output_norm: bool = False
   output_norm_epsilon: float = 1e-6
+  expert_latent_size: int = 0
+  latent_norm: bool = False
+  latent_norm_epsilon: float = 1e-6
+  post_expert_norm: bool = False
+  post_expert_norm_epsilon: float = 1e-6
   shared_ffn_size: int = 0
   shared_expert_gate: bool = False
   shared_combine: str = "sum"
@@ -280,6 +305,13 @@ class MoEConfig:
     return self.capacity_factor is None
 
   @property
+  def expert_width(self) -> int:
+    """The width the routed experts work at: expert_latent_size L when
+    set, else hidden_size D. Their rows, w_up [E, W, F], w_down [E, F, W]
+    and b_down [E, W] have it."""
+    return self.expert_latent_size or self.hidden_size
+
+  @property
   def num_router_experts(self) -> int:
     """The router's width: E routed experts plus the Z zero experts."""
     return self.num_experts + self.num_zero_experts
@@ -346,6 +378,30 @@ def _check_always_on_experts(cfg: MoEConfig) -> None:
       )
 
 
+def _check_expert_width_switches(cfg: MoEConfig) -> None:
+  """The latent projections and the norms around the routed experts."""
+  _check_int(cfg, "expert_latent_size", minimum=0)
+  for name in ("latent_norm", "post_expert_norm"):
+    if not isinstance(getattr(cfg, name), bool):
+      raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+  for name in ("latent_norm_epsilon", "post_expert_norm_epsilon"):
+    value = getattr(cfg, name)
+    if not (_is_finite_number(value) and value > 0):
+      raise ValueError(f"{name} must be a finite float > 0, got {value!r}.")
+  if cfg.latent_norm and not cfg.expert_latent_size:
+    raise ValueError(
+        "latent_norm=True normalises the latent rows, so it needs "
+        f"expert_latent_size > 0, got expert_latent_size="
+        f"{cfg.expert_latent_size}."
+    )
+  if cfg.post_expert_norm and cfg.routing_weights_on_input:
+    raise ValueError(
+        "post_expert_norm=True would undo a routing weight applied to the "
+        "expert's input, so it needs routing_weights_on_input=False, got "
+        "routing_weights_on_input=True."
+    )
+
+
 def _check_router_switches(cfg: MoEConfig) -> None:
   """The routing fields that came with issue 33's families."""
   for name in (
@@ -408,6 +464,7 @@ def _check_router_switches(cfg: MoEConfig) -> None:
         )
   _check_always_on_experts(cfg)
   _check_norm_topk_p(cfg)
+  _check_expert_width_switches(cfg)
   if cfg.correction_bias_on != "scores" and not cfg.correction_bias:
     raise ValueError(
         f"correction_bias_on={cfg.correction_bias_on!r} needs "

@@ -1,4 +1,5 @@
-"""The block's own input norms: the router's and the experts' RMS norms."""
+"""The block's own norms: the router's and the experts' input RMS norms,
+and the norm of each routed expert's output (cfg.post_expert_norm)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,20 @@ def expert_input(
     return tokens
   normed = rms_norm(tokens, params["expert_norm_scale"], cfg.input_norm_epsilon)
   return normed.astype(tokens.dtype)
+
+
+def post_expert(
+    out: jax.Array, params: dict, cfg: config_lib.MoEConfig
+) -> jax.Array:
+  """Each routed expert's output rows out [M, W] as the combine weighs
+  them: out itself, or with `cfg.post_expert_norm` z / sqrt(mean(z^2) +
+  eps), z = out * params["post_expert_norm_scale"] [W] (Muse Spark's
+  post_expert_norm: the scale comes before the norm), in float32, returned
+  in out's dtype. A zero row (padding) stays zero, a NaN row NaN."""
+  if not cfg.post_expert_norm:
+    return out
+  scale = params["post_expert_norm_scale"].astype(jnp.float32)
+  scaled = out.astype(jnp.float32) * scale
+  mean_square = jnp.mean(jnp.square(scaled), axis=-1, keepdims=True)
+  normed = scaled * jax.lax.rsqrt(mean_square + cfg.post_expert_norm_epsilon)
+  return normed.astype(out.dtype)

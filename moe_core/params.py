@@ -20,14 +20,18 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   router_norm_scale [D], expert_norm_scale [D], expert_output_scale [E],
   output_bias [D], output_norm_scale [D], hash_table [V, K] int32 (if their
   fields say so, `_router_extras`);
-  w_gate, w_up [E, D, F]; w_down [E, F, D]; b_gate, b_up [E, F] and b_down
-  [E, D] (if expert_bias); shared_w_gate, shared_w_up [D, Fs], shared_w_down
-  [Fs, D] (if shared_ffn_size); shared_gate [D, 1] (if shared_expert_gate).
-  A non-gated activation has no w_gate, b_gate or shared_w_gate.
+  w_gate, w_up [E, W, F]; w_down [E, F, W]; b_gate, b_up [E, F] and b_down
+  [E, W] (if expert_bias), W = cfg.expert_width (D, or the latent L);
+  latent_in [D, L], latent_out [L, D], latent_norm_scale [L] and
+  post_expert_norm_scale [W] (if their fields say so); shared_w_gate,
+  shared_w_up [D, Fs], shared_w_down [Fs, D] (if shared_ffn_size);
+  shared_gate [D, 1] (if shared_expert_gate). A non-gated activation has
+  no w_gate, b_gate or shared_w_gate.
   """
   if not isinstance(cfg, config_lib.MoEConfig):
     raise TypeError(f"cfg must be a moe_core.MoEConfig, got {type(cfg)}.")
   d, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_ffn_size
+  w = cfg.expert_width
   # The router's [E] params span the zero experts too.
   shapes = {"router": (d, cfg.num_router_experts)}
   if cfg.correction_bias:
@@ -35,14 +39,17 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   shapes.update(
       {name: shape for name, shape in _router_extras(cfg).items() if shape}
   )
+  shapes.update(
+      {name: shape for name, shape in _latent_params(cfg).items() if shape}
+  )
   gated = activations_lib.get(cfg.activation).gated
   if gated:
-    shapes["w_gate"] = (e, d, f)
-  shapes.update(w_up=(e, d, f), w_down=(e, f, d))
+    shapes["w_gate"] = (e, w, f)
+  shapes.update(w_up=(e, w, f), w_down=(e, f, w))
   if cfg.expert_bias:
     if gated:
       shapes["b_gate"] = (e, f)
-    shapes.update(b_up=(e, f), b_down=(e, d))
+    shapes.update(b_up=(e, f), b_down=(e, w))
   if cfg.shared_ffn_size:
     fs = cfg.shared_ffn_size
     if gated:
@@ -111,6 +118,8 @@ CONSTANT_INIT = {
     "expert_output_scale": 1.0,
     "output_bias": 0.0,
     "output_norm_scale": 1.0,
+    "latent_norm_scale": 1.0,
+    "post_expert_norm_scale": 1.0,
 }
 
 
@@ -135,6 +144,20 @@ def _router_extras(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
       "output_norm_scale": (d,) if cfg.output_norm else (),
       "hash_table": (
           (cfg.hash_vocab_size, cfg.top_k) if cfg.hash_vocab_size else ()
+      ),
+  }
+
+
+def _latent_params(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
+  """The latent projections and the norms around the routed experts: name
+  -> shape, () where disabled."""
+  d, latent = cfg.hidden_size, cfg.expert_latent_size
+  return {
+      "latent_in": (d, latent) if latent else (),
+      "latent_out": (latent, d) if latent else (),
+      "latent_norm_scale": (latent,) if cfg.latent_norm else (),
+      "post_expert_norm_scale": (
+          (cfg.expert_width,) if cfg.post_expert_norm else ()
       ),
   }
 

@@ -35,13 +35,20 @@ def check_moe_layer(params, x, cfg, token_ids=None) -> None:
   check_token_ids(token_ids, x.size // cfg.hidden_size, cfg)
 
 
-def check_tokens(x, cfg: config_lib.MoEConfig, *, name: str = "x") -> None:
-  """x: [..., D] floating activations with at least one token."""
+def check_tokens(
+    x, cfg: config_lib.MoEConfig, *, name: str = "x", experts: bool = False
+) -> None:
+  """x: [..., D] floating activations with at least one token; with
+  `experts`, the routed experts' input [..., W] (W = cfg.expert_width: the
+  latent width where cfg.expert_latent_size is set)."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be an array, got {type(x)}.")
-  if x.ndim < 1 or x.shape[-1] != cfg.hidden_size:
+  width, field = cfg.hidden_size, "hidden_size"
+  if experts and cfg.expert_latent_size:
+    width, field = cfg.expert_latent_size, "expert_latent_size"
+  if x.ndim < 1 or x.shape[-1] != width:
     raise ValueError(
-        f"{name} must have shape [..., hidden_size={cfg.hidden_size}], got "
+        f"{name} must have shape [..., {field}={width}], got "
         f"{name}.shape={tuple(x.shape)}."
     )
   check_floating(x, name)
@@ -194,9 +201,12 @@ def check_array(
     check_floating(x, name)
 
 
-def check_token_matrix(x, cfg: config_lib.MoEConfig, caller: str) -> None:
-  """x: [T, D] tokens, as the stages after the layer's flattening take them."""
-  check_tokens(x, cfg)
+def check_token_matrix(
+    x, cfg: config_lib.MoEConfig, caller: str, *, experts: bool = False
+) -> None:
+  """x: [T, D] tokens, as the stages after the layer's flattening take them
+  ([T, W], the routed experts' input, with `experts`: `check_tokens`)."""
+  check_tokens(x, cfg, experts=experts)
   if x.ndim != 2:
     raise ValueError(
         f"{caller} needs tokens of shape [T, D], got "
@@ -529,7 +539,7 @@ def check_expert_weights(params, cfg: config_lib.MoEConfig) -> int:
     check_is_array(params[name], f"params[{name!r}]")
   first = names[0]
   num_local = params[first].shape[0] if params[first].ndim else 0
-  d, f = cfg.hidden_size, cfg.expert_ffn_size
+  d, f = cfg.expert_width, cfg.expert_ffn_size
   want = {
       name: (num_local,) + shape[1:]
       for name, shape in params_lib.param_shapes(cfg).items()
@@ -581,9 +591,10 @@ def check_expert_ffn(
   """
   check_config(cfg)
   check_is_array(rows, "rows")
-  if rows.ndim != 2 or rows.shape[1] != cfg.hidden_size:
+  if rows.ndim != 2 or rows.shape[1] != cfg.expert_width:
+    field = "expert_latent_size" if cfg.expert_latent_size else "hidden_size"
     raise ValueError(
-        f"rows must have shape [M, hidden_size={cfg.hidden_size}], got "
+        f"rows must have shape [M, {field}={cfg.expert_width}], got "
         f"rows.shape={tuple(rows.shape)}."
     )
   check_floating(rows, "rows")
@@ -599,7 +610,7 @@ def check_routed_experts(
   ids in [0, E), kept where the config has a capacity) and, if given, the
   expert weights of all E experts: everything the block's stages take."""
   check_config(cfg)
-  check_token_matrix(x, cfg, "routed_experts")
+  check_token_matrix(x, cfg, "routed_experts", experts=True)
   check_aux(aux)
   check_routing(aux.expert_ids, aux.combine_weights, x.shape[0], cfg)
   check_plan(

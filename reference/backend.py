@@ -13,6 +13,7 @@ from moe_core import checks
 from moe_core import operands
 from moe_core import config as config_lib
 from moe_core import ffn
+from moe_core import norms
 from moe_core import precision
 from moe_core import quantized_gemm
 from moe_core import routing
@@ -147,7 +148,9 @@ def dense_mixture(
     params: dict, x: jax.Array, aux: routing.MoEAux, cfg: config_lib.MoEConfig
 ) -> jax.Array:
   """y[t] = sum_e w[t, e] * FFN_e(x[t]) with no dispatch at all
-  (sum_e FFN_e(w[t, e] * x[t]) with cfg.routing_weights_on_input).
+  (sum_e FFN_e(w[t, e] * x[t]) with cfg.routing_weights_on_input; FFN_e's
+  output normed where cfg.post_expert_norm). x: [T, W], W =
+  cfg.expert_width.
 
   w[t, e] is the combine weight of the (kept) choices of token t that name
   expert e; every expert runs on every token and the weights pick (a
@@ -197,9 +200,11 @@ def _dense_mixture(params, x, aux, cfg) -> jax.Array:
           scaled, params, e, settings, cfg.precision, reaches[:, e]
       )
     else:
-      contribution = weight * expert_ffn_dense(
+      out = expert_ffn_dense(
           x, params, e, settings, cfg.precision, reaches[:, e]
       )
+      # Muse Spark's norm of the expert's output, before its weight.
+      contribution = weight * norms.post_expert(out, params, cfg)
     y += jnp.where(reaches[:, e : e + 1], contribution, 0.0)
   return checks.nan_rows(jnp.any(invalid, axis=-1), y).astype(x.dtype)
 

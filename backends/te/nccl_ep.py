@@ -142,7 +142,7 @@ def bootstrap(
         num_experts=sizes.num_experts,
         max_tokens_per_rank=sizes.max_tokens_per_rank,
         recv_capacity_per_rank=sizes.recv_capacity_per_rank,
-        hidden_dim=cfg.hidden_size,
+        hidden_dim=cfg.expert_width,  # The rows it moves: [L] if latent.
         max_token_dtype=_TOKEN_DTYPE,
     )
   return sizes

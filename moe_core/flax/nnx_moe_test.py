@@ -149,6 +149,9 @@ class LinenMoETest(absltest.TestCase):
         expert_output_scale=True,
         output_bias=True,
         output_norm=True,
+        expert_latent_size=8,
+        latent_norm=True,
+        post_expert_norm=True,
     )
     variables = moe_flax.LinenMoE(cfg).init(
         jax.random.key(0), _tokens(jnp.float32)

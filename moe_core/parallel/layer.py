@@ -19,6 +19,7 @@ from moe_core import backend as backend_lib
 from moe_core import compat
 from moe_core import config as config_lib
 from moe_core import ffn
+from moe_core import latent
 from moe_core import norms
 from moe_core import params as params_lib
 from moe_core import registry
@@ -59,8 +60,10 @@ def routed_experts(
   Args:
     backend: a name or `Backend`; "auto" tries `registry.auto_candidates()`
       in order. Only its `expert_ffn` is used (on the local experts).
-    params: this device's params: w_gate, w_up [E_l, D, F], w_down [E_l, F, D].
-    x: [T_l, D] this device's tokens.
+    params: this device's params: w_gate, w_up [E_l, W, F], w_down
+      [E_l, F, W], W = cfg.expert_width (D, or the latent L).
+    x: [T_l, W] this device's tokens (`latent.project_in`'s, with a latent
+      width: the exchange then moves [L] rows).
     aux: `route`'s output for them.
     cfg: the block's config.
     expert_axis: the mesh axis the experts are split over.
@@ -69,7 +72,7 @@ def routed_experts(
     platform: for `exchange="auto"`; JAX's default backend if None.
 
   Returns:
-    ([T_l, D] in x's dtype, aux with kept, combine_weights and dropped_tokens
+    ([T_l, W] in x's dtype, aux with kept, combine_weights and dropped_tokens
     updated for copies dropped by a bounded buffer with overflow="drop").
     With overflow="error", copies that do not fit make the run fail: the
     devices raise `parallel.BufferOverflowError` from a host callback
@@ -106,6 +109,8 @@ def routed_experts(
     out = registry.call_backend(
         backend, lambda b, d=d: b.expert_ffn(d.rows, d.group_sizes, params, cfg)
     )
+    # Muse Spark's norm of each expert's output, before its weight.
+    out = norms.post_expert(out, params, cfg)
     if on_input:
       weights = jnp.ones_like(weights)
     ys.append(stages.combine(out, d, weights, expert_axis=expert_axis))
@@ -254,7 +259,7 @@ def moe_layer(
         for k, v in params.items()
     }
 
-  def route_and_compute(b: backend_lib.Backend, params, tokens, expert_tokens):
+  def route_and_compute(b: backend_lib.Backend, params, tokens, routed_tokens):
     aux = stages.route(
         tokens,
         params["router"],
@@ -272,7 +277,7 @@ def moe_layer(
     y, routed_aux = routed_experts(
         b,
         params,
-        expert_tokens,
+        routed_tokens,
         routed_aux,
         cfg,
         expert_axis=expert_axis,
@@ -281,17 +286,20 @@ def moe_layer(
         platform=platform,
     )
     if zero_weights is None:
-      return y, routed_aux
-    y = y + routing.zero_expert_output(zero_weights, expert_tokens, cfg)
+      return latent.project_out(y, params, cfg), routed_aux
+    y = y + routing.zero_expert_output(zero_weights, routed_tokens, cfg)
+    y = latent.project_out(y, params, cfg)
     return y, routing.rejoin_zero_experts(aux, routed_aux, cfg)
 
   def body(params, tokens):
     # The router sees the tokens; the experts their own norm, if any.
     expert_tokens = norms.expert_input(tokens, params, cfg)
+    # At the experts' latent width, if any: the exchange moves [L] rows.
+    routed_tokens = latent.project_in(expert_tokens, params, cfg)
     # One backend routes and computes ("auto" falls through as a whole).
     y, aux = registry.call_backend(
         backend,
-        lambda b: route_and_compute(b, params, tokens, expert_tokens),
+        lambda b: route_and_compute(b, params, tokens, routed_tokens),
     )
     return ffn.finish_block(y, params, expert_tokens, cfg), aux
 
