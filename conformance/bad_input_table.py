@@ -447,6 +447,8 @@ _CONFIG_FIELDS = (
     ("latent_norm_epsilon", "zero", 0.0, VE(r"latent_norm_eps.*> 0.*0\.0")),
     ("post_expert_norm", "str", "y", TE(r"post_expert_norm must be a bool")),
     ("post_expert_norm_epsilon", "nan", NAN, VE(r"post_expert_norm_eps.*nan")),
+    ("latent_bias", "int", 1, TE(r"latent_bias must be a bool, got 1")),
+    ("shared_expert_bias", "str", "y", TE(r"shared_expert_bias must be a")),
 )
 
 
@@ -501,6 +503,16 @@ _CONFIG = {
             "latent_norm_without_latent_size",
             replace_args(latent_norm=True),
             VE(r"latent_norm=True.*expert_latent_size=0"),
+        ),
+        (
+            "latent_bias_without_latent_size",
+            replace_args(latent_bias=True),
+            VE(r"latent_bias=True.*expert_latent_size=0"),
+        ),
+        (
+            "shared_bias_without_shared_expert",
+            replace_args(shared_expert_bias=True),
+            VE(r"shared_expert_bias=True needs shared_ffn_size > 0"),
         ),
         (
             "post_expert_norm_with_weights_on_input",

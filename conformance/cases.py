@@ -484,6 +484,18 @@ _FFN_CONFIGS = {
     ),
     # The norm of each expert's output without a latent width, in bfloat16.
     "ffn_post_expert_norm_bf16": _cfg(post_expert_norm=True),
+    # Nemotron-H's mlp_bias: biased latent projections and shared expert.
+    "ffn_latent_shared_biases": _cfg(
+        activation="relu2",
+        expert_latent_size=16,
+        latent_bias=True,
+        shared_ffn_size=24,
+        shared_expert_bias=True,
+    ),
+    # DeepSeek-V4's mlp_bias: a biased, clamped, gated shared expert.
+    "ffn_shared_bias_clamped": _cfg(
+        swiglu_limit=0.5, shared_ffn_size=24, shared_expert_bias=True
+    ),
 }
 FFN_VARIANTS = tuple(
     LayerCase(
@@ -587,7 +599,15 @@ def layer_inputs(case: LayerCase):
     elif name == "hash_table":  # K distinct experts per token id.
       params[name] = np.argsort(rng.random((shape[0], cfg.num_router_experts)))
       params[name] = params[name][:, : shape[1]].astype(np.int32)
-    elif name in ("router_bias", "output_bias"):
+    elif name in (
+        "router_bias",
+        "output_bias",
+        "latent_in_bias",
+        "latent_out_bias",
+        "shared_b_gate",
+        "shared_b_up",
+        "shared_b_down",
+    ):
       params[name] = _normal(rng, shape)
     elif name in (
         "router_norm_scale",

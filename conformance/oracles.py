@@ -344,11 +344,15 @@ def shared_expert(x, params, cfg):
   x = f64(x)
   if not getattr(cfg, "shared_swiglu_clamp", True):  # HY-V4: not clamped.
     cfg = cfg.replace(swiglu_limit=None, shared_swiglu_clamp=True)
+
+  def bias(name):  # DeepSeek-V4's, Nemotron-H's mlp_bias; 0 without.
+    return f64(params[name]) if name in params else 0.0
+
   gate = None
   if cfg.activation not in NON_GATED:
-    gate = x @ f64(params["shared_w_gate"])
-  h = hidden(gate, x @ f64(params["shared_w_up"]), cfg)
-  y = h @ f64(params["shared_w_down"])
+    gate = x @ f64(params["shared_w_gate"]) + bias("shared_b_gate")
+  h = hidden(gate, x @ f64(params["shared_w_up"]) + bias("shared_b_up"), cfg)
+  y = h @ f64(params["shared_w_down"]) + bias("shared_b_down")
   if cfg.shared_expert_gate:
     y = _sigmoid(x @ f64(params["shared_gate"])) * y
   return y
@@ -379,6 +383,8 @@ def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
   # RMS-normed where cfg.latent_norm; their sum goes back @ latent_out.
   latent = getattr(cfg, "expert_latent_size", 0)
   routed_in = x @ f64(params["latent_in"]) if latent else x
+  if getattr(cfg, "latent_bias", False):  # Nemotron-H's mlp_bias.
+    routed_in = routed_in + f64(params["latent_in_bias"])
   if getattr(cfg, "latent_norm", False):
     rms = np.sqrt(
         np.mean(routed_in**2, axis=-1, keepdims=True) + cfg.latent_norm_epsilon
@@ -404,6 +410,8 @@ def layer_from_routing(params, x, expert_ids, combine_weights, cfg):
           out = z / np.sqrt(np.mean(z**2) + cfg.post_expert_norm_epsilon)
         routed[t] += w[t, k] * out
   y = routed @ f64(params["latent_out"]) if latent else routed
+  if getattr(cfg, "latent_bias", False):
+    y = y + f64(params["latent_out_bias"])
   if cfg.shared_ffn_size:
     y += shared_expert(x, params, cfg)
     if getattr(cfg, "shared_combine", "sum") == "mean":  # Cohere 2 MoE.

@@ -123,10 +123,18 @@ class MoEConfig:
       The norm would undo a weight on the input: it takes no
       routing_weights_on_input.
     post_expert_norm_epsilon: that norm's epsilon, a finite float > 0.
+    latent_bias: the latent projections have biases, latent_in_bias [L]
+      and latent_out_bias [D] (params, start at 0), added in float32 to
+      their products (Nemotron-H's mlp_bias); needs expert_latent_size > 0.
     shared_ffn_size: Fs, hidden width of the always-on shared expert
       (0 = none).
     shared_expert_gate: scale the shared expert's output per token by
       sigmoid(x @ shared_gate) (Qwen2-MoE).
+    shared_expert_bias: the shared expert's linears have biases,
+      shared_b_gate and shared_b_up [Fs] (no shared_b_gate when not gated)
+      and shared_b_down [D] (params, start at 0), added in float32 to the
+      products, before the activation and its clamp (DeepSeek-V4's and
+      Nemotron-H's mlp_bias); needs shared_ffn_size > 0.
     shared_combine: how the shared expert joins the routed output: "sum"
       (routed + shared) or "mean" ((routed + shared) / 2, Cohere 2 MoE's
       default "average"); "mean" needs shared_ffn_size > 0.
@@ -198,8 +206,10 @@ class MoEConfig:
   latent_norm_epsilon: float = 1e-6
   post_expert_norm: bool = False
   post_expert_norm_epsilon: float = 1e-6
+  latent_bias: bool = False
   shared_ffn_size: int = 0
   shared_expert_gate: bool = False
+  shared_expert_bias: bool = False
   shared_combine: str = "sum"
   activation: str = "silu"
   routing_weights_on_input: bool = False
@@ -379,20 +389,32 @@ def _check_always_on_experts(cfg: MoEConfig) -> None:
 
 
 def _check_expert_width_switches(cfg: MoEConfig) -> None:
-  """The latent projections and the norms around the routed experts."""
+  """The latent projections, the norms around the routed experts and the
+  shared expert's biases."""
   _check_int(cfg, "expert_latent_size", minimum=0)
-  for name in ("latent_norm", "post_expert_norm"):
+  for name in (
+      "latent_norm",
+      "post_expert_norm",
+      "latent_bias",
+      "shared_expert_bias",
+  ):
     if not isinstance(getattr(cfg, name), bool):
       raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
   for name in ("latent_norm_epsilon", "post_expert_norm_epsilon"):
     value = getattr(cfg, name)
     if not (_is_finite_number(value) and value > 0):
       raise ValueError(f"{name} must be a finite float > 0, got {value!r}.")
-  if cfg.latent_norm and not cfg.expert_latent_size:
+  for name in ("latent_norm", "latent_bias"):
+    if getattr(cfg, name) and not cfg.expert_latent_size:
+      raise ValueError(
+          f"{name}=True belongs to the latent projections, so it needs "
+          f"expert_latent_size > 0, got expert_latent_size="
+          f"{cfg.expert_latent_size}."
+      )
+  if cfg.shared_expert_bias and not cfg.shared_ffn_size:
     raise ValueError(
-        "latent_norm=True normalises the latent rows, so it needs "
-        f"expert_latent_size > 0, got expert_latent_size="
-        f"{cfg.expert_latent_size}."
+        "shared_expert_bias=True needs shared_ffn_size > 0, got "
+        f"shared_ffn_size={cfg.shared_ffn_size}."
     )
   if cfg.post_expert_norm and cfg.routing_weights_on_input:
     raise ValueError(

@@ -109,17 +109,33 @@ def shared_expert(
   """The always-on expert: [T, D] -> [T, D], optionally sigmoid-gated.
 
   Its activation is the routed experts' (clamp included unless
-  cfg.shared_swiglu_clamp is False; no biases): a non-gated one has no
-  shared_w_gate.
+  cfg.shared_swiglu_clamp is False): a non-gated one has no shared_w_gate.
+  With cfg.shared_expert_bias, shared_b_gate and shared_b_up [Fs] are added
+  in float32 before the activation, shared_b_down [D] after the down
+  product (before the gate).
   """
   settings = activations_lib.Settings.from_config(cfg)
   if not cfg.shared_swiglu_clamp:  # HY-V4: the routed experts only.
     settings = dataclasses.replace(settings, swiglu_limit=None)
+
+  def bias(name):  # [Fs] or [D] float32, broadcast over the tokens.
+    if not cfg.shared_expert_bias or name not in params:
+      return None
+    return params[name].astype(jnp.float32)
+
   gate = None
   if settings.activation.gated:
     gate = _matmul(x, params["shared_w_gate"])
-  h = hidden(gate, _matmul(x, params["shared_w_up"]), settings)
+  h = hidden(
+      gate,
+      _matmul(x, params["shared_w_up"]),
+      settings,
+      gate_bias=bias("shared_b_gate"),
+      up_bias=bias("shared_b_up"),
+  )
   y = _matmul(h, params["shared_w_down"])
+  if cfg.shared_expert_bias:
+    y = (y.astype(jnp.float32) + bias("shared_b_down")).astype(x.dtype)
   if cfg.shared_expert_gate:
     gate_logit = jnp.dot(
         x.astype(jnp.float32), params["shared_gate"].astype(jnp.float32)

@@ -22,11 +22,13 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
   fields say so, `_router_extras`);
   w_gate, w_up [E, W, F]; w_down [E, F, W]; b_gate, b_up [E, F] and b_down
   [E, W] (if expert_bias), W = cfg.expert_width (D, or the latent L);
-  latent_in [D, L], latent_out [L, D], latent_norm_scale [L] and
-  post_expert_norm_scale [W] (if their fields say so); shared_w_gate,
-  shared_w_up [D, Fs], shared_w_down [Fs, D] (if shared_ffn_size);
-  shared_gate [D, 1] (if shared_expert_gate). A non-gated activation has
-  no w_gate, b_gate or shared_w_gate.
+  latent_in [D, L], latent_out [L, D], latent_norm_scale [L],
+  post_expert_norm_scale [W], latent_in_bias [L] and latent_out_bias [D]
+  (if their fields say so); shared_w_gate, shared_w_up [D, Fs],
+  shared_w_down [Fs, D] (if shared_ffn_size); shared_gate [D, 1] (if
+  shared_expert_gate); shared_b_gate, shared_b_up [Fs] and shared_b_down
+  [D] (if shared_expert_bias). A non-gated activation has no w_gate,
+  b_gate, shared_w_gate or shared_b_gate.
   """
   if not isinstance(cfg, config_lib.MoEConfig):
     raise TypeError(f"cfg must be a moe_core.MoEConfig, got {type(cfg)}.")
@@ -57,6 +59,10 @@ def param_shapes(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
     shapes.update(shared_w_up=(d, fs), shared_w_down=(fs, d))
     if cfg.shared_expert_gate:
       shapes["shared_gate"] = (d, 1)
+    if cfg.shared_expert_bias:
+      if gated:
+        shapes["shared_b_gate"] = (fs,)
+      shapes.update(shared_b_up=(fs,), shared_b_down=(d,))
   return shapes
 
 
@@ -109,8 +115,8 @@ def init_params(
   return params
 
 
-# Router and norm params that start at a constant (a bias at 0, a scale at 1, so
-# that a new block routes as it would without them).
+# Router, norm and bias params that start at a constant (a bias at 0, a scale
+# at 1, so that a new block computes as it would without them).
 CONSTANT_INIT = {
     "router_bias": 0.0,
     "router_norm_scale": 1.0,
@@ -120,6 +126,11 @@ CONSTANT_INIT = {
     "output_norm_scale": 1.0,
     "latent_norm_scale": 1.0,
     "post_expert_norm_scale": 1.0,
+    "latent_in_bias": 0.0,
+    "latent_out_bias": 0.0,
+    "shared_b_gate": 0.0,
+    "shared_b_up": 0.0,
+    "shared_b_down": 0.0,
 }
 
 
@@ -159,6 +170,8 @@ def _latent_params(cfg: config_lib.MoEConfig) -> dict[str, tuple[int, ...]]:
       "post_expert_norm_scale": (
           (cfg.expert_width,) if cfg.post_expert_norm else ()
       ),
+      "latent_in_bias": (latent,) if cfg.latent_bias else (),
+      "latent_out_bias": (d,) if cfg.latent_bias else (),
   }
 
 

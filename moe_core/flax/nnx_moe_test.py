@@ -152,6 +152,9 @@ class LinenMoETest(absltest.TestCase):
         expert_latent_size=8,
         latent_norm=True,
         post_expert_norm=True,
+        latent_bias=True,
+        shared_ffn_size=8,
+        shared_expert_bias=True,
     )
     variables = moe_flax.LinenMoE(cfg).init(
         jax.random.key(0), _tokens(jnp.float32)
