@@ -75,6 +75,16 @@ _VARIANTS = (
     ),
     ("qwen3_next_no_norm", "qwen3_next", dict(norm_topk_prob=False)),
     ("nemotron_h_relu", "nemotron_h", dict(mlp_hidden_act="relu")),
+    # fc1/fc2 latent projections around the experts, the shared expert at D.
+    ("nemotron_h_latent", "nemotron_h", dict(moe_latent_size=16)),
+    # mlp_bias: biased shared expert (and latent projections).
+    ("nemotron_h_mlp_bias", "nemotron_h", dict(mlp_bias=True)),
+    (
+        "nemotron_h_latent_mlp_bias",
+        "nemotron_h",
+        dict(moe_latent_size=16, mlp_bias=True),
+    ),
+    ("deepseek_v4_mlp_bias", "deepseek_v4", dict(mlp_bias=True)),
     # A soft-cap tight enough to bend logits of std ~1.7.
     ("laguna_softcap", "laguna", dict(moe_router_logit_softcapping=1.0)),
     ("longcat_flash_no_zero_experts", "longcat_flash", dict(zero_expert_num=0)),
@@ -111,27 +121,6 @@ _REFUSED_SETTINGS = (
         ),
         1,
         families.CLAMP_AFTER_ACTIVATION,
-    ),
-    (
-        "nemotron_h_latent",
-        "nemotron_h",
-        dict(moe_latent_size=16),
-        None,
-        families.LATENT_PROJECTIONS,
-    ),
-    (
-        "deepseek_v4_mlp_bias",
-        "deepseek_v4",
-        dict(mlp_bias=True),
-        0,
-        families.SHARED_BIASES,
-    ),
-    (
-        "nemotron_h_mlp_bias",
-        "nemotron_h",
-        dict(mlp_bias=True),
-        None,
-        families.SHARED_BIASES,
     ),
 )
 

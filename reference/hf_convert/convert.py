@@ -345,16 +345,6 @@ def _inkling2(model_type):
 
 
 def _nemotron_h(c) -> dict:
-  if c.moe_latent_size is not None:
-    raise _needs_switch(
-        "nemotron_h",
-        families_lib.LATENT_PROJECTIONS,
-        f"moe_latent_size={c.moe_latent_size}",
-    )
-  if c.mlp_bias:
-    raise _needs_switch(
-        "nemotron_h", families_lib.SHARED_BIASES, "mlp_bias=True"
-    )
   act = c.mlp_hidden_act
   if act not in _NON_GATED_ACTIVATIONS:
     raise NotImplementedError(
@@ -363,9 +353,45 @@ def _nemotron_h(c) -> dict:
     )
   # NemotronHMLP falls back to intermediate_size for a width of 0.
   shared = c.moe_shared_expert_intermediate_size or c.intermediate_size
+  # moe_latent_size: fc1_latent_proj before the experts, fc2_latent_proj
+  # after them; the shared expert sees the block's input. mlp_bias gives
+  # the shared expert's and the latent projections' linears biases.
+  latent = c.moe_latent_size or 0
   return _deepseek_v3(
-      c, shared_width=shared, activation=_NON_GATED_ACTIVATIONS[act]
+      c,
+      shared_width=shared,
+      activation=_NON_GATED_ACTIVATIONS[act],
+      expert_latent_size=latent,
+      latent_bias=bool(c.mlp_bias) and bool(latent),
+      shared_expert_bias=bool(c.mlp_bias) and bool(shared),
   )
+
+
+def _muse_spark(c) -> dict:
+  # DeepSeek-V3's choice (sigmoid + bias, no groups) on logits scaled by
+  # output_multiplier (a scale of the router's input, as the logits are
+  # linear in it), normalised with 1e-15; the experts at moe_hidden_size
+  # between pre_expert_proj (+ its centred RMS norm) and post_expert_proj,
+  # each expert's output scaled then RMS-normed before its weight.
+  return dict(
+      num_experts=c.num_local_experts,
+      expert_ffn_size=c.moe_intermediate_size,
+      score_func="sigmoid",
+      correction_bias=True,
+      norm_topk_prob=True,
+      norm_epsilon=_MUSE_SPARK_NORM_EPSILON,
+      routed_scaling_factor=float(c.routed_scaling_factor),
+      router_input_scale=float(c.output_multiplier),
+      expert_latent_size=c.moe_hidden_size,
+      latent_norm=True,
+      latent_norm_epsilon=float(c.rms_norm_eps),
+      post_expert_norm=True,
+      post_expert_norm_epsilon=float(c.post_norm_eps),
+  )
+
+
+# MuseSparkTopkRouter's norm_topk_prob_eps.
+_MUSE_SPARK_NORM_EPSILON = 1e-15
 
 
 def _minimax_m3_vl(c) -> dict:
@@ -465,10 +491,6 @@ _DEEPSEEK_V4_SCORES = {"sqrtsoftplus": "sqrtsoftplus", "sigmoid": "sigmoid"}
 
 
 def _deepseek_v4(c, layer_idx) -> dict:
-  if c.mlp_bias:
-    raise _needs_switch(
-        "deepseek_v4", families_lib.SHARED_BIASES, "mlp_bias=True"
-    )
   if c.scoring_func not in _DEEPSEEK_V4_SCORES:
     raise NotImplementedError(
         "deepseek_v4's scoring_func must be one of "
@@ -483,7 +505,8 @@ def _deepseek_v4(c, layer_idx) -> dict:
   hashed = types[0 if layer_idx is None else layer_idx] == "hash_moe"
   # Hash layers take their experts from tid2eid [vocab_size, K] and have no
   # correction bias; both kinds normalise (+1e-20) and scale. The routed
-  # and the shared experts (one, of intermediate_size) clamp alike.
+  # and the shared experts (one, of intermediate_size) clamp alike;
+  # mlp_bias gives the shared expert's linears biases (not the routed ones).
   return dict(
       num_experts=c.num_local_experts,
       expert_ffn_size=c.intermediate_size,
@@ -494,6 +517,7 @@ def _deepseek_v4(c, layer_idx) -> dict:
       norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
       routed_scaling_factor=float(c.routed_scaling_factor),
       shared_ffn_size=c.intermediate_size,
+      shared_expert_bias=bool(c.mlp_bias),
       swiglu_limit=float(c.swiglu_limit),
   )
 
@@ -681,6 +705,7 @@ _CONVERTERS = {
     "mixtral": lambda c: _softmax(
         c.num_local_experts, c.intermediate_size, True
     ),
+    "muse_spark": _muse_spark,
     "nemotron_h": _nemotron_h,
     "olmoe": lambda c: _softmax(
         c.num_experts, c.intermediate_size, c.norm_topk_prob
@@ -874,7 +899,8 @@ def _expert_stack(state_dict, prefix, cfg, interleaved=False):
   The gate is None for a non-gated activation. `interleaved`: GPT-OSS's
   [E, D, 2F] gate_up_proj holds gate and up in alternate columns.
   """
-  e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
+  # d: the experts' width (the latent one, where the block projects).
+  e, d, f = cfg.num_experts, cfg.expert_width, cfg.expert_ffn_size
   fused = prefix + "experts.gate_up_proj"
   if not activations_lib.get(cfg.activation).gated:
     # Nemotron-H: up_proj [E, F, D], down_proj [E, D, F], no gate.
@@ -988,6 +1014,46 @@ _ROUTER_EXTRAS = {
     "output_norm_scale": ("output_norm", "post_mlp_layernorm.weight"),
 }
 
+# The latent projections [out, in] -> latent_in [D, L], latent_out [L, D]:
+# Nemotron-H's fc1/fc2, Muse Spark's pre/post_expert_proj.
+_LATENT_KEYS = {
+    "latent_in": ("fc1_latent_proj.weight", "pre_expert_proj.weight"),
+    "latent_out": ("fc2_latent_proj.weight", "post_expert_proj.weight"),
+}
+# Muse Spark's norms keep w for a scale of (1 + w): param -> (switch, key).
+_CENTRED_SCALES = {
+    "latent_norm_scale": ("latent_norm", "pre_expert_norm.weight"),
+    "post_expert_norm_scale": (
+        "post_expert_norm",
+        "experts.post_expert_norm.weight",
+    ),
+}
+
+
+def _latent_params(state_dict, prefix, cfg, params) -> None:
+  """The latent projections and Muse Spark's norms around the experts, in
+  place, where cfg has them."""
+  if cfg.expert_latent_size:
+    for name, candidates in _LATENT_KEYS.items():
+      key = _first_key(state_dict, prefix, candidates)
+      if key is None:
+        raise ValueError(
+            f"cfg.expert_latent_size={cfg.expert_latent_size} needs one of "
+            f"{[prefix + k for k in candidates]} in state_dict; found none."
+        )
+      params[name] = _to_numpy(state_dict[key]).T
+      if cfg.latent_bias:  # Nemotron-H's mlp_bias: the Linear's bias.
+        bias_key = key[: -len("weight")] + "bias"
+        params[name + "_bias"] = _required(
+            state_dict, bias_key, "cfg.latent_bias=True"
+        )
+  for name, (switch, key) in _CENTRED_SCALES.items():
+    if getattr(cfg, switch):
+      params[name] = 1.0 + _required(
+          state_dict, prefix + key, f"cfg.{switch}=True"
+      )
+
+
 # Families whose [E, D, 2F] gate_up_proj interleaves gate and up columns;
 # the privacy filter stores the same shape with gate and up in halves.
 _INTERLEAVED_GATE_UP = ("gpt_oss",)
@@ -1030,6 +1096,19 @@ def _shared_expert(state_dict, prefix, cfg):
       f"'{prefix}shared_mlp.gate_proj.weight' or "
       f"'{prefix}shared_mlp.input_linear.weight'; found none."
   )
+
+
+def _shared_biases(state_dict, prefix, cfg, params) -> None:
+  """shared_b_gate, shared_b_up [Fs], shared_b_down [D] in place: the
+  biases of the shared expert's nn.Linear layers (DeepSeek-V4's and
+  Nemotron-H's shared_experts with mlp_bias)."""
+  gated = activations_lib.get(cfg.activation).gated
+  for name in ("gate", "up", "down") if gated else ("up", "down"):
+    params[f"shared_b_{name}"] = _required(
+        state_dict,
+        f"{prefix}shared_experts.{name}_proj.bias",
+        "cfg.shared_expert_bias=True",
+    )
 
 
 def _always_on_experts(state_dict, prefix, cfg, params) -> None:
@@ -1139,6 +1218,18 @@ def params_from_hf(
       expert_output_scale, expert_norm_scale (Gemma 4's decoder layer)
     bias [D]                                -> output_bias (JetMoE)
     post_mlp_layernorm.weight [D]           -> output_norm_scale (A.X-K1)
+    fc1_latent_proj.weight [L, D], fc2_latent_proj.weight [D, L]
+                                            -> latent_in [D, L], latent_out
+      [L, D] (Nemotron-H with moe_latent_size; the experts are then [E, L,
+      F] and [E, F, L]); Muse Spark's pre_expert_proj, post_expert_proj
+    fc1_latent_proj.bias [L], fc2_latent_proj.bias [D]
+                                            -> latent_in_bias, latent_out_bias
+      (Nemotron-H's mlp_bias)
+    shared_experts.{gate,up,down}_proj.bias -> shared_b_gate, shared_b_up
+      [Fs], shared_b_down [D] (DeepSeek-V4's, Nemotron-H's mlp_bias)
+    pre_expert_norm.weight [L], experts.post_expert_norm.weight [L]
+                                            -> latent_norm_scale,
+      post_expert_norm_scale, each 1 + w (Muse Spark's norms scale by 1 + w)
     shared_experts.{gate,up,down}_proj [S, ...] -> experts E - S .. E - 1,
       gate.global_scale [1] -> expert_output_scale [E] (Inkling, whose
       router weighs its S shared experts: num_always_on_experts = S)
@@ -1187,6 +1278,7 @@ def params_from_hf(
         f"'{prefix}experts.gate_up_proj_bias': gpt_oss interleaves gate and "
         "up, openai_privacy_filter keeps them in halves; got model_type=None."
     )
+  _latent_params(state_dict, prefix, cfg, params)
   interleaved = model_type in _INTERLEAVED_GATE_UP
   params["w_gate"], params["w_up"], params["w_down"] = _expert_stack(
       state_dict, prefix, cfg, interleaved
@@ -1207,6 +1299,9 @@ def params_from_hf(
       params["shared_gate"] = _to_numpy(
           state_dict[prefix + "shared_expert_gate.weight"]
       ).T
+    if cfg.shared_expert_bias:
+      base = prefix if shared_prefix is None else shared_prefix
+      _shared_biases(state_dict, base, cfg, params)
   if cfg.num_always_on_experts:
     _always_on_experts(state_dict, prefix, cfg, params)
   # A non-gated activation has no gate matrices.

@@ -38,7 +38,6 @@ ROUTER_INPUT_NORM = "router input norm and scale; per-expert output scale"
 ZERO_EXPERTS = "zero (skip) experts"
 HASH_ROUTING = "routing by token-id hash"
 LATENT_PROJECTIONS = "latent projections"
-EXPERT_INPUT_NORM = "a norm on the experts' (latent) input"
 PRODUCT_KEYS = "product-key experts"
 ROUTER_MLP_STATE = "MLP router with state across layers"
 ZERO_FILLED_GROUPS = "excluded groups filled with 0 under sigmoid + bias"
@@ -46,7 +45,6 @@ TOKEN_TYPE_EXPERTS = "expert sets by token type"
 CAPACITY_POLICY = "2021-era capacity policy and token dropout"
 # Switches found missing while converting (not in issue 33's table).
 CLAMP_AFTER_ACTIVATION = "SwiGLU clamp after the activation (act(gate) <= L)"
-SHARED_BIASES = "biases on the shared expert's linears"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,9 +226,8 @@ FAMILIES: tuple[Family, ...] = (
             "'hash_moe' layer of mlp_layer_types routes by gate.tid2eid "
             "(hash_vocab_size=vocab_size; moe_layer then needs "
             "token_ids=input_ids), a 'moe' layer by sqrtsoftplus + bias; "
-            "mlp_bias=True needs: "
-        )
-        + SHARED_BIASES,
+            "mlp_bias=True: shared_expert_bias (shared_experts.*.bias)"
+        ),
     ),
     Family(
         "diffusion_gemma",
@@ -636,9 +633,14 @@ FAMILIES: tuple[Family, ...] = (
         "sigmoid(logits x output_multiplier) + bias (choice only), norm "
         "(+1e-15), x routed_scaling_factor",
         "fused SwiGLU on a projected, centred-RMS-normed latent input "
-        "(pre_expert_proj, pre_expert_norm, post_expert_proj)",
+        "(pre_expert_proj, pre_expert_norm, post_expert_proj); each "
+        "expert's output scaled by (1 + w), then RMS-normed "
+        "(experts.post_expert_norm), before its weight",
         "-",
-        (LATENT_PROJECTIONS, EXPERT_INPUT_NORM),
+        note=(
+            "expert_latent_size=moe_hidden_size, latent_norm and "
+            "post_expert_norm; both norms' weights w become scales 1 + w"
+        ),
     ),
     Family(
         "nemotron_h",
@@ -650,11 +652,9 @@ FAMILIES: tuple[Family, ...] = (
         "shared_experts: moe_shared_expert_intermediate_size (0: "
         "intermediate_size), non-gated, biases if mlp_bias",
         note=(
-            "supported with moe_latent_size unset and mlp_bias=False (the "
-            "defaults); moe_latent_size needs: "
-            + LATENT_PROJECTIONS
-            + "; mlp_bias needs: "
-            + SHARED_BIASES
+            "moe_latent_size becomes expert_latent_size (fc1/"
+            "fc2_latent_proj -> latent_in/latent_out); mlp_bias=True: "
+            "shared_expert_bias, and latent_bias with a latent size"
         ),
     ),
     Family(

@@ -46,6 +46,8 @@ TOLERANCE = 1e-5
 
 D, F, E, K = 32, 48, 16, 4
 _SHARED_F = 40
+# The experts' latent width, for the families that project to one.
+_LATENT = 24
 
 # Set on a family's config when its default config has the attribute.
 _SMALL = dict(
@@ -123,6 +125,8 @@ _OVERRIDES = {
     "inkling": dict(n_shared_experts=2),
     "inkling2_loop": dict(mlp_gate_softcap=1.0, mlp_up_softcap=2.0),
     "nemotron_h": dict(moe_shared_expert_intermediate_size=_SHARED_F),
+    # A latent width below D (its default is 4096).
+    "muse_spark": dict(moe_hidden_size=_LATENT),
     # The Mamba layers' own check; the MoE block never reads these.
     "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=8),
     # Settings the small config needs to build at all.
