@@ -165,28 +165,60 @@ class NonGatedAndBiasLayoutTest(absltest.TestCase):
     self.assertEqual(xla.checkpoint_names(cfg), backend_lib.CHECKPOINT_NAMES)
 
 
-class FusedEpilogueTest(absltest.TestCase):
+class FusedEpilogueTest(parameterized.TestCase):
+  """Which configs a fusing backend (pallas) hands its kernel epilogue."""
 
-  def test_a_fusing_backend_runs_clamp_and_bias_unfused(self):
-    # pallas' epilogue computes silu(g) * u by name; with a clamp or biases
-    # the template must not hand it the fused op (it would skip them).
+  def _check_layer(self, be, cfg):
+    params = moe_core.init_params(jax.random.key(3), cfg)
+    params = {
+        n: v + 0.2 if n.startswith("b_") else v for n, v in params.items()
+    }
+    x = jax.random.normal(jax.random.key(4), (12, _BASE["hidden_size"]))
+    want, _ = moe_core.moe_layer(params, x, cfg, backend="reference")
+    got, _ = moe_core.moe_layer(params, x, cfg, backend=be)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+  @parameterized.named_parameters(
+      ("clamp", dict(swiglu_limit=0.3)),
+      ("gpt_oss_glu", dict(activation="gpt_oss_glu", swiglu_alpha=1.702)),
+      (
+          "gpt_oss_glu_clamped",
+          dict(activation="gpt_oss_glu", swiglu_alpha=1.702, swiglu_limit=0.3),
+      ),
+      (
+          "softcapped_silu",
+          dict(activation="softcapped_silu", gate_softcap=0.7, up_softcap=1.3),
+      ),
+  )
+  def test_the_epilogue_computes_clamp_and_listed_activations(self, changes):
+    # The epilogue computes activations.hidden of the config's settings:
+    # gate and up never leave the kernel, so only moe_down is named.
     pallas = moe_core.get_backend("pallas", fuse_activation=True)
-    plain = moe_core.MoEConfig(**_BASE)
-    self.assertEqual(pallas.checkpoint_names(plain), (backend_lib.DOWN_NAME,))
-    for changes in (dict(swiglu_limit=0.3), dict(expert_bias=True)):
-      cfg = plain.replace(**changes)
+    cfg = moe_core.MoEConfig(**_BASE, **changes)
+    self.assertEqual(pallas.checkpoint_names(cfg), (backend_lib.DOWN_NAME,))
+    self._check_layer(pallas, cfg)
+
+  def test_biases_and_registered_activations_run_unfused(self):
+    # Biases go between the products and the activation, and a registered
+    # activation is arbitrary JAX a lowering may not have: the template must
+    # not hand either to the epilogue (it would skip the biases).
+    name = "abs_glu_for_epilogue_test"
+    activations.register(
+        activations.Activation(name, True, lambda g, u, s: jnp.abs(g) * u)
+    )
+    self.addCleanup(activations._REGISTRY.pop, name)
+    pallas = moe_core.get_backend("pallas", fuse_activation=True)
+    for changes in (
+        dict(expert_bias=True),
+        dict(expert_bias=True, swiglu_limit=0.3),
+        dict(activation=name),
+    ):
+      cfg = moe_core.MoEConfig(**_BASE, **changes)
       with self.subTest(**{k: str(v) for k, v in changes.items()}):
         self.assertEqual(
             pallas.checkpoint_names(cfg), backend_lib.CHECKPOINT_NAMES
         )
-        params = moe_core.init_params(jax.random.key(3), cfg)
-        params = {
-            n: v + 0.2 if n.startswith("b_") else v for n, v in params.items()
-        }
-        x = jax.random.normal(jax.random.key(4), (12, _BASE["hidden_size"]))
-        want, _ = moe_core.moe_layer(params, x, cfg, backend="reference")
-        got, _ = moe_core.moe_layer(params, x, cfg, backend=pallas)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        self._check_layer(pallas, cfg)
 
 
 class ExtensionPointTest(absltest.TestCase):

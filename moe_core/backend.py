@@ -60,7 +60,7 @@ class Backend(abc.ABC):
     _gate_up        rows [M, D] -> (gate, up), each [M, F]; default: two
                     grouped GEMMs.
     _gated_gate_up  rows [M, D] -> act(gate) * up [M, F] in one op, used
-                    when `_fuses_activation(activation)` is True.
+                    when `_fuses_activation(settings)` is True.
     _down           h [M, F] -> [M, D]; default: one grouped GEMM, its
                     rows scaled by `FfnOperands.row_weights` when
                     `_routing_weights_in_down` says the routing weights
@@ -336,8 +336,10 @@ class Backend(abc.ABC):
     )
     if recipe != precision_lib.UNQUANTIZED:
       out = self._quantized_ffn(ffn_in, recipe)
-    elif ffn.is_plain_glu(cfg) and self._fuses_activation(cfg.activation):
-      # Gate and up never leave the fused op: there is nothing to name.
+    elif gated and not cfg.expert_bias and self._fuses_activation(settings):
+      # Gate and up never leave the fused op: there is nothing to name. The
+      # biases go between the products and the activation, so a biased FFN
+      # runs unfused.
       h = self._gated_gate_up(ffn_in)
       out = self._down(h, ffn_in)
     else:
@@ -395,31 +397,31 @@ class Backend(abc.ABC):
     quantised `precision` never fuses: all of them. `precision` is a
     recipe of `moe_core.precision` (or its deprecated alias "bf16"). A
     non-gated activation has no GATE_NAME. Given a `MoEConfig` instead of
-    an activation name, its activation and precision, and its clamp and
-    biases (which no epilogue fuses), decide.
+    an activation name, its activation settings (clamp and options),
+    precision and biases (which no epilogue fuses) decide.
     """
-    plain = True
+    biased = False
     if isinstance(activation, config_lib.MoEConfig):
       cfg = activation
-      activation, precision, plain = (
-          cfg.activation,
-          cfg.precision,
-          ffn.is_plain_glu(cfg),
-      )
+      settings = activations_lib.Settings.from_config(cfg)
+      precision, biased = cfg.precision, cfg.expert_bias
+    else:
+      settings = activations_lib.Settings(activation)
     precision = precision_lib.check_recipe(precision, stacklevel=2)
-    if not activations_lib.get(activation).gated:
+    if not settings.activation.gated:
       return (UP_NAME, DOWN_NAME)
     if (
-        plain
+        not biased
         and precision == precision_lib.UNQUANTIZED
-        and self._fuses_activation(activation)
+        and self._fuses_activation(settings)
     ):
       return (DOWN_NAME,)
     return CHECKPOINT_NAMES
 
-  def _fuses_activation(self, activation: str) -> bool:
-    """Whether `expert_ffn` runs `_gated_gate_up` for `activation`."""
-    del activation
+  def _fuses_activation(self, settings: activations_lib.Settings) -> bool:
+    """Whether `expert_ffn` runs `_gated_gate_up` for the gated activation
+    of `settings` (with its clamp and options; never asked with biases)."""
+    del settings
     return False
 
   def _gate_up(
@@ -434,12 +436,12 @@ class Backend(abc.ABC):
   def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
     """act(rows @ w_gate[e]) * (rows @ w_up[e]): [M, D] -> h [M, F].
 
-    Called instead of `_gate_up` when `_fuses_activation(activation)`; a
+    Called instead of `_gate_up` when `_fuses_activation(settings)`; a
     backend overriding one overrides the other. This default composes the
     unfused pieces (and names nothing).
     """
     gate, up = self._gate_up(ffn_in)
-    return ffn.gated(gate, up, ffn_in.activation)
+    return ffn.hidden(gate, up, ffn_in.activation_settings)
 
   def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
     """The down projection: h [M, F] x w_down [E, F, D] -> [M, D].

@@ -26,8 +26,8 @@ _ACTIVATIONS = {
 
 
 def activation(name: str):
-  """The elementwise function of a plain GLU ("silu", "gelu", "gelu_tanh"),
-  the ones kernel epilogues fuse by name."""
+  """The elementwise function of a plain GLU ("silu", "gelu", "gelu_tanh");
+  `moe_core.activations` holds every activation."""
   return _ACTIVATIONS[name]
 
 
@@ -38,16 +38,6 @@ def gated(gate: jax.Array, up: jax.Array, name: str) -> jax.Array:
   """
   h = activation(name)(gate.astype(jnp.float32)) * up.astype(jnp.float32)
   return h.astype(gate.dtype)
-
-
-def is_plain_glu(cfg: config_lib.MoEConfig) -> bool:
-  """Whether cfg's expert FFN is act(x Wg) * (x Wu) with act of `activation`:
-  no clamp, no bias. Only then may a kernel epilogue fuse it by name."""
-  return (
-      cfg.activation in _ACTIVATIONS
-      and cfg.swiglu_limit is None
-      and not cfg.expert_bias
-  )
 
 
 def hidden(

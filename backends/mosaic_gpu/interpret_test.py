@@ -74,8 +74,21 @@ class InterpretTest(parameterized.TestCase):
             got.d_weights[g].astype(np.float32), 0, err_msg=f"group {g}"
         )
 
-  @parameterized.parameters(False, True)
-  def test_expert_ffn_matches_reference(self, fuse_activation):
+  @parameterized.named_parameters(
+      ("unfused", False, {}),
+      ("fused", True, {}),
+      (
+          "fused_gpt_oss_glu_clamped",
+          True,
+          dict(activation="gpt_oss_glu", swiglu_alpha=1.702, swiglu_limit=0.3),
+      ),
+      (
+          "fused_softcapped_silu",
+          True,
+          dict(activation="softcapped_silu", gate_softcap=0.4, up_softcap=0.5),
+      ),
+  )
+  def test_expert_ffn_matches_reference(self, fuse_activation, activation):
     m, d, f = 150, 96, 80
     sizes = jnp.array([40, 0, 70, 25], jnp.int32)  # 15 padding rows
     keys = jax.random.split(jax.random.key(0), 5)
@@ -87,8 +100,10 @@ class InterpretTest(parameterized.TestCase):
         "w_down": jax.random.normal(keys[3], (4, f, d), jnp.bfloat16) / 9,
     }
     cotangent = jax.random.normal(keys[4], (m, d), jnp.float32)
+    # With weights / 10 over d=96, gate and up have a std near 1: the
+    # clamp at 0.3 and the caps bite.
     cfg = moe_core.MoEConfig(
-        num_experts=4, top_k=2, hidden_size=d, expert_ffn_size=f
+        num_experts=4, top_k=2, hidden_size=d, expert_ffn_size=f, **activation
     )
 
     def run(be, rows, params):
@@ -102,6 +117,7 @@ class InterpretTest(parameterized.TestCase):
       return y, grads
 
     be = self._backend(fuse_activation=fuse_activation)
+    self.assertEqual(len(be.checkpoint_names(cfg)), 1 if fuse_activation else 3)
     y, (d_rows, d_params) = jax.jit(lambda r, p: run(be, r, p))(rows, params)
     ref = moe_core.get_backend("reference")
     want_y, (want_rows, want_params) = jax.jit(lambda r, p: run(ref, r, p))(

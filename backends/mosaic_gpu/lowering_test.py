@@ -19,6 +19,7 @@ import moe_core
 from backends.mosaic_gpu import backend as mosaic_backend
 from backends.mosaic_gpu import ops
 from backends.mosaic_gpu import tiling
+from moe_core import activations
 from moe_core.testing import cuda_export
 
 _MOSAIC_CALL = "mosaic_gpu_v2"
@@ -105,6 +106,49 @@ class ShippedTilesLowerTest(parameterized.TestCase):
         self.assertEqual(
             _custom_calls(fn, *args, generation=generation), [_MOSAIC_CALL]
         )
+
+
+class EpilogueActivationsLowerTest(parameterized.TestCase):
+  """Each gated activation of EPILOGUE_ACTIVATIONS, with the clamp, in the
+  fused gate+up kernel's epilogue of both generations.
+
+  Numerics are interpret_test's; this shows the lowering has every op the
+  epilogue uses (sigmoid, tanh, min, max) for real GPUs.
+  """
+
+  M, D, F, E = 512, 256, 256, 8
+  SETTINGS = {
+      "silu_clamped": activations.Settings("silu", swiglu_limit=7.0),
+      "gelu_tanh_clamped": activations.Settings("gelu_tanh", swiglu_limit=7.0),
+      "gpt_oss_glu_clamped": activations.Settings(
+          "gpt_oss_glu", swiglu_limit=7.0, swiglu_alpha=1.702
+      ),
+      "softcapped_silu": activations.Settings(
+          "softcapped_silu", gate_softcap=10.0, up_softcap=10.0
+      ),
+  }
+
+  def test_every_epilogue_activation_has_a_case(self):
+    self.assertEqual(
+        sorted({s.name for s in self.SETTINGS.values()}),
+        sorted(ops.EPILOGUE_ACTIVATIONS),
+    )
+
+  @parameterized.product(settings=tuple(SETTINGS), generation=("sm90", "sm100"))
+  def test_gated_gate_up_lowers(self, settings, generation):
+    launch = ops.Launch(generation=generation)
+    m, d, f, e = self.M, self.D, self.F, self.E
+    calls = _custom_calls(
+        lambda x, wg, wu, g: ops.gated_gate_up(
+            x, wg, wu, g, self.SETTINGS[settings], launch
+        ),
+        _S((m, d), jnp.bfloat16),
+        _S((e, d, f), jnp.bfloat16),
+        _S((e, d, f), jnp.bfloat16),
+        _S((e,), jnp.int32),
+        generation=generation,
+    )
+    self.assertEqual(calls, [_MOSAIC_CALL])
 
 
 class DeepSeekShapesLowerTest(parameterized.TestCase):

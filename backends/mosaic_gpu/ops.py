@@ -142,9 +142,10 @@ class MosaicKernels(tile_backend.LaunchKernels):
   launch: Launch
 
 
-# Activations the Mosaic GPU lowering computes on the accumulators (it has
-# exp, logistic and tanh; the exact "gelu" needs erf).
-EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh")
+# Gated activations the Mosaic GPU lowering computes on the accumulators,
+# each with any clamp (it has exp, logistic, tanh, min and max; the exact
+# "gelu" needs erf). Registered activations are arbitrary JAX: unfused.
+EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss_glu", "softcapped_silu")
 
 # grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch),
 # gate_up(rows, w_gate, w_up, group_sizes, launch) and

@@ -252,19 +252,45 @@ class KernelTest(parameterized.TestCase):
       _assert_close(self, got, want, "float32")
 
 
+# Config fields of each activation case: the plain GLUs by name, the clamp,
+# and the registry's GLUs with their options (all in the epilogue but gelu).
+_ACTIVATION_CASES = {
+    "silu": dict(activation="silu"),
+    "gelu": dict(activation="gelu"),
+    "gelu_tanh": dict(activation="gelu_tanh"),
+    "silu_clamped": dict(activation="silu", swiglu_limit=0.5),
+    "gpt_oss_glu_clamped": dict(
+        activation="gpt_oss_glu", swiglu_alpha=1.702, swiglu_limit=0.5
+    ),
+    "softcapped_silu": dict(
+        activation="softcapped_silu", gate_softcap=0.6, up_softcap=0.8
+    ),
+}
+
+
 class ExpertFfnTest(parameterized.TestCase):
   """The fused gate/up pass, with and without the activation epilogue."""
 
   @parameterized.product(
-      fuse_activation=[False, True], activation=["silu", "gelu", "gelu_tanh"]
+      fuse_activation=[False, True],
+      activation=[
+          "silu",
+          "gelu",
+          "gelu_tanh",
+          "silu_clamped",
+          "gpt_oss_glu_clamped",
+          "softcapped_silu",
+      ],
   )
   def test_ffn_and_grads_match_reference(self, fuse_activation, activation):
+    # The limit clamps some gate and up entries at these scales, so the
+    # clamp's zero derivative is exercised too.
     cfg = moe_core.MoEConfig(
         num_experts=4,
         top_k=2,
         hidden_size=32,
         expert_ffn_size=48,
-        activation=activation,
+        **_ACTIVATION_CASES[activation],
     )
     params = moe_core.init_params(jax.random.key(0), cfg)
     rows, _, group_sizes, _ = _inputs(64, 32, 32, (10, 0, 23, 21), seed=7)
@@ -272,6 +298,13 @@ class ExpertFfnTest(parameterized.TestCase):
     used = 54
     pallas = pallas_backend.PallasBackend(
         tiles=_SMALL, interpret=True, fuse_activation=fuse_activation
+    )
+    # Fused (only moe_down named) exactly where asked and the epilogue can:
+    # not the exact gelu, which the Triton lowering cannot compute.
+    fused = fuse_activation and activation != "gelu"
+    self.assertEqual(
+        pallas.checkpoint_names(cfg),
+        (backend_lib.DOWN_NAME,) if fused else backend_lib.CHECKPOINT_NAMES,
     )
 
     def run(be, r, p):
@@ -379,9 +412,8 @@ class BackendTest(parameterized.TestCase):
     rows, w, group_sizes, _ = _inputs(32, 16, 16, (16, 16), poison=False)
     with self.assertRaisesRegex(
         ValueError,
-        r"activation must be one of "
-        r"\('silu', 'gelu_tanh'\) to run in the "
-        r"kernel epilogue, got 'gelu'",
+        r"activation must be one of \('silu', 'gelu_tanh', 'gpt_oss_glu', "
+        r"'softcapped_silu'\) to run in the kernel epilogue, got 'gelu'",
     ):
       ops.gated_gate_up(
           rows,

@@ -146,9 +146,11 @@ class PallasKernels(tile_backend.LaunchKernels):
   launch: Launch
 
 
-# Activations the Triton lowering can compute in the epilogue. The exact
-# "gelu" needs erf, which the Triton lowering of jax 0.10 lacks.
-EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh")
+# Gated activations the Triton lowering can compute in the epilogue, each
+# with any clamp (min and clip): sigmoid, tanh and exp lower. The exact
+# "gelu" needs erf, which the Triton lowering of jax 0.10 lacks; registered
+# activations are arbitrary JAX, so they run unfused.
+EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss_glu", "softcapped_silu")
 
 # grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch),
 # gate_up(rows, w_gate, w_up, group_sizes, launch) and

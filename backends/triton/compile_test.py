@@ -50,6 +50,23 @@ _VARIANTS = {
     "gated": (
         ("gmm", {"ACTIVATION": "gelu"}),
         ("gmm", {"ACTIVATION": "gelu_tanh"}),
+        ("gmm", {"ACTIVATION": "silu", "SWIGLU_LIMIT": 7.0}),
+        (
+            "gmm",
+            {
+                "ACTIVATION": "gpt_oss_glu",
+                "SWIGLU_ALPHA": 1.702,
+                "SWIGLU_LIMIT": 7.0,
+            },
+        ),
+        (
+            "gmm",
+            {
+                "ACTIVATION": "softcapped_silu",
+                "GATE_SOFTCAP": 20.0,
+                "UP_SOFTCAP": 20.0,
+            },
+        ),
     ),
     "wgrad": (("tgmm", {"HAS_ROW_SCALE": True}),),
 }

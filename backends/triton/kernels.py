@@ -91,18 +91,54 @@ def _weight_tile_ptrs(
 
 
 @triton.jit
-def _gated(gate, up, ACTIVATION: tl.constexpr):
-  """act(gate) * up in float32; every activation maps 0 to 0."""
+def _tanh(x):
+  """tanh(x) = 2 sigmoid(2x) - 1: `tl` has no tanh on the pinned versions."""
+  return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _gated(
+    gate,
+    up,
+    ACTIVATION: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr,
+    SWIGLU_ALPHA: tl.constexpr,
+    GATE_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr,
+):
+  """h = f(gate, up) in float32 (`moe_core.activations`); every f maps 0 to
+  0 (softcapped_silu and the clamp too; gpt_oss_glu's (up + 1) multiplies
+  gate * sigmoid(alpha * gate), which is 0 at gate 0).
+
+  SWIGLU_LIMIT > 0 first clamps gate to (-inf, L] and up to [-L, L]; 0 means
+  no clamp (a config's limit is > 0). SWIGLU_ALPHA is gpt_oss_glu's alpha,
+  GATE_SOFTCAP and UP_SOFTCAP softcapped_silu's caps; each is read only by
+  its activation.
+  """
+  if SWIGLU_LIMIT > 0:
+    gate = tl.minimum(gate, SWIGLU_LIMIT)
+    up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
   if ACTIVATION == "silu":
-    act = gate * tl.sigmoid(gate)
+    h = gate * tl.sigmoid(gate) * up
   elif ACTIVATION == "gelu":
-    act = 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF))
+    h = 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF)) * up
   elif ACTIVATION == "gelu_tanh":
     inner = gate + 0.044715 * gate * gate * gate
-    act = gate * tl.sigmoid(inner * _TWO_SQRT_2_OVER_PI)
+    h = gate * tl.sigmoid(inner * _TWO_SQRT_2_OVER_PI) * up
+  elif ACTIVATION == "gpt_oss_glu":
+    h = (up + 1.0) * gate * tl.sigmoid(SWIGLU_ALPHA * gate)
+  elif ACTIVATION == "softcapped_silu":
+    # The sigmoid sees the raw gate; only the linear factors are capped.
+    capped_gate = GATE_SOFTCAP * _tanh(gate / GATE_SOFTCAP)
+    capped_up = UP_SOFTCAP * _tanh(up / UP_SOFTCAP)
+    h = capped_gate * tl.sigmoid(gate) * capped_up
   else:
-    tl.static_assert(False, "ACTIVATION must be silu, gelu or gelu_tanh")
-  return act * up
+    tl.static_assert(
+        False,
+        "ACTIVATION must be silu, gelu, gelu_tanh, gpt_oss_glu or "
+        "softcapped_silu",
+    )
+  return h
 
 
 @triton.jit
@@ -127,6 +163,10 @@ def gmm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr = 0.0,
+    SWIGLU_ALPHA: tl.constexpr = 0.0,
+    GATE_SOFTCAP: tl.constexpr = 0.0,
+    UP_SOFTCAP: tl.constexpr = 0.0,
 ):
   """out[r] = row_scale[r] * (x[r] @ w[g(r)]) for the rows of one visit;
   with an ACTIVATION, act(x[r] @ w[g(r)]) * (x[r] @ w_up[g(r)]) instead.
@@ -136,8 +176,10 @@ def gmm_kernel(
   float32 (any [1] array when not HAS_ROW_SCALE); group_offsets [E + 1]
   int32; group_ids, m_tile_ids [T] and num_tiles [1] int32, the tile list;
   out [M, N]. ACTIVATION: "" (the plain product), "silu", "gelu" (erf
-  form) or "gelu_tanh"; the gated form's two products share each x tile
-  and are combined in float32 before the one cast to out's dtype. A
+  form), "gelu_tanh", "gpt_oss_glu" or "softcapped_silu", with the clamp
+  and options of `_gated` (SWIGLU_LIMIT, SWIGLU_ALPHA, GATE_SOFTCAP,
+  UP_SOFTCAP; 0 where unused); the gated form's two products share each x
+  tile and are combined in float32 before the one cast to out's dtype. A
   constexpr switch: the plain kernel compiles without the second product.
   Grid (T, cdiv(N, BLOCK_N)); program (t, j) writes the rows of entry t
   and columns block j, zeros for the tail pseudo-group E.
@@ -176,7 +218,15 @@ def gmm_kernel(
     if ACTIVATION != "":
       up_ptrs += w_step
   if ACTIVATION != "":
-    acc = _gated(acc, up, ACTIVATION)
+    acc = _gated(
+        acc,
+        up,
+        ACTIVATION,
+        SWIGLU_LIMIT,
+        SWIGLU_ALPHA,
+        GATE_SOFTCAP,
+        UP_SOFTCAP,
+    )
   if HAS_ROW_SCALE:
     # The tail's scales may be NaN: masked to 0, times the zero acc. A
     # select, not row_ok & is_group: Triton 3.9's interpreter splats the
@@ -277,6 +327,10 @@ _DEFAULT_CONSTEXPRS = {
     "HAS_ROW_SCALE": False,
     "ACTIVATION": "",
     "DOT_F32": False,
+    "SWIGLU_LIMIT": 0.0,
+    "SWIGLU_ALPHA": 0.0,
+    "GATE_SOFTCAP": 0.0,
+    "UP_SOFTCAP": 0.0,
 }
 _TRITON_DTYPES = {
     "bfloat16": "bf16",
@@ -320,7 +374,8 @@ def signature(
     out_dtype: out's dtype, likewise.
     **constexprs: every constexpr parameter of the kernel (M, K, N, E,
       BLOCK_*, ...); TRANSPOSE_W, HAS_ROW_SCALE and DOT_F32 default to
-      False, ACTIVATION to "" (no activation: the plain product).
+      False, ACTIVATION to "" (no activation: the plain product), the
+      activation's options (SWIGLU_LIMIT, ...) to 0.0 (unused).
 
   Returns:
     ({parameter: "*bf16" | "*fp32" | "*i32" | "constexpr"}, {constexpr

@@ -74,6 +74,29 @@ _ACTIVATIONS = {
 }
 
 
+def _sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+# The registry's other gated activations in float64, from their formulas
+# (GPT-OSS; Inkling 2), with the options the kernel gets as constexprs.
+_ALPHA, _GATE_CAP, _UP_CAP = 1.702, 0.9, 1.1
+_GLUS = {
+    **{
+        name: (lambda act: lambda g, u: act(g) * u)(act)
+        for name, act in _ACTIVATIONS.items()
+    },
+    "gpt_oss_glu": lambda g, u: (u + 1.0) * g * _sigmoid(_ALPHA * g),
+    "softcapped_silu": lambda g, u: (
+        _GATE_CAP
+        * np.tanh(g / _GATE_CAP)
+        * _sigmoid(g)
+        * _UP_CAP
+        * np.tanh(u / _UP_CAP)
+    ),
+}
+
+
 def _gmm_reference(x, w, group_sizes, transpose_w=False, row_scale=None):
   """out[r] = row_scale[r] * x[r] @ w[g(r)] in float64; zeros past the sum."""
   offsets = _offsets(group_sizes)
@@ -291,7 +314,16 @@ class GmmKernelTest(_KernelTestCase):
 class GatedGmmKernelTest(_KernelTestCase):
   """gmm_kernel with an ACTIVATION: act(x @ w_gate[g]) * (x @ w_up[g])."""
 
-  def _run(self, group_sizes, activation, dtype="float32", m=72, k=40, n=48):
+  def _run(
+      self,
+      group_sizes,
+      activation,
+      dtype="float32",
+      m=72,
+      k=40,
+      n=48,
+      limit=None,
+  ):
     block_m, block_n, block_k = 16, 32, 16
     num_groups = len(group_sizes)
     rng = np.random.default_rng(1)
@@ -327,16 +359,33 @@ class GatedGmmKernelTest(_KernelTestCase):
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_F32=True,
+        SWIGLU_LIMIT=0.0 if limit is None else limit,
+        SWIGLU_ALPHA=_ALPHA,
+        GATE_SOFTCAP=_GATE_CAP,
+        UP_SOFTCAP=_UP_CAP,
     )
     x, w_gate, w_up = _numpy64(x), _numpy64(w_gate), _numpy64(w_up)
     gate = _gmm_reference(x, w_gate, group_sizes)
     up = _gmm_reference(x, w_up, group_sizes)
-    return _numpy64(out), _ACTIVATIONS[activation](gate) * up
+    if limit is not None:
+      gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    return _numpy64(out), _GLUS[activation](gate, up)
 
-  @parameterized.parameters("silu", "gelu", "gelu_tanh")
-  def test_matches_numpy(self, activation):
-    got, want = self._run((14, 0, 35, 10), activation)
-    self.assert_close(got, want, "float32", activation)
+  @parameterized.product(
+      activation=(
+          "silu",
+          "gelu",
+          "gelu_tanh",
+          "gpt_oss_glu",
+          "softcapped_silu",
+      ),
+      limit=(None, 2.0),
+  )
+  def test_matches_numpy(self, activation, limit):
+    # Products of unit-variance rows and weights over k=40: the limit 2
+    # clamps a good share of gate and up.
+    got, want = self._run((14, 0, 35, 10), activation, limit=limit)
+    self.assert_close(got, want, "float32", f"{activation}, limit {limit}")
     np.testing.assert_array_equal(got[59:], 0.0)
 
   def test_bfloat16(self):
@@ -478,6 +527,11 @@ class SignatureTest(_KernelTestCase):
             BLOCK_N=32,
             BLOCK_K=16,
             DOT_F32=False,
+            # The activation's options: 0.0, unused without an ACTIVATION.
+            SWIGLU_LIMIT=0.0,
+            SWIGLU_ALPHA=0.0,
+            GATE_SOFTCAP=0.0,
+            UP_SOFTCAP=0.0,
         ),
     )
     for name in values:

@@ -26,12 +26,20 @@ import jax.numpy as jnp
 from backends.triton import configs
 from backends.triton import launch
 from backends.triton import permute_ops
+from moe_core import activations
 from moe_core.kernels import expert_ops
 from moe_core.kernels import grouped_matmul
 
-# Activations the gated kernel computes in its epilogue (kernels.py);
-# EPILOGUE_ACTIVATIONS is `moe_core.kernels.tile_backend`'s name for them.
-GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# Activations the gated kernel computes in its epilogue (kernels.py), each
+# with any clamp; EPILOGUE_ACTIVATIONS is `moe_core.kernels.tile_backend`'s
+# name for them. Registered activations are arbitrary JAX: unfused.
+GATED_ACTIVATIONS = (
+    "silu",
+    "gelu",
+    "gelu_tanh",
+    "gpt_oss_glu",
+    "softcapped_silu",
+)
 EPILOGUE_ACTIVATIONS = GATED_ACTIVATIONS
 
 TritonPermutationKernels = permute_ops.TritonPermutationKernels
@@ -194,15 +202,31 @@ def gmm(
   )
 
 
+def _activation_constexprs(settings: activations.Settings) -> dict:
+  """The gated kernel's constexprs for `settings`: 0.0 for an unset option
+  (a set limit, alpha or cap is > 0: `MoEConfig` checks)."""
+  options = {
+      "SWIGLU_LIMIT": settings.swiglu_limit,
+      "SWIGLU_ALPHA": settings.swiglu_alpha,
+      "GATE_SOFTCAP": settings.gate_softcap,
+      "UP_SOFTCAP": settings.up_softcap,
+  }
+  return {
+      "ACTIVATION": settings.name,
+      **{k: 0.0 if v is None else float(v) for k, v in options.items()},
+  }
+
+
 def gated_gmm(
     x: jax.Array,
     w_gate: jax.Array,
     w_up: jax.Array,
     group_sizes: jax.Array,
-    activation: str,
+    activation: activations.Settings,
     runner: launch.Runner,
 ) -> jax.Array:
-  """act(x @ w_gate[g]) * (x @ w_up[g]): [M, D] -> [M, F] in x's dtype."""
+  """f(x @ w_gate[g], x @ w_up[g]): [M, D] -> [M, F] in x's dtype, f the
+  gated activation of `activation` (clamp and options included)."""
   _, no_scale = _row_scale(None)
   return _tile_list_call(
       "gated",
@@ -214,7 +238,7 @@ def gated_gmm(
       runner,
       TRANSPOSE_W=False,
       HAS_ROW_SCALE=False,
-      ACTIVATION=activation,
+      **_activation_constexprs(activation),
   )
 
 
@@ -357,7 +381,14 @@ class _RowScaledGmm:
     )
 
 
-def gated_gate_up(rows, w_gate, w_up, group_sizes, activation: str, runner):
+def gated_gate_up(
+    rows,
+    w_gate,
+    w_up,
+    group_sizes,
+    activation: str | activations.Settings,
+    runner,
+):
   """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> h [M, F].
 
   One kernel: two float32 accumulators share each rows tile and only h is
@@ -370,15 +401,11 @@ def gated_gate_up(rows, w_gate, w_up, group_sizes, activation: str, runner):
     rows: [M, D] sorted by group.
     w_gate, w_up: [E, D, F] of rows' dtype.
     group_sizes: [E] int32, sum <= M.
-    activation: one of GATED_ACTIVATIONS.
+    activation: one of GATED_ACTIVATIONS, a name or its
+      `activations.Settings` (clamp and options).
     runner: a `launch.Runner`.
   """
-  if activation not in GATED_ACTIVATIONS:
-    raise ValueError(
-        f"activation must be one of {GATED_ACTIVATIONS} to run in the gated "
-        f"kernel's epilogue, got {activation!r}."
-    )
-
+  settings = expert_ops.check_epilogue_activation(activation, GATED_ACTIVATIONS)
   return expert_ops.gated_gate_up(
       TritonKernels(runner),
       _FusedGated(runner),
@@ -386,7 +413,7 @@ def gated_gate_up(rows, w_gate, w_up, group_sizes, activation: str, runner):
       w_gate,
       w_up,
       group_sizes,
-      activation,
+      settings,
   )
 
 

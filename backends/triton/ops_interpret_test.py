@@ -28,6 +28,7 @@ from backends.triton import ops
 from conformance import base
 from conformance import cases
 from conformance import tolerances
+from moe_core import activations
 from moe_core import backend as backend_lib
 from moe_core import permute
 from moe_core import registry
@@ -171,11 +172,35 @@ class GroupedGemmTest(InterpretTestCase):
       )
 
 
+# Config fields of each activation case: the plain GLUs by name, the clamp
+# (at these scales it clamps part of gate and up), and the registry's GLUs
+# with their options.
+_ACTIVATION_CASES = {
+    "silu": dict(activation="silu"),
+    "gelu": dict(activation="gelu"),
+    "gelu_tanh": dict(activation="gelu_tanh"),
+    "silu_clamped": dict(activation="silu", swiglu_limit=0.5),
+    "gpt_oss_glu_clamped": dict(
+        activation="gpt_oss_glu", swiglu_alpha=1.702, swiglu_limit=0.5
+    ),
+    "softcapped_silu": dict(
+        activation="softcapped_silu", gate_softcap=0.6, up_softcap=0.8
+    ),
+}
+
+
 class ExpertFfnTest(InterpretTestCase):
 
   @parameterized.product(
       fuse_activation=(False, True),
-      activation=("silu", "gelu", "gelu_tanh"),
+      activation=(
+          "silu",
+          "gelu",
+          "gelu_tanh",
+          "silu_clamped",
+          "gpt_oss_glu_clamped",
+          "softcapped_silu",
+      ),
   )
   def test_matches_reference(self, fuse_activation, activation):
     m, d, f, used = 40, 32, 48, 35
@@ -195,7 +220,7 @@ class ExpertFfnTest(InterpretTestCase):
         top_k=2,
         hidden_size=d,
         expert_ffn_size=f,
-        activation=activation,
+        **_ACTIVATION_CASES[activation],
     )
 
     def run(be, rows):
@@ -209,8 +234,9 @@ class ExpertFfnTest(InterpretTestCase):
       return y, grads
 
     be = self.backend(fuse_activation=fuse_activation)
+    # Every case runs in the epilogue when asked, the clamp and options too.
     self.assertEqual(
-        be.checkpoint_names(activation),
+        be.checkpoint_names(cfg),
         (backend_lib.DOWN_NAME,)
         if fuse_activation
         else backend_lib.CHECKPOINT_NAMES,
@@ -231,6 +257,42 @@ class ExpertFfnTest(InterpretTestCase):
           d_params[name], want_params[name], "float32", "gradient", name
       )
       self.assertAllZero(d_params[name][1], f"d {name} of empty expert 1")
+
+
+class EpilogueFallbackTest(InterpretTestCase):
+  """What the gated kernel cannot compute runs unfused, never wrongly."""
+
+  def test_biases_and_registered_activations_run_unfused(self):
+    # Biases go between the products and the activation; a registered
+    # activation is arbitrary JAX the kernel does not know.
+    name = "abs_glu_for_triton_test"
+    activations.register(
+        activations.Activation(name, True, lambda g, u, s: jnp.abs(g) * u)
+    )
+    self.addCleanup(activations._REGISTRY.pop, name)
+    be = self.backend(fuse_activation=True)
+    ref = moe_core.get_backend("reference")
+    sizes = jnp.array([9, 0, 7], jnp.int32)
+    rows = jax.random.normal(jax.random.key(0), (16, 16))
+    for changes in (
+        dict(expert_bias=True, swiglu_limit=0.5),
+        dict(activation=name),
+    ):
+      cfg = moe_core.MoEConfig(
+          num_experts=3, top_k=1, hidden_size=16, expert_ffn_size=24, **changes
+      )
+      params = moe_core.init_params(jax.random.key(1), cfg)
+      params = {
+          n: v + 0.3 if n.startswith("b_") else v for n, v in params.items()
+      }
+      with self.subTest(**{k: str(v) for k, v in changes.items()}):
+        self.assertEqual(be.checkpoint_names(cfg), backend_lib.CHECKPOINT_NAMES)
+        loss = lambda b, p: jnp.sum(jnp.sin(b.expert_ffn(rows, sizes, p, cfg)))
+        got = jax.value_and_grad(loss, 1)(be, params)
+        want = jax.value_and_grad(loss, 1)(ref, params)
+        self.assertClose(got[0], want[0], "float32", msg="loss")
+        for n in params:
+          self.assertClose(got[1][n], want[1][n], "float32", "gradient", n)
 
 
 def _route(cfg, dtype):

@@ -4,9 +4,11 @@ gate_up         (rows @ w_gate[g], rows @ w_up[g]): one `grouped_products`
                 call, so a backend whose kernel reads the rows once for
                 both products does; its dX sums both products in one call
                 and its dW is one tgmm with two outputs (the transposes).
-gated_epilogue  the fused kernel's epilogue, act(gate) * up on the float32
-                accumulators (`check_epilogue_activation`: the activations
-                a backend's epilogue computes).
+gated_epilogue  the fused kernel's epilogue, h = f(gate, up) on the float32
+                accumulators: any gated activation of
+                `moe_core.activations` with its clamp and options
+                (`check_epilogue_activation`: the ones a backend's
+                epilogue computes).
 EpilogueGatedKernel
                 that fused kernel from a `fused_gmm` taking an epilogue: the
                 gate and up products into two accumulators, then
@@ -30,13 +32,13 @@ from typing import Callable, ClassVar
 import jax
 import jax.numpy as jnp
 
-from moe_core import ffn
+from moe_core import activations
 from moe_core.kernels import grouped_matmul as gm
 from moe_core.kernels import primitive
 
-# (rows, w_gate, w_up, group_sizes, *, activation, with_inputs) -> (h,) or
-# (h, gate, up); hashable by value, with a `keeps_inputs` attribute that
-# says whether it can be asked for gate and up.
+# (rows, w_gate, w_up, group_sizes, *, activation: activations.Settings,
+# with_inputs) -> (h,) or (h, gate, up); hashable by value, with a
+# `keeps_inputs` attribute that says whether it can be asked for gate and up.
 FusedGatedKernel = Callable[..., tuple[jax.Array, ...]]
 
 
@@ -83,32 +85,63 @@ def _gate_up_tangent(kernels, rows, w_gate, w_up, group_sizes, tangents):
   )
 
 
-def gated_epilogue(activation: str, with_inputs: bool) -> Callable:
+def epilogue_settings(
+    activation: str | activations.Settings,
+) -> activations.Settings:
+  """`activation` as `activations.Settings`: a bare name has no options."""
+  if isinstance(activation, activations.Settings):
+    return activation
+  return activations.Settings(activation)
+
+
+def gated_epilogue(
+    activation: str | activations.Settings, with_inputs: bool
+) -> Callable:
   """A fused gate/up kernel's epilogue on its float32 accumulators:
-  (gate, up) -> (h,), or (h, gate, up) with `with_inputs`, h = act(gate) *
-  up (`moe_core.ffn.gated`)."""
+  (gate, up) -> (h,), or (h, gate, up) with `with_inputs`, h the activation
+  of `activation` (its clamp and options included,
+  `moe_core.activations.hidden`), all float32 [bm, bn]."""
+  settings = epilogue_settings(activation)
 
   def epilogue(accs):
     gate, up = accs
-    h = ffn.gated(gate, up, activation)  # float32 in, float32 out.
+    h = activations.hidden(settings, gate, up)  # float32 in, float32 out.
     return (h, gate, up) if with_inputs else (h,)
 
   return epilogue
 
 
-def check_epilogue_activation(activation: str, supported) -> None:
-  """Raises ValueError unless a kernel epilogue computes `activation`.
+def check_epilogue_activation(
+    activation: str | activations.Settings, supported
+) -> activations.Settings:
+  """`activation`'s settings if a kernel epilogue computes them; else raises.
+
+  An epilogue computes the gated activations its backend lists, with or
+  without `swiglu_limit` (a min and a clip, which every lowering has), given
+  every option the activation reads.
 
   Args:
-    activation: the gated activation asked for.
+    activation: the gated activation asked for, a name or its settings.
     supported: the backend's epilogue activations (its ops module's
       EPILOGUE_ACTIVATIONS).
+
+  Raises:
+    ValueError: the activation is not in `supported`, or an option it reads
+      is None.
   """
-  if activation not in supported:
+  settings = epilogue_settings(activation)
+  if settings.name not in supported:
     raise ValueError(
         f"activation must be one of {tuple(supported)} to run in the "
-        f"kernel epilogue, got {activation!r}."
+        f"kernel epilogue, got {settings.name!r}."
     )
+  unset = [o for o in settings.activation.reads if getattr(settings, o) is None]
+  if unset:
+    raise ValueError(
+        f"activation {settings.name!r} reads {unset}, which must be set in "
+        f"its activations.Settings to run in the kernel epilogue, got None."
+    )
+  return settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +183,7 @@ def gated_gate_up(
     w_gate: jax.Array,
     w_up: jax.Array,
     group_sizes: jax.Array,
-    activation: str,
+    activation: str | activations.Settings,
 ) -> jax.Array:
   """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> h [M, F].
 
@@ -165,13 +198,16 @@ def gated_gate_up(
       from the forward.
     rows: [M, D] sorted by group; w_gate, w_up: [E, D, F] of rows' dtype.
     group_sizes: [E] int32, valid.
-    activation: the gated activation (`moe_core.ffn.activation`).
+    activation: the gated activation, a name or its `activations.Settings`
+      (clamp and options: `fused` gets the settings, hashable, and computes
+      `activations.hidden` of them).
   """
+  settings = epilogue_settings(activation)
   keeps_inputs = fused.keeps_inputs
 
   def call(with_inputs, *operands):
     return primitive.call_kernel(
-        fused, *operands, activation=activation, with_inputs=with_inputs
+        fused, *operands, activation=settings, with_inputs=with_inputs
     )
 
   @jax.custom_jvp
@@ -186,7 +222,7 @@ def gated_gate_up(
     # The activation's derivative on the float32 gate and up, as the
     # fused epilogue computed h from them.
     _, d_h = jax.jvp(
-        lambda g, u: ffn.gated(g, u, activation),
+        lambda g, u: activations.hidden(settings, g, u),
         (gate.astype(jnp.float32), up.astype(jnp.float32)),
         (d_gate, d_up),
     )

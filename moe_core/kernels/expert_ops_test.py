@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_core import ffn
+from moe_core import activations
 from moe_core.kernels import expert_ops
 from moe_core.kernels import grouped_matmul_test as gmt
 
@@ -32,7 +32,7 @@ class FusedGated:
     up = KERNELS.gmm(
         rows, w_up, group_sizes, transpose_rhs=False, out_dtype=jnp.float32
     )
-    h = ffn.gated(gate, up, activation).astype(rows.dtype)
+    h = activations.hidden(activation, gate, up).astype(rows.dtype)
     if with_inputs:
       return h, gate.astype(rows.dtype), up.astype(rows.dtype)
     return (h,)
@@ -63,19 +63,44 @@ def _close(got, want, tol=1e-4):
   )
 
 
-def _gated_ours(keeps_inputs):
+# The epilogue's activations: a name, and settings with a clamp and options
+# (the limit clamps part of gate and up at _inputs' scales).
+SETTINGS = {
+    "silu": "silu",
+    "silu_clamped": activations.Settings("silu", swiglu_limit=0.4),
+    "gpt_oss_glu_clamped": activations.Settings(
+        "gpt_oss_glu", swiglu_limit=0.4, swiglu_alpha=1.702
+    ),
+    "softcapped_silu": activations.Settings(
+        "softcapped_silu", gate_softcap=0.5, up_softcap=0.7
+    ),
+}
+
+
+def _gated_ours(keeps_inputs, activation="silu"):
   def f(rows, w_gate, w_up):
     return expert_ops.gated_gate_up(
-        KERNELS, FusedGated(keeps_inputs), rows, w_gate, w_up, SIZES, "silu"
+        KERNELS,
+        FusedGated(keeps_inputs),
+        rows,
+        w_gate,
+        w_up,
+        SIZES,
+        activation,
     )
 
   return f
 
 
-def _gated_want(rows, w_gate, w_up):
-  gate = gmt.oracle_gmm(rows, w_gate, SIZES)
-  up = gmt.oracle_gmm(rows, w_up, SIZES)
-  return ffn.gated(gate, up, "silu")
+def _gated_want(activation="silu"):
+  def f(rows, w_gate, w_up):
+    gate = gmt.oracle_gmm(rows, w_gate, SIZES)
+    up = gmt.oracle_gmm(rows, w_up, SIZES)
+    return activations.hidden(
+        expert_ops.epilogue_settings(activation), gate, up
+    )
+
+  return f
 
 
 def _scaled_ours(lhs, rhs, scale):
@@ -113,12 +138,29 @@ class ExpertOpsTest(parameterized.TestCase):
     batched = tuple(jnp.stack([a, a * 0.5]) for a in args)
     _close(jax.vmap(ours)(*batched), jax.vmap(want)(*batched))
 
-  @parameterized.parameters(True, False)
-  def test_gated_gate_up_in_every_mode(self, keeps_inputs):
+  @parameterized.product(keeps_inputs=(True, False), activation=tuple(SETTINGS))
+  def test_gated_gate_up_in_every_mode(self, keeps_inputs, activation):
     rows, w_gate, w_up, _ = _inputs()
     self._check_all_modes(
-        _gated_ours(keeps_inputs), _gated_want, (rows, w_gate, w_up)
+        _gated_ours(keeps_inputs, SETTINGS[activation]),
+        _gated_want(SETTINGS[activation]),
+        (rows, w_gate, w_up),
     )
+
+  def test_epilogue_check_names_what_is_missing(self):
+    with self.assertRaisesRegex(
+        ValueError,
+        r"activation must be one of \('silu',\) to run in the kernel "
+        r"epilogue, got 'gelu'",
+    ):
+      expert_ops.check_epilogue_activation("gelu", ("silu",))
+    with self.assertRaisesRegex(
+        ValueError,
+        r"activation 'gpt_oss_glu' reads \['swiglu_alpha'\], which must be "
+        r"set in its activations.Settings to run in the kernel epilogue, got "
+        r"None",
+    ):
+      expert_ops.check_epilogue_activation("gpt_oss_glu", ("gpt_oss_glu",))
 
   def test_row_scaled_gmm_in_every_mode(self):
     rows, w_gate, _, scale = _inputs()
@@ -137,7 +179,7 @@ class ExpertOpsTest(parameterized.TestCase):
         out_specs=spec(),
     )
     g = jax.jit(jax.grad(f, (0, 1, 2)))(rows, w_gate, w_up)
-    w = jax.grad(lambda *a: jnp.sum(_gated_want(*a)), (0, 1, 2))(
+    w = jax.grad(lambda *a: jnp.sum(_gated_want()(*a)), (0, 1, 2))(
         rows, w_gate, w_up
     )
     for a, b in zip(g, w):

@@ -19,6 +19,7 @@ from typing import Any, Callable, ClassVar
 
 import jax
 
+from moe_core import activations
 from moe_core import backend
 from moe_core import operands
 from moe_core.kernels import expert_ops
@@ -69,8 +70,8 @@ class TileOps:
   Attributes:
     kernels: launch -> the module's `GroupedKernels` (a frozen dataclass);
       its `fused_gmm` also takes `epilogue`, for `gated_gate_up`.
-    epilogue_activations: the activations that epilogue computes (the
-      module's EPILOGUE_ACTIVATIONS).
+    epilogue_activations: the gated activations that epilogue computes, each
+      with any clamp and its options (the module's EPILOGUE_ACTIVATIONS).
   """
 
   kernels: Callable[[Any], grouped_matmul.GroupedKernels]
@@ -113,7 +114,13 @@ class TileOps:
     )
 
   def gated_gate_up(
-      self, rows, w_gate, w_up, group_sizes, activation: str, launch
+      self,
+      rows,
+      w_gate,
+      w_up,
+      group_sizes,
+      activation: str | activations.Settings,
+      launch,
   ):
     """act(rows @ w_gate[g]) * (rows @ w_up[g]): [M, D] -> [M, F], one pass.
 
@@ -125,9 +132,12 @@ class TileOps:
 
     Args:
       rows, w_gate, w_up, group_sizes, launch: as for `gate_up`.
-      activation: one of `epilogue_activations`.
+      activation: one of `epilogue_activations`, a name or its
+        `activations.Settings` (clamp and options).
     """
-    expert_ops.check_epilogue_activation(activation, self.epilogue_activations)
+    settings = expert_ops.check_epilogue_activation(
+        activation, self.epilogue_activations
+    )
     kernels = self.kernels(launch)
     return expert_ops.gated_gate_up(
         kernels,
@@ -136,8 +146,23 @@ class TileOps:
         w_gate,
         w_up,
         group_sizes,
-        activation,
+        settings,
     )
+
+
+def epilogue_computes(
+    settings: activations.Settings, epilogue_activations
+) -> bool:
+  """Whether a kernel epilogue that lists `epilogue_activations` (an ops
+  module's EPILOGUE_ACTIVATIONS) computes `settings`: the one decision of
+  every tile and triton backend.
+
+  Each listed activation runs there with its options and with or without
+  the clamp of `swiglu_limit` (a min and a clip, which every lowering has);
+  a registered or unlisted one (exact gelu where the lowering lacks erf)
+  runs unfused. Biases are the template's: it never asks with them.
+  """
+  return settings.activation.gated and settings.name in epilogue_activations
 
 
 class TileKernelBackend(backend.Backend):
@@ -147,18 +172,20 @@ class TileKernelBackend(backend.Backend):
   every ops function takes last, with `tiles`, `interpret`: the option's
   setting, `moe_core.kernels.interpret`, and `kernel_interpret`: that
   setting for the program traced now, auto resolved) and
-  `self.fuse_activation` (bool: act(gate) * up in the gate/up kernel's
-  epilogue, for `ops.EPILOGUE_ACTIVATIONS`; `check_fuse_activation` first;
-  the option's default is False in every such backend: the epilogue is
-  opt-in until a GPU measurement shows it faster).
+  `self.fuse_activation` (bool: the gated activation in the gate/up
+  kernel's epilogue where `epilogue_computes` says so;
+  `check_fuse_activation` first; the option's default is False in every
+  such backend: the epilogue is opt-in until a GPU measurement shows it
+  faster).
 
   `ops` has, each taking the launch settings last:
 
       grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype,
                    launch)
       gate_up(rows, w_gate, w_up, group_sizes, launch)
-      gated_gate_up(rows, w_gate, w_up, group_sizes, activation, launch)
-      EPILOGUE_ACTIVATIONS   the activations its fused epilogue computes
+      gated_gate_up(rows, w_gate, w_up, group_sizes, settings, launch)
+      EPILOGUE_ACTIVATIONS   the gated activations its fused epilogue
+                             computes, with their clamp and options
   """
 
   ops: ClassVar[ModuleType]
@@ -209,13 +236,16 @@ class TileKernelBackend(backend.Backend):
     """Gate and up in one kernel pass over the rows: two [M, F] outputs."""
     return self.ops.gate_up(*_gate_up_operands(ffn_in), self.launch)
 
-  def _fuses_activation(self, activation: str) -> bool:
-    return self.fuse_activation and activation in self.ops.EPILOGUE_ACTIVATIONS
+  def _fuses_activation(self, settings: activations.Settings) -> bool:
+    return self.fuse_activation and epilogue_computes(
+        settings, self.ops.EPILOGUE_ACTIVATIONS
+    )
 
   def _gated_gate_up(self, ffn_in: operands.FfnOperands) -> jax.Array:
-    """act(gate) * up in the gate/up kernel's epilogue: one [M, F] output."""
+    """h = f(gate, up) in the gate/up kernel's epilogue (clamp and options
+    included): one [M, F] output."""
     return self.ops.gated_gate_up(
-        *_gate_up_operands(ffn_in), ffn_in.activation, self.launch
+        *_gate_up_operands(ffn_in), ffn_in.activation_settings, self.launch
     )
 
 
