@@ -67,8 +67,9 @@ class MosaicGpuBackend(tile_backend.TileKernelBackend):
       tcgen05 kernels); None picks, when the program is traced, by the
       GPU it is lowered for (`moe_core.aot`'s target) or else the first
       device's compute capability ("sm90" off a GPU).
-    fuse_activation: compute act(gate) * up in the gate/up kernel's
-      epilogue (for `ops.EPILOGUE_ACTIVATIONS`); as for `pallas`, the
+    fuse_activation: compute the gated activation (clamp and options
+      included) in the gate/up kernel's epilogue (for
+      `ops.EPILOGUE_ACTIVATIONS`, without biases); as for `pallas`, the
       "moe_gate"/"moe_up" checkpoint names are then not emitted. Off by
       default, as for pallas and triton: opt-in until a GPU measurement
       shows it faster.

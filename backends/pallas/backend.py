@@ -32,13 +32,15 @@ class PallasBackend(tile_backend.TileKernelBackend):
       bounds-checking interpreter (slow: small shapes only). Default None:
       the kernels lower through Triton on a GPU, and the interpreter is
       cheap enough to run them anywhere else.
-    fuse_activation: compute act(gate) * up in the gate/up kernel's epilogue
-      (for the activations in `ops.EPILOGUE_ACTIVATIONS`; others, such as the
-      exact "gelu", run unfused). The gate and up outputs then exist only
-      inside that op, so the "moe_gate"/"moe_up" checkpoint names are not
-      emitted: only "moe_down" is (`checkpoint_names`). Off by default, as
-      for mosaic_gpu and triton: opt-in until a GPU measurement shows it
-      faster.
+    fuse_activation: compute the gated activation (clamp and options
+      included) in the gate/up kernel's epilogue (for the activations in
+      `ops.EPILOGUE_ACTIVATIONS`; others, such as the exact "gelu" or a
+      registered one, and any config with `expert_bias`, run unfused:
+      `tile_backend.epilogue_computes`). The gate and up outputs then
+      exist only inside that op, so the "moe_gate"/"moe_up" checkpoint
+      names are not emitted: only "moe_down" is (`checkpoint_names`). Off
+      by default, as for mosaic_gpu and triton: opt-in until a GPU
+      measurement shows it faster.
   """
 
   name: ClassVar[str] = "pallas"

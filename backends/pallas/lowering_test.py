@@ -24,6 +24,7 @@ from backends.pallas import backend as pallas_backend
 from backends.pallas import kernels
 from backends.pallas import ops
 from backends.pallas import tiling
+from moe_core import backend as backend_lib
 from moe_core import compat
 from moe_core.testing import cuda_export
 
@@ -192,6 +193,34 @@ class OpsLowerTest(parameterized.TestCase):
     )
     text = self._export_expert_ffn_grad(cfg, fuse_activation, self.M)
     # gate/up forward, down forward, down dX and dW, gate/up dX and dW.
+    self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
+
+  @parameterized.named_parameters(
+      ("silu_clamped", dict(activation="silu", swiglu_limit=7.0)),
+      (
+          "gpt_oss_glu_clamped",
+          dict(activation="gpt_oss_glu", swiglu_alpha=1.702, swiglu_limit=7.0),
+      ),
+      (
+          "softcapped_silu",
+          dict(
+              activation="softcapped_silu", gate_softcap=20.0, up_softcap=20.0
+          ),
+      ),
+  )
+  def test_epilogue_activations_lower(self, settings):
+    # The clamp and the registry's GLUs in the fused epilogue: the Triton
+    # lowering has every op they use (min, max, logistic, tanh).
+    cfg = moe_core.MoEConfig(
+        num_experts=self.E,
+        top_k=8,
+        hidden_size=self.D,
+        expert_ffn_size=self.F,
+        **settings,
+    )
+    be = pallas_backend.PallasBackend(interpret=False, fuse_activation=True)
+    self.assertEqual(be.checkpoint_names(cfg), (backend_lib.DOWN_NAME,))
+    text = self._export_expert_ffn_grad(cfg, True, self.M)
     self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
 
   def _export_expert_ffn_grad(self, cfg, fuse_activation, num_rows):

@@ -148,8 +148,9 @@ class PallasKernels(tile_backend.LaunchKernels):
 
 # Gated activations the Triton lowering can compute in the epilogue, each
 # with any clamp (min and clip): sigmoid, tanh and exp lower. The exact
-# "gelu" needs erf, which the Triton lowering of jax 0.10 lacks; registered
-# activations are arbitrary JAX, so they run unfused.
+# "gelu" is out: jax.nn.gelu's erf form calls erfc, which the Triton
+# lowering lacks (jax 0.10 and 0.12); registered activations are arbitrary
+# JAX, so they run unfused.
 EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss_glu", "softcapped_silu")
 
 # grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch),

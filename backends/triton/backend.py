@@ -46,8 +46,9 @@ class TritonBackend(tile_backend.TileKernelBackend):
       tests at small shapes; needs torch and triton). Default False: off a
       GPU the backend says to pass interpret=True rather than run that
       slowly (or fail for want of torch) unasked.
-    fuse_activation: compute act(gate) * up in the gated kernel's epilogue
-      (every activation of `ops.GATED_ACTIVATIONS`); gate and up then exist
+    fuse_activation: compute the gated activation (clamp and options
+      included) in the gated kernel's epilogue (every activation of
+      `ops.GATED_ACTIVATIONS`, without biases); gate and up then exist
       only inside that op, so only the "moe_down" checkpoint name is emitted
       (`checkpoint_names`), as for pallas. Off by default, as for pallas
       and mosaic_gpu: opt-in until a GPU measurement shows it faster.
