@@ -20,6 +20,7 @@ from backends.mosaic_gpu import backend as mosaic_backend
 from backends.mosaic_gpu import ops
 from backends.mosaic_gpu import tiling
 from moe_core import activations
+from moe_core import backend as backend_lib
 from moe_core.testing import cuda_export
 
 _MOSAIC_CALL = "mosaic_gpu_v2"
@@ -133,6 +134,28 @@ class EpilogueActivationsLowerTest(parameterized.TestCase):
         sorted({s.name for s in self.SETTINGS.values()}),
         sorted(ops.EPILOGUE_ACTIVATIONS),
     )
+
+  def test_what_the_epilogue_cannot_compute_runs_unfused(self):
+    # The exact gelu (erfc does not lower) and biased FFNs: all three names,
+    # the template's unfused path; asked directly, the op refuses gelu.
+    be = mosaic_backend.MosaicGpuBackend(fuse_activation=True)
+    base = dict(num_experts=4, top_k=2, hidden_size=64, expert_ffn_size=64)
+    for changes in (
+        dict(activation="gelu"),
+        dict(expert_bias=True, swiglu_limit=7.0),
+    ):
+      cfg = moe_core.MoEConfig(**base, **changes)
+      self.assertEqual(
+          be.checkpoint_names(cfg), backend_lib.CHECKPOINT_NAMES, changes
+      )
+    x = jnp.zeros((8, 8), jnp.bfloat16)
+    w = jnp.zeros((1, 8, 8), jnp.bfloat16)
+    with self.assertRaisesRegex(
+        ValueError, r"to run in the kernel epilogue, got 'gelu'"
+    ):
+      ops.gated_gate_up(
+          x, w, w, jnp.array([8], jnp.int32), "gelu", ops.Launch()
+      )
 
   @parameterized.product(settings=tuple(SETTINGS), generation=("sm90", "sm100"))
   def test_gated_gate_up_lowers(self, settings, generation):
