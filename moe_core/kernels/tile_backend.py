@@ -155,12 +155,12 @@ def epilogue_computes(
 ) -> bool:
   """Whether a kernel epilogue that lists `epilogue_activations` (an ops
   module's EPILOGUE_ACTIVATIONS) computes `settings`: the one decision of
-  every tile and triton backend.
+  every `TileKernelBackend` (pallas, mosaic_gpu, triton).
 
   Each listed activation runs there with its options and with or without
   the clamp of `swiglu_limit` (a min and a clip, which every lowering has);
-  a registered or unlisted one (exact gelu where the lowering lacks erf)
-  runs unfused. Biases are the template's: it never asks with them.
+  a registered or unlisted one (the exact gelu where the lowering lacks
+  erfc) runs unfused. Biases are the template's: it never asks with them.
   """
   return settings.activation.gated and settings.name in epilogue_activations
 
