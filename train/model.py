@@ -23,6 +23,7 @@ from moe_core import remat as moe_remat
 from train import attention
 from train import gated_deltanet
 from train import model_config
+from train import sink_attention
 
 
 def weight(key, shape, fan_in=None):
@@ -210,11 +211,18 @@ class Block(nnx.Module):
       moe_mesh: dict | None = None,
   ):
     self.is_moe = cfg.is_moe_layer(layer)
+    self.layer = layer
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    # GPT-OSS's attention (biases, sinks, windows, YaRN) takes the layer.
+    self.attn_takes_layer = (
+        cfg.uses_gpt_oss_attention and not cfg.is_linear_attention_layer(layer)
+    )
     if cfg.is_linear_attention_layer(layer):  # Qwen3-Next's hybrid stack.
       self.attn = gated_deltanet.GatedDeltaNet(
           cfg.linear_attention, cfg.hidden_size, cfg.norm_eps, rngs=rngs
       )
+    elif self.attn_takes_layer:
+      self.attn = sink_attention.SinkAttention(cfg, rngs=rngs, weight=weight)
     else:
       attention = LatentAttention if cfg.attention == "mla" else Attention
       self.attn = attention(cfg, rngs=rngs)
@@ -226,8 +234,13 @@ class Block(nnx.Module):
     else:
       self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_ffn_size, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array):
-    x = x + self.attn(self.attn_norm(x), positions)
+  def __call__(self, x: jax.Array, positions: jax.Array, layer=None):
+    """`layer`: this block's index, traced under a scan (None: its own)."""
+    if self.attn_takes_layer:
+      layer = self.layer if layer is None else layer
+      x = x + self.attn(self.attn_norm(x), positions, layer)
+    else:
+      x = x + self.attn(self.attn_norm(x), positions)
     h = self.mlp_norm(x)
     if self.is_moe:
       y, aux = self.mlp(h)

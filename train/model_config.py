@@ -15,6 +15,48 @@ ATTENTIONS = ("gqa", "mla")
 QK_NORMS = ("none", "head", "full")
 
 
+# --- GPT-OSS: YaRN RoPE scaling (used by model_config.ModelConfig.yarn) ------
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnRope:
+  """YaRN's stretch of RoPE to a longer context (GPT-OSS: 4096 x 32).
+
+  Each rotary frequency is blended between itself (fast dimensions, many
+  turns over the original context) and itself / factor (slow ones), with a
+  linear ramp between the dimensions that turn `beta_fast` and `beta_slow`
+  times over `original_max_positions`; cos and sin are scaled by
+  0.1 ln(factor) + 1. No parameters.
+
+  Attributes:
+    factor: the context stretch (> 1).
+    original_max_positions: the pretraining context the ramp is measured on.
+    beta_fast: turns over that context above which a dimension is kept.
+    beta_slow: turns below which a dimension is divided by `factor`.
+    truncate: round the ramp's ends to whole dimensions.
+  """
+
+  factor: float
+  original_max_positions: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+
+  def __post_init__(self):
+    if not self.factor > 1:
+      raise ValueError(f"yarn.factor must be > 1, got {self.factor!r}.")
+    if self.original_max_positions < 1:
+      raise ValueError(
+          "yarn.original_max_positions must be >= 1, got "
+          f"{self.original_max_positions!r}."
+      )
+    if not self.beta_fast > self.beta_slow > 0:
+      raise ValueError(
+          "yarn needs beta_fast > beta_slow > 0, got "
+          f"beta_fast={self.beta_fast!r}, beta_slow={self.beta_slow!r}."
+      )
+
+
 def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
   if value not in choices:
     raise ValueError(f"{field} must be one of {choices}, got {value!r}.")
@@ -59,6 +101,15 @@ class ModelConfig:
     full_attention_interval: with `linear_attention`, layer i is softmax
       attention when (i + 1) % interval == 0 and Gated DeltaNet otherwise
       (Qwen3-Next: 4, three linear layers then one full).
+    attention_bias: (GPT-OSS) the q/k/v/o projections of "gqa" have biases.
+    attention_sinks: (GPT-OSS) each query head has a learned logit that
+      joins its softmax's denominator and takes no value.
+    sliding_window: (GPT-OSS) W > 0: "gqa" layers attend to the last W
+      positions only (themselves included); 0: full causal attention.
+    full_attention_every: (GPT-OSS) with a sliding window, every n-th layer
+      (layer i with (i + 1) % n == 0) attends fully (GPT-OSS: 2, the odd
+      layers); 0: every layer slides.
+    yarn: (GPT-OSS) YaRN scaling of the "gqa" RoPE, or None.
   """
 
   name: str
@@ -86,8 +137,15 @@ class ModelConfig:
   partial_rotary_factor: float = 1.0
   linear_attention: gated_deltanet.DeltaNetConfig | None = None
   full_attention_interval: int = 0
+  # --- GPT-OSS fields (attention biases, sinks, sliding windows, YaRN) ---
+  attention_bias: bool = False
+  attention_sinks: bool = False
+  sliding_window: int = 0
+  full_attention_every: int = 0
+  yarn: YarnRope | None = None
 
   def __post_init__(self):
+    self._check_gpt_oss_fields()
     _check_choice("attention", self.attention, ATTENTIONS)
     _check_choice("qk_norm", self.qk_norm, QK_NORMS)
     self._check_qwen3_next_fields()
@@ -206,6 +264,47 @@ class ModelConfig:
   def rotary_dim(self) -> int:
     """Per-head width RoPE rotates ("gqa")."""
     return int(self.head_dim * self.partial_rotary_factor)
+  def _check_gpt_oss_fields(self) -> None:
+    if self.sliding_window < 0 or self.full_attention_every < 0:
+      raise ValueError(
+          "sliding_window and full_attention_every must be >= 0, got "
+          f"sliding_window={self.sliding_window}, "
+          f"full_attention_every={self.full_attention_every}."
+      )
+    if self.full_attention_every and not self.sliding_window:
+      raise ValueError(
+          "full_attention_every alternates sliding and full layers, so it "
+          f"needs sliding_window >= 1, got full_attention_every="
+          f"{self.full_attention_every} with sliding_window=0."
+      )
+    if self.yarn is not None and not isinstance(self.yarn, YarnRope):
+      raise TypeError(
+          f"yarn must be a YarnRope or None, got {type(self.yarn).__name__}."
+      )
+    if self.uses_gpt_oss_attention and (
+        self.attention != "gqa" or self.qk_norm != "none"
+    ):
+      raise ValueError(
+          "attention_bias, attention_sinks, sliding_window and yarn apply "
+          "to 'gqa' attention without qk_norm, got "
+          f"attention={self.attention!r}, qk_norm={self.qk_norm!r}."
+      )
+
+  @property
+  def uses_gpt_oss_attention(self) -> bool:
+    """Whether the attention is `train/sink_attention.py`'s (GPT-OSS)."""
+    return bool(
+        self.attention_bias
+        or self.attention_sinks
+        or self.sliding_window
+        or self.yarn is not None
+    )
+
+  def attention_window(self, layer: int) -> int:
+    """Layer `layer`'s sliding window (0: full causal attention)."""
+    if self.full_attention_every and (layer + 1) % self.full_attention_every:
+      return self.sliding_window
+    return 0 if self.full_attention_every else self.sliding_window
 
   @property
   def num_dense_layers(self) -> int:

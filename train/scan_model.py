@@ -81,9 +81,16 @@ def stacked_block(
 
 
 def run_stack(
-    stack: model_lib.Block, x: jax.Array, positions: jax.Array, remat: str
+    stack: model_lib.Block,
+    x: jax.Array,
+    positions: jax.Array,
+    remat: str,
+    first_layer: int = 0,
 ):
   """x through every layer of `stack` in turn, under `jax.lax.scan`.
+
+  Each layer gets its index (first_layer, first_layer + 1, ...) as a traced
+  int, for the layers that differ by index only (GPT-OSS's sliding windows).
 
   Returns:
     (x, stats): stats are the layers' `moe_stats` stacked [L, ...], or
@@ -91,8 +98,8 @@ def run_stack(
   """
   graphdef, state = nnx.split(stack)
 
-  def layer(layer_state, x):
-    return nnx.merge(graphdef, layer_state)(x, positions)
+  def layer(layer_state, x, index):
+    return nnx.merge(graphdef, layer_state)(x, positions, index)
 
   if remat != "none":
     # Inside a scan CSE cannot merge the recomputation with the forward
@@ -101,10 +108,13 @@ def run_stack(
         layer, policy=moe_remat.policy(remat), prevent_cse=False
     )
 
-  def body(x, layer_state):
-    return layer(layer_state, x)
+  def body(x, layer_input):
+    layer_state, index = layer_input
+    return layer(layer_state, x, index)
 
-  return jax.lax.scan(body, x, state)
+  depth = jax.tree.leaves(state)[0].shape[0]
+  indices = first_layer + jnp.arange(depth, dtype=jnp.int32)
+  return jax.lax.scan(body, x, (state, indices))
 
 
 def check_scannable(cfg: model_config.ModelConfig) -> None:
@@ -177,7 +187,13 @@ class ScannedTransformer(nnx.Module):
     if self.dense_layers is not None:
       x, _ = run_stack(self.dense_layers, x, positions, self.remat)
     if self.moe_layers is not None:
-      x, stats = run_stack(self.moe_layers, x, positions, self.remat)
+      x, stats = run_stack(
+          self.moe_layers,
+          x,
+          positions,
+          self.remat,
+          first_layer=self.cfg.num_dense_layers,
+      )
     return model_lib.output_logits(self, x), stats
 
   def moe_modules(self) -> list[moe_flax.MoE]:
