@@ -42,7 +42,19 @@ def attention_param_count(cfg: model_config.ModelConfig) -> int:
     count += 2 * cfg.head_dim
   elif cfg.qk_norm == "full":
     count += q_width + kv_width
+  if cfg.attention_bias:  # GPT-OSS: q, k, v and o biases.
+    count += q_width + 2 * kv_width + d
+  if cfg.attention_sinks:  # GPT-OSS: one sink logit per query head.
+    count += h
   return count
+
+
+def attended_positions(seq_len: int, window: int) -> float:
+  """Keys a query attends to, on average over a causal sequence (window W:
+  at most W, itself included; 0: no window)."""
+  if not window or window >= seq_len:
+    return (seq_len + 1) / 2
+  return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
 def routed_expert_param_count(moe: moe_core.MoEConfig) -> int:
@@ -131,21 +143,22 @@ def flops_per_token(
   2 FLOPs per multiply-add of every weight a token uses (the embedding
   lookup is free, the output head is not), plus causal attention's scores
   and weighted values: on average a token attends to (seq_len + 1) / 2
-  positions. Training costs 3x the forward (the backward computes two
-  products per forward product); recomputation under remat is extra.
+  positions (fewer on sliding-window layers, `attended_positions`).
+  Training costs 3x the forward (the backward computes two products per
+  forward product); recomputation under remat is extra.
   """
   counts = param_counts(cfg)
   matmul = counts.active - counts.embedding - counts.norms
   if cfg.tie_embeddings:
     matmul += cfg.vocab_size * cfg.hidden_size
-  context = (seq_len + 1) / 2
-  attend = (
-      2
-      * cfg.num_full_attention_layers
-      * cfg.num_heads
-      * context
-      * (cfg.qk_head_dim + cfg.value_head_dim)
+  # Sliding-window layers (GPT-OSS) attend to at most their window; Gated
+  # DeltaNet layers (Qwen3-Next) run their recurrence instead.
+  context = sum(
+      attended_positions(seq_len, cfg.attention_window(layer))
+      for layer in range(cfg.num_layers)
+      if not cfg.is_linear_attention_layer(layer)
   )
+  attend = 2 * cfg.num_heads * context * (cfg.qk_head_dim + cfg.value_head_dim)
   if cfg.linear_attention is not None:
     attend += cfg.num_linear_attention_layers * (
         gated_deltanet.recurrence_flops_per_token(cfg.linear_attention)
