@@ -135,6 +135,85 @@ _QWEN3_NEXT_LEFT_OUT = (
 )
 
 
+# --- GPT-OSS (issue 33): MoE block and attention ------------------------------
+
+
+def gpt_oss_moe(
+    hidden_size: int,
+    *,
+    num_experts: int,
+    expert_ffn_size: int,
+    top_k: int = 4,
+) -> moe_core.MoEConfig:
+  """GPT-OSS's MoE block at any size (transformers' GptOssMLP).
+
+  A router with a bias, top-k of its logits and a softmax over those K
+  (softmax then top-k renormalisation: the same weights); experts with
+  biases on every linear and the clamped GLU (up + 1) * g * sigmoid(1.702
+  g), gate <= 7 and up in [-7, 7]; no shared expert.
+  """
+  return moe_core.MoEConfig(
+      num_experts=num_experts,
+      top_k=top_k,
+      hidden_size=hidden_size,
+      expert_ffn_size=expert_ffn_size,
+      score_func="softmax",
+      norm_topk_prob=True,
+      router_bias=True,
+      activation="gpt_oss_glu",
+      swiglu_alpha=1.702,
+      swiglu_limit=7.0,
+      expert_bias=True,
+  )
+
+
+# GPT-OSS's attention besides its MoE: q/k/v/o biases, sinks, a 128-token
+# window on the even layers, YaRN from 4096 to 131072 positions (the
+# released config.json's rope_scaling).
+GPT_OSS_ATTENTION = dict(
+    attention_bias=True,
+    attention_sinks=True,
+    sliding_window=128,
+    full_attention_every=2,
+    yarn=model_config.YarnRope(
+        factor=32.0,
+        original_max_positions=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+    ),
+)
+
+
+def gpt_oss_model(
+    name: str, *, num_layers: int, num_experts: int
+) -> ModelConfig:
+  """A released GPT-OSS model: width 2880, 64 query heads of 64, 8 KV
+  heads, vocabulary 201088, untied embeddings, top-4 experts of 2880."""
+  return ModelConfig(
+      name=name,
+      vocab_size=201088,
+      hidden_size=2880,
+      num_layers=num_layers,
+      num_heads=64,
+      num_kv_heads=8,
+      head_dim=64,
+      moe=gpt_oss_moe(2880, num_experts=num_experts, expert_ffn_size=2880),
+      rope_theta=150000.0,
+      norm_eps=1e-5,
+      **GPT_OSS_ATTENTION,
+  )
+
+
+_GPT_OSS_LEFT_OUT = (
+    " Implemented: biased q/k/v/o projections, attention sinks, "
+    "alternating 128-token sliding-window and full layers, YaRN RoPE "
+    "(factor 32 over 4096), the biased router with a softmax over the "
+    "top-4 logits and the clamped GLU experts with biases. Left out: "
+    "MXFP4 expert weights (trained here in float32/bfloat16) and the "
+    "auxiliary loss transformers adds when output_router_logits is set."
+)
+
 # --- Small presets that train on a CPU ----------------------------------------
 
 _TINY_D = 128
@@ -233,6 +312,33 @@ TINY_QWEN3_NEXT = Preset(
             expert_ffn_size=64,
             shared_ffn_size=64,
         ),
+    ),
+    train=TrainDefaults(aux_loss_weight=1e-3),
+)
+
+
+TINY_GPT_OSS = Preset(
+    description=(
+        "GPT-OSS family, tiny: GQA with q/k/v/o biases and attention "
+        "sinks, 8-token sliding windows on the even layers, YaRN RoPE; "
+        "biased router, softmax over the top-4 of 16 experts, clamped GLU "
+        "experts with biases."
+    ),
+    model=_tiny_model(
+        "tiny_gpt_oss",
+        num_kv_heads=2,
+        moe=gpt_oss_moe(_TINY_D, num_experts=16, expert_ffn_size=64),
+        rope_theta=150000.0,
+        norm_eps=1e-5,
+        **{
+            **GPT_OSS_ATTENTION,
+            # A window shorter than the training sequences, so it matters;
+            # YaRN stretched from 16 positions, so its ramp crosses pairs.
+            "sliding_window": 8,
+            "yarn": model_config.YarnRope(
+                factor=4.0, original_max_positions=16, truncate=False
+            ),
+        },
     ),
     train=TrainDefaults(aux_loss_weight=1e-3),
 )
@@ -385,6 +491,22 @@ QWEN3_NEXT_80B_A3B = Preset(
     ),
 )
 
+GPT_OSS_20B = Preset(
+    description="gpt-oss-20b." + _GPT_OSS_LEFT_OUT,
+    model=gpt_oss_model("gpt_oss_20b", num_layers=24, num_experts=32),
+    train=_full_size_training(
+        batch_size=1024, learning_rate=3e-4, aux_loss_weight=1e-3
+    ),
+)
+
+GPT_OSS_120B = Preset(
+    description="gpt-oss-120b." + _GPT_OSS_LEFT_OUT,
+    model=gpt_oss_model("gpt_oss_120b", num_layers=36, num_experts=128),
+    train=_full_size_training(
+        batch_size=1024, learning_rate=3e-4, aux_loss_weight=1e-3
+    ),
+)
+
 PRESETS: dict[str, Preset] = {
     p.model.name: p
     for p in (
@@ -398,6 +520,10 @@ PRESETS: dict[str, Preset] = {
         # Qwen3-Next (issue 33).
         TINY_QWEN3_NEXT,
         QWEN3_NEXT_80B_A3B,
+        # GPT-OSS (issue 33).
+        TINY_GPT_OSS,
+        GPT_OSS_20B,
+        GPT_OSS_120B,
     )
 }
 DEFAULT_PRESET = "tiny_dsv3"
@@ -408,6 +534,9 @@ FULL_SIZE = (
     "olmoe_1b_7b",
     # Qwen3-Next (issue 33).
     "qwen3_next_80b_a3b",
+    # GPT-OSS (issue 33).
+    "gpt_oss_20b",
+    "gpt_oss_120b",
 )
 
 

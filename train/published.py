@@ -98,6 +98,38 @@ PUBLISHED: dict[str, Published] = {
             "'3B' fits only the non-embedding active count"
         ),
     ),
+    # --- GPT-OSS (issue 33) ---
+    "gpt_oss_20b": Published(
+        total=20.9e9,
+        active=3.6e9,
+        active_counts_embedding=False,
+        source=(
+            "OpenAI, gpt-oss-120b & gpt-oss-20b Model Card (arXiv "
+            "2508.10925), section 2.1 as quoted by lephongphu.site/?p=726 "
+            "('gpt-oss-20b: 20.9B total parameters (3.6B active), 24 "
+            "layers, 32 experts per MoE block') and api.emergentmind.com/"
+            "papers/2508.10925 ('the gpt-oss-20b has 24 layers amassing "
+            "20.9 billion parameters'). The card's per-component table "
+            "(20.91B total, 3.61B active; not read here) counts the "
+            "unembedding but not the embedding as active, which is the "
+            "only convention the config's 3.608B matches (4.187B with it)"
+        ),
+    ),
+    "gpt_oss_120b": Published(
+        total=116.8e9,
+        active=5.1e9,
+        active_counts_embedding=False,
+        source=(
+            "OpenAI, gpt-oss-120b & gpt-oss-20b Model Card (arXiv "
+            "2508.10925), section 2.1 as quoted by lephongphu.site/?p=726 "
+            "('gpt-oss-120b: 116.8B total parameters (5.1B active), 36 "
+            "layers, 128 experts per MoE block') and aicompare.guru/models/"
+            "gpt-oss-120b ('technically has 116.8B parameters'). The "
+            "card's per-component table (116.83B total, 5.13B active; not "
+            "read here) counts the unembedding but not the embedding as "
+            "active: the config gives 5.133B so (5.712B with it)"
+        ),
+    ),
 }
 # The published figures are rounded to 2-3 significant digits: a count
 # matches when it is within half a unit of the last published digit, plus 1%
