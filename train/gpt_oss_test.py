@@ -195,6 +195,29 @@ def _forward(model):
   return jax.jit(lambda tokens: nnx.merge(graphdef, state)(tokens))
 
 
+# The model card's per-component counts (arXiv 2508.10925, its parameter
+# table; train/published.py names where it was read), in billions:
+# (MLP, attention, embedding + unembedding).
+CARD_COMPONENTS = {
+    "gpt_oss_20b": (19.12, 0.64, 1.16),
+    "gpt_oss_120b": (114.71, 0.96, 1.16),
+}
+
+
+class CardComponentsTest(absltest.TestCase):
+
+  def test_components_round_to_the_card(self):
+    for name, (mlp, attn, embed) in CARD_COMPONENTS.items():
+      with self.subTest(name):
+        counts = sizing.param_counts(presets.get_preset(name).model)
+        # Two decimals of billions: within half a unit of the last digit.
+        self.assertAlmostEqual(counts.moe / 1e9, mlp, delta=0.005)
+        self.assertAlmostEqual(counts.attention / 1e9, attn, delta=0.005)
+        self.assertAlmostEqual(
+            (counts.embedding + counts.head) / 1e9, embed, delta=0.005
+        )
+
+
 class ModelTest(absltest.TestCase):
 
   def _build(self, kind):

@@ -99,35 +99,38 @@ PUBLISHED: dict[str, Published] = {
         ),
     ),
     # --- GPT-OSS (issue 33) ---
+    # The card's parameter table, as reproduced by
+    # adrian.idv.hk/2026-03-25-gptoss: "Model Size | 116.83B | 20.91B",
+    # "Active parameters | 5.13B | 3.61B", "MLP parameters | 114.71B |
+    # 19.12B", "Attention parameters | 0.96B | 0.64B", "Embed/Unembed params
+    # | 1.16B | 1.16B" (120b | 20b). Its active figures are the attention,
+    # the router and top-4 experts, and the unembedding, without the
+    # embedding: the only convention the configs match (3.608B and 5.133B;
+    # 4.187B and 5.712B with the embedding).
     "gpt_oss_20b": Published(
-        total=20.9e9,
-        active=3.6e9,
+        total=20.91e9,
+        active=3.61e9,
         active_counts_embedding=False,
         source=(
             "OpenAI, gpt-oss-120b & gpt-oss-20b Model Card (arXiv "
-            "2508.10925), section 2.1 as quoted by lephongphu.site/?p=726 "
-            "('gpt-oss-20b: 20.9B total parameters (3.6B active), 24 "
-            "layers, 32 experts per MoE block') and api.emergentmind.com/"
-            "papers/2508.10925 ('the gpt-oss-20b has 24 layers amassing "
-            "20.9 billion parameters'). The card's per-component table "
-            "(20.91B total, 3.61B active; not read here) counts the "
-            "unembedding but not the embedding as active, which is the "
-            "only convention the config's 3.608B matches (4.187B with it)"
+            "2508.10925), parameter table: 'Model Size 20.91B', 'Active "
+            "parameters 3.61B' (as reproduced by adrian.idv.hk/"
+            "2026-03-25-gptoss); section 2.1's text rounds them: "
+            "'gpt-oss-20b: 20.9B total parameters (3.6B active)' (as "
+            "quoted by lephongphu.site/?p=726)"
         ),
     ),
     "gpt_oss_120b": Published(
-        total=116.8e9,
-        active=5.1e9,
+        total=116.83e9,
+        active=5.13e9,
         active_counts_embedding=False,
         source=(
             "OpenAI, gpt-oss-120b & gpt-oss-20b Model Card (arXiv "
-            "2508.10925), section 2.1 as quoted by lephongphu.site/?p=726 "
-            "('gpt-oss-120b: 116.8B total parameters (5.1B active), 36 "
-            "layers, 128 experts per MoE block') and aicompare.guru/models/"
-            "gpt-oss-120b ('technically has 116.8B parameters'). The "
-            "card's per-component table (116.83B total, 5.13B active; not "
-            "read here) counts the unembedding but not the embedding as "
-            "active: the config gives 5.133B so (5.712B with it)"
+            "2508.10925), parameter table: 'Model Size 116.83B', 'Active "
+            "parameters 5.13B' (as reproduced by adrian.idv.hk/"
+            "2026-03-25-gptoss); section 2.1's text rounds them: "
+            "'gpt-oss-120b: 116.8B total parameters (5.1B active)' (as "
+            "quoted by lephongphu.site/?p=726)"
         ),
     ),
 }
