@@ -30,7 +30,11 @@ QUERY_BLOCK = 512
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, query_block: int = QUERY_BLOCK
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    query_block: int = QUERY_BLOCK,
+    chunk_size: int = 0,
 ) -> jax.Array:
   """Causal softmax attention with grouped key/value heads.
 
@@ -44,32 +48,36 @@ def causal_attention(
       h // (H / Hkv)).
     v: [B, T, Hkv, dv].
     query_block: queries per block.
+    chunk_size: C > 0 restricts each query to the keys of its own aligned
+      chunk of C positions (Llama 4's chunked attention: row r sees the
+      keys r - r % C .. r); 0 lets it see every earlier key.
 
   Returns:
     [B, T, H, dv] in v's dtype; scores and softmax in float32.
   """
   b, t, h, _ = q.shape
   if t <= query_block or t % query_block:
-    return _attention_rows(q, k, v, 0)
+    return _attention_rows(q, k, v, 0, chunk_size)
   blocks = t // query_block
   q_blocks = jnp.moveaxis(q.reshape(b, blocks, query_block, *q.shape[2:]), 1, 0)
 
   @jax.checkpoint
   def one_block(args):
     q_rows, index = args
-    return _attention_rows(q_rows, k, v, index * query_block)
+    return _attention_rows(q_rows, k, v, index * query_block, chunk_size)
 
   out = jax.lax.map(one_block, (q_blocks, jnp.arange(blocks)))
   return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1])
 
 
-def _attention_rows(q, k, v, first_row) -> jax.Array:
+def _attention_rows(q, k, v, first_row, chunk_size=0) -> jax.Array:
   """Attention of the queries at rows first_row.. of the sequence.
 
   Args:
     q: [B, Tq, H, dq], the queries of rows first_row .. first_row + Tq - 1.
     k, v: [B, T, Hkv, dq|dv], every key and value of the sequence.
     first_row: the first query's position (a traced int inside a loop).
+    chunk_size: as `causal_attention`'s.
   """
   b, tq, h, dq = q.shape
   t, hkv = k.shape[1], k.shape[2]
@@ -79,7 +87,10 @@ def _attention_rows(q, k, v, first_row) -> jax.Array:
       * dq**-0.5
   )
   rows = first_row + jnp.arange(tq)[:, None]
-  causal = rows >= jnp.arange(t)[None, :]
+  cols = jnp.arange(t)[None, :]
+  causal = rows >= cols
+  if chunk_size:
+    causal &= rows // chunk_size == cols // chunk_size
   logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum(

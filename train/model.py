@@ -4,7 +4,8 @@ Pre-norm residual blocks (`Transformer`), each an attention (grouped-query
 with RoPE, optionally QK-normed, output-gated and partially rotated as in
 Qwen3-Next, or DeepSeek's multi-head latent attention; or, in Qwen3-Next's
 hybrid stack, a Gated DeltaNet layer, `train/gated_deltanet.py`) and an
-MLP: a dense SwiGLU (the first `first_dense_layers`) or a
+MLP: a dense SwiGLU (the first `first_dense_layers`, and with
+`moe_layer_interval` > 1 the layers between MoE ones) or a
 `moe_core.flax.MoE` (the rest). Mixed precision: parameters are stored in
 float32 and cast to the compute dtype (bfloat16 by default) where used;
 norms, softmax and logits are computed in float32; routing is float32
@@ -22,6 +23,7 @@ from moe_core import flax as moe_flax
 from moe_core import remat as moe_remat
 from train import attention
 from train import gated_deltanet
+from train import llama4
 from train import model_config
 from train import sink_attention
 
@@ -55,9 +57,20 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with RoPE and optional QK-norm: [B,T,D] -> same."""
+  """Grouped-query attention with RoPE and optional QK-norm: [B,T,D] -> same.
 
-  def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
+  With `use_rope=False` (a Llama 4 NoPE layer) there is no RoPE, no "l2"
+  QK-norm and no chunking, and the queries get the temperature scaling of
+  `cfg.attn_temperature_floor` if set.
+  """
+
+  def __init__(
+      self,
+      cfg: model_config.ModelConfig,
+      *,
+      rngs: nnx.Rngs,
+      use_rope: bool = True,
+  ):
     d, h, hkv, hd = (
         cfg.hidden_size,
         cfg.num_heads,
@@ -69,6 +82,14 @@ class Attention(nnx.Module):
     self.qk_norm = cfg.qk_norm
     self.output_gate = cfg.attention_output_gate
     self.rotary_dim = cfg.rotary_dim
+    self.use_rope = use_rope
+    self.norm_eps = cfg.norm_eps
+    self.chunk_size = cfg.attention_chunk_size if use_rope else 0
+    self.temperature = (
+        (cfg.attn_temperature_floor, cfg.attn_temperature_scale)
+        if not use_rope and cfg.attn_temperature_floor
+        else None
+    )
     # Gated attention: per head, the query then its gate (transformers'
     # layout of Qwen3-Next's q_proj).
     q_width = 2 * h * hd if self.output_gate else h * hd
@@ -96,9 +117,16 @@ class Attention(nnx.Module):
     v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.qk_norm == "head":
       q, k = self.q_norm(q), self.k_norm(k)
-    q = _partial_rope(q, positions, self.rope_theta, self.rotary_dim)
-    k = _partial_rope(k, positions, self.rope_theta, self.rotary_dim)
-    out = attention.causal_attention(q, k, v)
+    if self.use_rope:
+      q = _partial_rope(q, positions, self.rope_theta, self.rotary_dim)
+      k = _partial_rope(k, positions, self.rope_theta, self.rotary_dim)
+      if self.qk_norm == "l2":  # Llama 4: RoPE layers only.
+        q = llama4.l2_norm(q, self.norm_eps)
+        k = llama4.l2_norm(k, self.norm_eps)
+    if self.temperature is not None:
+      scale = llama4.temperature_scale(positions, *self.temperature)
+      q = (q * scale[None, :, None, None]).astype(q.dtype)
+    out = attention.causal_attention(q, k, v, chunk_size=self.chunk_size)
     if self.output_gate:
       sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
       out = (out.astype(jnp.float32) * sigmoid).astype(out.dtype)
@@ -223,9 +251,10 @@ class Block(nnx.Module):
       )
     elif self.attn_takes_layer:
       self.attn = sink_attention.SinkAttention(cfg, rngs=rngs, weight=weight)
+    elif cfg.attention == "mla":
+      self.attn = LatentAttention(cfg, rngs=rngs)
     else:
-      attention = LatentAttention if cfg.attention == "mla" else Attention
-      self.attn = attention(cfg, rngs=rngs)
+      self.attn = Attention(cfg, rngs=rngs, use_rope=cfg.uses_rope(layer))
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     if self.is_moe:
       self.mlp = moe_flax.MoE(

@@ -12,7 +12,7 @@ import moe_core
 from train import gated_deltanet
 
 ATTENTIONS = ("gqa", "mla")
-QK_NORMS = ("none", "head", "full")
+QK_NORMS = ("none", "head", "full", "l2")
 
 
 # --- GPT-OSS: YaRN RoPE scaling (used by model_config.ModelConfig.yarn) ------
@@ -82,8 +82,10 @@ class ModelConfig:
     qk_rope_head_dim: MLA per-head query/key width with RoPE (the key part is
       shared by all heads).
     v_head_dim: MLA per-head value width.
-    qk_norm: "none", "head" (RMSNorm over each head's query/key, Qwen3) or
-      "full" (over the whole query/key projection, OLMoE).
+    qk_norm: "none", "head" (RMSNorm over each head's query/key, Qwen3),
+      "full" (over the whole query/key projection, OLMoE) or "l2" (each
+      head's query/key divided by its RMS, no weights, on RoPE layers only:
+      Llama 4).
     first_dense_layers: the first blocks use a dense MLP (DeepSeek-V3: 3).
     dense_ffn_size: hidden width of the dense MLPs.
     moe: the MoE block of every other layer (None: an all-dense model).
@@ -110,6 +112,20 @@ class ModelConfig:
       (layer i with (i + 1) % n == 0) attends fully (GPT-OSS: 2, the odd
       layers); 0: every layer slides.
     yarn: (GPT-OSS) YaRN scaling of the "gqa" RoPE, or None.
+    moe_layer_interval: (Llama 4) after the first_dense_layers, every
+      moe_layer_interval-th layer is an MoE layer (layers i with
+      (i - first_dense_layers + 1) % interval == 0) and the others dense;
+      1: every one (Llama 4 Maverick: 2).
+    nope_layer_interval: (Llama 4) every nope_layer_interval-th layer
+      (i with (i + 1) % interval == 0) uses no positional encoding (NoPE);
+      0: RoPE everywhere.
+    attention_chunk_size: (Llama 4) RoPE layers attend only within aligned
+      chunks of this many positions; NoPE layers see the whole causal
+      context. 0: no chunking.
+    attn_temperature_floor: (Llama 4) NoPE layers scale their queries at
+      position p by 1 + attn_temperature_scale * log(1 + floor((p + 1) /
+      attn_temperature_floor)); 0: no scaling.
+    attn_temperature_scale: that scaling's strength.
   """
 
   name: str
@@ -143,6 +159,13 @@ class ModelConfig:
   sliding_window: int = 0
   full_attention_every: int = 0
   yarn: YarnRope | None = None
+  # --- Llama 4 ---
+  moe_layer_interval: int = 1
+  nope_layer_interval: int = 0
+  attention_chunk_size: int = 0
+  attn_temperature_floor: int = 0
+  attn_temperature_scale: float = 0.0
+  # --- end Llama 4 ---
 
   def __post_init__(self):
     self._check_gpt_oss_fields()
@@ -182,6 +205,7 @@ class ModelConfig:
             "qk_rope_head_dim must be even (RoPE rotates "
             f"pairs), got {self.qk_rope_head_dim}."
         )
+    self._check_llama4_fields()
     if not 0 <= self.first_dense_layers <= self.num_layers:
       raise ValueError(
           "first_dense_layers must be in [0, num_layers], got "
@@ -306,16 +330,54 @@ class ModelConfig:
       return self.sliding_window
     return 0 if self.full_attention_every else self.sliding_window
 
+  def _check_llama4_fields(self) -> None:
+    """Validates the Llama 4 fields (interleaving, NoPE, chunks)."""
+    for name, minimum in (
+        ("moe_layer_interval", 1),
+        ("nope_layer_interval", 0),
+        ("attention_chunk_size", 0),
+        ("attn_temperature_floor", 0),
+    ):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}."
+        )
+      if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+    if self.attn_temperature_floor and not self.nope_layer_interval:
+      raise ValueError(
+          "attn_temperature_floor scales the queries of NoPE layers, so it "
+          "needs nope_layer_interval >= 1, got attn_temperature_floor="
+          f"{self.attn_temperature_floor}, nope_layer_interval=0."
+      )
+    if self.attention != "gqa" and (
+        self.nope_layer_interval or self.attention_chunk_size
+    ):
+      raise ValueError(
+          "nope_layer_interval and attention_chunk_size apply to 'gqa' "
+          f"attention only, got attention={self.attention!r} with "
+          f"nope_layer_interval={self.nope_layer_interval}, "
+          f"attention_chunk_size={self.attention_chunk_size}."
+      )
+
   @property
   def num_dense_layers(self) -> int:
-    return self.num_layers if self.moe is None else self.first_dense_layers
+    return self.num_layers - self.num_moe_layers
 
   @property
   def num_moe_layers(self) -> int:
-    return self.num_layers - self.num_dense_layers
+    return sum(map(self.is_moe_layer, range(self.num_layers)))
 
   def is_moe_layer(self, layer: int) -> bool:
-    return self.moe is not None and layer >= self.first_dense_layers
+    if self.moe is None or layer < self.first_dense_layers:
+      return False
+    return (layer - self.first_dense_layers + 1) % self.moe_layer_interval == 0
+
+  def uses_rope(self, layer: int) -> bool:
+    """Whether layer `layer` rotates its queries and keys (not NoPE)."""
+    interval = self.nope_layer_interval
+    return not interval or (layer + 1) % interval != 0
 
   @property
   def qk_head_dim(self) -> int:

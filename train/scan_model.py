@@ -133,6 +133,29 @@ def check_scannable(cfg: model_config.ModelConfig) -> None:
     )
 
 
+def check_scannable(cfg: model_config.ModelConfig) -> None:
+  """Raises ValueError if cfg's layers are not a dense run then an MoE run
+  of identical layers, the two stacks this model scans.
+
+  Llama 4's interleaved MoE layers (moe_layer_interval > 1) and NoPE layers
+  (nope_layer_interval > 0) break the runs: train them unrolled
+  (`model.Transformer`, --noscan_layers).
+  """
+  if cfg.moe is not None and cfg.moe_layer_interval > 1:
+    raise ValueError(
+        "scanned layers need the MoE layers to be one run after the dense "
+        f"ones, got moe_layer_interval={cfg.moe_layer_interval} "
+        f"(model {cfg.name!r}); unroll them with --noscan_layers."
+    )
+  if cfg.nope_layer_interval:
+    raise ValueError(
+        "scanned layers need every layer of a stack to be alike, got "
+        f"nope_layer_interval={cfg.nope_layer_interval} (NoPE layers "
+        f"among RoPE ones, model {cfg.name!r}); unroll them with "
+        "--noscan_layers."
+    )
+
+
 class ScannedTransformer(nnx.Module):
   """The language model with scanned layers: tokens [B, T] -> (logits, stats).
 

@@ -13,6 +13,7 @@ import math
 import moe_core
 from moe_core import remat as moe_remat
 from train import gated_deltanet
+from train import llama4
 from train import model_config
 
 # --- Counting ----------------------------------------------------------------
@@ -143,7 +144,8 @@ def flops_per_token(
   2 FLOPs per multiply-add of every weight a token uses (the embedding
   lookup is free, the output head is not), plus causal attention's scores
   and weighted values: on average a token attends to (seq_len + 1) / 2
-  positions (fewer on sliding-window layers, `attended_positions`).
+  positions (fewer on sliding-window layers, `attended_positions`, and on
+  chunked layers, `llama4.mean_attended_keys`).
   Training costs 3x the forward (the backward computes two products per
   forward product); recomputation under remat is extra.
   """
@@ -151,10 +153,18 @@ def flops_per_token(
   matmul = counts.active - counts.embedding - counts.norms
   if cfg.tie_embeddings:
     matmul += cfg.vocab_size * cfg.hidden_size
-  # Sliding-window layers (GPT-OSS) attend to at most their window; Gated
-  # DeltaNet layers (Qwen3-Next) run their recurrence instead.
+  # Sliding-window layers (GPT-OSS) attend to at most their window, Llama
+  # 4's RoPE layers within chunks; Gated DeltaNet layers (Qwen3-Next) run
+  # their recurrence instead.
+  def keys_per_query(layer):
+    window = cfg.attention_window(layer)
+    if window:
+      return attended_positions(seq_len, window)
+    chunk = cfg.attention_chunk_size if cfg.uses_rope(layer) else 0
+    return llama4.mean_attended_keys(seq_len, chunk)
+
   context = sum(
-      attended_positions(seq_len, cfg.attention_window(layer))
+      keys_per_query(layer)
       for layer in range(cfg.num_layers)
       if not cfg.is_linear_attention_layer(layer)
   )
