@@ -214,6 +214,31 @@ _GPT_OSS_LEFT_OUT = (
     "auxiliary loss transformers adds when output_router_logits is set."
 )
 
+# --- Llama 4: MoE block -------------------------------------------------------
+
+
+def llama4_moe(
+    hidden_size: int, *, num_experts: int, expert_ffn_size: int
+) -> moe_core.MoEConfig:
+  """Llama 4's MoE block (Llama4TextMoe) at any size.
+
+  Top-1 of the router logits; the sigmoid of the chosen logit scales the
+  expert's input (not its output), never renormalised; plus a SwiGLU shared
+  expert as wide as a routed one, added ungated.
+  """
+  return moe_core.MoEConfig(
+      num_experts=num_experts,
+      top_k=1,
+      hidden_size=hidden_size,
+      expert_ffn_size=expert_ffn_size,
+      score_func="sigmoid",
+      routing_weights_on_input=True,
+      shared_ffn_size=expert_ffn_size,
+  )
+
+
+# --- end Llama 4: MoE block ---------------------------------------------------
+
 # --- Small presets that train on a CPU ----------------------------------------
 
 _TINY_D = 128
@@ -343,6 +368,37 @@ TINY_GPT_OSS = Preset(
     train=TrainDefaults(aux_loss_weight=1e-3),
 )
 
+
+# --- Llama 4: tiny -----------------------------------------------------------
+
+TINY_LLAMA4 = Preset(
+    description=(
+        "Llama 4 family, tiny: top-1 sigmoid routing that scales the "
+        "expert's input, a shared expert, MoE every other layer (dense "
+        "between), a NoPE layer every 4th with attention temperature "
+        "tuning, weightless L2 QK-norm and chunked attention on the RoPE "
+        "layers; GQA. Layers unrolled only (--noscan_layers)."
+    ),
+    model=_tiny_model(
+        "tiny_llama4",
+        num_kv_heads=2,
+        qk_norm="l2",
+        dense_ffn_size=256,
+        moe=llama4_moe(_TINY_D, num_experts=8, expert_ffn_size=128),
+        moe_layer_interval=2,
+        nope_layer_interval=4,
+        # Small enough that a 48-token training sequence crosses chunks and
+        # reaches positions the temperature scales.
+        attention_chunk_size=16,
+        attn_temperature_floor=8,
+        attn_temperature_scale=0.1,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+    ),
+    train=TrainDefaults(aux_loss_weight=1e-3),
+)
+
+# --- end Llama 4: tiny --------------------------------------------------------
 
 # --- Full-size published configs ----------------------------------------------
 
@@ -507,6 +563,71 @@ GPT_OSS_120B = Preset(
     ),
 )
 
+# --- Llama 4: full size ------------------------------------------------------
+
+
+def _llama4_text(name: str, **fields) -> ModelConfig:
+  """Llama 4's text model (Llama4TextConfig's defaults, as released)."""
+  return ModelConfig(
+      name=name,
+      vocab_size=202048,
+      hidden_size=5120,
+      num_layers=48,
+      num_heads=40,
+      num_kv_heads=8,
+      head_dim=128,
+      dense_ffn_size=16384,  # intermediate_size_mlp
+      nope_layer_interval=4,
+      attention_chunk_size=8192,
+      attn_temperature_floor=8192,
+      attn_temperature_scale=0.1,
+      rope_theta=500000.0,
+      norm_eps=1e-5,
+      **fields,
+  )
+
+
+_LLAMA4_LEFT_OUT = (
+    " Left out: the vision encoder and projector (multimodal inputs), "
+    "RoPE frequency scaling, and the interleaved-pair RoPE layout (ours "
+    "rotates halves: the same model up to a permutation of the query/key "
+    "columns)."
+)
+
+LLAMA4_SCOUT = Preset(
+    description=(
+        "Llama 4 Scout (17B active, 109B total with the vision encoder), "
+        "text model: 16 experts in every layer, weightless L2 QK-norm."
+        + _LLAMA4_LEFT_OUT
+    ),
+    model=_llama4_text(
+        "llama4_scout",
+        qk_norm="l2",
+        moe=llama4_moe(5120, num_experts=16, expert_ffn_size=8192),
+    ),
+    train=_full_size_training(
+        batch_size=1024, learning_rate=3e-4, aux_loss_weight=1e-3
+    ),
+)
+
+LLAMA4_MAVERICK = Preset(
+    description=(
+        "Llama 4 Maverick (17B active, 400B total with the vision "
+        "encoder), text model: 128 experts every other layer, dense "
+        "layers between, no QK-norm." + _LLAMA4_LEFT_OUT
+    ),
+    model=_llama4_text(
+        "llama4_maverick",
+        moe=llama4_moe(5120, num_experts=128, expert_ffn_size=8192),
+        moe_layer_interval=2,
+    ),
+    train=_full_size_training(
+        batch_size=1024, learning_rate=3e-4, aux_loss_weight=1e-3
+    ),
+)
+
+# --- end Llama 4: full size ---------------------------------------------------
+
 PRESETS: dict[str, Preset] = {
     p.model.name: p
     for p in (
@@ -517,6 +638,9 @@ PRESETS: dict[str, Preset] = {
         MIXTRAL_8X7B,
         QWEN3_30B_A3B,
         OLMOE_1B_7B,
+        TINY_LLAMA4,
+        LLAMA4_SCOUT,
+        LLAMA4_MAVERICK,
         # Qwen3-Next (issue 33).
         TINY_QWEN3_NEXT,
         QWEN3_NEXT_80B_A3B,
@@ -537,6 +661,9 @@ FULL_SIZE = (
     # GPT-OSS (issue 33).
     "gpt_oss_20b",
     "gpt_oss_120b",
+    # Llama 4 (issue 33).
+    "llama4_scout",
+    "llama4_maverick",
 )
 
 
