@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from absl.testing import absltest
 from absl.testing import parameterized
 from flax import nnx
@@ -14,6 +15,7 @@ from train import presets
 from train import scan_model
 from train import sizing
 from train import testing
+from train import train_flags
 from train import trainer
 
 TINY = presets.get_preset("tiny_llama4").model
@@ -75,6 +77,13 @@ class ConfigTest(parameterized.TestCase):
           v_head_dim=8,
           nope_layer_interval=2,
       )
+
+  def test_scan_layers_flag_is_refused_at_parse_time(self):
+    values = {"model": "tiny_llama4", "scan_layers": True}
+    with self.assertRaisesRegex(flags.ValidationError, "--noscan_layers"):
+      train_flags._check_layers_scan(values)  # pylint: disable=protected-access
+    values["scan_layers"] = False
+    self.assertTrue(train_flags._check_layers_scan(values))  # pylint: disable=protected-access
 
   def test_scanned_model_refuses_interleaved_layers(self):
     with self.assertRaisesRegex(ValueError, "moe_layer_interval=2"):

@@ -21,6 +21,7 @@ from moe_core import remat as moe_remat
 from train import mesh as mesh_lib
 from train import presets
 from train import run_config
+from train import scan_model
 
 MODEL = flags.DEFINE_enum(
     "model", presets.DEFAULT_PRESET, list(presets.PRESETS), "Model preset."
@@ -414,6 +415,22 @@ def _check_mesh_splits_experts(values: dict) -> bool:
         f"--model={values['model']}, got expert={expert}."
     )
   return True
+
+
+# --- Llama 4 ---
+@flags.multi_flags_validator(("scan_layers", "model"))
+def _check_layers_scan(values: dict) -> bool:
+  """--scan_layers needs uniform layer stacks (Llama 4's interleaved MoE and
+  NoPE layers are not): refused at parse time, naming --noscan_layers."""
+  if values["scan_layers"] and values["model"] in presets.PRESETS:
+    try:
+      scan_model.check_scannable(presets.get_preset(values["model"]).model)
+    except ValueError as e:
+      raise flags.ValidationError(f"--model={values['model']}: {e}") from e
+  return True
+
+
+# --- end Llama 4 ---
 
 
 @flags.multi_flags_validator(("target", "topology", "dry_run", "mesh"))
