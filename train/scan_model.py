@@ -118,11 +118,14 @@ def run_stack(
 
 
 def check_scannable(cfg: model_config.ModelConfig) -> None:
-  """Refuses a config whose layers are not runs of identical layers.
+  """Raises ValueError if cfg's layers are not a dense run then an MoE run
+  of identical layers, the two stacks this model scans.
 
-  Qwen3-Next's hybrid stack alternates Gated DeltaNet and softmax-attention
-  layers (different variables), so no single stack holds them; it trains
-  with unrolled layers (`--noscan_layers`).
+  Llama 4's interleaved MoE layers (moe_layer_interval > 1) and NoPE layers
+  (nope_layer_interval > 0) break the runs: train them unrolled
+  (`model.Transformer`, --noscan_layers); so does Qwen3-Next's hybrid
+  stack, which alternates Gated DeltaNet and softmax-attention layers
+  (different variables).
   """
   if cfg.linear_attention is not None:
     raise ValueError(
@@ -131,16 +134,6 @@ def check_scannable(cfg: model_config.ModelConfig) -> None:
         "scanned layers need identical layers: train it with "
         "--noscan_layers (model.Transformer)."
     )
-
-
-def check_scannable(cfg: model_config.ModelConfig) -> None:
-  """Raises ValueError if cfg's layers are not a dense run then an MoE run
-  of identical layers, the two stacks this model scans.
-
-  Llama 4's interleaved MoE layers (moe_layer_interval > 1) and NoPE layers
-  (nope_layer_interval > 0) break the runs: train them unrolled
-  (`model.Transformer`, --noscan_layers).
-  """
   if cfg.moe is not None and cfg.moe_layer_interval > 1:
     raise ValueError(
         "scanned layers need the MoE layers to be one run after the dense "

@@ -421,7 +421,8 @@ def _check_mesh_splits_experts(values: dict) -> bool:
 @flags.multi_flags_validator(("scan_layers", "model"))
 def _check_layers_scan(values: dict) -> bool:
   """--scan_layers needs uniform layer stacks (Llama 4's interleaved MoE and
-  NoPE layers are not): refused at parse time, naming --noscan_layers."""
+  NoPE layers and Qwen3-Next's hybrid stack are not): refused at parse
+  time, naming --noscan_layers."""
   if values["scan_layers"] and values["model"] in presets.PRESETS:
     try:
       scan_model.check_scannable(presets.get_preset(values["model"]).model)
