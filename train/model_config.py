@@ -10,6 +10,7 @@ import dataclasses
 
 import moe_core
 from train import gated_deltanet
+from train import gemma4_layout
 
 ATTENTIONS = ("gqa", "mla")
 QK_NORMS = ("none", "head", "full", "l2")
@@ -126,6 +127,9 @@ class ModelConfig:
       position p by 1 + attn_temperature_scale * log(1 + floor((p + 1) /
       attn_temperature_floor)); 0: no scaling.
     attn_temperature_scale: that scaling's strength.
+    gemma4: Gemma 4's decoder layout (`train/gemma4_layout.py`: sliding and
+      global attention layers, a dense MLP beside each MoE block, sandwich
+      norms, a soft-capped output), or None for the plain pre-norm block.
   """
 
   name: str
@@ -166,6 +170,8 @@ class ModelConfig:
   attn_temperature_floor: int = 0
   attn_temperature_scale: float = 0.0
   # --- end Llama 4 ---
+  # --- Gemma 4 (issue 33) ---
+  gemma4: gemma4_layout.Gemma4Layout | None = None
 
   def __post_init__(self):
     self._check_gpt_oss_fields()
@@ -223,6 +229,8 @@ class ModelConfig:
           f"moe.hidden_size={self.moe.hidden_size}, "
           f"hidden_size={self.hidden_size}."
       )
+    if self.gemma4 is not None:  # Gemma 4 (issue 33).
+      gemma4_layout.check(self)
 
   def _check_qwen3_next_fields(self) -> None:
     """Validates the gated attention, partial RoPE and hybrid fields."""

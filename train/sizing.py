@@ -14,6 +14,7 @@ import moe_core
 from moe_core import remat as moe_remat
 from train import gated_deltanet
 from train import llama4
+from train import gemma4_layout
 from train import model_config
 
 # --- Counting ----------------------------------------------------------------
@@ -122,6 +123,8 @@ def param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
   moe_total *= cfg.num_moe_layers
   moe_active *= cfg.num_moe_layers
   norms = 2 * d * cfg.num_layers + d
+  if cfg.gemma4 is not None:  # Gemma 4 (issue 33): per-layer shapes.
+    attention, dense_mlp, norms = gemma4_layout.shared_param_counts(cfg)
   shared = embedding + head + attention + dense_mlp + norms
   return ParamCounts(
       total=shared + moe_total,
@@ -173,6 +176,8 @@ def flops_per_token(
     attend += cfg.num_linear_attention_layers * (
         gated_deltanet.recurrence_flops_per_token(cfg.linear_attention)
     )
+  if cfg.gemma4 is not None:  # Gemma 4 (issue 33): sliding windows.
+    attend = gemma4_layout.attention_flops(cfg, seq_len)
   forward = 2.0 * matmul + attend
   return {
       "forward": forward,
@@ -262,6 +267,8 @@ def _activation_bytes_per_token_layer(
         + 2.0 * d
         + 2.0 * 4 * moe.shared_ffn_size / tensor
     )
+    if cfg.gemma4 is not None:  # Gemma 4: a dense MLP beside the MoE.
+      mlp += 2.0 * (4 * cfg.dense_ffn_size / tensor + 2 * d)
   else:
     gemm_outputs = 0.0
     mlp = 2.0 * (4 * cfg.dense_ffn_size / tensor + 2 * d)
