@@ -323,9 +323,10 @@ class Transformer(nnx.Module):
     # nnx.List (flax >= 0.12) marks a list of sub-modules as graph nodes;
     # older flax takes a plain list.
     module_list = getattr(nnx, "List", list)
+    block_class = _block_class(cfg)
     self.blocks = module_list(
         [
-            Block(cfg, i, backend=backend, rngs=rngs, moe_mesh=moe_mesh)
+            block_class(cfg, i, backend=backend, rngs=rngs, moe_mesh=moe_mesh)
             for i in range(cfg.num_layers)
         ]
     )
@@ -364,6 +365,16 @@ class Transformer(nnx.Module):
       block.update_correction_bias(tokens_per_expert[j], rate)
 
 
+def _block_class(cfg: model_config.ModelConfig):
+  """`Block`, or the layer of a family with its own layout."""
+  if cfg.gemma4 is not None:  # Gemma 4 (issue 33).
+    # train/gemma4.py builds on this module's pieces: imported late.
+    from train import gemma4  # pylint: disable=import-outside-toplevel
+
+    return gemma4.Gemma4Block
+  return Block
+
+
 def embed_tokens(model: nnx.Module, tokens: jax.Array) -> jax.Array:
   """tokens [B, T] -> x [B, T, D] in the model's compute dtype."""
   return model.embed[...][tokens].astype(model.compute_dtype)
@@ -376,7 +387,11 @@ def output_logits(model: nnx.Module, x: jax.Array) -> jax.Array:
     head = model.embed[...].T * model.cfg.hidden_size**-0.5
   else:
     head = model.head[...]
-  return jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+  logits = jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+  if model.cfg.gemma4 is not None and model.cfg.gemma4.logit_softcap:
+    cap = model.cfg.gemma4.logit_softcap  # Gemma 4: cap * tanh(z / cap).
+    logits = cap * jnp.tanh(logits / cap)
+  return logits
 
 
 def stack_stats(stats: list[dict]) -> dict[str, jax.Array] | None:

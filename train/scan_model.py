@@ -20,6 +20,7 @@ from flax import nnx
 import moe_core
 from moe_core import flax as moe_flax
 from moe_core import remat as moe_remat
+from train import gemma4
 from train import model as model_lib
 from train import model_config
 
@@ -46,6 +47,7 @@ def stacked_block(
     layer: int,
     num_layers: int,
     rngs: nnx.Rngs,
+    block_class=model_lib.Block,
     **block_kwargs,
 ) -> model_lib.Block:
   """`num_layers` Blocks like layer `layer`, as one with stacked variables.
@@ -58,6 +60,7 @@ def stacked_block(
     layer: the index of the first layer (a dense or an MoE one).
     num_layers: L, the stack's depth.
     rngs: the model's `nnx.Rngs`, with a "params" stream.
+    block_class: what to stack (Gemma 4: `gemma4.Gemma4Period`).
     **block_kwargs: `backend`, `moe_mesh` for `model.Block`.
 
   Returns:
@@ -65,7 +68,7 @@ def stacked_block(
   """
 
   def make(keys):
-    return model_lib.Block(cfg, layer, rngs=keys, **block_kwargs)
+    return block_class(cfg, layer, rngs=keys, **block_kwargs)
 
   stream = rngs.params
   root, start = stream.key[...], stream.count[...]
@@ -187,9 +190,21 @@ class ScannedTransformer(nnx.Module):
     self.dense_layers = (
         stacked_block(cfg, 0, dense, rngs, **kwargs) if dense else None
     )
-    self.moe_layers = (
-        stacked_block(cfg, dense, moe, rngs, **kwargs) if moe else None
-    )
+    if cfg.gemma4 is not None:  # Gemma 4 (issue 33): stacked periods.
+      # Its sliding and global layers differ in shape; each period of
+      # global_every layers (the sliding ones, then a global one) is alike.
+      self.moe_layers = stacked_block(
+          cfg,
+          0,
+          gemma4.num_periods(cfg),
+          rngs,
+          block_class=gemma4.Gemma4Period,
+          **kwargs,
+      )
+    else:
+      self.moe_layers = (
+          stacked_block(cfg, dense, moe, rngs, **kwargs) if moe else None
+      )
     self.final_norm = model_lib.RMSNorm(cfg.hidden_size, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.head = model_lib.weight(
@@ -210,11 +225,18 @@ class ScannedTransformer(nnx.Module):
           self.remat,
           first_layer=self.cfg.num_dense_layers,
       )
+      if self.cfg.gemma4 is not None:  # [periods, N, ...] -> [layers, ...]
+        stats = gemma4.layer_stats(stats)
     return model_lib.output_logits(self, x), stats
 
   def moe_modules(self) -> list[moe_flax.MoE]:
-    """The MoE blocks: one, whose variables are stacked over the layers."""
-    return [] if self.moe_layers is None else [self.moe_layers.mlp]
+    """The MoE blocks: one, whose variables are stacked over the layers
+    (Gemma 4: one per layer of a period, stacked over the periods)."""
+    if self.moe_layers is None:
+      return []
+    if self.cfg.gemma4 is not None:
+      return [layer.mlp for layer in self.moe_layers.layers]
+    return [self.moe_layers.mlp]
 
   def update_correction_biases(
       self, tokens_per_expert: jax.Array, rate: float
@@ -227,8 +249,12 @@ class ScannedTransformer(nnx.Module):
     """
     if self.moe_layers is None or not self.cfg.moe.correction_bias:
       return
-    bias = getattr(self.moe_layers.mlp, moe_flax.BIAS_NAME)
-    new = jax.vmap(
-        lambda b, counts: moe_core.update_correction_bias(b, counts, rate)
-    )(bias[...], tokens_per_expert)
-    moe_flax.set_value(bias, new.astype(jnp.float32))
+    modules = self.moe_modules()
+    for j, module in enumerate(modules):
+      # Module j holds layers j, j + n, ... (n = len(modules); 1 but for
+      # Gemma 4's periods).
+      bias = getattr(module, moe_flax.BIAS_NAME)
+      new = jax.vmap(
+          lambda b, counts: moe_core.update_correction_bias(b, counts, rate)
+      )(bias[...], tokens_per_expert[j :: len(modules)])
+      moe_flax.set_value(bias, new.astype(jnp.float32))

@@ -131,9 +131,11 @@ class SameModelTest(parameterized.TestCase):
         sizing.param_counts(cfg).total,
     )
     if cfg.moe is not None:
+      # One MoE module per layer of a stacked unit (Gemma 4: of a period).
+      modules = abstract.moe_modules()
       self.assertEqual(
-          abstract.moe_layers.mlp.w_up.shape[:2],
-          (cfg.num_moe_layers, cfg.moe.num_experts),
+          modules[0].w_up.shape[:2],
+          (cfg.num_moe_layers // len(modules), cfg.moe.num_experts),
       )
 
 
