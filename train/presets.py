@@ -14,6 +14,7 @@ import dataclasses
 
 import moe_core
 from train import gated_deltanet
+from train import gemma4_layout
 from train import model_config
 
 # The type of `Preset.model`, named here too for the presets' readers.
@@ -628,6 +629,117 @@ LLAMA4_MAVERICK = Preset(
 
 # --- end Llama 4: full size ---------------------------------------------------
 
+# --- Gemma 4 (issue 33) -------------------------------------------------------
+
+
+def gemma4_moe(
+    hidden_size: int,
+    *,
+    num_experts: int,
+    top_k: int,
+    expert_ffn_size: int,
+    norm_eps: float = 1e-6,
+) -> moe_core.MoEConfig:
+  """Gemma 4's MoE block (the half of its decoder layer) at any size.
+
+  It reads the layer's residual: the router through its own RMS norm and
+  scale [D] times hidden_size ** -0.5, the experts through their own RMS
+  norm; softmax scores, top-k renormalised, then times a learned scale per
+  chosen expert; GeGLU (tanh) experts. As
+  `reference.hf_convert`'s gemma4 entry reads a transformers config.
+  """
+  return moe_core.MoEConfig(
+      num_experts=num_experts,
+      top_k=top_k,
+      hidden_size=hidden_size,
+      expert_ffn_size=expert_ffn_size,
+      score_func="softmax",
+      norm_topk_prob=True,
+      router_input_norm=True,
+      router_input_scale=float(hidden_size**-0.5),
+      expert_input_norm=True,
+      input_norm_epsilon=norm_eps,
+      expert_output_scale=True,
+      activation="gelu_tanh",
+  )
+
+
+_GEMMA4_LEFT_OUT = (
+    "Left out: the per-layer layer_scalar buffer (1 at initialisation, not "
+    "a parameter), the vision tower, and query-blocked attention (the "
+    "Gemma 4 layers compute all [T, T] scores at once). Scanned layers "
+    "stack periods of global_every layers. The embedding scale sqrt(D) is "
+    "the tied head's D ** -0.5 reparametrised (the same function)."
+)
+
+TINY_GEMMA4 = Preset(
+    description=(
+        "Gemma 4 MoE, tiny: each layer a dense GeGLU MLP beside an MoE "
+        "block (router with its own norm and scale, per-expert output "
+        "scale, softmax top-4 of 16), sandwich norms; sliding-window "
+        "layers (window 16) and every second layer global (wider heads, "
+        "one KV head, keys as values, RoPE on a quarter of the pairs); "
+        "QK- and V-norm, unscaled scores, tied embeddings, soft-capped "
+        "logits. " + _GEMMA4_LEFT_OUT
+    ),
+    model=_tiny_model(
+        "tiny_gemma4",
+        num_kv_heads=2,
+        qk_norm="head",
+        dense_ffn_size=96,
+        moe=gemma4_moe(_TINY_D, num_experts=16, top_k=4, expert_ffn_size=48),
+        tie_embeddings=True,
+        gemma4=gemma4_layout.Gemma4Layout(
+            sliding_window=16,
+            global_every=2,
+            global_head_dim=64,
+            global_kv_heads=1,
+            global_k_eq_v=True,
+            global_rope_theta=1e6,
+            global_rope_fraction=0.25,
+            logit_softcap=30.0,
+        ),
+    ),
+    train=TrainDefaults(aux_loss_weight=1e-2, z_loss_weight=1e-3),
+)
+
+GEMMA4_26B_A4B = Preset(
+    description=(
+        "Gemma 4 26B A4B, the text decoder (google/gemma-4-26B-A4B "
+        "config.json's text_config); the ~550M vision tower is not "
+        "counted. " + _GEMMA4_LEFT_OUT
+    ),
+    model=ModelConfig(
+        name="gemma4_26b_a4b",
+        vocab_size=262144,
+        hidden_size=2816,
+        num_layers=30,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        qk_norm="head",
+        dense_ffn_size=2112,
+        moe=gemma4_moe(2816, num_experts=128, top_k=8, expert_ffn_size=704),
+        tie_embeddings=True,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        gemma4=gemma4_layout.Gemma4Layout(
+            sliding_window=1024,
+            global_every=6,
+            global_head_dim=512,
+            global_kv_heads=2,
+            global_k_eq_v=True,
+            global_rope_theta=1e6,
+            global_rope_fraction=0.25,
+            logit_softcap=30.0,
+        ),
+    ),
+    # Google publishes no training recipe: Qwen3-30B-A3B's suggestion.
+    train=_full_size_training(
+        batch_size=1024, learning_rate=3e-4, aux_loss_weight=1e-3
+    ),
+)
+
 PRESETS: dict[str, Preset] = {
     p.model.name: p
     for p in (
@@ -638,6 +750,8 @@ PRESETS: dict[str, Preset] = {
         MIXTRAL_8X7B,
         QWEN3_30B_A3B,
         OLMOE_1B_7B,
+        TINY_GEMMA4,  # Gemma 4 (issue 33).
+        GEMMA4_26B_A4B,
         TINY_LLAMA4,
         LLAMA4_SCOUT,
         LLAMA4_MAVERICK,
@@ -664,6 +778,8 @@ FULL_SIZE = (
     # Llama 4 (issue 33).
     "llama4_scout",
     "llama4_maverick",
+    # Gemma 4 (issue 33).
+    "gemma4_26b_a4b",
 )
 
 

@@ -173,6 +173,24 @@ PUBLISHED: dict[str, Published] = {
         total_beyond_preset=LLAMA4_VISION_PARAMS,
     ),
     # --- end Llama 4 ---
+    # --- Gemma 4 (issue 33) ---
+    "gemma4_26b_a4b": Published(
+        total=25.2e9,
+        active=3.8e9,
+        active_counts_embedding=True,
+        source=(
+            "Google's Gemma 4 model card for google/gemma-4-26B-A4B(-it) "
+            "('25.2B total parameters, 3.8B active'; its vision encoder "
+            "'~550M' listed apart), as quoted by "
+            "huggingface.co/OpenExplorer/gemma-4-26B-A4B-it ('Total model "
+            "parameters 25.2B | Active 3.8B | Vision model (ViT) ~550M') "
+            "and vast.ai/model/gemma-4-26b-a4b-it ('25.2B total parameters "
+            "but only 3.8B active per token'). The text decoder alone "
+            "counts 25.23B (transformers on the meta device agrees, "
+            "train/presets_gemma4_hf_test.py), so the 25.2B is the text "
+            "model's: with the vision tower it would be about 25.8B"
+        ),
+    ),
 }
 # The published figures are rounded to 2-3 significant digits: a count
 # matches when it is within half a unit of the last published digit, plus 1%
