@@ -64,29 +64,60 @@ def proportional_rope(
 
 
 def windowed_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, window: int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    window: int,
+    query_block: int = attention_lib.QUERY_BLOCK,
 ) -> jax.Array:
   """Causal attention with unscaled scores, optionally in a sliding window.
 
   Gemma 4 normalises queries and keys per head and multiplies their dot
-  product by 1 (not head_dim ** -0.5). All queries at once: the float32
-  scores are [B, H, T, T].
+  product by 1 (not head_dim ** -0.5). Sequences longer than `query_block`
+  (and a multiple of it) run one block of queries at a time against every
+  key, rematerialised in the backward, as `attention.causal_attention`
+  does: float32 scores [B, H, query_block, T] at a time.
 
   Args:
     q: [B, T, H, d].
     k, v: [B, T, Hkv, d], Hkv dividing H.
     window: W > 0: query t sees keys t - W + 1 .. t; 0: every key <= t.
+    query_block: queries per block.
 
   Returns:
     [B, T, H, d] in v's dtype.
   """
-  b, t, h, d = q.shape
-  kv_heads = k.shape[2]
-  q = q.reshape(b, t, kv_heads, h // kv_heads, d)
+  b, t, h, _ = q.shape
+  if t <= query_block or t % query_block:
+    return _attention_rows(q, k, v, window, 0)
+  blocks = t // query_block
+  q_blocks = jnp.moveaxis(q.reshape(b, blocks, query_block, *q.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def one_block(args):
+    q_rows, index = args
+    return _attention_rows(q_rows, k, v, window, index * query_block)
+
+  out = jax.lax.map(one_block, (q_blocks, jnp.arange(blocks)))
+  return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1])
+
+
+def _attention_rows(q, k, v, window: int, first_row) -> jax.Array:
+  """`windowed_attention` of the queries at rows first_row.. of the sequence.
+
+  Args:
+    q: [B, Tq, H, d], the queries of rows first_row .. first_row + Tq - 1.
+    k, v: [B, T, Hkv, d], every key and value of the sequence.
+    window: as `windowed_attention`'s.
+    first_row: the first query's position (a traced int inside a loop).
+  """
+  b, tq, h, d = q.shape
+  t, kv_heads = k.shape[1], k.shape[2]
+  q = q.reshape(b, tq, kv_heads, h // kv_heads, d)
   logits = jnp.einsum(
       "btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32
   )
-  distance = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]
+  distance = (first_row + jnp.arange(tq))[:, None] - jnp.arange(t)[None, :]
   visible = distance >= 0
   if window:
     visible &= distance < window
@@ -95,7 +126,7 @@ def windowed_attention(
   out = jnp.einsum(
       "bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32
   )
-  return out.reshape(b, t, h, v.shape[-1]).astype(v.dtype)
+  return out.reshape(b, tq, h, v.shape[-1]).astype(v.dtype)
 
 
 class Gemma4Attention(nnx.Module):

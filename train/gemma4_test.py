@@ -55,6 +55,23 @@ class PiecesTest(absltest.TestCase):
             got, _numpy_attention(q, k, v, window), rtol=1e-5, atol=1e-5
         )
 
+  def test_query_blocks_give_the_whole_attention_and_its_gradients(self):
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (2, 12, 4, 8))
+    k = jax.random.normal(keys[1], (2, 12, 2, 8))
+    v = jax.random.normal(keys[2], (2, 12, 2, 8))
+
+    def loss(q, k, v, block):
+      out = gemma4.windowed_attention(q, k, v, 5, query_block=block)
+      return jnp.sum(out * jnp.cos(out))
+
+    for want, got in zip(
+        jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, 12),
+        jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, 4),
+    ):
+      for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
   def test_proportional_rope_turns_only_its_fraction_of_the_pairs(self):
     x = jax.random.normal(jax.random.key(0), (1, 5, 2, 16))
     positions = jnp.arange(5)

@@ -666,10 +666,10 @@ def gemma4_moe(
 
 _GEMMA4_LEFT_OUT = (
     "Left out: the per-layer layer_scalar buffer (1 at initialisation, not "
-    "a parameter), the vision tower, and query-blocked attention (the "
-    "Gemma 4 layers compute all [T, T] scores at once). Scanned layers "
-    "stack periods of global_every layers. The embedding scale sqrt(D) is "
-    "the tied head's D ** -0.5 reparametrised (the same function)."
+    "a parameter) and the vision tower; sliding layers compute the scores "
+    "of every key and mask those outside the window. Scanned layers stack "
+    "periods of global_every layers. The embedding scale sqrt(D) is the "
+    "tied head's D ** -0.5 reparametrised (the same function)."
 )
 
 TINY_GEMMA4 = Preset(
