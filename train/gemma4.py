@@ -74,9 +74,10 @@ def windowed_attention(
 
   Gemma 4 normalises queries and keys per head and multiplies their dot
   product by 1 (not head_dim ** -0.5). Sequences longer than `query_block`
-  (and a multiple of it) run one block of queries at a time against every
-  key, rematerialised in the backward, as `attention.causal_attention`
-  does: float32 scores [B, H, query_block, T] at a time.
+  (and a multiple of it) run one block of queries at a time, rematerialised
+  in the backward, as `attention.causal_attention` does; a block then
+  scores only the keys its window can reach (query_block + W - 1 of them),
+  or every key without a window.
 
   Args:
     q: [B, T, H, d].
@@ -89,36 +90,52 @@ def windowed_attention(
   """
   b, t, h, _ = q.shape
   if t <= query_block or t % query_block:
-    return _attention_rows(q, k, v, window, 0)
+    return _attention_rows(q, k, v, window, 0, 0)
   blocks = t // query_block
   q_blocks = jnp.moveaxis(q.reshape(b, blocks, query_block, *q.shape[2:]), 1, 0)
+  span = query_block + window - 1 if window else t
+  if window:
+    # W - 1 keys of padding in front: the block at row r reads padded keys
+    # r .. r + span - 1, i.e. positions r - W + 1 .. r + query_block - 1.
+    pad = [(0, 0), (window - 1, 0), (0, 0), (0, 0)]
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
 
   @jax.checkpoint
   def one_block(args):
     q_rows, index = args
-    return _attention_rows(q_rows, k, v, window, index * query_block)
+    first_row = index * query_block
+    if not window:
+      return _attention_rows(q_rows, k, v, 0, first_row, 0)
+    k_rows, v_rows = (
+        jax.lax.dynamic_slice_in_dim(x, first_row, span, axis=1) for x in (k, v)
+    )
+    return _attention_rows(
+        q_rows, k_rows, v_rows, window, first_row, first_row - window + 1
+    )
 
   out = jax.lax.map(one_block, (q_blocks, jnp.arange(blocks)))
   return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1])
 
 
-def _attention_rows(q, k, v, window: int, first_row) -> jax.Array:
-  """`windowed_attention` of the queries at rows first_row.. of the sequence.
+def _attention_rows(q, k, v, window: int, first_row, first_key) -> jax.Array:
+  """`windowed_attention` of some queries against some keys.
 
   Args:
     q: [B, Tq, H, d], the queries of rows first_row .. first_row + Tq - 1.
-    k, v: [B, T, Hkv, d], every key and value of the sequence.
+    k, v: [B, Tk, Hkv, d], the keys and values at positions first_key ..
+      first_key + Tk - 1 (those at negative positions are padding).
     window: as `windowed_attention`'s.
-    first_row: the first query's position (a traced int inside a loop).
+    first_row, first_key: positions (traced ints inside a loop).
   """
   b, tq, h, d = q.shape
-  t, kv_heads = k.shape[1], k.shape[2]
+  tk, kv_heads = k.shape[1], k.shape[2]
   q = q.reshape(b, tq, kv_heads, h // kv_heads, d)
   logits = jnp.einsum(
       "btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32
   )
-  distance = (first_row + jnp.arange(tq))[:, None] - jnp.arange(t)[None, :]
-  visible = distance >= 0
+  key_position = first_key + jnp.arange(tk)
+  distance = (first_row + jnp.arange(tq))[:, None] - key_position[None, :]
+  visible = (distance >= 0) & (key_position >= 0)[None, :]
   if window:
     visible &= distance < window
   logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)

@@ -61,16 +61,18 @@ class PiecesTest(absltest.TestCase):
     k = jax.random.normal(keys[1], (2, 12, 2, 8))
     v = jax.random.normal(keys[2], (2, 12, 2, 8))
 
-    def loss(q, k, v, block):
-      out = gemma4.windowed_attention(q, k, v, 5, query_block=block)
+    def loss(q, k, v, window, block):
+      out = gemma4.windowed_attention(q, k, v, window, query_block=block)
       return jnp.sum(out * jnp.cos(out))
 
-    for want, got in zip(
-        jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, 12),
-        jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, 4),
-    ):
-      for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    # Windows inside a block, spanning blocks, and none.
+    for window in (3, 5, 9, 0):
+      with self.subTest(window=window):
+        want = grad(q, k, v, window, 12)  # One block: every key.
+        got = grad(q, k, v, window, 4)
+        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+          np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
   def test_proportional_rope_turns_only_its_fraction_of_the_pairs(self):
     x = jax.random.normal(jax.random.key(0), (1, 5, 2, 16))

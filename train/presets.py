@@ -666,8 +666,7 @@ def gemma4_moe(
 
 _GEMMA4_LEFT_OUT = (
     "Left out: the per-layer layer_scalar buffer (1 at initialisation, not "
-    "a parameter) and the vision tower; sliding layers compute the scores "
-    "of every key and mask those outside the window. Scanned layers stack "
+    "a parameter) and the vision tower. Scanned layers stack "
     "periods of global_every layers. The embedding scale sqrt(D) is the "
     "tied head's D ** -0.5 reparametrised (the same function)."
 )
