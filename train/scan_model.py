@@ -157,7 +157,9 @@ class ScannedTransformer(nnx.Module):
 
   Attributes: `embed`, `dense_layers` (a stacked `model.Block` of the
   first dense layers, or None), `moe_layers` (a stacked Block of the MoE
-  layers, or None for an all-dense model), `final_norm`, `head`.
+  layers, or None for an all-dense model; Gemma 4: a stacked
+  `gemma4.Gemma4Period`, whose layers differ in shape within a period and
+  run under the remat policy together), `final_norm`, `head`.
 
   Args: as `model.Transformer`'s. `stats` is the MoE layers' `moe_stats`
   stacked [L_moe, ...], or None for an all-dense model, as there.
