@@ -296,6 +296,7 @@ class ModelConfig:
   def rotary_dim(self) -> int:
     """Per-head width RoPE rotates ("gqa")."""
     return int(self.head_dim * self.partial_rotary_factor)
+
   def _check_gpt_oss_fields(self) -> None:
     if self.sliding_window < 0 or self.full_attention_every < 0:
       raise ValueError(

@@ -156,6 +156,7 @@ def flops_per_token(
   matmul = counts.active - counts.embedding - counts.norms
   if cfg.tie_embeddings:
     matmul += cfg.vocab_size * cfg.hidden_size
+
   # Sliding-window layers (GPT-OSS) attend to at most their window, Llama
   # 4's RoPE layers within chunks; Gated DeltaNet layers (Qwen3-Next) run
   # their recurrence instead.
