@@ -14,6 +14,8 @@ from moe_core.flax.linen_moe import LINEN_STATE_COLLECTION
 from moe_core.flax.linen_moe import LinenMoE
 from moe_core.flax.nnx_moe import BIAS_NAME
 from moe_core.flax.nnx_moe import CorrectionBias
+from moe_core.flax.nnx_moe import HASH_TABLE_NAME
+from moe_core.flax.nnx_moe import HashTable
 from moe_core.flax.nnx_moe import MoE
 from moe_core.flax.nnx_moe import set_value
 from moe_core.flax.remat import call_block
@@ -22,6 +24,8 @@ __all__ = [
     "BIAS_NAME",
     "LINEN_STATE_COLLECTION",
     "CorrectionBias",
+    "HASH_TABLE_NAME",
+    "HashTable",
     "ImmutableBiasError",
     "LinenMoE",
     "MoE",

@@ -4,6 +4,10 @@ The DeepSeek-V3 correction bias is not a trainable parameter: it is a
 `CorrectionBias` variable, not an `nnx.Param`, so optimisers that take
 `nnx.Param` leave it alone. It gets no gradient, stays float32, and is
 updated with the aux-loss-free rule (`MoE.update_correction_bias`).
+DeepSeek-V4's hash table (token id -> experts, int32) is routing state too,
+which nothing updates: a `HashTable`, a kind of `CorrectionBias`, so that
+code which keeps the routing state apart from the weights (a filter on
+`CorrectionBias`) keeps the table with it.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from flax import nnx
 
 import moe_core
 
-# The correction bias's name in `moe_core.param_shapes`.
+# The correction bias's and the hash table's names in
+# `moe_core.param_shapes`.
 BIAS_NAME = "correction_bias"
+HASH_TABLE_NAME = "hash_table"
 
 
 def set_value(variable: nnx.Variable, value: jax.Array) -> None:
@@ -30,13 +36,18 @@ class CorrectionBias(nnx.Variable):
   """Routing state [E] float32, updated by a rule, never by the optimiser."""
 
 
+class HashTable(CorrectionBias):
+  """Routing state [V, K] int32 (each token id's experts), never updated."""
+
+
 class MoE(nnx.Module):
   """One dropless MoE block: x [..., D] -> (y [..., D], `moe_core.MoEAux`).
 
   Attributes are named as in `moe_core.param_shapes(cfg)`: `router`,
   `w_gate`, `w_up`, `w_down`, the shared expert's weights when configured
-  (all `nnx.Param`), and `correction_bias` (a `CorrectionBias`) when
-  `cfg.correction_bias`.
+  (all `nnx.Param`), `correction_bias` (a `CorrectionBias`) when
+  `cfg.correction_bias`, and `hash_table` (a `HashTable`) when
+  `cfg.hash_vocab_size`.
 
   Args:
     cfg: the block's `moe_core.MoEConfig`.
@@ -73,9 +84,9 @@ class MoE(nnx.Module):
     self.data_axes = tuple(data_axes)
     self.ep_options = ep_options
     values = moe_core.init_params(rngs.params(), cfg, dtype=param_dtype)
+    kinds = {BIAS_NAME: CorrectionBias, HASH_TABLE_NAME: HashTable}
     for name, value in values.items():
-      wrap = CorrectionBias if name == BIAS_NAME else nnx.Param
-      setattr(self, name, wrap(value))
+      setattr(self, name, kinds.get(name, nnx.Param)(value))
 
   def params_dict(self) -> dict[str, jax.Array]:
     """The block's parameters as the dict `moe_core.moe_layer` takes."""
@@ -84,10 +95,24 @@ class MoE(nnx.Module):
         for name in moe_core.param_shapes(self.cfg)
     }
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, moe_core.MoEAux]:
+  def __call__(
+      self, x: jax.Array, token_ids: jax.Array | None = None
+  ) -> tuple[jax.Array, moe_core.MoEAux]:
+    """x [..., D] -> (y [..., D], aux).
+
+    Args:
+      x: the block's input.
+      token_ids: [...] int, x's token ids (x.shape[:-1]); given iff the
+        block routes by hash table (`cfg.hash_vocab_size`), which runs on
+        one device only (`moe_core.moe_layer` refuses it with a mesh).
+    """
     if self.mesh is None:
       return moe_core.moe_layer(
-          self.params_dict(), x, self.cfg, backend=self.backend
+          self.params_dict(),
+          x,
+          self.cfg,
+          backend=self.backend,
+          token_ids=token_ids,
       )
     return moe_core.moe_layer(
         self.params_dict(),
@@ -98,6 +123,7 @@ class MoE(nnx.Module):
         expert_axis=self.expert_axis,
         data_axes=self.data_axes,
         ep_options=self.ep_options,
+        token_ids=token_ids,
     )
 
   def update_correction_bias(

@@ -118,6 +118,35 @@ class NnxMoETest(parameterized.TestCase):
     np.testing.assert_array_equal(layer.correction_bias[...], want)
     self.assertEqual(layer.correction_bias[...].dtype, jnp.float32)
 
+  def test_hash_routing_takes_token_ids_and_keeps_the_table_untrained(self):
+    # DeepSeek-V4's hash layers: experts from a table indexed by token id.
+    cfg = CFG.replace(
+        correction_bias=False,
+        n_group=1,
+        topk_group=1,
+        group_score="max",
+        hash_vocab_size=11,
+    )
+    layer = moe_flax.MoE(cfg, backend="xla", rngs=nnx.Rngs(0))
+    self.assertIsInstance(layer.hash_table, moe_flax.HashTable)
+    # Routing state, like the bias: kept apart from what the optimiser sees.
+    self.assertIsInstance(layer.hash_table, moe_flax.CorrectionBias)
+    self.assertNotIn("hash_table", nnx.state(layer, nnx.Param))
+    x = _tokens("float32")
+    token_ids = jnp.arange(15, dtype=jnp.int32).reshape(3, 5) % 11
+    y, aux = layer(x, token_ids=token_ids)
+    y_ref, _ = moe_core.moe_layer(
+        layer.params_dict(), x, cfg, backend="xla", token_ids=token_ids
+    )
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    table = np.asarray(layer.hash_table[...])
+    np.testing.assert_array_equal(
+        np.sort(np.asarray(aux.expert_ids), axis=-1),
+        np.sort(table[np.asarray(token_ids).reshape(-1)], axis=-1),
+    )
+    with self.assertRaisesRegex(ValueError, "token_ids"):
+      layer(x)
+
   def test_update_without_bias_is_a_noop(self):
     cfg = CFG.replace(correction_bias=False)
     layer = moe_flax.MoE(cfg, rngs=nnx.Rngs(3))
