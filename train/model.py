@@ -330,11 +330,15 @@ class Transformer(nnx.Module):
             for i in range(cfg.num_layers)
         ]
     )
+    if cfg.deepseek_v4 is not None:
+      self.hc_head = _deepseek_v4().HyperHead(cfg, rngs=rngs)
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.head = weight(rngs.params(), (cfg.hidden_size, cfg.vocab_size))
 
   def __call__(self, tokens: jax.Array):
+    if self.cfg.deepseek_v4 is not None:  # DeepSeek-V4 (issue 33)
+      return _deepseek_v4().forward(self, tokens)
     x = embed_tokens(self, tokens)
     positions = jnp.arange(tokens.shape[1])
     stats = []
@@ -372,7 +376,17 @@ def _block_class(cfg: model_config.ModelConfig):
     from train import gemma4  # pylint: disable=import-outside-toplevel
 
     return gemma4.Gemma4Block
+  if cfg.deepseek_v4 is not None:  # DeepSeek-V4 (issue 33).
+    return _deepseek_v4().Block
   return Block
+
+
+def _deepseek_v4():
+  """`train.deepseek_v4`, imported when first used: it builds on this
+  module's layers, so it cannot be imported before this module is."""
+  from train import deepseek_v4  # pylint: disable=g-import-not-at-top
+
+  return deepseek_v4
 
 
 def embed_tokens(model: nnx.Module, tokens: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import moe_core
+from train import deepseek_v4_config
 from train import gated_deltanet
 from train import gemma4_layout
 
@@ -130,6 +131,9 @@ class ModelConfig:
     gemma4: Gemma 4's decoder layout (`train/gemma4_layout.py`: sliding and
       global attention layers, a dense MLP beside each MoE block, sandwich
       norms, a soft-capped output), or None for the plain pre-norm block.
+    deepseek_v4: None, or DeepSeek-V4's decoder (hyper-connections,
+      compressed attention, hash layers; `train/deepseek_v4_config.py`),
+      which then replaces the pre-norm blocks.
   """
 
   name: str
@@ -172,6 +176,8 @@ class ModelConfig:
   # --- end Llama 4 ---
   # --- Gemma 4 (issue 33) ---
   gemma4: gemma4_layout.Gemma4Layout | None = None
+  # --- DeepSeek-V4 (issue 33) ---
+  deepseek_v4: deepseek_v4_config.DeepseekV4Settings | None = None
 
   def __post_init__(self):
     self._check_gpt_oss_fields()
@@ -231,6 +237,8 @@ class ModelConfig:
       )
     if self.gemma4 is not None:  # Gemma 4 (issue 33).
       gemma4_layout.check(self)
+    if self.deepseek_v4 is not None:  # DeepSeek-V4 (issue 33)
+      deepseek_v4_config.check_model(self)
 
   def _check_qwen3_next_fields(self) -> None:
     """Validates the gated attention, partial RoPE and hybrid fields."""

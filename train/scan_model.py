@@ -137,6 +137,16 @@ def check_scannable(cfg: model_config.ModelConfig) -> None:
         "scanned layers need identical layers: train it with "
         "--noscan_layers (model.Transformer)."
     )
+  if cfg.deepseek_v4 is not None:  # DeepSeek-V4 (issue 33)
+    # Its layers differ in kind (attention map, hash or scored routing),
+    # so they do not stack into one scanned layer.
+    raise ValueError(
+        f"scan_layers takes stacks of identical layers; model "
+        f"{cfg.name!r} (deepseek_v4: layer types "
+        f"{sorted(set(cfg.deepseek_v4.layer_types))}, "
+        f"{cfg.deepseek_v4.num_hash_layers} hash layers) is not one: "
+        "train it unrolled (--noscan_layers)."
+    )
   if cfg.moe is not None and cfg.moe_layer_interval > 1:
     raise ValueError(
         "scanned layers need the MoE layers to be one run after the dense "

@@ -12,9 +12,10 @@ import math
 
 import moe_core
 from moe_core import remat as moe_remat
+from train import deepseek_v4_config
 from train import gated_deltanet
-from train import llama4
 from train import gemma4_layout
+from train import llama4
 from train import model_config
 
 # --- Counting ----------------------------------------------------------------
@@ -91,6 +92,8 @@ class ParamCounts:
     moe: all MoE blocks (router, routed and shared experts, biases).
     moe_active: the part of `moe` used per token.
     norms: RMSNorm scales outside attention.
+    hyper_connections: DeepSeek-V4's hyper-connections and hyper-head (0
+      for other models).
   """
 
   total: int
@@ -102,6 +105,7 @@ class ParamCounts:
   moe: int
   moe_active: int
   norms: int
+  hyper_connections: int = 0
 
   @property
   def active_without_embedding(self) -> int:
@@ -110,6 +114,8 @@ class ParamCounts:
 
 def param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
   """Counts parameters from the config, in `train/model.py`'s layout."""
+  if cfg.deepseek_v4 is not None:  # DeepSeek-V4 (issue 33)
+    return _deepseek_v4_param_counts(cfg)
   d = cfg.hidden_size
   embedding = cfg.vocab_size * d
   head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
@@ -136,6 +142,37 @@ def param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
       moe=moe_total,
       moe_active=moe_active,
       norms=norms,
+  )
+
+
+def _deepseek_v4_param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
+  """`param_counts` of a DeepSeek-V4 model (`train/deepseek_v4.py`'s
+  layout): per-layer attention kinds, hash and scored MoE layers, two
+  hyper-connections per layer and the hyper-head."""
+  d, layers = cfg.hidden_size, range(cfg.num_layers)
+  embedding = cfg.vocab_size * d
+  head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
+  attention = sum(
+      deepseek_v4_config.attention_param_count(cfg, i) for i in layers
+  )
+  moe = [moe_param_counts(deepseek_v4_config.layer_moe(cfg, i)) for i in layers]
+  moe_total, moe_active = sum(t for t, _ in moe), sum(a for _, a in moe)
+  norms = 2 * d * cfg.num_layers + d
+  hyper = 2 * cfg.num_layers * deepseek_v4_config.hyper_connection_param_count(
+      cfg
+  ) + deepseek_v4_config.hyper_head_param_count(cfg)
+  shared = embedding + head + attention + norms + hyper
+  return ParamCounts(
+      total=shared + moe_total,
+      active=shared + moe_active,
+      embedding=embedding,
+      head=head,
+      attention=attention,
+      dense_mlp=0,
+      moe=moe_total,
+      moe_active=moe_active,
+      norms=norms,
+      hyper_connections=hyper,
   )
 
 
