@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import moe_core
+from train import deepseek_v4_config
 from train import gated_deltanet
 from train import gemma4_layout
 from train import model_config
@@ -240,6 +241,53 @@ def llama4_moe(
 
 # --- end Llama 4: MoE block ---------------------------------------------------
 
+# --- DeepSeek-V4 (issue 33) ---------------------------------------------------
+
+
+def deepseek_v4_moe(
+    hidden_size: int,
+    *,
+    num_experts: int,
+    top_k: int,
+    expert_ffn_size: int,
+    routed_scaling_factor: float,
+) -> moe_core.MoEConfig:
+  """DeepSeek-V4's scored MoE block at any size (its hash layers':
+  `deepseek_v4_config.hash_moe`).
+
+  sqrt(softplus) scores with the aux-loss-free correction bias, plain top-k
+  (no groups), weights renormalised then scaled, one shared expert as wide
+  as a routed one, and the SwiGLU clamp at 10 on routed and shared experts
+  (as `reference/hf_convert` converts transformers' DeepseekV4Config).
+  """
+  return moe_core.MoEConfig(
+      score_func="sqrtsoftplus",
+      correction_bias=True,
+      norm_topk_prob=True,
+      norm_epsilon=1e-20,
+      routed_scaling_factor=routed_scaling_factor,
+      num_experts=num_experts,
+      top_k=top_k,
+      hidden_size=hidden_size,
+      expert_ffn_size=expert_ffn_size,
+      shared_ffn_size=expert_ffn_size,
+      swiglu_limit=10.0,
+  )
+
+
+# The released configs' compress_ratios (without the MTP layer's last
+# entry), as layer types: 0 -> "sliding", 4 -> "csa", 128 -> "hca".
+_V4_RATIO_TYPES = {0: "sliding", 4: "csa", 128: "hca"}
+
+
+def _v4_layer_types(first: tuple[int, ...], num_layers: int) -> tuple:
+  """`first`, then CSA on even and HCA on odd layers (both released maps)."""
+  ratios = first + tuple(
+      4 if i % 2 == 0 else 128 for i in range(len(first), num_layers)
+  )
+  return tuple(_V4_RATIO_TYPES[r] for r in ratios)
+
+
 # --- Small presets that train on a CPU ----------------------------------------
 
 _TINY_D = 128
@@ -400,6 +448,52 @@ TINY_LLAMA4 = Preset(
 )
 
 # --- end Llama 4: tiny --------------------------------------------------------
+
+TINY_DEEPSEEK_V4 = Preset(
+    description=(
+        "DeepSeek-V4 family, tiny: 4 hyper-connection streams mixed by a "
+        "Sinkhorn-normalised matrix, low-rank queries over one shared "
+        "key/value head with partial RoPE, per-head sinks, a 32-token "
+        "sliding window, compressed-sparse (rate 4, indexer top-8) and "
+        "heavily-compressed (rate 16) layers, a grouped low-rank output "
+        "projection; 2 hash-routed MoE layers then sqrt-softplus routing "
+        "with a correction bias, SwiGLU clamp 10. Left out: YaRN on the "
+        "compressed layers' RoPE, the indexer's training loss, the MTP "
+        "layer."
+    ),
+    model=ModelConfig(
+        name="tiny_deepseek_v4",
+        vocab_size=256,
+        hidden_size=_TINY_D,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        q_lora_rank=64,
+        moe=deepseek_v4_moe(
+            _TINY_D,
+            num_experts=16,
+            top_k=4,
+            expert_ffn_size=64,
+            routed_scaling_factor=1.5,
+        ),
+        deepseek_v4=deepseek_v4_config.DeepseekV4Settings(
+            layer_types=("sliding", "csa", "hca", "csa"),
+            num_hash_layers=2,
+            rope_head_dim=16,
+            o_groups=2,
+            o_lora_rank=64,
+            sliding_window=32,
+            csa_rate=4,
+            hca_rate=16,
+            index_n_heads=2,
+            index_head_dim=32,
+            index_topk=8,
+        ),
+    ),
+    train=TrainDefaults(),
+)
+
 
 # --- Full-size published configs ----------------------------------------------
 
@@ -739,6 +833,76 @@ GEMMA4_26B_A4B = Preset(
     ),
 )
 
+_V4_DESCRIPTION = (
+    "(main model without the MTP layer). The training model implements "
+    "hyper-connections with Sinkhorn, the low-rank query, one shared "
+    "key/value head, partial RoPE, sinks, the 128-token window, both "
+    "compressors, the indexer's top-k, hash and sqrt-softplus routing; "
+    "left out: YaRN on the compressed layers' RoPE, the indexer's loss."
+)
+
+DEEPSEEK_V4_FLASH = Preset(
+    description="DeepSeek-V4-Flash (284B, 13B active) " + _V4_DESCRIPTION,
+    model=ModelConfig(
+        name="deepseek_v4_flash",
+        vocab_size=129280,
+        hidden_size=4096,
+        num_layers=43,
+        num_heads=64,
+        num_kv_heads=1,
+        head_dim=512,
+        q_lora_rank=1024,
+        moe=deepseek_v4_moe(
+            4096,
+            num_experts=256,
+            top_k=6,
+            expert_ffn_size=2048,
+            routed_scaling_factor=1.5,
+        ),
+        rope_theta=10000.0,
+        deepseek_v4=deepseek_v4_config.DeepseekV4Settings(
+            layer_types=_v4_layer_types((0, 0), 43),
+            o_groups=8,
+            o_lora_rank=1024,
+            index_topk=512,
+        ),
+    ),
+    train=_full_size_training(
+        batch_size=1024, learning_rate=2.2e-4, bias_update_rate=1e-3
+    ),
+)
+
+DEEPSEEK_V4_PRO = Preset(
+    description="DeepSeek-V4-Pro (1.6T, 49B active) " + _V4_DESCRIPTION,
+    model=ModelConfig(
+        name="deepseek_v4_pro",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_layers=61,
+        num_heads=128,
+        num_kv_heads=1,
+        head_dim=512,
+        q_lora_rank=1536,
+        moe=deepseek_v4_moe(
+            7168,
+            num_experts=384,
+            top_k=6,
+            expert_ffn_size=3072,
+            routed_scaling_factor=2.5,
+        ),
+        rope_theta=10000.0,
+        deepseek_v4=deepseek_v4_config.DeepseekV4Settings(
+            layer_types=_v4_layer_types((128, 128), 61),
+            o_groups=16,
+            o_lora_rank=1024,
+            index_topk=1024,
+        ),
+    ),
+    train=_full_size_training(
+        batch_size=1024, learning_rate=2.2e-4, bias_update_rate=1e-3
+    ),
+)
+
 PRESETS: dict[str, Preset] = {
     p.model.name: p
     for p in (
@@ -749,6 +913,10 @@ PRESETS: dict[str, Preset] = {
         MIXTRAL_8X7B,
         QWEN3_30B_A3B,
         OLMOE_1B_7B,
+        # DeepSeek-V4 (issue 33)
+        TINY_DEEPSEEK_V4,
+        DEEPSEEK_V4_FLASH,
+        DEEPSEEK_V4_PRO,
         TINY_GEMMA4,  # Gemma 4 (issue 33).
         GEMMA4_26B_A4B,
         TINY_LLAMA4,
@@ -779,6 +947,9 @@ FULL_SIZE = (
     "llama4_maverick",
     # Gemma 4 (issue 33).
     "gemma4_26b_a4b",
+    # DeepSeek-V4 (issue 33).
+    "deepseek_v4_flash",
+    "deepseek_v4_pro",
 )
 
 

@@ -61,6 +61,10 @@ class PublishedCountsTest(parameterized.TestCase):
         published.published_tolerance(46.7e9), 0.05e9 + 0.467e9
     )
     self.assertAlmostEqual(published.published_tolerance(671e9), 0.5e9 + 6.71e9)
+    # A figure quoted in trillions (DeepSeek-V4-Pro's 1.6T).
+    self.assertAlmostEqual(
+        published.published_tolerance(1.6e12), 0.05e12 + 16e9
+    )
 
 
 class FlopsTest(absltest.TestCase):

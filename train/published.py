@@ -191,6 +191,42 @@ PUBLISHED: dict[str, Published] = {
             "model's: with the vision tower it would be about 25.8B"
         ),
     ),
+    # --- DeepSeek-V4 (issue 33) ---
+    "deepseek_v4_flash": Published(
+        total=284e9,
+        active=13e9,
+        active_counts_embedding=False,
+        source=(
+            "huggingface.co/deepseek-ai/DeepSeek-V4-Flash, README.md's "
+            "model table ('DeepSeek-V4-Flash | 284B | 13B | 1M'), as "
+            "extracted by raw.githubusercontent.com/antirez/ds4/main/"
+            "MODEL_CARD.md and quoted by openrouter.ai/deepseek/"
+            "deepseek-v4-flash ('284B total parameters and 13B activated "
+            "parameters'). The config gives 284.33B total (transformers "
+            "5.24.0 counts the same on the meta device, plus its two "
+            "routing buffers) and 13.27B active without the input "
+            "embedding (13.80B with it), so the card's 13B leaves the "
+            "embedding out. The MTP layer is not counted"
+        ),
+    ),
+    "deepseek_v4_pro": Published(
+        total=1.6e12,
+        active=49e9,
+        active_counts_embedding=False,
+        source=(
+            "huggingface.co/deepseek-ai/DeepSeek-V4-Pro, README.md's model "
+            "table ('DeepSeek-V4-Pro | 1.6T | 49B | 1M'), as extracted by "
+            "raw.githubusercontent.com/antirez/ds4/main/MODEL_CARD.md. The "
+            "config's values were read from third-party transcriptions of "
+            "its config.json (no copy of the file itself was found): 61 "
+            "layers of width 7168, 128 heads, q_lora_rank 1536, 16 output "
+            "groups, index_topk 1024, 384 experts of 3072 (top 6, scale "
+            "2.5), compress_ratios 128, 128, then 4 / 128 alternating. "
+            "They give 1.573T total, within the card's rounding of 1.6T, "
+            "and 48.85B active without the input embedding (49.78B with "
+            "it)"
+        ),
+    ),
 }
 # The published figures are rounded to 2-3 significant digits: a count
 # matches when it is within half a unit of the last published digit, plus 1%
@@ -199,10 +235,12 @@ PUBLISHED_RELATIVE_TOLERANCE = 0.01
 
 
 def published_tolerance(value: float) -> float:
-  """Absolute tolerance for a published figure like 46.7e9 or 37e9."""
-  digits = f"{value / 1e9:g}"
+  """Absolute tolerance for a published figure like 46.7e9, 37e9 or 1.6e12
+  (cards quote billions, or trillions from 1e12 on)."""
+  unit = 1e12 if value >= 1e12 else 1e9
+  digits = f"{value / unit:g}"
   decimals = len(digits.partition(".")[2])
-  return 0.5 * 10.0 ** (-decimals) * 1e9 + PUBLISHED_RELATIVE_TOLERANCE * value
+  return 0.5 * 10.0 ** (-decimals) * unit + PUBLISHED_RELATIVE_TOLERANCE * value
 
 
 def counts_as_published(name: str) -> tuple[int, int]:
