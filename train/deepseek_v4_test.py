@@ -10,6 +10,7 @@ from train import deepseek_v4
 from train import deepseek_v4_config
 from train import model as model_lib
 from train import presets
+from train import sizing
 from train import testing
 from train import trainer
 
@@ -121,6 +122,29 @@ class ModelTest(absltest.TestCase):
       self.assertFalse(block.cfg.correction_bias)
       self.assertEqual(block.hash_table[...].shape, (256, 2))
     self.assertTrue(model.blocks[-1].mlp.cfg.correction_bias)
+
+  def test_attention_flops_count_the_window_and_the_entries_seen(self):
+    s = SMALL.deepseek_v4
+    per_key = 2 * SMALL.num_heads * 2 * SMALL.head_dim  # scores + values
+    covering = SMALL.replace(
+        deepseek_v4=s.replace(layer_types=("sliding",) * 3, sliding_window=64)
+    )
+    # A window as long as the sequence: plain causal attention.
+    self.assertAlmostEqual(
+        sizing.flops_per_token(covering, 64)["attention_forward"],
+        3 * per_key * (64 + 1) / 2,
+    )
+    # SMALL: a 6-token window (keys 1..6, then 6) in each layer, plus the
+    # CSA layer's entries (<= index_topk = 2 of t // 4) and its indexer's
+    # scores, plus the HCA layer's t // 8 entries.
+    t = np.arange(1, 65)
+    want = 3 * per_key * np.minimum(t, 6).mean()
+    want += per_key * np.minimum(t // 4, 2).mean()
+    want += 2 * s.index_n_heads * s.index_head_dim * (t // 4).mean()
+    want += per_key * (t // 8).mean()
+    self.assertAlmostEqual(
+        sizing.flops_per_token(SMALL, 64)["attention_forward"], want
+    )
 
   def test_bad_settings_are_refused_with_the_field(self):
     with self.assertRaisesRegex(ValueError, "layer_types entries"):

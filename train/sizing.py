@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 import moe_core
 from moe_core import remat as moe_remat
 from train import deepseek_v4_config
@@ -216,12 +218,38 @@ def flops_per_token(
     )
   if cfg.gemma4 is not None:  # Gemma 4 (issue 33): sliding windows.
     attend = gemma4_layout.attention_flops(cfg, seq_len)
+  if cfg.deepseek_v4 is not None:  # DeepSeek-V4 (issue 33)
+    attend = _deepseek_v4_attend_flops(cfg, seq_len)
   forward = 2.0 * matmul + attend
   return {
       "forward": forward,
       "train": 3.0 * forward,
       "attention_forward": attend,
   }
+
+
+def _deepseek_v4_attend_flops(
+    cfg: model_config.ModelConfig, seq_len: int
+) -> float:
+  """Attention's score and value FLOPs per token of a DeepSeek-V4 model,
+  averaged over the positions of a sequence: each query reads the keys of
+  its window and the compressed entries it sees (complete windows; at most
+  index_topk in compressed-sparse layers, whose indexer also scores every
+  complete entry)."""
+  s = cfg.deepseek_v4
+  t = np.arange(1, seq_len + 1)  # keys up to and including each query
+  per_key = 2 * cfg.num_heads * (cfg.head_dim + cfg.head_dim)
+  window = np.minimum(t, s.sliding_window).mean()
+  total = 0.0
+  for kind in s.layer_types:
+    total += per_key * window
+    if kind == "hca":
+      total += per_key * (t // s.hca_rate).mean()
+    elif kind == "csa":
+      entries = t // s.csa_rate
+      total += per_key * np.minimum(entries, s.index_topk).mean()
+      total += 2 * s.index_n_heads * s.index_head_dim * entries.mean()
+  return float(total)
 
 
 # --- Memory for a mesh --------------------------------------------------------
