@@ -35,10 +35,8 @@ What each piece does, as in transformers' modeling_deepseek_v4.py:
 Simplified or left out (the parameter layout is exact either way):
   * RoPE of the compressed layers uses `compress_rope_theta` without the
     released config's YaRN scaling (factor 16 beyond 65,536 tokens);
-  * the indexer's selection takes every entry whose score ties the k-th
-    best (the real top-k takes exactly k); as in transformers, nothing
-    trains the indexer (its scores only select), the paper's indexer loss
-    is not implemented;
+  * as in transformers, nothing trains the indexer (its scores only
+    select), the paper's indexer loss is not implemented;
   * attention is computed densely over the sequence (masked to the window)
     and no cache is kept: a training forward, not an inference one;
   * the multi-token-prediction layer is not built (nor counted, as in the
@@ -294,8 +292,13 @@ class Indexer(nnx.Module):
     # Selection only: no gradient flows through the choice.
     index = jnp.where(visible, jax.lax.stop_gradient(index), -jnp.inf)
     k = min(self.topk, index.shape[-1])
-    kth_best = jax.lax.top_k(index, k)[0][..., -1:]
-    return visible & (index >= kth_best)
+    best = jax.lax.top_k(index, k)[1]  # [B, T, k]
+
+    def chosen(row):  # [k] -> [W] bool
+      return jnp.zeros(index.shape[-1], bool).at[row].set(True)
+
+    # Fewer than k visible: the rest of the k are invisible ones, dropped.
+    return visible & jax.vmap(jax.vmap(chosen))(best)
 
 
 class Attention(nnx.Module):
