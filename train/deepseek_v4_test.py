@@ -16,32 +16,8 @@ from train import trainer
 
 TINY = presets.get_preset("tiny_deepseek_v4").model
 
-# Smaller still, for the forward tests: one layer of each attention kind, the
-# first two hash-routed, windows short enough for a 24-token sequence.
-SMALL = TINY.replace(
-    name="test_deepseek_v4",
-    hidden_size=32,
-    num_layers=3,
-    num_heads=2,
-    head_dim=16,
-    q_lora_rank=16,
-    moe=presets.deepseek_v4_moe(
-        32,
-        num_experts=8,
-        top_k=2,
-        expert_ffn_size=16,
-        routed_scaling_factor=1.5,
-    ),
-    deepseek_v4=TINY.deepseek_v4.replace(
-        layer_types=("sliding", "csa", "hca"),
-        rope_head_dim=8,
-        o_lora_rank=8,
-        sliding_window=6,
-        hca_rate=8,
-        index_head_dim=8,
-        index_topk=2,
-    ),
-)
+# Smaller still, for the forward tests.
+SMALL = testing.SMALL_DEEPSEEK_V4
 
 
 def _forward(cfg, tokens):

@@ -29,6 +29,38 @@ SMALL_DSV3 = model_config.ModelConfig(
     ),
 )
 
+# DeepSeek-V4's decoder, small (issue 33): one layer of each attention kind
+# (sliding, compressed-sparse, heavily-compressed), the first two routed by
+# hash, windows short enough for a 24-token sequence.
+_TINY_V4 = presets.get_preset("tiny_deepseek_v4").model
+SMALL_DEEPSEEK_V4 = _TINY_V4.replace(
+    name="test_deepseek_v4",
+    hidden_size=32,
+    num_layers=3,
+    num_heads=2,
+    head_dim=16,
+    q_lora_rank=16,
+    moe=presets.deepseek_v4_moe(
+        32,
+        num_experts=8,
+        top_k=2,
+        expert_ffn_size=16,
+        routed_scaling_factor=1.5,
+    ),
+    deepseek_v4=_TINY_V4.deepseek_v4.replace(
+        layer_types=("sliding", "csa", "hca"),
+        rope_head_dim=8,
+        o_lora_rank=8,
+        sliding_window=6,
+        hca_rate=8,
+        # Enough indexer heads that ReLU rarely zeroes an entry's every
+        # head: ties at the k-th score would make the choice arbitrary.
+        index_n_heads=8,
+        index_head_dim=8,
+        index_topk=2,
+    ),
+)
+
 # SMALL_DSV3 as a preset with small_run's hyper-parameters: tests of
 # train.main put it in place of the default preset (mock.patch.dict on
 # presets.PRESETS), so that the program trains a model that compiles fast.
