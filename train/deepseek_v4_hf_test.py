@@ -1,9 +1,12 @@
-"""DeepSeek-V4's decoder pieces against transformers' with the same weights.
+"""DeepSeek-V4's decoder against transformers' with the same weights.
 
-Each attention kind (sliding window; compressed-sparse with its indexer;
-heavily-compressed) and the hyper-connections of `train/deepseek_v4.py` are
-given the weights of transformers 5.24.0's modules (built from a small
-DeepseekV4Config) and the same input, in float32; the outputs must agree.
+The whole small model (`testing.SMALL_DEEPSEEK_V4`: a layer of each
+attention kind, hash then scored MoE layers), and alone each attention kind
+(sliding window; compressed-sparse with its indexer; heavily-compressed),
+the hyper-connections and the hyper-head of `train/deepseek_v4.py`, are
+given the weights of transformers 5.24.0's (built from the same small
+DeepseekV4Config) and the same input, in float32; the logits and outputs
+must agree.
 Runs on the leg with torch (py311-jax0.10); skips elsewhere.
 """
 
@@ -17,6 +20,7 @@ from flax import nnx
 
 from moe_core import flax as moe_flax
 from train import deepseek_v4
+from train import model as model_lib
 from train import testing
 
 try:
@@ -66,6 +70,7 @@ def _hf_config():
       index_topk=s.index_topk,
       hc_mult=s.hc_mult,
       hc_sinkhorn_iters=s.hc_sinkhorn_iters,
+      num_hash_layers=s.num_hash_layers,
       sliding_window=s.sliding_window,
       compress_rates={
           "compressed_sparse_attention": s.csa_rate,
@@ -124,6 +129,47 @@ def _load_attention(ours, theirs, config) -> None:
     _set(ours.indexer.w_heads, indexer.scorer.weights_proj.weight.T)
 
 
+def _load_moe(ours, theirs) -> None:
+  """transformers' DeepseekV4SparseMoeBlock -> our `moe_core.flax.MoE`."""
+  f = ours.cfg.expert_ffn_size
+  gate_up = theirs.experts.gate_up_proj  # [E, 2F, D]: gate rows, then up.
+  _set(ours.router, theirs.gate.weight.T)
+  _set(ours.w_gate, gate_up[:, :f].transpose(1, 2))
+  _set(ours.w_up, gate_up[:, f:].transpose(1, 2))
+  _set(ours.w_down, theirs.experts.down_proj.transpose(1, 2))
+  _set(ours.shared_w_gate, theirs.shared_experts.gate_proj.weight.T)
+  _set(ours.shared_w_up, theirs.shared_experts.up_proj.weight.T)
+  _set(ours.shared_w_down, theirs.shared_experts.down_proj.weight.T)
+  if ours.cfg.hash_vocab_size:
+    _set(ours.hash_table, theirs.gate.tid2eid.int())
+  else:
+    _set(ours.correction_bias, theirs.gate.e_score_correction_bias)
+
+
+def _load_hyper_connection(ours, theirs) -> None:
+  _set(ours.fn, theirs.fn.T)
+  _set(ours.base, theirs.base)
+  _set(ours.scale, theirs.scale)
+
+
+def _load_model(ours, theirs, config) -> None:
+  """transformers' DeepseekV4ForCausalLM -> our Transformer."""
+  inner = theirs.model
+  _set(ours.embed, inner.embed_tokens.weight)
+  for block, layer in zip(ours.blocks, inner.layers):
+    _load_attention(block.attn, layer.self_attn, config)
+    _load_hyper_connection(block.attn_hc, layer.attn_hc)
+    _load_hyper_connection(block.mlp_hc, layer.ffn_hc)
+    _set(block.attn_norm.scale, layer.input_layernorm.weight)
+    _set(block.mlp_norm.scale, layer.post_attention_layernorm.weight)
+    _load_moe(block.mlp, layer.mlp)
+  _set(ours.hc_head.fn, inner.hc_head.hc_fn.T)
+  _set(ours.hc_head.base, inner.hc_head.hc_base)
+  _set(ours.hc_head.scale, inner.hc_head.hc_scale)
+  _set(ours.final_norm.scale, inner.norm.weight)
+  _set(ours.head, theirs.lm_head.weight.T)
+
+
 class DeepseekV4ParityTest(parameterized.TestCase):
 
   def setUp(self):
@@ -153,6 +199,31 @@ class DeepseekV4ParityTest(parameterized.TestCase):
       want, _ = theirs(_t(x), embeddings, positions, mask)
     got = ours(jnp.asarray(x, jnp.float32), jnp.arange(_T))
     np.testing.assert_allclose(got, want.numpy(), rtol=2e-4, atol=2e-5)
+
+  def test_whole_model_equals_transformers(self):
+    """Logits of the small model (a layer of each attention kind, hash then
+    scored MoE layers) with transformers' weights, float32."""
+    config = _hf_config()
+    theirs = transformers.DeepseekV4ForCausalLM(config).float().eval()
+    _randomise(theirs, 11)
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+      for layer in theirs.model.layers:
+        gate = layer.mlp.gate
+        if hasattr(gate, "tid2eid"):  # K distinct experts per token id.
+          table = torch.rand(gate.tid2eid.shape[0], 8, generator=gen)
+          gate.tid2eid.copy_(table.argsort(-1)[:, : gate.tid2eid.shape[1]])
+        else:
+          gate.e_score_correction_bias.normal_(0.0, 0.1, generator=gen)
+    ours = model_lib.Transformer(
+        CFG, backend="reference", compute_dtype=jnp.float32, rngs=nnx.Rngs(0)
+    )
+    _load_model(ours, theirs, config)
+    tokens = np.random.default_rng(13).integers(0, CFG.vocab_size, (2, _T))
+    with torch.no_grad():
+      want = theirs(torch.tensor(tokens)).logits
+    got, _ = ours(jnp.asarray(tokens, jnp.int32))
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-3, atol=1e-4)
 
   def test_hyper_connection_equals_transformers(self):
     config = _hf_config()
