@@ -6,10 +6,12 @@ Qwen3-Next, or DeepSeek's multi-head latent attention; or, in Qwen3-Next's
 hybrid stack, a Gated DeltaNet layer, `train/gated_deltanet.py`) and an
 MLP: a dense SwiGLU (the first `first_dense_layers`, and with
 `moe_layer_interval` > 1 the layers between MoE ones) or a
-`moe_core.flax.MoE` (the rest). Mixed precision: parameters are stored in
-float32 and cast to the compute dtype (bfloat16 by default) where used;
-norms, softmax and logits are computed in float32; routing is float32
-inside `moe_core`.
+`moe_core.flax.MoE` (the rest). A Gemma 4 config (`ModelConfig.gemma4`)
+runs `train/gemma4.py`'s layer and a DeepSeek-V4 config
+(`ModelConfig.deepseek_v4`) `train/deepseek_v4.py`'s decoder instead.
+Mixed precision: parameters are stored in float32 and cast to the compute
+dtype (bfloat16 by default) where used; norms, softmax and logits are
+computed in float32; routing is float32 inside `moe_core`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ Small training presets (`tiny_dsv3`, the default, `tiny_mixtral`,
 published MoE models (`deepseek_v3`, `mixtral_8x7b`, `qwen3_30b_a3b`,
 `olmoe_1b_7b`), from their Hugging Face config.json, are used for
 `--dry_run` counts (`train/sizing.py`) and checked against the published
-parameter counts (`train/published.py`).
+parameter counts (`train/published.py`). DeepSeek-V4 (`tiny_deepseek_v4`,
+`deepseek_v4_flash`, `deepseek_v4_pro`) sets `ModelConfig.deepseek_v4`: its
+own decoder (`train/deepseek_v4.py`), trained unrolled (--noscan_layers).
 """
 
 from __future__ import annotations
