@@ -1,13 +1,17 @@
 """Model presets: the configs the training program and `--dry_run` take.
 
 Small training presets (`tiny_dsv3`, the default, `tiny_mixtral`,
-`tiny_qwen3`) train on a laptop CPU in minutes; full-size configs of
-published MoE models (`deepseek_v3`, `mixtral_8x7b`, `qwen3_30b_a3b`,
-`olmoe_1b_7b`), from their Hugging Face config.json, are used for
-`--dry_run` counts (`train/sizing.py`) and checked against the published
-parameter counts (`train/published.py`). DeepSeek-V4 (`tiny_deepseek_v4`,
-`deepseek_v4_flash`, `deepseek_v4_pro`) sets `ModelConfig.deepseek_v4`: its
-own decoder (`train/deepseek_v4.py`), trained unrolled (--noscan_layers).
+`tiny_qwen3`, and one per family of issue 33: `tiny_qwen3_next`,
+`tiny_gpt_oss`, `tiny_llama4`, `tiny_gemma4`, `tiny_deepseek_v4`) train on
+a laptop CPU in minutes; full-size configs of published MoE models
+(`deepseek_v3`, `mixtral_8x7b`, `qwen3_30b_a3b`, `olmoe_1b_7b`,
+`qwen3_next_80b_a3b`, `gpt_oss_20b`, `gpt_oss_120b`, `llama4_scout`,
+`llama4_maverick`, `gemma4_26b_a4b`, `deepseek_v4_flash`,
+`deepseek_v4_pro`), from their released configs, are used for `--dry_run`
+counts (`train/sizing.py`) and checked against the published parameter
+counts (`train/published.py`). Qwen3-Next's hybrid stack, Llama 4's
+interleaved layers and DeepSeek-V4's decoder (`train/deepseek_v4.py`)
+train unrolled only (--noscan_layers).
 """
 
 from __future__ import annotations
