@@ -121,18 +121,19 @@ def param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
   d = cfg.hidden_size
   embedding = cfg.vocab_size * d
   head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
-  attention = cfg.num_full_attention_layers * attention_param_count(cfg)
-  if cfg.linear_attention is not None:  # Qwen3-Next's Gated DeltaNet layers.
-    attention += cfg.num_linear_attention_layers * gated_deltanet.param_count(
-        cfg.linear_attention, d
-    )
-  dense_mlp = cfg.num_dense_layers * 3 * d * cfg.dense_ffn_size
+  if cfg.gemma4 is not None:  # Gemma 4 (issue 33): per-layer shapes.
+    attention, dense_mlp, norms = gemma4_layout.shared_param_counts(cfg)
+  else:
+    attention = cfg.num_full_attention_layers * attention_param_count(cfg)
+    if cfg.linear_attention is not None:  # Qwen3-Next's Gated DeltaNet.
+      attention += cfg.num_linear_attention_layers * (
+          gated_deltanet.param_count(cfg.linear_attention, d)
+      )
+    dense_mlp = cfg.num_dense_layers * 3 * d * cfg.dense_ffn_size
+    norms = 2 * d * cfg.num_layers + d
   moe_total, moe_active = moe_param_counts(cfg.moe) if cfg.moe else (0, 0)
   moe_total *= cfg.num_moe_layers
   moe_active *= cfg.num_moe_layers
-  norms = 2 * d * cfg.num_layers + d
-  if cfg.gemma4 is not None:  # Gemma 4 (issue 33): per-layer shapes.
-    attention, dense_mlp, norms = gemma4_layout.shared_param_counts(cfg)
   shared = embedding + head + attention + dense_mlp + norms
   return ParamCounts(
       total=shared + moe_total,
@@ -178,23 +179,13 @@ def _deepseek_v4_param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
   )
 
 
-def flops_per_token(
-    cfg: model_config.ModelConfig, seq_len: int
-) -> dict[str, float]:
-  """Matmul FLOPs per token, forward and training (forward + backward).
-
-  2 FLOPs per multiply-add of every weight a token uses (the embedding
-  lookup is free, the output head is not), plus causal attention's scores
-  and weighted values: on average a token attends to (seq_len + 1) / 2
-  positions (fewer on sliding-window layers, `attended_positions`, and on
-  chunked layers, `llama4.mean_attended_keys`).
-  Training costs 3x the forward (the backward computes two products per
-  forward product); recomputation under remat is extra.
-  """
-  counts = param_counts(cfg)
-  matmul = counts.active - counts.embedding - counts.norms
-  if cfg.tie_embeddings:
-    matmul += cfg.vocab_size * cfg.hidden_size
+def _attention_flops(cfg: model_config.ModelConfig, seq_len: int) -> float:
+  """Forward FLOPs per token of every layer's token mixing (scores and
+  weighted values, or a linear-attention recurrence), beyond its weights."""
+  if cfg.gemma4 is not None:  # Gemma 4 (issue 33): sliding windows.
+    return gemma4_layout.attention_flops(cfg, seq_len)
+  if cfg.deepseek_v4 is not None:  # DeepSeek-V4 (issue 33)
+    return _deepseek_v4_attend_flops(cfg, seq_len)
 
   # Sliding-window layers (GPT-OSS) attend to at most their window, Llama
   # 4's RoPE layers within chunks; Gated DeltaNet layers (Qwen3-Next) run
@@ -216,10 +207,28 @@ def flops_per_token(
     attend += cfg.num_linear_attention_layers * (
         gated_deltanet.recurrence_flops_per_token(cfg.linear_attention)
     )
-  if cfg.gemma4 is not None:  # Gemma 4 (issue 33): sliding windows.
-    attend = gemma4_layout.attention_flops(cfg, seq_len)
-  if cfg.deepseek_v4 is not None:  # DeepSeek-V4 (issue 33)
-    attend = _deepseek_v4_attend_flops(cfg, seq_len)
+  return attend
+
+
+def flops_per_token(
+    cfg: model_config.ModelConfig, seq_len: int
+) -> dict[str, float]:
+  """Matmul FLOPs per token, forward and training (forward + backward).
+
+  2 FLOPs per multiply-add of every weight a token uses (the embedding
+  lookup is free, the output head is not), plus causal attention's scores
+  and weighted values: on average a token attends to (seq_len + 1) / 2
+  positions (fewer on sliding-window layers, `attended_positions`, and on
+  chunked layers, `llama4.mean_attended_keys`).
+  Training costs 3x the forward (the backward computes two products per
+  forward product); recomputation under remat is extra.
+  """
+  counts = param_counts(cfg)
+  matmul = counts.active - counts.embedding - counts.norms
+  if cfg.tie_embeddings:
+    matmul += cfg.vocab_size * cfg.hidden_size
+
+  attend = _attention_flops(cfg, seq_len)
   forward = 2.0 * matmul + attend
   return {
       "forward": forward,
