@@ -17,7 +17,6 @@ from train import presets
 from train import scan_model
 from train import sizing
 from train import testing
-from train import trainer
 
 TINY = presets.get_preset("tiny_gemma4").model
 
@@ -234,11 +233,7 @@ class TrainTest(absltest.TestCase):
         aux_loss_weight=preset.train.aux_loss_weight,
         z_loss_weight=preset.train.z_loss_weight,
     )
-    tr = trainer.Trainer(run, testing.corpus(), out=None)
-    losses = [
-        float(tr.train_step(tr.sampler.next())["loss"])
-        for _ in range(run.steps)
-    ]
+    losses = testing.step_losses(run)
     self.assertTrue(np.all(np.isfinite(losses)), losses)
     # From about log(256) = 5.5 nats (uniform) towards the byte unigram.
     self.assertGreater(losses[0], 4.5)

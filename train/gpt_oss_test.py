@@ -21,7 +21,6 @@ from train import scan_model
 from train import sink_attention
 from train import sizing
 from train import testing
-from train import trainer
 
 # SMALL_DSV3's dense first layer, then three MoE layers with GPT-OSS's
 # attention: windows of 4 on layers 0 and 2, full attention on 1 and 3, so
@@ -287,11 +286,7 @@ class TinyPresetTrainsTest(absltest.TestCase):
         aux_loss_weight=preset.train.aux_loss_weight,
     )
     self.assertTrue(run.scan_layers)  # The program's default path.
-    tr = trainer.Trainer(run, testing.corpus(), out=None)
-    losses = [
-        float(tr.train_step(tr.sampler.next())["loss"])
-        for _ in range(run.steps)
-    ]
+    losses = testing.step_losses(run)
     self.assertTrue(np.all(np.isfinite(losses)), losses)
     self.assertLess(np.mean(losses[-3:]), losses[0] - 0.5, losses)
 

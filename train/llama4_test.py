@@ -16,7 +16,6 @@ from train import scan_model
 from train import sizing
 from train import testing
 from train import train_flags
-from train import trainer
 
 TINY = presets.get_preset("tiny_llama4").model
 
@@ -218,11 +217,7 @@ class TrainTest(absltest.TestCase):
         warmup_steps=2,
         aux_loss_weight=preset.train.aux_loss_weight,
     )
-    tr = trainer.Trainer(run, testing.corpus(), out=None)
-    losses = [
-        float(tr.train_step(tr.sampler.next())["loss"])
-        for _ in range(run.steps)
-    ]
+    losses = testing.step_losses(run)
     self.assertTrue(np.all(np.isfinite(losses)), losses)
     # At initialisation the loss is near log(256) = 5.5 nats (uniform).
     self.assertLess(np.mean(losses[-3:]), losses[0] - 0.5, losses)

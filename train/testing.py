@@ -153,6 +153,22 @@ class TempDirs:
     self._root.cleanup()
 
 
+def step_losses(run: run_config.RunConfig, steps: int | None = None):
+  """The losses of `steps` (default `run.steps`) training steps of `run` on
+  the embedded corpus, as floats; no output directory is written.
+
+  As `fit`, imports the trainer when called: its callers depend on
+  //train:trainer.
+  """
+  from train import trainer  # pylint: disable=g-import-not-at-top
+
+  tr = trainer.Trainer(run, corpus(), out=None)
+  return [
+      float(tr.train_step(tr.sampler.next())["loss"])
+      for _ in range(run.steps if steps is None else steps)
+  ]
+
+
 def fit(run: run_config.RunConfig, interrupt_after: int | None = None):
   """Trains `run` in this process; returns (Trainer, summary).
 

@@ -20,11 +20,6 @@ TOLERANCE = {"bfloat16": 3e-2, "float32": 2e-3}
 AGREEMENT_STEPS = 4
 
 
-def _losses(run, steps):
-  tr = trainer.Trainer(run, testing.corpus(), out=None)
-  return [float(tr.train_step(tr.sampler.next())["loss"]) for _ in range(steps)]
-
-
 class LossDecreasesTest(absltest.TestCase):
 
   def test_loss_decreases_on_the_embedded_corpus(self):
@@ -70,12 +65,14 @@ class BackendAgreementTest(parameterized.TestCase):
           "only the reference backend is available here: " f"{unavailable}"
       )
     base = testing.small_run(testing.temp_dir(self), compute_dtype=dtype)
-    want = _losses(
+    want = testing.step_losses(
         dataclasses.replace(base, backend="reference"), AGREEMENT_STEPS
     )
     for name in others:
       with self.subTest(backend=name):
-        got = _losses(dataclasses.replace(base, backend=name), AGREEMENT_STEPS)
+        got = testing.step_losses(
+            dataclasses.replace(base, backend=name), AGREEMENT_STEPS
+        )
         np.testing.assert_allclose(
             got,
             want,
