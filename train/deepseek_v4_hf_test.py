@@ -42,43 +42,10 @@ _SKIP_REASON = (
 
 CFG = testing.SMALL_DEEPSEEK_V4
 _T = 24
-_HF_TYPES = {
-    "sliding": "sliding_attention",
-    "csa": "compressed_sparse_attention",
-    "hca": "heavily_compressed_attention",
-}
 
 
 def _hf_config():
-  s = CFG.deepseek_v4
-  config = transformers.DeepseekV4Config(
-      vocab_size=CFG.vocab_size,
-      hidden_size=CFG.hidden_size,
-      num_hidden_layers=CFG.num_layers,
-      num_attention_heads=CFG.num_heads,
-      num_key_value_heads=1,
-      head_dim=CFG.head_dim,
-      qk_rope_head_dim=s.rope_head_dim,
-      q_lora_rank=CFG.q_lora_rank,
-      o_groups=s.o_groups,
-      o_lora_rank=s.o_lora_rank,
-      n_routed_experts=CFG.moe.num_experts,
-      num_experts_per_tok=CFG.moe.top_k,
-      moe_intermediate_size=CFG.moe.expert_ffn_size,
-      index_n_heads=s.index_n_heads,
-      index_head_dim=s.index_head_dim,
-      index_topk=s.index_topk,
-      hc_mult=s.hc_mult,
-      hc_sinkhorn_iters=s.hc_sinkhorn_iters,
-      num_hash_layers=s.num_hash_layers,
-      sliding_window=s.sliding_window,
-      compress_rates={
-          "compressed_sparse_attention": s.csa_rate,
-          "heavily_compressed_attention": s.hca_rate,
-      },
-      layer_types=[_HF_TYPES[t] for t in s.layer_types],
-      rms_norm_eps=CFG.norm_eps,
-  )
+  config = transformers.DeepseekV4Config(**testing.deepseek_v4_hf_fields(CFG))
   config._attn_implementation = "eager"  # pylint: disable=protected-access
   return config
 

@@ -18,6 +18,7 @@ from absl.testing import parameterized
 
 from train import presets
 from train import sizing
+from train import testing
 
 try:
   import torch  # pylint: disable=g-import-not-at-top
@@ -90,45 +91,6 @@ _RELEASED = {
     ),
 }
 
-_HF_LAYER_TYPES = {
-    "sliding": "sliding_attention",
-    "csa": "compressed_sparse_attention",
-    "hca": "heavily_compressed_attention",
-}
-
-
-def _hf_fields_of(cfg) -> dict:
-  """A ModelConfig's DeepSeek-V4 as DeepseekV4Config fields (for the tiny
-  preset, which has no released config)."""
-  s = cfg.deepseek_v4
-  return dict(
-      vocab_size=cfg.vocab_size,
-      hidden_size=cfg.hidden_size,
-      num_hidden_layers=cfg.num_layers,
-      num_attention_heads=cfg.num_heads,
-      num_key_value_heads=1,
-      head_dim=cfg.head_dim,
-      qk_rope_head_dim=s.rope_head_dim,
-      q_lora_rank=cfg.q_lora_rank,
-      o_groups=s.o_groups,
-      o_lora_rank=s.o_lora_rank,
-      n_routed_experts=cfg.moe.num_experts,
-      n_shared_experts=1,
-      num_experts_per_tok=cfg.moe.top_k,
-      moe_intermediate_size=cfg.moe.expert_ffn_size,
-      num_hash_layers=s.num_hash_layers,
-      index_n_heads=s.index_n_heads,
-      index_head_dim=s.index_head_dim,
-      index_topk=s.index_topk,
-      hc_mult=s.hc_mult,
-      sliding_window=s.sliding_window,
-      compress_rates={
-          "compressed_sparse_attention": s.csa_rate,
-          "heavily_compressed_attention": s.hca_rate,
-      },
-      layer_types=[_HF_LAYER_TYPES[t] for t in s.layer_types],
-  )
-
 
 # transformers' names -> the part of `sizing.ParamCounts` that counts them.
 def _part(name: str) -> str:
@@ -197,14 +159,19 @@ class DeepseekV4CountsTest(parameterized.TestCase):
 
   def test_tiny_preset_counts_as_transformers_does(self):
     cfg = presets.get_preset("tiny_deepseek_v4").model
-    self._assert_counts_equal("tiny_deepseek_v4", _hf_fields_of(cfg))
+    self._assert_counts_equal(
+        "tiny_deepseek_v4", testing.deepseek_v4_hf_fields(cfg)
+    )
 
   def test_preset_layer_maps_are_the_released_ones(self):
     for name, fields in _RELEASED.items():
       with self.subTest(name):
         config = transformers.DeepseekV4Config(**fields)
         ours = presets.get_preset(name).model.deepseek_v4.layer_types
-        self.assertEqual([_HF_LAYER_TYPES[t] for t in ours], config.layer_types)
+        self.assertEqual(
+            [testing.DEEPSEEK_V4_HF_LAYER_TYPES[t] for t in ours],
+            config.layer_types,
+        )
 
 
 if __name__ == "__main__":

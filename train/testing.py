@@ -84,6 +84,50 @@ SMALL_PRESET = presets.Preset(
 _CORPUS = None
 
 
+# transformers' DeepseekV4Config names for our DeepSeek-V4 layer types.
+DEEPSEEK_V4_HF_LAYER_TYPES = {
+    "sliding": "sliding_attention",
+    "csa": "compressed_sparse_attention",
+    "hca": "heavily_compressed_attention",
+}
+
+
+def deepseek_v4_hf_fields(cfg: model_config.ModelConfig) -> dict:
+  """A DeepSeek-V4 `ModelConfig` as transformers' DeepseekV4Config fields
+  (keyword arguments; no transformers import here), for the tests that
+  build transformers' model from our config."""
+  s = cfg.deepseek_v4
+  return dict(
+      vocab_size=cfg.vocab_size,
+      hidden_size=cfg.hidden_size,
+      num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads,
+      num_key_value_heads=1,
+      head_dim=cfg.head_dim,
+      qk_rope_head_dim=s.rope_head_dim,
+      q_lora_rank=cfg.q_lora_rank,
+      o_groups=s.o_groups,
+      o_lora_rank=s.o_lora_rank,
+      n_routed_experts=cfg.moe.num_experts,
+      n_shared_experts=1,
+      num_experts_per_tok=cfg.moe.top_k,
+      moe_intermediate_size=cfg.moe.expert_ffn_size,
+      num_hash_layers=s.num_hash_layers,
+      index_n_heads=s.index_n_heads,
+      index_head_dim=s.index_head_dim,
+      index_topk=s.index_topk,
+      hc_mult=s.hc_mult,
+      hc_sinkhorn_iters=s.hc_sinkhorn_iters,
+      sliding_window=s.sliding_window,
+      compress_rates={
+          "compressed_sparse_attention": s.csa_rate,
+          "heavily_compressed_attention": s.hca_rate,
+      },
+      layer_types=[DEEPSEEK_V4_HF_LAYER_TYPES[t] for t in s.layer_types],
+      rms_norm_eps=cfg.norm_eps,
+  )
+
+
 def corpus() -> data_lib.Corpus:
   """The embedded corpus, loaded once per process."""
   global _CORPUS
