@@ -1,17 +1,18 @@
 """The `interpret` option of the kernel backends, one meaning in all of them.
 
-pallas, mosaic_gpu and triton each run their kernels either compiled for a
-GPU or in an interpreter that runs on any platform, and their `interpret`
-option reads the same in each (docs/backends.md, "The kernel backends'
-`interpret`", has the table): None is auto, compiled when the program is
-lowered for a GPU (a GPU here, or `moe_core.aot`'s target GPU from any
-host), decided when the program is traced; True the interpreter; False
-compiled, unavailable off a GPU; and a backend's own interpreter settings
-where it has them. A backend describes its interpreter once as an
-`Interpreter`; `Interpreter.parse` checks an option and keeps it as a
-setting (None for auto, False, or what the kernels take to interpret), and
-`Interpreter.resolve` / `interprets` turn auto into one or the other for the
-program being traced.
+pallas, mosaic_gpu, triton and mosaic_tpu each run their kernels either
+compiled for their platform (a GPU; a TPU for mosaic_tpu) or in an
+interpreter that runs on any platform, and their `interpret` option reads
+the same in each (docs/backends.md, "The kernel backends' `interpret`", has
+the table): None is auto, compiled when the program is lowered for that
+platform (one here, or `moe_core.aot`'s target from any host), decided when
+the program is traced; True the interpreter; False compiled, unavailable
+elsewhere; and a backend's own interpreter settings where it has them. A
+backend describes its interpreter once as an `Interpreter`;
+`Interpreter.parse` checks an option and keeps it as a setting (None for
+auto, False, or what the kernels take to interpret), and
+`Interpreter.resolve` / `interprets` turn auto into one or the other for
+the program being traced.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from moe_core.kernels import gpu
 AUTO = None  # The setting of interpret=None: decided at trace time.
 
 
-def interprets(setting) -> bool:
+def interprets(setting, compiled_for: str = "gpu") -> bool:
   """Whether the kernels of `setting` (an `Interpreter.parse` result) run
   in the interpreter in the program being traced: auto decides by
-  `gpu.lowering_platform()`."""
+  `gpu.lowering_platform()`, compiled where it is `compiled_for` (the
+  platform the backend's kernels lower for: "gpu", or "tpu" for
+  mosaic_tpu)."""
   if setting is AUTO:
-    return gpu.lowering_platform() != "gpu"
+    return gpu.lowering_platform() != compiled_for
   return setting is not False
 
 
@@ -43,7 +46,7 @@ class Interpreter:
 
   Attributes:
     default: () -> the setting its kernels take to interpret, which True
-      (and auto, off a GPU) selects: True for a `pallas_call`'s HLO
+      (and auto, off its platform) selects: True for a `pallas_call`'s HLO
       interpreter, an `InterpretGPUParams` for Mosaic GPU's.
     names: the strings the option also takes, each with () -> its
       setting: pallas' ("debug", ...).
@@ -51,11 +54,14 @@ class Interpreter:
       as (class name, how errors name it: "a pltpu.InterpretParams"):
       matched by name, so that the module defining the class is imported
       only where it is used.
+    compiled_for: the platform the kernels compile for ("gpu"; "tpu" for
+      mosaic_tpu): auto interprets on every other.
   """
 
   default: Callable[[], Any] = _interpret_everywhere
   names: tuple[tuple[str, Callable[[], Any]], ...] = ()
   params: tuple[tuple[str, str], ...] = ()
+  compiled_for: str = "gpu"
 
   def allowed(self) -> str:
     """The values the option takes, for errors."""
@@ -97,7 +103,7 @@ class Interpreter:
     for a GPU) or `default()` (not)."""
     if setting is not AUTO:
       return setting
-    return self.default() if interprets(AUTO) else False
+    return self.default() if interprets(AUTO, self.compiled_for) else False
 
 
 class InterpretedLaunch:
@@ -113,7 +119,7 @@ class InterpretedLaunch:
   @property
   def interpreting(self) -> bool:
     """Whether the kernels traced now run interpreted."""
-    return interprets(self.interpret)
+    return interprets(self.interpret, self.interpreter.compiled_for)
 
   @property
   def kernel_interpret(self) -> Any:

@@ -192,10 +192,14 @@ def _call_opaque(*operands, fn, static):
 
 
 def _opaque_shapes(avals, *, fn, static):
-  outs = jax.eval_shape(
-      functools.partial(fn, **dict(static)),
-      *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals),
-  )
+  # Traced as one device's kernels, as `effects` and the lowering trace
+  # them: inside shard_map(check_vma=True) a pallas_call traced with the
+  # mesh's typing on wants each out_shape to say how it varies.
+  with compat.per_device_tracing():
+    outs = jax.eval_shape(
+        functools.partial(fn, **dict(static)),
+        *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals),
+    )
   return [(o.shape, o.dtype) for o in outs]
 
 
