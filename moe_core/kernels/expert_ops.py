@@ -296,21 +296,24 @@ def row_scaled_gmm(
     d_lhs, d_rhs, _, d_scale = tangents
     out = op(*primals)
     f32 = jnp.dtype(jnp.float32)
-    (d_product,) = gm.grouped_products(
+    # Rows past the groups: zero, whatever their scale holds (NaN too).
+    used = (jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes))[:, None]
+    scale = jnp.where(used, row_scale.astype(f32)[:, None], 0.0)
+    d_scale = jnp.where(used, d_scale.astype(f32)[:, None], 0.0)
+    # A row scale commutes with the product (s * (x @ W) = (s * x) @ W), so
+    # d_out = (s dx + ds x) @ W + (s x) @ dW is one call of two products:
+    # its transpose is one dX gmm (whose rows, dotted with x, give ds) and
+    # one dW tgmm, and no forward product is recomputed for ds.
+    row_tangent = scale * d_lhs.astype(f32) + d_scale * lhs.astype(f32)
+    (d_out,) = gm.grouped_products(
         kernels,
         "gmm",
-        (d_lhs, lhs),
+        (row_tangent.astype(lhs.dtype), (scale * lhs).astype(lhs.dtype)),
         (rhs, d_rhs),
         group_sizes,
         products=((0, 0, 0), (1, 1, 0)),
         out_dtypes=(f32,),
     )
-    product = gm.gmm(kernels, lhs, rhs, group_sizes, out_dtype=f32)
-    # Rows past the groups: zero, whatever their scale holds (NaN too).
-    used = (jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes))[:, None]
-    scale = jnp.where(used, row_scale.astype(f32)[:, None], 0.0)
-    d_scale = jnp.where(used, d_scale.astype(f32)[:, None], 0.0)
-    d_out = scale * d_product + d_scale * product
     return out, d_out.astype(out.dtype)
 
   return op(lhs, rhs, group_sizes, row_scale)
