@@ -19,6 +19,7 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
     "mosaic_gpu": "backends.mosaic_gpu.backend:MosaicGpuBackend",
     "triton": "backends.triton.backend:TritonBackend",
     "te": "backends.te.backend:TEBackend",
+    "mosaic_tpu": "backends.mosaic_tpu.backend:MosaicTpuBackend",
 }
 
 # What "auto" tries, per platform, first to last. Every order ends at
@@ -34,10 +35,13 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
 # and only where TE is installed. On the CPU, cpu (native custom calls) comes
 # first where its library was built: it is the fastest there
 # (bench/results/, docs/cpu.md); without the library it is unavailable and
-# xla runs.
+# xla runs. On a TPU, mosaic_tpu (its own Mosaic TPU kernels) comes first,
+# then xla (lax.ragged_dot, which XLA also lowers to a Mosaic kernel):
+# bench/results/tpu_check_*.json measures both on a v5e.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "gpu": ("mosaic_gpu", "pallas", "triton", "te", "xla", "reference"),
     "cpu": ("cpu", "xla", "pallas", "reference"),
+    "tpu": ("mosaic_tpu", "xla", "reference"),
 }
 _DEFAULT_AUTO_ORDER = ("xla", "reference")
 

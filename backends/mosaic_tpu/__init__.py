@@ -1,0 +1,1 @@
+"""The mosaic_tpu backend: grouped GEMMs as Pallas Mosaic TPU kernels."""

@@ -1,0 +1,271 @@
+"""The mosaic_tpu kernels as differentiable ops (`moe_core.kernels`).
+
+grouped_gemm   y = x @ w[g]              dX: gmm(dy, w^T)   dW: tgmm(x, dy)
+gate_up        gate, up = x @ wg[g], x @ wu[g] in one pass over x
+gated_gate_up  h = act(x @ wg[g]) * (x @ wu[g]), the activation in the
+               epilogue; the derivatives through the activation's
+down_weighted  out[r] = s[r] * (h[r] @ wd[g]), the routing weight in the
+               epilogue (the down projection of `routed_experts`)
+Forward and reverse mode alike: `TpuKernels` are the raw kernels,
+`moe_core.kernels.grouped_matmul` and `expert_ops` their derivatives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+
+from backends.mosaic_tpu import kernels
+from backends.mosaic_tpu import tiling
+from moe_core.kernels import expert_ops
+from moe_core.kernels import interpret as interpret_lib
+from moe_core.kernels import permutation
+from moe_core.kernels import tile_backend
+
+
+def _debug_interpreter():
+  """The TPU interpreter, which raises on out-of-bounds accesses and races
+  (interpret="debug"): slow, for small shapes."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas import tpu as pltpu
+
+  return pltpu.InterpretParams(detect_races=True)
+
+
+# The backend's `interpret` option (`moe_core.kernels.interpret`): compiled
+# when lowered for a TPU; True is Pallas' HLO interpreter, "debug" or a
+# `pltpu.InterpretParams` the TPU interpreter.
+INTERPRETER = interpret_lib.Interpreter(
+    names=(("debug", _debug_interpreter),),
+    params=(("InterpretParams", "a pltpu.InterpretParams"),),
+    compiled_for="tpu",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch(interpret_lib.InterpretedLaunch):
+  """What every op needs besides its arrays (static, hashable).
+
+  Attributes:
+    tiles: the caller's tiles per kind; unset kinds use the table.
+    interpret: False (compiled for a TPU), True, an InterpretParams, or
+      None: auto, decided when a kernel is traced.
+    generation: the TPU generation whose table and VMEM apply; None: the
+      one lowered for (`tiling.generation()`).
+    dynamic_grid: run only the visits used (a traced grid bound).
+  """
+
+  tiles: tiling.TileConfig = tiling.TileConfig()
+  interpret: Any = False
+  interpreter: ClassVar[interpret_lib.Interpreter] = INTERPRETER
+  generation: str | None = None
+  dynamic_grid: bool = True
+
+  def kernel_launch(self) -> kernels.Launch:
+    """The kernels' launch settings for the program traced now."""
+    return kernels.Launch(
+        interpret=self.kernel_interpret,
+        generation=self.generation or tiling.generation(),
+        dynamic_grid=self.dynamic_grid,
+    )
+
+  def choose(self, call: tiling.Call, launch: kernels.Launch) -> tiling.Tiles:
+    return tiling.choose(self.tiles, call, launch.generation)
+
+  def gmm(
+      self,
+      kind,
+      lhs,
+      rhs,
+      group_sizes,
+      *,
+      transpose_rhs=False,
+      products=((0, 0, 0),),
+      num_outputs=1,
+      out_dtype=None,
+      epilogue=kernels.identity,
+      row_scale=None,
+  ):
+    """One `kernels.gmm` call with the tiles of `kind` ("fwd"/"dgrad")."""
+    m, k = lhs[0].shape
+    n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
+    out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
+    launch = self.kernel_launch()
+    tiles = self.choose(
+        tiling.Call(
+            kind=kind,
+            m=m,
+            k=k,
+            n=n,
+            num_groups=rhs[0].shape[0],
+            itemsize=jnp.dtype(lhs[0].dtype).itemsize,
+            out_itemsize=out_dtype.itemsize,
+            num_lhs=len(lhs),
+            num_rhs=len(rhs),
+            num_accs=1 + max(a for _, _, a in products),
+            num_outputs=num_outputs,
+        ),
+        launch,
+    )
+    return kernels.gmm(
+        list(lhs),
+        list(rhs),
+        group_sizes,
+        tiles=tiles,
+        launch=launch,
+        transpose_rhs=transpose_rhs,
+        products=products,
+        epilogue=epilogue,
+        num_outputs=num_outputs,
+        out_dtype=out_dtype,
+        row_scale=row_scale,
+    )
+
+  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+    """One `kernels.tgmm` call with the "wgrad" tiles."""
+    launch = self.kernel_launch()
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    tiles = self.choose(
+        tiling.Call(
+            kind="wgrad",
+            m=lhs.shape[0],
+            k=lhs.shape[1],
+            n=rhs[0].shape[1],
+            num_groups=num_groups,
+            itemsize=jnp.dtype(lhs.dtype).itemsize,
+            out_itemsize=out_dtype.itemsize,
+            num_rhs=len(rhs),
+            num_accs=len(rhs),
+            num_outputs=len(rhs),
+        ),
+        launch,
+    )
+    return kernels.tgmm(
+        lhs,
+        list(rhs),
+        group_sizes,
+        tiles=tiles,
+        launch=launch,
+        num_groups=num_groups,
+        out_dtype=out_dtype,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuKernels(tile_backend.LaunchKernels):
+  """The gmm and tgmm kernels as `GroupedKernels`: products summed in one
+  pass (gate and up read the rows once; their dX is one call, their dW one
+  tgmm with two outputs); `fused_gmm`'s `epilogue` fuses the activation."""
+
+  launch: Launch
+
+
+# Gated activations the Mosaic TPU lowering computes on the accumulators,
+# each with any clamp (it has exp, logistic, tanh, min and max). The exact
+# "gelu" is out: jax.nn.gelu's erf form calls erfc, which the Mosaic TPU
+# lowering lacks ("Unimplemented primitive ... erfc", jax 0.12 compiling
+# for a v5e); registered activations are arbitrary JAX. Both run unfused.
+EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss_glu", "softcapped_silu")
+
+# grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch),
+# gate_up(rows, w_gate, w_up, group_sizes, launch) and
+# gated_gate_up(rows, w_gate, w_up, group_sizes, activation, launch):
+# `tile_backend.TileOps`.
+grouped_gemm, gate_up, gated_gate_up = tile_backend.TileOps(
+    TpuKernels, EPILOGUE_ACTIVATIONS
+).functions()
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowScaledGmm:
+  """gmm with each row's float32 accumulator scaled before the cast."""
+
+  launch: Launch
+
+  def __call__(self, lhs, rhs, group_sizes, row_scale):
+    return self.launch.gmm(
+        "fwd", [lhs], [rhs], group_sizes, row_scale=row_scale
+    )
+
+
+def down_weighted(h, w_down, group_sizes, row_scale, launch: Launch):
+  """out[r] = row_scale[r] * (h[r] @ w_down[g]): [M, F] -> [M, D].
+
+  The scale multiplies the float32 accumulator before the cast, so the
+  combine that follows needs unit weights. Rows past sum(group_sizes) come
+  out as zeros with zero gradient in h and row_scale
+  (`expert_ops.row_scaled_gmm`).
+
+  Args:
+    h: [M, F] sorted by group.
+    w_down: [E, F, D] of h's dtype.
+    group_sizes: [E] int32, sum <= M.
+    row_scale: [M] float32.
+    launch: tiles and interpret mode.
+  """
+  return expert_ops.row_scaled_gmm(
+      TpuKernels(launch),
+      _RowScaledGmm(launch),
+      h,
+      w_down,
+      group_sizes,
+      row_scale,
+  )
+
+
+def grouped_gemm_with_offset(
+    rows, weights, group_sizes, group_offset, launch: Launch, out_dtype=None
+):
+  """rows [M, C] x weights [E, C, N] over the groups [group_offset,
+  group_offset + E) of group_sizes [G]: [M, N], the other rows zeros.
+
+  The forward alone (no derivatives): for expert parallelism where every
+  device holds all the rows sorted by global group and computes only its
+  own experts' (`kernels.gmm`'s group_offset).
+  """
+  m, c = rows.shape
+  n = weights.shape[2]
+  call = tiling.Call(
+      kind="fwd",
+      m=m,
+      k=c,
+      n=n,
+      num_groups=weights.shape[0],
+      itemsize=jnp.dtype(rows.dtype).itemsize,
+      out_itemsize=jnp.dtype(out_dtype or rows.dtype).itemsize,
+  )
+  kernel_launch = launch.kernel_launch()
+  (out,) = kernels.gmm(
+      [rows],
+      [weights],
+      group_sizes,
+      tiles=launch.choose(call, kernel_launch),
+      launch=kernel_launch,
+      out_dtype=out_dtype,
+      group_offset=group_offset,
+  )
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuPermutationKernels(permutation.PermutationKernels):
+  """Dispatch and combine as gathers, forward and backward.
+
+  The library's defaults: each of the five ops (gather, scatter, combine,
+  spread, row_dots) is a gather and a sum over K, so neither direction has
+  a scatter, which a TPU serialises (autodiff of an XLA gather would give
+  one). The weighted sums over K are products and sums on the vector
+  units, in float32: an einsum would put a K-long contraction on the MXU
+  at full float32 precision (six bf16 passes).
+  """
+
+  def combine(self, rows, weights, plan, *, top_k, nan_invalid):
+    v = self._values(rows, plan, top_k, nan_invalid)
+    y = jnp.sum(weights.astype(jnp.float32)[..., None] * v, axis=1)
+    return y.astype(rows.dtype)
+
+  def row_dots(self, dy, rows, plan, *, top_k, nan_invalid):
+    v = self._values(rows, plan, top_k, nan_invalid)
+    return jnp.sum(dy.astype(jnp.float32)[:, None, :] * v, axis=2)
