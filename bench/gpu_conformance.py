@@ -71,7 +71,8 @@ def parse_summary(output: str) -> dict:
 
 def verbose_counts(output: str) -> dict:
   """{"ran", "failures", "errors", "skipped", "failed_tests"} counted from
-  a verbose child's per-test lines (one killed before its summary)."""
+  a verbose child's per-test lines (one killed, or crashed, before its
+  summary)."""
   counts = {"ran": 0, "failures": 0, "errors": 0, "skipped": 0}
   failed = []
   key = {"FAIL": "failures", "ERROR": "errors", "skipped": "skipped"}
@@ -201,7 +202,7 @@ def _merge(results) -> dict:
   status, reasons, failed = "passed", [], []
   for returncode, output in results:
     counts = parse_summary(output)
-    if counts["ran"] is None and returncode is None:
+    if counts["ran"] is None:  # Killed, or crashed, before its summary.
       partial = verbose_counts(output)
       if partial["ran"]:
         failed += partial.pop("failed_tests")
