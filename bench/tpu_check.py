@@ -495,7 +495,9 @@ def main(argv=None) -> int:
           result = child_phase(run, phase, deadline)
           entry = run.report["phases"][phase]
           entry.update(result)
-          if result["returncode"] != 0:
+          if result["returncode"] == 0:
+            del entry["tail"]  # Its results are in the report.
+          else:
             entry["error"] = (
                 "killed past its deadline"
                 if result["returncode"] is None
