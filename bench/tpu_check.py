@@ -95,6 +95,11 @@ def _parse_args(argv):
       action="store_true",
       help="timing: a jax.profiler trace of a layer step in <out_dir>/profile",
   )
+  p.add_argument(
+      "--sweep_impls",
+      default="mosaic_tpu,megablox",
+      help="whose tiles the sweep tries",
+  )
   p.add_argument("--conformance_backends", default="mosaic_tpu,xla")
   p.add_argument(
       "--conformance_filter",
@@ -498,11 +503,13 @@ def main(argv=None) -> int:
           if result["returncode"] == 0:
             del entry["tail"]  # Its results are in the report.
           else:
-            entry["error"] = (
+            ended = (
                 "killed past its deadline"
                 if result["returncode"] is None
                 else f"child exit code {result['returncode']}"
             )
+            errors = (entry.get("error"), ended)
+            entry["error"] = "; ".join(e for e in errors if e)
         elif phase == "conformance":
           entry.update(conformance_phase(run, deadline))
         else:

@@ -75,6 +75,7 @@ class Context:
         g for g in self.gemms if not (self.quick and g.name.endswith("_down"))
     )
     self.layers = tpu_gemm.DRY_LAYERS if self.dry else pick(tpu_gemm.LAYERS)
+    self.sweep_impls = [i for i in args.sweep_impls.split(",") if i]
     self.profile_dir = (
         os.path.join(args.out_dir, "profile") if args.profile else None
     )
@@ -91,13 +92,12 @@ def sweep_phase(ctx: Context) -> None:
   sec = ctx.report.setdefault(
       "sweep", {"rows": [], "best": [], "candidates_from": {}, "skipped": {}}
   )
-  impls = ["megablox"]
+  impls = [i for i in ctx.sweep_impls if i in SWEEP_WEIGHTS]
   missing = tpu_gemm.our_status(interpret=ctx.dry)
-  if missing:
+  if missing and tpu_gemm.OURS in impls:
     print(f"sweep: skipping {tpu_gemm.OURS}: {missing}")
     sec["skipped"][tpu_gemm.OURS] = missing
-  else:
-    impls.insert(0, tpu_gemm.OURS)
+    impls.remove(tpu_gemm.OURS)
   units = [(i, g, p) for g in ctx.gemms for p in tpu_gemm.PASSES for i in impls]
   arrays = {}
   for done, (impl, gemm, pass_) in enumerate(units):
