@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -115,6 +116,13 @@ def _parse_args(argv):
       help="more train.main flags, space-separated",
   )
   p.add_argument(
+      "--compile_cache",
+      default=os.path.join(tempfile.gettempdir(), "tpu_check_jax_cache"),
+      help="JAX's persistent compilation cache for the children (the "
+      "timing then reuses the sweep's compiles while the host stays up); "
+      "'' for none; none with --dry_run",
+  )
+  p.add_argument(
       "--peak_tflops",
       type=float,
       default=197.0,
@@ -145,19 +153,28 @@ def _git_commit() -> str | None:
     return os.environ.get("DROPLESS_COMMIT")
 
 
+def _installed(distribution: str) -> str | None:
+  try:
+    return importlib.metadata.version(distribution)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
 def _python_path() -> list[str]:
   """This process's PYTHONPATH entries (the TPU host's carried wheels)."""
   return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
-def _child_env() -> dict:
+def _child_env(compile_cache: str | None) -> dict:
   env = dict(os.environ)
+  if compile_cache and "JAX_COMPILATION_CACHE_DIR" not in env:
+    env["JAX_COMPILATION_CACHE_DIR"] = compile_cache
   env["PYTHONPATH"] = os.pathsep.join([_REPO, *_python_path()])
   env["PYTHONUNBUFFERED"] = "1"
   return env
 
 
-def _run_child(cmd, deadline, log_prefix, cwd=_REPO) -> dict:
+def _run_child(cmd, deadline, log_prefix, env) -> dict:
   """Runs `cmd`, echoing its output; kills it at `deadline` (time.time()).
 
   Returns {"returncode" (None if killed), "seconds", "tail"}.
@@ -166,8 +183,8 @@ def _run_child(cmd, deadline, log_prefix, cwd=_REPO) -> dict:
   tail = collections.deque(maxlen=_TAIL_LINES)
   child = subprocess.Popen(  # pylint: disable=consider-using-with
       cmd,
-      cwd=cwd,
-      env=_child_env(),
+      cwd=_REPO,
+      env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
@@ -208,6 +225,12 @@ class Run:
   def write(self):
     gpu_report.write(self.path, self.report)
 
+  def child_env(self) -> dict:
+    """The children's environment: this one's, this repository first on
+    PYTHONPATH, and the compilation cache (none in a dry run)."""
+    cache = None if self.args.dry_run else self.args.compile_cache
+    return _child_env(cache)
+
   def reload(self):
     """The report as a child left it (children write the same file)."""
     try:
@@ -235,7 +258,7 @@ def child_phase(run: Run, phase: str, deadline: float) -> dict:
       f"--child={phase}",
       f"--child_deadline={deadline}",
   ]
-  result = _run_child(cmd, deadline + _GRACE_S, f"[{phase}] ")
+  result = _run_child(cmd, deadline + _GRACE_S, f"[{phase}] ", run.child_env())
   run.reload()
   return result
 
@@ -345,7 +368,9 @@ def train_phase(run: Run, deadline: float) -> dict:
           *extra,
       ]
       entry["command"] = " ".join(cmd[1:])
-      result = _run_child(cmd, time.time() + share, f"[train {name}] ")
+      result = _run_child(
+          cmd, time.time() + share, f"[train {name}] ", run.child_env()
+      )
       entry.update(read_training(tmp, args.peak_tflops * 1e12))
       entry.update(result)
       kept = os.path.join(run.args.out_dir, f"train_{name}")
@@ -469,6 +494,7 @@ def main(argv=None) -> int:
   versions = gpu_report.versions()
   for k in ("triton", "jax_triton", "jax_triton_from", "platform", "device"):
     versions.pop(k, None)  # Of this process, which sees only the CPU.
+  versions["libtpu"] = _installed("libtpu") or _installed("libtpu-nightly")
   report = {
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
       **versions,
