@@ -10,7 +10,8 @@ phase is a child process (sweep and timing: this module again, with
 time; train: `python -m train.main`), killed if it outlives its share of
 --deadline_s. Every child's results land in <out_dir>/tpu_check.json,
 rewritten after each measurement; a failing piece records its error and the
-run goes on.
+run goes on. Over 400 lines because it is one job: the phases of one call
+on a lent chip, each in its own process, against one deadline.
 """
 
 from __future__ import annotations

@@ -120,11 +120,12 @@ def group_sizes(routing: str, gemm: Gemm):
   )
 
 
-def inputs(gemm: Gemm, key, dense: bool = False):
-  """(x [M, K], w [E, K, N] (dense: [K, N]), dy [M, N]), bf16, random."""
+def inputs(gemm: Gemm, key):
+  """(x [M, K], w [E, K, N], dy [M, N]), bf16, random (the dense baseline
+  takes w[0])."""
   kx, kw, kd = jax.random.split(key, 3)
   bf16 = jnp.bfloat16
-  shape = (gemm.k, gemm.n) if dense else (gemm.experts, gemm.k, gemm.n)
+  shape = (gemm.experts, gemm.k, gemm.n)
   x = jax.random.normal(kx, (gemm.m, gemm.k), bf16)
   w = jax.random.normal(kw, shape, bf16) * jnp.asarray(gemm.k**-0.5, bf16)
   dy = jax.random.normal(kd, (gemm.m, gemm.n), bf16)
