@@ -25,6 +25,9 @@ import time
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANT_ENV = "DROPLESS_CONFORMANCE_VARIANT"
 INTERPRET_ENV = "DROPLESS_CONFORMANCE_INTERPRET"
+# "1": the child prints a line per test as it ends (unittest's verbosity
+# 2), so a child killed at the deadline still says how far it got.
+VERBOSE_ENV = "DROPLESS_CONFORMANCE_VERBOSE"
 # absltest's summary: "Ran 445 tests in 81.2s", then "OK (skipped=12)" or
 # "FAILED (failures=1, errors=2, skipped=3)".
 _RAN = re.compile(r"^Ran (\d+) tests? in ([\d.]+)s", re.MULTILINE)
@@ -41,6 +44,11 @@ _RUNNER_VARIABLES = (
 )
 # A failing test's first line in absltest's output.
 _FAILED = re.compile(r"^(?:FAIL|ERROR): (\S+)", re.MULTILINE)
+# A verbose child's line per test: "test_x (module.Class.test_x) ... ok".
+_VERBOSE = re.compile(
+    r"^(test\w*) \(.*?\) \.\.\. ?(?:.*\n)*?.*?\b(ok|FAIL|ERROR|skipped)\b",
+    re.MULTILINE,
+)
 
 
 def parse_summary(output: str) -> dict:
@@ -61,8 +69,31 @@ def parse_summary(output: str) -> dict:
   return {"ran": int(last.group(1)) if last else None, **counts}
 
 
+def verbose_counts(output: str) -> dict:
+  """{"ran", "failures", "errors", "skipped", "failed_tests"} counted from
+  a verbose child's per-test lines (one killed, or crashed, before its
+  summary)."""
+  counts = {"ran": 0, "failures": 0, "errors": 0, "skipped": 0}
+  failed = []
+  key = {"FAIL": "failures", "ERROR": "errors", "skipped": "skipped"}
+  for name, outcome in _VERBOSE.findall(output):
+    counts["ran"] += 1
+    if outcome in key:
+      counts[key[outcome]] += 1
+    if outcome in ("FAIL", "ERROR"):
+      failed.append(name)
+  return {**counts, "failed_tests": failed}
+
+
 def _run_shard(
-    variant, index, shards, interpret, deadline, extra_path, test_filter
+    variant,
+    index,
+    shards,
+    interpret,
+    deadline,
+    extra_path,
+    test_filter,
+    verbose=False,
 ):
   """(returncode or None if killed, output) of one shard of one variant."""
   env = {k: v for k, v in os.environ.items() if k not in _RUNNER_VARIABLES}
@@ -72,6 +103,7 @@ def _run_shard(
       {
           VARIANT_ENV: variant,
           INTERPRET_ENV: "1" if interpret else "0",
+          VERBOSE_ENV: "1" if verbose else "0",
           "PYTHONPATH": os.pathsep.join([_REPO, *extra_path]),
           "TEST_TOTAL_SHARDS": str(shards),
           "TEST_SHARD_INDEX": str(index),
@@ -104,6 +136,7 @@ def run_suites(
     workers: int = 1,
     extra_path=(),
     test_filter=None,
+    verbose=False,
 ):
   """The suites on each variant; returns one JSON entry per variant.
 
@@ -118,6 +151,8 @@ def run_suites(
     workers: children at a time.
     extra_path: more sys.path entries for the children (carried wheels).
     test_filter: only the tests matching these unittest -k patterns.
+    verbose: a line per test, so a killed child's tests are counted
+      (`verbose_counts`).
 
   Returns:
     [{"variant", "status": "passed" | "failed" | "incomplete" | "skipped",
@@ -149,6 +184,7 @@ def run_suites(
               deadline,
               extra_path,
               test_filter,
+              verbose,
           )
           for i in range(shards)
       ]
@@ -166,6 +202,11 @@ def _merge(results) -> dict:
   status, reasons, failed = "passed", [], []
   for returncode, output in results:
     counts = parse_summary(output)
+    if counts["ran"] is None:  # Killed, or crashed, before its summary.
+      partial = verbose_counts(output)
+      if partial["ran"]:
+        failed += partial.pop("failed_tests")
+        counts = partial
     for key in merged:
       merged[key] += counts[key] or 0
     failed += _FAILED.findall(output)
@@ -212,7 +253,10 @@ def _main() -> None:
   from conformance import suite  # pylint: disable=g-import-not-at-top
 
   name = os.environ[VARIANT_ENV]
-  variant = {v.name: v for v in programs.variants()}[name]
+  # A backend outside the GPU table (mosaic_tpu): its default variant.
+  variant = {v.name: v for v in programs.variants()}.get(name) or (
+      programs.Variant(name, name)
+  )
   interpret = os.environ.get(INTERPRET_ENV) == "1"
   options = {
       **programs.platform_options(variant.backend, interpret),
@@ -224,7 +268,8 @@ def _main() -> None:
       (suite.ConformanceTest,),
       {"BACKEND": variant.backend, "BACKEND_OPTIONS": options},
   )
-  absltest.main(defaultTest="ConformanceTest")
+  verbose = {"verbosity": 2} if os.environ.get(VERBOSE_ENV) == "1" else {}
+  absltest.main(defaultTest="ConformanceTest", **verbose)
 
 
 if __name__ == "__main__":

@@ -117,25 +117,30 @@ def time_one(row: dict, compiled, args, repeats: int, flops: int) -> dict:
   return row
 
 
-def add_ratios(rows) -> None:
-  """Each row's time over its workload and mode's `BASELINES` rows."""
+def add_ratios(rows, baselines=BASELINES) -> None:
+  """Each row's time over its workload and mode's `baselines` rows."""
   seconds = {
-      (r["workload"], r["mode"], r["variant"]): r.get("seconds") for r in rows
+      (r["workload"], r["mode"], r["variant"]): r.get("seconds")
+      for r in rows
+      if "mode" in r
   }
   for r in rows:
-    for base in BASELINES:
+    if "mode" not in r:
+      continue
+    for base in baselines:
       r[timing.ratio_key(r["mode"], base)] = timing.time_over(
           r.get("seconds"), seconds.get((r["workload"], r["mode"], base))
       )
 
 
-def goals(rows, device_kind=None) -> list[dict]:
-  """The `GOALS` entries the rows can judge: value, target and met."""
+def goals(rows, device_kind=None, table=GOALS) -> list[dict]:
+  """The entries of `table` (`GOALS`) the rows can judge: value, target
+  and met."""
   hopper = bool(device_kind) and bool(_HOPPER.search(str(device_kind)))
   out = []
-  for pattern, variant, mode, base, most, says in GOALS:
+  for pattern, variant, mode, base, most, says in table:
     for r in rows:
-      match = (
+      match = "mode" in r and (
           fnmatch.fnmatchcase(r["workload"], pattern)
           and fnmatch.fnmatchcase(r["variant"], variant)
           and fnmatch.fnmatchcase(r["mode"], mode)

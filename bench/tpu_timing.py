@@ -1,0 +1,416 @@
+"""tpu_check's phases on the chip: the tile sweep and the timing.
+
+Both run in one child process of tpu_check (it alone holds the chip) and
+write the report after every measurement. sweep: per workload shape and
+pass, each candidate tile of mosaic_tpu and megablox compiled (one that
+fails is recorded with its error's first line) and timed at even and Zipf
+routing; the best per (shape, routing, pass). timing: the grouped GEMM's
+passes for every method side by side, then the MoE layer's
+forward+backward against the dense SwiGLU FFN of the same FLOPs. Times are
+`gpu_timing.median_seconds` (median after a warm-up); ratios are
+`timing.ratio_key` times over a baseline's (< 1 is faster). Over 400
+lines because it is the one module of what runs on the chip.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+import moe_core
+from bench import gpu_report
+from bench import gpu_timing
+from bench import layer_bench
+from bench import programs as programs_lib
+from bench import tpu_gemm
+
+GEMM_BASELINES = ("dense", "ragged_dot", "megablox")
+LAYER_BASELINES = ("dense_ffn", "xla", "megablox")
+# (workload pattern, variant, mode, baseline, largest time / baseline, says)
+GOALS = (
+    ("*", "mosaic_tpu", "fwd_bwd", "dense_ffn", 1.25, "layer <= 1.25x dense"),
+    ("*/*", "mosaic_tpu*", "*", "megablox", 1.0, "as fast as megablox"),
+)
+# A measurement stops timing calls after this many seconds (one at least).
+MEASURE_S = 1.0
+# The sweep's share of time per (impl, shape, pass): ours has the longer
+# list worth trying; megablox's best is known within a step or two.
+SWEEP_WEIGHTS = {tpu_gemm.OURS: 2.0, "megablox": 1.0}
+
+
+def error_line(e: BaseException) -> str:
+  """The type and the first non-empty line of an error's message."""
+  lines = [l for l in str(e).splitlines() if l.strip()]
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _time(compiled, args, repeats) -> dict:
+  seconds, calls, first, _ = gpu_timing.median_seconds(
+      compiled, args, repeats, MEASURE_S
+  )
+  return {"seconds": seconds, "calls": calls, "first_call_s": first}
+
+
+class Context:
+  """What a phase needs: the report, how to write it, its deadline (a
+  time.time()), the shapes, and the run's settings."""
+
+  def __init__(self, report, write, deadline, args):
+    self.report, self.write, self.deadline = report, write, deadline
+    self.dry = args.dry_run
+    self.quick = args.quick
+    self.repeats = 1 if args.dry_run else (3 if args.quick else args.repeats)
+    # Ranking tiles needs fewer calls than a reported time.
+    self.sweep_repeats = min(self.repeats, 5)
+    wanted = set(args.shapes.split(",")) if args.shapes else None
+    pick = lambda items: tuple(
+        i for i in items if wanted is None or i.name.split("_")[0] in wanted
+    )
+    self.gemms = tpu_gemm.DRY_GEMMS if self.dry else pick(tpu_gemm.GEMMS)
+    # --quick times the up projections only (the sweep still tries both).
+    self.timed_gemms = tuple(
+        g for g in self.gemms if not (self.quick and g.name.endswith("_down"))
+    )
+    self.layers = tpu_gemm.DRY_LAYERS if self.dry else pick(tpu_gemm.LAYERS)
+    self.sweep_impls = [i for i in args.sweep_impls.split(",") if i]
+    self.profile_dir = (
+        os.path.join(args.out_dir, "profile") if args.profile else None
+    )
+
+  def left(self) -> float:
+    return self.deadline - time.time()
+
+
+# --- sweep -------------------------------------------------------------------
+
+
+def sweep_phase(ctx: Context) -> None:
+  """Times every candidate tile; records the best per shape, routing, pass."""
+  sec = ctx.report.setdefault(
+      "sweep", {"rows": [], "best": [], "candidates_from": {}, "skipped": {}}
+  )
+  impls = [i for i in ctx.sweep_impls if i in SWEEP_WEIGHTS]
+  missing = tpu_gemm.our_status(interpret=ctx.dry)
+  if missing and tpu_gemm.OURS in impls:
+    print(f"sweep: skipping {tpu_gemm.OURS}: {missing}")
+    sec["skipped"][tpu_gemm.OURS] = missing
+    impls.remove(tpu_gemm.OURS)
+  units = [(i, g, p) for g in ctx.gemms for p in tpu_gemm.PASSES for i in impls]
+  arrays = {}
+  for done, (impl, gemm, pass_) in enumerate(units):
+    if ctx.left() <= 0:
+      sec["skipped"]["units"] = [
+          f"{i} {g.name} {p}" for i, g, p in units[done:]
+      ]
+      break
+    if gemm.name not in arrays:
+      arrays.clear()  # One shape's arrays on the chip at a time.
+      arrays[gemm.name] = _gemm_arrays(gemm)
+    weights = sum(SWEEP_WEIGHTS[u[0]] for u in units[done:])
+    share = time.time() + ctx.left() * SWEEP_WEIGHTS[impl] / weights
+    _sweep_unit(ctx, sec, impl, gemm, pass_, arrays[gemm.name], share)
+    sec["best"] = best_tiles(sec["rows"])
+    ctx.write()
+
+
+def _gemm_arrays(gemm):
+  x, w, dy = tpu_gemm.inputs(gemm, jax.random.key(0))
+  sizes = {r: tpu_gemm.group_sizes(r, gemm) for r in tpu_gemm.ROUTINGS}
+  return x, w, dy, sizes
+
+
+def _sweep_unit(ctx, sec, impl, gemm, pass_, arrays, share_deadline):
+  x, w, dy, sizes = arrays
+  if impl == tpu_gemm.OURS:
+    cands, source = tpu_gemm.our_candidates(gemm, pass_, ctx.dry)
+  else:
+    cands = tpu_gemm.megablox_candidates(gemm, pass_, ctx.dry)
+    source = "tpu_gemm.megablox_candidates"
+  sec["candidates_from"][impl] = source
+  if ctx.quick:
+    cands = cands[:4]
+  timed = 0
+  for n, tile in enumerate(cands):
+    if n and (timed or ctx.left() <= 0) and time.time() > share_deadline:
+      sec["rows"].append(
+          {
+              "impl": impl,
+              "shape": gemm.name,
+              "pass": pass_,
+              "untried": len(cands) - n,
+          }
+      )
+      return
+    row = {
+        "impl": impl,
+        "shape": gemm.name,
+        "pass": pass_,
+        "tile": _plain(tile),
+    }
+    sec["rows"].append(row)
+    try:
+      if impl == tpu_gemm.OURS:
+        backend = tpu_gemm.our_backend({pass_: tile}, interpret=ctx.dry)
+        fn = tpu_gemm.backend_passes(backend)[pass_]
+      else:
+        fn = tpu_gemm.megablox_passes({pass_: tile}, interpret=ctx.dry)[pass_]
+      start = time.perf_counter()
+      compiled = jax.jit(fn).lower(x, w, sizes["even"], dy).compile()
+      row["compile_s"] = round(time.perf_counter() - start, 2)
+      for routing, gs in sizes.items():
+        t = _time(compiled, (x, w, gs, dy), ctx.sweep_repeats)
+        row[routing] = {**t, "tflops": gemm.flops() / t["seconds"] / 1e12}
+      timed += 1
+    except Exception as e:  # pylint: disable=broad-except
+      row["error"] = error_line(e)
+      row["vmem"] = "vmem" in str(e).lower()
+    print(
+        f"sweep {impl} {gemm.name} {pass_} {tile}: "
+        f"{row.get('error') or {r: round(row[r]['tflops'], 1) for r in sizes}}"
+    )
+    ctx.write()
+
+
+def _plain(tile):
+  """A tile for the JSON: mosaic_tpu's field dict, megablox's list."""
+  return dict(tile) if isinstance(tile, dict) else list(tile)
+
+
+def best_tiles(rows) -> list[dict]:
+  """The fastest tile per (impl, shape, routing, pass); "all" routings: the
+  tile of the least summed time over the routings (what timing uses)."""
+  best = {}
+  for r in rows:
+    if "tile" not in r or "error" in r:
+      continue
+    times = {k: r[k]["seconds"] for k in tpu_gemm.ROUTINGS if k in r}
+    if len(times) == len(tpu_gemm.ROUTINGS):
+      times["all"] = sum(times.values())
+    for routing, seconds in times.items():
+      key = (r["impl"], r["shape"], routing, r["pass"])
+      if key not in best or seconds < best[key]["seconds"]:
+        tflops = r[routing]["tflops"] if routing in r else None
+        best[key] = {
+            "impl": r["impl"],
+            "shape": r["shape"],
+            "routing": routing,
+            "pass": r["pass"],
+            "tile": r["tile"],
+            "seconds": seconds,
+            "tflops": tflops,
+        }
+  return list(best.values())
+
+
+def swept_tiles(report, impl: str, shape: str) -> dict:
+  """pass -> the sweep's best tile over both routings ({} if none)."""
+  return {
+      b["pass"]: b["tile"] if isinstance(b["tile"], dict) else tuple(b["tile"])
+      for b in report.get("sweep", {}).get("best", [])
+      if (b["impl"], b["shape"], b["routing"]) == (impl, shape, "all")
+  }
+
+
+# --- timing ------------------------------------------------------------------
+
+
+def timing_phase(ctx: Context) -> None:
+  """The GEMMs' passes, then the layers (the layers keep >= 40% of the
+  time), then the profile if asked."""
+  rows = ctx.report.setdefault("gemm", [])
+  layer_rows = ctx.report.setdefault("layer", [])
+  end = ctx.deadline
+  ctx.deadline = time.time() + 0.6 * ctx.left()
+  for gemm in ctx.timed_gemms:
+    if ctx.left() <= 0:
+      rows.append({"workload": gemm.name, "skipped": "past the deadline"})
+      continue
+    _time_gemm(ctx, gemm, rows)
+  ctx.deadline = end
+  for layer in ctx.layers:
+    if ctx.left() <= 0:
+      layer_rows.append(
+          {"workload": layer.name, "skipped": "past the deadline"}
+      )
+      continue
+    _time_layer(ctx, layer, layer_rows)
+  if ctx.profile_dir and ctx.layers:
+    _profile(ctx, ctx.layers[0])
+  timed = [r for r in rows + layer_rows if r.get("seconds") is not None]
+  ctx.report["goals"] = gpu_timing.goals(timed, table=GOALS)
+  ctx.write()
+
+
+def _gemm_methods(ctx, gemm):
+  """[(variant, pass -> fn, tiles or None)] of one shape; a method that
+  cannot be built is (variant, error, None)."""
+  out = [("dense", tpu_gemm.dense_passes(), None)]
+  out.append(("ragged_dot", tpu_gemm.ragged_dot_passes(), None))
+  try:
+    out.append(
+        ("xla", tpu_gemm.backend_passes(moe_core.get_backend("xla")), None)
+    )
+  except Exception as e:  # pylint: disable=broad-except
+    out.append(("xla", error_line(e), None))
+  tiles = swept_tiles(ctx.report, "megablox", gemm.name)
+  fixed = tpu_gemm.MegabloxBackend(interpret=ctx.dry)
+  for p in tpu_gemm.PASSES:
+    tiles.setdefault(p, fixed.tiling(*gemm.pass_dims(p)[1:]))
+  out.append(("megablox", tpu_gemm.megablox_passes(tiles, ctx.dry), tiles))
+  missing = tpu_gemm.our_status(interpret=ctx.dry)
+  if missing:
+    out.append((tpu_gemm.OURS, missing, None))
+    return out
+  out.append(
+      (
+          tpu_gemm.OURS,
+          tpu_gemm.backend_passes(tpu_gemm.our_backend(interpret=ctx.dry)),
+          None,
+      )
+  )
+  ours = swept_tiles(ctx.report, tpu_gemm.OURS, gemm.name)
+  if ours:
+    backend = tpu_gemm.our_backend(ours, interpret=ctx.dry)
+    out.append(
+        (f"{tpu_gemm.OURS}_swept", tpu_gemm.backend_passes(backend), ours)
+    )
+  return out
+
+
+def _time_gemm(ctx, gemm, rows):
+  x, w, dy, sizes = _gemm_arrays(gemm)
+  w_dense = w[0]
+  for variant, passes, tiles in _gemm_methods(ctx, gemm):
+    for pass_ in tpu_gemm.PASSES:
+      base = {"variant": variant, "mode": pass_, "shape": gemm.name}
+      if tiles:
+        base["tile"] = _plain(tiles[pass_]) if pass_ in tiles else None
+      new = [dict(base, workload=f"{gemm.name}/{r}", routing=r) for r in sizes]
+      rows.extend(new)
+      if isinstance(passes, str):  # The method could not be built.
+        for row in new:
+          row["skipped" if "missing" in passes else "error"] = passes
+        continue
+      if ctx.left() <= 0:
+        for row in new:
+          row["skipped"] = "past the deadline"
+        continue
+      weights = w_dense if variant == "dense" else w
+      try:
+        compiled = (
+            jax.jit(passes[pass_])
+            .lower(x, weights, sizes["even"], dy)
+            .compile()
+        )
+        for row in new:
+          if variant == "dense" and row is not new[0]:
+            row.update({k: new[0][k] for k in ("seconds", "calls")})
+            row["routing_independent"] = True
+          else:
+            row.update(
+                _time(
+                    compiled,
+                    (x, weights, sizes[row["routing"]], dy),
+                    ctx.repeats,
+                )
+            )
+          row["tflops"] = gemm.flops() / row["seconds"] / 1e12
+      except Exception as e:  # pylint: disable=broad-except
+        traceback.print_exc()
+        for row in new:
+          row["error"] = error_line(e)
+      for row in new:
+        print(
+            f"gemm {row['workload']} {variant} {pass_}: "
+            f"{row.get('error') or round(row['tflops'], 1)}"
+        )
+      gpu_timing.add_ratios(rows, GEMM_BASELINES)
+      ctx.write()
+
+
+def _layer_methods(ctx):
+  out = [("xla", moe_core.get_backend("xla"))]
+  missing = tpu_gemm.our_status(interpret=ctx.dry)
+  out.append(
+      (tpu_gemm.OURS, missing or tpu_gemm.our_backend(interpret=ctx.dry))
+  )
+  out.append(("megablox", tpu_gemm.MegabloxBackend(interpret=ctx.dry)))
+  return out
+
+
+def _time_layer(ctx, layer, rows):
+  key = jax.random.key(1)
+  kx, kp, kd, kc = jax.random.split(key, 4)
+  x = jax.random.normal(kx, (layer.tokens, layer.hidden), jnp.bfloat16)
+  cot = jax.random.normal(kc, x.shape, jnp.float32)
+  cfg = layer.config()
+  methods = [("dense_ffn", None)] + _layer_methods(ctx)
+  for variant, backend in methods:
+    row = {"workload": layer.name, "variant": variant, "mode": "fwd_bwd"}
+    rows.append(row)
+    if isinstance(backend, str):
+      row["skipped"] = backend
+      continue
+    if ctx.left() <= 0:
+      row["skipped"] = "past the deadline"
+      continue
+    try:
+      if backend is None:
+        fn, params = layer_bench.dense_ffn, tpu_gemm.dense_ffn_params(layer, kd)
+      else:
+        fn = tpu_gemm.moe_fn(layer, backend)
+        params = moe_core.init_params(kp, cfg, dtype=jnp.bfloat16)
+      step = jax.jit(programs_lib.with_grad(fn))
+      start = time.perf_counter()
+      compiled = step.lower(params, x, cot).compile()
+      row["compile_s"] = round(time.perf_counter() - start, 2)
+      row.update(_time(compiled, (params, x, cot), ctx.repeats))
+      row["tflops"] = layer.flops() / row["seconds"] / 1e12
+      del params
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      row["error"] = error_line(e)
+    print(
+        f"layer {layer.name} {variant}: "
+        f"{row.get('error') or row.get('seconds')}"
+    )
+    gpu_timing.add_ratios(rows, LAYER_BASELINES)
+    ctx.write()
+
+
+def _profile(ctx, layer) -> None:
+  """A jax.profiler trace of one forward+backward of `layer` on mosaic_tpu
+  (xla where it is missing) into <out_dir>/profile."""
+  entry = ctx.report.setdefault("profile", {"dir": ctx.profile_dir})
+  try:
+    missing = tpu_gemm.our_status(interpret=ctx.dry)
+    backend = (
+        moe_core.get_backend("xla")
+        if missing
+        else tpu_gemm.our_backend(interpret=ctx.dry)
+    )
+    entry["backend"] = backend.name
+    cfg = layer.config()
+    kx, kp, kc = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(kx, (layer.tokens, layer.hidden), jnp.bfloat16)
+    args = (
+        moe_core.init_params(kp, cfg, dtype=jnp.bfloat16),
+        x,
+        jax.random.normal(kc, x.shape, jnp.float32),
+    )
+    step = jax.jit(programs_lib.with_grad(tpu_gemm.moe_fn(layer, backend)))
+    jax.block_until_ready(step(*args))  # Compiled outside the trace.
+    with jax.profiler.trace(ctx.profile_dir):
+      jax.block_until_ready(step(*args))
+    entry["bytes"] = sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(ctx.profile_dir)
+        for f in files
+    )
+  except Exception as e:  # pylint: disable=broad-except
+    entry["error"] = gpu_report.error_text(e)
+  ctx.write()
