@@ -279,6 +279,16 @@ class TilingTest(parameterized.TestCase):
       )
       self.assertEqual(tiles.bm % tiles.rows_per_pass, 0)
 
+  @parameterized.parameters("fwd", "dgrad", "wgrad")
+  def test_sweep_candidates_start_at_the_table_and_fit(self, kind):
+    call = tiling.Call(kind, 32768, 2048, 768, 128, 2, 2)
+    cands = tiling.candidates(kind, 32768, 2048, 768, 128)
+    self.assertEqual(cands[0], tiling.choose(tiling.TileConfig(), call, "v5e"))
+    self.assertLen(set(cands), len(cands))
+    budget = tiling.GENERATIONS["v5e"].tile_budget_bytes
+    for tiles in cands:
+      self.assertLessEqual(tiling.vmem_bytes(tiles, call), budget)
+
   def test_bad_tiles_name_the_field(self):
     with self.assertRaisesRegex(ValueError, r"Tiles.bm must be .*got bm=100"):
       tiling.Tiles(bm=100)

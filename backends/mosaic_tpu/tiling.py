@@ -319,36 +319,42 @@ def choose(
   return fit(TABLE[gen.name][call.kind], call, gen)
 
 
-def candidates(kind: str) -> tuple[Tiles, ...]:
-  """The tiles a sweep tries for `kind` (bench/tpu_check.py)."""
+def candidates(
+    kind: str, m: int, k: int, n: int, num_groups: int, dtype=jnp.bfloat16
+) -> tuple[Tiles, ...]:
+  """The tiles a sweep tries for one call (bench/tpu_check.py --phases=
+  sweep): the v5e table's row first, then its neighbours (whole tile or
+  128-row chunks, narrower and wider blocks, K in steps), each fitted to
+  the call and the v5e's VMEM, without repeats."""
   if kind == "wgrad":
-    return tuple(
-        Tiles(bm=bm, bk=bk, bn=bn, chunk=chunk)
-        for bm, bk, bn, chunk in (
-            (512, 1024, 1024, 256),
-            (512, 1024, 1024, None),
-            (512, 1024, 1024, 128),
-            (512, 512, 1024, 256),
-            (512, 2048, 1024, 256),
-            (1024, 1024, 1024, 256),
-            (256, 1024, 1024, None),
-            (512, 1024, 2048, 256),
-        )
+    shapes = (
+        (512, 2048, 1024, 256),
+        (512, 1024, 1024, 256),
+        (512, 2048, 1024, None),
+        (512, 2048, 1024, 128),
+        (1024, 2048, 1024, 256),
+        (256, 2048, 1024, 128),
+        (512, 1024, 2048, 256),
     )
-  return tuple(
-      Tiles(bm=bm, bk=bk, bn=bn, chunk=chunk)
-      for bm, bk, bn, chunk in (
-          (512, None, 1024, 256),
-          (512, None, 1024, None),
-          (512, None, 1024, 128),
-          (512, None, 512, 256),
-          (512, None, 2048, 256),
-          (1024, None, 1024, 256),
-          (256, None, 1024, None),
-          (512, 1024, 1024, 256),
-          (512, 2048, 1024, 256),
-      )
-  )
+  else:
+    shapes = (
+        (512, None, 1024, 256),
+        (512, None, 1024, None),
+        (512, None, 1024, 128),
+        (256, None, 1024, 128),
+        (1024, None, 1024, 256),
+        (512, None, 2048, 256),
+        (512, None, 512, 128),
+        (512, 2048, 1024, 256),
+    )
+  itemsize = jnp.dtype(dtype).itemsize
+  call = Call(kind, m, k, n, num_groups, itemsize, itemsize)
+  found = []
+  for bm, bk, bn, chunk in shapes:
+    tiles = fit(Tiles(bm, bk, bn, chunk), call, GENERATIONS["v5e"])
+    if tiles not in found:
+      found.append(tiles)
+  return tuple(found)
 
 
 def out_itemsize(dtype) -> int:
