@@ -103,8 +103,8 @@ def generation() -> str:
   topology whose chips need not be here), else the first local device;
   `DEFAULT_GENERATION` off a TPU (interpreted kernels).
   """
-  device = gpu.target_device()
-  if device is None:
+  device = gpu.lowering_device()
+  if getattr(device, "platform", None) != "tpu":
     device = jax.devices()[0]
   found = generation_of_kind(getattr(device, "device_kind", "") or "")
   return found or DEFAULT_GENERATION

@@ -66,6 +66,12 @@ def lowering_platform() -> str:
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
+def lowering_device():
+  """The abstract device of the program being lowered (a GPU or a TPU: the
+  abstract mesh's, as `lowering_platform` reads it), or None."""
+  return _abstract_device()
+
+
 def _abstract_device():
   get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
   return getattr(get_mesh(), "abstract_device", None) if get_mesh else None

@@ -1,0 +1,110 @@
+"""MosaicTpuBackend's options, availability, auto mode and refusals."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+
+import moe_core
+from backends.mosaic_tpu import backend as tpu_backend
+from backends.mosaic_tpu import tiling
+from moe_core import backend as backend_lib
+from moe_core import registry
+from moe_core.kernels import interpret as interpret_lib
+
+
+def _tpu_mesh(device_kind: str = "TPU v5 lite"):
+  """An abstract one-chip TPU mesh, as `moe_core.aot` lowers inside."""
+  device = jax.sharding.AbstractDevice(
+      device_kind=device_kind, num_cores=1, platform="tpu"
+  )
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+class MosaicTpuBackendTest(parameterized.TestCase):
+
+  def test_registered_and_first_in_auto_on_a_tpu(self):
+    self.assertIn("mosaic_tpu", registry.registered_backends())
+    self.assertEqual(
+        registry.auto_order("tpu"), ("mosaic_tpu", "xla", "reference")
+    )
+
+  def test_off_a_tpu_compiled_is_unavailable_with_the_reason(self):
+    if jax.default_backend() == "tpu":
+      self.skipTest("checks the backend off a TPU; this host has one")
+    ok, why = tpu_backend.MosaicTpuBackend(interpret=False).availability()
+    self.assertFalse(ok)
+    self.assertRegex(why, r"^mosaic_tpu: .*TPUs only.*interpret=True")
+    self.assertEqual(tpu_backend.MosaicTpuBackend().availability(), (True, ""))
+
+  def test_auto_compiles_when_lowered_for_a_tpu(self):
+    launch = tpu_backend.MosaicTpuBackend().launch
+    self.assertIs(launch.interpreting, interpret_lib.interprets(None, "tpu"))
+    with _tpu_mesh():
+      self.assertFalse(launch.interpreting)
+      self.assertIs(launch.kernel_interpret, False)
+
+  @parameterized.parameters(
+      ("TPU v5 lite", "v5e"),
+      ("TPU v5", "v5p"),
+      ("TPU v6 lite", "v6e"),
+      ("TPU7x", "tpu7x"),
+  )
+  def test_generation_is_the_one_lowered_for(self, kind, want):
+    with _tpu_mesh(kind):
+      self.assertEqual(tiling.generation(), want)
+      launch = tpu_backend.MosaicTpuBackend().launch.kernel_launch()
+      self.assertEqual(launch.generation, want)
+
+  def test_fused_epilogues_on_by_default(self):
+    be = tpu_backend.MosaicTpuBackend()
+    self.assertTrue(be.fuse_activation)
+    self.assertTrue(be.fuse_routing_weights)
+    # The fused gate/up names only the down projection's output.
+    self.assertEqual(be.checkpoint_names("silu"), (backend_lib.DOWN_NAME,))
+    unfused = tpu_backend.MosaicTpuBackend(fuse_activation=False)
+    self.assertEqual(
+        unfused.checkpoint_names("silu"), backend_lib.CHECKPOINT_NAMES
+    )
+    # The exact gelu needs erfc, which Mosaic TPU lacks: unfused.
+    self.assertEqual(be.checkpoint_names("gelu"), backend_lib.CHECKPOINT_NAMES)
+
+  def test_bad_options_name_the_option(self):
+    with self.assertRaisesRegex(TypeError, "fuse_activation must be a bool"):
+      tpu_backend.MosaicTpuBackend(fuse_activation="yes")
+    with self.assertRaisesRegex(
+        TypeError, "fuse_routing_weights must be a bool, got int"
+    ):
+      tpu_backend.MosaicTpuBackend(fuse_routing_weights=1)
+    with self.assertRaisesRegex(ValueError, r"generation must be one of"):
+      tpu_backend.MosaicTpuBackend(generation="v4")
+    with self.assertRaisesRegex(ValueError, r"interpret must be"):
+      tpu_backend.MosaicTpuBackend(interpret="fast")
+    with self.assertRaisesRegex(ValueError, r"Tiles.bm must be"):
+      tpu_backend.MosaicTpuBackend(tiles={"bm": 100})
+
+  @parameterized.parameters("fp8_tensor", "fp8_block", "mxfp8", "nvfp4")
+  def test_low_precision_recipes_refused_naming_the_backend_that_runs_them(
+      self, recipe
+  ):
+    cfg = moe_core.MoEConfig(
+        num_experts=4,
+        top_k=2,
+        hidden_size=128,
+        expert_ffn_size=128,
+        precision=recipe,
+    )
+    params = moe_core.init_params(jax.random.key(0), cfg, jnp.bfloat16)
+    x = jnp.ones((8, 128), jnp.bfloat16)
+    be = moe_core.get_backend("mosaic_tpu", interpret=True)
+    with self.assertRaisesRegex(
+        NotImplementedError, rf"mosaic_tpu: precision '{recipe}'.*'xla'"
+    ):
+      jax.eval_shape(
+          lambda p, x: moe_core.moe_layer(p, x, cfg, backend=be), params, x
+      )
+
+
+if __name__ == "__main__":
+  absltest.main()
