@@ -239,7 +239,7 @@ def timing_phase(ctx: Context) -> None:
       continue
     _time_layer(ctx, layer, layer_rows)
   if ctx.profile_dir and ctx.layers:
-    _profile(ctx, ctx.layers[0])
+    _profile(ctx, ctx.layers[:2])
   timed = [r for r in rows + layer_rows if r.get("seconds") is not None]
   ctx.report["goals"] = gpu_timing.goals(timed, table=GOALS)
   ctx.write()
@@ -382,9 +382,10 @@ def _time_layer(ctx, layer, rows):
     ctx.write()
 
 
-def _profile(ctx, layer) -> None:
-  """A jax.profiler trace of one forward+backward of `layer` on mosaic_tpu
-  (xla where it is missing) into <out_dir>/profile."""
+def _profile(ctx, layers) -> None:
+  """A jax.profiler trace of one forward+backward of each of `layers` on
+  mosaic_tpu (xla where it is missing) into <out_dir>/profile, with a
+  Perfetto trace (perfetto_trace.json.gz) beside the XPlane one."""
   entry = ctx.report.setdefault("profile", {"dir": ctx.profile_dir})
   try:
     missing = tpu_gemm.our_status(interpret=ctx.dry)
@@ -394,18 +395,23 @@ def _profile(ctx, layer) -> None:
         else tpu_gemm.our_backend(interpret=ctx.dry)
     )
     entry["backend"] = backend.name
-    cfg = layer.config()
-    kx, kp, kc = jax.random.split(jax.random.key(2), 3)
-    x = jax.random.normal(kx, (layer.tokens, layer.hidden), jnp.bfloat16)
-    args = (
-        moe_core.init_params(kp, cfg, dtype=jnp.bfloat16),
-        x,
-        jax.random.normal(kc, x.shape, jnp.float32),
-    )
-    step = jax.jit(programs_lib.with_grad(tpu_gemm.moe_fn(layer, backend)))
-    jax.block_until_ready(step(*args))  # Compiled outside the trace.
-    with jax.profiler.trace(ctx.profile_dir):
-      jax.block_until_ready(step(*args))
+    entry["layers"] = [layer.name for layer in layers]
+    steps = []
+    for layer in layers:
+      cfg = layer.config()
+      kx, kp, kc = jax.random.split(jax.random.key(2), 3)
+      x = jax.random.normal(kx, (layer.tokens, layer.hidden), jnp.bfloat16)
+      args = (
+          moe_core.init_params(kp, cfg, dtype=jnp.bfloat16),
+          x,
+          jax.random.normal(kc, x.shape, jnp.float32),
+      )
+      step = jax.jit(programs_lib.with_grad(tpu_gemm.moe_fn(layer, backend)))
+      jax.block_until_ready(step(*args))  # Compiled outside the trace.
+      steps.append((step, args))
+    with jax.profiler.trace(ctx.profile_dir, create_perfetto_trace=True):
+      for step, args in steps:
+        jax.block_until_ready(step(*args))
     entry["bytes"] = sum(
         os.path.getsize(os.path.join(d, f))
         for d, _, files in os.walk(ctx.profile_dir)
