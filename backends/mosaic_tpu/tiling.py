@@ -279,8 +279,8 @@ TABLE: dict[str, dict[str, Tiles]] = {
 
 def fit(tiles: Tiles, call: Call, gen: Generation) -> Tiles:
   """`tiles` fitted to `call`: blocks no larger than the shape needs, then
-  smaller until the launch fits the generation's VMEM budget (the whole K
-  split into steps first, then bn, then bm halved)."""
+  smaller until the launch fits the generation's VMEM budget (bn halved to
+  512, then the whole K split into steps, then bn and bm halved)."""
   bm = _row_block(call.m, tiles.bm)
   bn = _col_block(call.n, tiles.bn)
   if call.kind == "wgrad":
@@ -291,7 +291,13 @@ def fit(tiles: Tiles, call: Call, gen: Generation) -> Tiles:
   fitted = Tiles(bm=bm, bk=bk, bn=bn, chunk=chunk)
   budget = gen.tile_budget_bytes
   while vmem_bytes(fitted, call) > budget:
-    if call.kind != "wgrad" and fitted.bk is None and call.k > 2048:
+    # Narrower columns first, down to 512 (still past v5e's ridge point:
+    # 512 x 512 / (512 + 512) = 256 FLOP per byte), so the whole K stays one
+    # step and a group's weights are read once per column block; then K in
+    # steps; then narrower still; then fewer rows.
+    if fitted.bn > 512:
+      fitted = dataclasses.replace(fitted, bn=fitted.bn // 2)
+    elif call.kind != "wgrad" and fitted.bk is None and call.k > 2048:
       fitted = dataclasses.replace(fitted, bk=_col_block(call.k, 2048))
     elif fitted.bn > 256:
       fitted = dataclasses.replace(fitted, bn=fitted.bn // 2)
