@@ -6,7 +6,7 @@ outcome), ...)}. A row's name is the entry point's prefix, the label of
 what it changes and its tag ("route" "x" "rank3": route_x_rank3). The valid
 calls and the changes are in bad_input_calls, the outcomes in
 bad_input_outcomes, the runner in bad_input_suite. Over 400 lines because
-it is data: 129 rows, a line each.
+it is data: 179 rows, a line each.
 """
 
 from __future__ import annotations

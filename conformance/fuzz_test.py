@@ -5,9 +5,11 @@ shared expert, E up to 256, 1 to 8 tokens, float32/bfloat16/float16, traced
 under jax.jit and static; half of them with extreme but finite routing
 inputs, logits up to about +-3e4) must agree with the reference backend
 within the conformance tolerances, finite and with every assignment
-counted; random invalid ones must give the outcome the
-run-time policy documents (docs/api.md, "Guarantees"), the same on every
-backend. The strategies are in conformance/fuzz_strategies.py.
+counted; random invalid ones (non-finite data, expert ids, group sizes,
+hash tables and token ids out of range, bias updates, config floats past
+float32's range) must give the outcome the run-time policy documents
+(docs/api.md, "Guarantees"), the same on every backend. The strategies
+are in conformance/fuzz_strategies.py.
 
 Profiles, chosen by the environment variable DROPLESS_FUZZ_PROFILE:
 
