@@ -107,13 +107,14 @@ def _read_holder(fd: int) -> Holder | None:
         pid=int(record["pid"]),
         since=str(record.get("since", "?")),
     )
-  except (OSError, ValueError, KeyError, TypeError, AttributeError):
+  except (OSError, ValueError, KeyError, TypeError):
     return None
 
 
 def _not_ours(fd: int) -> str | None:
-  """Why the file open as `fd` is not one this program may write (a link,
-  not a regular file, or content other than a holder's record), or None.
+  """Why the file open as `fd` is not one this program may write (not a
+  regular file, a hard link, or content other than a holder's record), or
+  None. (`OutputDirLock._open` refuses a symbolic link.)
 
   Read under the lock, where one is held: a holder writes its record in
   one small write, so it is then whole or absent.
