@@ -43,6 +43,7 @@ import numpy as np
 
 import moe_core
 from moe_core import config as config_lib
+from conformance import bad_input_outcomes
 from conformance import cases
 from conformance import fuzz_strategies as fs
 from conformance import oracles
@@ -741,11 +742,9 @@ class FuzzTest(absltest.TestCase):
     case, cfg = fault.case, fault.case.cfg
     params, x, token_ids, good_params, good_ids = fs.hash_fault_inputs(fault)
     table = np.asarray(params["hash_table"]).astype(np.int64)
-    ids = np.asarray(token_ids).astype(np.int64)
-    vocab, width = cfg.hash_vocab_size, cfg.num_router_experts
-    rows = table[np.clip(ids, 0, vocab - 1)]
-    invalid = (
-        (ids < 0) | (ids >= vocab) | ((rows < 0) | (rows >= width)).any(-1)
+    width = cfg.num_router_experts
+    invalid = bad_input_outcomes.tokens_with_bad_hash(
+        dict(cfg=cfg, hash_table=table, token_ids=token_ids)
     )
     t, k = case.num_tokens, cfg.top_k
     outcomes = {}
