@@ -28,6 +28,11 @@ EXPERT_BIAS_CFG = CFG.replace(expert_bias=True)
 RELU_CFG = CFG.replace(activation="relu")
 # The routed experts at a latent width of 8 (Nemotron-H, Muse Spark).
 LATENT_CFG = CFG.replace(expert_latent_size=8)
+# DeepSeek-V4's hash routing: token t's experts are row token_ids[t] of a
+# [V, K] table; with Z = 2 zero experts, ids E and E + 1 are theirs.
+V = 12
+HASH_CFG = CFG.replace(hash_vocab_size=V)
+HASH_ZERO_CFG = HASH_CFG.replace(num_zero_experts=2)
 
 # The grouped GEMM's inputs: rows [M, C] x weights [G, C, N], G groups.
 GEMM_M, GEMM_C, GEMM_N = 28, 16, 8
@@ -43,6 +48,22 @@ def _normal(rng, shape, scale=1.0) -> jax.Array:
   return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
 
 
+def token_ids(cfg) -> jax.Array | None:
+  """[T] int32 token ids 0, 1, ..., T - 1 for a hash-routing config (token
+  t reads row t of the table), else None."""
+  if not cfg.hash_vocab_size:
+    return None
+  return jnp.arange(T, dtype=jnp.int32) % cfg.hash_vocab_size
+
+
+def _hash_table(cfg) -> jax.Array:
+  """[V, K] int32: row v holds the K distinct ids v, v + 1, ... mod E + Z."""
+  v, e = cfg.hash_vocab_size, cfg.num_router_experts
+  return jnp.asarray(
+      (np.arange(v)[:, None] + np.arange(cfg.top_k)) % e, jnp.int32
+  )
+
+
 @functools.lru_cache(maxsize=None)
 def _model(cfg: moe_core.MoEConfig) -> tuple[dict, jax.Array, moe_core.MoEAux]:
   """(params, x [T, D], the routing of x) for `cfg`, from a fixed seed.
@@ -53,11 +74,27 @@ def _model(cfg: moe_core.MoEConfig) -> tuple[dict, jax.Array, moe_core.MoEAux]:
   rng = np.random.default_rng(1700)
   params = {}
   for name, shape in moe_core.param_shapes(cfg).items():
+    if name == "hash_table":
+      params[name] = _hash_table(cfg)
+      continue
     scale = 0.1 if name == "correction_bias" else shape[-2] ** -0.5
     params[name] = _normal(rng, shape, scale)
   x = _normal(rng, (T, cfg.hidden_size))
-  aux = moe_core.route(x, params["router"], cfg, params.get("correction_bias"))
+  aux = moe_core.route(
+      x,
+      params["router"],
+      cfg,
+      params.get("correction_bias"),
+      **_hash_args(cfg, params),
+  )
   return params, x, aux
+
+
+def _hash_args(cfg, params) -> dict:
+  """route's hash_table and token_ids for a hash-routing config, else {}."""
+  if not cfg.hash_vocab_size:
+    return {}
+  return dict(hash_table=params["hash_table"], token_ids=token_ids(cfg))
 
 
 def kept_mask(cfg, aux):
@@ -85,6 +122,7 @@ def _good_route(cfg):
       router=params["router"],
       cfg=cfg,
       correction_bias=params.get("correction_bias"),
+      **_hash_args(cfg, params),
   )
 
 
@@ -154,6 +192,8 @@ def _good_routed_experts(cfg):
 
 def _good_layer(cfg):
   params, x, _ = _model(cfg)
+  if cfg.hash_vocab_size:
+    return dict(params=params, x=x, cfg=cfg, token_ids=token_ids(cfg))
   return dict(params=params, x=x, cfg=cfg)
 
 

@@ -226,7 +226,9 @@ def _assert_routing_accounts(test, aux, invalid, cfg, good_aux):
   )
   np.testing.assert_array_equal(
       aux.tokens_per_expert,
-      np.bincount(aux.expert_ids[valid].ravel(), minlength=cfg.num_experts),
+      np.bincount(
+          aux.expert_ids[valid].ravel(), minlength=cfg.num_router_experts
+      ),
       "tokens_per_expert must count the valid assignments only",
   )
   if not valid.any():
@@ -263,6 +265,34 @@ def layer_invalid(test, got, bad, good):
       bad["x"], params["router"], params.get("correction_bias")
   )
   _assert_routing_accounts(test, got[1], invalid, bad["cfg"], good()[1])
+
+
+def tokens_with_bad_hash(bad) -> np.ndarray:
+  """[T] bool: the tokens hash routing makes invalid, from numpy: a token
+  id outside [0, V), or a table row (route's hash_table, or the layer's
+  params["hash_table"]) holding an expert id outside [0, E + Z)."""
+  cfg = bad["cfg"]
+  table = bad["hash_table"] if "hash_table" in bad else bad["params"]
+  if isinstance(table, dict):
+    table = table["hash_table"]
+  table = _numpy(table).astype(np.int64)
+  ids = _numpy(bad["token_ids"]).astype(np.int64).ravel()
+  in_vocab = (ids >= 0) & (ids < cfg.hash_vocab_size)
+  rows = table[np.clip(ids, 0, cfg.hash_vocab_size - 1)]
+  bad_row = ((rows < 0) | (rows >= cfg.num_router_experts)).any(axis=1)
+  return ~in_vocab | bad_row
+
+
+def hash_invalid(test, got, bad, good):
+  """R1 for hash routing: the tokens `tokens_with_bad_hash` marks are
+  invalid, counted and NaN-weighted, the others routed as in the valid
+  call; route's aux, or the layer's (y, aux)."""
+  invalid = tokens_with_bad_hash(bad)
+  test.assertTrue(invalid.any(), "the row makes no token invalid")
+  aux, good_aux = got, good
+  if isinstance(got, tuple):  # moe_layer: (y, aux).
+    aux, good_aux = got[1], lambda: good()[1]
+  _assert_routing_accounts(test, aux, invalid, bad["cfg"], good_aux())
 
 
 def _dispatch_arguments(bad):

@@ -6,13 +6,14 @@ outcome), ...)}. A row's name is the entry point's prefix, the label of
 what it changes and its tag ("route" "x" "rank3": route_x_rank3). The valid
 calls and the changes are in bad_input_calls, the outcomes in
 bad_input_outcomes, the runner in bad_input_suite. Over 400 lines because
-it is data: 129 rows, a line each.
+it is data: 179 rows, a line each.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +29,13 @@ from conformance.bad_input_calls import (
     F,
     GEMM_GROUP_SIZES,
     GEMM_M,
+    HASH_CFG,
+    HASH_ZERO_CFG,
     K,
     LATENT_CFG,
     RELU_CFG,
     T,
+    V,
     WHOLE_CALL,
     Target,
     arg,
@@ -47,10 +51,12 @@ from conformance.bad_input_calls import (
     zeros,
 )
 from conformance.bad_input_outcomes import (
+    Raises,
     Row,
     all_nan,
     both,
     dispatch_invalid,
+    hash_invalid,
     layer_invalid,
     nan_and_count,
     nan_bias_entries,
@@ -59,6 +65,7 @@ from conformance.bad_input_outcomes import (
     raises,
     route_invalid,
     tokens_of_nan_expert,
+    tokens_with_bad_hash,
     tokens_with_bad_ids,
     tokens_with_nan_weight,
     tokens_with_nan_x,
@@ -182,6 +189,39 @@ _ROUTE_BIAS = {
 }
 _ROUTE_CAPACITY = {
     "x": (("nan_token_with_capacity", set_at(3, NAN), NC(route_invalid)),),
+}
+
+
+def _hash_error(num_ids: int, low: str, high: str) -> str:
+  """The message of a hash table holding ids outside [0, E + Z)."""
+  return (
+      rf"hash_table must hold expert ids in \[0, {num_ids}\), got values "
+      rf"in \[{low}, {high}\]"
+  )
+
+
+# Hash routing (HASH_CFG: token t reads row t of the table). Today, under
+# jit, with an id of -1 or 8 in a row: NaN outputs, none counted invalid,
+# -1 counted for expert 0.
+_HASH_MINUS_ONE = NC(hash_invalid, _hash_error(E, "-1", "7"))
+_HASH_PAST = NC(hash_invalid, _hash_error(E, "0", "8"))
+_HASH_INT32_MIN = NC(hash_invalid, _hash_error(E, "-2147483648", "7"))
+_ROUTE_HASH = {
+    "hash_table": (
+        ("minus_one", set_at((1, 0), -1), _HASH_MINUS_ONE),
+        ("past_the_experts", set_at((2, 1), E), _HASH_PAST),
+        ("int32_min", set_at((4, 0), -(2**31)), _HASH_INT32_MIN),
+        ("float", cast(F32), TE(r"hash_table must be an int32 array.*float32")),
+        ("wrong_shape", head(3), VE(r"hash_table.*\(3, 2\)")),
+        ("missing", to(None), VE(r"hash_table must be given iff.*None")),
+    ),
+    "token_ids": (
+        ("past_the_vocab", set_at(3, V), NC(hash_invalid)),
+        ("negative", set_at(5, -1), NC(hash_invalid)),
+        ("float", cast(F32), TE(r"token_ids must be an int array.*float32")),
+        ("of_other_tokens", head(9), VE(r"token_ids.*one id per token \(10\)")),
+        ("missing", to(None), VE(r"token_ids must be given iff.*None")),
+    ),
 }
 
 # dispatch(x [T, D], expert_ids [T, K], num_experts, kept [T, K] or None).
@@ -349,6 +389,23 @@ _LAYER = {
     "cfg": (("not_a_config", to(None), TE(r"cfg.*None")),),
 }
 
+# moe_layer with hash routing, and with Z = 2 zero experts (ids 8 and 9
+# are theirs, 10 is past them). Today, under jit: NaN rows, uncounted.
+_HASH_ROWS = both(nan_rows(tokens_with_bad_hash), hash_invalid)
+_HASH_LAYER_MINUS_ONE = NC(_HASH_ROWS, _hash_error(E, "-1", "7"))
+_LAYER_HASH = {
+    param("hash_table"): (
+        ("minus_one", set_at((1, 0), -1), _HASH_LAYER_MINUS_ONE),
+    ),
+    "token_ids": (("past_the_vocab", set_at(3, V), NC(_HASH_ROWS)),),
+}
+_HASH_PAST_ZERO = NC(_HASH_ROWS, _hash_error(E + 2, "0", "10"))
+_LAYER_HASH_ZERO = {
+    param("hash_table"): (
+        ("past_the_zero_experts", set_at((2, 1), E + 2), _HASH_PAST_ZERO),
+    ),
+}
+
 # moe_layer with a non-gated activation (RELU_CFG): no w_gate.
 _LAYER_RELU = {
     param("w_gate", "extra"): (
@@ -403,6 +460,13 @@ _PARAM_SHAPES = {
     ),
 }
 
+
+def _f32(field: str, value: float) -> Raises:
+  """The error of a config float outside float32's range."""
+  got = re.escape(repr(value))
+  return VE(rf"{field} must be (0 or )?within float32's range.*got {got}\.")
+
+
 # MoEConfig(**fields): one row a field (field, tag, bad value, outcome).
 _CONFIG_FIELDS = (
     ("num_experts", "negative", -8, VE(r"num_experts.*-8")),
@@ -449,6 +513,18 @@ _CONFIG_FIELDS = (
     ("post_expert_norm_epsilon", "nan", NAN, VE(r"post_expert_norm_eps.*nan")),
     ("latent_bias", "int", 1, TE(r"latent_bias must be a bool, got 1")),
     ("shared_expert_bias", "str", "y", TE(r"shared_expert_bias must be a")),
+)
+# Floats that float32 makes inf or 0 (field, tag, value): refused, naming
+# the field and the range. Today: NaN outputs, some of them uncounted.
+_FLOAT32_FIELDS = (
+    ("router_logit_softcap", "f32_inf", 1e39),
+    ("router_input_scale", "f32_inf", 1e39),
+    ("routed_scaling_factor", "f32_inf", -1e39),
+    ("input_norm_epsilon", "f32_zero", 1e-50),
+    ("output_norm_epsilon", "f32_zero", 1e-50),
+    ("latent_norm_epsilon", "f32_subnormal", 1e-40),
+    ("post_expert_norm_epsilon", "f32_zero", 1e-50),
+    ("swiglu_limit", "f32_zero", 1e-50),
 )
 
 
@@ -520,6 +596,30 @@ _CONFIG = {
             VE(r"post_expert_norm=True.*routing_weights_on_input=True"),
         ),
         (
+            "gate_softcap_f32_inf",
+            replace_args(
+                activation="softcapped_silu", gate_softcap=1e39, up_softcap=1.0
+            ),
+            _f32("gate_softcap", 1e39),
+        ),
+        (
+            "up_softcap_f32_zero",
+            replace_args(
+                activation="softcapped_silu", gate_softcap=1.0, up_softcap=1e-50
+            ),
+            _f32("up_softcap", 1e-50),
+        ),
+        (
+            "swiglu_alpha_f32_inf",
+            replace_args(activation=_GPT_OSS, swiglu_alpha=1e39),
+            _f32("swiglu_alpha", 1e39),
+        ),
+        (
+            "norm_topk_p_f32_inf",
+            replace_args(norm_topk_prob=True, norm_topk_p=1e39),
+            _f32("norm_topk_p", 1e39),
+        ),
+        (
             "bias_on_logits_without_bias",
             replace_args(correction_bias_on="logits"),
             VE(r"correction_bias_on='logits' needs correction_bias=True"),
@@ -534,6 +634,7 @@ TABLE = (
     *_rows("route", _ROUTE),
     *_rows("route", _ROUTE_BIAS, cfg=BIAS_CFG),
     *_rows("route", _ROUTE_CAPACITY, cfg=CAPACITY_CFG),
+    *_rows("route", _ROUTE_HASH, cfg=HASH_CFG),
     *_rows("dispatch", _DISPATCH),
     *_rows("dispatch", _DISPATCH_CAPACITY, cfg=CAPACITY_CFG),
     *_rows("backend.dispatch", _BACKEND_DISPATCH),
@@ -548,6 +649,8 @@ TABLE = (
     *_rows("routed_experts", _ROUTED_EXPERTS),
     *_rows("moe_layer", _LAYER),
     *_rows("moe_layer", _LAYER_RELU, cfg=RELU_CFG),
+    *_rows("moe_layer", _LAYER_HASH, cfg=HASH_CFG),
+    *_rows("moe_layer", _LAYER_HASH_ZERO, cfg=HASH_ZERO_CFG),
     *_rows("update_correction_bias", _UPDATE_BIAS),
     *_rows(
         "update_correction_bias",
@@ -557,5 +660,9 @@ TABLE = (
     *_rows("init_params", _INIT_PARAMS),
     *_rows("param_shapes", _PARAM_SHAPES),
     *_rows("MoEConfig", _by_field(_CONFIG_FIELDS)),
+    *_rows(
+        "MoEConfig",
+        _by_field((f, t, v, _f32(f, v)) for f, t, v in _FLOAT32_FIELDS),
+    ),
     *_rows("MoEConfig", _CONFIG),
 )

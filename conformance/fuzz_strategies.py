@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_core
+from moe_core import config as config_lib
 from conformance import cases
 
 # --- Buckets, simplest first (hypothesis shrinks towards the first) ---------
@@ -321,6 +322,145 @@ def routing_faults(draw, case: cases.LayerCase, max_each: int = 2) -> tuple:
   if not nan_weights or draw(st.booleans()):
     bad_ids = draw(bad_expert_ids(case, max_each))
   return bad_ids, nan_weights
+
+
+# --- Hash routing's table and token ids (policy R1) --------------------------
+
+# DeepSeek-V4's hash layers: V token ids (1: every token reads row 0).
+HASH_VOCAB_SIZES = (7, 1, 50)
+ZERO_EXPERT_COUNTS = (0, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class HashFault:
+  """A hash-routing case whose table or token ids hold bad values.
+
+  Attributes:
+    case: the layer case (`cfg.hash_vocab_size` V, maybe Z zero experts).
+    entries: ((row, choice, id), ...): table entries set to an id outside
+      [0, E + Z) (the int32 extremes included).
+    tokens: ((token, id), ...): token ids set outside [0, V).
+  """
+
+  case: cases.LayerCase
+  entries: tuple[tuple[int, int, int], ...]
+  tokens: tuple[tuple[int, int], ...]
+
+
+@st.composite
+def hash_faults(draw) -> HashFault:
+  """A hash-routing case with 0 to 3 bad table entries and 0 to 2 bad
+  token ids (one at least); the entries mostly in rows the tokens read."""
+  num_experts = draw(st.sampled_from((4, 1, 8)))
+  zero = draw(st.sampled_from(ZERO_EXPERT_COUNTS))
+  vocab = draw(st.sampled_from(HASH_VOCAB_SIZES))
+  cfg = moe_core.MoEConfig(
+      num_experts=num_experts,
+      top_k=draw(st.integers(1, min(num_experts, 4))),
+      hidden_size=draw(st.sampled_from(HIDDEN_SIZES)),
+      expert_ffn_size=draw(st.sampled_from(FFN_SIZES)),
+      score_func=draw(st.sampled_from(SCORE_FUNCS)),
+      norm_topk_prob=draw(st.booleans()),
+      hash_vocab_size=vocab,
+      num_zero_experts=zero,
+      capacity_factor=None
+      if zero
+      else draw(st.one_of(st.none(), st.sampled_from(CAPACITY_FACTORS))),
+  )
+  case = cases.LayerCase(
+      name="fuzz_hash",
+      cfg=cfg,
+      batch_shape=draw(st.sampled_from(BATCH_SHAPES)),
+      dtype=draw(st.sampled_from(("float32", "bfloat16"))),
+      jit=draw(st.booleans()),
+      seed=draw(st.integers(0, 2**16)),
+  )
+  read = np.asarray(cases.hash_token_ids(case))
+  width = cfg.num_router_experts
+  bad_id = st.one_of(
+      st.integers(_INT32_MIN, -1), st.integers(width, _INT32_MAX)
+  )
+  entries = []
+  for _ in range(draw(st.integers(0, 3))):
+    any_row = draw(st.booleans()) and draw(st.booleans())  # 1 in 4.
+    row = (
+        draw(st.integers(0, vocab - 1))
+        if any_row
+        else int(read[draw(st.integers(0, case.num_tokens - 1))])
+    )
+    entries.append((row, draw(st.integers(0, cfg.top_k - 1)), draw(bad_id)))
+  bad_token_id = st.one_of(
+      st.integers(_INT32_MIN, -1), st.integers(vocab, _INT32_MAX)
+  )
+  tokens = tuple(
+      (draw(st.integers(0, case.num_tokens - 1)), draw(bad_token_id))
+      for _ in range(draw(st.integers(0 if entries else 1, 2)))
+  )
+  return HashFault(case, tuple(entries), tokens)
+
+
+def hash_fault_inputs(fault: HashFault):
+  """(params, x, token_ids [T] int32, valid params, valid token_ids) of
+  `fault.case`, with the bad entries and token ids written in."""
+  params, x, _ = cases.layer_inputs(fault.case)
+  good_ids = cases.hash_token_ids(fault.case)
+  table = np.array(params["hash_table"])
+  for row, choice, expert in fault.entries:
+    table[row, choice] = expert
+  token_ids = np.array(good_ids)
+  for token, value in fault.tokens:
+    token_ids[token] = value
+  bad_params = dict(params, hash_table=jnp.asarray(table, jnp.int32))
+  return bad_params, x, jnp.asarray(token_ids, jnp.int32), params, good_ids
+
+
+# --- Config floats at float32's edges ----------------------------------------
+
+# float32's largest finite number and smallest normal one, and values past
+# them (inf or 0 in float32, a subnormal flushed to 0), with moderate
+# extremes that float32 holds.
+_F32_MAX = config_lib.FLOAT32_MAX
+_F32_TINY = config_lib.FLOAT32_TINY
+FLOAT32_EDGE_VALUES = (1e39, 1e-50, 1e-40, _F32_MAX, _F32_TINY, 1e15, 1e-30)
+# Accepted values in this range run the layer: finite and counted. (Past
+# it, a product with the value may overflow float32 as any product can:
+# router_input_scale=1e30 squares logits of 1e30 in the z-loss.)
+FLOAT32_RUN_RANGE = (1e-30, 1e15)
+# What each float field needs switched on to be read (or merely allowed).
+FLOAT32_FIELD_SWITCHES = {
+    "routed_scaling_factor": {},
+    "norm_topk_p": dict(norm_topk_prob=True),
+    "router_logit_softcap": {},
+    "router_input_scale": {},
+    "input_norm_epsilon": dict(router_input_norm=True, expert_input_norm=True),
+    "output_norm_epsilon": dict(output_norm=True),
+    "latent_norm_epsilon": dict(expert_latent_size=8, latent_norm=True),
+    "post_expert_norm_epsilon": dict(post_expert_norm=True),
+    "swiglu_limit": {},
+    "swiglu_alpha": dict(activation="gpt_oss_glu"),
+    "gate_softcap": dict(activation="softcapped_silu", up_softcap=1.0),
+    "up_softcap": dict(activation="softcapped_silu", gate_softcap=1.0),
+}
+
+
+@st.composite
+def config_float_edges(draw) -> tuple[dict, str, float]:
+  """(MoEConfig fields, the float field drawn, its value): one of
+  `config_lib.FLOAT32_FIELDS` at or past float32's edges (negated
+  where the field may be negative)."""
+  name = draw(st.sampled_from(sorted(config_lib.FLOAT32_FIELDS)))
+  value = draw(st.sampled_from(FLOAT32_EDGE_VALUES))
+  if name in ("routed_scaling_factor", "router_input_scale"):
+    value = draw(st.sampled_from((value, -value)))
+  fields = dict(
+      num_experts=4,
+      top_k=2,
+      hidden_size=8,
+      expert_ffn_size=8,
+      **FLOAT32_FIELD_SWITCHES[name],
+  )
+  fields[name] = value
+  return fields, name, value
 
 
 # --- Group sizes (policy R5) -------------------------------------------------

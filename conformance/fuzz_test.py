@@ -5,9 +5,11 @@ shared expert, E up to 256, 1 to 8 tokens, float32/bfloat16/float16, traced
 under jax.jit and static; half of them with extreme but finite routing
 inputs, logits up to about +-3e4) must agree with the reference backend
 within the conformance tolerances, finite and with every assignment
-counted; random invalid ones must give the outcome the
-run-time policy documents (docs/api.md, "Guarantees"), the same on every
-backend. The strategies are in conformance/fuzz_strategies.py.
+counted; random invalid ones (non-finite data, expert ids, group sizes,
+hash tables and token ids out of range, bias updates, config floats past
+float32's range) must give the outcome the run-time policy documents
+(docs/api.md, "Guarantees"), the same on every backend. The strategies
+are in conformance/fuzz_strategies.py.
 
 Profiles, chosen by the environment variable DROPLESS_FUZZ_PROFILE:
 
@@ -40,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_core
+from moe_core import config as config_lib
+from conformance import bad_input_outcomes
 from conformance import cases
 from conformance import fuzz_strategies as fs
 from conformance import oracles
@@ -156,14 +160,19 @@ def _to_numpy(x) -> np.ndarray:
   return x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
-def _layer(backend, params, x, cfg, jit: bool) -> LayerOut | Raised:
-  """moe_layer on `backend`, y flattened to [T, D]."""
+def _layer(
+    backend, params, x, cfg, jit: bool, token_ids=None
+) -> LayerOut | Raised:
+  """moe_layer on `backend` (with `token_ids` for hash routing), y
+  flattened to [T, D]."""
 
-  def layer(params, x):
-    return moe_core.moe_layer(params, x, cfg, backend=backend)
+  def layer(params, x, token_ids):
+    return moe_core.moe_layer(
+        params, x, cfg, backend=backend, token_ids=token_ids
+    )
 
   def run():
-    y, aux = (jax.jit(layer) if jit else layer)(params, x)
+    y, aux = (jax.jit(layer) if jit else layer)(params, x, token_ids)
     return LayerOut(
         y=_to_numpy(y).reshape(-1, cfg.hidden_size),
         aux={
@@ -716,6 +725,118 @@ class FuzzTest(absltest.TestCase):
             want[~bad_tokens],
             _tolerance(case.dtype),
             f"{name}: valid rows vs reference",
+        )
+
+  # --- Hash routing's table and token ids (R1) -------------------------------
+
+  @_examples(1)
+  @hypothesis.given(fault=fs.hash_faults())
+  def test_hash_routing_faults_give_documented_outcome(self, fault):
+    """R1 for DeepSeek-V4's hash routing: eagerly, a table id outside
+    [0, E + Z) raises naming the table; under jit (and eagerly for bad token
+    ids alone) the tokens that read a bad row or have an id outside [0, V)
+    are invalid (NaN y rows and weights, counted, not kept, out of
+    tokens_per_expert), the others valid and as in the valid call
+    (dropless); alike on every backend. Found: a traced table's bad ids gave
+    NaN rows counted as kept, -1 counted for expert 0."""
+    case, cfg = fault.case, fault.case.cfg
+    params, x, token_ids, good_params, good_ids = fs.hash_fault_inputs(fault)
+    table = np.asarray(params["hash_table"]).astype(np.int64)
+    width = cfg.num_router_experts
+    invalid = bad_input_outcomes.tokens_with_bad_hash(
+        dict(cfg=cfg, hash_table=table, token_ids=token_ids)
+    )
+    t, k = case.num_tokens, cfg.top_k
+    outcomes = {}
+    for name, backend in _backends().items():
+      traced = _traced(name, case)
+      msg = f"{name} ({'traced' if traced else 'static'})"
+      got = _layer(backend, params, x, cfg, traced, token_ids)
+      if not _supports(backend, case.dtype):
+        self.assertIsInstance(got, Raised, msg)
+        self.assertIs(got.kind, NotImplementedError, f"{msg}: {got.message}")
+        continue
+      if fault.entries and not traced:
+        self.assertRaisedExactly(
+            got,
+            ValueError,
+            f"hash_table must hold expert ids in [0, {width}), got values "
+            f"in [{table.min()}, {table.max()}].",
+            msg,
+        )
+        continue
+      if isinstance(got, Raised):
+        self.fail(f"{msg} raised {got.kind.__name__}: {got.message}")
+      aux = got.aux
+      self.assertEqual(int(aux["invalid_assignments"]), k * invalid.sum(), msg)
+      self.assertFalse(np.any(aux["kept"][invalid]), f"{msg}: kept")
+      self.assertTrue(np.all(np.isnan(aux["combine_weights"][invalid])), msg)
+      self.assertEqual(
+          int(aux["kept"].sum())
+          + int(aux["dropped_tokens"])
+          + int(aux["invalid_assignments"]),
+          t * k,
+          f"{msg}: kept + dropped + invalid != T*K",
+      )
+      np.testing.assert_array_equal(
+          aux["tokens_per_expert"],
+          np.bincount(aux["expert_ids"][~invalid].ravel(), minlength=width),
+          f"{msg}: tokens_per_expert counts the valid assignments only",
+      )
+      self.assertTrue(np.all(np.isnan(got.y[invalid])), f"{msg}: invalid y")
+      self.assertTrue(np.all(np.isfinite(got.y[~invalid])), f"{msg}: valid y")
+      outcomes[name] = got
+    if not outcomes:
+      return
+    want = outcomes.get("reference")
+    if cfg.dropless:  # With capacity the invalid tokens free their slots.
+      want = _layer(
+          _backends()["reference"], good_params, x, cfg, case.jit, good_ids
+      )
+    if want is None:
+      return
+    for name, got in outcomes.items():
+      self.assertWithin(
+          got.y[~invalid],
+          want.y[~invalid],
+          _tolerance(case.dtype),
+          f"{name}: the valid tokens' y",
+      )
+
+  # --- Config floats at float32's edges --------------------------------------
+
+  @_examples(1)
+  @hypothesis.given(edge=fs.config_float_edges())
+  def test_config_floats_past_float32_are_refused(self, edge):
+    """A MoEConfig float that float32 makes inf or 0 (a subnormal too) is
+    refused naming the field and float32's range; one float32 holds is
+    accepted, and in `fs.FLOAT32_RUN_RANGE` gives a finite, fully counted
+    layer on every backend, as the reference's. Found: soft-caps, scales
+    and norm epsilons of 1e39 or 1e-50 gave NaN outputs, some uncounted."""
+    fields, name, value = edge
+    got = _raised_or(lambda: moe_core.MoEConfig(**fields))
+    in_range = config_lib.FLOAT32_TINY <= abs(value) <= config_lib.FLOAT32_MAX
+    if not in_range:
+      self.assertIsInstance(got, Raised, f"{name}={value!r} was accepted")
+      self.assertIs(got.kind, ValueError, got.message)
+      self.assertTrue(got.message.startswith(f"{name} must be "), got.message)
+      self.assertIn("within float32's range", got.message)
+      self.assertTrue(got.message.endswith(f"got {value!r}."), got.message)
+      return
+    self.assertNotIsInstance(got, Raised, f"{name}={value!r}: {got}")
+    low, high = fs.FLOAT32_RUN_RANGE
+    if not low <= abs(value) <= high:
+      return
+    case = cases.LayerCase(
+        name="fuzz_float32_edge", cfg=got, batch_shape=(3,), seed=7
+    )
+    params, x, _ = cases.layer_inputs(case)
+    oracle = self._oracle(case, params, x)
+    self.assertFiniteAndCounted(oracle, case, f"reference, {name}={value!r}")
+    for backend_name in _backends():
+      if backend_name != "reference":
+        self._check_backend_matches_oracle(
+            backend_name, case, params, x, oracle
         )
 
   # --- Group sizes (R5) ------------------------------------------------------

@@ -257,6 +257,53 @@ class RoutingSuite(base.BackendTestCase):
     self.assertTrue(np.all(np.isnan(np.asarray(y)[3])))
     self.assertTrue(np.all(np.isfinite(np.delete(np.asarray(y), 3, 0))))
 
+  def test_hash_routing_through_flax_modules(self):
+    """moe_core.flax.MoE (nnx) and LinenMoE take token_ids and keep the
+    hash table as routing state (a HashTable; Linen's "moe_state"
+    collection), never a trainable parameter; with the case's params both
+    give moe_layer's y and aux."""
+    case = cases.HASH_ROUTING_CASE
+    self.skip_unless_computes(case.dtype)
+    try:
+      # pylint: disable-next=g-import-not-at-top
+      from flax import nnx
+      # pylint: disable-next=g-import-not-at-top
+      from moe_core import flax as moe_flax
+    except ImportError as e:
+      self.skipTest(f"flax is not installed (pip install '.[train]'): {e}")
+    cfg = case.cfg
+    params, x, _ = cases.layer_inputs(case)
+    token_ids = cases.hash_token_ids(case)
+    want_y, want_aux = moe_core.moe_layer(
+        params, x, cfg, backend=self.backend, token_ids=token_ids
+    )
+
+    layer = moe_flax.MoE(cfg, backend=self.backend, rngs=nnx.Rngs(0))
+    self.assertIsInstance(layer.hash_table, moe_flax.HashTable)
+    self.assertNotIn("hash_table", nnx.state(layer, nnx.Param))
+    for name, value in params.items():
+      moe_flax.set_value(getattr(layer, name), value)
+    got = {"nnx": layer(x, token_ids)}
+
+    module = moe_flax.LinenMoE(cfg, backend=self.backend)
+    variables = module.init(jax.random.key(0), x, token_ids)
+    self.assertNotIn("hash_table", variables["params"])
+    table = variables["moe_state"]["hash_table"]
+    self.assertEqual(table.dtype, jnp.int32)
+    self.assertEqual(table.shape, (cfg.hash_vocab_size, cfg.top_k))
+    floats = {n: v for n, v in params.items() if n != "hash_table"}
+    state = {"hash_table": params["hash_table"]}
+    got["linen"] = module.apply(
+        {"params": floats, "moe_state": state}, x, token_ids
+    )
+    for name, (y, aux) in got.items():
+      with self.subTest(name):
+        np.testing.assert_array_equal(y, want_y, f"{name}: y")
+        np.testing.assert_array_equal(aux.expert_ids, want_aux.expert_ids)
+        np.testing.assert_array_equal(
+            aux.combine_weights, want_aux.combine_weights
+        )
+
   @parameterized.named_parameters(*EXTREME_CONFIGS.items())
   def test_extreme_finite_logits_give_finite_outputs(self, cfg):
     """Finite logits, however large (here up to 1e4 in magnitude, sigmoid

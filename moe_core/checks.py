@@ -171,3 +171,19 @@ def flag_bad_expert_ids(ids: jax.Array, num_experts: int) -> jax.Array:
         jnp.max(ids),
     )
   return bad
+
+
+def flag_bad_hash_table(table: jax.Array, num_experts: int) -> jax.Array:
+  """`debug_check` that a hash table's ids lie in [0, E + Z); returns
+  `out_of_range(table, num_experts)` ([V, K] bool), num_experts being the
+  router's width E + Z."""
+  bad = out_of_range(table, num_experts)
+  if table.size:
+    debug_check(
+        ~jnp.any(bad),
+        f"hash_table must hold expert ids in [0, {num_experts}), got values "
+        "in [{}, {}].",
+        jnp.min(table),
+        jnp.max(table),
+    )
+  return bad

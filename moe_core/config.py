@@ -17,6 +17,29 @@ SHARED_COMBINES = ("sum", "mean")
 # The built-in activations; `moe_core.activations` registers more.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
+# float32's largest finite number and its smallest normal one. The block
+# computes these fields' values in float32, where a larger one becomes inf
+# and a smaller one 0 (a subnormal is flushed to 0 on TPUs and in XLA's CPU
+# code): a soft-cap of inf or 0 gives NaN logits, an epsilon of 0 divides 0
+# by 0 in a norm. So each must be 0 (where 0 is valid: `True`) or of a
+# magnitude in [FLOAT32_TINY, FLOAT32_MAX].
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_FIELDS = {
+    "routed_scaling_factor": True,
+    "norm_topk_p": False,
+    "router_logit_softcap": True,
+    "router_input_scale": True,
+    "input_norm_epsilon": False,
+    "output_norm_epsilon": False,
+    "latent_norm_epsilon": False,
+    "post_expert_norm_epsilon": False,
+    "swiglu_limit": False,
+    "swiglu_alpha": False,
+    "gate_softcap": False,
+    "up_softcap": False,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
@@ -309,6 +332,7 @@ class MoEConfig:
           f"> 0, got {self.capacity_factor!r}."
       )
     _check_router_switches(self)
+    _check_float32_range(self)
 
   @property
   def dropless(self) -> bool:
@@ -340,12 +364,11 @@ class MoEConfig:
     """Slots per expert for `num_tokens` tokens, or None when dropless."""
     if self.capacity_factor is None:
       return None
-    return max(
-        1,
-        math.ceil(
-            self.capacity_factor * num_tokens * self.top_k / self.num_experts
-        ),
-    )
+    copies = num_tokens * self.top_k
+    # No expert can take more than every copy: a larger factor (up to
+    # float's largest) gives the same slots, not an int32 overflow.
+    share = min(self.capacity_factor * copies / self.num_experts, copies)
+    return max(1, math.ceil(share))
 
   def replace(self, **changes) -> MoEConfig:
     return dataclasses.replace(self, **changes)
@@ -505,6 +528,23 @@ def _check_router_switches(cfg: MoEConfig) -> None:
             "score_func='sparsemixer' weighs its top-k of the logits itself, "
             f"so it takes no {name}, got {name}={value!r}."
         )
+
+
+def _check_float32_range(cfg: MoEConfig) -> None:
+  """The `FLOAT32_FIELDS` (already finite numbers, or None) stay what they
+  are in float32: 0 where valid, else of a normal float32's magnitude."""
+  for name, zero_ok in FLOAT32_FIELDS.items():
+    value = getattr(cfg, name)
+    if value is None or (zero_ok and value == 0):
+      continue
+    if not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
+      becomes = "inf" if abs(value) > FLOAT32_MAX else "0"
+      raise ValueError(
+          f"{name} must be {'0 or ' if zero_ok else ''}within float32's "
+          f"range, {FLOAT32_TINY:.8g} <= |{name}| <= {FLOAT32_MAX:.8g} (the "
+          f"block computes it in float32, where it would become {becomes}), "
+          f"got {value!r}."
+      )
 
 
 def _is_finite_number(value) -> bool:

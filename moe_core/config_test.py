@@ -245,6 +245,9 @@ class CapacityTest(parameterized.TestCase):
       (1.25, 10, 2, 8, 4),  # 3.125 rounds up
       (2.0, 7, 1, 8, 2),  # 1.75 rounds up
       (0.01, 3, 1, 8, 1),  # never below one slot
+      # Never above the T * K copies: a huge factor is no int32 overflow.
+      (1e38, 10, 2, 8, 20),
+      (1.7e308, 10, 2, 8, 20),
   )
   def test_expert_capacity(self, factor, tokens, top_k, experts, want):
     cfg = _cfg(num_experts=experts, top_k=top_k, capacity_factor=factor)

@@ -356,13 +356,18 @@ def _with_always_on_experts(
 
 def _hashed_choice(scored, hash_table, token_ids, cfg):
   """(scored, [T, K] int32 ids) of DeepSeek-V4's hash routing: each token's
-  row of the fixed table; a token id outside [0, V) makes its choice NaN,
-  so the token is invalid."""
+  row of the fixed table. A token id outside [0, V), or a row holding an
+  expert id outside [0, E + Z) (a traced table: a concrete one was refused
+  by `validation.check_hash_table`), makes the token's choice NaN, so the
+  token is invalid: NaN weights, counted, in no expert's count."""
   token_ids = token_ids.reshape(-1)
   in_range = (token_ids >= 0) & (token_ids < cfg.hash_vocab_size)
   rows = jnp.clip(token_ids, 0, cfg.hash_vocab_size - 1)
+  # Checked before the int32 cast, which would wrap a wider id into range.
+  bad_ids = checks.flag_bad_hash_table(hash_table, cfg.num_router_experts)
   expert_ids = hash_table.astype(jnp.int32)[rows]
-  choice = jnp.where(in_range[:, None], scored.choice, jnp.nan)
+  valid = in_range & ~jnp.any(bad_ids[rows], axis=-1)
+  choice = jnp.where(valid[:, None], scored.choice, jnp.nan)
   return dataclasses.replace(scored, choice=choice), expert_ids
 
 

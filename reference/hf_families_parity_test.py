@@ -200,7 +200,9 @@ class HfFamiliesParityTest(parameterized.TestCase):
     hf_cfg, block, _ = parity.build_block("gpt_oss")
     cfg = hf_convert.moe_config_from_hf(hf_cfg)
     state = dict(block.state_dict())
-    with self.assertRaisesRegex(ValueError, "model_type must be given"):
+    with self.assertRaisesRegex(
+        ValueError, r"model_type must be one of .*got model_type=None"
+    ):
       hf_convert.params_from_hf(state, cfg)
     interleaved = hf_convert.params_from_hf(state, cfg, model_type="gpt_oss")
     fused = state["experts.gate_up_proj"].numpy()

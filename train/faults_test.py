@@ -431,6 +431,16 @@ class MainTest(absltest.TestCase):
     self.assertIn(f"--output_dir={out!r} is in use by another training", line)
     self.assertIn(f"pid {os.getpid()}", line)
 
+  def test_lock_os_error(self):
+    # Found: an OSError at the lock (here its file is a directory) printed
+    # a traceback.
+    out = testing.temp_dir(self)
+    lock = os.path.join(out, output_lock.LOCK_FILE)
+    os.mkdir(lock)
+    line = self._main_fails(output_dir=out)
+    self.assertIn(f"--output_dir={out!r}: cannot take its lock {lock!r}", line)
+    self.assertIn("Is a directory", line)
+
   def test_full_disk(self):
     with mock.patch.object(checkpoint_failures, "free_bytes", return_value=0):
       line = self._main_fails()

@@ -34,6 +34,7 @@ from train import data as data_lib
 from train import distributed
 from train import dry_run_target
 from train import mesh as mesh_lib
+from train import output_lock
 from train import presets
 from train import process_spec
 from train import report
@@ -289,6 +290,9 @@ _FAULTS = (
     app.UsageError,
     training_faults.TrainingFault,
     checkpoint_meta.CheckpointError,
+    # An OSError at --output_dir's lock: its message names the directory,
+    # the lock file and the cause.
+    output_lock.OutputDirLockError,
 )
 
 

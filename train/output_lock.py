@@ -5,7 +5,10 @@ directory and records the holder (host, pid, start time) there, so that a
 second run is refused with a message naming the first; the operating
 system drops the lock when its process ends, so a dead run never blocks
 the next. On filesystems without file locks the record alone decides
-(docs/training.md, "One run per output directory").
+(docs/training.md, "One run per output directory"). The lock file is
+opened without following a symbolic link, and only a regular file of one
+name that is empty or holds such a record is ever written: a file this
+program did not write is refused (`OutputDirLockError`), never emptied.
 """
 
 # Nothing from JAX is imported here: a test can take a lock from a
@@ -19,6 +22,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 
 # In --output_dir; hidden, like the other bookkeeping files of a run.
 LOCK_FILE = ".dropless_train.lock"
@@ -30,8 +34,20 @@ _NO_LOCKS = frozenset((errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP))
 _HELD = frozenset((errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES))
 
 
+# A holder's record is one short line of JSON; a longer file is not one.
+_MAX_RECORD_BYTES = 4096
+
+
 class OutputDirBusyError(ValueError):
   """Another training run holds the lock of the output directory."""
+
+
+class OutputDirLockError(OSError):
+  """The output directory's lock file cannot be used: the directory or the
+  file cannot be created, opened or written, or the file is a symbolic
+  link, not a regular file, another file's name too (a hard link), or holds
+  something this program did not write. One line naming the directory, the
+  file and the cause."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +98,7 @@ def _read_holder(fd: int) -> Holder | None:
   """
   try:
     os.lseek(fd, 0, os.SEEK_SET)
-    data = os.read(fd, 4096)
+    data = os.read(fd, _MAX_RECORD_BYTES)
     record = json.loads(data.decode()) if data.strip() else None
     if record is None:
       return None
@@ -95,11 +111,42 @@ def _read_holder(fd: int) -> Holder | None:
     return None
 
 
+def _not_ours(fd: int) -> str | None:
+  """Why the file open as `fd` is not one this program may write (not a
+  regular file, a hard link, or content other than a holder's record), or
+  None. (`OutputDirLock._open` refuses a symbolic link.)
+
+  Read under the lock, where one is held: a holder writes its record in
+  one small write, so it is then whole or absent.
+  """
+  info = os.fstat(fd)
+  if not stat.S_ISREG(info.st_mode):
+    return "it is not a regular file"
+  if info.st_nlink != 1:
+    return (
+        f"it has {info.st_nlink} names (hard links), so writing it would "
+        "change another file"
+    )
+  if info.st_size == 0:
+    return None
+  if info.st_size > _MAX_RECORD_BYTES or _read_holder(fd) is None:
+    return (
+        f"it holds {info.st_size} bytes that are not a training run's "
+        "record, so this program did not write it"
+    )
+  return None
+
+
 def _write_holder(fd: int, holder: Holder) -> None:
   os.ftruncate(fd, 0)
   os.lseek(fd, 0, os.SEEK_SET)
   os.write(fd, (json.dumps(dataclasses.asdict(holder)) + "\n").encode())
   os.fsync(fd)
+
+
+def _cause(error: OSError) -> str:
+  """An OSError's cause in words, without its repeated file name."""
+  return error.strerror or str(error)
 
 
 class OutputDirLock:
@@ -147,6 +194,37 @@ class OutputDirLock:
         f"{who} holds its lock {self.path!r}; {hint}."
     )
 
+  def _unusable(self, cause: str, *, refused: bool = False):
+    """The OutputDirLockError of `cause`: an OSError's words, or (with
+    `refused`) why the file is not one this program may write."""
+    hint = "pass another --output_dir"
+    if refused:
+      hint = (
+          "this program never writes through a link or over a file it did "
+          f"not write: move it away, or {hint}"
+      )
+    return OutputDirLockError(
+        f"--output_dir={self.directory!r}: cannot take its lock "
+        f"{self.path!r}: {cause}; {hint}."
+    )
+
+  def _open(self) -> int:
+    """The lock file, created if absent, opened without following a link."""
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      return os.open(
+          self.path,
+          os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+          0o644,
+      )
+    except OSError as e:
+      if e.errno == errno.ELOOP and os.path.islink(self.path):
+        raise self._unusable(
+            f"it is a symbolic link (to {os.readlink(self.path)!r})",
+            refused=True,
+        ) from e
+      raise self._unusable(_cause(e)) from e
+
   def acquire(self) -> OutputDirLock:
     """Takes the lock (creating the directory), or raises.
 
@@ -171,12 +249,15 @@ class OutputDirLock:
     Raises:
       OutputDirBusyError: another run holds it; one line naming the
         directory and the holder (host, pid).
-      OSError: the directory or lock file cannot be created or written.
+      OutputDirLockError: an OSError: the directory or lock file cannot be
+        created, opened or written, or the lock file is a symbolic link,
+        not a regular file, a hard link, or holds something else than a
+        run's record (none of which is written); one line naming the
+        directory, the file and the cause.
     """
     if self._fd is not None:
       return self
-    os.makedirs(self.directory, exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = self._open()
     try:
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -184,9 +265,17 @@ class OutputDirLock:
         if e.errno in _HELD:
           raise self._busy(_read_holder(fd)) from None
         if e.errno not in _NO_LOCKS:
-          raise
+          raise self._unusable(_cause(e)) from e
         self._acquire_by_record(fd, e)
+      why = _not_ours(fd)
+      if why:
+        raise self._unusable(why, refused=True)
       _write_holder(fd, Holder.this_process())
+    except OSError as e:
+      os.close(fd)
+      if isinstance(e, OutputDirLockError):
+        raise
+      raise self._unusable(_cause(e)) from e
     except BaseException:
       os.close(fd)
       raise

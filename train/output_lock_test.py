@@ -141,6 +141,85 @@ class LockTest(absltest.TestCase):
       output_lock.OutputDirLock(self.dir).acquire().release()
 
 
+class LockFileTest(absltest.TestCase):
+  """The lock file is never written through a link nor over a file this
+  program did not write; each refusal, and any OSError at the lock, is an
+  OutputDirLockError (an OSError) of one line naming the directory, the
+  file and the cause."""
+
+  def setUp(self):
+    super().setUp()
+    self.root = testing.temp_dir(self)
+    self.dir = os.path.join(self.root, "out")
+    os.makedirs(self.dir)
+    self.path = os.path.join(self.dir, output_lock.LOCK_FILE)
+
+  def _unusable(self, cause: str) -> str:
+    with self.assertRaises(output_lock.OutputDirLockError) as raised:
+      output_lock.OutputDirLock(self.dir).acquire()
+    self.assertIsInstance(raised.exception, OSError)
+    message = str(raised.exception)
+    self.assertNotIn("\n", message)
+    self.assertIn(f"--output_dir={self.dir!r}", message)
+    self.assertIn(f"cannot take its lock {self.path!r}", message)
+    self.assertIn(cause, message)
+    return message
+
+  def _file(self, name: str, content: bytes) -> str:
+    path = os.path.join(self.root, name)
+    with open(path, "wb") as f:
+      f.write(content)
+    return path
+
+  def _assert_content(self, path: str, content: bytes):
+    with open(path, "rb") as f:
+      self.assertEqual(f.read(), content, path)
+
+  def test_symbolic_link_is_refused_and_its_target_left_alone(self):
+    # Found: the lock followed the link and emptied the file it points to.
+    target = self._file("precious.txt", b"the user's data\n")
+    os.symlink(target, self.path)
+    message = self._unusable(f"it is a symbolic link (to {target!r})")
+    self.assertIn("never writes through a link", message)
+    self._assert_content(target, b"the user's data\n")
+    # A dangling link: nothing is created where it points.
+    os.remove(self.path)
+    missing = os.path.join(self.root, "missing")
+    os.symlink(missing, self.path)
+    self._unusable("symbolic link")
+    self.assertFalse(os.path.exists(missing))
+
+  def test_file_it_did_not_write_is_refused_not_emptied(self):
+    with open(self.path, "wb") as f:
+      f.write(b"not a lock record")
+    self._unusable("holds 17 bytes that are not a training run's record")
+    self._assert_content(self.path, b"not a lock record")
+
+  def test_hard_link_is_refused_and_the_other_name_left_alone(self):
+    other = self._file("empty_but_mine", b"")
+    os.link(other, self.path)
+    self._unusable("it has 2 names (hard links)")
+    self._assert_content(other, b"")
+
+  def test_not_a_regular_file_is_refused(self):
+    os.mkfifo(self.path)
+    self._unusable("it is not a regular file")
+
+  def test_os_error_names_the_directory_and_its_cause(self):
+    os.mkdir(self.path)  # open(O_RDWR) of a directory: EISDIR.
+    self._unusable("Is a directory")
+    # The directory cannot be made: a file is in the way.
+    self.dir = self._file("a_file", b"")
+    self.path = os.path.join(self.dir, output_lock.LOCK_FILE)
+    self._unusable("exists")
+
+  def test_its_own_record_and_an_empty_file_are_taken(self):
+    _write_record(self.dir, socket.gethostname(), _dead_pid())
+    output_lock.OutputDirLock(self.dir).acquire().release()
+    self._assert_content(self.path, b"")
+    output_lock.OutputDirLock(self.dir).acquire().release()
+
+
 class TrainerOwnsOutputDirTest(absltest.TestCase):
 
   def test_second_run_is_refused_before_it_deletes_or_writes_anything(self):

@@ -1,9 +1,11 @@
 """`LinenMoE`: the flax.linen twin of `moe_core.flax.MoE`.
 
-Weights live in the "params" collection; the DeepSeek-V3 correction bias
-lives in its own collection, "moe_state", so it gets no gradient, stays
-float32 and is stepped by the aux-loss-free rule when `update_bias_rate` is
-given (which needs that collection mutable).
+Weights live in the "params" collection; the routing state lives in its
+own collection, "moe_state", so it gets no gradient: the DeepSeek-V3
+correction bias, which stays float32 and is stepped by the aux-loss-free
+rule when `update_bias_rate` is given (which needs that collection
+mutable), and DeepSeek-V4's hash table (int32 expert ids per token id),
+which nothing updates.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from flax import linen
 import moe_core
 from moe_core import params as params_lib
 from moe_core.flax.nnx_moe import BIAS_NAME
+from moe_core.flax.nnx_moe import HASH_TABLE_NAME
 
 LINEN_STATE_COLLECTION = "moe_state"
 
@@ -58,9 +61,9 @@ def _weight_init(key, shape, dtype=jnp.float32):
 class LinenMoE(linen.Module):
   """One dropless MoE block: x [..., D] -> (y [..., D], `moe_core.MoEAux`).
 
-  Params are in the "params" collection, the correction bias in
-  "moe_state" (pass `mutable=["moe_state"]` and `update_bias_rate` to step
-  it).
+  Params are in the "params" collection, the routing state (the correction
+  bias, the hash table) in "moe_state" (pass `mutable=["moe_state"]` and
+  `update_bias_rate` to step the bias).
 
   Attributes:
     cfg: the block's `moe_core.MoEConfig`.
@@ -83,12 +86,20 @@ class LinenMoE(linen.Module):
 
   @linen.compact
   def __call__(
-      self, x: jax.Array, *, update_bias_rate: float | None = None
+      self,
+      x: jax.Array,
+      token_ids: jax.Array | None = None,
+      *,
+      update_bias_rate: float | None = None,
   ) -> tuple[jax.Array, moe_core.MoEAux]:
     """x [..., D] -> (y, aux); with `update_bias_rate`, also steps the bias.
 
     Args:
       x: [..., D] activations.
+      token_ids: [...] int, x's token ids (x.shape[:-1]); given iff the
+        block routes by hash table (`cfg.hash_vocab_size`), as in
+        `moe_core.flax.MoE`. The table is drawn at `init` from the "params"
+        rng (`moe_core.params.hash_table`) and kept in "moe_state".
       update_bias_rate: None, or the aux-loss-free rule's step size: the
         correction bias then moves by it from this call's
         `aux.tokens_per_expert` (`moe_core.update_correction_bias`). Needs
@@ -103,6 +114,12 @@ class LinenMoE(linen.Module):
             LINEN_STATE_COLLECTION, BIAS_NAME, jnp.zeros, shape, jnp.float32
         )
         params[name] = bias.value
+      elif name == HASH_TABLE_NAME:  # Routing state, not a weight.
+        params[name] = self.variable(
+            LINEN_STATE_COLLECTION,
+            HASH_TABLE_NAME,
+            lambda: params_lib.hash_table(self.make_rng("params"), self.cfg),
+        ).value
       elif name in params_lib.BIAS_NAMES:  # Expert biases start at 0.
         params[name] = self.param(
             name, linen.initializers.zeros, shape, self.param_dtype
@@ -133,7 +150,12 @@ class LinenMoE(linen.Module):
           data_axes=tuple(self.data_axes),
       )
     y, aux = moe_core.moe_layer(
-        params, x, self.cfg, backend=self.backend, **layer_kwargs
+        params,
+        x,
+        self.cfg,
+        backend=self.backend,
+        token_ids=token_ids,
+        **layer_kwargs,
     )
     if step:
       bias.value = moe_core.update_correction_bias(

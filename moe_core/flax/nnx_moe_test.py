@@ -170,6 +170,35 @@ class LinenMoETest(absltest.TestCase):
     y_ref, _ = moe_core.moe_layer(params, x, CFG, backend="xla")
     np.testing.assert_array_equal(y, y_ref)
 
+  def test_linen_hash_routing_keeps_the_table_in_moe_state(self):
+    # As the nnx module: token_ids in, the int32 table routing state (not a
+    # trainable float param, on which init used to fail).
+    cfg = CFG.replace(
+        correction_bias=False,
+        n_group=1,
+        topk_group=1,
+        group_score="max",
+        hash_vocab_size=11,
+    )
+    module = moe_flax.LinenMoE(cfg, backend="xla")
+    x = _tokens(jnp.float32)
+    token_ids = jnp.arange(15, dtype=jnp.int32).reshape(3, 5) % 11
+    variables = module.init(jax.random.key(0), x, token_ids)
+    self.assertNotIn("hash_table", variables["params"])
+    table = variables["moe_state"]["hash_table"]
+    self.assertEqual(table.dtype, jnp.int32)
+    (y, _), updated = module.apply(
+        variables, x, token_ids, update_bias_rate=0.5, mutable=["moe_state"]
+    )
+    np.testing.assert_array_equal(updated["moe_state"]["hash_table"], table)
+    params = dict(variables["params"], hash_table=table)
+    y_ref, _ = moe_core.moe_layer(
+        params, x, cfg, backend="xla", token_ids=token_ids
+    )
+    np.testing.assert_array_equal(y, y_ref)
+    with self.assertRaisesRegex(ValueError, "token_ids must be given"):
+      module.apply(variables, x)
+
   def test_linen_starts_router_biases_at_0_and_scales_at_1(self):
     cfg = CFG.replace(
         router_bias=True,

@@ -42,6 +42,21 @@ _NON_GATED_ACTIVATIONS = {"relu": "relu", "relu2": "relu2"}
 _DEEPSEEK_V3_NORM_EPSILON = 1e-20
 
 
+def _number(c, name: str) -> float:
+  """The config field `name` as a float; a ValueError naming it where it
+  is absent or not a number (None, a string, a bool)."""
+  value = getattr(c, name, None)
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, (int, float, np.integer, np.floating)
+  ):
+    family = getattr(c, "model_type", None)
+    raise ValueError(
+        f"hf_config.{name} must be a number ({family}'s converter reads "
+        f"it), got {value!r}."
+    )
+  return float(value)
+
+
 def _get(c, *names, default=None):
   """The first of `names` that `c` has and is not None."""
   for name in names:
@@ -84,7 +99,7 @@ def _deepseek_v3(c, *, shared_width=None, **extra) -> dict:
       correction_bias=True,
       norm_topk_prob=bool(c.norm_topk_prob),
       norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
-      routed_scaling_factor=float(c.routed_scaling_factor),
+      routed_scaling_factor=_number(c, "routed_scaling_factor"),
       n_group=_get(c, "n_group", default=1),
       topk_group=_get(c, "topk_group", default=1),
       group_score="sum_top2",
@@ -104,7 +119,7 @@ def _deepseek_v2(c) -> dict:
   fields = dict(
       num_experts=_get(c, "n_routed_experts", "num_experts"),
       expert_ffn_size=c.moe_intermediate_size,
-      routed_scaling_factor=float(c.routed_scaling_factor),
+      routed_scaling_factor=_number(c, "routed_scaling_factor"),
       shared_ffn_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
   )
   if c.topk_method == "group_limited_greedy":
@@ -136,7 +151,7 @@ def _mistral4(c, norm) -> dict:
       expert_ffn_size=c.moe_intermediate_size,
       norm_topk_prob=bool(norm),
       norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
-      routed_scaling_factor=float(c.routed_scaling_factor),
+      routed_scaling_factor=_number(c, "routed_scaling_factor"),
       n_group=_get(c, "n_group", default=1),
       topk_group=_get(c, "topk_group", default=1),
       group_score="sum_top2",
@@ -208,10 +223,21 @@ def _laguna(c) -> dict:
       score_func="sigmoid",
       correction_bias=True,
       norm_topk_prob=True,
-      routed_scaling_factor=float(c.moe_routed_scaling_factor),
+      routed_scaling_factor=_number(c, "moe_routed_scaling_factor"),
       shared_ffn_size=c.shared_expert_intermediate_size or 0,
       router_logit_softcap=float(cap),
   )
+
+
+def _of_layer(values, name: str, layer_idx: int):
+  """values[layer_idx] of the per-layer list `name`; a ValueError naming
+  both where the list has no such layer."""
+  if layer_idx >= len(values):
+    raise ValueError(
+        f"layer_idx must be < {len(values)}, the layers hf_config.{name} "
+        f"lists, got layer_idx={layer_idx}."
+    )
+  return values[layer_idx]
 
 
 def _hunyuan(c, layer_idx) -> dict:
@@ -224,7 +250,7 @@ def _hunyuan(c, layer_idx) -> dict:
             f"layer_idx must be given: hunyuan_v1_moe's {name} is per layer "
             f"({value}); got layer_idx=None."
         )
-      value = value[layer_idx]
+      value = _of_layer(value, name, layer_idx)
     counts[name] = value
   return dict(
       num_experts=counts["num_experts"],
@@ -252,7 +278,7 @@ def _longcat_flash(c) -> dict:
       top_k=c.moe_topk,
       expert_ffn_size=c.expert_ffn_hidden_size,
       correction_bias=True,
-      routed_scaling_factor=float(c.routed_scaling_factor),
+      routed_scaling_factor=_number(c, "routed_scaling_factor"),
       num_zero_experts=c.zero_expert_num or 0,
       zero_expert_output="identity",
   )
@@ -270,7 +296,7 @@ def _layer_value(c, name, layer_idx):
           f"({values}); got layer_idx=None."
       )
     return None
-  return values[layer_idx]
+  return _of_layer(values, name, layer_idx)
 
 
 def _step3p7(c, layer_idx) -> dict:
@@ -288,7 +314,7 @@ def _step3p7(c, layer_idx) -> dict:
       score_func="sigmoid",
       correction_bias=True,
       norm_topk_prob=True,
-      routed_scaling_factor=float(c.moe_router_scaling_factor),
+      routed_scaling_factor=_number(c, "moe_router_scaling_factor"),
       shared_ffn_size=c.share_expert_dim,
   )
 
@@ -307,14 +333,16 @@ def _silu_only(model_type, c) -> None:
 def _glm5_next(c) -> dict:
   # The routed and the shared experts both clamp gate and up.
   _silu_only("glm5_next", c)
-  return _deepseek_v3(c, activation="silu", swiglu_limit=float(c.swiglu_limit))
+  return _deepseek_v3(
+      c, activation="silu", swiglu_limit=_number(c, "swiglu_limit")
+  )
 
 
 def _hy_v4(c) -> dict:
   # The routed experts clamp; the shared expert (if any) does not.
   clamp = {}
   if c.swiglu_limit is not None:
-    clamp = dict(swiglu_limit=float(c.swiglu_limit))
+    clamp = dict(swiglu_limit=_number(c, "swiglu_limit"))
     if c.n_shared_experts:
       clamp["shared_swiglu_clamp"] = False
   return _deepseek_v3(c, activation="silu", **clamp)
@@ -335,10 +363,10 @@ def _inkling2(model_type):
         correction_bias=True,
         norm_topk_prob=True,
         norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
-        routed_scaling_factor=float(c.routed_scaling_factor),
+        routed_scaling_factor=_number(c, "routed_scaling_factor"),
         activation="softcapped_silu",
-        gate_softcap=float(c.mlp_gate_softcap),
-        up_softcap=float(c.mlp_up_softcap),
+        gate_softcap=_number(c, "mlp_gate_softcap"),
+        up_softcap=_number(c, "mlp_up_softcap"),
     )
 
   return convert
@@ -380,13 +408,13 @@ def _muse_spark(c) -> dict:
       correction_bias=True,
       norm_topk_prob=True,
       norm_epsilon=_MUSE_SPARK_NORM_EPSILON,
-      routed_scaling_factor=float(c.routed_scaling_factor),
-      router_input_scale=float(c.output_multiplier),
+      routed_scaling_factor=_number(c, "routed_scaling_factor"),
+      router_input_scale=_number(c, "output_multiplier"),
       expert_latent_size=c.moe_hidden_size,
       latent_norm=True,
-      latent_norm_epsilon=float(c.rms_norm_eps),
+      latent_norm_epsilon=_number(c, "rms_norm_eps"),
       post_expert_norm=True,
-      post_expert_norm_epsilon=float(c.post_norm_eps),
+      post_expert_norm_epsilon=_number(c, "post_norm_eps"),
   )
 
 
@@ -403,11 +431,11 @@ def _minimax_m3_vl(c) -> dict:
       score_func="sigmoid",
       correction_bias=True,
       norm_topk_prob=True,
-      routed_scaling_factor=float(c.routed_scaling_factor),
+      routed_scaling_factor=_number(c, "routed_scaling_factor"),
       shared_ffn_size=c.shared_intermediate_size or 0,
       activation="gpt_oss_glu",
-      swiglu_alpha=float(c.swiglu_alpha),
-      swiglu_limit=float(c.swiglu_limit),
+      swiglu_alpha=_number(c, "swiglu_alpha"),
+      swiglu_limit=_number(c, "swiglu_limit"),
   )
 
 
@@ -434,8 +462,8 @@ def _gpt_oss(c) -> dict:
       norm_topk_prob=True,
       router_bias=True,
       activation="gpt_oss_glu",
-      swiglu_alpha=float(c.swiglu_alpha),
-      swiglu_limit=float(c.swiglu_limit),
+      swiglu_alpha=_number(c, "swiglu_alpha"),
+      swiglu_limit=_number(c, "swiglu_limit"),
       expert_bias=True,
   )
 
@@ -449,7 +477,7 @@ def _phimoe(c) -> dict:
       top_k=2,
       expert_ffn_size=c.intermediate_size,
       score_func="sparsemixer",
-      sparsemixer_epsilon=float(c.router_jitter_noise),
+      sparsemixer_epsilon=_number(c, "router_jitter_noise"),
   )
 
 
@@ -480,7 +508,7 @@ def _gemma4(c) -> dict:
       router_input_norm=True,
       router_input_scale=float(c.hidden_size**-0.5),
       expert_input_norm=True,
-      input_norm_epsilon=float(c.rms_norm_eps),
+      input_norm_epsilon=_number(c, "rms_norm_eps"),
       expert_output_scale=True,
       activation=_activation(c.hidden_activation, "hidden_activation"),
   )
@@ -488,6 +516,9 @@ def _gemma4(c) -> dict:
 
 # DeepSeek-V4's scoring_func (an ACT2FN name) -> dropless score function.
 _DEEPSEEK_V4_SCORES = {"sqrtsoftplus": "sqrtsoftplus", "sigmoid": "sigmoid"}
+# Its mlp_layer_types: hash-routed and scored MoE layers (transformers'
+# DEEPSEEK_V4_MLP_LAYER_TYPES).
+_DEEPSEEK_V4_LAYER_TYPES = ("hash_moe", "moe")
 
 
 def _deepseek_v4(c, layer_idx) -> dict:
@@ -502,7 +533,16 @@ def _deepseek_v4(c, layer_idx) -> dict:
         "layer_idx must be given: deepseek_v4's mlp_layer_types differ "
         f"across layers ({types}); got layer_idx=None."
     )
-  hashed = types[0 if layer_idx is None else layer_idx] == "hash_moe"
+  index = 0 if layer_idx is None else layer_idx
+  kind = _of_layer(types, "mlp_layer_types", index)
+  if kind not in _DEEPSEEK_V4_LAYER_TYPES:
+    # Not guessed: any other kind would have been read as a scored layer.
+    raise ValueError(
+        f"hf_config.mlp_layer_types[{index}] must be one of "
+        f"{_DEEPSEEK_V4_LAYER_TYPES} (deepseek_v4's MoE layers), got "
+        f"{kind!r}."
+    )
+  hashed = kind == "hash_moe"
   # Hash layers take their experts from tid2eid [vocab_size, K] and have no
   # correction bias; both kinds normalise (+1e-20) and scale. The routed
   # and the shared experts (one, of intermediate_size) clamp alike;
@@ -515,10 +555,10 @@ def _deepseek_v4(c, layer_idx) -> dict:
       hash_vocab_size=c.vocab_size if hashed else 0,
       norm_topk_prob=True,
       norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
-      routed_scaling_factor=float(c.routed_scaling_factor),
+      routed_scaling_factor=_number(c, "routed_scaling_factor"),
       shared_ffn_size=c.intermediate_size,
       shared_expert_bias=bool(c.mlp_bias),
-      swiglu_limit=float(c.swiglu_limit),
+      swiglu_limit=_number(c, "swiglu_limit"),
   )
 
 
@@ -541,7 +581,7 @@ def _inkling(c) -> dict:
       score_func="sigmoid",
       correction_bias=True,
       norm_topk_prob=True,
-      routed_scaling_factor=float(c.route_scale),
+      routed_scaling_factor=_number(c, "route_scale"),
       expert_output_scale=True,
   )
 
@@ -561,7 +601,7 @@ _CONVERTERS = {
         correction_bias=True,
         norm_topk_prob=True,
         norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
-        routed_scaling_factor=float(c.route_scale),
+        routed_scaling_factor=_number(c, "route_scale"),
         shared_ffn_size=c.moe_intermediate_size * (c.num_shared_experts or 0),
     ),
     "aria": lambda c: dict(
@@ -574,7 +614,7 @@ _CONVERTERS = {
     ),
     # A.X-K1: DeepSeek-V3's block, then an RMS norm of its output.
     "axk1": lambda c: _deepseek_v3(
-        c, output_norm=True, output_norm_epsilon=float(c.rms_norm_eps)
+        c, output_norm=True, output_norm_epsilon=_number(c, "rms_norm_eps")
     ),
     "axk2": _axk2,
     "bailing_hybrid": _deepseek_v3,
@@ -647,7 +687,7 @@ _CONVERTERS = {
         correction_bias=True,
         norm_topk_prob=True,
         norm_epsilon=_DEEPSEEK_V3_NORM_EPSILON,
-        routed_scaling_factor=float(c.router_scaling_factor),
+        routed_scaling_factor=_number(c, "router_scaling_factor"),
         shared_ffn_size=c.moe_intermediate_size * (c.num_shared_experts or 0),
     ),
     "hy_v4": _hy_v4,
@@ -680,7 +720,7 @@ _CONVERTERS = {
         correction_bias=bool(c.use_expert_bias),
         norm_topk_prob=bool(c.norm_topk_prob),
         norm_epsilon=1e-6 if c.norm_topk_prob else 0.0,
-        routed_scaling_factor=float(c.routed_scaling_factor),
+        routed_scaling_factor=_number(c, "routed_scaling_factor"),
         activation="silu",
     ),
     "llama4": _llama4,
@@ -761,15 +801,30 @@ SUPPORTED_MODEL_TYPES = tuple(sorted({*_CONVERTERS, *_PER_LAYER}))
 
 
 def _text_config(hf_config):
-  """A multimodal config's text part (what holds the MoE fields)."""
-  for name in ("text_config", "thinker_config"):
-    sub = getattr(hf_config, name, None)
-    if (
-        sub is not None
-        and getattr(hf_config, "num_experts_per_tok", None) is None
-    ):
-      return _text_config(sub)
-  return hf_config
+  """A multimodal config's text part (what holds the MoE fields): its
+  text_config (or thinker_config), followed while the config at hand has
+  no MoE fields; a ValueError where that path comes back to a config it
+  passed."""
+  path, config, seen = "hf_config", hf_config, []
+  while getattr(config, "num_experts_per_tok", None) is None:
+    name = next(
+        (
+            n
+            for n in ("text_config", "thinker_config")
+            if getattr(config, n, None) is not None
+        ),
+        None,
+    )
+    if name is None:
+      break
+    seen.append(config)
+    config, path = getattr(config, name), f"{path}.{name}"
+    if any(config is passed for passed in seen):
+      raise ValueError(
+          f"{path} must be a config of its own (the text part), got a "
+          "config that holds it: the text_config path is a cycle."
+      )
+  return config
 
 
 def _model_type(c) -> str:
@@ -786,6 +841,29 @@ def _model_type(c) -> str:
     if type(c).__name__ == family.config:
       return family.model_type
   return model_type
+
+
+def _check_layer_idx(c, layer_idx) -> None:
+  """layer_idx: None, or a decoder layer in [0, num_hidden_layers) (where
+  the config says how many); a negative index is refused, not counted
+  from the end."""
+  if layer_idx is None:
+    return
+  if (
+      isinstance(layer_idx, bool)
+      or not isinstance(layer_idx, (int, np.integer))
+      or layer_idx < 0
+  ):
+    raise ValueError(
+        "layer_idx must be None or a decoder layer's index, an int >= 0, "
+        f"got {layer_idx!r}."
+    )
+  layers = getattr(c, "num_hidden_layers", None)
+  if isinstance(layers, int) and layer_idx >= layers:
+    raise ValueError(
+        f"layer_idx must be < hf_config.num_hidden_layers={layers}, got "
+        f"layer_idx={layer_idx}."
+    )
 
 
 def moe_config_from_hf(
@@ -808,17 +886,22 @@ def moe_config_from_hf(
     hf_config: a transformers config (or any object with its attributes)
       whose `model_type` is one of `families.FAMILIES`; a multimodal
       config's `text_config` is used when the top level has no MoE fields.
-    layer_idx: the decoder layer, for the families whose MoE settings vary
-      by layer (HunYuan's per-layer expert counts, Step-3.7's per-layer
-      clamps, DeepSeek-V4's hash and scored layers); other families ignore
-      it.
+    layer_idx: the decoder layer, an int in [0, num_hidden_layers) (a
+      negative one is refused, not counted from the end), for the
+      families whose MoE settings vary by layer (HunYuan's per-layer
+      expert counts, Step-3.7's per-layer clamps, DeepSeek-V4's hash and
+      scored layers); other families check its range and ignore it.
     **overrides: `MoEConfig` fields to set on top, e.g. `capacity_factor`.
 
   Returns:
     A `MoEConfig` that reproduces the Hugging Face block.
 
   Raises:
-    ValueError: `model_type` is not a transformers MoE family.
+    ValueError: `model_type` is not a transformers MoE family; a field the
+      family's converter reads is absent or of the wrong type; layer_idx
+      is out of range; a layer type the converter does not know; a
+      text_config that refers back to its parent. Each names the field or
+      argument, what was expected and what was given.
     NotImplementedError: the family (or this setting of it) needs a switch
       dropless lacks; the message names the switches.
 
@@ -840,10 +923,17 @@ def moe_config_from_hf(
         f"model_type {model_type!r} ({family.block}) needs switches "
         f"dropless lacks: {', '.join(family.lacks)}."
     )
-  if model_type in _PER_LAYER:
-    fields = _PER_LAYER[model_type](c, layer_idx)
-  else:
-    fields = _CONVERTERS[model_type](c)
+  _check_layer_idx(c, layer_idx)
+  try:
+    if model_type in _PER_LAYER:
+      fields = _PER_LAYER[model_type](c, layer_idx)
+    else:
+      fields = _CONVERTERS[model_type](c)
+  except AttributeError as e:  # A field the family's converter reads.
+    raise ValueError(
+        f"hf_config.{e.name} must be set ({model_type}'s converter reads "
+        f"it), got a {type(c).__name__} without it."
+    ) from e
   fields.setdefault("top_k", _get(c, "num_experts_per_tok"))
   fields.setdefault("hidden_size", c.hidden_size)
   fields.setdefault("activation", _activation(getattr(c, "hidden_act", None)))
@@ -851,11 +941,24 @@ def moe_config_from_hf(
   return config_lib.MoEConfig(**fields)
 
 
-def _to_numpy(tensor) -> np.ndarray:
-  """A torch tensor (any dtype, any device) or array -> float32 numpy."""
+def _to_numpy(tensor, key: str) -> np.ndarray:
+  """state_dict[key], a torch tensor (any dtype, any device) or an array
+  of numbers -> float32 numpy; a ValueError naming the key otherwise (a
+  string, an object)."""
   if hasattr(tensor, "detach"):  # torch.Tensor; bfloat16 has no numpy twin.
-    tensor = tensor.detach().cpu().float().numpy()
-  return np.asarray(tensor, np.float32)
+    return tensor.detach().cpu().float().numpy()
+  array = np.asarray(tensor)
+  if array.dtype.kind not in "biuf":
+    got = (
+        repr(tensor)[:40]
+        if isinstance(tensor, str)
+        else (f"a {type(tensor).__name__} of dtype {array.dtype}")
+    )
+    raise ValueError(
+        f"state_dict[{key!r}] must be a tensor or array of numbers, got "
+        f"{got}."
+    )
+  return array.astype(np.float32)
 
 
 def _first_key(state_dict, prefix, candidates):
@@ -910,12 +1013,12 @@ def _expert_stack(state_dict, prefix, cfg, interleaved=False):
           f"the non-gated activation={cfg.activation!r} needs '{up_key}' "
           f"in state_dict; got keys {sorted(state_dict)[:8]}..."
       )
-    up = _to_numpy(state_dict[up_key])
-    down = _to_numpy(state_dict[prefix + "experts.down_proj"])
+    up = _to_numpy(state_dict[up_key], up_key)
+    down = _required(state_dict, prefix + "experts.down_proj", f"'{up_key}'")
     return None, np.swapaxes(up, 1, 2), np.swapaxes(down, 1, 2)
   if fused in state_dict:
-    gate_up = _to_numpy(state_dict[fused])
-    down = _to_numpy(state_dict[prefix + "experts.down_proj"])
+    gate_up = _to_numpy(state_dict[fused], fused)
+    down = _required(state_dict, prefix + "experts.down_proj", f"'{fused}'")
     if cfg.num_zero_experts and gate_up.shape[0] > e:
       # LongCat-Flash gives its zero experts gate_up rows they never use.
       gate_up = gate_up[:e]
@@ -936,8 +1039,8 @@ def _expert_stack(state_dict, prefix, cfg, interleaved=False):
   if jetmoe in state_dict:
     # JetMoE: input_linear [E, 2F, D] (gate rows, then up), output_linear
     # [E, D, F], each used as x @ W[e].T.
-    gate_up = _to_numpy(state_dict[jetmoe])
-    down = _to_numpy(state_dict[prefix + "output_linear.weight"])
+    gate_up = _to_numpy(state_dict[jetmoe], jetmoe)
+    down = _required(state_dict, prefix + "output_linear.weight", f"'{jetmoe}'")
     gate, up = np.split(np.swapaxes(gate_up, 1, 2), 2, axis=-1)
     return gate, up, np.swapaxes(down, 1, 2)
   dbrx = prefix + "experts.mlp.w1"
@@ -945,7 +1048,9 @@ def _expert_stack(state_dict, prefix, cfg, interleaved=False):
     # DBRX: w1 (gate), v1 (up), w2 (down) stacked as [E * F, D]; the block
     # computes x @ w1[e].T, x @ v1[e].T and h @ w2[e].
     w1, v1, w2 = (
-        _to_numpy(state_dict[prefix + f"experts.mlp.{n}"]).reshape(e, -1, d)
+        _required(state_dict, prefix + f"experts.mlp.{n}", f"'{dbrx}'").reshape(
+            e, -1, d
+        )
         for n in ("w1", "v1", "w2")
     )
     return np.swapaxes(w1, 1, 2), np.swapaxes(v1, 1, 2), w2
@@ -966,21 +1071,47 @@ def _expert_stack(state_dict, prefix, cfg, interleaved=False):
   stacks = []
   for name in names:
     per_expert = [
-        _to_numpy(state_dict[f"{prefix}experts.{e}.{name}.weight"])
-        for e in range(cfg.num_experts)
+        _required(
+            state_dict,
+            f"{prefix}experts.{i}.{name}.weight",
+            f"cfg.num_experts={e} (experts 0 to {e - 1})",
+        )
+        for i in range(e)
     ]
     stacks.append(np.swapaxes(np.stack(per_expert), 1, 2))
   return tuple(stacks)
 
 
 def _required(state_dict, key, setting):
-  """state_dict[key] as float32 numpy; ValueError naming it if absent."""
+  """state_dict[key] as float32 numpy; a ValueError naming the key and the
+  `setting` that needs it if absent (and `_to_numpy`'s if not numbers)."""
   if key not in state_dict:
     raise ValueError(
         f"{setting} needs '{key}' in state_dict; found none (keys: "
         f"{sorted(state_dict)[:8]}...)."
     )
-  return _to_numpy(state_dict[key])
+  return _to_numpy(state_dict[key], key)
+
+
+def _hash_table(table, key: str, cfg) -> np.ndarray:
+  """DeepSeek-V4's gate.tid2eid [V, K] as int32: integers (a float table
+  is refused, not rounded), each in [0, E + Z), checked before the cast
+  (which would wrap 2**32 + 3 to expert 3)."""
+  if hasattr(table, "detach"):
+    table = table.detach().cpu().numpy()
+  table = np.asarray(table)
+  if table.dtype.kind not in "iu":
+    raise ValueError(
+        f"state_dict[{key!r}] must hold integer expert ids (hash routing's "
+        f"token id -> experts table), got dtype {table.dtype}."
+    )
+  e = cfg.num_router_experts
+  if table.size and (table.min() < 0 or table.max() >= e):
+    raise ValueError(
+        f"state_dict[{key!r}] must hold expert ids in [0, {e}), got values "
+        f"in [{table.min()}, {table.max()}]."
+    )
+  return table.astype(np.int32)
 
 
 def _expert_biases(state_dict, prefix, cfg, interleaved):
@@ -1041,7 +1172,7 @@ def _latent_params(state_dict, prefix, cfg, params) -> None:
             f"cfg.expert_latent_size={cfg.expert_latent_size} needs one of "
             f"{[prefix + k for k in candidates]} in state_dict; found none."
         )
-      params[name] = _to_numpy(state_dict[key]).T
+      params[name] = _to_numpy(state_dict[key], key).T
       if cfg.latent_bias:  # Nemotron-H's mlp_bias: the Linear's bias.
         bias_key = key[: -len("weight")] + "bias"
         params[name + "_bias"] = _required(
@@ -1057,37 +1188,71 @@ def _latent_params(state_dict, prefix, cfg, params) -> None:
 # Families whose [E, D, 2F] gate_up_proj interleaves gate and up columns;
 # the privacy filter stores the same shape with gate and up in halves.
 _INTERLEAVED_GATE_UP = ("gpt_oss",)
+# The families that store experts.gate_up_proj_bias, whose layout the keys
+# alone do not say.
+_FUSED_BIAS_FAMILIES = ("gpt_oss", "openai_privacy_filter")
+
+
+def _layout_model_type(state_dict, prefix, model_type, hf_config):
+  """The family params_from_hf reads the state dict as: model_type, or
+  hf_config's (the two must agree); a known family's name exactly, and one
+  that stores experts.gate_up_proj_bias where the state dict has it."""
+  if hf_config is not None:
+    from_config = _model_type(_text_config(hf_config))
+    if model_type is not None and model_type != from_config:
+      raise ValueError(
+          f"model_type={model_type!r} must be hf_config's model type, got "
+          f"hf_config of {from_config!r}: give one, or the two alike."
+      )
+    model_type = from_config
+  if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+    raise ValueError(
+        f"model_type must be None or one of {SUPPORTED_MODEL_TYPES}, got "
+        f"{model_type!r}."
+    )
+  fused_bias = prefix + "experts.gate_up_proj_bias"
+  if fused_bias in state_dict and model_type not in _FUSED_BIAS_FAMILIES:
+    raise ValueError(
+        f"model_type must be one of {_FUSED_BIAS_FAMILIES} for a state dict "
+        f"with '{fused_bias}' (gpt_oss interleaves gate and up, "
+        f"openai_privacy_filter keeps them in halves), got "
+        f"model_type={model_type!r}."
+    )
+  return model_type
 
 
 def _shared_expert(state_dict, prefix, cfg):
   """shared_w_gate/up [D, Fs], shared_w_down [Fs, D] from any layout."""
   for name in ("shared_expert.", "shared_experts.", "shared_mlp."):
     base = prefix + name
+
+    def part(n, found, base=base):
+      """The shared expert's tensor `n`, needed by the one `found`."""
+      return _required(state_dict, base + n, f"'{base}{found}'")
+
     if (
         base + "up_proj.weight" in state_dict
         and not activations_lib.get(cfg.activation).gated
     ):
       # Nemotron-H: up_proj / down_proj, no gate.
-      return None, *(
-          _to_numpy(state_dict[f"{base}{n}.weight"]).T
-          for n in ("up_proj", "down_proj")
-      )
+      up = part("up_proj.weight", "up_proj.weight")
+      return None, up.T, part("down_proj.weight", "up_proj.weight").T
     if base + "gate_up_proj.weight" in state_dict:
       # MiniMax-M3: gate_up_proj [2Fs, D], gate rows then up rows.
-      fused = _to_numpy(state_dict[base + "gate_up_proj.weight"])
+      fused = part("gate_up_proj.weight", "gate_up_proj.weight")
       half = fused.shape[0] // 2
-      down = _to_numpy(state_dict[base + "down_proj.weight"])
+      down = part("down_proj.weight", "gate_up_proj.weight")
       return fused[:half].T, fused[half:].T, down.T
     if base + "gate_proj.weight" in state_dict:
       return tuple(
-          _to_numpy(state_dict[f"{base}{n}.weight"]).T
+          part(f"{n}.weight", "gate_proj.weight").T
           for n in ("gate_proj", "up_proj", "down_proj")
       )
     if base + "input_linear.weight" in state_dict:
       # Granite: input_linear [2Fs, D], gate rows then up rows.
-      fused = _to_numpy(state_dict[base + "input_linear.weight"])
+      fused = part("input_linear.weight", "input_linear.weight")
       half = fused.shape[0] // 2
-      down = _to_numpy(state_dict[base + "output_linear.weight"])
+      down = part("output_linear.weight", "input_linear.weight")
       return fused[:half].T, fused[half:].T, down.T
   raise ValueError(
       f"cfg.shared_ffn_size={cfg.shared_ffn_size} needs a shared expert in "
@@ -1150,6 +1315,7 @@ def params_from_hf(
     prefix: str = "",
     shared_prefix: str | None = None,
     model_type: str | None = None,
+    hf_config=None,
     dtype=jnp.float32,
 ) -> dict:
   """dropless parameters from a Hugging Face MoE block's state dict.
@@ -1166,11 +1332,17 @@ def params_from_hf(
       layer's `shared_mlp`, beside its `block_sparse_moe`: for layer 3 of a
       whole model, prefix="model.layers.3.block_sparse_moe." and
       shared_prefix="model.layers.3.".
-    model_type: the family, needed where the keys alone do not say the
-      layout: GPT-OSS interleaves the gate and up columns of its
+    model_type: the family, one of `SUPPORTED_MODEL_TYPES` exactly (any
+      other name is a ValueError), needed where the keys alone do not say
+      the layout: GPT-OSS interleaves the gate and up columns of its
       `experts.gate_up_proj` [E, D, 2F] (and of its bias), the privacy
       filter stores the same shapes in halves; a state dict with
-      `experts.gate_up_proj_bias` and no model_type is a ValueError.
+      `experts.gate_up_proj_bias` and no model_type, or the model_type of
+      a family that stores no such key, is a ValueError naming both.
+    hf_config: the transformers config `cfg` came from, instead of (or
+      besides) model_type: the family is read from it as
+      `moe_config_from_hf` reads it, and a model_type given too must be
+      that one (a ValueError naming both otherwise).
     dtype: dtype of the expert and shared weights. The router and its
       other parameters (correction and router biases, scales, hash table)
       stay float32 (int32): routing runs in float32, and rounding the
@@ -1246,7 +1418,7 @@ def params_from_hf(
         f"state_dict has no router matrix under prefix {prefix!r}: expected "
         f"one of {[prefix + k for k in ROUTER_KEYS]}."
     )
-  params = {"router": _to_numpy(state_dict[router_key]).T}
+  params = {"router": _to_numpy(state_dict[router_key], router_key).T}
   if cfg.correction_bias:
     bias_key = _first_key(state_dict, prefix, BIAS_KEYS)
     if bias_key is None:
@@ -1254,7 +1426,9 @@ def params_from_hf(
           "cfg.correction_bias=True needs one of "
           f"{[prefix + k for k in BIAS_KEYS]} in state_dict; found none."
       )
-    params["correction_bias"] = _to_numpy(state_dict[bias_key]).reshape(-1)
+    params["correction_bias"] = _to_numpy(
+        state_dict[bias_key], bias_key
+    ).reshape(-1)
   for name, (switch, key) in _ROUTER_EXTRAS.items():
     if name == "expert_output_scale" and cfg.num_always_on_experts:
       continue  # Inkling's one global scale: `_always_on_experts`.
@@ -1268,16 +1442,8 @@ def params_from_hf(
           f"cfg.hash_vocab_size={cfg.hash_vocab_size} needs '{key}' in "
           "state_dict; found none."
       )
-    table = state_dict[key]
-    if hasattr(table, "detach"):
-      table = table.detach().cpu().numpy()
-    params["hash_table"] = np.asarray(table, np.int32)
-  if prefix + "experts.gate_up_proj_bias" in state_dict and model_type is None:
-    raise ValueError(
-        "model_type must be given for a state dict with "
-        f"'{prefix}experts.gate_up_proj_bias': gpt_oss interleaves gate and "
-        "up, openai_privacy_filter keeps them in halves; got model_type=None."
-    )
+    params["hash_table"] = _hash_table(state_dict[key], key, cfg)
+  model_type = _layout_model_type(state_dict, prefix, model_type, hf_config)
   _latent_params(state_dict, prefix, cfg, params)
   interleaved = model_type in _INTERLEAVED_GATE_UP
   params["w_gate"], params["w_up"], params["w_down"] = _expert_stack(
@@ -1296,8 +1462,10 @@ def params_from_hf(
         state_dict, prefix if shared_prefix is None else shared_prefix, cfg
     )
     if cfg.shared_expert_gate:
-      params["shared_gate"] = _to_numpy(
-          state_dict[prefix + "shared_expert_gate.weight"]
+      params["shared_gate"] = _required(
+          state_dict,
+          prefix + "shared_expert_gate.weight",
+          "cfg.shared_expert_gate=True",
       ).T
     if cfg.shared_expert_bias:
       base = prefix if shared_prefix is None else shared_prefix

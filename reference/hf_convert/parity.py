@@ -422,7 +422,10 @@ def compare(
   state = dict(block.state_dict())
   if shared is not None:
     state.update({f"shared_mlp.{k}": v for k, v in shared.state_dict().items()})
-  params = hf_convert.params_from_hf(state, cfg, model_type=model_type)
+  # Both: the family read from the config must be the one named.
+  params = hf_convert.params_from_hf(
+      state, cfg, model_type=model_type, hf_config=hf_cfg
+  )
   errors = {}
   ids = None
   for backend in backends:
