@@ -373,7 +373,7 @@ class BackendTestCase(parameterized.TestCase):
     # checked against numpy in RoutingSuite.test_routing_matches_numpy_router.
     want = None if self.is_oracle() else reference_layer(case).aux
     # Routing is float32 at HIGHEST precision on every platform.
-    routing_tol = tolerances.TABLE["float32"]["forward"]
+    routing_tol = tolerances.routing()
     for name, (shape, dtype) in contract.items():
       with self.subTest(f"aux.{name}"):
         got = result.aux[name]

@@ -199,10 +199,6 @@ def _tolerance(dtype) -> tolerances.Tolerance:
   return tolerances.lookup(dtype, "forward")
 
 
-# Routing runs in float32 at HIGHEST precision on every platform.
-_ROUTING_TOL = tolerances.TABLE["float32"]["forward"]
-
-
 def _clear_decisions(logits, cfg, bias=None) -> np.ndarray:
   """[T] bool: the token's expert choice has no near tie.
 
@@ -350,7 +346,9 @@ class FuzzTest(absltest.TestCase):
         )
         if name == "combine_weights" and not every_token:
           finite &= compare_ids[:, None]
-        self.assertWithin(actual[finite], expected[finite], _ROUTING_TOL, where)
+        self.assertWithin(
+            actual[finite], expected[finite], tolerances.routing(), where
+        )
       elif name == "expert_ids":
         np.testing.assert_array_equal(
             actual[compare_ids], expected[compare_ids], where
@@ -398,7 +396,7 @@ class FuzzTest(absltest.TestCase):
     self.assertWithin(
         aux["router_logits"],
         tokens @ oracles.f64(params["router"]),
-        _ROUTING_TOL,
+        tolerances.routing(),
         "reference: router_logits vs numpy",
     )
     clear = _clear_decisions(aux["router_logits"], cfg, bias)
@@ -416,12 +414,15 @@ class FuzzTest(absltest.TestCase):
         self.assertEqual(int(aux[name]), want[name], f"reference: {name}")
       for name in ("combine_weights", "router_probs", "load_balancing_loss"):
         self.assertWithin(
-            aux[name], want[name], _ROUTING_TOL, f"reference: {name} vs numpy"
+            aux[name],
+            want[name],
+            tolerances.routing(),
+            f"reference: {name} vs numpy",
         )
     self.assertWithin(
         aux["router_z_loss"],
         want["router_z_loss"],
-        _ROUTING_TOL,
+        tolerances.routing(),
         "reference: router_z_loss vs numpy",
     )
     weights = np.where(aux["kept"], aux["combine_weights"], 0.0)

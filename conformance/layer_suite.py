@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from absl.testing import parameterized
+import jax
 import numpy as np
 
 from conformance import base
 from conformance import cases
 from conformance import oracles
+from conformance import tolerances
 
 
 def _named(case_list):
@@ -74,6 +76,33 @@ class LayerSuite(base.BackendTestCase):
               "gradient",
               msg=f"d {name} vs reference",
           )
+
+  @parameterized.named_parameters(
+      ("shared_gated", "base_f32"), ("latent_shared", "ffn_latent_relu2_shared")
+  )
+  def test_float32_at_highest_precision_matches_reference(self, name):
+    """Under jax.default_matmul_precision("highest") the float32 layer and
+    its gradients match the reference to float32 accuracy on every
+    platform: the backends' products follow the default matmul precision
+    (docs/api.md, "Matmul precision"), the oracle's are HIGHEST always, and
+    both run the same transcendentals. The table's row for float32 on a GPU
+    or TPU (their default precision) is far looser."""
+    self.skip_if_oracle()
+    self.skip_unless_computes("float32")
+    case = {c.name: c for c in cases.LAYER_CASES + cases.FFN_VARIANTS}[name]
+    with jax.default_matmul_precision("highest"):
+      # Traced here, not taken from the cache of runs at the default.
+      got = base.compute_layer(self.backend, case, jit=True)
+    want = base.reference_layer(case)
+    for kind, result, oracle in (
+        ("forward", {"y": got.y}, {"y": want.y}),
+        ("gradient", got.grads, want.grads),
+    ):
+      tol = tolerances.float32_at_highest(kind, self.TOLERANCE_OVERRIDES)
+      for key in sorted(result):
+        with self.subTest(f"{kind} {key}"):
+          problem = tolerances.violation(result[key], oracle[key], tol)
+          self.assertIsNone(problem, f"{key} vs reference: {problem}")
 
   def test_experts_without_tokens_get_exactly_zero_gradient(self):
     case = cases.LAYER_BY_NAME["experts_without_tokens"]

@@ -149,7 +149,7 @@ class RoutingSuite(base.BackendTestCase):
     cfg = case.cfg
     aux = self.run_layer(case).aux
     # Routing is float32 at HIGHEST precision on every platform.
-    tol = tolerances.TABLE["float32"]["forward"]
+    tol = tolerances.routing()
 
     def check_close(name, got, want):
       problem = tolerances.violation(got, want, tol)
@@ -228,7 +228,7 @@ class RoutingSuite(base.BackendTestCase):
     logits = oracles.router_logits(x, params, cfg)
     want = oracles.renormalised(logits, ids, cfg) * cfg.routed_scaling_factor
     problem = tolerances.violation(
-        aux.combine_weights, want, tolerances.TABLE["float32"]["forward"]
+        aux.combine_weights, want, tolerances.routing()
     )
     self.assertIsNone(problem, f"combine_weights vs numpy: {problem}")
     self.assertClose(
@@ -363,7 +363,7 @@ class RoutingSuite(base.BackendTestCase):
           oracles.score(logits, cfg.score_func), ids, axis=1
       )
     want = np.where(aux["kept"], want * cfg.routed_scaling_factor, 0.0)
-    tol = tolerances.TABLE["float32"]["forward"]
+    tol = tolerances.routing()
     problem = tolerances.violation(aux["combine_weights"], want, tol)
     self.assertIsNone(problem, f"combine_weights vs numpy: {problem}")
     want_probs = oracles.route(logits, cfg)["router_probs"]

@@ -159,6 +159,41 @@ class TolerancesTest(absltest.TestCase):
     self.assertEqual(tolerances.row_for("float32", "gpu"), "tfloat32")
     self.assertEqual(tolerances.row_for("bfloat16", "gpu"), "bfloat16")
 
+  def test_routing_is_the_float32_row_off_a_tpu(self):
+    for platform in ("cpu", "gpu", "cuda"):
+      self.assertEqual(
+          tolerances.routing(platform), tolerances.TABLE["float32"]["forward"]
+      )
+
+  def test_tpu_routing_admits_its_transcendentals_not_a_wrong_router(self):
+    # The combine weight a TPU v5e gave against float64 numpy (0.490055
+    # for 0.490074), as one of a token's two normalised weights: over the
+    # float32 row, within the TPU's. A 1% error (a wrong score function)
+    # fails both.
+    expected = np.array([0.490074, 0.509926])
+    measured = np.array([0.490055, 0.509926])
+    self.assertIsNotNone(
+        tolerances.violation(measured, expected, tolerances.routing("cpu"))
+    )
+    self.assertIsNone(
+        tolerances.violation(measured, expected, tolerances.routing("tpu"))
+    )
+    self.assertIsNotNone(
+        tolerances.violation(
+            expected * [1.01, 1.0], expected, tolerances.routing("tpu")
+        )
+    )
+
+  def test_float32_at_highest_is_the_float32_row_on_every_platform(self):
+    for kind in tolerances.KINDS:
+      self.assertEqual(
+          tolerances.float32_at_highest(kind), tolerances.TABLE["float32"][kind]
+      )
+    self.assertEqual(
+        tolerances.float32_at_highest("forward", {"float32": (0.5, 0.25)}),
+        (0.5, 0.25),
+    )
+
   def test_overrides_loosen_one_dtype_and_kind(self):
     both = {"bfloat16": (0.5, 0.25)}
     one = {"bfloat16": {"gradient": (0.5, 0.25)}}

@@ -115,6 +115,39 @@ def lookup(
   return tol
 
 
+def float32_at_highest(kind: str, overrides: dict | None = None) -> Tolerance:
+  """The tolerance of float32 computed under
+  `jax.default_matmul_precision("highest")`: the float32 row on every
+  platform (a GPU's and a TPU's float32 products are then exact float32
+  too), with a backend's "float32" overrides, against an oracle on the same
+  platform (the same transcendentals)."""
+  return lookup("float32", kind, overrides, platform="cpu")
+
+
+# Routing runs in float32 with its products at HIGHEST on every platform,
+# so it is judged by the float32 forward row, except on a TPU. There the
+# float32 transcendentals (exp in softmax and sigmoid, log, the reciprocal
+# in the divisions) are approximations a few hundred units in the last
+# place off, not the CPU's nearly correctly rounded ones: on a TPU v5e
+# (JAX 0.10.2) the combine weights missed float64 numpy by up to ~4e-5 of
+# their value (0.490055 against 0.490074), where the float32 row allows 2e-5
+# of the largest plus 1e-5 of the value. The TPU row allows 1e-4 of each,
+# 2.5x that measured worst case; it still catches a wrong score function
+# or normalisation, which is off by percents.
+_ROUTING = {
+    "tpu": Tolerance(atol=1e-4, rtol=1e-4),
+}
+
+
+def routing(platform: str | None = None) -> Tolerance:
+  """The tolerance of the float32 routing outputs (router logits and
+  probabilities, combine weights, the losses) against an oracle, on
+  `platform` (jax.default_backend() by default)."""
+  return _ROUTING.get(
+      platform or jax.default_backend(), TABLE["float32"]["forward"]
+  )
+
+
 def violation(actual, expected, tol: Tolerance) -> str | None:
   """None if `actual` is within `tol` of `expected`, else what is wrong."""
   actual = np.asarray(actual).astype(np.float64)

@@ -11,6 +11,7 @@ import numpy as np
 import moe_core
 from moe_core import activations
 from moe_core import backend as backend_lib
+from moe_core import registry
 
 _BASE = dict(num_experts=4, top_k=2, hidden_size=8, expert_ffn_size=12)
 
@@ -236,8 +237,19 @@ class ExtensionPointTest(absltest.TestCase):
     params = moe_core.init_params(jax.random.key(1), cfg)
     x = jax.random.normal(jax.random.key(2), (10, _BASE["hidden_size"]))
     want, aux = moe_core.moe_layer(params, x, cfg, backend="reference")
-    got, _ = moe_core.moe_layer(params, x, cfg, backend="xla")
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Every registered backend, so that a new one is covered by its registry
+    # line; one that cannot run here is skipped with its reason.
+    for name in registry.registered_backends():
+      with self.subTest(backend=name):
+        ok, reason = registry.availability(name)
+        dtypes = moe_core.get_backend(name).dtypes if ok else None
+        if dtypes is not None and jnp.dtype(jnp.float32) not in dtypes:
+          ok, reason = False, "it does not compute in float32"
+        if not ok:
+          print(f"activations_test: {name} skipped: {reason}")
+          self.skipTest(f"{name} cannot run here: {reason}")
+        got, _ = moe_core.moe_layer(params, x, cfg, backend=name)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # One token by hand: sum_k w_k (|x Wg| * (x Wu)) Wd.
     t = 3
     by_hand = sum(

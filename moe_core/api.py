@@ -15,6 +15,7 @@ optimiser state (see `train/`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import jax
@@ -87,29 +88,39 @@ def moe_layer(
   if ep_options is not None:
     raise ValueError("ep_options needs a mesh, got mesh=None.")
   tokens = x.reshape(-1, cfg.hidden_size)
-  # The router sees the tokens; the experts their own norm, if any.
-  expert_tokens = norms.expert_input(tokens, params, cfg)
-  # The routed experts' input, at their latent width if any: projected
-  # before the dispatch, so that the dispatch moves the narrower rows.
-  routed_tokens = latent.project_in(expert_tokens, params, cfg)
 
   def route_and_compute(b: backend_lib.Backend):
     # One backend for both ("auto" falls through as a whole). The inputs
     # were validated above (params holds the router and correction bias
     # the config names), and route's aux is valid: the unchecked stages.
-    bias = params.get("correction_bias")
-    extras = routing.router_extras(params)
-    if token_ids is not None:
-      extras["token_ids"] = token_ids.reshape(-1)
-    aux = b._route(tokens, params["router"], cfg, bias, **extras)
-    routed_aux, zero_weights = aux, None
-    if cfg.num_zero_experts:
-      routed_aux, zero_weights = routing.split_zero_experts(aux, cfg)
-    y = b._routed_experts(params, routed_tokens, routed_aux, cfg)
-    if zero_weights is not None:
-      y = y + routing.zero_expert_output(zero_weights, routed_tokens, cfg)
-    return latent.project_out(y, params, cfg), aux
+    with _matmul_precision(b):
+      # The router sees the tokens; the experts their own norm, if any.
+      expert_tokens = norms.expert_input(tokens, params, cfg)
+      # The routed experts' input, at their latent width if any: projected
+      # before the dispatch, so that the dispatch moves the narrower rows.
+      routed_tokens = latent.project_in(expert_tokens, params, cfg)
+      bias = params.get("correction_bias")
+      extras = routing.router_extras(params)
+      if token_ids is not None:
+        extras["token_ids"] = token_ids.reshape(-1)
+      aux = b._route(tokens, params["router"], cfg, bias, **extras)
+      routed_aux, zero_weights = aux, None
+      if cfg.num_zero_experts:
+        routed_aux, zero_weights = routing.split_zero_experts(aux, cfg)
+      y = b._routed_experts(params, routed_tokens, routed_aux, cfg)
+      if zero_weights is not None:
+        y = y + routing.zero_expert_output(zero_weights, routed_tokens, cfg)
+      y = latent.project_out(y, params, cfg)
+      return ffn.finish_block(y, params, expert_tokens, cfg), aux
 
   y, aux = registry.call_backend(backend, route_and_compute)
-  y = ffn.finish_block(y, params, expert_tokens, cfg)
   return y.reshape(x.shape), aux
+
+
+def _matmul_precision(b: backend_lib.Backend):
+  """The scope of `b.matmul_precision` (nothing when None): the products
+  traced inside it (the shared expert's and the latent projections'
+  included) default to that precision."""
+  if b.matmul_precision is None:
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision(b.matmul_precision)

@@ -84,6 +84,12 @@ class Backend(abc.ABC):
     precisions: the GEMM recipes (`moe_core.precision`) the backend
       multiplies quantised operands for, through `_quantized_grouped_gemm`;
       others raise NotImplementedError naming the recipe.
+    matmul_precision: the `jax_default_matmul_precision` that `moe_layer`
+      traces the whole block under with this backend (the shared expert's
+      and latent projections' products included; "highest" for the
+      reference oracle, so that it multiplies float32 exactly on a TPU,
+      whose default is one bfloat16 pass); None (the default) keeps the
+      caller's, which the fast backends follow.
 
   Adding a backend (conformance/example_backend/ is the folder to copy;
   conformance/example_kernel_backend/ for a backend that is its gmm and
@@ -113,6 +119,7 @@ class Backend(abc.ABC):
   name: ClassVar[str]
   dtypes: ClassVar[tuple[jnp.dtype, ...] | None] = None
   precisions: ClassVar[tuple[str, ...]] = (precision_lib.UNQUANTIZED,)
+  matmul_precision: ClassVar[str | None] = None
 
   def __init_subclass__(cls, **kwargs):
     # The public methods validate, then call the hooks: a subclass that

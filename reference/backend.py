@@ -186,6 +186,7 @@ def _dense_mixture(params, x, aux, cfg) -> jax.Array:
           "tk,tke->te",
           (aux.kept | jnp.isnan(weights)).astype(jnp.float32),
           chosen,
+          precision=_HIGHEST,
       )
       > 0
   )
@@ -214,6 +215,11 @@ class ReferenceBackend(backend.Backend):
 
   name: ClassVar[str] = "reference"
   precisions: ClassVar[tuple[str, ...]] = precision.RECIPES
+  # The oracle multiplies float32 exactly on every platform: a TPU's
+  # default for float32 operands is one bfloat16 pass. Its own products say
+  # HIGHEST; this covers the shared expert's and the latent projections',
+  # which moe_layer computes for every backend.
+  matmul_precision: ClassVar[str | None] = "highest"
 
   def __init__(self) -> None:
     """No options: the oracle has one way of computing everything."""

@@ -259,5 +259,59 @@ class ReferenceLayerTest(parameterized.TestCase):
     )
 
 
+def _dot_precisions(jaxpr) -> list:
+  """The precision of every dot_general in `jaxpr` and its sub-jaxprs."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(eqn.params["precision"])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)  # A ClosedJaxpr's own jaxpr.
+        if hasattr(sub, "eqns"):
+          found += _dot_precisions(sub)
+  return found
+
+
+class MatmulPrecisionTest(absltest.TestCase):
+  """The oracle multiplies float32 exactly on every platform: every product
+  of the layer and its gradients, the shared expert's and the latent
+  projections' included, asks for HIGHEST (a TPU's default for float32 is
+  one bfloat16 pass), whatever the caller's default."""
+
+  def _precisions(self, backend) -> list:
+    cfg = moe_core.MoEConfig(
+        num_experts=4,
+        top_k=2,
+        hidden_size=16,
+        expert_ffn_size=8,
+        expert_latent_size=8,
+        shared_ffn_size=8,
+        shared_expert_gate=True,
+    )
+    params = moe_core.init_params(jax.random.key(0), cfg)
+    x = jnp.ones((6, cfg.hidden_size), jnp.float32)
+
+    def loss(params, x):
+      y, _ = moe_core.moe_layer(params, x, cfg, backend=backend)
+      return jnp.sum(y * y)
+
+    fn = jax.grad(loss, argnums=(0, 1))
+    with jax.default_matmul_precision("bfloat16"):
+      return _dot_precisions(jax.make_jaxpr(fn)(params, x).jaxpr)
+
+  def test_every_product_of_the_reference_layer_is_highest(self):
+    highest = (jax.lax.Precision.HIGHEST,) * 2
+    got = self._precisions("reference")
+    self.assertGreater(len(got), 10)
+    self.assertEqual([p for p in got if p != highest], [])
+
+  def test_the_caller_default_still_reaches_other_backends(self):
+    # The scope is the reference's: the xla backend's shared expert and
+    # latent products follow the caller's default ("bfloat16", DEFAULT).
+    default = (jax.lax.Precision.DEFAULT,) * 2
+    self.assertIn(default, self._precisions("xla"))
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -241,7 +241,10 @@ def _set_up(run: run_config.RunConfig, out):
 
 def _report(run: run_config.RunConfig, tr, summary: dict, out) -> dict:
   """Writes the plot and summary.json (process 0) and prints the summary."""
-  if run.plot and tr.history["step"]:
+  # No matplotlib (a bare accelerator host): the run's results stand, the
+  # figure is skipped with one line below.
+  plot_skipped = run.plot and report.plot_unavailable()
+  if run.plot and tr.history["step"] and not plot_skipped:
     summary["plot"] = report.plot(
         os.path.join(run.output_dir, "training.png"),
         tr.history,
@@ -272,6 +275,15 @@ def _report(run: run_config.RunConfig, tr, summary: dict, out) -> dict:
       f"{summary['wall_seconds']:.0f} s",
       file=out,
   )
+  if summary.get("mfu_median") is not None:
+    print(
+        f"  median MFU {summary['mfu_median']:.1%} of "
+        f"{summary['peak_flops_per_device'] / 1e12:,.1f} TFLOP/s bf16 per "
+        "device",
+        file=out,
+    )
+  if plot_skipped:
+    print(f"  {plot_skipped}", file=out)
   print(
       f"  wrote {summary_path}"
       + (f", {summary['plot']}" if "plot" in summary else "")

@@ -3,7 +3,8 @@
 Small training presets (`tiny_dsv3`, the default, `tiny_mixtral`,
 `tiny_qwen3`, and one per family of issue 33: `tiny_qwen3_next`,
 `tiny_gpt_oss`, `tiny_llama4`, `tiny_gemma4`, `tiny_deepseek_v4`) train on
-a laptop CPU in minutes; full-size configs of published MoE models
+a laptop CPU in minutes; `tpu_v5e_dsv3` (0.66B) fills one TPU v5e chip;
+full-size configs of published MoE models
 (`deepseek_v3`, `mixtral_8x7b`, `qwen3_30b_a3b`, `olmoe_1b_7b`,
 `qwen3_next_80b_a3b`, `gpt_oss_20b`, `gpt_oss_120b`, `llama4_scout`,
 `llama4_maverick`, `gemma4_26b_a4b`, `deepseek_v4_flash`,
@@ -501,6 +502,58 @@ TINY_DEEPSEEK_V4 = Preset(
 )
 
 
+# --- One TPU v5e chip --------------------------------------------------------
+
+_TPU_D = 1024
+
+# Sized by compiling its train step for a v5e (jax's TPU topology, from a
+# CPU host with libtpu), not by the analytic estimate alone: a 0.66B
+# sibling (16 layers, experts 1024 -> 384), estimated at 11.8 GiB, compiled
+# to 16.7 GiB, over the chip. XLA's figure is about 1.5x train/sizing.py's
+# at these sizes.
+TPU_V5E_DSV3 = Preset(
+    description=(
+        "DeepSeek-V3 family for one TPU v5e chip (16 GiB HBM): 0.41B "
+        "parameters (120M active per token), byte tokens, 14 layers of "
+        "width 1024 (a dense first layer, then MoE layers of 32 routed "
+        "experts, top-4 in 2 of 4 groups, and a shared expert, each "
+        "1024 -> 256), MHA of 8 heads of 128. Float32 parameters and AdamW "
+        "state (16 bytes a parameter: 6.1 GiB) with bfloat16 compute. At "
+        "its batch of 16 x 512 tokens with --remat=save_moe, "
+        "train/sizing.py estimates 7.5 GiB a device and XLA's TPU "
+        "compiler (libtpu 0.0.50, the step compiled for a v5e from a CPU "
+        "host) 11.5 GiB (9.3 GiB with --remat=full); without remat the "
+        "estimate is 12.2 GiB."
+    ),
+    model=ModelConfig(
+        name="tpu_v5e_dsv3",
+        vocab_size=256,
+        hidden_size=_TPU_D,
+        num_layers=14,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=128,
+        first_dense_layers=1,
+        dense_ffn_size=3072,
+        moe=deepseek_v3_moe(
+            _TPU_D,
+            num_experts=32,
+            top_k=4,
+            expert_ffn_size=256,
+            n_group=4,
+            topk_group=2,
+        ),
+    ),
+    # A learning rate for width 1024 (the tiny presets' 3e-3 is for 128).
+    train=TrainDefaults(
+        batch_size=16, seq_len=512, learning_rate=1e-3, warmup_steps=20
+    ),
+)
+
+# The remat policy the description's memory estimate is for.
+TPU_V5E_DSV3_REMAT = "save_moe"
+
+
 # --- Full-size published configs ----------------------------------------------
 
 
@@ -915,6 +968,7 @@ PRESETS: dict[str, Preset] = {
         TINY_DSV3,
         TINY_MIXTRAL,
         TINY_QWEN3,
+        TPU_V5E_DSV3,  # One TPU v5e chip (issue 42).
         DEEPSEEK_V3,
         MIXTRAL_8X7B,
         QWEN3_30B_A3B,

@@ -10,6 +10,7 @@ import numpy as np
 
 from train import data as data_lib
 from train import mesh as mesh_lib
+from train import mfu as mfu_lib
 from train import run_config
 from train import sizing
 
@@ -25,6 +26,7 @@ def run_summary(
     checkpoint_path: str | None,
     interrupted: str | None,
     num_processes: int = 1,
+    peak: mfu_lib.Peak | None = None,
 ) -> dict:
   """The summary of a run (written as summary.json by `train.main`).
 
@@ -38,12 +40,15 @@ def run_summary(
     checkpoint_path: the last checkpoint written, if any.
     interrupted: the signal or exception that stopped it early, if any.
     num_processes: how many processes ran it (jax.process_count()).
+    peak: its devices' peak bf16 FLOP/s (`mfu.peak_of`); None when unknown
+      (a CPU): "mfu_median" is then None.
   """
   counts = sizing.param_counts(run.model)
   sizes = mesh_lib.parse(run.mesh)
   devices = mesh_lib.num_devices(sizes)
   # Skip the first steps of a run: they include compilation.
   tps = history["tokens_per_s"][2:] or history["tokens_per_s"]
+  flops = sizing.flops_per_token(run.model, run.seq_len)["train"]
   return {
       "model": run.model.name,
       "backend": backend,
@@ -75,6 +80,13 @@ def run_summary(
       "tokens_per_s_per_device_median": (
           float(np.median(tps)) / devices if tps else None
       ),
+      "model_flops_per_token": flops,
+      "peak_flops_per_device": peak.flops_per_device if peak else None,
+      "mfu_median": (
+          mfu_lib.mfu(float(np.median(tps)), flops, devices, peak)
+          if tps and peak
+          else None
+      ),
       "max_dropped_fraction": max(
           (max(d, default=0.0) for d in history["dropped"]), default=0.0
       ),
@@ -97,6 +109,20 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
   kernel = np.ones(window) / window
   head = np.array([values[: i + 1].mean() for i in range(window - 1)])
   return np.concatenate([head, np.convolve(values, kernel, mode="valid")])
+
+
+def plot_unavailable() -> str | None:
+  """None if the plot can be drawn here, else the one line saying why it is
+  skipped: matplotlib (the `train` extra) is not installed."""
+  try:
+    import matplotlib  # noqa: F401  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    return (
+        f"plot skipped: matplotlib is not installed ({e}); pip install "
+        "matplotlib (or '.[train]') to draw training.png, or pass "
+        "--noplot"
+    )
+  return None
 
 
 def plot(path: str, history: dict, summary: dict, moe_layers: list[int]) -> str:

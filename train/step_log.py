@@ -16,6 +16,7 @@ from absl import logging
 import numpy as np
 
 from train import mesh as mesh_lib
+from train import mfu as mfu_lib
 from train import run_config
 
 
@@ -38,6 +39,9 @@ def log_step(
     step: int,
     metrics: dict,
     seconds: float,
+    *,
+    flops_per_token: float | None = None,
+    peak: mfu_lib.Peak | None = None,
 ) -> dict:
   """The metrics.jsonl record of `step`, also appended to `history`.
 
@@ -48,6 +52,9 @@ def log_step(
     metrics: its host metrics: "loss", "total_loss", "grad_norm", and per
       MoE layer "tokens_per_expert" [layers, E] and "dropped" [layers].
     seconds: its wall time.
+    flops_per_token: the model's training FLOPs per token
+      (`sizing.flops_per_token`), for the record's "mfu".
+    peak: the devices' peak (`mfu.peak_of`); None: no "mfu" in the record.
 
   Raises:
     FloatingPointError: the loss is not finite.
@@ -83,6 +90,10 @@ def log_step(
       # (docs/api.md, "Guarantees"); the loss is then NaN too.
       "invalid_assignments": np.asarray(metrics["invalid"]).tolist(),
   }
+  if peak is not None and flops_per_token is not None:
+    record["mfu"] = mfu_lib.mfu(
+        record["tokens_per_s"], flops_per_token, devices, peak
+    )
   history["step"].append(step)
   history["loss"].append(loss)
   history["tokens_per_s"].append(record["tokens_per_s"])
@@ -106,6 +117,8 @@ def format_record(run: run_config.RunConfig, record: dict) -> str:
   per_device = record.get("tokens_per_s_per_device", record["tokens_per_s"])
   if per_device != record["tokens_per_s"]:
     text += f" ({per_device:,.0f}/device)"
+  if "mfu" in record:
+    text += f" MFU {record['mfu']:.1%}"
   if layers:
     text += f" | load min/max over mean {load} | dropped {dropped:.3f}"
   return text

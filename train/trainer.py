@@ -34,11 +34,13 @@ from train import data as data_lib
 from train import distributed
 from train import memory_check
 from train import mesh as mesh_lib
+from train import mfu
 from train import output_dir
 from train import output_lock
 from train import report
 from train import resume
 from train import run_config
+from train import sizing
 from train import state as state_lib
 from train import step_builder
 from train import step_log
@@ -106,6 +108,13 @@ class Trainer:
       self.eval_set = [b[: len(b) - len(b) % shards] for b in self.eval_set]
       self.eval_set = [b for b in self.eval_set if len(b)]
     self.history = step_log.new_history()
+    # MFU's terms: the model's training FLOPs per token and the devices'
+    # peak (None on a CPU or an unknown accelerator: no MFU is logged).
+    self.device_kind = jax.devices()[0].device_kind
+    self.peak = mfu.peak_of(self.device_kind)
+    self.flops_per_token = sizing.flops_per_token(run.model, run.seq_len)[
+        "train"
+    ]
     self._checkpointer = None
     self.backend_name = self._resolve_backend()
     self._signals = stop_signals.StopSignals()
@@ -444,6 +453,9 @@ class Trainer:
     start = time.perf_counter()
     if self.step < run.steps:
       self._show_memory()
+      self._print(
+          mfu.describe(self.device_kind, self.peak, self.flops_per_token)
+      )
     try:
       # Only the holder of --output_dir's lock (process 0) writes the
       # metrics; the others compute the same ones. A resumed run keeps the
@@ -508,7 +520,13 @@ class Trainer:
       self.sampler.restore(position)
       raise
     record = step_log.log_step(
-        self.history, run, self.step, metrics, time.perf_counter() - t0
+        self.history,
+        run,
+        self.step,
+        metrics,
+        time.perf_counter() - t0,
+        flops_per_token=self.flops_per_token,
+        peak=self.peak,
     )
     log.append(record)
     if interrupted is not None:
@@ -568,4 +586,5 @@ class Trainer:
         checkpoint_path=checkpoint_path,
         interrupted=interrupted,
         num_processes=jax.process_count(),
+        peak=self.peak,
     )

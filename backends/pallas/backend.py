@@ -8,10 +8,12 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from backends.pallas import kernels
 from backends.pallas import ops
 from backends.pallas import tiling
 from moe_core import operands
 from moe_core import precision
+from moe_core.kernels import gpu
 from moe_core.kernels import tile_backend
 
 
@@ -70,6 +72,8 @@ class PallasBackend(tile_backend.TileKernelBackend):
   def availability(self) -> tuple[bool, str]:
     if self.launch.interpreting:
       return True, ""
+    if gpu.lowering_platform() == "tpu":
+      return False, kernels.ON_TPU
     platform = jax.default_backend()
     if platform == "gpu":
       return True, ""

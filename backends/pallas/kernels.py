@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from backends.pallas import metadata as metadata_lib
 from backends.pallas import tiling
 from moe_core import compat
+from moe_core.kernels import gpu
 
 Epilogue = Callable[[Sequence[jax.Array]], Sequence[jax.Array]]
 
@@ -54,8 +55,25 @@ def _compiler_params(tiles: tiling.Tiles, interpret):
   return None  # The debug (TPU) interpreter takes no Triton parameters.
 
 
+# What pallas does on a TPU and what to use there: its availability()
+# there, and the error of a compiled kernel traced for one.
+ON_TPU = (
+    "pallas: its kernels compile through Triton for NVIDIA GPUs only; on a "
+    "TPU it runs its interpreter alone (interpret=True, slow): use "
+    "'mosaic_tpu' (Pallas TPU kernels) or 'xla' there."
+)
+
+
 def _pallas_call(kernel, *operands, interpret, **options):
-  """`pl.pallas_call(kernel, interpret=interpret, **options)(*operands)`."""
+  """`pl.pallas_call(kernel, interpret=interpret, **options)(*operands)`.
+
+  Raises:
+    NotImplementedError: compiled (interpret False) in a program lowered for
+      a TPU, where the Triton compiler parameters would reach Pallas'
+      Mosaic TPU lowering and fail there with a bare AssertionError.
+  """
+  if interpret is False and gpu.lowering_platform() == "tpu":
+    raise NotImplementedError(ON_TPU)
   call = pl.pallas_call(kernel, interpret=interpret, **options)
   if interpret is not False:
     return call(*operands)

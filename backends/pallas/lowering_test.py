@@ -11,6 +11,7 @@ needs a GPU to read its compute capability from: the export runs for an
 abstract H200 (moe_core/testing/cuda_export.py).
 """
 
+from unittest import mock
 import warnings
 
 from absl.testing import absltest
@@ -18,6 +19,7 @@ from absl.testing import parameterized
 import jax
 from jax import export
 import jax.numpy as jnp
+import numpy as np
 
 import moe_core
 from backends.pallas import backend as pallas_backend
@@ -26,6 +28,8 @@ from backends.pallas import ops
 from backends.pallas import tiling
 from moe_core import backend as backend_lib
 from moe_core import compat
+from moe_core import registry
+from moe_core.kernels import gpu
 from moe_core.testing import cuda_export
 
 _TRITON_CALL = cuda_export.TRITON_CALL
@@ -377,6 +381,60 @@ class TritonDeprecationTest(absltest.TestCase):
     self.assertEqual(
         compat.triton_deprecations_filtered() - before, len(raised)
     )
+
+
+class OnATpuTest(absltest.TestCase):
+  """On a TPU (or lowering for one), pallas says what it can do there: its
+  interpreter, and 'mosaic_tpu' or 'xla' instead. A compiled call raises
+  NotImplementedError with that line, not the bare AssertionError of Triton
+  parameters reaching Pallas' Mosaic TPU lowering, so "auto" moves on.
+  The platform is patched: `gpu.lowering_platform` is where the kernels
+  read it (a TPU here, or the abstract TPU of a topology lowered for)."""
+
+  def setUp(self):
+    super().setUp()
+    patch = mock.patch.object(gpu, "lowering_platform", return_value="tpu")
+    patch.start()
+    self.addCleanup(patch.stop)
+    self.cfg = moe_core.MoEConfig(
+        num_experts=4, top_k=2, hidden_size=16, expert_ffn_size=32
+    )
+    self.params = moe_core.init_params(jax.random.key(0), self.cfg)
+    self.x = jax.random.normal(jax.random.key(1), (8, 16))
+
+  def test_compiled_is_unavailable_with_one_line_naming_what_to_use(self):
+    ok, reason = moe_core.get_backend("pallas", interpret=False).availability()
+    self.assertFalse(ok)
+    self.assertEqual(reason, kernels.ON_TPU)
+    self.assertNotIn("\n", reason)
+    for text in ("interpret=True", "'mosaic_tpu'", "'xla'", "TPU"):
+      self.assertIn(text, reason)
+
+  def test_interpreted_stays_available(self):
+    for interpret in (None, True):
+      with self.subTest(interpret=interpret):
+        backend = moe_core.get_backend("pallas", interpret=interpret)
+        self.assertEqual(backend.availability(), (True, ""))
+
+  def test_compiled_call_raises_not_implemented_with_that_line(self):
+    backend = moe_core.get_backend("pallas", interpret=False)
+    rows = jnp.ones((8, 16), jnp.bfloat16)
+    weights = jnp.ones((2, 16, 32), jnp.bfloat16)
+    sizes = jnp.array([3, 5], jnp.int32)
+    for fn in (backend.grouped_gemm, jax.jit(backend.grouped_gemm)):
+      with self.assertRaises(NotImplementedError) as raised:
+        fn(rows, weights, sizes)
+      self.assertEqual(str(raised.exception), kernels.ON_TPU)
+
+  def test_auto_moves_on_to_the_next_backend(self):
+    compiled = moe_core.get_backend("pallas", interpret=False)
+    xla = moe_core.get_backend("xla")
+    with mock.patch.object(
+        registry, "auto_candidates", return_value=[compiled, xla]
+    ):
+      y, _ = moe_core.moe_layer(self.params, self.x, self.cfg, backend="auto")
+    want, _ = moe_core.moe_layer(self.params, self.x, self.cfg, backend=xla)
+    np.testing.assert_array_equal(y, want)
 
 
 if __name__ == "__main__":

@@ -102,22 +102,49 @@ class RaggedDotKernels(grouped_matmul.GroupedKernels):
     if transpose_rhs:
       rhs = jnp.swapaxes(rhs, 1, 2)
     valid = _used_rows(lhs, group_sizes)
-    out = jax.lax.ragged_dot(
-        jnp.where(valid, lhs, jnp.zeros((), lhs.dtype)),
-        rhs,
-        group_sizes,
-        precision=_precision(lhs.dtype),
-        preferred_element_type=jnp.float32,
-    )
+    lhs = jnp.where(valid, lhs, jnp.zeros((), lhs.dtype))
+    if rhs.shape[0] == 1:
+      # One group is every used row: a plain dot. Not ragged_dot, which
+      # XLA:TPU in libtpu 0.0.42 (JAX 0.10's) cannot compile for one group
+      # with computed sizes: "RET_CHECK failure (.../custom_ops/
+      # mask_aggregator.cc:271) get_lowered_(0)->memory_space() == kHbm ||
+      # ... == kVmem" on the custom call MaskAggregatorBlock.
+      out = jnp.dot(
+          lhs,
+          rhs[0],
+          precision=_precision(lhs.dtype),
+          preferred_element_type=jnp.float32,
+      )
+    else:
+      out = jax.lax.ragged_dot(
+          lhs,
+          rhs,
+          group_sizes,
+          precision=_precision(lhs.dtype),
+          preferred_element_type=jnp.float32,
+      )
     return jnp.where(valid, out, 0.0).astype(out_dtype)
 
   def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
     del num_groups  # group_sizes' length.
     valid = _used_rows(lhs, group_sizes)
     zero = jnp.zeros((), lhs.dtype)
+    lhs = jnp.where(valid, lhs, zero)
+    rhs = jnp.where(valid, rhs, zero)
+    if group_sizes.shape[0] == 1:
+      # One group: lhs^T @ rhs over the used rows (the MaskAggregatorBlock
+      # failure of `gmm` above).
+      out = jax.lax.dot_general(
+          lhs,
+          rhs,
+          (((0,), (0,)), ((), ())),
+          precision=_precision(lhs.dtype),
+          preferred_element_type=jnp.float32,
+      )[None]
+      return out.astype(out_dtype)
     out = jax.lax.ragged_dot_general(
-        jnp.where(valid, lhs, zero),
-        jnp.where(valid, rhs, zero),
+        lhs,
+        rhs,
         group_sizes,
         jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(((0,), (0,)), ((), ())),

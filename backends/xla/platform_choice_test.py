@@ -6,6 +6,8 @@ A training step traced on this CPU and compiled for GPUs (`moe_core.aot`,
 loop is a CPU design whose bulk buffer grows with the worst-case rows.
 """
 
+import re
+
 from absl.testing import absltest
 import jax
 from jax import export
@@ -15,6 +17,9 @@ import numpy as np
 from backends.xla import backend as xla_backend
 
 _M, _C, _N, _E = 64, 16, 32, 4
+# The op itself (chlo.ragged_dot), not a source location that names the
+# backend's `_ragged_dot`.
+_RAGGED_DOT_OP = re.compile(r"\b[a-z]+\.ragged_dot\b")
 
 
 def _loss(backend):
@@ -25,11 +30,11 @@ def _loss(backend):
   return loss
 
 
-def _exported_text(fn, platform: str) -> str:
+def _exported_text(fn, platform: str, num_groups: int = _E) -> str:
   args = (
       jax.ShapeDtypeStruct((_M, _C), jnp.bfloat16),
-      jax.ShapeDtypeStruct((_E, _C, _N), jnp.bfloat16),
-      jax.ShapeDtypeStruct((_E,), jnp.int32),
+      jax.ShapeDtypeStruct((num_groups, _C, _N), jnp.bfloat16),
+      jax.ShapeDtypeStruct((num_groups,), jnp.int32),
   )
   return export.export(jax.jit(fn), platforms=(platform,))(*args).mlir_module()
 
@@ -56,6 +61,42 @@ class PlatformChoiceTest(absltest.TestCase):
     ragged = _loss(xla_backend.XlaBackend(use_ragged_dot=True))
     self.assertNotIn("ragged_dot", _exported_text(loop, "cuda"))
     self.assertIn("ragged_dot", _exported_text(ragged, "cpu"))
+
+  def test_one_group_lowers_a_dot_not_ragged_dot(self):
+    # XLA:TPU in libtpu 0.0.42 (JAX 0.10's) fails to compile ragged_dot of
+    # one group with computed sizes (RET_CHECK in mask_aggregator.cc, the
+    # custom call MaskAggregatorBlock): one group is a plain dot.
+    backend = xla_backend.XlaBackend(use_ragged_dot=True)
+    step = jax.grad(_loss(backend), argnums=(0, 1))
+    one = _exported_text(step, "tpu", num_groups=1)
+    self.assertIsNone(_RAGGED_DOT_OP.search(one))
+    self.assertIn("stablehlo.dot_general", one)
+    self.assertIsNotNone(_RAGGED_DOT_OP.search(_exported_text(step, "tpu")))
+
+  def test_one_group_matches_the_reference_with_padding_rows(self):
+    rng = np.random.default_rng(1)
+    rows = rng.normal(size=(_M, _C)).astype(np.float32)
+    rows[50:] = np.nan  # Past the group: must not reach any result.
+    weights = jnp.asarray(rng.normal(size=(1, _C, _N)), jnp.float32)
+    sizes = jnp.asarray([50], jnp.int32)
+    backend = xla_backend.XlaBackend(use_ragged_dot=True)
+    out, vjp = jax.vjp(
+        lambda r, w: backend.grouped_gemm(r, w, sizes),
+        jnp.asarray(rows),
+        weights,
+    )
+    d_rows, d_weights = vjp(jnp.ones_like(out))
+    used = rows[:50].astype(np.float64)
+    w = np.asarray(weights[0], np.float64)
+    np.testing.assert_allclose(out[:50], used @ w, rtol=1e-5, atol=1e-5)
+    self.assertTrue(np.all(np.asarray(out[50:]) == 0))
+    np.testing.assert_allclose(
+        d_rows[:50], np.ones((50, _N)) @ w.T, rtol=1e-5, atol=1e-5
+    )
+    self.assertTrue(np.all(np.asarray(d_rows[50:]) == 0))
+    np.testing.assert_allclose(
+        d_weights[0], used.T @ np.ones((50, _N)), rtol=1e-5, atol=1e-4
+    )
 
   def test_default_matches_both_forced_paths_here(self):
     rng = np.random.default_rng(0)
