@@ -82,7 +82,7 @@ class TargetsTest(parameterized.TestCase):
       ("v5e", "2x2x1"), ("v5p", "2x2"), ("v6e", "2x2/0"), ("v5e", "two")
   )
   def test_bad_tpu_topology_is_refused(self, target, spec):
-    with self.assertRaisesRegex(ValueError, f"a {target} topology must be"):
+    with self.assertRaisesRegex(ValueError, f"topology for {target} must be"):
       aot.parse_tpu_topology(target, spec)
 
   def test_topology_names_need_a_target(self):
@@ -399,6 +399,31 @@ class MatmulFlopsTest(absltest.TestCase):
     # meets one group) once.
     self.assertEqual(counted.flops, 3 * 2 * product + product)
     self.assertEqual(counted.kernel_launches, {"mosaic_gpu_v2": 3})
+
+  def test_tpu_dots_are_convolutions(self):
+    hlo = "\n".join(
+        [
+            "ENTRY %main (a: bf16[4,64,128], b: bf16[4,128,256]) -> f32[] {",
+            "  %a = bf16[4,64,128]{2,1,0} parameter(0)",
+            "  %b = bf16[4,128,256]{2,1,0} parameter(1)",
+            "  %c = bf16[4,64,256]{2,1,0} convolution(%a, %b),"
+            " window={size=4 stride=3 lhs_dilate=4}, dim_labels=0bf_0io->0bf",
+            "}",
+        ]
+    )
+    counted = aot.per_step_matmul_flops(hlo)
+    self.assertEqual(counted.flops, 2 * 4 * 64 * 256 * 128)
+
+  @absltest.skipUnless(_HAS_LIBTPU, "no libtpu on this leg")
+  def test_a_tpu_compile_counts_its_dots_per_iteration(self):
+    layers, m, k = 5, 256, 512
+    loss, args = _scanned_matmuls(layers, m, k)
+    abstract = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in args]
+    program = aot.compile(
+        jax.grad(loss, argnums=(0, 1)), *abstract, topology="v6e:1x1"
+    )
+    counted = aot.per_step_matmul_flops(program.compiled.as_text())
+    self.assertEqual(counted.flops, 3 * layers * 2 * m * k * k)
 
   @absltest.skipUnless(_HAS_PLUGIN, "no CUDA plugin on this leg")
   def test_a_gpu_compile_counts_its_gemm_calls_per_iteration(self):

@@ -149,7 +149,7 @@ def parse_tpu_topology(target: str, spec: str) -> tuple[str, int]:
   ):
     example = "2x2" if tpu.chip_dims == 2 else "2x2x1"
     raise ValueError(
-        f"a {target} topology must be a chip grid of {tpu.chip_dims} "
+        f"topology for {target} must be a chip grid of {tpu.chip_dims} "
         f"dimensions, optionally '/S' slices (e.g. '{example}', "
         f"'{example}/2'; examples: {', '.join(tpu.topologies)}), got "
         f"{spec!r}."
