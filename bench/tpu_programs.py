@@ -101,8 +101,8 @@ CI = (
     "*/deepseek_v3_gemm/xla/fwd_bwd",
     "*/qwen3_30b_a3b/xla/fwd_bwd",
     "v5e/deepseek_v3_ep16_2slices/*/fwd",
-    "v6e/deepseek_v3_ep8/*/fwd",
-    "v5p/deepseek_v3_ep64/*/fwd",
+    "v6e/deepseek_v3_ep64/*/fwd",
+    "v5p/deepseek_v3_ep8/*/fwd",
     "tpu7x/deepseek_v3_ep8/*/fwd",
 )
 
