@@ -27,6 +27,7 @@ import jax
 
 from bench import programs
 from bench import tpu_compile
+from bench import tpu_memory
 from bench import tpu_programs
 from moe_core import aot
 from moe_core import registry
@@ -139,6 +140,37 @@ class CheckTest(parameterized.TestCase):
       self.assertTrue(
           any(fnmatch.fnmatchcase(k, pattern) for k in keys), pattern
       )
+
+  def test_memory_comparison_lines_up_programs(self):
+    figures = {k: 1024 for k in tpu_memory.FIELDS}
+    here = {
+        "where": "here",
+        "jax": "0.10.2",
+        "device_kind": "TPU v5 lite",
+        "programs": [
+            {"program": "a", "size": "ci", "status": "ok", **figures},
+            {"program": "b", "size": "full", "status": "over_hbm"},
+        ],
+    }
+    chip = {
+        **here,
+        "where": "chip",
+        "programs": [
+            {
+                "program": "a",
+                "size": "ci",
+                "status": "ok",
+                **figures,
+                "temp_bytes": 2048,
+                "peak_bytes": 2048,
+            },
+            {"program": "b", "size": "full", "status": "over_hbm"},
+        ],
+    }
+    text = tpu_memory.compare(here, chip)
+    self.assertIn("| a | ci | 0.00 MiB | 0.00 MiB |", text)
+    self.assertIn("| b | full | over_hbm | over_hbm |", text)
+    self.assertIn("peaks equal: 0; peaks that differ: 1", text)
 
   def test_kernel_backend_programs_wait_for_the_backend(self):
     program = _program("small_k/mosaic_tpu/fwd")
