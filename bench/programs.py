@@ -328,7 +328,8 @@ WORKLOADS = (
     ),
     # Grouped GEMMs (M rows): DeepSeek-V3's gate/up, M = 4096 tokens x top-8,
     # and a small contraction, [M, 1024] x [256, 1024, 7168], where
-    # mosaic_gpu must beat pallas.
+    # mosaic_gpu must beat pallas (and where mosaic_tpu's tiles are tested
+    # on a short K: bench/tpu_programs.py).
     Workload(
         "deepseek_v3_gemm",
         "deepseek_v3",
@@ -342,7 +343,7 @@ WORKLOADS = (
         "gemm",
         Size(32768, 1024, 7168),
         Size(4096, 128, 512),
-        variants=("pallas", "mosaic_gpu"),
+        variants=("pallas", "mosaic_gpu", "mosaic_tpu"),
         modes=("fwd",),
     ),
     # Expert parallelism, the ragged exchange: 8 GPUs of one host, and 64
@@ -470,9 +471,11 @@ def with_grad(fn: Callable) -> Callable:
 def programs(
     kinds: tuple[str, ...] = KINDS,
     workloads: tuple[Workload, ...] = WORKLOADS,
+    table: tuple[Variant, ...] | None = None,
 ) -> tuple[Program, ...]:
-  """Every program of the table, workload by workload."""
-  table = variants()
+  """Every program of the table, workload by workload (`table`: the
+  variants, default the GPU's, `variants()`)."""
+  table = variants() if table is None else table
   return tuple(
       Program(w, v, mode)
       for w in workloads

@@ -1,12 +1,14 @@
-"""`--dry_run --target=h100 --topology=1x1x8`: the real step, compiled for GPUs.
+"""`--dry_run --target=h100|v5p --topology=...`: the real step, compiled.
 
 The run's train step (model, optimiser, microbatches, remat, scan, the
 mesh, the MoE backend's kernels and expert-parallel exchange) is built on
 a `moe_core.aot` topology's devices (`step_builder`) and compiled by XLA's
-GPU compiler for that target, on any host; `report` gives, per device, its
-memory against the target's usable HBM, matmul FLOPs, bytes accessed and
-all-to-all bytes, each beside the analytic estimate (`train.sizing`) and
-their ratio, and `check_fits` refuses a step that does not fit.
+GPU or TPU compiler for that target, on any host; `report` gives, per
+device, its memory against the target's usable HBM, matmul FLOPs, bytes
+accessed and all-to-all bytes, each beside the analytic estimate
+(`train.sizing`) and their ratio, and `check_fits` refuses a step that
+does not fit. XLA's TPU compiler itself refuses a step over the HBM: that
+is the same one-line refusal, with the compiler's figures.
 """
 
 from __future__ import annotations
@@ -52,12 +54,12 @@ def tree_bytes_per_device(tree) -> int:
 
 
 def resolve_backend(run: run_config.RunConfig) -> run_config.RunConfig:
-  """`run` with --moe_backend=auto made concrete for a GPU target.
+  """`run` with --moe_backend=auto made concrete for a GPU or TPU target.
 
   "auto" picks by the platform JAX runs on, here the host's CPU, whose
-  native kernels do not compile for a GPU: the dry run takes "xla", which
-  compiles for every target. A named backend (pallas, mosaic_gpu, triton)
-  compiles its own kernels.
+  native kernels do not compile for a GPU or TPU: the dry run takes "xla",
+  which compiles for every target. A named backend (pallas, mosaic_gpu,
+  triton) compiles its own kernels.
   """
   if run.backend != "auto":
     return run
@@ -133,7 +135,7 @@ def report(
                                      GEMM call of the compiled module, times
                                      the trip counts of its loops
                                      (`aot.per_step_matmul_flops`); custom
-                                     kernels (Pallas, Mosaic GPU) are
+                                     kernels (Pallas, Mosaic GPU and TPU) are
                                      opaque, and their launches are counted
                                      instead
       bytes_accessed                 XLA's cost analysis of the compiled
@@ -209,19 +211,32 @@ def compile_for(
   Raises:
     ValueError: the mesh does not cover the topology, or the run does not
       split over the mesh.
+    TargetDoesNotFitError: XLA's TPU compiler found the step over the HBM.
   """
-  topo = aot.gpu_topology(target, topology)
+  topo = aot.named_topology(f"{target}:{topology}")
   mesh = mesh_lib.build(mesh_lib.parse(run.mesh), devices=topo.devices)
   step = step_builder.build(run, mesh)
-  program = aot.compile(
-      step.fn,
-      step.state,
-      step.batch,
-      topology=topo,
-      mesh=mesh,
-      name=f"{run.model.name} train step",
-      **step.jit_kwargs,
-  )
+  try:
+    program = aot.compile(
+        step.fn,
+        step.state,
+        step.batch,
+        topology=topo,
+        mesh=mesh,
+        name=f"{run.model.name} train step",
+        **step.jit_kwargs,
+    )
+  except aot.HbmOomError as e:
+    raise TargetDoesNotFitError(
+        _does_not_fit(
+            run,
+            target,
+            topology,
+            e.required_bytes,
+            e.available_bytes or topo.target.usable_bytes,
+        )
+        + f" ({e})"
+    ) from e
   return report(run, step, program), step, program
 
 
@@ -292,17 +307,33 @@ def check_fits(record: dict, run: run_config.RunConfig) -> None:
   """Raises TargetDoesNotFitError (one line) if the peak exceeds usable HBM."""
   if record["fits"]:
     return
-  peak = record["figures"]["peak"]["compiled"]
-  usable = record["usable_bytes"]
-  remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
   raise TargetDoesNotFitError(
-      f"peak {peak / _GIB:.1f} GiB per device > {usable / _GIB:.1f} GiB "
-      f"usable on {record['target']} by {(peak - usable) / _GIB:.1f} GiB: "
-      f"--model={run.model.name} does not fit on --topology="
-      f"{record['topology']} with --mesh={run.mesh}; lower it with "
+      _does_not_fit(
+          run,
+          record["target"],
+          record["topology"],
+          record["figures"]["peak"]["compiled"],
+          record["usable_bytes"],
+      )
+  )
+
+
+def _does_not_fit(run, target, topology, peak, usable) -> str:
+  """The one-line refusal: the figures, then the flags that lower them."""
+  remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
+  if peak is None:
+    head = f"over the {usable / _GIB:.1f} GiB usable on {target}"
+  else:
+    head = (
+        f"peak {peak / _GIB:.1f} GiB per device > {usable / _GIB:.1f} GiB "
+        f"usable on {target} by {(peak - usable) / _GIB:.1f} GiB"
+    )
+  return (
+      f"{head}: --model={run.model.name} does not fit on --topology="
+      f"{topology} with --mesh={run.mesh}; lower it with "
       f"--batch_size (now {run.batch_size}), --microbatches (now "
       f"{run.microbatches}), --seq_len (now {run.seq_len}){remat}, or more "
-      "GPUs (--topology and --mesh)."
+      "devices (--topology and --mesh)."
   )
 
 

@@ -1,6 +1,8 @@
-"""`--dry_run --target --topology`: the real step compiled for GPUs not here.
+"""`--dry_run --target --topology`: the real step compiled for chips not here.
 
-Three compiles where the leg has jax's CUDA plugin: tiny_dsv3 on one H100
+One compile where the leg has libtpu: tiny_dsv3 on 4 v5e chips with
+expert parallelism (about 30 s). Three where it has jax's CUDA plugin:
+tiny_dsv3 on one H100
 with a batch of a million tokens (does not fit; about 1 min on 2 busy
 cores); DeepSeek-V3 at 4 layers, full width, on 1,024 H100s with the
 committed layout, expert parallelism and Mosaic GPU kernels, and Mixtral
@@ -97,12 +99,34 @@ class UsageTest(absltest.TestCase):
         dry_run="true",
         mesh=MESH,
     )
-    self.assertIn("--topology=1x1x4 has 4 GPUs, but --mesh=", message)
+    self.assertIn("--topology=1x1x4 has 4 h100 devices, but --mesh=", message)
     self.assertIn("multiplies to 8", message)
 
   def test_consistent_flags_accepted(self):
     with flagsaver.as_parsed(
         target="b200", topology="1x2x4", dry_run="true", mesh=MESH
+    ):
+      pass
+
+  def test_tpu_topology_is_a_chip_grid(self):
+    message = self._refused(
+        "topology", target="v5p", topology="2x2x1", dry_run="true", mesh=MESH
+    )
+    self.assertIn("--topology=2x2x1 has 4 v5p devices", message)
+    self.assertNotIn(
+        "SxHxG", self._refused("topology", target="v5e", dry_run="true")
+    )
+    message = self._refused(
+        "topology", target="v5e", topology="2x2x2", dry_run="true"
+    )
+    self.assertIn(
+        "--topology for v5e must be a chip grid of 2 dimensions", message
+    )
+
+  def test_tpu_flags_accepted(self):
+    # tpu7x: two devices a chip; "/2": two slices.
+    with flagsaver.as_parsed(
+        target="tpu7x", topology="2x1x1/2", dry_run="true", mesh=MESH
     ):
       pass
 
@@ -134,6 +158,21 @@ class WordsTest(absltest.TestCase):
       self.assertIn(flag, message)
     record["fits"] = True
     dry_run_target.check_fits(record, run)  # No error.
+
+  def test_tpu_compilers_refusal_is_the_same_line(self):
+    """XLA's TPU compiler refuses a step over HBM; its figures, one line."""
+    run = run_config.run_config_from_preset("tiny_dsv3", mesh=MESH)
+    gib = 2**30
+    message = dry_run_target._does_not_fit(  # pylint: disable=protected-access
+        run, "v5e", "2x4", int(20 * gib), int(15.75 * gib)
+    )
+    self.assertTrue(
+        message.startswith(
+            "peak 20.0 GiB per device > 15.8 GiB usable on v5e by 4.2 GiB: "
+            "--model=tiny_dsv3 does not fit on --topology=2x4"
+        ),
+        message,
+    )
 
   def test_per_step_counts_loops_and_the_exact_ragged_buffer(self):
     hlo = "\n".join(
@@ -214,6 +253,47 @@ class CompiledTest(absltest.TestCase):
         dry_run_target.default_json_path(self.out_dir, "h100", "1x1x1")
     ) as f:
       self.assertFalse(json.load(f)["fits"])
+
+
+class TpuCompiledTest(absltest.TestCase):
+  """tiny_dsv3 compiled for 4 v5e chips through train.main."""
+
+  def setUp(self):
+    super().setUp()
+    if not aot.libtpu_installed():
+      self.skipTest(
+          "compiling for TPUs needs libtpu (jax's `tpu` extra), which this "
+          "leg does not install"
+      )
+    self.out_dir = testing.temp_dir(self)
+
+  def test_tiny_dsv3_on_four_v5e_chips(self):
+    path = os.path.join(self.out_dir, "v5e.json")
+    status, out, err = _run_main(
+        model="tiny_dsv3",
+        dry_run=True,
+        target="v5e",
+        topology="2x2",
+        mesh="data=2,expert=2",
+        dry_run_json=path,
+        output_dir=self.out_dir,
+    )
+    self.assertEqual(status, 0, err[-3000:])
+    self.assertIn("peak vs usable HBM", out)
+    with open(path) as f:
+      record = json.load(f)
+    self.assertTrue(record["fits"])
+    self.assertEqual(record["usable_bytes"], aot.target("v5e").usable_bytes)
+    figures = record["figures"]
+    self.assertAlmostEqual(figures["params"]["ratio"], 1.0, delta=1e-3)
+    # XLA:TPU's dots are convolutions, and its loops carry no trip count:
+    # both are counted (the routed experts' ragged dots are Mosaic calls).
+    self.assertGreater(figures["flops"]["compiled"], 0)
+    self.assertEqual(record["matmuls_in_unknown_loops"], 0)
+    self.assertGreater(record["kernel_launches_per_step"]["tpu_custom_call"], 0)
+    self.assertGreater(
+        record["collective_bytes_per_step"]["ragged-all-to-all"], 0
+    )
 
 
 # The committed DeepSeek-V3 layout for 1,024 H100s (docs/scaling.md), here

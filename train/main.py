@@ -11,6 +11,8 @@ faults). Usage:
     python -m train.main --model=deepseek_v3 --dry_run --mesh=fsdp=4,expert=64
     python -m train.main --model=mixtral_8x7b --dry_run --target=h100 \
         --topology=1x1x8 --mesh=fsdp=8   # the real step, compiled for GPUs
+    python -m train.main --model=mixtral_8x7b --dry_run --target=v5p \
+        --topology=2x2x2 --mesh=fsdp=8   # and for TPUs
     python -m train.main --resume               # continue the last run
     python -m train.main --mesh=data=2,expert=4 # 8 devices (simulated on CPU)
     tools/launch_local.sh 2 --mesh=data=2,expert=4   # 2 processes x 4 devices
@@ -96,7 +98,7 @@ def _target_dry_run(out) -> str:
   its figures; the printed text.
 
   Raises:
-    app.UsageError: the run does not split over the mesh, the GPUs cannot
+    app.UsageError: the run does not split over the mesh, the chips cannot
       be described here, or the step does not fit (one line).
   """
   run = dry_run_target.resolve_backend(train_flags.run_config_from_flags())
@@ -107,9 +109,12 @@ def _target_dry_run(out) -> str:
     record, _, _ = dry_run_target.compile_for(
         run, train_flags.TARGET.value, train_flags.TOPOLOGY.value
     )
+  except dry_run_target.TargetDoesNotFitError as e:
+    # XLA's TPU compiler refuses a step over the HBM: no figures to write.
+    raise app.UsageError(str(e)) from e
   except (ValueError, RuntimeError) as e:
-    # A run that does not split over --mesh; no CUDA plugin to describe
-    # the GPUs with.
+    # A run that does not split over --mesh; no CUDA plugin or libtpu to
+    # describe the chips with.
     raise app.UsageError(str(e)) from e
   text = dry_run_target.describe(record)
   dry_run_target.write_json(record, path)

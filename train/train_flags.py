@@ -150,14 +150,17 @@ TARGET = flags.DEFINE_enum(
     None,
     sorted(aot.TARGETS),
     "With --dry_run and --topology: compile the real train step for these "
-    "GPUs (they need not be here; moe_core.aot) and report its memory, "
-    "FLOPs and all-to-all bytes per device beside the analytic estimate.",
+    "GPUs or TPUs (they need not be here; moe_core.aot) and report its "
+    "memory, FLOPs and all-to-all bytes per device beside the analytic "
+    "estimate.",
 )
 TOPOLOGY = flags.DEFINE_string(
     "topology",
     None,
-    "With --target: the GPUs as 'SxHxG' (slices x hosts x GPUs per host, "
-    "e.g. 1x128x8); their count must be the product of --mesh.",
+    "With --target: GPUs as 'SxHxG' (slices x hosts x GPUs per host, e.g. "
+    "1x128x8), TPUs as their chip grid and '/S' slices (v5e, v6e: '16x16'; "
+    "v5p, tpu7x: '8x16x16', '4x4x4/2'); their devices must be the product "
+    "of --mesh.",
 )
 DRY_RUN_JSON = flags.DEFINE_string(
     "dry_run_json",
@@ -437,35 +440,41 @@ def _check_layers_scan(values: dict) -> bool:
 @flags.multi_flags_validator(("target", "topology", "dry_run", "mesh"))
 def _check_target(values: dict) -> bool:
   """--target and --topology come together, with --dry_run, and the
-  topology's GPUs are the mesh's devices."""
+  topology's devices are the mesh's devices."""
   target, topology = values["target"], values["topology"]
   if target is None and topology is None:
     return True
   if target is None:
     raise flags.ValidationError(
         f"--topology={topology} needs --target (one of {sorted(aot.TARGETS)})"
-        " to say which GPUs to compile for."
+        " to say which GPUs or TPUs to compile for."
     )
+  shape = "AxB[xC][/S]" if aot.is_tpu(target) else "SxHxG"
+  example = (
+      aot.TPU_TARGETS[target].topologies[1].partition(":")[2]
+      if aot.is_tpu(target)
+      else "1x1x8"
+  )
   if topology is None:
     raise flags.ValidationError(
-        f"--target={target} needs --topology=SxHxG (slices x hosts x GPUs "
-        "per host, e.g. 1x1x8) to say how many GPUs."
+        f"--target={target} needs --topology={shape} (e.g. {example}) to "
+        "say how many devices."
     )
   if not values["dry_run"]:
     raise flags.ValidationError(
-        f"--target={target} --topology={topology} compiles for GPUs that "
+        f"--target={target} --topology={topology} compiles for devices that "
         "are not here: it needs --dry_run."
     )
   try:
-    slices, hosts, gpus = aot.parse_topology(topology)
+    count = aot.num_devices(target, topology)
   except ValueError as e:
     raise flags.ValidationError(f"--{e}") from e
   sizes = _mesh_sizes(values["mesh"])
-  if slices * hosts * gpus != mesh_lib.num_devices(sizes):
+  if count != mesh_lib.num_devices(sizes):
     raise flags.ValidationError(
-        f"--topology={topology} has {slices * hosts * gpus} GPUs, but --mesh="
+        f"--topology={topology} has {count} {target} devices, but --mesh="
         f"{values['mesh']} multiplies to {mesh_lib.num_devices(sizes)}; give "
-        "a mesh whose sizes multiply to the topology's GPUs."
+        "a mesh whose sizes multiply to the topology's devices."
     )
   return True
 

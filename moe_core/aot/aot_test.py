@@ -1,12 +1,13 @@
 """moe_core.aot: targets as data, topologies, and compiles read back.
 
-Compiles for GPUs that are not here, through XLA's GPU compiler (the CUDA
-plugin of the installed jax); on a leg without the plugin the compiling
-tests skip with that reason.
+Compiles for GPUs and TPUs that are not here, through XLA's GPU compiler
+(the CUDA plugin of the installed jax) and its TPU compiler (libtpu); on a
+leg without one the compiling tests skip with that reason.
 """
 
 from __future__ import annotations
 
+import base64
 import re
 
 from absl.testing import absltest
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from moe_core import aot
 
 _HAS_PLUGIN = aot.cuda_plugin_installed()
+_HAS_LIBTPU = aot.libtpu_installed()
 
 
 def _field(text: str, name: str) -> str:
@@ -27,7 +29,7 @@ def _field(text: str, name: str) -> str:
 
 class TargetsTest(parameterized.TestCase):
 
-  @parameterized.parameters(*aot.TARGETS)
+  @parameterized.parameters(*aot.GPU_TARGETS)
   def test_config_agrees_with_the_target(self, name):
     t = aot.target(name)
     text = t.config_text()
@@ -49,6 +51,70 @@ class TargetsTest(parameterized.TestCase):
 
   def test_topology_spec(self):
     self.assertEqual(aot.parse_topology("1x128x8"), (1, 128, 8))
+
+  def test_tpu_targets_beside_the_gpu_targets(self):
+    self.assertEqual(set(aot.TPU_TARGETS), {"v5e", "v6e", "v5p", "tpu7x"})
+    self.assertEqual(
+        set(aot.TARGETS), set(aot.GPU_TARGETS) | set(aot.TPU_TARGETS)
+    )
+    for name, t in aot.TPU_TARGETS.items():
+      self.assertTrue(aot.is_tpu(name))
+      self.assertLess(t.usable_bytes, t.hbm_bytes, name)
+      self.assertIn(t.vmem_bytes, (64 * 2**20, 128 * 2**20), name)
+      self.assertLess(t.scoped_vmem_bytes, t.vmem_bytes, name)
+      for example in t.topologies:
+        target, _, spec = example.partition(":")
+        self.assertEqual(target, name)
+        aot.parse_tpu_topology(name, spec)
+    self.assertFalse(aot.is_tpu("h100"))
+
+  @parameterized.parameters(
+      ("v5e", "2x2", 4),
+      ("v5e", "2x4/2", 16),
+      ("v5p", "4x4x4", 64),
+      ("tpu7x", "2x2x1", 8),  # Two devices a chip.
+      ("h100", "1x8x8", 64),
+  )
+  def test_device_counts(self, target, spec, count):
+    self.assertEqual(aot.num_devices(target, spec), count)
+
+  @parameterized.parameters(
+      ("v5e", "2x2x1"), ("v5p", "2x2"), ("v6e", "2x2/0"), ("v5e", "two")
+  )
+  def test_bad_tpu_topology_is_refused(self, target, spec):
+    with self.assertRaisesRegex(ValueError, f"topology for {target} must be"):
+      aot.parse_tpu_topology(target, spec)
+
+  def test_topology_names_need_a_target(self):
+    with self.assertRaisesRegex(ValueError, "'<target>:<shape>'"):
+      aot.named_topology("2x2")
+    with self.assertRaisesRegex(ValueError, "GPU target must be one of"):
+      aot.gpu_topology("v5e", "1x1x1")
+    with self.assertRaisesRegex(ValueError, "TPU target must be one of"):
+      aot.tpu_topology("h100", "2x2")
+
+  def test_tpu_kernel_names_from_the_module_or_the_instruction(self):
+    # The base64 bytecode's string table holds the kernel's symbol after
+    # the func's attribute names; XLA's own kernels carry text modules.
+    body = base64.b64encode(
+        b"MLiR\x00sym_name\x00function_type\x00value\x00"
+        b"dropless_tpu_gmm\x00tpu.dimension_semantics"
+    ).decode()
+    hlo = "\n".join(
+        [
+            "  %fusion.7 = bf16[8,128]{1,0} custom-call(%a), custom_call_target"
+            '="tpu_custom_call", backend_config={"custom_call_config":{"body":'
+            f'"{body}"}},"used_scoped_memory_configs":[{{"memory_space":"1",'
+            '"offset":"0","size":"4096"}]}',
+            "  ROOT %ragged-dot-none.3 = bf16[8,128]{1,0} custom-call(%b),"
+            ' custom_call_target="tpu_custom_call", backend_config={"custom_'
+            'call_config":{"body":"bW9kdWxlIHsK"}}',
+            '  %c = f32[] custom-call(), custom_call_target="Sharding"',
+        ]
+    )
+    self.assertEqual(
+        aot.tpu_kernels(hlo), {"dropless_tpu_gmm": 1, "ragged-dot-none": 1}
+    )
 
 
 def _requires_plugin(test):
@@ -143,6 +209,128 @@ class CompileTest(parameterized.TestCase):
     self.assertGreaterEqual(quick.peak_bytes, 2 * 512 * 512 * 2)
 
 
+def _requires_libtpu(test):
+  if not _HAS_LIBTPU:
+    test.skipTest(
+        "compiling for TPUs needs libtpu (jax's `tpu` extra), which this "
+        "leg does not install"
+    )
+
+
+def _doubling_kernel(block_rows: int, name: str = "dropless_tpu_probe"):
+  """x -> 2x by a Pallas TPU kernel over [block_rows, 128] blocks."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  def fn(x):
+    block = pl.BlockSpec((block_rows, 128), lambda i: (i, 0))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(x.shape[0] // block_rows,),
+        in_specs=[block],
+        out_specs=block,
+        name=name,
+    )(x)
+
+  return fn
+
+
+class TpuCompileTest(parameterized.TestCase):
+  """Compiles for TPUs through libtpu, without a TPU."""
+
+  def setUp(self):
+    super().setUp()
+    _requires_libtpu(self)
+
+  def test_topology_of_chips_hosts_and_slices(self):
+    topo = aot.tpu_topology("v5e", "2x4/2")
+    self.assertEqual(topo.num_devices, 16)
+    self.assertEqual((topo.slices, topo.name), (2, "v5e:2x4/2"))
+    self.assertEqual(topo.devices[0].device_kind, "TPU v5 lite")
+    self.assertEqual(len({d.process_index for d in topo.devices}), 4)
+    self.assertEqual(aot.named_topology("tpu7x:2x2x1").num_devices, 8)
+    self.assertEqual(
+        dict(topo.mesh({"data": 2, "expert": -1}).shape),
+        {"data": 2, "expert": 8},
+    )
+
+  @parameterized.parameters(*aot.TPU_TARGETS)
+  def test_compile_names_our_kernel_and_reads_memory(self, target):
+    x = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+    topology = aot.TPU_TARGETS[target].topologies[0]
+    program = aot.compile(
+        _doubling_kernel(256), x, topology=topology, name="probe"
+    )
+    self.assertEqual(program.tpu_kernels, {"dropless_tpu_probe": 1})
+    self.assertEqual(program.custom_calls.get("tpu_custom_call"), 1)
+    self.assertEqual(program.argument_bytes, 1024 * 128 * 4)
+    self.assertEqual(program.output_bytes, 1024 * 128 * 4)
+    self.assertTrue(program.fits)
+    # In and out blocks, double-buffered (tpu7x: single): 4 x [256, 128]
+    # float32.
+    self.assertIn(program.kernel_vmem_bytes, (2 * 2**17, 4 * 2**17))
+    self.assertEqual(program.target, target)
+
+  def test_xla_ragged_dot_is_a_mosaic_call_too(self):
+    """The call target alone would count XLA's kernels as ours."""
+    topo = aot.named_topology("v5e:1x1")
+    device = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    rows = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=device)
+    weights = jax.ShapeDtypeStruct((4, 256, 128), jnp.bfloat16, sharding=device)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=device)
+    program = aot.compile(
+        jax.lax.ragged_dot, rows, weights, sizes, topology=topo
+    )
+    self.assertIn("tpu_custom_call", program.custom_calls)
+    self.assertFalse(
+        [k for k in program.tpu_kernels if k.startswith("dropless_tpu_")]
+    )
+
+  def test_a_kernel_over_scoped_vmem_fails_to_compile(self):
+    """[16384, 128] float32 blocks, in and out, double-buffered: 32 MiB of
+    VMEM, within v6e's default scoped limit and over v5p's."""
+    x = jax.ShapeDtypeStruct((65536, 128), jnp.float32)
+    fits = aot.compile(_doubling_kernel(16384), x, topology="v6e:1x1")
+    self.assertEqual(fits.kernel_vmem_bytes, 32 * 2**20)
+    self.assertLessEqual(
+        fits.kernel_vmem_bytes, aot.TPU_TARGETS["v6e"].scoped_vmem_bytes
+    )
+    with self.assertRaisesRegex(Exception, "CompileTimeScopedVmemOom"):
+      aot.compile(_doubling_kernel(16384), x, topology="v5p:1x1x1")
+
+  def test_a_program_over_hbm_fails_with_its_figures(self):
+    x = jax.ShapeDtypeStruct((6, 2**30), jnp.float32)  # 24 GiB, 48 with 2x.
+    with self.assertRaises(aot.HbmOomError) as caught:
+      aot.compile(lambda a: a * 2, x, topology="v5e:1x1")
+    self.assertEqual(
+        caught.exception.available_bytes,
+        aot.TPU_TARGETS["v5e"].usable_bytes,
+    )
+    self.assertGreater(caught.exception.required_bytes, 24 * 2**30)
+
+  def test_collective_bytes_of_an_all_to_all_over_chips(self):
+    topo = aot.tpu_topology("v5e", "2x4")
+    mesh = topo.mesh({"x": 8})
+    spec = jax.sharding.PartitionSpec
+    sharding = jax.sharding.NamedSharding(mesh, spec("x"))
+
+    def exchange(a):
+      return jax.shard_map(
+          lambda b: jax.lax.all_to_all(b, "x", 0, 0, tiled=True),
+          mesh=mesh,
+          in_specs=spec("x"),
+          out_specs=spec("x"),
+      )(a)
+
+    x = jax.ShapeDtypeStruct((8 * 64, 256), jnp.float32, sharding=sharding)
+    program = aot.compile(exchange, x, topology=topo, mesh=mesh)
+    self.assertEqual(program.collective_bytes.get("all-to-all"), 64 * 256 * 4)
+
+
 def _scanned_matmuls(layers: int, m: int, k: int):
   """(loss, args): `layers` [m,k]x[k,k] matmuls under a scan."""
 
@@ -211,6 +399,31 @@ class MatmulFlopsTest(absltest.TestCase):
     # meets one group) once.
     self.assertEqual(counted.flops, 3 * 2 * product + product)
     self.assertEqual(counted.kernel_launches, {"mosaic_gpu_v2": 3})
+
+  def test_tpu_dots_are_convolutions(self):
+    hlo = "\n".join(
+        [
+            "ENTRY %main (a: bf16[4,64,128], b: bf16[4,128,256]) -> f32[] {",
+            "  %a = bf16[4,64,128]{2,1,0} parameter(0)",
+            "  %b = bf16[4,128,256]{2,1,0} parameter(1)",
+            "  %c = bf16[4,64,256]{2,1,0} convolution(%a, %b),"
+            " window={size=4 stride=3 lhs_dilate=4}, dim_labels=0bf_0io->0bf",
+            "}",
+        ]
+    )
+    counted = aot.per_step_matmul_flops(hlo)
+    self.assertEqual(counted.flops, 2 * 4 * 64 * 256 * 128)
+
+  @absltest.skipUnless(_HAS_LIBTPU, "no libtpu on this leg")
+  def test_a_tpu_compile_counts_its_dots_per_iteration(self):
+    layers, m, k = 5, 256, 512
+    loss, args = _scanned_matmuls(layers, m, k)
+    abstract = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in args]
+    program = aot.compile(
+        jax.grad(loss, argnums=(0, 1)), *abstract, topology="v6e:1x1"
+    )
+    counted = aot.per_step_matmul_flops(program.compiled.as_text())
+    self.assertEqual(counted.flops, 3 * layers * 2 * m * k * k)
 
   @absltest.skipUnless(_HAS_PLUGIN, "no CUDA plugin on this leg")
   def test_a_gpu_compile_counts_its_gemm_calls_per_iteration(self):

@@ -1,19 +1,24 @@
-"""Compiling a JAX program for a GPU topology, and what the compiler says.
+"""Compiling a JAX program for a GPU or TPU topology, and what XLA says.
 
-`compile` runs XLA's whole GPU compiler on a program for a `Topology`'s GPUs
-(SPMD partitioning, fusion, the latency-hiding scheduler, rematerialisation
-against the target's memory, buffer assignment, and each Pallas Triton or
-Mosaic GPU kernel's own compile) and returns a `CompiledProgram`: its peak
-bytes, whether it fits, its custom calls, collectives and FLOPs. It does not
+`compile` runs XLA's whole GPU or TPU compiler on a program for a
+`Topology`'s chips (SPMD partitioning, fusion, the latency-hiding
+scheduler, rematerialisation against the target's memory, buffer
+assignment, and each Pallas Triton, Mosaic GPU or Mosaic TPU kernel's own
+compile) and returns a `CompiledProgram`: its peak bytes, whether it fits,
+its custom calls, Mosaic TPU kernels, collectives and FLOPs. It does not
 autotune (kernel choices are XLA's defaults), so the binary is right for
-sizing, not for speed.
+sizing, not for speed. XLA's TPU compiler refuses a program over the
+chip's HBM (`HbmOomError`) and a kernel over its VMEM (a compile error
+naming VMEM); its GPU compiler only warns, and `fits` says.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import dataclasses
+import json
 import re
 import time
 from typing import Any, Callable
@@ -55,6 +60,16 @@ COLLECTIVES = (
 )
 
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+# A Mosaic TPU kernel: a "tpu_custom_call" whose backend config holds the
+# kernel's MLIR module (base64 bytecode, the kernel's name among its
+# strings) and the VMEM it takes. XLA's own ragged_dot is such a call too,
+# so the call target alone says nothing about whose kernel it is.
+TPU_CUSTOM_CALL = "tpu_custom_call"
+_BACKEND_CONFIG = re.compile(r"backend_config=(\{.*\})\s*$")
+_KERNEL_NAME = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*")
+_OOM = re.compile(
+    r"CompileTimeHbmOom|Ran out of memory (on HBM|in memory space hbm)"
+)
 _BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f4e2m1fn": 1,
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -77,7 +92,11 @@ class CompiledProgram:
       arguments, temporaries, generated code.
     flops, bytes_accessed: XLA's cost analysis of the compiled module.
     custom_calls: custom-call target -> count in the compiled module (the
-      kernels: "__gpu$xla.gpu.triton", "mosaic_gpu_v2", ...).
+      kernels: "__gpu$xla.gpu.triton", "mosaic_gpu_v2", "tpu_custom_call").
+    tpu_kernels: Mosaic TPU kernel name -> count (`tpu_kernels`): the
+      `name` of each pallas_call, XLA's own ("ragged-dot-none") too.
+    kernel_vmem_bytes: the most VMEM one Mosaic TPU kernel takes (its
+      scoped buffers); 0 for GPUs.
     collective_bytes: collective op -> bytes of its operands, summed over
       the module's instructions (one execution of each).
     hbm_bytes, usable_bytes: the target's memory, and the share a plan may
@@ -100,6 +119,8 @@ class CompiledProgram:
   collective_bytes: dict[str, int]
   hbm_bytes: int
   usable_bytes: int
+  tpu_kernels: dict[str, int] = dataclasses.field(default_factory=dict)
+  kernel_vmem_bytes: int = 0
   compiled: Any = dataclasses.field(default=None, repr=False)
 
   @property
@@ -128,10 +149,45 @@ class CompiledProgram:
     return record
 
 
+class HbmOomError(ValueError):
+  """XLA's TPU compiler refused a program over the chip's HBM.
+
+  Attributes:
+    required_bytes, available_bytes: its figures (None where its message
+      gives none).
+  """
+
+  def __init__(self, message, required_bytes, available_bytes):
+    super().__init__(message)
+    self.required_bytes = required_bytes
+    self.available_bytes = available_bytes
+
+
+def _hbm_oom(error: Exception) -> HbmOomError | None:
+  """The HbmOomError of a TPU compile's out-of-memory error, else None."""
+  text = str(error)
+  if not _OOM.search(text):
+    return None
+
+  def figure(after: str):
+    match = re.search(after + r"[^(]*\(([0-9.]+)([KMGT]?)\)", text)
+    if match is None:
+      return None
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    return int(float(match.group(1)) * scale[match.group(2)])
+
+  first = text.splitlines()[0] if text else ""
+  return HbmOomError(
+      f"XLA's TPU compiler: {first}",
+      figure(r"required"),
+      figure(r"available HBM"),
+  )
+
+
 def compile(  # pylint: disable=redefined-builtin
     fn: Callable,
     *args,
-    topology: topology_lib.Topology,
+    topology: topology_lib.Topology | str,
     mesh: jax.sharding.Mesh | None = None,
     name: str = "",
     xla_options: dict[str, Any] | None = None,
@@ -143,12 +199,14 @@ def compile(  # pylint: disable=redefined-builtin
     fn: the program.
     *args: its arguments as `jax.ShapeDtypeStruct`s (pytrees of them),
       with shardings over `topology`'s devices (or `in_shardings` given).
-    topology: from `gpu_topology`.
+    topology: from `gpu_topology` or `tpu_topology`, or a full name
+      ("v5e:2x2", "h100:1x1x8": `topology_lib.topology`).
     mesh: the mesh the program's shardings and shard_maps use (a
-      `topology.mesh`); None for a one-GPU program.
+      `topology.mesh`); None for a one-device program.
     name: a label for the record.
-    xla_options: XLA debug options over `DEVICELESS_OPTIONS` (e.g.
-      `QUICK_OPTIONS`); None compiles with XLA's defaults otherwise.
+    xla_options: XLA debug options, over `DEVICELESS_OPTIONS` for a GPU
+      (e.g. `QUICK_OPTIONS`, GPU options that a TPU compile ignores); None
+      compiles with XLA's defaults otherwise.
     **jit_kwargs: in_shardings, out_shardings, donate_argnums,
       static_argnums...
 
@@ -157,7 +215,29 @@ def compile(  # pylint: disable=redefined-builtin
     mesh = topo.mesh({"data": 2, "expert": 4})
     program = aot.compile(step, *abstract_args, topology=topo, mesh=mesh)
     program.peak_bytes, program.fits, program.custom_calls, program.flops
+    aot.compile(f, x, topology="v5e:2x2").tpu_kernels  # {"my_kernel": 1}
+
+  Raises:
+    HbmOomError: XLA's TPU compiler found the program over the HBM.
   """
+  if isinstance(topology, str):
+    topology = topology_lib.named_topology(topology)
+  tpu = isinstance(topology, topology_lib.TpuTopology)
+  options = {} if tpu else dict(DEVICELESS_OPTIONS)
+  if not tpu or xla_options is not QUICK_OPTIONS:
+    options.update(xla_options or {})
+  if mesh is None and "in_shardings" not in jit_kwargs:
+    # A one-device program's arguments without a sharding go to the
+    # topology's first device (jit would place them on this host's CPU).
+    first = jax.sharding.SingleDeviceSharding(topology.devices[0])
+    args = jax.tree.map(
+        lambda a: (
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=first)
+            if isinstance(a, jax.ShapeDtypeStruct) and a.sharding is None
+            else a
+        ),
+        args,
+    )
   context_mesh = mesh if mesh is not None else topology.single_device_mesh()
   start = time.perf_counter()
   # Kernel lowerings (Pallas Triton, Mosaic GPU) read the GPU they compile
@@ -165,7 +245,13 @@ def compile(  # pylint: disable=redefined-builtin
   # names the target's devices, so its abstract mesh carries it.
   with _abstract_mesh(context_mesh):
     lowered = jax.jit(fn, **jit_kwargs).lower(*args)
-  compiled = lowered.compile({**DEVICELESS_OPTIONS, **(xla_options or {})})
+  try:
+    compiled = lowered.compile(options)
+  except Exception as e:  # pylint: disable=broad-except
+    oom = _hbm_oom(e) if tpu else None
+    if oom is not None:
+      raise oom from e
+    raise
   seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
   text = compiled.as_text()
@@ -186,8 +272,58 @@ def compile(  # pylint: disable=redefined-builtin
       collective_bytes=collective_bytes(text),
       hbm_bytes=topology.target.hbm_bytes,
       usable_bytes=topology.target.usable_bytes,
+      tpu_kernels=tpu_kernels(text),
+      kernel_vmem_bytes=max((v for _, v in _tpu_calls(text)), default=0),
       compiled=compiled,
   )
+
+
+def tpu_kernels(hlo_text: str) -> dict[str, int]:
+  """Mosaic TPU kernel name -> count of its calls in a compiled module.
+
+  A kernel's name is the `name` its pallas_call was given (the function's
+  otherwise): the symbol of the MLIR module in its call's backend config,
+  which XLA keeps whatever it renames the instruction to.
+  """
+  return dict(collections.Counter(n for n, _ in _tpu_calls(hlo_text)))
+
+
+def _tpu_calls(hlo_text: str):
+  """(kernel name, scoped VMEM bytes) of each tpu_custom_call."""
+  for line in hlo_text.splitlines():
+    if f'custom_call_target="{TPU_CUSTOM_CALL}"' not in line:
+      continue
+    config = _BACKEND_CONFIG.search(line)
+    try:
+      parsed = json.loads(config.group(1)) if config else {}
+    except ValueError:
+      parsed = {}
+    call = parsed.get("custom_call_config", {})
+    name = _module_name(call.get("body", ""))
+    if name is None:  # The instruction's own name, less XLA's ".N".
+      match = re.match(r"\s*(?:ROOT\s+)?%([\w\-]+?)(?:\.\d+)?\s*=", line)
+      name = match.group(1) if match else "?"
+    vmem = sum(
+        int(c.get("size", 0))
+        for c in parsed.get("used_scoped_memory_configs", [])
+    )
+    yield name, vmem
+
+
+def _module_name(body: str) -> str | None:
+  """The kernel's name in a Mosaic module's base64 MLIR bytecode: the
+  string after "sym_name", "function_type", "value" in its string table
+  (the func's symbol), or None."""
+  try:
+    raw = base64.b64decode(body, validate=False)
+  except ValueError:
+    return None
+  marker = b"sym_name\x00function_type\x00value\x00"
+  at = raw.find(marker)
+  if at < 0:
+    return None
+  match = _KERNEL_NAME.match(raw, at + len(marker))
+  return match.group(0).decode() if match else None
 
 
 def _abstract_mesh(mesh):

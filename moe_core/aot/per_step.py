@@ -4,9 +4,11 @@ loops counted.
 `moe_core.aot.collective_bytes` counts each collective instruction once (the
 exchange of a scanned layer once, not once per layer); this module weights
 each collective and matmul by how often it runs per execution of the module:
-the product of the known trip counts of the while loops around it (XLA
-records `known_trip_count` in a loop's backend_config; a loop without one
-counts once, and the results say how many instructions sit in such loops).
+the product of the known trip counts of the while loops around it (XLA:GPU
+records `known_trip_count` in a loop's backend_config; XLA:TPU does not,
+and a loop whose condition is `counter < N` runs N times, as jax's scans
+do; a loop without either counts once, and the results say how many
+instructions sit in such loops).
 """
 
 from __future__ import annotations
@@ -127,15 +129,45 @@ def _runs_per_execution(computations, entry):
       continue
     for _, _, rest in computations[comp]:
       trip = _TRIP_COUNT.search(rest)
+      trips = (
+          int(trip.group(1)) if trip else _inferred_trips(computations, rest)
+      )
       for kind, names in _CALLEE.findall(rest):
         factor = 1
         if kind == "body":
-          factor = int(trip.group(1)) if trip else 1
+          factor = trips or 1
         for callee in _OPERAND.findall(names):
           runs[callee] += runs[comp] * factor
-          if comp in unknown or (kind == "body" and trip is None):
+          if comp in unknown or (kind == "body" and trips is None):
             unknown.add(callee)
   return runs, unknown
+
+
+_CONDITION = re.compile(r"\bcondition=(%[\w.\-]+)")
+_CONSTANT = re.compile(r"\bconstant\((\d+)\)")
+_LESS_THAN = re.compile(
+    r"\scompare\((%[\w.\-]+),\s*(%[\w.\-]+)\),\s*direction=LT\b"
+)
+
+
+def _inferred_trips(computations, rest: str) -> int | None:
+  """A while loop's trip count from its condition, where XLA records none
+  (XLA:TPU does not): `counter < N` with N a constant, the counter from 0
+  (jax's scan and fori_loop)."""
+  condition = _CONDITION.search(rest)
+  if condition is None or condition.group(1) not in computations:
+    return None
+  lines = computations[condition.group(1)]
+  constants = {}
+  for name, _, line in lines:
+    value = _CONSTANT.search(line)
+    if value and re.search(r"\s?constant\(", line):
+      constants[name] = int(value.group(1))
+  compares = [_LESS_THAN.search(" " + line) for _, _, line in lines]
+  compares = [c for c in compares if c]
+  if len(compares) != 1 or compares[0].group(2) not in constants:
+    return None
+  return constants[compares[0].group(2)]
 
 
 def _collective(rhs: str) -> str | None:
@@ -176,10 +208,11 @@ class MatmulFlops:
   """Matmul FLOPs per execution of a module (per device).
 
   Attributes:
-    flops: 2 x output elements x contracted size of each dot, ragged dot
-      and GEMM call, times the trip counts of the loops around it.
+    flops: 2 x output elements x contracted size of each dot, ragged dot,
+      GEMM call and convolution that is a dot (XLA:TPU's dots), times the
+      trip counts of the loops around it.
     kernel_launches: custom-call target -> launches per execution, for the
-      calls whose FLOPs this cannot see (Pallas, Mosaic GPU, Triton
+      calls whose FLOPs this cannot see (Pallas, Mosaic GPU and TPU, Triton
       kernels; GEMM calls excluded).
     unknown_loops: matmuls inside a loop whose trip count XLA does not know
       (counted once per enclosing execution).
@@ -234,8 +267,29 @@ def _lhs_dims(rhs: str, op: str, types: dict[str, str]) -> list[int] | None:
   return _dims(types.get(name.group(0), "")) if name else None
 
 
+_DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
+
+
+def _convolution_flops(result: str, rhs: str, types: dict[str, str]):
+  """FLOPs of a convolution that is a dot, XLA:TPU's form of every dot:
+  2 x output elements x the lhs's feature ("f") dimension. A batch of
+  products is a spatial dimension whose window meets one element, so it
+  adds no factor (a true convolution's window would: none is counted)."""
+  labels = _DIM_LABELS.search(rhs)
+  out = _dims(result)
+  lhs = _lhs_dims(rhs, "convolution", types)
+  if labels is None or out is None or lhs is None:
+    return None
+  contracted = math.prod(
+      n for n, label in zip(lhs, labels.group(1)) if label == "f"
+  )
+  return 2.0 * math.prod(out) * contracted
+
+
 def _matmul_flops(result: str, rhs: str, types: dict[str, str]):
   """FLOPs of one dot / ragged-dot / GEMM call instruction, else None."""
+  if re.search(r"\sconvolution\(", " " + rhs):
+    return _convolution_flops(result, rhs, types)
   if re.search(r"\sdot\(", " " + rhs):
     op, contracting = "dot", _LHS_CONTRACTING.search(rhs)
   elif re.search(r"\sragged-dot\(", " " + rhs):

@@ -1,10 +1,10 @@
-"""A topology of GPUs to compile for, from any host, and meshes over it.
+"""A topology of GPUs or TPUs to compile for, from any host, and meshes.
 
-The devices are XLA's description of GPUs that need not exist here: jit
-lowers and compiles for them (`moe_core.aot.compile`), nothing runs. On a
-machine without a GPU JAX must run its own computations on the CPU; the
-first call here sees to that when JAX has not started yet, and says how
-when it has.
+The devices are XLA's description of chips that need not exist here: jit
+lowers and compiles for them (`moe_core.aot.compile`), nothing runs. GPUs
+need jax's CUDA plugin, TPUs `libtpu`. On a machine without the chips JAX
+must run its own computations on the CPU; the first call here sees to that
+when JAX has not started yet, and says how when it has.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Topology:
       raise ValueError(
           f"mesh axes {dict(zip(names, sizes))} multiply to "
           f"{math.prod(sizes)}, but the topology {self.spec} has "
-          f"{self.num_devices} GPUs."
+          f"{self.num_devices} devices."
       )
     return jax.sharding.Mesh(
         np.array(self.devices).reshape(sizes),
@@ -96,6 +96,160 @@ class Topology:
         ("gpu",),
         axis_types=(jax.sharding.AxisType.Auto,),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTopology(Topology):
+  """TPU chips of one generation: `slices` slices of a chip grid each.
+
+  Attributes (beyond `Topology`'s; `hosts` and `gpus_per_host` are per
+  slice: libtpu's hosts, and JAX devices per host):
+    chips: the chip grid of one slice, "2x2" or "4x4x4".
+  """
+
+  chips: str = ""
+
+  @property
+  def spec(self) -> str:
+    suffix = f"/{self.slices}" if self.slices > 1 else ""
+    return f"{self.chips}{suffix}"
+
+  @property
+  def name(self) -> str:
+    """The full name, "v5e:2x2" or "v5e:2x2/2"."""
+    return f"{self.target.name}:{self.spec}"
+
+  def single_device_mesh(self) -> jax.sharding.Mesh:
+    """A one-device mesh of the target (for one-chip programs)."""
+    return jax.sharding.Mesh(
+        np.array(self.devices[:1]),
+        ("tpu",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+    )
+
+
+_TPU_SPEC = re.compile(r"^(\d+(?:x\d+){1,2})(?:/(\d+))?$")
+
+
+def parse_tpu_topology(target: str, spec: str) -> tuple[str, int]:
+  """ "AxB[xC][/S]" -> (chip grid "AxB[xC]", slices) for a TPU `target`.
+
+  The chip grid has the generation's dimensions (`TpuTarget.chip_dims`:
+  "2x2" for v5e and v6e, "2x2x1" for v5p and tpu7x); "/S" asks for S such
+  slices joined over the data-centre network (default 1).
+  """
+  tpu = targets_lib.TPU_TARGETS[target]
+  match = _TPU_SPEC.match(spec.strip()) if isinstance(spec, str) else None
+  dims = match.group(1).split("x") if match else []
+  if (
+      match is None
+      or len(dims) != tpu.chip_dims
+      or min(int(d) for d in dims) < 1
+      or int(match.group(2) or 1) < 1
+  ):
+    example = "2x2" if tpu.chip_dims == 2 else "2x2x1"
+    raise ValueError(
+        f"topology for {target} must be a chip grid of {tpu.chip_dims} "
+        f"dimensions, optionally '/S' slices (e.g. '{example}', "
+        f"'{example}/2'; examples: {', '.join(tpu.topologies)}), got "
+        f"{spec!r}."
+    )
+  return match.group(1), int(match.group(2) or 1)
+
+
+def num_devices(target: str, spec: str) -> int:
+  """The JAX devices of `spec` on `target` (GPU "SxHxG" or TPU "AxB/S")."""
+  if targets_lib.is_tpu(target):
+    chips, slices = parse_tpu_topology(target, spec)
+    per_chip = targets_lib.TPU_TARGETS[target].devices_per_chip
+    return math.prod(int(d) for d in chips.split("x")) * slices * per_chip
+  return math.prod(parse_topology(spec))
+
+
+def libtpu_installed() -> bool:
+  """Whether libtpu, which tpu_topology needs, is installed."""
+  return importlib.util.find_spec("libtpu") is not None
+
+
+def tpu_topology(target: str, topology: str = "") -> TpuTopology:
+  """The topology of `target` TPUs shaped as `topology` ("AxB[xC][/S]").
+
+  Args:
+    target: a name of `targets.TPU_TARGETS` ("v5e", "v6e", "v5p", "tpu7x").
+    topology: the chip grid of a slice, and "/S" for S slices; default one
+      chip.
+
+  Example:
+    topo = aot.tpu_topology("v5p", "4x4x4")   # 64 chips, 16 hosts
+    mesh = topo.mesh({"data": 4, "expert": 16})
+  """
+  tpu = targets_lib.TPU_TARGETS.get(target)
+  if tpu is None:
+    raise ValueError(
+        f"TPU target must be one of {sorted(targets_lib.TPU_TARGETS)}, got "
+        f"{target!r}."
+    )
+  chips, slices = parse_tpu_topology(
+      target, topology or "x".join(["1"] * tpu.chip_dims)
+  )
+  _prepare_host(tpu=True)
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental import topologies
+
+  try:
+    desc = topologies.get_topology_desc(
+        f"{target}:{chips}",
+        platform="tpu",
+        num_slices=slices,
+        chips_per_host_bounds=_chips_per_host(chips),
+    )
+  except Exception as e:  # pylint: disable=broad-except
+    raise RuntimeError(
+        f"cannot describe {target}:{chips} x {slices} slice(s) of TPUs here: "
+        f"{e}. Compiling for TPUs needs libtpu (jax {jax.__version__}'s "
+        "`tpu` extra: tools/setup.sh installs it on the newest leg) and, on "
+        "a machine without a TPU, JAX_PLATFORMS=cpu set before jax starts."
+    ) from e
+  devices = tuple(desc.devices)
+  processes = len({d.process_index for d in devices})
+  return TpuTopology(
+      tpu,
+      slices,
+      processes // slices,
+      len(devices) // processes,
+      devices,
+      chips=chips,
+  )
+
+
+# libtpu's chips per host: a 2x2 block of the chip grid (v5e, v6e, v5p and
+# tpu7x hosts of 4 chips).
+_HOST_BLOCK = (2, 2, 1)
+
+
+def _chips_per_host(chips: str) -> tuple[int, int, int]:
+  """A host's block of a slice's chip grid (libtpu 0.0.48, jax 0.11.2's,
+  refuses a grid smaller than its default block: one chip needs 1x1x1)."""
+  dims = [int(d) for d in chips.split("x")] + [1]
+  return tuple(min(d, b) for d, b in zip(dims[:3], _HOST_BLOCK))
+
+
+def named_topology(name: str) -> Topology:
+  """A topology by its full name: "v5e:2x2", "v5p:4x4x4/2", "h100:1x1x8".
+
+  The part before ":" is a target of `targets.TARGETS`; after it, a TPU's
+  chip grid (and "/S" slices) or a GPU's "SxHxG".
+  """
+  target, sep, spec = name.partition(":") if isinstance(name, str) else "::"
+  if not sep or target not in targets_lib.TARGETS:
+    raise ValueError(
+        "a topology's name must be '<target>:<shape>' with a target of "
+        f"{sorted(targets_lib.TARGETS)} (e.g. 'v5e:2x2', 'h100:1x1x8'), got "
+        f"{name!r}."
+    )
+  if targets_lib.is_tpu(target):
+    return tpu_topology(target, spec)
+  return gpu_topology(target, spec)
 
 
 def cuda_plugin_installed() -> bool:
@@ -117,6 +271,11 @@ def gpu_topology(target: str, topology: str = "1x1x1") -> Topology:
     topo = aot.gpu_topology("h100", "1x128x8")  # slices x hosts x GPUs/host
     mesh = topo.mesh({"data": 16, "expert": 64})
   """
+  if target not in targets_lib.GPU_TARGETS:
+    raise ValueError(
+        f"GPU target must be one of {sorted(targets_lib.GPU_TARGETS)}, got "
+        f"{target!r}."
+    )
   gpu = targets_lib.target(target)
   slices, hosts, gpus = parse_topology(topology)
   _prepare_host()
@@ -140,18 +299,28 @@ def gpu_topology(target: str, topology: str = "1x1x1") -> Topology:
   return Topology(gpu, slices, hosts, gpus, tuple(desc.devices))
 
 
-def _prepare_host() -> None:
+def _prepare_host(tpu: bool = False) -> None:
   """Runs JAX's own computations on the CPU where no GPU is attached.
 
   With the CUDA plugin installed and no GPU, JAX's CUDA start-up check
   fails and the topology call then cannot find CUDA; on the CPU platform
   the plugin still describes GPU topologies. Only possible before JAX has
-  started its backends.
+  started its backends. For TPUs, libtpu is told before it loads that
+  other processes may hold it too (it otherwise takes a lock file in /tmp,
+  and a second compiling process, a parallel test, fails with "Internal
+  error when accessing libtpu multi-process lockfile").
   """
-  if os.path.exists("/dev/nvidiactl"):
-    return  # A real GPU: JAX's default platforms include it.
+  if tpu:
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if os.path.exists("/dev/nvidiactl") or (tpu and _has_tpu()):
+    return  # A real accelerator: JAX's default platforms include it.
   # pylint: disable-next=g-import-not-at-top
   from jax._src import xla_bridge
 
   if not xla_bridge.backends_are_initialized() and not jax.config.jax_platforms:
     jax.config.update("jax_platforms", "cpu")
+
+
+def _has_tpu() -> bool:
+  """Whether a TPU is attached (its device files, as libtpu finds them)."""
+  return os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")
