@@ -140,6 +140,10 @@ def _parse_args(argv):
 
 
 def _git_commit() -> str | None:
+  # A tree copied to the TPU host has no .git of its own (git would answer
+  # for a checkout around it): the commit named by the caller comes first.
+  if os.environ.get("DROPLESS_COMMIT"):
+    return os.environ["DROPLESS_COMMIT"]
   try:
     out = subprocess.run(
         ["git", "rev-parse", "HEAD"],
@@ -151,7 +155,7 @@ def _git_commit() -> str | None:
     )
     return out.stdout.strip()
   except Exception:  # pylint: disable=broad-except
-    return os.environ.get("DROPLESS_COMMIT")
+    return None
 
 
 def _installed(distribution: str) -> str | None:
