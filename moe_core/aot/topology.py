@@ -240,7 +240,8 @@ def named_topology(name: str) -> Topology:
   The part before ":" is a target of `targets.TARGETS`; after it, a TPU's
   chip grid (and "/S" slices) or a GPU's "SxHxG".
   """
-  target, sep, spec = name.partition(":") if isinstance(name, str) else "::"
+  parts = name.partition(":") if isinstance(name, str) else ("", "", "")
+  target, sep, spec = parts
   if not sep or target not in targets_lib.TARGETS:
     raise ValueError(
         "a topology's name must be '<target>:<shape>' with a target of "
