@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 import moe_core
 from backends.mosaic_tpu import backend as tpu_backend
+from backends.mosaic_tpu import ops
 from backends.mosaic_tpu import tiling
 from moe_core import backend as backend_lib
 from moe_core import registry
@@ -83,6 +84,21 @@ class MosaicTpuBackendTest(parameterized.TestCase):
       tpu_backend.MosaicTpuBackend(interpret="fast")
     with self.assertRaisesRegex(ValueError, r"Tiles.bm must be"):
       tpu_backend.MosaicTpuBackend(tiles={"bm": 100})
+
+  def test_grouped_gemm_with_offset_computes_only_the_local_groups(self):
+    sizes = jnp.asarray([30, 0, 50, 20], jnp.int32)
+    rows = jax.random.normal(jax.random.key(0), (128, 128))
+    local = jax.random.normal(jax.random.key(1), (2, 128, 128))
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    got = ops.grouped_gemm_with_offset(rows, local, sizes, jnp.int32(1), launch)
+    # Groups 1 (empty) and 2 (rows 30:80) are local: rows 30:80 times the
+    # second local weight, every other row zero.
+    want = (
+        jnp.zeros((128, 128))
+        .at[30:80]
+        .set(jnp.dot(rows[30:80], local[1], precision="highest"))
+    )
+    self.assertLess(float(jnp.max(jnp.abs(got - want))), 1e-4)
 
   @parameterized.parameters("fp8_tensor", "fp8_block", "mxfp8", "nvfp4")
   def test_low_precision_recipes_refused_naming_the_backend_that_runs_them(

@@ -361,7 +361,3 @@ def candidates(
     if tiles not in found:
       found.append(tiles)
   return tuple(found)
-
-
-def out_itemsize(dtype) -> int:
-  return jnp.dtype(dtype).itemsize
