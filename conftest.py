@@ -13,6 +13,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
       os.environ.get("XLA_FLAGS", "")
       + " --xla_force_host_platform_device_count=8"
   )
+# And the quick CPU compile Bazel's CPU targets get (bazel/moe.bzl's
+# QUICK_CPU_XLA_FLAGS: LLVM at -O0; compiling dominates the tests' time).
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += (
+      " --xla_backend_optimization_level=0"
+      " --xla_llvm_disable_expensive_passes=true"
+  )
 
 
 # JAX on the CPU where no GPU is attached: the legs carry the CUDA plugin

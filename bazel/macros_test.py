@@ -73,6 +73,12 @@ class MoePyTestEnvTest(absltest.TestCase):
         xla_flags,
     )
 
+  def test_cpu_tests_compile_quickly(self):
+    # moe.bzl's QUICK_CPU_XLA_FLAGS (the root conftest.py's under pytest).
+    xla_flags = os.environ.get("XLA_FLAGS", "").split()
+    self.assertIn("--xla_backend_optimization_level=0", xla_flags)
+    self.assertIn("--xla_llvm_disable_expensive_passes=true", xla_flags)
+
   def test_workspace_root_is_importable(self):
     import moe_core  # pylint: disable=g-import-not-at-top
 

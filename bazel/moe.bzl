@@ -50,6 +50,19 @@ def moe_py_library(
         visibility = visibility,
     )
 
+# XLA flags every CPU test gets (moe_py_test's quick_cpu_compile): LLVM at
+# -O0 without its expensive passes. The tests compile thousands of small
+# programs and run each a few times, so compiling dominates; these make the
+# xla conformance suite about a fifth faster on 2 cores (202 s against 165 s
+# for the same 71 tests, 2026-12-06). The programs compute the same
+# operations; vectorised reductions may round in another order, which every
+# test's tolerance already allows for (the order differs between machines
+# too).
+QUICK_CPU_XLA_FLAGS = [
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+]
+
 def moe_py_test(
         name,
         srcs,
@@ -63,7 +76,8 @@ def moe_py_test(
         devices = None,
         main = None,
         timeout = None,
-        flaky = False):
+        flaky = False,
+        quick_cpu_compile = True):
     """A py_test that runs JAX on the CPU unless it is tagged requires-gpu.
 
     The environment is set by Bazel before Python starts, hence before JAX is
@@ -89,17 +103,23 @@ def moe_py_test(
       main: the main file, if not `<name>.py`.
       timeout: Bazel timeout ("short", ..., "eternal"); None follows `size`.
       flaky: let Bazel retry a failing run up to three times.
+      quick_cpu_compile: add QUICK_CPU_XLA_FLAGS to a CPU test's XLA_FLAGS.
+        False for a test whose subject is what a compiler makes (the GPU and
+        TPU compile checks), so that it compiles as users do.
     """
     test_env = {}
+    xla_flags = []
     if "requires-gpu" not in tags:
         test_env["JAX_PLATFORMS"] = "cpu"
+        if quick_cpu_compile:
+            xla_flags.extend(QUICK_CPU_XLA_FLAGS)
     if devices != None:
         if type(devices) != "int" or devices < 1:
             fail("moe_py_test %r: devices must be a positive int or None, " %
                  name + "got %r." % (devices,))
-        test_env["XLA_FLAGS"] = (
-            "--xla_force_host_platform_device_count=%d" % devices
-        )
+        xla_flags.append("--xla_force_host_platform_device_count=%d" % devices)
+    if xla_flags:
+        test_env["XLA_FLAGS"] = " ".join(xla_flags)
     for key, value in env.items():
         if key == "XLA_FLAGS" and key in test_env:
             test_env[key] = test_env[key] + " " + value
@@ -180,7 +200,9 @@ def moe_conformance_test(
         kernels that have their own matrix tests).
       oldest_leg_ep: the same for <name>_ep.
       ep: False makes no <name>_ep: for a configuration whose EP suites
-        cannot run anywhere (a target that only skips cannot fail).
+        cannot run anywhere (a target that only skips cannot fail), or
+        whose EP path is another target's (a second configuration that
+        changes only the GEMMs).
     """
     if not srcs or type(srcs) != "list":
         fail("moe_conformance_test %r: srcs must list the test file, " % name +
