@@ -44,25 +44,42 @@ GROUPS = {
 }
 
 
-# Which targets this run compiles (comma-separated; default every one).
-# .ci/run gives each leg with the plugin one target: B200 on the newest leg,
-# H100 on the GPU machine's jax (py312), so CI compiles each target once.
+# What this run compiles: the targets (comma-separated, or "none") and the
+# passes ("fwd", "fwd_bwd"); each defaults to every one. .ci/run compiles
+# both targets' forward+backward programs on the GPU machine's jax (py312)
+# and none on the newest leg: a forward+backward program holds its forward
+# kernels and needs at least its memory, and two legs of every program
+# cost CI about 12 minutes it does not have.
 TARGETS_ENV = "DROPLESS_GPU_COMPILE_TARGETS"
+PASSES_ENV = "DROPLESS_GPU_COMPILE_PASSES"
+PASSES = ("fwd", "fwd_bwd")
+
+
+def _selected(env: str, choices: tuple[str, ...]) -> tuple[str, ...]:
+  """The `choices` that variable `env` names, in their order."""
+  given = os.environ.get(env, "")
+  if not given.strip():
+    return choices
+  if given.strip() == "none":
+    return ()
+  names = [n.strip() for n in given.split(",") if n.strip()]
+  unknown = [n for n in names if n not in choices]
+  if unknown:
+    raise ValueError(
+        f'{env}={given!r}: expected "none" or names from '
+        f"{list(choices)}, got {unknown}"
+    )
+  return tuple(c for c in choices if c in names)
 
 
 def selected_targets() -> tuple[str, ...]:
   """The targets TARGETS_ENV names, in gpu_compile.TARGETS' order."""
-  given = os.environ.get(TARGETS_ENV, "")
-  if not given.strip():
-    return gpu_compile.TARGETS
-  names = [n.strip() for n in given.split(",") if n.strip()]
-  unknown = [n for n in names if n not in gpu_compile.TARGETS]
-  if unknown:
-    raise ValueError(
-        f"{TARGETS_ENV}={given!r}: expected targets from "
-        f"{list(gpu_compile.TARGETS)}, got {unknown}"
-    )
-  return tuple(t for t in gpu_compile.TARGETS if t in names)
+  return _selected(TARGETS_ENV, gpu_compile.TARGETS)
+
+
+def selected_passes() -> tuple[str, ...]:
+  """The passes PASSES_ENV names ("fwd", "fwd_bwd")."""
+  return _selected(PASSES_ENV, PASSES)
 
 
 def _program(name: str) -> programs.Program:
@@ -119,10 +136,16 @@ class CompileTest(parameterized.TestCase):
   )
   def test_every_program_compiles(self, target, group):
     if target not in selected_targets():
-      why = f"{TARGETS_ENV} selects {list(selected_targets())}, not {target}"
+      why = f"{TARGETS_ENV}={os.environ[TARGETS_ENV]!r} leaves out {target}"
       print(f"skipped: {why}")
       self.skipTest(why)
-    patterns = ",".join(f"{workload}/*/*" for workload in GROUPS[group])
+    patterns = ",".join(
+        f"{workload}/*/{compiled}"
+        for workload in GROUPS[group]
+        for compiled in selected_passes()
+    )
+    if not patterns:
+      self.skipTest(f"{PASSES_ENV} selects no pass")
     self._check(group, target, patterns)
 
 
@@ -136,9 +159,21 @@ class CheckTest(absltest.TestCase):
       self.assertEqual(selected_targets(), ("h100", "b200"))
     with mock.patch.dict(os.environ, {TARGETS_ENV: ""}):
       self.assertEqual(selected_targets(), gpu_compile.TARGETS)
+    with mock.patch.dict(os.environ, {TARGETS_ENV: "none"}):
+      self.assertEqual(selected_targets(), ())
     with mock.patch.dict(os.environ, {TARGETS_ENV: "h800"}):
       with self.assertRaisesRegex(ValueError, "DROPLESS_GPU_COMPILE_TARGETS"):
         selected_targets()
+    with mock.patch.dict(os.environ, {PASSES_ENV: "fwd_bwd"}):
+      self.assertEqual(selected_passes(), ("fwd_bwd",))
+    with mock.patch.dict(os.environ, {PASSES_ENV: "bwd"}):
+      with self.assertRaisesRegex(ValueError, "DROPLESS_GPU_COMPILE_PASSES"):
+        selected_passes()
+
+  def test_every_program_is_one_of_the_passes(self):
+    # The passes filter names every program's last part.
+    for program in programs.programs():
+      self.assertIn(program.name.rsplit("/", 1)[1], PASSES, program.name)
 
   def test_the_groups_hold_every_workload_once(self):
     grouped = [w for group in GROUPS.values() for w in group]

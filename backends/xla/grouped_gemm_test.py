@@ -3,7 +3,10 @@
 The shared conformance suite runs the backend as users do, where the bulk
 size and the balanced-or-not choice follow from the shapes and the routing;
 here each path and tile layout is forced, so every one of them is checked on
-every group layout, whatever the heuristics pick.
+every group layout, whatever the heuristics pick. The third path, XLA's
+`ragged_dot` (the default off the CPU), is checked the same way through the
+backend's API: its conformance suite runs on demand only
+(`//backends/xla:conformance_test_ragged_dot`, tagged manual).
 """
 
 from absl.testing import absltest
@@ -12,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from backends.xla import backend as xla_backend
 from backends.xla import grouped_gemm
 from backends.xla import layout as layout_lib
 
@@ -84,6 +88,49 @@ class GroupedGemmPathsTest(parameterized.TestCase):
         jnp.asarray(poisoned, jnp.float32),
         jnp.asarray(w, jnp.float32),
         group_sizes,
+        jnp.asarray(dy, jnp.float32),
+    )
+    want_rows, want_weights = _numpy_grads(rows, weights, sizes, dy)
+    if transpose_rhs:
+      want_weights = np.swapaxes(want_weights, 1, 2)
+    np.testing.assert_allclose(
+        out, _numpy_gmm(rows, weights, sizes), atol=1e-4, rtol=1e-4
+    )
+    np.testing.assert_allclose(d_rows, want_rows, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(d_weights, want_weights, atol=1e-4, rtol=1e-4)
+    self.assertTrue(np.all(np.asarray(out)[used:] == 0))
+    self.assertTrue(np.all(np.asarray(d_rows)[used:] == 0))
+
+  @parameterized.product(
+      layout=list(_GROUP_LAYOUTS), transpose_rhs=[False, True]
+  )
+  def test_ragged_dot_path_matches_numpy(self, layout, transpose_rhs):
+    sizes = _GROUP_LAYOUTS[layout]
+    rng = np.random.default_rng(11 + len(layout))
+    rows = rng.normal(size=(_M, _C))
+    weights = rng.normal(size=(len(sizes), _C, _N))
+    dy = rng.normal(size=(_M, _N))
+    used = sum(sizes)
+    poisoned = rows.copy()
+    poisoned[used:] = np.nan  # Unused rows must not leak anywhere.
+    w = np.swapaxes(weights, 1, 2) if transpose_rhs else weights
+    gs = jnp.asarray(sizes, jnp.int32)
+    backend = xla_backend.XlaBackend(use_ragged_dot=True)
+
+    @jax.jit
+    def forward_and_grads(x, w, dy):
+      out, vjp = jax.vjp(
+          lambda x, w: backend.grouped_gemm(
+              x, w, gs, transpose_rhs=transpose_rhs
+          ),
+          x,
+          w,
+      )
+      return (out, *vjp(dy))
+
+    out, d_rows, d_weights = forward_and_grads(
+        jnp.asarray(poisoned, jnp.float32),
+        jnp.asarray(w, jnp.float32),
         jnp.asarray(dy, jnp.float32),
     )
     want_rows, want_weights = _numpy_grads(rows, weights, sizes, dy)
