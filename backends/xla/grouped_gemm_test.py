@@ -54,6 +54,35 @@ def _numpy_grads(rows, weights, sizes, dy):
 
 class GroupedGemmPathsTest(parameterized.TestCase):
 
+  def _check_against_numpy(self, layout, seed, transpose_rhs, forward):
+    """Runs `forward(x, w, group_sizes, dy) -> (out, d_rows, d_weights)` on
+    `layout`'s groups, its unused rows NaN, against float64 numpy."""
+    sizes = _GROUP_LAYOUTS[layout]
+    rng = np.random.default_rng(seed)
+    rows = rng.normal(size=(_M, _C))
+    weights = rng.normal(size=(len(sizes), _C, _N))
+    dy = rng.normal(size=(_M, _N))
+    used = sum(sizes)
+    poisoned = rows.copy()
+    poisoned[used:] = np.nan  # Unused rows must not leak anywhere.
+    w = np.swapaxes(weights, 1, 2) if transpose_rhs else weights
+    out, d_rows, d_weights = jax.jit(forward)(
+        jnp.asarray(poisoned, jnp.float32),
+        jnp.asarray(w, jnp.float32),
+        jnp.asarray(sizes, jnp.int32),
+        jnp.asarray(dy, jnp.float32),
+    )
+    want_rows, want_weights = _numpy_grads(rows, weights, sizes, dy)
+    if transpose_rhs:
+      want_weights = np.swapaxes(want_weights, 1, 2)
+    np.testing.assert_allclose(
+        out, _numpy_gmm(rows, weights, sizes), atol=1e-4, rtol=1e-4
+    )
+    np.testing.assert_allclose(d_rows, want_rows, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(d_weights, want_weights, atol=1e-4, rtol=1e-4)
+    self.assertTrue(np.all(np.asarray(out)[used:] == 0))
+    self.assertTrue(np.all(np.asarray(d_rows)[used:] == 0))
+
   @parameterized.product(
       layout=list(_GROUP_LAYOUTS),
       bulk=[0, 8, _M],
@@ -63,20 +92,9 @@ class GroupedGemmPathsTest(parameterized.TestCase):
   def test_forward_and_gradients_match_numpy(
       self, layout, bulk, levels, transpose_rhs
   ):
-    sizes = _GROUP_LAYOUTS[layout]
-    rng = np.random.default_rng(len(sizes) + bulk)
-    rows = rng.normal(size=(_M, _C))
-    weights = rng.normal(size=(len(sizes), _C, _N))
-    dy = rng.normal(size=(_M, _N))
-    used = sum(sizes)
-    poisoned = rows.copy()
-    poisoned[used:] = np.nan  # Unused rows must not leak anywhere.
-    w = np.swapaxes(weights, 1, 2) if transpose_rhs else weights
-    group_sizes = jnp.asarray(sizes, jnp.int32)
     # Called directly: _gmm/_tgmm take the bulk as given, no cond.
     loop = grouped_gemm.Loop(levels, None, bulk)
 
-    @jax.jit
     def forward_and_grads(x, w, gs, dy):
       out = grouped_gemm._gmm(x, w, gs, transpose_rhs, jnp.float32, loop)
       dx = grouped_gemm._gmm(dy, w, gs, not transpose_rhs, jnp.float32, loop)
@@ -84,41 +102,16 @@ class GroupedGemmPathsTest(parameterized.TestCase):
       dw = grouped_gemm._tgmm(lhs, rhs, gs, w.shape[0], jnp.float32, loop)
       return out, dx, dw
 
-    out, d_rows, d_weights = forward_and_grads(
-        jnp.asarray(poisoned, jnp.float32),
-        jnp.asarray(w, jnp.float32),
-        group_sizes,
-        jnp.asarray(dy, jnp.float32),
-    )
-    want_rows, want_weights = _numpy_grads(rows, weights, sizes, dy)
-    if transpose_rhs:
-      want_weights = np.swapaxes(want_weights, 1, 2)
-    np.testing.assert_allclose(
-        out, _numpy_gmm(rows, weights, sizes), atol=1e-4, rtol=1e-4
-    )
-    np.testing.assert_allclose(d_rows, want_rows, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(d_weights, want_weights, atol=1e-4, rtol=1e-4)
-    self.assertTrue(np.all(np.asarray(out)[used:] == 0))
-    self.assertTrue(np.all(np.asarray(d_rows)[used:] == 0))
+    seed = len(_GROUP_LAYOUTS[layout]) + bulk
+    self._check_against_numpy(layout, seed, transpose_rhs, forward_and_grads)
 
   @parameterized.product(
       layout=list(_GROUP_LAYOUTS), transpose_rhs=[False, True]
   )
   def test_ragged_dot_path_matches_numpy(self, layout, transpose_rhs):
-    sizes = _GROUP_LAYOUTS[layout]
-    rng = np.random.default_rng(11 + len(layout))
-    rows = rng.normal(size=(_M, _C))
-    weights = rng.normal(size=(len(sizes), _C, _N))
-    dy = rng.normal(size=(_M, _N))
-    used = sum(sizes)
-    poisoned = rows.copy()
-    poisoned[used:] = np.nan  # Unused rows must not leak anywhere.
-    w = np.swapaxes(weights, 1, 2) if transpose_rhs else weights
-    gs = jnp.asarray(sizes, jnp.int32)
     backend = xla_backend.XlaBackend(use_ragged_dot=True)
 
-    @jax.jit
-    def forward_and_grads(x, w, dy):
+    def forward_and_grads(x, w, gs, dy):
       out, vjp = jax.vjp(
           lambda x, w: backend.grouped_gemm(
               x, w, gs, transpose_rhs=transpose_rhs
@@ -128,21 +121,8 @@ class GroupedGemmPathsTest(parameterized.TestCase):
       )
       return (out, *vjp(dy))
 
-    out, d_rows, d_weights = forward_and_grads(
-        jnp.asarray(poisoned, jnp.float32),
-        jnp.asarray(w, jnp.float32),
-        jnp.asarray(dy, jnp.float32),
-    )
-    want_rows, want_weights = _numpy_grads(rows, weights, sizes, dy)
-    if transpose_rhs:
-      want_weights = np.swapaxes(want_weights, 1, 2)
-    np.testing.assert_allclose(
-        out, _numpy_gmm(rows, weights, sizes), atol=1e-4, rtol=1e-4
-    )
-    np.testing.assert_allclose(d_rows, want_rows, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(d_weights, want_weights, atol=1e-4, rtol=1e-4)
-    self.assertTrue(np.all(np.asarray(out)[used:] == 0))
-    self.assertTrue(np.all(np.asarray(d_rows)[used:] == 0))
+    seed = 11 + len(layout)
+    self._check_against_numpy(layout, seed, transpose_rhs, forward_and_grads)
 
   @parameterized.parameters(0, 8, None)
   def test_custom_vjp_matches_numpy(self, bulk):
