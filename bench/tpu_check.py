@@ -6,8 +6,8 @@ every phase on the CPU at tiny shapes with interpreted kernels. Phases
 (`--phases`, in this order): sweep, conformance, timing, train. One
 program at a time holds the chip, so this process never opens it: each
 phase is a child process (sweep and timing: this module again, with
---child; conformance: bench/gpu_conformance.py's suites, one backend at a
-time; train: `python -m train.main`), killed if it outlives its share of
+--child; conformance: bench/tpu_conformance.py, the suites on threads;
+train: `python -m train.main`), killed if it outlives its share of
 --deadline_s. Every child's results land in <out_dir>/tpu_check.json,
 rewritten after each measurement; a failing piece records its error and the
 run goes on. Over 400 lines because it is one job: the phases of one call
@@ -40,6 +40,7 @@ import jax
 from bench import gpu_conformance
 from bench import gpu_report
 from bench import programs as programs_lib
+from bench import tpu_conformance
 from bench import tpu_report
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -103,6 +104,17 @@ def _parse_args(argv):
       help="whose tiles the sweep tries",
   )
   p.add_argument("--conformance_backends", default="mosaic_tpu,xla")
+  p.add_argument(
+      "--conformance_threads",
+      type=int,
+      default=os.cpu_count() or 1,
+      help="tests at a time in the conformance child",
+  )
+  p.add_argument(
+      "--conformance_resume",
+      default="",
+      help="earlier conformance.log files: their passed tests are kept",
+  )
   p.add_argument(
       "--conformance_filter",
       default=None,
@@ -282,29 +294,90 @@ def _without(argv, names) -> list[str]:
 
 
 def conformance_phase(run: Run, deadline: float) -> dict:
-  """The shared suites on each backend in turn, in one process each."""
+  """The shared suites on every backend, in one child that holds the chip
+  and runs the tests on threads (bench/tpu_conformance.py: on a TPU a test
+  is mostly XLA's compile, which threads overlap)."""
   args = run.args
-  names = [n for n in args.conformance_backends.split(",") if n]
   test_filter = args.conformance_filter or (
       DRY_CONFORMANCE_FILTER if args.dry_run else None
   )
   entries = run.report["conformance"] = []
-  for i, name in enumerate(names):
-    share = (deadline - time.time()) / (len(names) - i)
-    variant = programs_lib.Variant(name, name)
-    found = gpu_conformance.run_suites(
-        [variant],
-        max(share, 1.0),
-        available=lambda v: _buildable(v.name, args.dry_run),
-        interpret=args.dry_run,
-        extra_path=_python_path(),
-        test_filter=test_filter,
-        verbose=True,
-    )
-    entries.extend(found)
-    run.write()
+  names = []
+  for name in filter(None, args.conformance_backends.split(",")):
+    ok, why = _buildable(name, args.dry_run)
+    if ok:
+      names.append(name)
+    else:
+      entries.append({"variant": name, "status": "skipped", "reason": why})
+  log = os.path.join(args.out_dir, "conformance.log")
+  out = os.path.join(args.out_dir, "conformance.json")
+  if os.path.exists(out):
+    os.remove(out)
+  cmd = [
+      sys.executable,
+      "-m",
+      "bench.tpu_conformance",
+      f"--backends={','.join(names)}",
+      f"--threads={args.conformance_threads}",
+      # No test starts past this: the last ones and the report then end
+      # before the child is killed.
+      f"--deadline_s={max(deadline - time.time() - _GRACE_S, 1.0)}",
+      f"--log={log}",
+      f"--out={out}",
+      f"--resume={args.conformance_resume}",
+  ]
+  for pattern in (test_filter or "").split():
+    cmd.extend(["-k", pattern])
+  result = (
+      _run_child(cmd, deadline + _GRACE_S, "[conformance] ", run.child_env())
+      if names
+      else {"returncode": 0}
+  )
+  found = {}
+  if os.path.exists(out):
+    with open(out) as fh:
+      found = json.load(fh)["backends"]
+  logged = tpu_conformance.read_log(log) if os.path.exists(log) else {}
+  for name in names:
+    entries.append(_conformance_entry(name, found.get(name), logged))
+  run.write()
   gpu_conformance.print_summary(entries)
-  return {"filter": test_filter}
+  return {"filter": test_filter, "returncode": result["returncode"]}
+
+
+def _conformance_entry(name, found, logged) -> dict:
+  """One backend's report entry from tpu_conformance's JSON, or from its
+  log if the child ended before writing it."""
+  if found is None:
+    prefix = f"backends.{name}."
+    records = {k: v for k, v in logged.items() if k.startswith(prefix)}
+    counts = tpu_conformance.summarise(records)
+    reason = "the run ended before its report: counted from its log"
+  else:
+    records, counts, reason = found["tests"], found["counts"], ""
+  failed = sorted(
+      k for k, r in records.items() if r["outcome"] in ("failed", "error")
+  )
+  if failed:
+    status = "failed"
+  elif found is None or counts["not_run"]:
+    status = "incomplete"
+  else:
+    status = "passed"
+  entry = {
+      "variant": name,
+      "status": status,
+      "ran": sum(counts[o] for o in ("passed", "failed", "error", "skipped")),
+      "failures": counts["failed"],
+      "errors": counts["error"],
+      "skipped": counts["skipped"],
+      "not_run": counts["not_run"],
+      "passed_alone_only": counts["passed_alone_only"],
+      "failed_tests": failed,
+  }
+  if reason:
+    entry["reason"] = reason
+  return entry
 
 
 def _buildable(name: str, dry_run: bool) -> tuple[bool, str]:
