@@ -44,8 +44,6 @@ if _REPO not in sys.path:
 from absl import flags
 import jax
 
-from conformance import suite
-
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 OUTCOMES = ("passed", "failed", "error", "skipped", "not_run")
@@ -62,6 +60,11 @@ def load_tests(module_name: str) -> list[unittest.TestCase]:
   Returns:
     The TestCase instances, one per test method, in the loader's order.
   """
+  # Imported here, not at the top: the suites build arrays as they import,
+  # which opens the device, and tpu_check's parent, which must leave the
+  # chip to its children, reads this module's logs.
+  from conformance import suite  # pylint: disable=g-import-not-at-top
+
   module = importlib.import_module(module_name)
   loader = unittest.TestLoader()
   tests = []
