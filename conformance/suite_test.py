@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 
 import moe_core
+from conformance import cases
 from conformance import oracles
 from conformance import suite
 from conformance import tolerances
@@ -158,6 +159,29 @@ class TolerancesTest(absltest.TestCase):
     self.assertEqual(tolerances.row_for("float32", "cpu"), "float32")
     self.assertEqual(tolerances.row_for("float32", "gpu"), "tfloat32")
     self.assertEqual(tolerances.row_for("bfloat16", "gpu"), "bfloat16")
+
+  def test_clamped_float32_gradients_compare_at_full_precision_off_the_cpu(
+      self,
+  ):
+    clamped = cases.FFN_STAGE_CFGS["_gpt_oss_glu_bias"]
+    self.assertIsNotNone(clamped.swiglu_limit)
+    unclamped = cases.FFN_STAGE_CFGS[""]
+    self.assertIsNone(unclamped.swiglu_limit)
+    for platform in ("tpu", "gpu"):
+      self.assertEqual(
+          tolerances.clamp_gradient_precision(clamped, "float32", platform),
+          "highest",
+      )
+      # bfloat16 operands: one pass everywhere, the oracle's too.
+      self.assertIsNone(
+          tolerances.clamp_gradient_precision(clamped, "bfloat16", platform)
+      )
+      self.assertIsNone(
+          tolerances.clamp_gradient_precision(unclamped, "float32", platform)
+      )
+    self.assertIsNone(
+        tolerances.clamp_gradient_precision(clamped, "float32", "cpu")
+    )
 
   def test_routing_is_the_float32_row_off_a_tpu(self):
     for platform in ("cpu", "gpu", "cuda"):

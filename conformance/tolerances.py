@@ -124,6 +124,31 @@ def float32_at_highest(kind: str, overrides: dict | None = None) -> Tolerance:
   return lookup("float32", kind, overrides, platform="cpu")
 
 
+def clamp_gradient_precision(cfg, dtype, platform: str | None = None):
+  """"highest" where a float32 gradient through swiglu_limit's clamp must
+  be compared at full float32 products; None elsewhere.
+
+  The clamp's derivative jumps between 1 and 0 at the limit. Where float32
+  products default to fewer bits (a TPU's one bfloat16 pass, a GPU's
+  tfloat32), a pre-activation the backend computes a few bf16 units away
+  from the oracle's (which multiplies at HIGHEST) can land across the limit,
+  and that element's gradient then differs by its whole size: no tolerance
+  tells that from a wrong derivative. On the TPU v5e (JAX 0.10.2) both xla
+  and mosaic_tpu missed the reference so on 1 to 19 elements of the four
+  swiglu_limit cases' gradients (d shared_w_up 0.48 against 1.29), and
+  matched it under jax.default_matmul_precision("highest"). The forward
+  and the unclamped cases stay at the platform's default.
+
+  Args:
+    cfg: the case's config (MoEConfig or the stage suite's FFN config).
+    dtype: the dtype the backend computes in.
+    platform: jax platform; jax.default_backend() by default.
+  """
+  clamped = getattr(cfg, "swiglu_limit", None) is not None
+  loose = row_for(dtype, platform) != np.dtype(dtype).name
+  return "highest" if clamped and loose else None
+
+
 # Routing runs in float32 with its products at HIGHEST on every platform,
 # so it is judged by the float32 forward row, except on a TPU. There the
 # float32 transcendentals (exp in softmax and sigmoid, log, the reciprocal
