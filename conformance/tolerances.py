@@ -125,7 +125,7 @@ def float32_at_highest(kind: str, overrides: dict | None = None) -> Tolerance:
 
 
 def clamp_gradient_precision(cfg, dtype, platform: str | None = None):
-  """"highest" where a float32 gradient through swiglu_limit's clamp must
+  """ "highest" where a float32 gradient through swiglu_limit's clamp must
   be compared at full float32 products; None elsewhere.
 
   The clamp's derivative jumps between 1 and 0 at the limit. Where float32
