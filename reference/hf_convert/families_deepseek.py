@@ -23,10 +23,10 @@ _DS_SHARED = (
 )
 
 
-def _ds3(model_type, block, config):
-  """A DeepSeek-V3 block as it is: ds3, fused SwiGLU, ungated shared."""
+def _ds3(model_type, block, config, shared=_DS_SHARED):
+  """A DeepSeek-V3 block as it is: ds3, fused SwiGLU, `shared`."""
   return family_row.Family(
-      model_type, block, config, _DS3, family_row.FUSED, _DS_SHARED
+      model_type, block, config, _DS3, family_row.FUSED, shared
   )
 
 
@@ -110,21 +110,17 @@ ROWS = (
         ),
     ),
     _ds3("dots1", "Dots1MoE", "Dots1Config"),
-    family_row.Family(
+    _ds3(
         "dots3_note",
         "Dots3NoteTextMoE",
         "Dots3NoteTextConfig",
-        _DS3,
-        family_row.FUSED,
         "shared_experts: n_shared_experts x shared_experts_intermediate_size, "
         "ungated",
     ),
-    family_row.Family(
+    _ds3(
         "exaone_moe",
         "ExaoneMoeSparseMoEBlock",
         "ExaoneMoeConfig",
-        _DS3,
-        family_row.FUSED,
         "shared_experts: num_shared_experts x moe_intermediate_size, ungated",
     ),
     _ds3("glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig"),
@@ -143,14 +139,7 @@ ROWS = (
     _hy_v4("hy_v4", "HYV4MoE", "HYV4Config"),
     _hy_v4("hy_v4_vl", "HYV4VLMoE", "HYV4VLTextConfig"),
     _ds3("kimi_linear", "KimiLinearMoE", "KimiLinearConfig"),
-    family_row.Family(
-        "mimo_v2_flash",
-        "MiMoV2FlashMoE",
-        "MiMoV2FlashConfig",
-        _DS3,
-        family_row.FUSED,
-        "-",
-    ),
+    _ds3("mimo_v2_flash", "MiMoV2FlashMoE", "MiMoV2FlashConfig", "-"),
     family_row.Family(
         "mistral4",
         "Mistral4MoE",
