@@ -41,7 +41,8 @@ def sigmoid_bias(experts, ffn, **extra) -> dict:
 
 
 def deepseek_v3(c, *, shared_width=None, **extra) -> dict:
-  """The DeepSeek-V3 router (sigmoid, bias, groups, norm, scale)."""
+  """The DeepSeek-V3 router (sigmoid, bias, groups, norm, scale); `extra`
+  adds to or overrides its fields (A.X-K2 drops the groups)."""
   ffn = c.moe_intermediate_size
   if shared_width is None:
     shared_width = ffn * fields.get(
