@@ -56,13 +56,7 @@ def check_sizes_and_activation(cfg) -> None:
   ):
     _check_positive_int(name, getattr(cfg, name))
   _check_int(cfg, "shared_ffn_size", minimum=0)
-  for name in (
-      "norm_topk_prob",
-      "correction_bias",
-      "shared_expert_gate",
-  ):
-    if not isinstance(getattr(cfg, name), bool):
-      raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+  _check_bools(cfg, "norm_topk_prob", "correction_bias", "shared_expert_gate")
   if cfg.top_k > cfg.num_experts:
     raise ValueError(
         f"top_k must be <= num_experts, got top_k={cfg.top_k}, "
@@ -173,14 +167,13 @@ def _check_expert_width_switches(cfg) -> None:
   """The latent projections, the norms around the routed experts and the
   shared expert's biases."""
   _check_int(cfg, "expert_latent_size", minimum=0)
-  for name in (
+  _check_bools(
+      cfg,
       "latent_norm",
       "post_expert_norm",
       "latent_bias",
       "shared_expert_bias",
-  ):
-    if not isinstance(getattr(cfg, name), bool):
-      raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+  )
   for name in ("latent_norm_epsilon", "post_expert_norm_epsilon"):
     value = getattr(cfg, name)
     if not (_is_finite_number(value) and value > 0):
@@ -207,16 +200,15 @@ def _check_expert_width_switches(cfg) -> None:
 
 def _check_router_switches(cfg) -> None:
   """The routing fields that came with issue 33's families."""
-  for name in (
+  _check_bools(
+      cfg,
       "router_bias",
       "router_input_norm",
       "expert_input_norm",
       "expert_output_scale",
       "output_bias",
       "output_norm",
-  ):
-    if not isinstance(getattr(cfg, name), bool):
-      raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+  )
   for name, low, strict in (
       ("sparsemixer_epsilon", 0, False),
       ("router_logit_softcap", 0, False),
@@ -314,6 +306,13 @@ def _is_finite_number(value) -> bool:
   )
 
 
+def _check_bools(cfg, *names) -> None:
+  """TypeError for the first of the fields `names` that is not a bool."""
+  for name in names:
+    if not isinstance(getattr(cfg, name), bool):
+      raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+
+
 def _check_positive_int(name, value):
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f"{name} must be a positive int, got {value!r}.")
@@ -327,13 +326,9 @@ def _check_int(cfg, name, *, minimum):
 
 def _check_activation(cfg) -> None:
   """The activation is registered and its options are exactly the ones set."""
-  for name in (
-      "routing_weights_on_input",
-      "expert_bias",
-      "shared_swiglu_clamp",
-  ):
-    if not isinstance(getattr(cfg, name), bool):
-      raise TypeError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+  _check_bools(
+      cfg, "routing_weights_on_input", "expert_bias", "shared_swiglu_clamp"
+  )
   if not cfg.shared_swiglu_clamp and (
       cfg.swiglu_limit is None or not cfg.shared_ffn_size
   ):
