@@ -272,8 +272,9 @@ class PermutingTileBackend(TileKernelBackend):
 
   Subclasses set, besides `TileKernelBackend`'s, `self.permutation_kernels`
   and `self.fuse_routing_weights` (bool, `check_bool_options`), and
-  override `_permutes` where the kernels take fewer dtypes than `dtypes`
-  admits for dispatch and combine.
+  override `_permutes` where the permutation kernels take only some
+  dtypes: dispatch and combine take any floating dtype, and the others go
+  through the template's XLA gather and combine.
   """
 
   permutation_kernels: permutation.PermutationKernels
