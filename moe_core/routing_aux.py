@@ -30,9 +30,9 @@ class MoEAux:
       output (normalised and scaled as the config says); 0 where dropped,
       NaN where invalid. Finite for finite logits: `norm_topk_prob`
       renormalises from the logs of the scores
-      (`router_weights.renormalise`), so a
-      token whose chosen scores all underflow to 0 (sigmoid logits below
-      about -104) keeps their exact ratios instead of 0/0.
+      (`router_weights.renormalise`), so a token whose chosen scores all
+      underflow to 0 (sigmoid logits below about -104) keeps their exact
+      ratios instead of 0/0.
     kept: [T, K] bool, False where capacity dropped the assignment or it is
       invalid (all True when dropless and every score is finite).
     tokens_per_expert: [E] int32, valid assignments the router made per
@@ -70,8 +70,8 @@ class RouterScores:
 
   Attributes:
     logits: [T, E], the router's logits: `routing.router_input(x) @
-      router`, plus
-      the router bias, soft-capped (`MoEConfig.router_logit_softcap`).
+      router`, plus the router bias, soft-capped
+      (`MoEConfig.router_logit_softcap`).
     scores: [T, E], the config's score function of the logits
       (`score_functions.SCORE_FUNCTIONS`): what experts are weighted with.
     probs: [T, E], `MoEAux.router_probs`: the softmax, or the elementwise
