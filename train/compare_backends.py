@@ -19,8 +19,8 @@ import numpy as np
 
 import moe_core
 from train import presets
-from train import run_config
-from train import trainer
+from train.run import run_config
+from train.run import trainer
 
 _SKIP = 2  # Steps left out of the timing: the first ones compile.
 

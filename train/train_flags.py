@@ -18,10 +18,10 @@ from moe_core import aot
 import moe_core.flags  # Defines --moe_backend.
 from moe_core import precision as moe_precision
 from moe_core import remat as moe_remat
-from train import mesh as mesh_lib
 from train import presets
-from train import run_config
-from train import scan_model
+from train.models import scan_model
+from train.parallel import mesh as mesh_lib
+from train.run import run_config
 
 MODEL = flags.DEFINE_enum(
     "model", presets.DEFAULT_PRESET, list(presets.PRESETS), "Model preset."
@@ -172,7 +172,8 @@ MESH = flags.DEFINE_string(
     "mesh",
     "data=1",
     "Device mesh to train on (and for --dry_run estimates), e.g. "
-    "'data=2,expert=4': axes data, fsdp, expert, tensor (see train/mesh.py), "
+    "'data=2,expert=4': axes data, fsdp, expert, tensor (see "
+    "train/parallel/mesh.py), "
     "each at most once; expert must divide the model's experts; the sizes "
     "multiply to the device count of all processes.",
 )
