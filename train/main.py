@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 import moe_core.flags
-from train import presets
+from train.presets import catalog
 from train import train_flags
 from train.checkpoints import checkpoint_meta
 from train.checkpoints import output_lock
@@ -65,7 +65,7 @@ def dry_run(out=None, *, compile_step: bool = True) -> str:
       figure is what the run allocates for it; about as long as a run's
       first step.
   """
-  preset = presets.get_preset(train_flags.MODEL.value)
+  preset = catalog.get_preset(train_flags.MODEL.value)
   full_depth = preset.model.num_layers
   preset = dataclasses.replace(
       preset,

@@ -18,13 +18,13 @@ from moe_core import aot
 import moe_core.flags  # Defines --moe_backend.
 from moe_core import precision as moe_precision
 from moe_core import remat as moe_remat
-from train import presets
+from train.presets import catalog
 from train.parallel import mesh as mesh_lib
 from train.run import run_config
 from train.run import settings_checks
 
 MODEL = flags.DEFINE_enum(
-    "model", presets.DEFAULT_PRESET, list(presets.PRESETS), "Model preset."
+    "model", catalog.DEFAULT_PRESET, list(catalog.PRESETS), "Model preset."
 )
 STEPS = flags.DEFINE_integer(
     "steps", None, "Optimiser steps, >= 1 (preset default if unset)."

@@ -1,9 +1,5 @@
 """DeepSeek-V3's presets: the tiny default, one TPU v5e chip's, and the
 671B (`tiny_dsv3`, `tpu_v5e_dsv3`, `deepseek_v3`).
-
-Each preset is a row: the model, the run it suggests, and for a
-published model the counts its authors give (`published=`), which
-`published.py` checks `sizing.py` against.
 """
 
 from __future__ import annotations

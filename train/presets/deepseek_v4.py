@@ -1,9 +1,5 @@
 """DeepSeek-V4's presets (issue 33): hyper-connections, compressed
 attention, hash and sqrt-softplus routing (`train/models/deepseek_v4.py`).
-
-Each preset is a row: the model, the run it suggests, and for a
-published model the counts its authors give (`published=`), which
-`published.py` checks `sizing.py` against.
 """
 
 from __future__ import annotations

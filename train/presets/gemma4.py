@@ -1,9 +1,5 @@
 """Gemma 4's presets (issue 33): a dense MLP beside each MoE block, sliding
 and global layers (`train/models/gemma4.py`).
-
-Each preset is a row: the model, the run it suggests, and for a
-published model the counts its authors give (`published=`), which
-`published.py` checks `sizing.py` against.
 """
 
 from __future__ import annotations

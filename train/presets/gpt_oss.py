@@ -1,9 +1,5 @@
 """GPT-OSS's presets (issue 33): sink attention, sliding windows, YaRN, and
 the clamped GLU experts.
-
-Each preset is a row: the model, the run it suggests, and for a
-published model the counts its authors give (`published=`), which
-`published.py` checks `sizing.py` against.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Llama 4's presets: top-1 routing on the expert's input, NoPE layers,
 chunked attention.
-
-Each preset is a row: the model, the run it suggests, and for a
-published model the counts its authors give (`published=`), which
-`published.py` checks `sizing.py` against.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Softmax-routed families: Mixtral, Qwen3-MoE and OLMoE (plain top-k, no
 shared expert).
-
-Each preset is a row: the model, the run it suggests, and for a
-published model the counts its authors give (`published=`), which
-`published.py` checks `sizing.py` against.
 """
 
 from __future__ import annotations

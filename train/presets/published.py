@@ -8,7 +8,7 @@ counts the configs as their authors do.
 
 from __future__ import annotations
 
-from train import presets
+from train.presets import catalog
 from train.presets import llama4
 from train.presets import rows
 from train.presets import sizing
@@ -22,7 +22,7 @@ LLAMA4_VISION_PARAMS = llama4.LLAMA4_VISION_PARAMS
 
 # Published counts by preset name: the `published` of every full-size row.
 PUBLISHED: dict[str, Published] = {
-    name: presets.get_preset(name).published for name in presets.FULL_SIZE
+    name: catalog.get_preset(name).published for name in catalog.FULL_SIZE
 }
 
 # The published figures are rounded to 2-3 significant digits: a count
@@ -42,7 +42,7 @@ def published_tolerance(value: float) -> float:
 
 def counts_as_published(name: str) -> tuple[int, int]:
   """(total, active) of preset `name`, active counted as its card counts it."""
-  counts = sizing.param_counts(presets.get_preset(name).model)
+  counts = sizing.param_counts(catalog.get_preset(name).model)
   total = counts.total + PUBLISHED[name].total_beyond_preset
   active = (
       counts.active

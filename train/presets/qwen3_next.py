@@ -1,19 +1,12 @@
 """Qwen3-Next's presets (issue 33): a hybrid stack of Gated DeltaNet and
 gated attention.
-
-Each preset is a row: the model, the run it suggests, and for a
-published model the counts its authors give (`published=`), which
-`published.py` checks `sizing.py` against.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import moe_core
 from train.models import gated_deltanet
 from train.models import model_config
-from train.presets import mixtral_qwen3_olmoe
 from train.presets import rows
 
 
@@ -27,13 +20,13 @@ def qwen3_next_moe(
 ) -> moe_core.MoEConfig:
   """Qwen3-Next's MoE block: softmax, top-k renormalised, one shared
   expert whose output is scaled per token by sigmoid(x @ shared_gate)."""
-  return dataclasses.replace(
-      mixtral_qwen3_olmoe.softmax_moe(
-          hidden_size,
-          num_experts=num_experts,
-          top_k=top_k,
-          expert_ffn_size=expert_ffn_size,
-      ),
+  return moe_core.MoEConfig(
+      num_experts=num_experts,
+      top_k=top_k,
+      hidden_size=hidden_size,
+      expert_ffn_size=expert_ffn_size,
+      score_func="softmax",
+      norm_topk_prob=True,
       shared_ffn_size=shared_ffn_size,
       shared_expert_gate=True,
   )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from train import presets
+from train.presets import rows
 from train.presets import published
 from train.presets import sizing
 from train.run import run_config
@@ -87,7 +87,7 @@ def compiled_memory_line(memory, analytic: float) -> str:
 
 
 def describe(
-    preset: presets.Preset,
+    preset: rows.Preset,
     *,
     mesh: dict[str, int],
     batch_size: int,

@@ -7,7 +7,8 @@ import json
 import math
 
 from moe_core import precision as moe_precision
-from train import presets
+from train.presets import catalog
+from train.presets import rows
 from train.models import model_config
 
 
@@ -253,7 +254,7 @@ def run_config_from_preset(name: str, **overrides) -> RunConfig:
   `num_layers`: the preset model at that depth, full width (its first dense
   layers kept), e.g. to compile a reduced-depth DeepSeek-V3 on its real mesh.
   """
-  preset = presets.get_preset(name)
+  preset = catalog.get_preset(name)
   fields = dataclasses.asdict(preset.train)
   fields["model"] = preset_model(
       preset,
@@ -265,7 +266,7 @@ def run_config_from_preset(name: str, **overrides) -> RunConfig:
 
 
 def preset_model(
-    preset: presets.Preset,
+    preset: rows.Preset,
     precision: str | None = None,
     num_layers: int | None = None,
 ) -> model_config.ModelConfig:

@@ -15,7 +15,7 @@ import os
 
 from moe_core import aot
 from moe_core import precision as moe_precision
-from train import presets
+from train.presets import catalog
 from train.models import scan_model
 from train.parallel import mesh as mesh_lib
 
@@ -52,11 +52,11 @@ def check_mesh_splits_experts(*, mesh, model) -> None:
   known at parse time), the batch split with the run (mesh.check_run).
   """
   sizes = mesh_sizes(mesh)
-  if model not in presets.PRESETS:
+  if model not in catalog.PRESETS:
     raise ValueError(
-        f"--model must be one of {sorted(presets.PRESETS)}, got {model!r}."
+        f"--model must be one of {sorted(catalog.PRESETS)}, got {model!r}."
     )
-  moe = presets.get_preset(model).model.moe
+  moe = catalog.get_preset(model).model.moe
   expert = sizes[mesh_lib.EXPERT_AXIS]
   if expert > 1 and moe is None:
     raise ValueError(
@@ -74,9 +74,9 @@ def check_layers_scan(*, scan_layers, model) -> None:
   """--scan_layers needs uniform layer stacks (Llama 4's interleaved MoE and
   NoPE layers and Qwen3-Next's hybrid stack are not): refused, naming
   --noscan_layers."""
-  if scan_layers and model in presets.PRESETS:
+  if scan_layers and model in catalog.PRESETS:
     try:
-      scan_model.check_scannable(presets.get_preset(model).model)
+      scan_model.check_scannable(catalog.get_preset(model).model)
     except ValueError as e:
       raise ValueError(f"--model={model}: {e}") from e
 
@@ -122,9 +122,9 @@ def check_target(*, target, topology, dry_run, mesh) -> None:
 
 def check_precision_has_experts(*, precision, model) -> None:
   """A quantised recipe needs routed experts: --model must have MoE blocks."""
-  if precision == moe_precision.UNQUANTIZED or model not in presets.PRESETS:
+  if precision == moe_precision.UNQUANTIZED or model not in catalog.PRESETS:
     return  # An unknown --model is the mesh check's line.
-  if presets.get_preset(model).model.moe is None:
+  if catalog.get_preset(model).model.moe is None:
     raise ValueError(
         f"--precision must be {moe_precision.UNQUANTIZED} for --model={model}, "
         "which is dense (no "
