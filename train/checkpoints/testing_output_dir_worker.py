@@ -1,8 +1,8 @@
 r"""One process of a 2-process run that takes --output_dir, for
 output_lock_test.py.
 
-Each process joins through train.distributed (one CPU device each), builds
-a Trainer of testing.SMALL_DSV3 on the mesh data=2 and calls
+Each process joins through train.parallel.distributed (one CPU device
+each), builds a Trainer of testing.SMALL_DSV3 on the mesh data=2 and calls
 prepare_output_dir, as `train.main` does; then process 1 tries to take the
 directory's lock itself while process 0 holds it, and every process prints
 one line, RESULT {"process": i, "holds_lock": bool, "refused": "<message>"

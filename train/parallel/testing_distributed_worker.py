@@ -2,9 +2,9 @@ r"""One process of a small multi-process run, for distributed_test.py.
 
 Started N times by tools/launch_local.py (which sets
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID), each
-process joins through train.distributed, builds a 1-D mesh "x" over every
-process's CPU devices and runs, under jit and shard_map, a psum and an
-all_gather of per-device values that depend only on the global device
+process joins through train.parallel.distributed, builds a 1-D mesh "x"
+over every process's CPU devices and runs, under jit and shard_map, a psum
+and an all_gather of per-device values that depend only on the global device
 position (device d holds the row [d, d**2], float32), then prints one
 "RESULT {...}" line that the test checks against the formula;
 --die_process=I makes process I exit abruptly (DIED_EXIT_CODE) right after

@@ -106,7 +106,7 @@ class MemoryTest(absltest.TestCase):
 
   def test_expert_and_fsdp_axes_divide_every_weight_tensor_the_rest(self):
     # Routed experts over expert x fsdp; the rest over fsdp x expert too
-    # (train.sharding: the expert axis is a data axis outside the MoE
+    # (train.parallel.sharding: the expert axis is a data axis outside the MoE
     # blocks); data replicates.
     cfg = presets.QWEN3_30B_A3B.model
     one = sizing.memory_per_device(cfg, sizing.parse_mesh("data=1"), 8, 128)

@@ -372,7 +372,7 @@ def memory_per_device(
   Layout assumed: float32 master weights and gradients, AdamW's two
   moments of `moment_bytes` each (4: float32; 2: --opt_state_dtype=
   bfloat16); routed-expert weights sharded over expert x fsdp x tensor,
-  the rest over fsdp x expert x tensor (`train.sharding`: where they
+  the rest over fsdp x expert x tensor (`train.parallel.sharding`: where they
   divide); the batch split over data x fsdp x expert (the
   expert axis is a data axis outside the MoE blocks); activations as in
   `_activation_bytes_per_token_layer`, plus the float32 logits of the

@@ -6,7 +6,7 @@ a `moe_core.aot` topology's devices (`step_builder`) and compiled by XLA's
 GPU or TPU compiler for that target, on any host; `report` gives, per
 device, its memory against the target's usable HBM, matmul FLOPs, bytes
 accessed and all-to-all bytes, each beside the analytic estimate
-(`train.sizing`) and their ratio, and `check_fits` refuses a step that
+(`train.presets.sizing`) and their ratio, and `check_fits` refuses a step that
 does not fit. XLA's TPU compiler itself refuses a step over the HBM: that
 is the same one-line refusal, with the compiler's figures.
 """

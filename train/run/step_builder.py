@@ -3,7 +3,7 @@
 `build` returns the pure train step, its `jax.jit` arguments and its
 abstract state and batch, for a mesh over this host's devices or a
 `moe_core.aot` topology's. The training program uses the same object
-(`train.trainer.Trainer`): what the dry run compiles is what the run runs
+(`train.run.trainer.Trainer`): what the dry run compiles is what the run runs
 (`compiled_step_memory`: XLA's memory figures of it).
 """
 

@@ -145,8 +145,8 @@ class Program:
   An update that overflows from finite gradients (a learning rate near
   float32's range) is kept, and "finite" says so.
 
-  `placement`, for a mesh, is a `train.sharding.Placement`: the steps keep
-  the state where it says, take batches split as it says, and return
+  `placement`, for a mesh, is a `train.parallel.sharding.Placement`: the
+  steps keep the state where it says, take batches split as it says, and return
   replicated metrics.
 
   `finite_flags(state)` returns one bool per floating leaf of the state
