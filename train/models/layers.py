@@ -280,6 +280,16 @@ class Block(nnx.Module):
     return x + self.mlp(h), None
 
 
+def embedding(cfg: model_config.ModelConfig, rngs: nnx.Rngs) -> nnx.Param:
+  """The token embedding [V, D]: float32, N(0, 1), drawn first of a model's
+  parameters."""
+  return nnx.Param(
+      jax.random.normal(
+          rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32
+      )
+  )
+
+
 def embed_tokens(model: nnx.Module, tokens: jax.Array) -> jax.Array:
   """tokens [B, T] -> x [B, T, D] in the model's compute dtype."""
   return model.embed[...][tokens].astype(model.compute_dtype)

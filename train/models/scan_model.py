@@ -192,11 +192,7 @@ class ScannedTransformer(nnx.Module):
     self.remat = remat
     # The draws of `transformer.Transformer`, in its order: the embedding, the
     # layers in turn, the head.
-    self.embed = nnx.Param(
-        jax.random.normal(
-            rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32
-        )
-    )
+    self.embed = layers.embedding(cfg, rngs)
     kwargs = {"backend": backend, "moe_mesh": moe_mesh}
     dense, moe = cfg.num_dense_layers, cfg.num_moe_layers
     self.dense_layers = (

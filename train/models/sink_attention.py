@@ -165,7 +165,7 @@ class SinkAttention(nnx.Module):
       rngs: nnx.Rngs,
       weight,
   ):
-    """`weight(key, shape)` makes a projection (model.py's initialiser)."""
+    """`weight(key, shape)` makes a projection (`layers.weight`)."""
     d, h, hkv, hd = (
         cfg.hidden_size,
         cfg.num_heads,

@@ -58,11 +58,7 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.compute_dtype = compute_dtype
     self.remat = remat
-    self.embed = nnx.Param(
-        jax.random.normal(
-            rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32
-        )
-    )
+    self.embed = layers.embedding(cfg, rngs)
     # nnx.List (flax >= 0.12) marks a list of sub-modules as graph nodes;
     # older flax takes a plain list.
     module_list = getattr(nnx, "List", list)
