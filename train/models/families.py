@@ -15,6 +15,11 @@ A family module provides:
     keeps beside its blocks on `model` (DeepSeek-V4: `hc_head`).
   forward(model, tokens) (optional): the model's whole forward pass, for a
     family whose blocks pass other than [B, T, D] between them.
+  ScanPeriod, num_periods(cfg), layer_stats(stats) (optional, together):
+    for a family whose layers differ within a repeating period, what
+    `scan_model.py` stacks (a module of one period's layers, called as a
+    Block is), how many periods, and the stats [periods, N, ...] as
+    [layers, ...] (Gemma 4).
 
 To add one: write the module, add its settings to `ModelConfig` (a field
 that is None unless the family is on) and a line to `_FAMILIES`.

@@ -297,6 +297,10 @@ class Gemma4Period(nnx.Module):
     return x, layers.stack_stats(stats)
 
 
+# What `families.py` stacks under a scan in place of the layers.
+ScanPeriod = Gemma4Period
+
+
 def num_periods(cfg: model_config.ModelConfig) -> int:
   """How many `Gemma4Period`s make the model (ValueError if not whole)."""
   period = cfg.gemma4.global_every

@@ -20,7 +20,7 @@ from flax import nnx
 import moe_core
 from moe_core import flax as moe_flax
 from moe_core import remat as moe_remat
-from train.models import gemma4
+from train.models import families
 from train.models import layers
 from train.models import model_config
 
@@ -60,7 +60,7 @@ def stacked_block(
     layer: the index of the first layer (a dense or an MoE one).
     num_layers: L, the stack's depth.
     rngs: the model's `nnx.Rngs`, with a "params" stream.
-    block_class: what to stack (Gemma 4: `gemma4.Gemma4Period`).
+    block_class: what to stack (Gemma 4: its family's `ScanPeriod`).
     **block_kwargs: `backend`, `moe_mesh` for `layers.Block`.
 
   Returns:
@@ -162,17 +162,27 @@ def check_scannable(cfg: model_config.ModelConfig) -> None:
     )
 
 
+def _period_family(cfg: model_config.ModelConfig):
+  """The family module of `cfg` if its scan stacks periods of layers, not
+  layers (`families.py`'s `ScanPeriod`: Gemma 4, whose sliding and global
+  layers differ in shape, but each period of them is alike); else None."""
+  family = families.of(cfg)
+  return family if hasattr(family, "ScanPeriod") else None
+
+
 class ScannedTransformer(nnx.Module):
   """The language model with scanned layers: tokens [B, T] -> (logits, stats).
 
   Attributes: `embed`, `dense_layers` (a stacked `layers.Block` of the
   first dense layers, or None), `moe_layers` (a stacked Block of the MoE
   layers, or None for an all-dense model; Gemma 4: a stacked
-  `gemma4.Gemma4Period`, whose layers differ in shape within a period and
-  run under the remat policy together), `final_norm`, `head`.
+  `gemma4.Gemma4Period`, its family's `ScanPeriod`, whose layers differ in
+  shape within a period and run under the remat policy together),
+  `final_norm`, `head`.
 
-  Args: as `transformer.Transformer`'s. `stats` is the MoE layers' `moe_stats`
-  stacked [L_moe, ...], or None for an all-dense model, as there.
+  Args: as `transformer.Transformer`'s. `stats` is the MoE layers'
+  `moe_stats` stacked [L_moe, ...], or None for an all-dense model, as
+  there.
   """
 
   def __init__(
@@ -198,15 +208,14 @@ class ScannedTransformer(nnx.Module):
     self.dense_layers = (
         stacked_block(cfg, 0, dense, rngs, **kwargs) if dense else None
     )
-    if cfg.gemma4 is not None:  # Gemma 4 (issue 33): stacked periods.
-      # Its sliding and global layers differ in shape; each period of
-      # global_every layers (the sliding ones, then a global one) is alike.
+    family = _period_family(cfg)
+    if family is not None:
       self.moe_layers = stacked_block(
           cfg,
           0,
-          gemma4.num_periods(cfg),
+          family.num_periods(cfg),
           rngs,
-          block_class=gemma4.Gemma4Period,
+          block_class=family.ScanPeriod,
           **kwargs,
       )
     else:
@@ -233,8 +242,9 @@ class ScannedTransformer(nnx.Module):
           self.remat,
           first_layer=self.cfg.num_dense_layers,
       )
-      if self.cfg.gemma4 is not None:  # [periods, N, ...] -> [layers, ...]
-        stats = gemma4.layer_stats(stats)
+      family = _period_family(self.cfg)
+      if family is not None:  # [periods, N, ...] -> [layers, ...]
+        stats = family.layer_stats(stats)
     return layers.output_logits(self, x), stats
 
   def moe_modules(self) -> list[moe_flax.MoE]:
@@ -242,7 +252,7 @@ class ScannedTransformer(nnx.Module):
     (Gemma 4: one per layer of a period, stacked over the periods)."""
     if self.moe_layers is None:
       return []
-    if self.cfg.gemma4 is not None:
+    if _period_family(self.cfg) is not None:
       return [layer.mlp for layer in self.moe_layers.layers]
     return [self.moe_layers.mlp]
 
