@@ -35,9 +35,7 @@ _ROOT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )
 _LAUNCHER = os.path.join(_ROOT, "tools", "launch_local.py")
-_WORKER = os.path.join(
-    _ROOT, "train", "checkpoints", "testing_output_dir_worker.py"
-)
+_WORKER = os.path.join(_ROOT, "train", "run", "testing_output_dir_worker.py")
 
 # A child that takes the lock, says so, and waits to be killed.
 _HOLDER = """

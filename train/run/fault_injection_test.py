@@ -42,7 +42,7 @@ import numpy as np
 
 from train.checkpoints import checkpoint_dirs
 from train.checkpoints import checkpoint_meta
-from train.checkpoints import testing_fault_worker
+from train.run import testing_fault_worker
 
 _WORKER = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "testing_fault_worker.py"
