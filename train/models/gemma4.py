@@ -297,7 +297,9 @@ class Gemma4Period(nnx.Module):
     return x, layers.stack_stats(stats)
 
 
-# What `families.py` stacks under a scan in place of the layers.
+# What `families.py` asks of a family: its layer, and what a scan stacks
+# in place of the layers.
+Block = Gemma4Block
 ScanPeriod = Gemma4Period
 
 
