@@ -202,7 +202,7 @@ def step_losses(run: run_config.RunConfig, steps: int | None = None):
   the embedded corpus, as floats; no output directory is written.
 
   As `fit`, imports the trainer when called: its callers depend on
-  //train:trainer.
+  //train/run:trainer.
   """
   from train.run import trainer  # pylint: disable=g-import-not-at-top
 
@@ -223,7 +223,7 @@ def fit(run: run_config.RunConfig, interrupt_after: int | None = None):
   batch was drawn (the trainer then checkpoints step n and stops).
   """
   # Imported here so that the config helpers above need no trainer; the
-  # callers of fit depend on //train:trainer.
+  # callers of fit depend on //train/run:trainer.
   from train.run import trainer  # pylint: disable=g-import-not-at-top
 
   tr = trainer.Trainer(run, corpus(), out=None)
