@@ -19,9 +19,9 @@ from absl import app
 from absl import flags
 
 from bench import scaling_model
-from train import mesh as mesh_lib
-from train import run_config
-from train import sizing
+from train.parallel import mesh as mesh_lib
+from train.presets import sizing
+from train.run import run_config
 
 # --gpu (which cluster's rates) is scaling_model's flag.
 FLAGS = flags.FLAGS

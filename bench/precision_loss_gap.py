@@ -33,10 +33,10 @@ import moe_core.flags  # Defines --moe_backend.
 from bench import flag_checks
 from bench import text_table
 from bench import timing
-from train import data as data_lib
 from train import presets
-from train import run_config
-from train import trainer
+from train.run import data as data_lib
+from train.run import run_config
+from train.run import trainer
 
 _BASELINE = moe_precision.UNQUANTIZED
 # The JSON keys that compare a recipe with the baseline. Records written

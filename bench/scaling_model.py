@@ -27,7 +27,7 @@ GPUS_PER_NODE = 8
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """DeepSeek-V3, from train/presets.py (the Hugging Face config.json)."""
+  """DeepSeek-V3, from train/presets/ (the Hugging Face config.json)."""
 
   hidden: int = 7168  # D
   expert_ffn: int = 2048  # F, routed and shared experts alike.

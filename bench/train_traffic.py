@@ -40,7 +40,7 @@ from bench import text_table
 import moe_core
 from moe_core import parallel
 from train import presets
-from train import sizing
+from train.presets import sizing
 
 DTYPE = jnp.bfloat16
 EXPERT_AXIS = "expert"

@@ -27,8 +27,10 @@ from moe_core import latent
 from moe_core import norms
 from moe_core import parallel
 from moe_core import registry
+from moe_core import router_inputs
 from moe_core import routing
 from moe_core import validation
+from moe_core import zero_experts
 
 
 def moe_layer(
@@ -100,16 +102,18 @@ def moe_layer(
       # before the dispatch, so that the dispatch moves the narrower rows.
       routed_tokens = latent.project_in(expert_tokens, params, cfg)
       bias = params.get("correction_bias")
-      extras = routing.router_extras(params)
+      extras = router_inputs.router_extras(params)
       if token_ids is not None:
         extras["token_ids"] = token_ids.reshape(-1)
       aux = b._route(tokens, params["router"], cfg, bias, **extras)
       routed_aux, zero_weights = aux, None
       if cfg.num_zero_experts:
-        routed_aux, zero_weights = routing.split_zero_experts(aux, cfg)
+        routed_aux, zero_weights = zero_experts.split_zero_experts(aux, cfg)
       y = b._routed_experts(params, routed_tokens, routed_aux, cfg)
       if zero_weights is not None:
-        y = y + routing.zero_expert_output(zero_weights, routed_tokens, cfg)
+        y = y + zero_experts.zero_expert_output(
+            zero_weights, routed_tokens, cfg
+        )
       y = latent.project_out(y, params, cfg)
       return ffn.finish_block(y, params, expert_tokens, cfg), aux
 

@@ -489,7 +489,7 @@ class Backend(abc.ABC):
     Validates, then `_route`. `moe_layer` and the expert-parallel layer
     call the backend's `_route`, from the same backend that computes the
     routed experts. `extras` are `routing.route`'s optional keywords: the
-    router params of `routing.ROUTER_EXTRAS` (router_bias,
+    router params of `router_inputs.ROUTER_EXTRAS` (router_bias,
     router_norm_scale, expert_output_scale, hash_table) and token_ids.
     """
     validation.check_route(x, router, cfg, correction_bias, **extras)
@@ -570,7 +570,7 @@ class Backend(abc.ABC):
 
     A token whose aux.expert_ids hold an id outside [0, E) (traced; concrete
     ones raise) or whose combine weights hold NaN comes out as NaN. With
-    zero experts, pass `routing.split_zero_experts(aux, cfg)[0]` (the FFN
+    zero experts, pass `zero_experts.split_zero_experts(aux, cfg)[0]` (the FFN
     experts' share; `moe_layer` adds the zero experts' own).
     """
     validation.check_routed_experts(x, aux, cfg, params)

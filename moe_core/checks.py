@@ -161,29 +161,35 @@ def out_of_range(ids: jax.Array, num_experts: int) -> jax.Array:
 
 def flag_bad_expert_ids(ids: jax.Array, num_experts: int) -> jax.Array:
   """`debug_check` that ids lie in [0, E); returns `out_of_range(ids, E)`."""
-  bad = out_of_range(ids, num_experts)
-  if ids.size:
-    debug_check(
-        ~jnp.any(bad),
-        f"expert_ids must lie in [0, num_experts={num_experts}), got values "
-        "in [{}, {}].",
-        jnp.min(ids),
-        jnp.max(ids),
-    )
-  return bad
+  return _flag_out_of_range(
+      ids,
+      num_experts,
+      f"expert_ids must lie in [0, num_experts={num_experts})",
+  )
 
 
 def flag_bad_hash_table(table: jax.Array, num_experts: int) -> jax.Array:
   """`debug_check` that a hash table's ids lie in [0, E + Z); returns
   `out_of_range(table, num_experts)` ([V, K] bool), num_experts being the
   router's width E + Z."""
-  bad = out_of_range(table, num_experts)
-  if table.size:
+  return _flag_out_of_range(
+      table,
+      num_experts,
+      f"hash_table must hold expert ids in [0, {num_experts})",
+  )
+
+
+def _flag_out_of_range(
+    ids: jax.Array, num_experts: int, requirement: str
+) -> jax.Array:
+  """`out_of_range(ids, num_experts)`, after a `debug_check` whose message
+  is `requirement`, then the values found."""
+  bad = out_of_range(ids, num_experts)
+  if ids.size:
     debug_check(
         ~jnp.any(bad),
-        f"hash_table must hold expert ids in [0, {num_experts}), got values "
-        "in [{}, {}].",
-        jnp.min(table),
-        jnp.max(table),
+        requirement + ", got values in [{}, {}].",
+        jnp.min(ids),
+        jnp.max(ids),
     )
   return bad

@@ -1,4 +1,10 @@
-"""moe_core.precision against hand-built blocks, numpy/ml_dtypes and math."""
+"""moe_core.precision against hand-built blocks, numpy/ml_dtypes and math.
+
+Over 450 lines because it is one job, as precision.py is: every recipe's
+scale rule against one numpy model of the recipes (`_model_scales`,
+`_model_dequantize`), on shared inputs so that each recipe compiles once
+per shape (compiling dominates the runtime; split files would each pay it).
+"""
 
 import fractions
 import warnings

@@ -22,7 +22,7 @@ class ScoreFunction:
       correction bias) and, unless `chosen_weights` is set, weighted with.
     log_scores: logits -> [T, E] log(scores), finite where the scores
       underflow to 0: the `norm_topk_prob` renormalisation works from these
-      (`routing.renormalise`).
+      (`router_weights.renormalise`).
     probs: logits -> [T, E] `MoEAux.router_probs`, the distribution the
       load-balancing loss uses.
     chosen_weights: None, or (logits [T, E], expert_ids [T, K], cfg) ->

@@ -15,6 +15,7 @@ import numpy as np
 
 from moe_core import config as config_lib
 from moe_core import params as params_lib
+from moe_core import router_inputs
 
 
 def _dtype_name(x) -> str:
@@ -215,31 +216,30 @@ def check_token_matrix(
 
 
 def check_route(
-    x,
-    router,
-    cfg: config_lib.MoEConfig,
-    correction_bias,
-    *,
-    router_bias=None,
-    router_norm_scale=None,
-    expert_output_scale=None,
-    hash_table=None,
-    token_ids=None,
+    x, router, cfg: config_lib.MoEConfig, correction_bias, **extras
 ) -> None:
   """route's x [T, D], router [D, E], correction_bias [E] (or None) and
-  the optional router params: router_bias [E], router_norm_scale [D],
-  expert_output_scale [E], each given iff its config field says so."""
+  its keywords, `router_inputs.RouterInputs` (router_bias [E],
+  router_norm_scale [D], expert_output_scale [E], hash_table, token_ids),
+  each given iff its config field says so."""
+  inputs = router_inputs.RouterInputs(**extras)
   check_config(cfg)
   check_token_matrix(x, cfg, "route")
   e, d = cfg.num_router_experts, cfg.hidden_size
   check_array(router, "router", (d, e))
-  optional = (
-      ("correction_bias", correction_bias, (e,), "correction_bias"),
-      ("router_bias", router_bias, (e,), "router_bias"),
-      ("router_norm_scale", router_norm_scale, (d,), "router_input_norm"),
-      ("expert_output_scale", expert_output_scale, (e,), "expert_output_scale"),
-  )
-  check_token_ids(token_ids, x.shape[0], cfg)
+  # Each optional [E] or [D] input, with the config field that requires it.
+  shapes = {
+      "router_bias": (e,),
+      "router_norm_scale": (d,),
+      "expert_output_scale": (e,),
+  }
+  optional = [("correction_bias", correction_bias, (e,), "correction_bias")]
+  optional += [
+      (name, getattr(inputs, name), shape, router_inputs.ROUTER_EXTRAS[name])
+      for name, shape in shapes.items()
+  ]
+  check_token_ids(inputs.token_ids, x.shape[0], cfg)
+  hash_table = inputs.hash_table
   if bool(cfg.hash_vocab_size) != (hash_table is not None):
     raise ValueError(
         "hash_table must be given iff cfg.hash_vocab_size > 0, got "

@@ -217,7 +217,7 @@ def launch(args, out=None) -> int:
   """Runs the copies to the end; returns the launcher's exit code.
 
   Each copy gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<a free port>,
-  JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i (what train/process_spec.py
+  JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i (what train/parallel/process_spec.py
   reads); with --env=slurm it gets instead what srun gives each task of a
   one-node job step (`slurm_environment`), the job id chosen so that the
   port JAX derives from it is free (`free_slurm_job_id`), which rehearses

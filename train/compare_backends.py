@@ -18,9 +18,9 @@ from absl import flags
 import numpy as np
 
 import moe_core
-from train import presets
-from train import run_config
-from train import trainer
+from train.presets import catalog
+from train.run import run_config
+from train.run import trainer
 
 _SKIP = 2  # Steps left out of the timing: the first ones compile.
 
@@ -30,7 +30,7 @@ _BACKENDS = flags.DEFINE_list(
     "Backends to compare, each once; the first is the baseline.",
 )
 _MODEL = flags.DEFINE_enum(
-    "model", presets.DEFAULT_PRESET, list(presets.PRESETS), "Model preset."
+    "model", catalog.DEFAULT_PRESET, list(catalog.PRESETS), "Model preset."
 )
 _STEPS = flags.DEFINE_integer(
     "steps",
@@ -115,7 +115,7 @@ def main(argv):
       seq_len=_SEQ.value,
       compute_dtype=_DTYPE.value,
   )
-  preset = presets.get_preset(_MODEL.value)
+  preset = catalog.get_preset(_MODEL.value)
   tokens = (_BATCH.value or preset.train.batch_size) * (
       _SEQ.value or preset.train.seq_len
   )

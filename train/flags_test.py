@@ -22,11 +22,11 @@ from absl.testing import parameterized
 from moe_core import precision as moe_precision
 from train import main
 from train import presets
-from train import report
-from train import run_config
-from train import step_log
-from train import testing
 from train import train_flags
+from train.run import report
+from train.run import run_config
+from train.run import step_log
+from train.run import testing
 
 FLAGS = flags.FLAGS
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

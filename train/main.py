@@ -30,23 +30,23 @@ import jax
 import numpy as np
 
 import moe_core.flags
-from train import checkpoint_meta
-from train import cost_report
-from train import data as data_lib
-from train import distributed
-from train import dry_run_target
-from train import mesh as mesh_lib
-from train import output_lock
-from train import presets
-from train import process_spec
-from train import report
-from train import run_config
-from train import sizing
-from train import step_builder
-from train import step_log
+from train.presets import catalog
 from train import train_flags
-from train import trainer
-from train import training_faults
+from train.checkpoints import checkpoint_meta
+from train.checkpoints import output_lock
+from train.parallel import distributed
+from train.parallel import mesh as mesh_lib
+from train.parallel import process_spec
+from train.presets import sizing
+from train.run import cost_report
+from train.run import data as data_lib
+from train.run import dry_run_target
+from train.run import report
+from train.run import run_config
+from train.run import step_builder
+from train.run import step_log
+from train.run import trainer
+from train.run import training_faults
 
 # --help lists the program's flags, defined in train_flags (and
 # --moe_backend, in moe_core.flags), as its own.
@@ -65,7 +65,7 @@ def dry_run(out=None, *, compile_step: bool = True) -> str:
       figure is what the run allocates for it; about as long as a run's
       first step.
   """
-  preset = presets.get_preset(train_flags.MODEL.value)
+  preset = catalog.get_preset(train_flags.MODEL.value)
   full_depth = preset.model.num_layers
   preset = dataclasses.replace(
       preset,

@@ -10,7 +10,7 @@ from absl.testing import absltest
 from absl.testing import flagsaver
 
 from train import main
-from train import testing
+from train.run import testing
 
 
 def setUpModule():

@@ -1,13 +1,13 @@
 """Every flag of `python -m train.main`, its parse-time check, and the
-RunConfig the flags make (`run_config_from_flags`). Over 400 lines: some 40
-flags with their help texts and checks, in one place.
+RunConfig the flags make (`run_config_from_flags`). The checks of the
+numbers are here; those of the settings against the model, the mesh, the
+compile target and the paths are `train/run/settings_checks.py`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import warnings
 
 from absl import flags
@@ -18,13 +18,13 @@ from moe_core import aot
 import moe_core.flags  # Defines --moe_backend.
 from moe_core import precision as moe_precision
 from moe_core import remat as moe_remat
-from train import mesh as mesh_lib
-from train import presets
-from train import run_config
-from train import scan_model
+from train.presets import catalog
+from train.parallel import mesh as mesh_lib
+from train.run import run_config
+from train.run import settings_checks
 
 MODEL = flags.DEFINE_enum(
-    "model", presets.DEFAULT_PRESET, list(presets.PRESETS), "Model preset."
+    "model", catalog.DEFAULT_PRESET, list(catalog.PRESETS), "Model preset."
 )
 STEPS = flags.DEFINE_integer(
     "steps", None, "Optimiser steps, >= 1 (preset default if unset)."
@@ -172,7 +172,8 @@ MESH = flags.DEFINE_string(
     "mesh",
     "data=1",
     "Device mesh to train on (and for --dry_run estimates), e.g. "
-    "'data=2,expert=4': axes data, fsdp, expert, tensor (see train/mesh.py), "
+    "'data=2,expert=4': axes data, fsdp, expert, tensor (see "
+    "train/parallel/mesh.py), "
     "each at most once; expert must divide the model's experts; the sizes "
     "multiply to the device count of all processes.",
 )
@@ -361,173 +362,54 @@ def _register_number_checks() -> None:
 _register_number_checks()
 
 
-def _mesh_sizes(spec) -> dict[str, int]:
-  """--mesh as {axis: size}, or a flags.ValidationError naming the flag."""
-  if not isinstance(spec, str):
-    raise flags.ValidationError(
-        f"--mesh must be a string like 'data=2,expert=4', got {spec!r}."
-    )
-  try:
-    sizes = mesh_lib.parse(spec)
-  except ValueError as e:
-    message = str(e)
-    if "--mesh" not in message:
-      message = f"--mesh={spec!r}: {message}"
-    raise flags.ValidationError(message) from e
-  # parse() lets a later entry overwrite an earlier one; a repeated axis is
-  # a typo, not a choice.
-  axes = [item.partition("=")[0].strip() for item in spec.split(",")]
-  repeated = sorted({a for a in axes if a and axes.count(a) > 1})
-  if repeated:
-    raise flags.ValidationError(
-        f"--mesh must give each axis at most once, got {repeated} more "
-        f"than once in {spec!r}."
-    )
-  return sizes
+def _validator(check):
+  """`check` (a `settings_checks` function) as an absl validator of one
+  flag: its ValueError becomes the flag's one-line error."""
 
-
-@flags.validator("mesh")
-def _check_mesh_syntax(spec) -> bool:
-  _mesh_sizes(spec)
-  return True
-
-
-@flags.multi_flags_validator(("mesh", "model"))
-def _check_mesh_splits_experts(values: dict) -> bool:
-  """The expert axis divides the experts of --model (with --dry_run too).
-
-  The device count is checked when the mesh is built (JAX's devices are not
-  known at parse time), the batch split with the run (mesh.check_run).
-  """
-  sizes = _mesh_sizes(values["mesh"])
-  if values["model"] not in presets.PRESETS:
-    raise flags.ValidationError(
-        f"--model must be one of {sorted(presets.PRESETS)}, got "
-        f"{values['model']!r}."
-    )
-  moe = presets.get_preset(values["model"]).model.moe
-  expert = sizes[mesh_lib.EXPERT_AXIS]
-  if expert > 1 and moe is None:
-    raise flags.ValidationError(
-        f"--mesh expert={expert} splits experts, but --model="
-        f"{values['model']} is dense; use data or fsdp instead."
-    )
-  if moe is not None and moe.num_experts % expert:
-    raise flags.ValidationError(
-        f"--mesh expert size must divide the {moe.num_experts} experts of "
-        f"--model={values['model']}, got expert={expert}."
-    )
-  return True
-
-
-# --- Llama 4 ---
-@flags.multi_flags_validator(("scan_layers", "model"))
-def _check_layers_scan(values: dict) -> bool:
-  """--scan_layers needs uniform layer stacks (Llama 4's interleaved MoE and
-  NoPE layers and Qwen3-Next's hybrid stack are not): refused at parse
-  time, naming --noscan_layers."""
-  if values["scan_layers"] and values["model"] in presets.PRESETS:
+  def validate(value) -> bool:
     try:
-      scan_model.check_scannable(presets.get_preset(values["model"]).model)
+      check(value)
     except ValueError as e:
-      raise flags.ValidationError(f"--model={values['model']}: {e}") from e
-  return True
-
-
-# --- end Llama 4 ---
-
-
-@flags.multi_flags_validator(("target", "topology", "dry_run", "mesh"))
-def _check_target(values: dict) -> bool:
-  """--target and --topology come together, with --dry_run, and the
-  topology's devices are the mesh's devices."""
-  target, topology = values["target"], values["topology"]
-  if target is None and topology is None:
+      raise flags.ValidationError(str(e)) from e
     return True
-  if target is None:
-    raise flags.ValidationError(
-        f"--topology={topology} needs --target (one of {sorted(aot.TARGETS)})"
-        " to say which GPUs or TPUs to compile for."
-    )
-  shape = "AxB[xC][/S]" if aot.is_tpu(target) else "SxHxG"
-  example = (
-      aot.TPU_TARGETS[target].topologies[1].partition(":")[2]
-      if aot.is_tpu(target)
-      else "1x1x8"
-  )
-  if topology is None:
-    raise flags.ValidationError(
-        f"--target={target} needs --topology={shape} (e.g. {example}) to "
-        "say how many devices."
-    )
-  if not values["dry_run"]:
-    raise flags.ValidationError(
-        f"--target={target} --topology={topology} compiles for devices that "
-        "are not here: it needs --dry_run."
-    )
-  try:
-    count = aot.num_devices(target, topology)
-  except ValueError as e:
-    raise flags.ValidationError(f"--{e}") from e
-  sizes = _mesh_sizes(values["mesh"])
-  if count != mesh_lib.num_devices(sizes):
-    raise flags.ValidationError(
-        f"--topology={topology} has {count} {target} devices, but --mesh="
-        f"{values['mesh']} multiplies to {mesh_lib.num_devices(sizes)}; give "
-        "a mesh whose sizes multiply to the topology's devices."
-    )
-  return True
+
+  return validate
 
 
-@flags.multi_flags_validator(("precision", "model"))
-def _check_precision_has_experts(values: dict) -> bool:
-  """A quantised recipe needs routed experts: --model must have MoE blocks."""
-  precision, model = values["precision"], values["model"]
-  if precision == moe_precision.UNQUANTIZED or model not in presets.PRESETS:
-    return True  # An unknown --model is the mesh check's line.
-  if presets.get_preset(model).model.moe is None:
-    raise flags.ValidationError(
-        f"--precision must be {moe_precision.UNQUANTIZED} for --model={model}, "
-        "which is dense (no "
-        f"routed experts' GEMMs to quantise), got {precision!r}."
-    )
-  return True
+def _multi_validator(check):
+  """As `_validator`, for a check of several flags, given by name."""
+
+  def validate(values: dict) -> bool:
+    try:
+      check(**values)
+    except ValueError as e:
+      raise flags.ValidationError(str(e)) from e
+    return True
+
+  return validate
 
 
-@flags.validator("output_dir")
-def _check_output_dir(path) -> bool:
-  """A directory, or a path whose missing folders can be made (not made here).
-
-  Creating it waits for the run (or for --dry_run --target's JSON).
-  """
-  if not isinstance(path, str) or not path:
-    raise flags.ValidationError(
-        f"--output_dir must be a directory path, got {path!r}."
-    )
-  existing = os.path.abspath(path)  # The path itself, or its nearest ancestor.
-  while not os.path.lexists(existing):
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    raise flags.ValidationError(
-        f"--output_dir must be a directory or a new path under one, got "
-        f"{path!r}, but {existing!r} exists and is not a directory."
-    )
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise flags.ValidationError(
-        f"--output_dir must be writable, got {path!r}, but {existing!r} is "
-        "not writable."
-    )
-  return True
-
-
-@flags.validator("data")
-def _check_data(path) -> bool:
-  """None or '' (the embedded corpus), or a readable file."""
-  if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
-    raise flags.ValidationError(
-        f"--data must name a readable file, got {path!r}."
-    )
-  return True
+_check_layers_scan = _multi_validator(settings_checks.check_layers_scan)
+flags.register_validator("mesh", _validator(settings_checks.mesh_sizes))
+flags.register_multi_flags_validator(
+    ("mesh", "model"),
+    _multi_validator(settings_checks.check_mesh_splits_experts),
+)
+flags.register_multi_flags_validator(
+    ("scan_layers", "model"), _check_layers_scan
+)
+flags.register_multi_flags_validator(
+    ("target", "topology", "dry_run", "mesh"),
+    _multi_validator(settings_checks.check_target),
+)
+flags.register_multi_flags_validator(
+    ("precision", "model"),
+    _multi_validator(settings_checks.check_precision_has_experts),
+)
+flags.register_validator(
+    "output_dir", _validator(settings_checks.check_output_dir)
+)
+flags.register_validator("data", _validator(settings_checks.check_data))
 
 
 # RunConfig's fields that no flag of the same name sets: --model picks the

@@ -10,15 +10,11 @@ import jax.numpy as jnp
 
 from backends.mosaic_tpu import ops
 from backends.mosaic_tpu import tiling
-from moe_core import config as config_lib
-from moe_core import operands
-from moe_core import permute
 from moe_core import precision as precision_lib
-from moe_core.kernels import permutation
 from moe_core.kernels import tile_backend
 
 
-class MosaicTpuBackend(tile_backend.TileKernelBackend):
+class MosaicTpuBackend(tile_backend.PermutingTileBackend):
   """Grouped GEMMs over a visit list as Mosaic TPU kernels; no host sync.
 
   Forward and dX run one gmm kernel (gate and up in one pass, the gated
@@ -55,6 +51,9 @@ class MosaicTpuBackend(tile_backend.TileKernelBackend):
   dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
       jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16)
   )
+  # Dispatch, combine and the routing weights in the down GEMM's epilogue
+  # (dropless configs of the unquantised recipe): `PermutingTileBackend`'s,
+  # gathers both ways on `ops.TpuPermutationKernels`.
 
   def __init__(
       self,
@@ -65,12 +64,10 @@ class MosaicTpuBackend(tile_backend.TileKernelBackend):
       fuse_activation: bool = True,
       fuse_routing_weights: bool = True,
   ):
-    self.check_fuse_activation(fuse_activation)
-    if not isinstance(fuse_routing_weights, bool):
-      raise TypeError(
-          "fuse_routing_weights must be a bool, got "
-          f"{type(fuse_routing_weights).__name__}."
-      )
+    tile_backend.check_bool_options(
+        fuse_activation=fuse_activation,
+        fuse_routing_weights=fuse_routing_weights,
+    )
     if generation is not None:
       tiling.check_generation(generation)
     self.launch = ops.Launch(
@@ -109,45 +106,3 @@ class MosaicTpuBackend(tile_backend.TileKernelBackend):
           "(lax.ragged_dot on the dequantised or scaled operands)."
       )
     return recipe
-
-  # --- Dispatch and combine: the library's plan, gathers both ways ----------
-
-  def _gather(self, x, plan: permute.DispatchPlan) -> permute.Dispatched:
-    rows = permutation.gather(
-        self.permutation_kernels,
-        x,
-        permutation.Plan.of(plan, None),
-        top_k=plan.top_k,
-    )
-    return permute.Dispatched.of(rows, plan)
-
-  def _combine(self, expert_out, dispatched, combine_weights, kept):
-    return permutation.combine(
-        self.permutation_kernels,
-        expert_out,
-        combine_weights,
-        permutation.Plan.of(dispatched, kept),
-        top_k=dispatched.top_k,
-    )
-
-  # --- The routing weights in the down GEMM's epilogue ----------------------
-
-  def _routing_weights_in_down(self, cfg: config_lib.MoEConfig, dtype) -> bool:
-    # Only blocks that compute every copy, of the unquantised recipe: a
-    # capacity config's dropped copies and zero experts' (masks_copies) and
-    # the quantised FFN keep the plain path.
-    return (
-        self.fuse_routing_weights
-        and not cfg.masks_copies
-        and cfg.precision == precision_lib.UNQUANTIZED
-        and jnp.dtype(dtype) in self.dtypes
-    )
-
-  def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
-    """The down GEMM; with the routing weights, row r's float32 accumulator
-    is scaled by ffn_in.row_weights[r] in the epilogue."""
-    if ffn_in.row_weights is None:
-      return super()._down(h, ffn_in)
-    return ops.down_weighted(
-        h, ffn_in.w_down, ffn_in.group_sizes, ffn_in.row_weights, self.launch
-    )

@@ -14,6 +14,7 @@ import numpy as np
 from backends.te import _te
 from moe_core import config as config_lib
 from moe_core import routing
+from moe_core import routing_aux
 from moe_core.kernels import primitive
 
 # The epsilon TE's fused router adds to the sum of the chosen sigmoid
@@ -49,9 +50,9 @@ def choice(cfg: config_lib.MoEConfig) -> tuple[bool, str]:
   The rest is equal or the backend's: TE takes the library's logits, so
   the router input norm and scale, the router bias and the logit soft-cap
   are in them; the per-expert output scale multiplies TE's weights
-  (`routing.aux_from_choice`); routed_scaling_factor is TE's
+  (`routing_aux.aux_from_choice`); routed_scaling_factor is TE's
   scaling_factor, the correction bias is its expert_bias (selection only),
-  capacity is applied after TE's top-k (`routing.capacity_keep_mask`), and
+  capacity is applied after TE's top-k (`routing_aux.capacity_keep_mask`), and
   tokens with non-finite logits or scores are marked invalid as
   `routing.route` marks them.
   """
@@ -189,7 +190,7 @@ def route(
       te_weights.astype(jnp.float32), expert_ids, axis=-1
   )
   # From here on, what routing.route does with its choice.
-  return routing.aux_from_choice(scored, expert_ids, weights, cfg)
+  return routing_aux.aux_from_choice(scored, expert_ids, weights, cfg)
 
 
 # --- TE's fused top-k, differentiable in both directions ---------------------

@@ -5,18 +5,12 @@ from __future__ import annotations
 import types
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from backends.triton import configs as configs_lib
 from backends.triton import launch
 from backends.triton import ops
-from moe_core import config as config_lib
-from moe_core import operands
-from moe_core import permute
-from moe_core import precision as precision_lib
 from moe_core.kernels import interpret as interpret_lib
-from moe_core.kernels import permutation
 from moe_core.kernels import tile_backend
 
 # The backend's `interpret` option (`moe_core.kernels.interpret`): True is
@@ -25,7 +19,7 @@ INTERPRETER = interpret_lib.Interpreter()
 _MODES = {interpret_lib.AUTO: "auto", False: "gpu", True: "interpret"}
 
 
-class TritonBackend(tile_backend.TileKernelBackend):
+class TritonBackend(tile_backend.PermutingTileBackend):
   """Grouped GEMMs and the permutation as raw Triton kernels; no host sync.
 
   Forward and dX run one tile-list gmm kernel, dW a tgmm kernel looping over
@@ -76,12 +70,10 @@ class TritonBackend(tile_backend.TileKernelBackend):
       fuse_routing_weights: bool = False,
   ):
     setting = INTERPRETER.parse(interpret)
-    for option, value in (
-        ("fuse_activation", fuse_activation),
-        ("fuse_routing_weights", fuse_routing_weights),
-    ):
-      if not isinstance(value, bool):
-        raise TypeError(f"{option} must be a bool, got {type(value).__name__}.")
+    tile_backend.check_bool_options(
+        fuse_activation=fuse_activation,
+        fuse_routing_weights=fuse_routing_weights,
+    )
     if generation is None:
       generation = configs_lib.generation() or "sm90"
     self.runner = launch.Runner(
@@ -118,56 +110,11 @@ class TritonBackend(tile_backend.TileKernelBackend):
     """The runner, which every `ops` function takes last."""
     return self.runner
 
-  # --- Dispatch and combine: the library's plan, the kernels' data movement --
+  # --- Dispatch, combine and the routing weights in the down GEMM ----------
+  # `PermutingTileBackend`'s, on the permute kernels (`permute_kernels`);
+  # rows of a dtype they do not take go through the XLA gather and combine
+  # and the plain down GEMM.
 
-  def _gathers(self, dtype) -> bool:
+  def _permutes(self, dtype) -> bool:
     """Whether the permute kernels take `dtype` (else the XLA gather)."""
     return jnp.dtype(dtype) in self.dtypes
-
-  def _gather(self, x, plan: permute.DispatchPlan) -> permute.Dispatched:
-    """The rows of `dispatch` through the permute kernel's gather."""
-    if not self._gathers(x.dtype):
-      return super()._gather(x, plan)
-    rows = permutation.gather(
-        self.permutation_kernels,
-        x,
-        permutation.Plan.of(plan, None),
-        top_k=plan.top_k,
-    )
-    return permute.Dispatched.of(rows, plan)
-
-  def _combine(self, expert_out, dispatched, combine_weights, kept):
-    """`combine` on the unpermute kernel."""
-    if not self._gathers(expert_out.dtype):
-      return super()._combine(expert_out, dispatched, combine_weights, kept)
-    return permutation.combine(
-        self.permutation_kernels,
-        expert_out,
-        combine_weights,
-        permutation.Plan.of(dispatched, kept),
-        top_k=dispatched.top_k,
-    )
-
-  # --- The routing weights in the down GEMM's epilogue ------------------------
-
-  def _routing_weights_in_down(self, cfg: config_lib.MoEConfig, dtype) -> bool:
-    # With `fuse_routing_weights`, only blocks that compute every copy, of
-    # the unquantised recipe and of a dtype the kernels take: a capacity
-    # config's dropped copies and zero experts' copies (masks_copies), the
-    # quantised FFN (which never fuses) and other dtypes
-    # (NotImplementedError) keep the plain path.
-    return (
-        self.fuse_routing_weights
-        and not cfg.masks_copies
-        and cfg.precision == precision_lib.UNQUANTIZED
-        and self._gathers(dtype)
-    )
-
-  def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
-    """The down GEMM; with the routing weights, row r's float32 accumulator
-    is scaled by ffn_in.row_weights[r] in the epilogue."""
-    if ffn_in.row_weights is None:
-      return super()._down(h, ffn_in)
-    return ops.down_weighted(
-        h, ffn_in.w_down, ffn_in.group_sizes, ffn_in.row_weights, self.runner
-    )

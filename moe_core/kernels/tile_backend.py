@@ -8,7 +8,9 @@ epilogue; `LaunchKernels` when its launch settings own the gmm and tgmm
 calls), and `TileKernelBackend` maps `moe_core.Backend`'s hooks onto them,
 so such a backend writes its kernels, its tile table, `availability()` and
 its options, not this glue again; its tile settings come from
-`moe_core.kernels.tile_settings`.
+`moe_core.kernels.tile_settings`. `PermutingTileBackend` adds the hooks of
+a backend that also has permutation kernels and a routing-weighted down
+GEMM (`mosaic_tpu`, `triton`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ from types import ModuleType
 from typing import Any, Callable, ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from moe_core import activations
 from moe_core import backend
 from moe_core import operands
+from moe_core import permute
+from moe_core import precision
 from moe_core.kernels import expert_ops
 from moe_core.kernels import grouped_matmul
+from moe_core.kernels import permutation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +156,14 @@ class TileOps:
     )
 
 
+def check_bool_options(**options) -> None:
+  """Raises TypeError for the first of the boolean `options` that is not a
+  bool (in the order given)."""
+  for name, value in options.items():
+    if not isinstance(value, bool):
+      raise TypeError(f"{name} must be a bool, got {type(value).__name__}.")
+
+
 def epilogue_computes(
     settings: activations.Settings, epilogue_activations
 ) -> bool:
@@ -195,11 +209,7 @@ class TileKernelBackend(backend.Backend):
   @staticmethod
   def check_fuse_activation(fuse_activation) -> None:
     """Raises TypeError unless the `fuse_activation` option is a bool."""
-    if not isinstance(fuse_activation, bool):
-      raise TypeError(
-          "fuse_activation must be a bool, got "
-          f"{type(fuse_activation).__name__}."
-      )
+    check_bool_options(fuse_activation=fuse_activation)
 
   @property
   def interpret(self):
@@ -246,6 +256,80 @@ class TileKernelBackend(backend.Backend):
     included): one [M, F] output."""
     return self.ops.gated_gate_up(
         *_gate_up_operands(ffn_in), ffn_in.activation_settings, self.launch
+    )
+
+
+class PermutingTileBackend(TileKernelBackend):
+  """`TileKernelBackend` that also moves the data on its own kernels.
+
+  Dispatch and combine are the library's plan (`moe_core.permute`) with
+  the gathers of `self.permutation_kernels` (a
+  `moe_core.kernels.permutation.PermutationKernels`), and, with the
+  `fuse_routing_weights` option, the routing weights scale each row in the
+  down GEMM's epilogue (`ops.down_weighted`, taking the launch settings
+  last) and the combine sums with unit weights. `mosaic_tpu` and `triton`
+  are such backends.
+
+  Subclasses set, besides `TileKernelBackend`'s, `self.permutation_kernels`
+  and `self.fuse_routing_weights` (bool, `check_bool_options`), and
+  override `_permutes` where the permutation kernels take only some
+  dtypes: dispatch and combine take any floating dtype, and the others go
+  through the template's XLA gather and combine.
+  """
+
+  permutation_kernels: permutation.PermutationKernels
+  fuse_routing_weights: bool
+
+  def _permutes(self, dtype) -> bool:
+    """Whether the permutation kernels move `dtype` rows (else the
+    template's XLA gather and combine do): every dtype by default."""
+    del dtype
+    return True
+
+  def _gather(self, x, plan: permute.DispatchPlan) -> permute.Dispatched:
+    """The rows of `dispatch` through the permutation kernels' gather."""
+    if not self._permutes(x.dtype):
+      return super()._gather(x, plan)
+    rows = permutation.gather(
+        self.permutation_kernels,
+        x,
+        permutation.Plan.of(plan, None),
+        top_k=plan.top_k,
+    )
+    return permute.Dispatched.of(rows, plan)
+
+  def _combine(self, expert_out, dispatched, combine_weights, kept):
+    """`combine` on the permutation kernels' weighted un-permute."""
+    if not self._permutes(expert_out.dtype):
+      return super()._combine(expert_out, dispatched, combine_weights, kept)
+    return permutation.combine(
+        self.permutation_kernels,
+        expert_out,
+        combine_weights,
+        permutation.Plan.of(dispatched, kept),
+        top_k=dispatched.top_k,
+    )
+
+  def _routing_weights_in_down(self, cfg, dtype) -> bool:
+    # With `fuse_routing_weights`, only blocks that compute every copy, of
+    # the unquantised recipe and of a dtype the kernels take: a capacity
+    # config's dropped copies and zero experts' copies (masks_copies), the
+    # quantised FFN (which never fuses) and other dtypes keep the plain
+    # path.
+    return (
+        self.fuse_routing_weights
+        and not cfg.masks_copies
+        and cfg.precision == precision.UNQUANTIZED
+        and jnp.dtype(dtype) in self.dtypes
+    )
+
+  def _down(self, h: jax.Array, ffn_in: operands.FfnOperands) -> jax.Array:
+    """The down GEMM; with the routing weights, row r's float32 accumulator
+    is scaled by ffn_in.row_weights[r] in the epilogue."""
+    if ffn_in.row_weights is None:
+      return super()._down(h, ffn_in)
+    return self.ops.down_weighted(
+        h, ffn_in.w_down, ffn_in.group_sizes, ffn_in.row_weights, self.launch
     )
 
 

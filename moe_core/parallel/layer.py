@@ -23,8 +23,10 @@ from moe_core import latent
 from moe_core import norms
 from moe_core import params as params_lib
 from moe_core import registry
+from moe_core import router_inputs
 from moe_core import routing
 from moe_core import validation
+from moe_core import zero_experts
 from moe_core.parallel import exchange as exchange_lib
 from moe_core.parallel import options as options_lib
 from moe_core.parallel import overflow as overflow_lib
@@ -267,13 +269,13 @@ def moe_layer(
         params.get("correction_bias"),
         token_axes=token_axes,
         local_route=b.route,
-        **routing.router_extras(params),
+        **router_inputs.router_extras(params),
     )
     routed_aux, zero_weights = aux, None
     if cfg.num_zero_experts:
       # The zero experts' copies still travel (to expert id mod E, weight
       # 0): the exchange has no per-copy mask.
-      routed_aux, zero_weights = routing.split_zero_experts(aux, cfg)
+      routed_aux, zero_weights = zero_experts.split_zero_experts(aux, cfg)
     y, routed_aux = routed_experts(
         b,
         params,
@@ -287,9 +289,9 @@ def moe_layer(
     )
     if zero_weights is None:
       return latent.project_out(y, params, cfg), routed_aux
-    y = y + routing.zero_expert_output(zero_weights, routed_tokens, cfg)
+    y = y + zero_experts.zero_expert_output(zero_weights, routed_tokens, cfg)
     y = latent.project_out(y, params, cfg)
-    return y, routing.rejoin_zero_experts(aux, routed_aux, cfg)
+    return y, zero_experts.rejoin_zero_experts(aux, routed_aux, cfg)
 
   def body(params, tokens):
     # The router sees the tokens; the experts their own norm, if any.

@@ -1,0 +1,99 @@
+"""Causal softmax attention and rotary embeddings, the math of the model's
+attention layers (`layers.py`): functions of arrays, no parameters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding of x [B, T, H, d] (d even) at positions [T].
+
+  Rotates the pairs (i, i + d/2), the layout of Llama, Qwen, Mixtral and
+  the Hugging Face DeepSeek-V3 code.
+  """
+  half = x.shape[-1] // 2
+  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle = positions.astype(jnp.float32)[:, None] * freq  # [T, d/2]
+  cos = jnp.cos(angle)[None, :, None, :]
+  sin = jnp.sin(angle)[None, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+# Queries per block of `causal_attention` on long sequences: the float32
+# scores of all queries at once are [B, H, T, T], 8 GiB a sequence for
+# DeepSeek-V3's 128 heads at T = 4096; a block of 512 holds 1 GiB.
+QUERY_BLOCK = 512
+
+
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    query_block: int = QUERY_BLOCK,
+    chunk_size: int = 0,
+) -> jax.Array:
+  """Causal softmax attention with grouped key/value heads.
+
+  Sequences longer than `query_block` (and a multiple of it) run one block
+  of queries at a time, each against every key, rematerialised in the
+  backward: the same softmax rows, with scores held for one block only.
+
+  Args:
+    q: [B, T, H, dq].
+    k: [B, T, Hkv, dq], Hkv dividing H (query head h reads kv head
+      h // (H / Hkv)).
+    v: [B, T, Hkv, dv].
+    query_block: queries per block.
+    chunk_size: C > 0 restricts each query to the keys of its own aligned
+      chunk of C positions (Llama 4's chunked attention: row r sees the
+      keys r - r % C .. r); 0 lets it see every earlier key.
+
+  Returns:
+    [B, T, H, dv] in v's dtype; scores and softmax in float32.
+  """
+  b, t, h, _ = q.shape
+  if t <= query_block or t % query_block:
+    return _attention_rows(q, k, v, 0, chunk_size)
+  blocks = t // query_block
+  q_blocks = jnp.moveaxis(q.reshape(b, blocks, query_block, *q.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def one_block(args):
+    q_rows, index = args
+    return _attention_rows(q_rows, k, v, index * query_block, chunk_size)
+
+  out = jax.lax.map(one_block, (q_blocks, jnp.arange(blocks)))
+  return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1])
+
+
+def _attention_rows(q, k, v, first_row, chunk_size=0) -> jax.Array:
+  """Attention of the queries at rows first_row.. of the sequence.
+
+  Args:
+    q: [B, Tq, H, dq], the queries of rows first_row .. first_row + Tq - 1.
+    k, v: [B, T, Hkv, dq|dv], every key and value of the sequence.
+    first_row: the first query's position (a traced int inside a loop).
+    chunk_size: as `causal_attention`'s.
+  """
+  b, tq, h, dq = q.shape
+  t, hkv = k.shape[1], k.shape[2]
+  q = q.reshape(b, tq, hkv, h // hkv, dq)
+  logits = (
+      jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+      * dq**-0.5
+  )
+  rows = first_row + jnp.arange(tq)[:, None]
+  cols = jnp.arange(t)[None, :]
+  causal = rows >= cols
+  if chunk_size:
+    causal &= rows // chunk_size == cols // chunk_size
+  logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  out = jnp.einsum(
+      "bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32
+  )
+  return out.reshape(b, tq, h, v.shape[-1]).astype(v.dtype)
