@@ -96,7 +96,7 @@ class DryRunTest(absltest.TestCase):
     code, report, _ = _dry_run(self, "--phases=conformance", "--deadline_s=600")
     self.assertEqual(code, 0, report.get("failures"))
     entries = {e["variant"]: e for e in report["conformance"]}
-    self.assertEqual(entries["xla"]["status"], "passed", entries["xla"])
+    self.assertEqual(entries["xla"]["status"], "passed", str(entries["xla"]))
     self.assertEqual(entries["xla"]["ran"], 1)
     if _OURS_MISSING:
       self.assertEqual(entries[tpu_gemm.OURS]["status"], "skipped")

@@ -1,5 +1,6 @@
 """Tests of bench/tpu_conformance.py: outcomes, the alone re-run, the log."""
 
+import functools
 import json
 import os
 import tempfile
@@ -12,39 +13,44 @@ from absl.testing import absltest
 from bench import tpu_conformance
 
 
-class _Cases(unittest.TestCase):
-  """One test per outcome the runner records (run by the tests below, not
-  collected by pytest)."""
+@functools.cache
+def _cases():
+  """One test per outcome the runner records. Made here, not at the top
+  level (nor held by a module attribute), so that neither absltest nor
+  pytest collects it as a test."""
 
-  __test__ = False
+  class _Cases(unittest.TestCase):
+    """Run by the tests below."""
 
-  calls = {}
-  lock = threading.Lock()
+    calls = {}
+    lock = threading.Lock()
 
-  def _count(self):
-    with self.lock:
-      self.calls[self.id()] = self.calls.get(self.id(), 0) + 1
-      return self.calls[self.id()]
+    def _count(self):
+      with self.lock:
+        self.calls[self.id()] = self.calls.get(self.id(), 0) + 1
+        return self.calls[self.id()]
 
-  def test_passes(self):
-    self._count()
+    def test_passes(self):
+      self._count()
 
-  def test_fails(self):
-    self._count()
-    self.assertEqual(1, 2)
+    def test_fails(self):
+      self._count()
+      self.assertEqual(1, 2)
 
-  def test_errs(self):
-    self._count()
-    raise RuntimeError("boom")
+    def test_errs(self):
+      self._count()
+      raise RuntimeError("boom")
 
-  def test_skips(self):
-    self._count()
-    self.skipTest("not here")
+    def test_skips(self):
+      self._count()
+      self.skipTest("not here")
 
-  def test_fails_only_the_first_time(self):
-    # Stands for a test that fails beside others (process-wide state) and
-    # passes alone.
-    self.assertGreater(self._count(), 1)
+    def test_fails_only_the_first_time(self):
+      # Stands for a test that fails beside others (process-wide state) and
+      # passes alone.
+      self.assertGreater(self._count(), 1)
+
+  return _Cases
 
 
 def _tempdir(test):
@@ -55,14 +61,14 @@ def _tempdir(test):
 
 
 def _tests(*names):
-  return [_Cases(n) for n in names]
+  return [_cases()(n) for n in names]
 
 
 class RunTestsTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    _Cases.calls.clear()
+    _cases().calls.clear()
     self.log_path = os.path.join(_tempdir(self), "log")
 
   def _run(self, tests, threads=2, deadline=None):
@@ -102,7 +108,7 @@ class RunTestsTest(absltest.TestCase):
     self.assertEqual(by_name["test_skips"]["detail"], "not here")
     # Failures ran twice (the second time alone), the rest once.
     self.assertEqual(
-        {k.rsplit(".", 1)[1]: v for k, v in _Cases.calls.items()},
+        {k.rsplit(".", 1)[1]: v for k, v in _cases().calls.items()},
         {
             "test_passes": 1,
             "test_fails": 2,
@@ -134,7 +140,7 @@ class RunTestsTest(absltest.TestCase):
 
   def test_one_thread_runs_no_test_twice(self):
     records = self._run(_tests("test_fails"), threads=1)
-    self.assertEqual(list(_Cases.calls.values()), [1])
+    self.assertEqual(list(_cases().calls.values()), [1])
     self.assertNotIn("under_threads", list(records.values())[0])
 
   def test_past_the_deadline_nothing_starts(self):
@@ -144,7 +150,7 @@ class RunTestsTest(absltest.TestCase):
     self.assertEqual(
         [r["outcome"] for r in records.values()], ["not_run", "not_run"]
     )
-    self.assertEqual(_Cases.calls, {})
+    self.assertEqual(_cases().calls, {})
 
   def test_patterns_match_like_unittest_k(self):
     test_id = "backends.xla.conformance_test.XlaConformanceTest.test_a_b"
@@ -152,6 +158,24 @@ class RunTestsTest(absltest.TestCase):
     self.assertTrue(tpu_conformance.matches(test_id, ["test_a"]))
     self.assertTrue(tpu_conformance.matches(test_id, ["*Xla*_b"]))
     self.assertFalse(tpu_conformance.matches(test_id, ["test_c", "Mosaic"]))
+
+
+class LoadTestsTest(absltest.TestCase):
+
+  def test_a_backend_without_its_test_file_gets_the_plain_suite(self):
+    # reference's suite lives in reference/, not backends/reference/: here
+    # as in a Bazel test's runfiles, where no conformance_test.py is.
+    tests = tpu_conformance.load_tests("reference")
+    ids = [t.id() for t in tests]
+    self.assertGreater(len(ids), 100)
+    self.assertTrue(
+        all(
+            i.startswith("backends.reference.conformance_test.ConformanceTest.")
+            for i in ids
+        ),
+        ids[:3],
+    )
+    self.assertEqual({t.BACKEND for t in tests}, {"reference"})
 
 
 class MainTest(absltest.TestCase):
