@@ -349,14 +349,14 @@ def _conformance_entry(name, found, logged) -> dict:
   """One backend's report entry from tpu_conformance's JSON, or from its
   log if the child ended before writing it."""
   if found is None:
-    prefix = f"backends.{name}."
+    prefix = tpu_conformance.test_module(name) + "."
     records = {k: v for k, v in logged.items() if k.startswith(prefix)}
     counts = tpu_conformance.summarise(records)
     reason = "the run ended before its report: counted from its log"
   else:
     records, counts, reason = found["tests"], found["counts"], ""
   failed = sorted(
-      k for k, r in records.items() if r["outcome"] in ("failed", "error")
+      k for k, r in records.items() if r["outcome"] in tpu_conformance.FAILING
   )
   if failed:
     status = "failed"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import fnmatch
 import importlib
 import json
 import os
@@ -47,25 +46,34 @@ import jax
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 OUTCOMES = ("passed", "failed", "error", "skipped", "not_run")
+# Outcomes that count against the backend (and that run again alone).
+FAILING = ("failed", "error")
 # Outcomes a resumed run keeps from an earlier log; the others run again.
 _SETTLED = ("passed", "skipped")
 
 
-def load_tests(backend: str) -> list[unittest.TestCase]:
+def test_module(backend: str) -> str:
+  """The module a backend's test ids start with (its conformance_test.py)."""
+  return f"backends.{backend}.conformance_test"
+
+
+def load_tests(backend: str, patterns=()) -> list[unittest.TestCase]:
   """Every test of a backend's conformance classes, one per test method.
 
   The classes of backends/<backend>/conformance_test.py that
   `suite.classes_to_run` picks (with the backend's options and tolerance
   overrides); where that file is not importable (it is a test, not part of
   the library: a Bazel test's runfiles hold only the library), the plain
-  suite on the registered backend, under the same test ids.
+  suite on the registered backend, under the same test ids. `patterns`
+  picks tests as unittest's -k does (a pattern without "*" matches as a
+  substring of "module.Class.method").
   """
   # Imported here, not at the top: the suites build arrays as they import,
   # which opens the device, and tpu_check's parent, which must leave the
   # chip to its children, reads this module's logs.
   from conformance import suite  # pylint: disable=g-import-not-at-top
 
-  module_name = f"backends.{backend}.conformance_test"
+  module_name = test_module(backend)
   try:
     module = importlib.import_module(module_name)
     classes = [getattr(module, n) for n in suite.classes_to_run(module)]
@@ -86,6 +94,9 @@ def load_tests(backend: str) -> list[unittest.TestCase]:
         )
     ]
   loader = unittest.TestLoader()
+  loader.testNamePatterns = [
+      p if "*" in p else f"*{p}*" for p in patterns
+  ] or None
   tests = []
   for cls in classes:
     tests.extend(_flatten(loader.loadTestsFromTestCase(cls)))
@@ -133,16 +144,6 @@ def read_log(path: str) -> dict[str, dict]:
   return records
 
 
-def matches(test_id: str, patterns) -> bool:
-  """unittest's -k: a pattern without "*" matches as a substring."""
-  if not patterns:
-    return True
-  return any(
-      fnmatch.fnmatchcase(test_id, p if "*" in p else f"*{p}*")
-      for p in patterns
-  )
-
-
 class _Log:
   """The --log file, a line per test, flushed as each ends (threads share
   it)."""
@@ -157,7 +158,7 @@ class _Log:
       if self._file:
         self._file.write(line + "\n")
         self._file.flush()
-      if echo or record["outcome"] in ("failed", "error"):
+      if echo or record["outcome"] in FAILING:
         print(line, flush=True)
 
   def close(self):
@@ -193,7 +194,7 @@ def run_tests(tests, *, threads: int, deadline: float, log: _Log) -> dict:
   if threads > 1:
     for test in tests:
       first = records[test.id()]
-      if first["outcome"] not in ("failed", "error"):
+      if first["outcome"] not in FAILING:
         continue
       if time.monotonic() > deadline:
         break
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
   status = 0
   try:
     for backend in filter(None, args.backends.split(",")):
-      tests = [t for t in load_tests(backend) if matches(t.id(), args.patterns)]
+      tests = load_tests(backend, args.patterns)
       kept = {
           t.id(): dict(earlier[t.id()], resumed=True)
           for t in tests

@@ -152,13 +152,6 @@ class RunTestsTest(absltest.TestCase):
     )
     self.assertEqual(_cases().calls, {})
 
-  def test_patterns_match_like_unittest_k(self):
-    test_id = "backends.xla.conformance_test.XlaConformanceTest.test_a_b"
-    self.assertTrue(tpu_conformance.matches(test_id, []))
-    self.assertTrue(tpu_conformance.matches(test_id, ["test_a"]))
-    self.assertTrue(tpu_conformance.matches(test_id, ["*Xla*_b"]))
-    self.assertFalse(tpu_conformance.matches(test_id, ["test_c", "Mosaic"]))
-
 
 class LoadTestsTest(absltest.TestCase):
 
@@ -176,6 +169,35 @@ class LoadTestsTest(absltest.TestCase):
         ids[:3],
     )
     self.assertEqual({t.BACKEND for t in tests}, {"reference"})
+
+  def test_patterns_pick_tests_like_unittest_k(self):
+    every = [t.id() for t in tpu_conformance.load_tests("reference")]
+    for patterns, want in (
+        # Without "*": a substring of module.Class.method.
+        (["softcap_f32_inf"], [i for i in every if "softcap_f32_inf" in i]),
+        (
+            ["softcap_f32_inf__with_jit", "zzz_none"],
+            [i for i in every if "softcap_f32_inf__with_jit" in i],
+        ),
+        # With "*": the whole name, fnmatch.
+        (
+            ["*ConformanceTest.test_bad_input_config_gate_softcap_f32_inf*"],
+            [
+                i
+                for i in every
+                if ".test_bad_input_config_gate_softcap_f32_inf" in i
+            ],
+        ),
+        (["*f32_inf"], [i for i in every if i.endswith("f32_inf")]),
+    ):
+      with self.subTest(patterns):
+        got = [
+            t.id() for t in tpu_conformance.load_tests("reference", patterns)
+        ]
+        self.assertEqual(sorted(got), sorted(want))
+    # Not vacuous: a pattern picks some tests, not all.
+    picked = tpu_conformance.load_tests("reference", ["softcap_f32_inf"])
+    self.assertBetween(len(picked), 1, len(every) - 1)
 
 
 class MainTest(absltest.TestCase):
