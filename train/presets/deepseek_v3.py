@@ -25,19 +25,16 @@ def deepseek_v3_moe(
   `topk_group` kept), top-k weights renormalised then scaled by 2.5, and one
   shared expert as wide as a routed one.
   """
-  return moe_core.MoEConfig(
+  return rows.moe_block(
+      (hidden_size, num_experts, top_k, expert_ffn_size),
       score_func="sigmoid",
       correction_bias=True,
       group_score="sum_top2",
       norm_topk_prob=True,
       norm_epsilon=1e-20,
       routed_scaling_factor=2.5,
-      num_experts=num_experts,
-      top_k=top_k,
       n_group=n_group,
       topk_group=topk_group,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
       shared_ffn_size=expert_ffn_size,
   )
 

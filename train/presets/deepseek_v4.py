@@ -26,16 +26,13 @@ def deepseek_v4_moe(
   as a routed one, and the SwiGLU clamp at 10 on routed and shared experts
   (as `reference/hf_convert` converts transformers' DeepseekV4Config).
   """
-  return moe_core.MoEConfig(
+  return rows.moe_block(
+      (hidden_size, num_experts, top_k, expert_ffn_size),
       score_func="sqrtsoftplus",
       correction_bias=True,
       norm_topk_prob=True,
       norm_epsilon=1e-20,
       routed_scaling_factor=routed_scaling_factor,
-      num_experts=num_experts,
-      top_k=top_k,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
       shared_ffn_size=expert_ffn_size,
       swiglu_limit=10.0,
   )

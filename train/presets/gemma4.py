@@ -26,11 +26,8 @@ def gemma4_moe(
   chosen expert; GeGLU (tanh) experts. As
   `reference.hf_convert`'s gemma4 entry reads a transformers config.
   """
-  return moe_core.MoEConfig(
-      num_experts=num_experts,
-      top_k=top_k,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
+  return rows.moe_block(
+      (hidden_size, num_experts, top_k, expert_ffn_size),
       score_func="softmax",
       norm_topk_prob=True,
       router_input_norm=True,

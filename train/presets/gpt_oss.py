@@ -23,11 +23,8 @@ def gpt_oss_moe(
   biases on every linear and the clamped GLU (up + 1) * g * sigmoid(1.702
   g), gate <= 7 and up in [-7, 7]; no shared expert.
   """
-  return moe_core.MoEConfig(
-      num_experts=num_experts,
-      top_k=top_k,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
+  return rows.moe_block(
+      (hidden_size, num_experts, top_k, expert_ffn_size),
       score_func="softmax",
       norm_topk_prob=True,
       router_bias=True,

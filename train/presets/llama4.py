@@ -18,11 +18,8 @@ def llama4_moe(
   expert's input (not its output), never renormalised; plus a SwiGLU shared
   expert as wide as a routed one, added ungated.
   """
-  return moe_core.MoEConfig(
-      num_experts=num_experts,
-      top_k=1,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
+  return rows.moe_block(
+      (hidden_size, num_experts, 1, expert_ffn_size),
       score_func="sigmoid",
       routing_weights_on_input=True,
       shared_ffn_size=expert_ffn_size,

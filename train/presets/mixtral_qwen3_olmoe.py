@@ -18,11 +18,8 @@ def softmax_moe(
     norm_topk_prob: bool = True,
 ) -> moe_core.MoEConfig:
   """A Mixtral / Qwen3-MoE / OLMoE block: softmax scores, plain top-k."""
-  return moe_core.MoEConfig(
-      num_experts=num_experts,
-      top_k=top_k,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
+  return rows.moe_block(
+      (hidden_size, num_experts, top_k, expert_ffn_size),
       score_func="softmax",
       norm_topk_prob=norm_topk_prob,
   )

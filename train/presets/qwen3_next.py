@@ -20,11 +20,8 @@ def qwen3_next_moe(
 ) -> moe_core.MoEConfig:
   """Qwen3-Next's MoE block: softmax, top-k renormalised, one shared
   expert whose output is scaled per token by sigmoid(x @ shared_gate)."""
-  return moe_core.MoEConfig(
-      num_experts=num_experts,
-      top_k=top_k,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
+  return rows.moe_block(
+      (hidden_size, num_experts, top_k, expert_ffn_size),
       score_func="softmax",
       norm_topk_prob=True,
       shared_ffn_size=shared_ffn_size,

@@ -4,13 +4,15 @@ A `Preset` is a named model (`model_config.ModelConfig`), the training run
 it suggests (`TrainDefaults`: flags override each) and, for a published
 model, the counts its authors give (`Published`). The helpers spell the
 shared parts once: `tiny_model` (the CPU-sized models), `dims` (the six
-figures every config.json starts with), `full_size_training`.
+figures every config.json starts with), `moe_block` (an MoE block's four
+sizes), `full_size_training`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import moe_core
 from train.models import model_config
 
 
@@ -107,6 +109,21 @@ def dims(
   if hd is not None:
     fields["head_dim"] = hd
   return fields
+
+
+def moe_block(
+    sizes: tuple[int, int, int, int], **routing
+) -> moe_core.MoEConfig:
+  """An MoE block of `sizes` (width D, E experts, K chosen a token, expert
+  width F) with a family's routing and expert fields (`routing`)."""
+  hidden_size, num_experts, top_k, expert_ffn_size = sizes
+  return moe_core.MoEConfig(
+      hidden_size=hidden_size,
+      num_experts=num_experts,
+      top_k=top_k,
+      expert_ffn_size=expert_ffn_size,
+      **routing,
+  )
 
 
 def full_size_training(**changes) -> TrainDefaults:
