@@ -28,23 +28,19 @@ def softmax_moe(
 def _softmax_preset(
     names_sizes: tuple[str, tuple[int, ...], tuple],
     fields: dict,
-    train: rows.TrainDefaults,
-    description: str,
-    counts: tuple[float, float] | None = None,
-    source: str = "",
+    *rest,
 ) -> rows.Preset:
   """A preset of this family (a row of `PRESETS`): the model's name, its
   dims (vocabulary, D, layers, heads, KV heads, head dim) and MoE block
   (experts, top-k, expert width F and, where given, whether top-k
-  renormalises: yes by default); its other `ModelConfig` fields; the
-  suggested run; the description; and for a published model, its counts
-  (total, active with the input embedding) and where they were read."""
+  renormalises: yes by default); its other `ModelConfig` fields; then
+  `rows.preset_row`'s `rest` (published counts include the input
+  embedding)."""
   name, (vocab, d, layers, heads, kv, hd), (experts, top_k, ffn, *renorm) = (
       names_sizes
   )
-  return rows.Preset(
-      description=description,
-      model=model_config.ModelConfig(
+  return rows.preset_row(
+      model_config.ModelConfig(
           name=name,
           **rows.dims(
               vocab=vocab, d=d, layers=layers, heads=heads, kv=kv, hd=hd
@@ -58,10 +54,8 @@ def _softmax_preset(
           ),
           **fields,
       ),
-      train=train,
-      published=None
-      if counts is None
-      else rows.Published(*counts, active_counts_embedding=True, source=source),
+      rest,
+      active_counts_embedding=True,
   )
 
 

@@ -5,7 +5,8 @@ it suggests (`TrainDefaults`: flags override each) and, for a published
 model, the counts its authors give (`Published`). The helpers spell the
 shared parts once: `tiny_model` (the CPU-sized models), `dims` (the six
 figures every config.json starts with), `moe_block` (an MoE block's four
-sizes), `full_size_training`.
+sizes), `full_size_training`, and `preset_row` (a family table's row made a
+preset).
 """
 
 from __future__ import annotations
@@ -70,6 +71,24 @@ class Preset:
   # A published model's counts, as its authors give them (None: not
   # published, or not counted).
   published: Published | None = None
+
+
+def preset_row(
+    model: model_config.ModelConfig, rest: tuple, **conventions
+) -> Preset:
+  """A preset from a family table's row: `model`, built from the row's own
+  columns, then the `rest` every family's rows end with: the suggested run
+  (`TrainDefaults`), the description and, for a published model, its
+  counts (total, active) and where they were read. `conventions` are the
+  family's other `Published` fields (which tables the counts include)."""
+  train, description, *counts_source = rest
+  published = None
+  if counts_source:
+    (total, active), source = counts_source
+    published = Published(total, active, source=source, **conventions)
+  return Preset(
+      model=model, train=train, description=description, published=published
+  )
 
 
 # The width of the tiny presets.
