@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import moe_core
 from train.models import gemma4_layout
-from train.models import model_config
 from train.presets import rows
 
 
 def gemma4_moe(
     hidden_size: int,
-    *,
     num_experts: int,
     top_k: int,
     expert_ffn_size: int,
@@ -49,35 +47,26 @@ _GEMMA4_LEFT_OUT = (
 
 def _gemma4_preset(
     name_dims: tuple[str, tuple[int, int, int, int, int, int]],
-    sizes: tuple[tuple[int, int, int, int], tuple[int, int, int, int]],
+    sizes: tuple[tuple[int, int, int], int, tuple[int, int, int, int]],
     *rest,
 ) -> rows.Preset:
   """A preset of this family (a row of `PRESETS`): the model's name and
   dims (vocabulary, D, layers, heads, KV heads, head dim); its sizes:
-  (experts, top-k, expert width F, the dense MLP's width), (sliding window,
+  (experts, top-k, expert width F), the dense MLP's width, (sliding window,
   a global layer every how many, the global layers' head dim and KV
   heads); then `rows.preset_row`'s `rest` (published counts include the
   input embedding). All share per-head QK-norm, tied embeddings, global
   layers with keys as values and RoPE (theta 1e6) on a quarter of the
   pairs, logits soft-capped at 30, RoPE theta 1e4 and RMSNorm epsilon 1e-6
   (as released)."""
-  name, (vocab, d, layers, heads, kv, hd) = name_dims
-  (experts, top_k, expert_ffn_size, dense_ffn_size), layout = sizes
+  moe_sizes, dense_ffn_size, layout = sizes
   sliding_window, global_every, global_head_dim, global_kv_heads = layout
   return rows.preset_row(
-      model_config.ModelConfig(
-          name=name,
-          **rows.dims(
-              vocab=vocab, d=d, layers=layers, heads=heads, kv=kv, hd=hd
-          ),
-          qk_norm="head",
+      rows.row_model(
+          name_dims,
+          (gemma4_moe, moe_sizes),
           dense_ffn_size=dense_ffn_size,
-          moe=gemma4_moe(
-              d,
-              num_experts=experts,
-              top_k=top_k,
-              expert_ffn_size=expert_ffn_size,
-          ),
+          qk_norm="head",
           tie_embeddings=True,
           rope_theta=10000.0,
           norm_eps=1e-6,
@@ -104,7 +93,7 @@ PRESETS = tuple(
     for row in (
         (
             ("tiny_gemma4", (256, rows.TINY_D, 4, 4, 2, 32)),
-            ((16, 4, 48, 96), (16, 2, 64, 1)),
+            ((16, 4, 48), 96, (16, 2, 64, 1)),
             rows.TrainDefaults(aux_loss_weight=1e-2, z_loss_weight=1e-3),
             "Gemma 4 MoE, tiny: each layer a dense GeGLU MLP beside an MoE "
             "block (router with its own norm and scale, per-expert output "
@@ -116,7 +105,7 @@ PRESETS = tuple(
         ),
         (
             ("gemma4_26b_a4b", (262144, 2816, 30, 16, 8, 256)),
-            ((128, 8, 704, 2112), (1024, 6, 512, 2)),
+            ((128, 8, 704), 2112, (1024, 6, 512, 2)),
             # Google publishes no training recipe: Qwen3-30B-A3B's suggestion.
             rows.SUGGESTED_FULL_SIZE_RUN,
             "Gemma 4 26B A4B, the text decoder (google/gemma-4-26B-A4B "

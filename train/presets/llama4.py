@@ -5,12 +5,11 @@ chunked attention.
 from __future__ import annotations
 
 import moe_core
-from train.models import model_config
 from train.presets import rows
 
 
 def llama4_moe(
-    hidden_size: int, *, num_experts: int, expert_ffn_size: int
+    hidden_size: int, num_experts: int, expert_ffn_size: int
 ) -> moe_core.MoEConfig:
   """Llama 4's MoE block (Llama4TextMoe) at any size.
 
@@ -44,31 +43,25 @@ _LLAMA4_LEFT_OUT = (
 
 def _llama4_preset(
     name_dims: tuple[str, tuple[int, int, int, int, int, int]],
-    sizes: tuple[tuple[int, int, int], tuple[int, int]],
+    sizes: tuple[tuple[int, int], int, tuple[int, int]],
     fields: dict,
     *rest,
 ) -> rows.Preset:
   """A preset of this family (a row of `PRESETS`): the model's name and
   dims (vocabulary, D, layers, heads, KV heads, head dim); its sizes:
-  (experts, expert width F, the dense layers' width), (attention chunk,
+  (experts, expert width F), the dense layers' width, (attention chunk,
   attention temperature floor); its other `ModelConfig` fields; then
   `rows.preset_row`'s `rest`. A released model's published counts are the
   multimodal model's (active with the input embedding; the vision encoder
   and projector are `total_beyond_preset`). All share a NoPE layer every
   4th, attention temperature scale 0.1, RoPE theta 5e5 and RMSNorm epsilon
   1e-5 (as released)."""
-  name, (vocab, d, layers, heads, kv, hd) = name_dims
-  (experts, expert_ffn_size, dense_ffn_size), (chunk, floor) = sizes
+  moe_sizes, dense_ffn_size, (chunk, floor) = sizes
   return rows.preset_row(
-      model_config.ModelConfig(
-          name=name,
-          **rows.dims(
-              vocab=vocab, d=d, layers=layers, heads=heads, kv=kv, hd=hd
-          ),
+      rows.row_model(
+          name_dims,
+          (llama4_moe, moe_sizes),
           dense_ffn_size=dense_ffn_size,
-          moe=llama4_moe(
-              d, num_experts=experts, expert_ffn_size=expert_ffn_size
-          ),
           nope_layer_interval=4,
           attention_chunk_size=chunk,
           attn_temperature_floor=floor,
@@ -97,7 +90,7 @@ PRESETS = tuple(
             ("tiny_llama4", (256, rows.TINY_D, 4, 4, 2, 32)),
             # Chunks small enough that a 48-token training sequence crosses
             # them and reaches positions the temperature scales.
-            ((8, 128, 256), (16, 8)),
+            ((8, 128), 256, (16, 8)),
             dict(qk_norm="l2", moe_layer_interval=2),
             rows.TrainDefaults(aux_loss_weight=1e-3),
             "Llama 4 family, tiny: top-1 sigmoid routing that scales the "
@@ -108,7 +101,7 @@ PRESETS = tuple(
         ),
         (
             ("llama4_scout", _LLAMA4_TEXT),
-            ((16, 8192, 16384), (8192, 8192)),
+            ((16, 8192), 16384, (8192, 8192)),
             dict(qk_norm="l2"),
             rows.SUGGESTED_FULL_SIZE_RUN,
             "Llama 4 Scout (17B active, 109B total with the vision encoder), "
@@ -123,7 +116,7 @@ PRESETS = tuple(
         ),
         (
             ("llama4_maverick", _LLAMA4_TEXT),
-            ((128, 8192, 16384), (8192, 8192)),
+            ((128, 8192), 16384, (8192, 8192)),
             dict(moe_layer_interval=2),
             rows.SUGGESTED_FULL_SIZE_RUN,
             "Llama 4 Maverick (17B active, 400B total with the vision "

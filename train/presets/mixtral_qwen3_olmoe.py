@@ -5,13 +5,11 @@ shared expert).
 from __future__ import annotations
 
 import moe_core
-from train.models import model_config
 from train.presets import rows
 
 
 def softmax_moe(
     hidden_size: int,
-    *,
     num_experts: int,
     top_k: int,
     expert_ffn_size: int,
@@ -36,22 +34,10 @@ def _softmax_preset(
   renormalises: yes by default); its other `ModelConfig` fields; then
   `rows.preset_row`'s `rest` (published counts include the input
   embedding)."""
-  name, (vocab, d, layers, heads, kv, hd), (experts, top_k, ffn, *renorm) = (
-      names_sizes
-  )
   return rows.preset_row(
-      model_config.ModelConfig(
-          name=name,
-          **rows.dims(
-              vocab=vocab, d=d, layers=layers, heads=heads, kv=kv, hd=hd
-          ),
-          moe=softmax_moe(
-              d,
-              num_experts=experts,
-              top_k=top_k,
-              expert_ffn_size=ffn,
-              norm_topk_prob=all(renorm),
-          ),
+      rows.row_model(
+          names_sizes[:2],
+          (softmax_moe, names_sizes[2]),
           **fields,
       ),
       rest,

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import moe_core
 from train.models import gated_deltanet
-from train.models import model_config
 from train.presets import rows
 
 
 def qwen3_next_moe(
     hidden_size: int,
-    *,
     num_experts: int,
     top_k: int,
     expert_ffn_size: int,
@@ -52,15 +50,12 @@ def _qwen3_next_preset(
   embedding and the head: Qwen's 'non-embedding'). All share per-head
   QK-norm, the attention output gate, RoPE on a quarter of each head and
   DeltaNet's convolution of 4."""
-  name, (vocab, d, layers, heads, kv, hd) = name_dims
-  (experts, top_k, expert_ffn_size, shared_ffn_size), linear, every = sizes
+  moe_sizes, linear, every = sizes
   key_heads, value_heads, key_head_dim, value_head_dim = linear
   return rows.preset_row(
-      model_config.ModelConfig(
-          name=name,
-          **rows.dims(
-              vocab=vocab, d=d, layers=layers, heads=heads, kv=kv, hd=hd
-          ),
+      rows.row_model(
+          name_dims,
+          (qwen3_next_moe, moe_sizes),
           qk_norm="head",
           attention_output_gate=True,
           partial_rotary_factor=0.25,
@@ -72,13 +67,6 @@ def _qwen3_next_preset(
               conv_kernel=4,
           ),
           full_attention_interval=every,
-          moe=qwen3_next_moe(
-              d,
-              num_experts=experts,
-              top_k=top_k,
-              expert_ffn_size=expert_ffn_size,
-              shared_ffn_size=shared_ffn_size,
-          ),
           **fields,
       ),
       rest,

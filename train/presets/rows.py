@@ -4,13 +4,15 @@ A `Preset` is a named model (`model_config.ModelConfig`), the training run
 it suggests (`TrainDefaults`: flags override each) and, for a published
 model, the counts its authors give (`Published`). The helpers spell the
 shared parts once: `tiny_model` (the CPU-sized models), `dims` (the six
-figures every config.json starts with), `moe_block` (an MoE block's four
+figures every config.json starts with), `row_model` (a table row's
+name and dims made a model), `moe_block` (an MoE block's four
 sizes), `full_size_training`, and `preset_row` (a family table's row made a
 preset).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 
 import moe_core
@@ -128,6 +130,24 @@ def dims(
   if hd is not None:
     fields["head_dim"] = hd
   return fields
+
+
+def row_model(
+    name_dims: tuple[str, tuple[int, int, int, int, int, int]],
+    moe: tuple[Callable[..., moe_core.MoEConfig], tuple],
+    **fields,
+) -> model_config.ModelConfig:
+  """A family table row's model: its name and dims (vocabulary, D, layers,
+  heads, KV heads, head dim), its MoE block (the family's builder, called
+  with D and the row's sizes) and its other `fields`."""
+  name, (vocab, d, layers, heads, kv, hd) = name_dims
+  moe_builder, moe_sizes = moe
+  return model_config.ModelConfig(
+      name=name,
+      **dims(vocab=vocab, d=d, layers=layers, heads=heads, kv=kv, hd=hd),
+      moe=moe_builder(d, *moe_sizes),
+      **fields,
+  )
 
 
 def moe_block(
