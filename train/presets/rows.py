@@ -133,14 +133,16 @@ def dims(
 
 
 def row_model(
-    name_dims: tuple[str, tuple[int, int, int, int, int, int]],
+    name_dims: tuple[str, tuple[int, ...]],
     moe: tuple[Callable[..., moe_core.MoEConfig], tuple],
     **fields,
 ) -> model_config.ModelConfig:
   """A family table row's model: its name and dims (vocabulary, D, layers,
-  heads, KV heads, head dim), its MoE block (the family's builder, called
-  with D and the row's sizes) and its other `fields`."""
-  name, (vocab, d, layers, heads, kv, hd) = name_dims
+  heads, and where given KV heads and head dim), its MoE block (the
+  family's builder, called with D and the row's sizes) and its other
+  `fields`."""
+  name, (vocab, d, layers, heads, *kv_hd) = name_dims
+  kv, hd = (*kv_hd, None, None)[:2]
   moe_builder, moe_sizes = moe
   return model_config.ModelConfig(
       name=name,
