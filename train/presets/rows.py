@@ -4,10 +4,10 @@ A `Preset` is a named model (`model_config.ModelConfig`), the training run
 it suggests (`TrainDefaults`: flags override each) and, for a published
 model, the counts its authors give (`Published`). The helpers spell the
 shared parts once: `tiny_model` (the CPU-sized models), `dims` (the six
-figures every config.json starts with), `row_model` (a table row's
-name and dims made a model), `moe_block` (an MoE block's four
-sizes), `full_size_training`, and `preset_row` (a family table's row made a
-preset).
+figures every config.json starts with), `moe_block` (an MoE block's four
+sizes), `full_size_training`; and for the families' tables, `row_model`
+(a row's name, dims and MoE sizes made a model) and `preset_row` (the run,
+description and published counts every row ends with made a preset).
 """
 
 from __future__ import annotations
