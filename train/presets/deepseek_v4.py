@@ -26,16 +26,13 @@ def deepseek_v4_moe(
   as a routed one, and the SwiGLU clamp at 10 on routed and shared experts
   (as `reference/hf_convert` converts transformers' DeepseekV4Config).
   """
-  return moe_core.MoEConfig(
+  return rows.moe_block(
+      (hidden_size, num_experts, top_k, expert_ffn_size),
       score_func="sqrtsoftplus",
       correction_bias=True,
       norm_topk_prob=True,
       norm_epsilon=1e-20,
       routed_scaling_factor=routed_scaling_factor,
-      num_experts=num_experts,
-      top_k=top_k,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
       shared_ffn_size=expert_ffn_size,
       swiglu_limit=10.0,
   )
@@ -110,94 +107,98 @@ _V4_DESCRIPTION = (
 )
 
 
-DEEPSEEK_V4_FLASH = rows.Preset(
-    description="DeepSeek-V4-Flash (284B, 13B active) " + _V4_DESCRIPTION,
-    model=model_config.ModelConfig(
-        name="deepseek_v4_flash",
-        **rows.dims(vocab=129280, d=4096, layers=43, heads=64, kv=1, hd=512),
-        q_lora_rank=1024,
-        moe=deepseek_v4_moe(
-            4096,
-            num_experts=256,
-            top_k=6,
-            expert_ffn_size=2048,
-            routed_scaling_factor=1.5,
-        ),
-        rope_theta=10000.0,
-        deepseek_v4=deepseek_v4_config.DeepseekV4Settings(
-            layer_types=_v4_layer_types((0, 0), 43),
-            o_groups=8,
-            o_lora_rank=1024,
-            index_topk=512,
-        ),
-    ),
-    train=_V4_RUN,
-    published=rows.Published(
-        total=284e9,
-        active=13e9,
-        active_counts_embedding=False,
-        source=(
-            "huggingface.co/deepseek-ai/DeepSeek-V4-Flash, README.md's "
-            "model table ('DeepSeek-V4-Flash | 284B | 13B | 1M'), as "
-            "extracted by raw.githubusercontent.com/antirez/ds4/main/"
-            "MODEL_CARD.md and quoted by openrouter.ai/deepseek/"
-            "deepseek-v4-flash ('284B total parameters and 13B activated "
-            "parameters'). The config gives 284.33B total (transformers "
-            "5.24.0 counts the same on the meta device, plus its two "
-            "routing buffers) and 13.27B active without the input "
-            "embedding (13.80B with it), so the card's 13B leaves the "
-            "embedding out. The MTP layer is not counted"
-        ),
-    ),
+def _v4_release(
+    names: tuple[str, str],
+    sizes: tuple[int, int, int, int, int, int],
+    routing: tuple[int, int, float, tuple[int, int]],
+    published: tuple[float, float, str],
+) -> rows.Preset:
+  """A released DeepSeek-V4 (a row of `_V4_RELEASES`): vocabulary 129280,
+  one key/value head of 512, RoPE theta 1e4, top-6 experts, output rank
+  1024, CSA and HCA alternating after the first two layers; DeepSeek-V3's
+  recipe at V4's batch."""
+  name, title = names
+  total, active, source = published
+  d, layers, heads, q_lora_rank, o_groups, index_topk = sizes
+  num_experts, expert_ffn_size, scale, first_ratios = routing
+  return rows.Preset(
+      description=title + _V4_DESCRIPTION,
+      model=model_config.ModelConfig(
+          name=name,
+          **rows.dims(
+              vocab=129280, d=d, layers=layers, heads=heads, kv=1, hd=512
+          ),
+          q_lora_rank=q_lora_rank,
+          moe=deepseek_v4_moe(
+              d,
+              num_experts=num_experts,
+              top_k=6,
+              expert_ffn_size=expert_ffn_size,
+              routed_scaling_factor=scale,
+          ),
+          rope_theta=10000.0,
+          deepseek_v4=deepseek_v4_config.DeepseekV4Settings(
+              layer_types=_v4_layer_types(first_ratios, layers),
+              o_groups=o_groups,
+              o_lora_rank=1024,
+              index_topk=index_topk,
+          ),
+      ),
+      train=_V4_RUN,
+      published=rows.Published(
+          total, active, active_counts_embedding=False, source=source
+      ),
+  )
+
+
+# Where each release's published counts were read.
+_V4_FLASH_SOURCE = (
+    "huggingface.co/deepseek-ai/DeepSeek-V4-Flash, README.md's "
+    "model table ('DeepSeek-V4-Flash | 284B | 13B | 1M'), as "
+    "extracted by raw.githubusercontent.com/antirez/ds4/main/"
+    "MODEL_CARD.md and quoted by openrouter.ai/deepseek/"
+    "deepseek-v4-flash ('284B total parameters and 13B activated "
+    "parameters'). The config gives 284.33B total (transformers "
+    "5.24.0 counts the same on the meta device, plus its two "
+    "routing buffers) and 13.27B active without the input "
+    "embedding (13.80B with it), so the card's 13B leaves the "
+    "embedding out. The MTP layer is not counted"
+)
+_V4_PRO_SOURCE = (
+    "huggingface.co/deepseek-ai/DeepSeek-V4-Pro, README.md's model "
+    "table ('DeepSeek-V4-Pro | 1.6T | 49B | 1M'), as extracted by "
+    "raw.githubusercontent.com/antirez/ds4/main/MODEL_CARD.md. The "
+    "config's values were read from third-party transcriptions of "
+    "its config.json (no copy of the file itself was found): 61 "
+    "layers of width 7168, 128 heads, q_lora_rank 1536, 16 output "
+    "groups, index_topk 1024, 384 experts of 3072 (top 6, scale "
+    "2.5), compress_ratios 128, 128, then 4 / 128 alternating. "
+    "They give 1.573T total, within the card's rounding of 1.6T, "
+    "and 48.85B active without the input embedding (49.78B with "
+    "it)"
 )
 
 
-DEEPSEEK_V4_PRO = rows.Preset(
-    description="DeepSeek-V4-Pro (1.6T, 49B active) " + _V4_DESCRIPTION,
-    model=model_config.ModelConfig(
-        name="deepseek_v4_pro",
-        **rows.dims(vocab=129280, d=7168, layers=61, heads=128, kv=1, hd=512),
-        q_lora_rank=1536,
-        moe=deepseek_v4_moe(
-            7168,
-            num_experts=384,
-            top_k=6,
-            expert_ffn_size=3072,
-            routed_scaling_factor=2.5,
-        ),
-        rope_theta=10000.0,
-        deepseek_v4=deepseek_v4_config.DeepseekV4Settings(
-            layer_types=_v4_layer_types((128, 128), 61),
-            o_groups=16,
-            o_lora_rank=1024,
-            index_topk=1024,
-        ),
+# The released models, a row each: name and the description's head; the
+# config's D, layers, heads, q_lora_rank, o_groups and index_topk; its
+# experts, their F, the routed scale and the first two layers' compress
+# ratios; the published counts (total, and active without the input
+# embedding) and where they were read.
+_V4_RELEASES = (
+    (
+        ("deepseek_v4_flash", "DeepSeek-V4-Flash (284B, 13B active) "),
+        (4096, 43, 64, 1024, 8, 512),
+        (256, 2048, 1.5, (0, 0)),
+        (284e9, 13e9, _V4_FLASH_SOURCE),
     ),
-    train=_V4_RUN,
-    published=rows.Published(
-        total=1.6e12,
-        active=49e9,
-        active_counts_embedding=False,
-        source=(
-            "huggingface.co/deepseek-ai/DeepSeek-V4-Pro, README.md's model "
-            "table ('DeepSeek-V4-Pro | 1.6T | 49B | 1M'), as extracted by "
-            "raw.githubusercontent.com/antirez/ds4/main/MODEL_CARD.md. The "
-            "config's values were read from third-party transcriptions of "
-            "its config.json (no copy of the file itself was found): 61 "
-            "layers of width 7168, 128 heads, q_lora_rank 1536, 16 output "
-            "groups, index_topk 1024, 384 experts of 3072 (top 6, scale "
-            "2.5), compress_ratios 128, 128, then 4 / 128 alternating. "
-            "They give 1.573T total, within the card's rounding of 1.6T, "
-            "and 48.85B active without the input embedding (49.78B with "
-            "it)"
-        ),
+    (
+        ("deepseek_v4_pro", "DeepSeek-V4-Pro (1.6T, 49B active) "),
+        (7168, 61, 128, 1536, 16, 1024),
+        (384, 3072, 2.5, (128, 128)),
+        (1.6e12, 49e9, _V4_PRO_SOURCE),
     ),
 )
 
 
 # This family's presets, in the order `--model`'s list gives them.
-PRESETS = (
-    TINY_DEEPSEEK_V4,
-    DEEPSEEK_V4_FLASH,
-    DEEPSEEK_V4_PRO,
-)
+PRESETS = (TINY_DEEPSEEK_V4,) + tuple(_v4_release(*row) for row in _V4_RELEASES)

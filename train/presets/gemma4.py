@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import moe_core
 from train.models import gemma4_layout
-from train.models import model_config
 from train.presets import rows
 
 
 def gemma4_moe(
     hidden_size: int,
-    *,
     num_experts: int,
     top_k: int,
     expert_ffn_size: int,
@@ -26,11 +24,8 @@ def gemma4_moe(
   chosen expert; GeGLU (tanh) experts. As
   `reference.hf_convert`'s gemma4 entry reads a transformers config.
   """
-  return moe_core.MoEConfig(
-      num_experts=num_experts,
-      top_k=top_k,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
+  return rows.moe_block(
+      (hidden_size, num_experts, top_k, expert_ffn_size),
       score_func="softmax",
       norm_topk_prob=True,
       router_input_norm=True,
@@ -50,73 +45,73 @@ _GEMMA4_LEFT_OUT = (
 )
 
 
-TINY_GEMMA4 = rows.Preset(
-    description=(
-        "Gemma 4 MoE, tiny: each layer a dense GeGLU MLP beside an MoE "
-        "block (router with its own norm and scale, per-expert output "
-        "scale, softmax top-4 of 16), sandwich norms; sliding-window "
-        "layers (window 16) and every second layer global (wider heads, "
-        "one KV head, keys as values, RoPE on a quarter of the pairs); "
-        "QK- and V-norm, unscaled scores, tied embeddings, soft-capped "
-        "logits. " + _GEMMA4_LEFT_OUT
-    ),
-    model=rows.tiny_model(
-        "tiny_gemma4",
-        num_kv_heads=2,
-        qk_norm="head",
-        dense_ffn_size=96,
-        moe=gemma4_moe(
-            rows.TINY_D, num_experts=16, top_k=4, expert_ffn_size=48
-        ),
-        tie_embeddings=True,
-        gemma4=gemma4_layout.Gemma4Layout(
-            sliding_window=16,
-            global_every=2,
-            global_head_dim=64,
-            global_kv_heads=1,
-            global_k_eq_v=True,
-            global_rope_theta=1e6,
-            global_rope_fraction=0.25,
-            logit_softcap=30.0,
-        ),
-    ),
-    train=rows.TrainDefaults(aux_loss_weight=1e-2, z_loss_weight=1e-3),
-)
+def _gemma4_preset(
+    name_dims: tuple[str, tuple[int, int, int, int, int, int]],
+    sizes: tuple[tuple[int, int, int], int, tuple[int, int, int, int]],
+    *rest,
+) -> rows.Preset:
+  """A preset of this family (a row of `PRESETS`): the model's name and
+  dims (vocabulary, D, layers, heads, KV heads, head dim); its sizes:
+  (experts, top-k, expert width F), the dense MLP's width, (sliding window,
+  a global layer every how many, the global layers' head dim and KV
+  heads); then `rows.preset_row`'s `rest` (published counts include the
+  input embedding). All share per-head QK-norm, tied embeddings, global
+  layers with keys as values and RoPE (theta 1e6) on a quarter of the
+  pairs, logits soft-capped at 30, RoPE theta 1e4 and RMSNorm epsilon 1e-6
+  (as released)."""
+  moe_sizes, dense_ffn_size, layout = sizes
+  sliding_window, global_every, global_head_dim, global_kv_heads = layout
+  return rows.preset_row(
+      rows.row_model(
+          name_dims,
+          (gemma4_moe, moe_sizes),
+          dense_ffn_size=dense_ffn_size,
+          qk_norm="head",
+          tie_embeddings=True,
+          rope_theta=10000.0,
+          norm_eps=1e-6,
+          gemma4=gemma4_layout.Gemma4Layout(
+              sliding_window=sliding_window,
+              global_every=global_every,
+              global_head_dim=global_head_dim,
+              global_kv_heads=global_kv_heads,
+              global_k_eq_v=True,
+              global_rope_theta=1e6,
+              global_rope_fraction=0.25,
+              logit_softcap=30.0,
+          ),
+      ),
+      rest,
+      active_counts_embedding=True,
+  )
 
 
-GEMMA4_26B_A4B = rows.Preset(
-    description=(
-        "Gemma 4 26B A4B, the text decoder (google/gemma-4-26B-A4B "
-        "config.json's text_config); the ~550M vision tower is not "
-        "counted. " + _GEMMA4_LEFT_OUT
-    ),
-    model=model_config.ModelConfig(
-        name="gemma4_26b_a4b",
-        **rows.dims(vocab=262144, d=2816, layers=30, heads=16, kv=8, hd=256),
-        qk_norm="head",
-        dense_ffn_size=2112,
-        moe=gemma4_moe(2816, num_experts=128, top_k=8, expert_ffn_size=704),
-        tie_embeddings=True,
-        rope_theta=10000.0,
-        norm_eps=1e-6,
-        gemma4=gemma4_layout.Gemma4Layout(
-            sliding_window=1024,
-            global_every=6,
-            global_head_dim=512,
-            global_kv_heads=2,
-            global_k_eq_v=True,
-            global_rope_theta=1e6,
-            global_rope_fraction=0.25,
-            logit_softcap=30.0,
+# This family's presets, a row each (`_gemma4_preset`), in the order
+# `--model`'s list gives them.
+PRESETS = tuple(
+    _gemma4_preset(*row)
+    for row in (
+        (
+            ("tiny_gemma4", (256, rows.TINY_D, 4, 4, 2, 32)),
+            ((16, 4, 48), 96, (16, 2, 64, 1)),
+            rows.TrainDefaults(aux_loss_weight=1e-2, z_loss_weight=1e-3),
+            "Gemma 4 MoE, tiny: each layer a dense GeGLU MLP beside an MoE "
+            "block (router with its own norm and scale, per-expert output "
+            "scale, softmax top-4 of 16), sandwich norms; sliding-window "
+            "layers (window 16) and every second layer global (wider heads, "
+            "one KV head, keys as values, RoPE on a quarter of the pairs); "
+            "QK- and V-norm, unscaled scores, tied embeddings, soft-capped "
+            "logits. " + _GEMMA4_LEFT_OUT,
         ),
-    ),
-    # Google publishes no training recipe: Qwen3-30B-A3B's suggestion.
-    train=rows.SUGGESTED_FULL_SIZE_RUN,
-    published=rows.Published(
-        total=25.2e9,
-        active=3.8e9,
-        active_counts_embedding=True,
-        source=(
+        (
+            ("gemma4_26b_a4b", (262144, 2816, 30, 16, 8, 256)),
+            ((128, 8, 704), 2112, (1024, 6, 512, 2)),
+            # Google publishes no training recipe: Qwen3-30B-A3B's suggestion.
+            rows.SUGGESTED_FULL_SIZE_RUN,
+            "Gemma 4 26B A4B, the text decoder (google/gemma-4-26B-A4B "
+            "config.json's text_config); the ~550M vision tower is not "
+            "counted. " + _GEMMA4_LEFT_OUT,
+            (25.2e9, 3.8e9),
             "Google's Gemma 4 model card for google/gemma-4-26B-A4B(-it) "
             "('25.2B total parameters, 3.8B active'; its vision encoder "
             "'~550M' listed apart), as quoted by "
@@ -126,14 +121,8 @@ GEMMA4_26B_A4B = rows.Preset(
             "but only 3.8B active per token'). The text decoder alone "
             "counts 25.23B (transformers on the meta device agrees, "
             "presets_gemma4_hf_test.py), so the 25.2B is the text "
-            "model's: with the vision tower it would be about 25.8B"
+            "model's: with the vision tower it would be about 25.8B",
         ),
-    ),
+    )
 )
-
-
-# This family's presets, in the order `--model`'s list gives them.
-PRESETS = (
-    TINY_GEMMA4,
-    GEMMA4_26B_A4B,
-)
+TINY_GEMMA4, GEMMA4_26B_A4B = PRESETS

@@ -23,11 +23,8 @@ def gpt_oss_moe(
   biases on every linear and the clamped GLU (up + 1) * g * sigmoid(1.702
   g), gate <= 7 and up in [-7, 7]; no shared expert.
   """
-  return moe_core.MoEConfig(
-      num_experts=num_experts,
-      top_k=top_k,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
+  return rows.moe_block(
+      (hidden_size, num_experts, top_k, expert_ffn_size),
       score_func="softmax",
       norm_topk_prob=True,
       router_bias=True,
@@ -110,57 +107,52 @@ TINY_GPT_OSS = rows.Preset(
 )
 
 
-GPT_OSS_20B = rows.Preset(
-    description="gpt-oss-20b." + _GPT_OSS_LEFT_OUT,
-    model=gpt_oss_model("gpt_oss_20b", num_layers=24, num_experts=32),
-    train=rows.SUGGESTED_FULL_SIZE_RUN,
-    # The card's parameter table, as reproduced by
-    # adrian.idv.hk/2026-03-25-gptoss: "Model Size | 116.83B | 20.91B",
-    # "Active parameters | 5.13B | 3.61B", "MLP parameters | 114.71B |
-    # 19.12B", "Attention parameters | 0.96B | 0.64B", "Embed/Unembed params
-    # | 1.16B | 1.16B" (120b | 20b). Its active figures are the attention,
-    # the router and top-4 experts, and the unembedding, without the
-    # embedding: the only convention the configs match (3.608B and 5.133B;
-    # 4.187B and 5.712B with the embedding).
-    published=rows.Published(
-        total=20.91e9,
-        active=3.61e9,
-        active_counts_embedding=False,
-        source=(
-            "OpenAI, gpt-oss-120b & gpt-oss-20b Model Card (arXiv "
-            "2508.10925), parameter table: 'Model Size 20.91B', 'Active "
-            "parameters 3.61B' (as reproduced by adrian.idv.hk/"
-            "2026-03-25-gptoss); section 2.1's text rounds them: "
-            "'gpt-oss-20b: 20.9B total parameters (3.6B active)' (as "
-            "quoted by lephongphu.site/?p=726)"
-        ),
-    ),
-)
+def _gpt_oss_release(
+    name: str, sizes: tuple[int, int], card: tuple[str, str, str, str]
+) -> rows.Preset:
+  """A released gpt-oss (a row of `_GPT_OSS_RELEASES`): its `sizes`
+  (layers, experts) and the `card`'s figures: total and active parameters
+  as the card's table gives them, then as its section 2.1 rounds them."""
+  title = name.replace("_", "-")
+  total, active, rounded_total, rounded_active = card
+  return rows.Preset(
+      description=title + "." + _GPT_OSS_LEFT_OUT,
+      model=gpt_oss_model(name, num_layers=sizes[0], num_experts=sizes[1]),
+      train=rows.SUGGESTED_FULL_SIZE_RUN,
+      published=rows.Published(
+          total=float(total) * 1e9,
+          active=float(active) * 1e9,
+          active_counts_embedding=False,
+          source=(
+              "OpenAI, gpt-oss-120b & gpt-oss-20b Model Card (arXiv "
+              f"2508.10925), parameter table: 'Model Size {total}B', 'Active "
+              f"parameters {active}B' (as reproduced by adrian.idv.hk/"
+              "2026-03-25-gptoss); section 2.1's text rounds them: "
+              f"'{title}: {rounded_total}B total parameters "
+              f"({rounded_active}B active)' (as quoted by "
+              "lephongphu.site/?p=726)"
+          ),
+      ),
+  )
 
 
-GPT_OSS_120B = rows.Preset(
-    description="gpt-oss-120b." + _GPT_OSS_LEFT_OUT,
-    model=gpt_oss_model("gpt_oss_120b", num_layers=36, num_experts=128),
-    train=rows.SUGGESTED_FULL_SIZE_RUN,
-    published=rows.Published(
-        total=116.83e9,
-        active=5.13e9,
-        active_counts_embedding=False,
-        source=(
-            "OpenAI, gpt-oss-120b & gpt-oss-20b Model Card (arXiv "
-            "2508.10925), parameter table: 'Model Size 116.83B', 'Active "
-            "parameters 5.13B' (as reproduced by adrian.idv.hk/"
-            "2026-03-25-gptoss); section 2.1's text rounds them: "
-            "'gpt-oss-120b: 116.8B total parameters (5.1B active)' (as "
-            "quoted by lephongphu.site/?p=726)"
-        ),
-    ),
+# The released models, a row each: name, (layers, experts), and the card's
+# figures in billions: total and active as its parameter table gives them,
+# then as its section 2.1's text rounds them. The card's parameter table, as
+# reproduced by adrian.idv.hk/2026-03-25-gptoss: "Model Size | 116.83B |
+# 20.91B", "Active parameters | 5.13B | 3.61B", "MLP parameters | 114.71B |
+# 19.12B", "Attention parameters | 0.96B | 0.64B", "Embed/Unembed params |
+# 1.16B | 1.16B" (120b | 20b). Its active figures are the attention, the
+# router and top-4 experts, and the unembedding, without the embedding: the
+# only convention the configs match (3.608B and 5.133B; 4.187B and 5.712B
+# with the embedding).
+_GPT_OSS_RELEASES = (
+    ("gpt_oss_20b", (24, 32), ("20.91", "3.61", "20.9", "3.6")),
+    ("gpt_oss_120b", (36, 128), ("116.83", "5.13", "116.8", "5.1")),
 )
 
 
 # This family's presets, in the order `--model`'s list gives them.
-PRESETS = (
-    TINY_GPT_OSS,
-    GPT_OSS_20B,
-    GPT_OSS_120B,
+PRESETS = (TINY_GPT_OSS,) + tuple(
+    _gpt_oss_release(*row) for row in _GPT_OSS_RELEASES
 )

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import moe_core
 from train.models import gated_deltanet
-from train.models import model_config
 from train.presets import rows
 
 
 def qwen3_next_moe(
     hidden_size: int,
-    *,
     num_experts: int,
     top_k: int,
     expert_ffn_size: int,
@@ -20,11 +18,8 @@ def qwen3_next_moe(
 ) -> moe_core.MoEConfig:
   """Qwen3-Next's MoE block: softmax, top-k renormalised, one shared
   expert whose output is scaled per token by sigmoid(x @ shared_gate)."""
-  return moe_core.MoEConfig(
-      num_experts=num_experts,
-      top_k=top_k,
-      hidden_size=hidden_size,
-      expert_ffn_size=expert_ffn_size,
+  return rows.moe_block(
+      (hidden_size, num_experts, top_k, expert_ffn_size),
       score_func="softmax",
       norm_topk_prob=True,
       shared_ffn_size=shared_ffn_size,
@@ -40,80 +35,75 @@ _QWEN3_NEXT_LEFT_OUT = (
 )
 
 
-# Qwen3-Next (issue 33): every piece of the 80B's stack at CPU size.
-TINY_QWEN3_NEXT = rows.Preset(
-    description=(
-        "Qwen3-Next family, tiny: a hybrid stack of Gated DeltaNet "
-        "(linear attention) and gated softmax attention (every 2nd "
-        "layer; per-head QK-norm, RoPE on a quarter of each head), "
-        "MoE in every layer: softmax top-4 of 16 with a sigmoid-gated "
-        "shared expert. " + _QWEN3_NEXT_LEFT_OUT
-    ),
-    model=rows.tiny_model(
-        "tiny_qwen3_next",
-        num_kv_heads=2,
-        qk_norm="head",
-        attention_output_gate=True,
-        partial_rotary_factor=0.25,
-        linear_attention=gated_deltanet.DeltaNetConfig(
-            num_key_heads=2,
-            num_value_heads=4,
-            key_head_dim=32,
-            value_head_dim=32,
-            conv_kernel=4,
-        ),
-        full_attention_interval=2,
-        moe=qwen3_next_moe(
-            rows.TINY_D,
-            num_experts=16,
-            top_k=4,
-            expert_ffn_size=64,
-            shared_ffn_size=64,
-        ),
-    ),
-    train=rows.TrainDefaults(aux_loss_weight=1e-3),
-)
+def _qwen3_next_preset(
+    name_dims: tuple[str, tuple[int, int, int, int, int, int]],
+    sizes: tuple[tuple[int, int, int, int], tuple[int, int, int, int], int],
+    fields: dict,
+    *rest,
+) -> rows.Preset:
+  """A preset of this family (a row of `PRESETS`): the model's name and
+  dims (vocabulary, D, layers, heads, KV heads, head dim); its sizes:
+  (experts, top-k, expert width F, shared expert width), Gated DeltaNet's
+  (key heads, value heads, key head dim, value head dim), a gated attention
+  layer every how many; its other `ModelConfig` fields; then
+  `rows.preset_row`'s `rest` (published counts leave out the input
+  embedding and the head: Qwen's 'non-embedding'). All share per-head
+  QK-norm, the attention output gate, RoPE on a quarter of each head and
+  DeltaNet's convolution of 4."""
+  moe_sizes, linear, every = sizes
+  key_heads, value_heads, key_head_dim, value_head_dim = linear
+  return rows.preset_row(
+      rows.row_model(
+          name_dims,
+          (qwen3_next_moe, moe_sizes),
+          qk_norm="head",
+          attention_output_gate=True,
+          partial_rotary_factor=0.25,
+          linear_attention=gated_deltanet.DeltaNetConfig(
+              num_key_heads=key_heads,
+              num_value_heads=value_heads,
+              key_head_dim=key_head_dim,
+              value_head_dim=value_head_dim,
+              conv_kernel=4,
+          ),
+          full_attention_interval=every,
+          **fields,
+      ),
+      rest,
+      active_counts_embedding=False,
+      active_counts_head=False,
+  )
 
 
-# Qwen3-Next (issue 33). Values of Qwen/Qwen3-Next-80B-A3B-Instruct's
-# config.json (transformers 5.24.0's Qwen3NextConfig defaults are the same,
-# rope_theta apart: the release uses 1e7).
-QWEN3_NEXT_80B_A3B = rows.Preset(
-    description=(
-        "Qwen3-Next-80B-A3B, main model: 48 layers, 12 x (3 Gated "
-        "DeltaNet + 1 gated attention), 512 experts top-10 with a gated "
-        "shared expert. " + _QWEN3_NEXT_LEFT_OUT
-    ),
-    model=model_config.ModelConfig(
-        name="qwen3_next_80b_a3b",
-        **rows.dims(vocab=151936, d=2048, layers=48, heads=16, kv=2, hd=256),
-        qk_norm="head",
-        attention_output_gate=True,
-        partial_rotary_factor=0.25,
-        linear_attention=gated_deltanet.DeltaNetConfig(
-            num_key_heads=16,
-            num_value_heads=32,
-            key_head_dim=128,
-            value_head_dim=128,
-            conv_kernel=4,
+# This family's presets, a row each (`_qwen3_next_preset`), in the order
+# `--model`'s list gives them.
+PRESETS = tuple(
+    _qwen3_next_preset(*row)
+    for row in (
+        # Every piece of the 80B's stack at CPU size.
+        (
+            ("tiny_qwen3_next", (256, rows.TINY_D, 4, 4, 2, 32)),
+            ((16, 4, 64, 64), (2, 4, 32, 32), 2),
+            {},
+            rows.TrainDefaults(aux_loss_weight=1e-3),
+            "Qwen3-Next family, tiny: a hybrid stack of Gated DeltaNet "
+            "(linear attention) and gated softmax attention (every 2nd "
+            "layer; per-head QK-norm, RoPE on a quarter of each head), "
+            "MoE in every layer: softmax top-4 of 16 with a sigmoid-gated "
+            "shared expert. " + _QWEN3_NEXT_LEFT_OUT,
         ),
-        full_attention_interval=4,
-        moe=qwen3_next_moe(
-            2048,
-            num_experts=512,
-            top_k=10,
-            expert_ffn_size=512,
-            shared_ffn_size=512,
-        ),
-        rope_theta=1e7,
-    ),
-    train=rows.SUGGESTED_FULL_SIZE_RUN,
-    published=rows.Published(
-        total=80e9,
-        active=3e9,
-        active_counts_embedding=False,
-        active_counts_head=False,
-        source=(
+        # Values of Qwen/Qwen3-Next-80B-A3B-Instruct's config.json
+        # (transformers 5.24.0's Qwen3NextConfig defaults are the same,
+        # rope_theta apart: the release uses 1e7).
+        (
+            ("qwen3_next_80b_a3b", (151936, 2048, 48, 16, 2, 256)),
+            ((512, 10, 512, 512), (16, 32, 128, 128), 4),
+            dict(rope_theta=1e7),
+            rows.SUGGESTED_FULL_SIZE_RUN,
+            "Qwen3-Next-80B-A3B, main model: 48 layers, 12 x (3 Gated "
+            "DeltaNet + 1 gated attention), 512 experts top-10 with a gated "
+            "shared expert. " + _QWEN3_NEXT_LEFT_OUT,
+            (80e9, 3e9),
             "huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct, README.md "
             "('Number of Parameters: 80B in total and 3B activated'; "
             "'Number of Paramaters (Non-Embedding): 79B'), as quoted by "
@@ -121,14 +111,8 @@ QWEN3_NEXT_80B_A3B = rows.Preset(
             "The config gives 79.67B total, 79.05B without the embedding "
             "and head (Qwen's 'non-embedding', as in Qwen3-30B-A3B's "
             "29.9B), and 3.87B active with both tables, 3.25B without: "
-            "'3B' fits only the non-embedding active count"
+            "'3B' fits only the non-embedding active count",
         ),
-    ),
+    )
 )
-
-
-# This family's presets, in the order `--model`'s list gives them.
-PRESETS = (
-    TINY_QWEN3_NEXT,
-    QWEN3_NEXT_80B_A3B,
-)
+TINY_QWEN3_NEXT, QWEN3_NEXT_80B_A3B = PRESETS

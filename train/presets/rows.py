@@ -4,13 +4,18 @@ A `Preset` is a named model (`model_config.ModelConfig`), the training run
 it suggests (`TrainDefaults`: flags override each) and, for a published
 model, the counts its authors give (`Published`). The helpers spell the
 shared parts once: `tiny_model` (the CPU-sized models), `dims` (the six
-figures every config.json starts with), `full_size_training`.
+figures every config.json starts with), `moe_block` (an MoE block's four
+sizes), `full_size_training`; and for the families' tables, `row_model`
+(a row's name, dims and MoE sizes made a model) and `preset_row` (the run,
+description and published counts every row ends with made a preset).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 
+import moe_core
 from train.models import model_config
 
 
@@ -70,6 +75,24 @@ class Preset:
   published: Published | None = None
 
 
+def preset_row(
+    model: model_config.ModelConfig, rest: tuple, **conventions
+) -> Preset:
+  """A preset from a family table's row: `model`, built from the row's own
+  columns, then the `rest` every family's rows end with: the suggested run
+  (`TrainDefaults`), the description and, for a published model, its
+  counts (total, active) and where they were read. `conventions` are the
+  family's other `Published` fields (which tables the counts include)."""
+  train, description, *counts_source = rest
+  published = None
+  if counts_source:
+    (total, active), source = counts_source
+    published = Published(total, active, source=source, **conventions)
+  return Preset(
+      model=model, train=train, description=description, published=published
+  )
+
+
 # The width of the tiny presets.
 TINY_D = 128
 
@@ -107,6 +130,41 @@ def dims(
   if hd is not None:
     fields["head_dim"] = hd
   return fields
+
+
+def row_model(
+    name_dims: tuple[str, tuple[int, ...]],
+    moe: tuple[Callable[..., moe_core.MoEConfig], tuple],
+    **fields,
+) -> model_config.ModelConfig:
+  """A family table row's model: its name and dims (vocabulary, D, layers,
+  heads, and where given KV heads and head dim), its MoE block (the
+  family's builder, called with D and the row's sizes) and its other
+  `fields`."""
+  name, (vocab, d, layers, heads, *kv_hd) = name_dims
+  kv, hd = (*kv_hd, None, None)[:2]
+  moe_builder, moe_sizes = moe
+  return model_config.ModelConfig(
+      name=name,
+      **dims(vocab=vocab, d=d, layers=layers, heads=heads, kv=kv, hd=hd),
+      moe=moe_builder(d, *moe_sizes),
+      **fields,
+  )
+
+
+def moe_block(
+    sizes: tuple[int, int, int, int], **routing
+) -> moe_core.MoEConfig:
+  """An MoE block of `sizes` (width D, E experts, K chosen a token, expert
+  width F) with a family's routing and expert fields (`routing`)."""
+  hidden_size, num_experts, top_k, expert_ffn_size = sizes
+  return moe_core.MoEConfig(
+      hidden_size=hidden_size,
+      num_experts=num_experts,
+      top_k=top_k,
+      expert_ffn_size=expert_ffn_size,
+      **routing,
+  )
 
 
 def full_size_training(**changes) -> TrainDefaults:

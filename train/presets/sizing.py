@@ -114,6 +114,33 @@ class ParamCounts:
     return self.active - self.embedding
 
 
+def _totalled(
+    moe: tuple[int, int],
+    embedding: int,
+    head: int,
+    attention: int,
+    dense_mlp: int,
+    norms: int,
+    hyper_connections: int = 0,
+) -> ParamCounts:
+  """`ParamCounts` from its parts: `moe` (all experts, the chosen ones) and
+  the parts every token uses, which total and active both add."""
+  moe_total, moe_active = moe
+  shared = embedding + head + attention + dense_mlp + norms + hyper_connections
+  return ParamCounts(
+      total=shared + moe_total,
+      active=shared + moe_active,
+      embedding=embedding,
+      head=head,
+      attention=attention,
+      dense_mlp=dense_mlp,
+      moe=moe_total,
+      moe_active=moe_active,
+      norms=norms,
+      hyper_connections=hyper_connections,
+  )
+
+
 def param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
   """Counts parameters from the config, in `train/models/`'s layout."""
   if cfg.deepseek_v4 is not None:  # DeepSeek-V4 (issue 33)
@@ -134,17 +161,8 @@ def param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
   moe_total, moe_active = moe_param_counts(cfg.moe) if cfg.moe else (0, 0)
   moe_total *= cfg.num_moe_layers
   moe_active *= cfg.num_moe_layers
-  shared = embedding + head + attention + dense_mlp + norms
-  return ParamCounts(
-      total=shared + moe_total,
-      active=shared + moe_active,
-      embedding=embedding,
-      head=head,
-      attention=attention,
-      dense_mlp=dense_mlp,
-      moe=moe_total,
-      moe_active=moe_active,
-      norms=norms,
+  return _totalled(
+      (moe_total, moe_active), embedding, head, attention, dense_mlp, norms
   )
 
 
@@ -164,18 +182,8 @@ def _deepseek_v4_param_counts(cfg: model_config.ModelConfig) -> ParamCounts:
   hyper = 2 * cfg.num_layers * deepseek_v4_config.hyper_connection_param_count(
       cfg
   ) + deepseek_v4_config.hyper_head_param_count(cfg)
-  shared = embedding + head + attention + norms + hyper
-  return ParamCounts(
-      total=shared + moe_total,
-      active=shared + moe_active,
-      embedding=embedding,
-      head=head,
-      attention=attention,
-      dense_mlp=0,
-      moe=moe_total,
-      moe_active=moe_active,
-      norms=norms,
-      hyper_connections=hyper,
+  return _totalled(
+      (moe_total, moe_active), embedding, head, attention, 0, norms, hyper
   )
 
 

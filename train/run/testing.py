@@ -11,17 +11,17 @@ from train.models import model_config
 from train.run import data as data_lib
 from train.run import run_config
 
+# The test models' sizes: byte tokens, width 32, 2 heads of 16.
+_SMALL_DIMS = dict(vocab_size=256, hidden_size=32, num_heads=2, head_dim=16)
+
 # A DeepSeek-V3-shaped model small enough to compile in seconds: a dense
 # first layer, then an MoE layer with a shared expert, sigmoid routing, a
 # correction bias, group-limited top-k and routed scaling.
 SMALL_DSV3 = model_config.ModelConfig(
     name="test_dsv3",
-    vocab_size=256,
-    hidden_size=32,
+    **_SMALL_DIMS,
     num_layers=2,
-    num_heads=2,
     num_kv_heads=2,
-    head_dim=16,
     first_dense_layers=1,
     dense_ffn_size=64,
     moe=presets.deepseek_v3_moe(
@@ -35,10 +35,8 @@ SMALL_DSV3 = model_config.ModelConfig(
 _TINY_V4 = presets.get_preset("tiny_deepseek_v4").model
 SMALL_DEEPSEEK_V4 = _TINY_V4.replace(
     name="test_deepseek_v4",
-    hidden_size=32,
+    **_SMALL_DIMS,
     num_layers=3,
-    num_heads=2,
-    head_dim=16,
     q_lora_rank=16,
     moe=presets.deepseek_v4_moe(
         32,
@@ -66,17 +64,9 @@ SMALL_DEEPSEEK_V4 = _TINY_V4.replace(
 # presets.PRESETS), so that the program trains a model that compiles fast.
 SMALL_PRESET = presets.Preset(
     model=SMALL_DSV3,
+    # 8 steps of 4 x 32 tokens, the rest at TrainDefaults' defaults.
     train=presets.TrainDefaults(
-        steps=8,
-        batch_size=4,
-        seq_len=32,
-        learning_rate=3e-3,
-        warmup_steps=2,
-        weight_decay=0.1,
-        grad_clip=1.0,
-        bias_update_rate=1e-2,
-        aux_loss_weight=0.0,
-        z_loss_weight=0.0,
+        steps=8, batch_size=4, seq_len=32, warmup_steps=2
     ),
     description="testing.SMALL_DSV3",
 )
@@ -137,19 +127,11 @@ def corpus() -> data_lib.Corpus:
 
 
 def small_run(output_dir: str, **overrides) -> run_config.RunConfig:
-  """A fast RunConfig on SMALL_DSV3; `overrides` replace any field."""
+  """A fast RunConfig on SMALL_DSV3 with SMALL_PRESET's hyper-parameters;
+  `overrides` replace any field."""
   run = run_config.RunConfig(
       model=SMALL_DSV3,
-      steps=8,
-      batch_size=4,
-      seq_len=32,
-      learning_rate=3e-3,
-      warmup_steps=2,
-      weight_decay=0.1,
-      grad_clip=1.0,
-      bias_update_rate=1e-2,
-      aux_loss_weight=0.0,
-      z_loss_weight=0.0,
+      **dataclasses.asdict(SMALL_PRESET.train),
       seed=0,
       backend="xla",
       output_dir=output_dir,
