@@ -341,13 +341,27 @@ def _nvfp4_block_scale(block_amax, tensor_scale):
   ratio = block_amax * _reciprocal32(_E2M1_MAX) * encode
   scale = jnp.clip(ratio, NVFP4_BLOCK_SCALE_FLOOR, _E4M3_MAX)
   scale = jnp.where(jnp.isnan(ratio), jnp.nan, scale)
-  return scale.astype(jnp.float8_e4m3fn)
+  return _narrow(scale, jnp.float8_e4m3fn)
+
+
+def _narrow(x, dtype):
+  """x cast to a narrow format (E4M3, E2M1), held there.
+
+  XLA may drop a round trip f32 -> narrow -> f32 inside one program (its
+  `xla_allow_excess_precision`, on by default, lets the simplifier remove
+  convert pairs). On a TPU v5e it does, for E4M3 and E2M1 too: the
+  dequantised operands of a quantised GEMM were then the unrounded values,
+  not the recipe's, and a block scale read back in the same program was not
+  the one stored. The barrier keeps the narrow array a value of its own, so
+  every reader sees the rounded one on every platform.
+  """
+  return jax.lax.optimization_barrier(x.astype(dtype))
 
 
 def _to_elements(x, inverse_scale, dtype):
   """dtype(clip(x * inverse_scale, -max, max)), the product in float32."""
   emax = ELEMENT_MAX[jnp.dtype(dtype)]
-  return jnp.clip(x * inverse_scale, -emax, emax).astype(dtype)
+  return _narrow(jnp.clip(x * inverse_scale, -emax, emax), dtype)
 
 
 # --- Recipes ------------------------------------------------------------------
