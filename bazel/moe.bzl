@@ -22,7 +22,7 @@ def _workspace_root_import():
 
 def moe_py_library(
         name,
-        srcs,
+        srcs = None,
         deps = [],
         data = [],
         visibility = ["//visibility:public"]):
@@ -34,7 +34,9 @@ def moe_py_library(
 
     Args:
       name: target name; by convention the module or package name.
-      srcs: the library's .py files.
+      srcs: the library's .py files; by default the one module
+        `<name>.py`, so that a one-module library is `moe_py_library(name =
+        "data")`.
       deps: other moe_py_library targets it imports. Third-party packages
         come from the toolchain's interpreter and are not listed.
       data: files read at run time.
@@ -42,7 +44,7 @@ def moe_py_library(
     """
     native.py_library(
         name = name,
-        srcs = srcs,
+        srcs = [name + ".py"] if srcs == None else srcs,
         deps = deps,
         data = data,
         imports = [_workspace_root_import()],
@@ -65,7 +67,7 @@ QUICK_CPU_XLA_FLAGS = [
 
 def moe_py_test(
         name,
-        srcs,
+        srcs = None,
         deps = [],
         data = [],
         size = "medium",
@@ -87,7 +89,8 @@ def moe_py_test(
 
     Args:
       name: target name; `<name>.py` is the main file unless `main` is given.
-      srcs: the test's .py files.
+      srcs: the test's .py files; by default the main file alone (`main`,
+        or `<name>.py`), so that most tests need neither.
       deps: moe_py_library targets it imports.
       data: files read at run time.
       size: Bazel test size ("small", "medium", "large", "enormous"); it sets
@@ -133,6 +136,9 @@ def moe_py_test(
         optional["main"] = main
     if timeout != None:
         optional["timeout"] = timeout
+
+    if srcs == None:
+        srcs = [name + ".py" if main == None else main]
 
     native.py_test(
         name = name,
