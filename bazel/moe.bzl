@@ -13,6 +13,16 @@ _DEVICE_TAGS = {
     "tpu": ["requires-tpu"],
 }
 
+# The tags of a test that compares with Hugging Face transformers: it needs
+# torch and transformers, which only the py311-jax0.10 leg installs (a
+# `matrix` leg); elsewhere every test skips with the reason, which the
+# `skips-without-*` tags declare to tools/whole_skips.py.
+TRANSFORMERS_TEST_TAGS = [
+    "matrix",
+    "skips-without-torch",
+    "skips-without-transformers",
+]
+
 def _workspace_root_import():
     """The `imports` entry that puts the workspace root on sys.path."""
     package = native.package_name()
