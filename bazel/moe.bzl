@@ -182,9 +182,12 @@ def moe_conformance_test(
         quick_cpu_compile = True):
     """Runs the shared conformance suite against one backend.
 
-    One BUILD line per backend folder, e.g. in backends/xla/BUILD:
+    One BUILD line per backend folder, e.g.
 
         moe_conformance_test(srcs = ["conformance_test.py"], deps = [":xla"])
+
+    (the backends under backends/ declare it through moe_backend,
+    bazel/backends.bzl, with their library).
 
     The file names the backend and its options in Python: it subclasses
     `suite.ConformanceTest` and `suite.ExpertParallelTest` and ends with
