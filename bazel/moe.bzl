@@ -13,6 +13,16 @@ _DEVICE_TAGS = {
     "tpu": ["requires-tpu"],
 }
 
+# The tags of a test that compares with Hugging Face transformers: it needs
+# torch and transformers, which only the py311-jax0.10 leg installs (a
+# `matrix` leg); elsewhere every test skips with the reason, which the
+# `skips-without-*` tags declare to tools/whole_skips.py.
+TRANSFORMERS_TEST_TAGS = [
+    "matrix",
+    "skips-without-torch",
+    "skips-without-transformers",
+]
+
 def _workspace_root_import():
     """The `imports` entry that puts the workspace root on sys.path."""
     package = native.package_name()
@@ -22,7 +32,7 @@ def _workspace_root_import():
 
 def moe_py_library(
         name,
-        srcs,
+        srcs = None,
         deps = [],
         data = [],
         visibility = ["//visibility:public"]):
@@ -34,7 +44,9 @@ def moe_py_library(
 
     Args:
       name: target name; by convention the module or package name.
-      srcs: the library's .py files.
+      srcs: the library's .py files; by default the one module
+        `<name>.py`, so that a one-module library is `moe_py_library(name =
+        "data")`.
       deps: other moe_py_library targets it imports. Third-party packages
         come from the toolchain's interpreter and are not listed.
       data: files read at run time.
@@ -42,7 +54,7 @@ def moe_py_library(
     """
     native.py_library(
         name = name,
-        srcs = srcs,
+        srcs = [name + ".py"] if srcs == None else srcs,
         deps = deps,
         data = data,
         imports = [_workspace_root_import()],
@@ -65,7 +77,7 @@ QUICK_CPU_XLA_FLAGS = [
 
 def moe_py_test(
         name,
-        srcs,
+        srcs = None,
         deps = [],
         data = [],
         size = "medium",
@@ -87,7 +99,8 @@ def moe_py_test(
 
     Args:
       name: target name; `<name>.py` is the main file unless `main` is given.
-      srcs: the test's .py files.
+      srcs: the test's .py files; by default the main file alone (`main`,
+        or `<name>.py`), so that most tests need neither.
       deps: moe_py_library targets it imports.
       data: files read at run time.
       size: Bazel test size ("small", "medium", "large", "enormous"); it sets
@@ -134,6 +147,9 @@ def moe_py_test(
     if timeout != None:
         optional["timeout"] = timeout
 
+    if srcs == None:
+        srcs = [name + ".py" if main == None else main]
+
     native.py_test(
         name = name,
         srcs = srcs,
@@ -166,9 +182,12 @@ def moe_conformance_test(
         quick_cpu_compile = True):
     """Runs the shared conformance suite against one backend.
 
-    One BUILD line per backend folder, e.g. in backends/xla/BUILD:
+    One BUILD line per backend folder, e.g.
 
         moe_conformance_test(srcs = ["conformance_test.py"], deps = [":xla"])
+
+    (the backends under backends/ declare it through moe_backend,
+    bazel/backends.bzl, with their library).
 
     The file names the backend and its options in Python: it subclasses
     `suite.ConformanceTest` and `suite.ExpertParallelTest` and ends with
