@@ -41,10 +41,7 @@ EXTREME_CONFIGS = {
         score_func="sigmoid", norm_topk_prob=True
     ),
     "sigmoid_bias_norm_eps0_capacity_1.0": _extreme_cfg(
-        score_func="sigmoid",
-        correction_bias=True,
-        norm_topk_prob=True,
-        capacity_factor=1.0,
+        capacity_factor=1.0, **cases.SIGMOID_BIAS_NORM_ROUTER
     ),
     "groups_sum_top2_sigmoid_bias_norm_eps1e-20_scaled": _extreme_cfg(
         num_experts=16, top_k=4, **cases.DEEPSEEK_V3_ROUTER
@@ -57,10 +54,7 @@ EXTREME_CONFIGS = {
     ),
     # Capped at 5: every +-1e4 logit ties at about +-5.
     "sigmoid_softcap5_bias_norm_eps0": _extreme_cfg(
-        score_func="sigmoid",
-        router_logit_softcap=5.0,
-        correction_bias=True,
-        norm_topk_prob=True,
+        router_logit_softcap=5.0, **cases.SIGMOID_BIAS_NORM_ROUTER
     ),
     "groups_max_softmax_bias_norm_eps0": _extreme_cfg(
         num_experts=16,
