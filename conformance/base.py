@@ -324,6 +324,19 @@ class BackendTestCase(parameterized.TestCase):
         result.y, reference_layer(case).y, case.dtype, msg="y vs reference"
     )
 
+  def assertLayerMatchesReference(self, case: cases.LayerCase):
+    """`case`'s layer: y and every aux field equal the reference's."""
+    got = self.run_layer(case)
+    self.assertYMatchesReference(case, got)
+    self.assertAuxMatchesReference(case, got)
+
+  def assertDroplessMatchesPerTokenMath(self, case: cases.LayerCase):
+    """`case`'s layer drops no copy, and its y is the per-token math of
+    `assertMatchesPerTokenMath`."""
+    got = self.run_layer(case)
+    self.assertEqual(int(got.aux["dropped_tokens"]), 0)
+    self.assertMatchesPerTokenMath(case, got)
+
   def assertMatchesPerTokenMath(
       self, case: cases.LayerCase, result: LayerResult
   ):

@@ -261,16 +261,20 @@ _D48_F80 = _cfg(hidden_size=48, expert_ffn_size=80, num_experts=4)
 _D16_F24 = dict(hidden_size=16, expert_ffn_size=24)
 _BF16 = "bfloat16"
 
+# The sigmoid router of DeepSeek-V3 and the models after it, without its
+# groups: a correction bias steers the choice, the K weights renormalised
+# (epsilon 0), for a MoEConfig.
+SIGMOID_BIAS_NORM_ROUTER = dict(
+    score_func="sigmoid", correction_bias=True, norm_topk_prob=True
+)
 # DeepSeek-V3's router settings (of 4 groups, not its 8), for a MoEConfig.
 DEEPSEEK_V3_ROUTER = dict(
     n_group=4,
     topk_group=2,
     group_score="sum_top2",
-    score_func="sigmoid",
-    correction_bias=True,
-    norm_topk_prob=True,
     norm_epsilon=1e-20,
     routed_scaling_factor=2.5,
+    **SIGMOID_BIAS_NORM_ROUTER,
 )
 # Groups scored by their best expert, for a MoEConfig of 16 experts.
 GROUPS_MAX_ROUTER = dict(n_group=4, topk_group=2, group_score="max")
@@ -344,9 +348,7 @@ _ROUTING_CONFIGS = {
         correction_bias=True, norm_topk_prob=True, norm_epsilon=1e-20
     ),
     "sigmoid": _cfg(score_func="sigmoid"),
-    "sigmoid_bias_norm_eps0": _cfg(
-        score_func="sigmoid", correction_bias=True, norm_topk_prob=True
-    ),
+    "sigmoid_bias_norm_eps0": _cfg(**SIGMOID_BIAS_NORM_ROUTER),
     "groups_max": _cfg(num_experts=16, top_k=3, **GROUPS_MAX_ROUTER),
     "groups_sum_top2_sigmoid_bias_scaled": _cfg(
         num_experts=16, top_k=3, **DEEPSEEK_V3_ROUTER
@@ -372,17 +374,11 @@ _ROUTING_CONFIGS = {
     "router_bias_softmax_norm": _cfg(router_bias=True, norm_topk_prob=True),
     # Laguna's: soft-capped logits (cap 1 bends N(0, 1) logits), sigmoid.
     "sigmoid_softcap1_bias_norm": _cfg(
-        score_func="sigmoid",
-        router_logit_softcap=1.0,
-        correction_bias=True,
-        norm_topk_prob=True,
+        router_logit_softcap=1.0, **SIGMOID_BIAS_NORM_ROUTER
     ),
     # Kolibri's: the correction bias on the logits, before the sigmoid.
     "sigmoid_bias_on_logits_norm": _cfg(
-        score_func="sigmoid",
-        correction_bias=True,
-        correction_bias_on="logits",
-        norm_topk_prob=True,
+        correction_bias_on="logits", **SIGMOID_BIAS_NORM_ROUTER
     ),
     # Gemma 4's: the router's own input norm and scale, the experts' own
     # input norm, per-expert output scales.
@@ -411,11 +407,7 @@ _ROUTING_CONFIGS = {
     # Inkling's: 2 always-on experts weighed with the 2 chosen (by score +
     # bias), sigmoid weights normalised over all 4.
     "always_on_sigmoid_bias_norm": _cfg(
-        top_k=4,
-        score_func="sigmoid",
-        correction_bias=True,
-        norm_topk_prob=True,
-        num_always_on_experts=2,
+        top_k=4, num_always_on_experts=2, **SIGMOID_BIAS_NORM_ROUTER
     ),
     # DBRX's with p = 2: the K softmax weights over their 2-norm.
     "softmax_p2_norm": _cfg(top_k=3, norm_topk_prob=True, norm_topk_p=2.0),
@@ -478,9 +470,7 @@ _FFN_CONFIGS = {
         latent_norm_epsilon=1e-5,
         post_expert_norm=True,
         post_expert_norm_epsilon=1e-5,
-        score_func="sigmoid",
-        correction_bias=True,
-        norm_topk_prob=True,
+        **SIGMOID_BIAS_NORM_ROUTER,
     ),
     # The norm of each expert's output without a latent width, in bfloat16.
     "ffn_post_expert_norm_bf16": _cfg(post_expert_norm=True),

@@ -27,14 +27,12 @@ def _case(dtype: str) -> cases.LayerCase:
       top_k=2,
       hidden_size=16,
       expert_ffn_size=8,
-      score_func="sigmoid",
-      correction_bias=True,
       n_group=2,
       topk_group=1,
-      norm_topk_prob=True,
       routed_scaling_factor=2.0,
       shared_ffn_size=8,
       shared_expert_gate=True,
+      **cases.SIGMOID_BIAS_NORM_ROUTER,
   )
   return cases.LayerCase(f"transforms_{dtype}", cfg, (2, 4), dtype=dtype)
 

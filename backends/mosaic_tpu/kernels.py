@@ -100,10 +100,20 @@ def _row_mask(r0, start, end, rows: int):
   return (row >= start) & (row < end)
 
 
-def _chunks(tiles: tiling.Tiles):
-  """(first row, rows) of each MXU pass over a tile, static."""
+def _visit_rows(visits: metadata.Visits, visit, bm: int):
+  """(start, end, r0) of `visit`, read from the visit list's SMEM refs: the
+  rows [start, end) it owns, and r0 the first row of its tile."""
+  start, end = visits.row_start[visit], visits.row_end[visit]
+  return start, end, visits.tile[visit] * bm
+
+
+def _owned_chunks(tiles: tiling.Tiles, start, end, r0):
+  """(first row, rows, owns) of each MXU pass over the tile at r0: the
+  first row and the rows static, owns whether it holds rows of [start,
+  end)."""
   step = tiles.rows_per_pass
-  return [(c, step) for c in range(0, tiles.bm, step)]
+  for c0 in range(0, tiles.bm, step):
+    yield c0, step, (start < r0 + c0 + step) & (end > r0 + c0)
 
 
 def _grid_visits(visits: metadata.Visits, launch: Launch):
@@ -116,10 +126,6 @@ def _grid_visits(visits: metadata.Visits, launch: Launch):
 
 
 def _gmm_kernel(
-    seg_ref,
-    tile_ref,
-    start_ref,
-    end_ref,
     *refs,
     num_lhs,
     num_rhs,
@@ -135,10 +141,12 @@ def _gmm_kernel(
 ):
   """One visit x one column block x one K step of gmm.
 
-  refs: num_lhs row blocks [bm, bk], num_rhs weight blocks [bk, bn]
-  ([bn, bk] transposed), the row scales [bm, 1] if has_scale, the output
-  blocks [bm, bn], then (k_steps > 1) the float32 accumulators [bm, bn].
+  refs: the visit list's four SMEM refs (`metadata.Visits.scalars`),
+  num_lhs row blocks [bm, bk], num_rhs weight blocks [bk, bn] ([bn, bk]
+  transposed), the row scales [bm, 1] if has_scale, the output blocks
+  [bm, bn], then (k_steps > 1) the float32 accumulators [bm, bn].
   """
+  visits, refs = metadata.Visits(*refs[:4], count=None), refs[4:]
   lhs_refs = refs[:num_lhs]
   rhs_refs = refs[num_lhs : num_lhs + num_rhs]
   rest = refs[num_lhs + num_rhs :]
@@ -146,9 +154,8 @@ def _gmm_kernel(
   rest = rest[int(has_scale) :]
   out_refs, acc_refs = rest[:num_outputs], rest[num_outputs:]
   visit, k = pl.program_id(1), pl.program_id(2)
-  segment = seg_ref[visit]
-  start, end = start_ref[visit], end_ref[visit]
-  r0 = tile_ref[visit] * tiles.bm
+  segment = visits.segment[visit]
+  start, end, r0 = _visit_rows(visits, visit, tiles.bm)
   # Segment 0 and E + 1 are rows of no local group: zeros.
   computes = (segment >= 1) & (segment <= num_local)
   contraction = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
@@ -176,8 +183,7 @@ def _gmm_kernel(
       block = o_ref.at[pl.ds(c0, rows), :]
       block[...] = jnp.where(mask, value.astype(o_ref.dtype), block[...])
 
-  for c0, rows in _chunks(tiles):
-    owns = (start < r0 + c0 + rows) & (end > r0 + c0)
+  for c0, rows, owns in _owned_chunks(tiles, start, end, r0):
     mask = _row_mask(r0 + c0, start, end, rows)
 
     if k_steps == 1:
@@ -341,38 +347,29 @@ def gmm(
 # --- tgmm ---------------------------------------------------------------------
 
 
-def _tgmm_kernel(
-    seg_ref,
-    tile_ref,
-    start_ref,
-    end_ref,
-    lhs_ref,
-    *refs,
-    num_rhs,
-    tiles,
-):
+def _tgmm_kernel(*refs, num_rhs, tiles):
   """One dW block x one visit: acc += lhs_rows^T @ rhs_rows of the group.
 
-  refs: num_rhs row blocks [bm, bn], the output blocks [bk, bn] of the
-  visit's group, then the float32 accumulators [bk, bn].
+  refs: the visit list's four SMEM refs (`metadata.Visits.scalars`), the
+  row block [bm, bk], num_rhs row blocks [bm, bn], the output blocks
+  [bk, bn] of the visit's group, then the float32 accumulators [bk, bn].
   """
+  visits, (lhs_ref, *refs) = metadata.Visits(*refs[:4], count=None), refs[4:]
   rhs_refs = refs[:num_rhs]
   out_refs = refs[num_rhs : 2 * num_rhs]
   acc_refs = refs[2 * num_rhs :]
   visit, num_visits = pl.program_id(2), pl.num_programs(2)
-  segment = seg_ref[visit]
-  before = seg_ref[jnp.maximum(visit - 1, 0)]
-  after = seg_ref[jnp.minimum(visit + 1, num_visits - 1)]
-  start, end = start_ref[visit], end_ref[visit]
-  r0 = tile_ref[visit] * tiles.bm
+  segment = visits.segment[visit]
+  before = visits.segment[jnp.maximum(visit - 1, 0)]
+  after = visits.segment[jnp.minimum(visit + 1, num_visits - 1)]
+  start, end, r0 = _visit_rows(visits, visit, tiles.bm)
 
   @pl.when((visit == 0) | (before != segment))
   def _():
     for acc_ref in acc_refs:
       acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  for c0, rows in _chunks(tiles):
-    owns = (start < r0 + c0 + rows) & (end > r0 + c0)
+  for c0, rows, owns in _owned_chunks(tiles, start, end, r0):
 
     @pl.when(owns)
     def _(c0=c0, rows=rows):

@@ -74,53 +74,15 @@ class Launch(interpret_lib.InterpretedLaunch):
   def choose(self, call: tiling.Call, launch: kernels.Launch) -> tiling.Tiles:
     return tiling.choose(self.tiles, call, launch.generation)
 
-  def gmm(
-      self,
-      kind,
-      lhs,
-      rhs,
-      group_sizes,
-      *,
-      transpose_rhs=False,
-      products=((0, 0, 0),),
-      num_outputs=1,
-      out_dtype=None,
-      epilogue=kernels.identity,
-      row_scale=None,
-  ):
-    """One `kernels.gmm` call with the tiles of `kind` ("fwd"/"dgrad")."""
-    m, k = lhs[0].shape
-    n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
-    out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
+  def gmm(self, kind, lhs, rhs, group_sizes, **options):
+    """One `kernels.gmm` call with the tiles of `kind` ("fwd"/"dgrad").
+
+    `options`: `kernels.gmm`'s keyword arguments besides tiles and launch.
+    """
     launch = self.kernel_launch()
-    tiles = self.choose(
-        tiling.Call(
-            kind=kind,
-            m=m,
-            k=k,
-            n=n,
-            num_groups=rhs[0].shape[0],
-            itemsize=jnp.dtype(lhs[0].dtype).itemsize,
-            out_itemsize=out_dtype.itemsize,
-            num_lhs=len(lhs),
-            num_rhs=len(rhs),
-            num_accs=1 + max(a for _, _, a in products),
-            num_outputs=num_outputs,
-        ),
-        launch,
-    )
+    tiles = self.choose(_gmm_call(kind, lhs, rhs, **options), launch)
     return kernels.gmm(
-        list(lhs),
-        list(rhs),
-        group_sizes,
-        tiles=tiles,
-        launch=launch,
-        transpose_rhs=transpose_rhs,
-        products=products,
-        epilogue=epilogue,
-        num_outputs=num_outputs,
-        out_dtype=out_dtype,
-        row_scale=row_scale,
+        list(lhs), list(rhs), group_sizes, tiles=tiles, launch=launch, **options
     )
 
   def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
@@ -151,6 +113,39 @@ class Launch(interpret_lib.InterpretedLaunch):
         num_groups=num_groups,
         out_dtype=out_dtype,
     )
+
+
+def _gmm_call(
+    kind,
+    lhs,
+    rhs,
+    *,
+    transpose_rhs=False,
+    products=((0, 0, 0),),
+    num_outputs=1,
+    out_dtype=None,
+    **unsized,
+) -> tiling.Call:
+  """The shape of a `kernels.gmm` call, which its tiles are fitted to.
+
+  The arguments are `kernels.gmm`'s, with its defaults; `unsized` (the
+  epilogue, row_scale and group_offset) does not change the blocks.
+  """
+  del unsized
+  m, k = lhs[0].shape
+  return tiling.Call(
+      kind=kind,
+      m=m,
+      k=k,
+      n=rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2],
+      num_groups=rhs[0].shape[0],
+      itemsize=jnp.dtype(lhs[0].dtype).itemsize,
+      out_itemsize=jnp.dtype(out_dtype or lhs[0].dtype).itemsize,
+      num_lhs=len(lhs),
+      num_rhs=len(rhs),
+      num_accs=1 + max(a for _, _, a in products),
+      num_outputs=num_outputs,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,24 +220,11 @@ def grouped_gemm_with_offset(
   device holds all the rows sorted by global group and computes only its
   own experts' (`kernels.gmm`'s group_offset).
   """
-  m, c = rows.shape
-  n = weights.shape[2]
-  call = tiling.Call(
-      kind="fwd",
-      m=m,
-      k=c,
-      n=n,
-      num_groups=weights.shape[0],
-      itemsize=jnp.dtype(rows.dtype).itemsize,
-      out_itemsize=jnp.dtype(out_dtype or rows.dtype).itemsize,
-  )
-  kernel_launch = launch.kernel_launch()
-  (out,) = kernels.gmm(
+  (out,) = launch.gmm(
+      "fwd",
       [rows],
       [weights],
       group_sizes,
-      tiles=launch.choose(call, kernel_launch),
-      launch=kernel_launch,
       out_dtype=out_dtype,
       group_offset=group_offset,
   )

@@ -244,6 +244,17 @@ def _col_block(n: int, want: int) -> int:
   return want
 
 
+def _table_row(wgrad_bk: int) -> dict[str, Tiles]:
+  """One generation's tiles: v5e's gmm tiles for fwd and dgrad, a
+  wgrad_bk x 1024 dW block for wgrad."""
+  gmm = Tiles(bm=512, bk=None, bn=1024, chunk=256)
+  return {
+      "fwd": gmm,
+      "dgrad": gmm,
+      "wgrad": Tiles(bm=512, bk=wgrad_bk, bn=1024, chunk=256),
+  }
+
+
 # The tiles each generation starts from, per kind. v5e's are the sweep's
 # winners on a v5e (bench/results/tpu_sweep_v5e.json: Mixtral, DeepSeek-V3
 # EP slice, Qwen3-30B and OLMoE shapes, even and Zipf routing): gmm takes
@@ -254,26 +265,10 @@ def _col_block(n: int, want: int) -> int:
 # tpu7x (half the VMEM) from a 1024-row dW block; `fit` shrinks any row to
 # the VMEM budget.
 TABLE: dict[str, dict[str, Tiles]] = {
-    "v5e": {
-        "fwd": Tiles(bm=512, bk=None, bn=1024, chunk=256),
-        "dgrad": Tiles(bm=512, bk=None, bn=1024, chunk=256),
-        "wgrad": Tiles(bm=512, bk=2048, bn=1024, chunk=256),
-    },
-    "v5p": {
-        "fwd": Tiles(bm=512, bk=None, bn=1024, chunk=256),
-        "dgrad": Tiles(bm=512, bk=None, bn=1024, chunk=256),
-        "wgrad": Tiles(bm=512, bk=1024, bn=1024, chunk=256),
-    },
-    "v6e": {
-        "fwd": Tiles(bm=512, bk=None, bn=1024, chunk=256),
-        "dgrad": Tiles(bm=512, bk=None, bn=1024, chunk=256),
-        "wgrad": Tiles(bm=512, bk=2048, bn=1024, chunk=256),
-    },
-    "tpu7x": {
-        "fwd": Tiles(bm=512, bk=None, bn=1024, chunk=256),
-        "dgrad": Tiles(bm=512, bk=None, bn=1024, chunk=256),
-        "wgrad": Tiles(bm=512, bk=1024, bn=1024, chunk=256),
-    },
+    "v5e": _table_row(wgrad_bk=2048),
+    "v5p": _table_row(wgrad_bk=1024),
+    "v6e": _table_row(wgrad_bk=2048),
+    "tpu7x": _table_row(wgrad_bk=1024),
 }
 
 
