@@ -2,7 +2,7 @@
 
 On a TPU host (set-up: ../shared/notes/tpu.md), with JAX_PLATFORMS=tpu,cpu:
 
-  python3 bench/tpu_quant_probe.py      # writes $OUT/quant_probe.json
+  python3 -m bench.tpu_quant_probe      # writes $OUT/quant_probe.json
 
 Three readings, each printed and written:
   1. `x.astype(fmt).astype(float32)` inside one jit, chip against host, for
@@ -25,17 +25,11 @@ after `precision` held its narrow arrays behind a barrier.
 
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-  sys.path.insert(0, _REPO)
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 import moe_core
 from conformance import base
 from conformance import cases
