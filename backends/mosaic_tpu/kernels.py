@@ -272,8 +272,13 @@ def gmm(
       _pad(w, (num_local, np_, kp) if transpose_rhs else (num_local, kp, np_))
       for w in rhs
   ]
-  visits = metadata.gmm_visits(
-      group_sizes, mp, bm, group_offset=group_offset, num_local=num_local
+  visits = metadata.visit_list(
+      group_sizes,
+      mp,
+      bm,
+      weight_gradient=False,
+      group_offset=group_offset,
+      num_local=num_local,
   )
   num_accs = 1 + max(a for _, _, a in products)
 
@@ -431,8 +436,13 @@ def tgmm(
     )
   bm, ba, bb = tiles.bm, tiles.bk, tiles.bn
   mp, ap, bp = _round_up(m, bm), _round_up(a, ba), _round_up(b, bb)
-  visits = metadata.tgmm_visits(
-      group_sizes, mp, bm, group_offset=group_offset, num_local=num_groups
+  visits = metadata.visit_list(
+      group_sizes,
+      mp,
+      bm,
+      weight_gradient=True,
+      group_offset=group_offset,
+      num_local=num_groups,
   )
   kernel = functools.partial(_tgmm_kernel, num_rhs=len(rhs), tiles=tiles)
   itemsize = jnp.dtype(lhs.dtype).itemsize

@@ -89,7 +89,9 @@ class VisitsTest(parameterized.TestCase):
   def test_gmm_visits_own_every_row_once_in_order(self, m, sizes):
     bm = 128
     mp = -(-m // bm) * bm
-    v = metadata.gmm_visits(jnp.asarray(sizes, jnp.int32), mp, bm)
+    v = metadata.visit_list(
+        jnp.asarray(sizes, jnp.int32), mp, bm, weight_gradient=False
+    )
     count = int(v.count[0])
     owner = np.full(mp, -1)
     ends = np.cumsum(sizes)
@@ -114,7 +116,9 @@ class VisitsTest(parameterized.TestCase):
   def test_tgmm_visits_every_group_consecutively(self, m, sizes):
     bm = 128
     mp = -(-m // bm) * bm
-    v = metadata.tgmm_visits(jnp.asarray(sizes, jnp.int32), mp, bm)
+    v = metadata.visit_list(
+        jnp.asarray(sizes, jnp.int32), mp, bm, weight_gradient=True
+    )
     segments = [int(s) for s in v.segment[: int(v.count[0])]]
     # Every group visited, each in one run, in order.
     runs = [s for i, s in enumerate(segments) if i == 0 or segments[i - 1] != s]

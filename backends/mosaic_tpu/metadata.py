@@ -95,63 +95,49 @@ def _visits(starts, ends, *, num_rows, bm, visit_empty, length) -> Visits:
   )
 
 
-def gmm_visits(
+def visit_list(
     group_sizes: jax.Array,
     num_rows: int,
     bm: int,
     *,
+    weight_gradient: bool,
     group_offset: jax.Array | None = None,
     num_local: int | None = None,
 ) -> Visits:
-  """gmm's visit list: every row tile of [0, num_rows), in row order.
+  """The visit list of gmm, or of tgmm with `weight_gradient`.
+
+  gmm's: every row tile of [0, num_rows), in row order, with segments 0
+  (rows before the local groups), 1..E, E + 1 (after); V = num_rows / bm +
+  E + 1 entries. tgmm's: each local group's row tiles, one visit for an
+  empty group (its dW is then written as zeros), segments 0..E-1; V =
+  num_rows / bm + 2 E entries.
 
   Args:
     group_sizes: [G] int32 rows per group, sum <= num_rows.
     num_rows: rows of the (padded) operand, a multiple of bm.
     bm: rows per tile.
+    weight_gradient: tgmm's list (dW), else gmm's.
     group_offset: the first local group (a traced int32 scalar), or None
       for 0: under expert parallelism, the rows of groups
-      [group_offset, group_offset + num_local) are computed, the rest
-      written as zeros.
+      [group_offset, group_offset + num_local) are computed; gmm writes the
+      rest as zeros, tgmm leaves them unread.
     num_local: local groups E (the weights' leading dimension); None for G.
-
-  Returns:
-    `Visits` with segments 0 (before the local groups), 1..E, E + 1 (after);
-    V = num_rows / bm + E + 1 entries.
   """
   num_local = group_sizes.shape[0] if num_local is None else num_local
   starts, ends = _local_bounds(group_sizes, group_offset, num_local)
-  first, last = starts[:1], ends[-1:]
-  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), starts, last])
-  ends = jnp.concatenate([first, ends, jnp.full((1,), num_rows, jnp.int32)])
+  if weight_gradient:
+    length = num_rows // bm + 2 * num_local
+  else:
+    # The rows before and after the local groups as segments of their own.
+    first, last = starts[:1], ends[-1:]
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), starts, last])
+    ends = jnp.concatenate([first, ends, jnp.full((1,), num_rows, jnp.int32)])
+    length = num_rows // bm + num_local + 1
   return _visits(
       starts,
       ends,
       num_rows=num_rows,
       bm=bm,
-      visit_empty=False,
-      length=num_rows // bm + num_local + 1,
-  )
-
-
-def tgmm_visits(
-    group_sizes: jax.Array,
-    num_rows: int,
-    bm: int,
-    *,
-    group_offset: jax.Array | None = None,
-    num_local: int | None = None,
-) -> Visits:
-  """tgmm's visit list: each local group's row tiles, one visit for an
-  empty group (its dW is then written as zeros). Arguments as
-  `gmm_visits`'; V = num_rows / bm + 2 E entries."""
-  num_local = group_sizes.shape[0] if num_local is None else num_local
-  starts, ends = _local_bounds(group_sizes, group_offset, num_local)
-  return _visits(
-      starts,
-      ends,
-      num_rows=num_rows,
-      bm=bm,
-      visit_empty=True,
-      length=num_rows // bm + 2 * num_local,
+      visit_empty=weight_gradient,
+      length=length,
   )
