@@ -55,12 +55,7 @@ def proportional_rope(
   rotated = int(fraction * d // 2)
   pair = jnp.arange(half, dtype=jnp.float32)
   freq = jnp.where(pair < rotated, theta ** (-2.0 * pair / d), 0.0)
-  angle = positions.astype(jnp.float32)[:, None] * freq  # [T, d/2]
-  cos = jnp.cos(angle)[None, :, None, :]
-  sin = jnp.sin(angle)[None, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  return attention_lib.rope_with_frequencies(x, positions, freq)
 
 
 def windowed_attention(
@@ -75,7 +70,7 @@ def windowed_attention(
   Gemma 4 normalises queries and keys per head and multiplies their dot
   product by 1 (not head_dim ** -0.5). Sequences longer than `query_block`
   (and a multiple of it) run one block of queries at a time, rematerialised
-  in the backward, as `attention.causal_attention` does; a block then
+  in the backward (`attention.in_query_blocks`); a block then
   scores only the keys its window can reach (query_block + W - 1 of them),
   or every key without a window.
 
@@ -88,11 +83,9 @@ def windowed_attention(
   Returns:
     [B, T, H, d] in v's dtype.
   """
-  b, t, h, _ = q.shape
+  t = q.shape[1]
   if t <= query_block or t % query_block:
     return _attention_rows(q, k, v, window, 0, 0)
-  blocks = t // query_block
-  q_blocks = jnp.moveaxis(q.reshape(b, blocks, query_block, *q.shape[2:]), 1, 0)
   span = query_block + window - 1 if window else t
   if window:
     # W - 1 keys of padding in front: the block at row r reads padded keys
@@ -100,10 +93,7 @@ def windowed_attention(
     pad = [(0, 0), (window - 1, 0), (0, 0), (0, 0)]
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
 
-  @jax.checkpoint
-  def one_block(args):
-    q_rows, index = args
-    first_row = index * query_block
+  def attend(q_rows, first_row):
     if not window:
       return _attention_rows(q_rows, k, v, 0, first_row, 0)
     k_rows, v_rows = (
@@ -113,8 +103,7 @@ def windowed_attention(
         q_rows, k_rows, v_rows, window, first_row, first_row - window + 1
     )
 
-  out = jax.lax.map(one_block, (q_blocks, jnp.arange(blocks)))
-  return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1])
+  return attention_lib.in_query_blocks(attend, q, query_block)
 
 
 def _attention_rows(q, k, v, window: int, first_row, first_key) -> jax.Array:
