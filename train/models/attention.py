@@ -1,10 +1,30 @@
 """Causal softmax attention and rotary embeddings, the math of the model's
-attention layers (`layers.py`): functions of arrays, no parameters."""
+attention layers (`layers.py`, `sink_attention.py`, `gemma4.py`):
+functions of arrays, no parameters; and `set_head_sizes`, the head layout
+every grouped-query attention module records."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x @ w in x's dtype (w is cast), accumulated in float32."""
+  return jnp.dot(
+      x, w.astype(x.dtype), preferred_element_type=jnp.float32
+  ).astype(x.dtype)
+
+
+def set_head_sizes(module, cfg) -> tuple[int, int, int, int]:
+  """Records a `model_config.ModelConfig`'s head layout on an attention
+  module (`num_heads` H, `num_kv_heads` Hkv, `head_dim` d and
+  `rope_theta`) and returns (D, H, Hkv, d), the sizes its projections
+  are built from."""
+  d, h, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  module.num_heads, module.num_kv_heads, module.head_dim = h, hkv, hd
+  module.rope_theta = cfg.rope_theta
+  return d, h, hkv, hd
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

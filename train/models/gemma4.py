@@ -25,13 +25,6 @@ from train.models import layers
 from train.models import model_config
 
 
-def _project(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x @ w in x's dtype (w cast), accumulated in float32."""
-  return jnp.dot(
-      x, w.astype(x.dtype), preferred_element_type=jnp.float32
-  ).astype(x.dtype)
-
-
 def unscaled_rms_norm(x: jax.Array, eps: float) -> jax.Array:
   """x / rms(x) over the last axis, in float32, with no learned scale."""
   x32 = x.astype(jnp.float32)
@@ -171,10 +164,12 @@ class Gemma4Attention(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     b, t, _ = x.shape
     kv_shape = (b, t, self.num_kv_heads, self.head_dim)
-    q = _project(x, self.wq[...]).reshape(b, t, self.num_heads, -1)
-    keys = _project(x, self.wk[...]).reshape(kv_shape)
+    q = layers.matmul(x, self.wq[...]).reshape(b, t, self.num_heads, -1)
+    keys = layers.matmul(x, self.wk[...]).reshape(kv_shape)
     values = (
-        _project(x, self.wv[...]).reshape(kv_shape) if self.has_values else keys
+        layers.matmul(x, self.wv[...]).reshape(kv_shape)
+        if self.has_values
+        else keys
     )
     q = proportional_rope(
         self.q_norm(q), positions, self.rope_theta, self.rope_fraction
@@ -184,22 +179,14 @@ class Gemma4Attention(nnx.Module):
     )
     v = unscaled_rms_norm(values, self.eps)
     out = windowed_attention(q, k, v, self.window).reshape(b, t, -1)
-    return _project(out, self.wo[...])
+    return layers.matmul(out, self.wo[...])
 
 
-class GeGLU(nnx.Module):
+class GeGLU(layers.DenseMLP):
   """gelu_tanh(x @ w_gate) * (x @ w_up) @ w_down: [B, T, D] -> same."""
 
-  def __init__(self, hidden: int, ffn: int, *, rngs: nnx.Rngs):
-    self.w_gate = layers.weight(rngs.params(), (hidden, ffn))
-    self.w_up = layers.weight(rngs.params(), (hidden, ffn))
-    self.w_down = layers.weight(rngs.params(), (ffn, hidden))
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    gate = _project(x, self.w_gate[...]).astype(jnp.float32)
-    up = _project(x, self.w_up[...]).astype(jnp.float32)
-    hidden = jax.nn.gelu(gate, approximate=True) * up
-    return _project(hidden.astype(x.dtype), self.w_down[...])
+  def activation(self, gate: jax.Array) -> jax.Array:
+    return jax.nn.gelu(gate, approximate=True)
 
 
 class Gemma4Block(nnx.Module):

@@ -127,13 +127,6 @@ def _sink_attention_rows(q, k, v, sinks, window, first_row) -> jax.Array:
   return out.reshape(b, tq, h, v.shape[-1]).astype(v.dtype)
 
 
-def _matmul(x, w):
-  """x @ w in x's dtype (w is cast), accumulated in float32."""
-  return jnp.dot(
-      x, w.astype(x.dtype), preferred_element_type=jnp.float32
-  ).astype(x.dtype)
-
-
 class SinkAttention(nnx.Module):
   """GPT-OSS's grouped-query attention: [B, T, D] -> [B, T, D].
 
@@ -149,14 +142,7 @@ class SinkAttention(nnx.Module):
       weight,
   ):
     """`weight(key, shape)` makes a projection (`layers.weight`)."""
-    d, h, hkv, hd = (
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-    )
-    self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
-    self.rope_theta = cfg.rope_theta
+    d, h, hkv, hd = attention.set_head_sizes(self, cfg)
     self.yarn = cfg.yarn
     # Static: the same for every layer, so a scanned stack can share it.
     self.windows = tuple(cfg.attention_window(i) for i in range(cfg.num_layers))
@@ -177,7 +163,7 @@ class SinkAttention(nnx.Module):
       self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
 
   def _project(self, x, w, bias_name):
-    y = _matmul(x, w[...])
+    y = attention.matmul(x, w[...])
     if self.has_bias:
       y = y + getattr(self, bias_name)[...].astype(y.dtype)
     return y
