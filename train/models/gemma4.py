@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe_core import flax as moe_flax
 from train.models import attention as attention_lib
 from train.models import gemma4_layout
 from train.models import layers
@@ -189,7 +188,7 @@ class GeGLU(layers.DenseMLP):
     return jax.nn.gelu(gate, approximate=True)
 
 
-class Gemma4Block(nnx.Module):
+class Gemma4Block(layers.LayerBlock):
   """A Gemma 4 MoE decoder layer: x [B, T, D] -> (x, MoE stats).
 
       x += post_attn_norm(attn(attn_norm(x)))
@@ -201,15 +200,7 @@ class Gemma4Block(nnx.Module):
   MoE blocks by that name); `dense_mlp` the GeGLU beside it.
   """
 
-  def __init__(
-      self,
-      cfg: model_config.ModelConfig,
-      layer: int,
-      *,
-      backend: str,
-      rngs: nnx.Rngs,
-      moe_mesh: dict | None = None,
-  ):
+  def build(self, cfg, layer, rngs, new_moe) -> None:
     d, eps = cfg.hidden_size, cfg.norm_eps
     self.is_moe = True
     self.attn_norm = layers.RMSNorm(d, eps)
@@ -218,9 +209,7 @@ class Gemma4Block(nnx.Module):
     self.mlp_norm = layers.RMSNorm(d, eps)
     self.dense_mlp = GeGLU(d, cfg.dense_ffn_size, rngs=rngs)
     self.post_dense_norm = layers.RMSNorm(d, eps)
-    self.mlp = moe_flax.MoE(
-        cfg.moe, backend=backend, rngs=rngs, **(moe_mesh or {})
-    )
+    self.mlp = new_moe(cfg.moe)
     self.post_moe_norm = layers.RMSNorm(d, eps)
     self.post_mlp_norm = layers.RMSNorm(d, eps)
 

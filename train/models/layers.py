@@ -229,8 +229,21 @@ def moe_stats(aux: moe_core.MoEAux) -> dict[str, jax.Array]:
   }
 
 
-class Block(nnx.Module):
-  """Pre-norm block; returns (x, MoE stats or None for a dense MLP)."""
+class LayerBlock(nnx.Module):
+  """A layer as the model builds it: `Block(cfg, layer, *, backend, rngs,
+  moe_mesh)`, the constructor `families.py` asks of every family's layer.
+
+  A subclass builds its modules in `build`, where `new_moe(moe_cfg)` makes
+  an MoE block (`moe_core.flax.MoE`) on the model's backend and mesh.
+
+  Args:
+    cfg: the model config.
+    layer: the layer's index.
+    backend: the MoE backend name.
+    rngs: `nnx.Rngs` with a "params" stream, drawn in `build`'s order.
+    moe_mesh: None for one device, or the keyword arguments that put the
+      MoE block on a mesh (`transformer.LanguageModel`'s).
+  """
 
   def __init__(
       self,
@@ -241,6 +254,22 @@ class Block(nnx.Module):
       rngs: nnx.Rngs,
       moe_mesh: dict | None = None,
   ):
+    def new_moe(moe_cfg: moe_core.MoEConfig) -> moe_flax.MoE:
+      return moe_flax.MoE(
+          moe_cfg, backend=backend, rngs=rngs, **(moe_mesh or {})
+      )
+
+    self.build(cfg, layer, rngs, new_moe)
+
+  def build(self, cfg, layer, rngs, new_moe) -> None:
+    """Builds the layer's modules from the constructor's arguments."""
+    raise NotImplementedError
+
+
+class Block(LayerBlock):
+  """Pre-norm block; returns (x, MoE stats or None for a dense MLP)."""
+
+  def build(self, cfg, layer, rngs, new_moe) -> None:
     self.is_moe = cfg.is_moe_layer(layer)
     self.layer = layer
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -260,9 +289,7 @@ class Block(nnx.Module):
       self.attn = Attention(cfg, rngs=rngs, use_rope=cfg.uses_rope(layer))
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     if self.is_moe:
-      self.mlp = moe_flax.MoE(
-          cfg.moe, backend=backend, rngs=rngs, **(moe_mesh or {})
-      )
+      self.mlp = new_moe(cfg.moe)
     else:
       self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_ffn_size, rngs=rngs)
 
