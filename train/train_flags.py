@@ -23,15 +23,89 @@ from train.parallel import mesh as mesh_lib
 from train.run import run_config
 from train.run import settings_checks
 
+# --- Flag checks --------------------------------------------------------------
+# Registered with the flags below. absl runs them as it parses the command
+# line: a bad value ends the program with one line per bad flag (and exit
+# status 1) before JAX sets up a device or compiles anything. Setting a flag
+# in code (flagsaver) runs them too.
+
+# The largest seed nnx.Rngs and jax.random.key accept (a C long).
+_MAX_SEED = 2**63 - 1
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value) -> bool:
+  return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _register_int_check(
+    holder: flags.FlagHolder, low: int, high: int | None
+) -> None:
+  """--name must be an int in [low, high]; None where None is the default."""
+  expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+
+  def check(value) -> bool:
+    if value is None and holder.default is None:
+      return True  # The preset's value.
+    if not _is_int(value) or value < low or (high is not None and value > high):
+      raise flags.ValidationError(
+          f"--{holder.name} must be an int {expected}, got {value!r}."
+      )
+    return True
+
+  flags.register_validator(holder, check)
+
+
+def _register_float_check(holder: flags.FlagHolder, zero_ok: bool) -> None:
+  """--name must be finite and > 0 (>= 0 if zero_ok); None if the default."""
+  expected = ">= 0" if zero_ok else "> 0"
+
+  def check(value) -> bool:
+    if value is None and holder.default is None:
+      return True  # The preset's value.
+    # absl's float parser takes "nan" and "inf": refuse them here.
+    if (
+        not _is_finite_number(value)
+        or value < 0
+        or (value == 0 and not zero_ok)
+    ):
+      raise flags.ValidationError(
+          f"--{holder.name} must be a finite number {expected}, got {value!r}."
+      )
+    return True
+
+  flags.register_validator(holder, check)
+
+
+def _preset_int(name: str, what: str, *, low: int) -> flags.FlagHolder:
+  """--name, an int >= low that replaces the preset's value of the same
+  name; unset (None, the default), the preset's value stands."""
+  holder = flags.DEFINE_integer(
+      name, None, f"{what}, >= {low} (preset default if unset)."
+  )
+  _register_int_check(holder, low, None)
+  return holder
+
+
+def _preset_float(name: str, what: str, *, zero_ok: bool) -> flags.FlagHolder:
+  """--name, a finite number > 0 (>= 0 if zero_ok) that replaces the
+  preset's value of the same name; unset (None), the preset's value."""
+  bound = ">= 0" if zero_ok else "> 0"
+  holder = flags.DEFINE_float(
+      name, None, f"{what}, {bound} (preset default if unset)."
+  )
+  _register_float_check(holder, zero_ok)
+  return holder
+
+
 MODEL = flags.DEFINE_enum(
     "model", catalog.DEFAULT_PRESET, list(catalog.PRESETS), "Model preset."
 )
-STEPS = flags.DEFINE_integer(
-    "steps", None, "Optimiser steps, >= 1 (preset default if unset)."
-)
-BATCH_SIZE = flags.DEFINE_integer(
-    "batch_size", None, "Sequences per step, >= 1 (preset default if unset)."
-)
+STEPS = _preset_int("steps", "Optimiser steps", low=1)
+BATCH_SIZE = _preset_int("batch_size", "Sequences per step", low=1)
 MICROBATCHES = flags.DEFINE_integer(
     "microbatches",
     1,
@@ -64,36 +138,26 @@ EP_CHUNKS = flags.DEFINE_integer(
     "factor, and the scheduler may overlap one chunk's exchange with "
     "another's expert GEMMs.",
 )
-SEQ_LEN = flags.DEFINE_integer(
-    "seq_len",
-    None,
-    "Tokens (bytes) per sequence, >= 1 (preset default if unset).",
+# The sampler reads seq_len + 1 bytes: one next-byte target per input.
+SEQ_LEN = _preset_int("seq_len", "Tokens (bytes) per sequence", low=1)
+LEARNING_RATE = _preset_float(
+    "learning_rate", "Peak AdamW learning rate", zero_ok=False
 )
-LEARNING_RATE = flags.DEFINE_float(
-    "learning_rate", None, "Peak AdamW learning rate, > 0 (preset default)."
+WARMUP_STEPS = _preset_int("warmup_steps", "Linear warmup steps", low=0)
+WEIGHT_DECAY = _preset_float("weight_decay", "AdamW weight decay", zero_ok=True)
+GRAD_CLIP = _preset_float(
+    "grad_clip", "Global gradient-norm clip", zero_ok=False
 )
-WARMUP_STEPS = flags.DEFINE_integer(
-    "warmup_steps", None, "Linear warmup steps, >= 0 (preset default)."
-)
-WEIGHT_DECAY = flags.DEFINE_float(
-    "weight_decay", None, "AdamW weight decay, >= 0 (preset default)."
-)
-GRAD_CLIP = flags.DEFINE_float(
-    "grad_clip", None, "Global gradient-norm clip, > 0 (preset default)."
-)
-BIAS_UPDATE_RATE = flags.DEFINE_float(
+BIAS_UPDATE_RATE = _preset_float(
     "bias_update_rate",
-    None,
-    "Step of the aux-loss-free correction-bias rule (sigmoid presets), "
-    ">= 0 (preset default).",
+    "Step of the aux-loss-free correction-bias rule (sigmoid presets)",
+    zero_ok=True,
 )
-AUX_LOSS_WEIGHT = flags.DEFINE_float(
-    "aux_loss_weight",
-    None,
-    "Weight of the load-balancing loss, >= 0 (preset default).",
+AUX_LOSS_WEIGHT = _preset_float(
+    "aux_loss_weight", "Weight of the load-balancing loss", zero_ok=True
 )
-Z_LOSS_WEIGHT = flags.DEFINE_float(
-    "z_loss_weight", None, "Weight of the router z-loss, >= 0 (preset default)."
+Z_LOSS_WEIGHT = _preset_float(
+    "z_loss_weight", "Weight of the router z-loss", zero_ok=True
 )
 SEED = flags.DEFINE_integer(
     "seed", 0, "Initialisation and data-order seed, in [0, 2**63 - 1]."
@@ -268,24 +332,12 @@ PROGRESS = flags.DEFINE_bool(
 )
 PLOT = flags.DEFINE_bool("plot", True, "Write training.png at the end.")
 
-# --- Flag checks --------------------------------------------------------------
-# absl runs these as it parses the command line: a bad value ends the program
-# with one line per bad flag (and exit status 1) before JAX sets up a device
-# or compiles anything. Setting a flag in code (flagsaver) runs them too.
-
-# The largest seed nnx.Rngs and jax.random.key accept (a C long).
-_MAX_SEED = 2**63 - 1
-
-# (flag, smallest value, largest value or None): the integer flags.
+# (flag, smallest value, largest value or None): the integer flags that
+# are not preset values (those check themselves, `_preset_int`).
 _INT_RANGES = (
-    (STEPS, 1, None),
-    (BATCH_SIZE, 1, None),
     (MICROBATCHES, 1, None),
     (EP_CHUNKS, 1, None),
     (NUM_LAYERS, 1, None),
-    # The sampler reads seq_len + 1 bytes: one next-byte target per input.
-    (SEQ_LEN, 1, None),
-    (WARMUP_STEPS, 0, None),
     (SEED, 0, _MAX_SEED),
     (EVAL_EVERY, 1, None),
     (EVAL_BATCHES, 1, None),
@@ -294,72 +346,13 @@ _INT_RANGES = (
     (LOG_EVERY, 1, None),
 )
 
-# (flag, whether 0 is allowed): the float flags, all finite and not negative.
-_FLOAT_ZERO_ALLOWED = (
-    (LEARNING_RATE, False),
-    (WEIGHT_DECAY, True),
-    (GRAD_CLIP, False),
-    (BIAS_UPDATE_RATE, True),
-    (AUX_LOSS_WEIGHT, True),
-    (Z_LOSS_WEIGHT, True),
-)
 
-
-def _is_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_finite_number(value) -> bool:
-  return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _register_int_check(
-    holder: flags.FlagHolder, low: int, high: int | None
-) -> None:
-  """--name must be an int in [low, high]; None where None is the default."""
-  expected = f">= {low}" if high is None else f"in [{low}, {high}]"
-
-  def check(value) -> bool:
-    if value is None and holder.default is None:
-      return True  # The preset's value.
-    if not _is_int(value) or value < low or (high is not None and value > high):
-      raise flags.ValidationError(
-          f"--{holder.name} must be an int {expected}, got {value!r}."
-      )
-    return True
-
-  flags.register_validator(holder, check)
-
-
-def _register_float_check(holder: flags.FlagHolder, zero_ok: bool) -> None:
-  """--name must be finite and > 0 (>= 0 if zero_ok); None if the default."""
-  expected = ">= 0" if zero_ok else "> 0"
-
-  def check(value) -> bool:
-    if value is None and holder.default is None:
-      return True  # The preset's value.
-    # absl's float parser takes "nan" and "inf": refuse them here.
-    if (
-        not _is_finite_number(value)
-        or value < 0
-        or (value == 0 and not zero_ok)
-    ):
-      raise flags.ValidationError(
-          f"--{holder.name} must be a finite number {expected}, got {value!r}."
-      )
-    return True
-
-  flags.register_validator(holder, check)
-
-
-def _register_number_checks() -> None:
+def _register_int_checks() -> None:
   for holder, low, high in _INT_RANGES:
     _register_int_check(holder, low, high)
-  for holder, zero_ok in _FLOAT_ZERO_ALLOWED:
-    _register_float_check(holder, zero_ok)
 
 
-_register_number_checks()
+_register_int_checks()
 
 
 def _validator(check):

@@ -49,38 +49,34 @@ _SHARED_F = 40
 # The experts' latent width, for the families that project to one.
 _LATENT = 24
 
-# Set on a family's config when its default config has the attribute.
-_SMALL = dict(
-    hidden_size=D,
-    intermediate_size=F,
-    moe_intermediate_size=F,
-    num_experts=E,
-    num_local_experts=E,
-    n_routed_experts=E,
-    moe_num_experts=E,
-    num_experts_per_tok=K,
-    moe_topk=K,
-    moe_k=K,
-    top_k_experts=K,
-    n_shared_experts=1,
-    num_shared_experts=1,
-    moe_num_shared_experts=1,
-    shared_expert_intermediate_size=_SHARED_F,
-    shared_experts_intermediate_size=_SHARED_F,
-    shared_intermediate_size=_SHARED_F,
-    share_expert_dim=_SHARED_F,
-    expert_ffn_hidden_size=F,
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
-    route_scale=2.5,
-    router_scaling_factor=2.5,
-    moe_routed_scaling_factor=2.5,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=8,
-    hidden_act="silu",
-)
+# The small sizes, each under every name the families' configs give it;
+# set on a family's config when its default config has the attribute.
+_SMALL = {
+    name: value
+    for value, names in (
+        (D, "hidden_size"),
+        (F, "intermediate_size moe_intermediate_size expert_ffn_hidden_size"),
+        (E, "num_experts num_local_experts n_routed_experts moe_num_experts"),
+        (K, "num_experts_per_tok moe_topk moe_k top_k_experts"),
+        (1, "n_shared_experts num_shared_experts moe_num_shared_experts"),
+        (
+            _SHARED_F,
+            "shared_expert_intermediate_size shared_experts_intermediate_size "
+            "shared_intermediate_size share_expert_dim",
+        ),
+        (4, "n_group"),
+        (2, "topk_group"),
+        (
+            2.5,
+            "routed_scaling_factor route_scale router_scaling_factor "
+            "moe_routed_scaling_factor",
+        ),
+        (4, "num_attention_heads num_key_value_heads"),
+        (8, "head_dim"),
+        ("silu", "hidden_act"),
+    )
+    for name in names.split()
+}
 
 
 def dbrx_ffn_config(**settings) -> dict:

@@ -234,13 +234,21 @@ class Checkpointer:
           "uncompressed copy of the state, written before older checkpoints "
           f"are pruned) and the filesystem has {human(free)} free"
       )
-    intact = checkpoint_failures.what_is_intact(self.directory)
-    raise checkpoint_failures.CheckpointSaveError(
+    raise self._save_error(
+        step,
+        needed,
         f"cannot save the checkpoint of step {step} in {self.directory!r}: "
-        f"{where}. {intact}",
-        step=step,
-        directory=self.directory,
-        needed=needed,
+        f"{where}",
+    )
+
+  def _save_error(
+      self, step: int, needed: int, what: str
+  ) -> checkpoint_failures.CheckpointSaveError:
+    """The error of the save of `step` (`needed` bytes): `what` went wrong,
+    then what of the directory is still intact."""
+    intact = checkpoint_failures.what_is_intact(self.directory)
+    return checkpoint_failures.CheckpointSaveError(
+        f"{what}. {intact}", step=step, directory=self.directory, needed=needed
     )
 
   def _failed(self, error: BaseException):
@@ -266,13 +274,11 @@ class Checkpointer:
       )
     else:
       reason = checkpoint_failures.first_line(error)
-    intact = checkpoint_failures.what_is_intact(self.directory)
-    raise checkpoint_failures.CheckpointSaveError(
+    raise self._save_error(
+        step,
+        needed,
         f"the checkpoint of step {step} could not be written to "
-        f"{self.directory!r}: {reason}. {intact}",
-        step=step,
-        directory=self.directory,
-        needed=needed,
+        f"{self.directory!r}: {reason}",
     ) from error
 
   def _undo(self, step: int) -> None:

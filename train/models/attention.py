@@ -1,10 +1,30 @@
 """Causal softmax attention and rotary embeddings, the math of the model's
-attention layers (`layers.py`): functions of arrays, no parameters."""
+attention layers (`layers.py`, `sink_attention.py`, `gemma4.py`):
+functions of arrays, no parameters; and `set_head_sizes`, the head layout
+every grouped-query attention module records."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x @ w in x's dtype (w is cast), accumulated in float32."""
+  return jnp.dot(
+      x, w.astype(x.dtype), preferred_element_type=jnp.float32
+  ).astype(x.dtype)
+
+
+def set_head_sizes(module, cfg) -> tuple[int, int, int, int]:
+  """Records a `model_config.ModelConfig`'s head layout on an attention
+  module (`num_heads` H, `num_kv_heads` Hkv, `head_dim` d and
+  `rope_theta`) and returns (D, H, Hkv, d), the sizes its projections
+  are built from."""
+  d, h, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  module.num_heads, module.num_kv_heads, module.head_dim = h, hkv, hd
+  module.rope_theta = cfg.rope_theta
+  return d, h, hkv, hd
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -13,11 +33,27 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   Rotates the pairs (i, i + d/2), the layout of Llama, Qwen, Mixtral and
   the Hugging Face DeepSeek-V3 code.
   """
-  half = x.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  return rope_with_frequencies(
+      x, positions, rope_frequencies(x.shape[-1], theta)
+  )
+
+
+def rope_frequencies(head_dim: int, theta: float) -> jax.Array:
+  """RoPE's inverse frequencies [head_dim / 2]: pair i turns at
+  theta ** (-i / (head_dim / 2))."""
+  half = head_dim // 2
+  return theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+
+
+def rope_with_frequencies(
+    x: jax.Array, positions: jax.Array, freq: jax.Array, scale: float = 1.0
+) -> jax.Array:
+  """`rope`'s rotation of x [B, T, H, d] with the given frequencies
+  [d / 2] (pair i turns by positions * freq[i]), cos and sin multiplied by
+  `scale` (YaRN's attention scaling; 1 elsewhere)."""
   angle = positions.astype(jnp.float32)[:, None] * freq  # [T, d/2]
-  cos = jnp.cos(angle)[None, :, None, :]
-  sin = jnp.sin(angle)[None, :, None, :]
+  cos = (scale * jnp.cos(angle))[None, :, None, :]
+  sin = (scale * jnp.sin(angle))[None, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
@@ -40,7 +76,8 @@ def causal_attention(
 
   Sequences longer than `query_block` (and a multiple of it) run one block
   of queries at a time, each against every key, rematerialised in the
-  backward: the same softmax rows, with scores held for one block only.
+  backward (`in_query_blocks`): the same softmax rows, with scores held for
+  one block only.
 
   Args:
     q: [B, T, H, dq].
@@ -55,19 +92,46 @@ def causal_attention(
   Returns:
     [B, T, H, dv] in v's dtype; scores and softmax in float32.
   """
+  return in_query_blocks(
+      lambda q_rows, first_row: _attention_rows(
+          q_rows, k, v, first_row, chunk_size
+      ),
+      q,
+      query_block,
+  )
+
+
+def in_query_blocks(attend, q: jax.Array, query_block: int) -> jax.Array:
+  """attend(q_rows, first_row) over the queries q [B, T, H, dq], by blocks.
+
+  A sequence longer than `query_block` (and a multiple of it) runs one
+  block of queries at a time (`jax.lax.map`), each rematerialised in the
+  backward, so that only one block's scores are ever held; a shorter one
+  (or one not a multiple) runs as one block, attend(q, 0).
+
+  Args:
+    attend: (q_rows [B, Tq, H, dq], first_row) -> [B, Tq, H, dv], the
+      attention of the queries at rows first_row .. first_row + Tq - 1
+      (first_row traced inside the loop).
+    q: [B, T, H, dq].
+    query_block: queries per block.
+
+  Returns:
+    [B, T, H, dv], the blocks' outputs in row order.
+  """
   b, t, h, _ = q.shape
   if t <= query_block or t % query_block:
-    return _attention_rows(q, k, v, 0, chunk_size)
+    return attend(q, 0)
   blocks = t // query_block
   q_blocks = jnp.moveaxis(q.reshape(b, blocks, query_block, *q.shape[2:]), 1, 0)
 
   @jax.checkpoint
   def one_block(args):
     q_rows, index = args
-    return _attention_rows(q_rows, k, v, index * query_block, chunk_size)
+    return attend(q_rows, index * query_block)
 
   out = jax.lax.map(one_block, (q_blocks, jnp.arange(blocks)))
-  return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1])
+  return jnp.moveaxis(out, 0, 1).reshape(b, t, h, out.shape[-1])
 
 
 def _attention_rows(q, k, v, first_row, chunk_size=0) -> jax.Array:

@@ -381,22 +381,14 @@ class Attention(nnx.Module):
     return layers.matmul(low_rank.reshape(b, t, -1), self.wo_b[...])
 
 
-class Block(nnx.Module):
+class Block(layers.LayerBlock):
   """One DeepSeek-V4 layer on the streams; returns (streams, MoE stats).
 
   Called as `block(streams, LayerInputs(positions, token_ids))`, so that
   `moe_core.flax.call_block` runs it under a remat policy like any block.
   """
 
-  def __init__(
-      self,
-      cfg: model_config.ModelConfig,
-      layer: int,
-      *,
-      backend: str,
-      rngs: nnx.Rngs,
-      moe_mesh: dict | None = None,
-  ):
+  def build(self, cfg, layer, rngs, new_moe) -> None:
     self.is_moe = True
     self.hashed = layer < cfg.deepseek_v4.num_hash_layers
     self.attn_hc = HyperConnection(cfg, rngs=rngs)
@@ -404,12 +396,7 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, layer, rngs=rngs)
     self.mlp_hc = HyperConnection(cfg, rngs=rngs)
     self.mlp_norm = layers.RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    self.mlp = moe_flax.MoE(
-        deepseek_v4_config.layer_moe(cfg, layer),
-        backend=backend,
-        rngs=rngs,
-        **(moe_mesh or {}),
-    )
+    self.mlp = new_moe(deepseek_v4_config.layer_moe(cfg, layer))
 
   def __call__(self, streams: jax.Array, inputs: LayerInputs):
     post, comb, x = self.attn_hc(streams)

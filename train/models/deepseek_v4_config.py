@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import moe_core
+from train.models import field_checks
 
 # Per-layer attention: a 128-token sliding window only ("sliding"), plus
 # compressed-sparse entries (one per `csa_rate` tokens, chosen by an indexer:
@@ -79,24 +80,23 @@ class DeepseekV4Settings:
           f"deepseek_v4.layer_types entries must be one of {LAYER_TYPES}, "
           f"got {bad}."
       )
-    for name in (
-        "hc_mult",
-        "hc_sinkhorn_iters",
-        "rope_head_dim",
-        "o_groups",
-        "o_lora_rank",
-        "sliding_window",
-        "csa_rate",
-        "hca_rate",
-        "index_n_heads",
-        "index_head_dim",
-        "index_topk",
-    ):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"deepseek_v4.{name} must be an int >= 1, got {value!r}."
-        )
+    field_checks.check_positive_ints(
+        self,
+        "deepseek_v4",
+        (
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "rope_head_dim",
+            "o_groups",
+            "o_lora_rank",
+            "sliding_window",
+            "csa_rate",
+            "hca_rate",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+        ),
+    )
     if self.num_hash_layers < 0:
       raise ValueError(
           "deepseek_v4.num_hash_layers must be >= 0, got "

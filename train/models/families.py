@@ -8,7 +8,8 @@ it on; it is imported on first use, so the transformer names no family and
 the family's module imports the transformer's pieces (`layers.py`) freely.
 
 A family module provides:
-  Block(cfg, layer, *, backend, rngs, moe_mesh): its layer, called as
+  Block(cfg, layer, *, backend, rngs, moe_mesh): its layer (a
+    `layers.LayerBlock`, which gives that constructor), called as
     `block(x, positions) -> (x, moe stats or None)` (the stats of
     `layers.moe_stats`).
   add_modules(model, cfg, rngs) (optional): sets the modules the family

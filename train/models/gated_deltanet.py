@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from train.models import field_checks
+
 
 @dataclasses.dataclass(frozen=True)
 class DeltaNetConfig:
@@ -50,18 +52,17 @@ class DeltaNetConfig:
   conv_kernel: int = 4
 
   def __post_init__(self):
-    for name in (
-        "num_key_heads",
-        "num_value_heads",
-        "key_head_dim",
-        "value_head_dim",
-        "conv_kernel",
-    ):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(
-            f"DeltaNetConfig.{name} must be an int >= 1, got {value!r}."
-        )
+    field_checks.check_positive_ints(
+        self,
+        "DeltaNetConfig",
+        (
+            "num_key_heads",
+            "num_value_heads",
+            "key_head_dim",
+            "value_head_dim",
+            "conv_kernel",
+        ),
+    )
     if self.num_value_heads % self.num_key_heads:
       raise ValueError(
           "DeltaNetConfig.num_value_heads must be a multiple of "

@@ -18,18 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe_core import flax as moe_flax
 from train.models import attention as attention_lib
 from train.models import gemma4_layout
 from train.models import layers
 from train.models import model_config
-
-
-def _project(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x @ w in x's dtype (w cast), accumulated in float32."""
-  return jnp.dot(
-      x, w.astype(x.dtype), preferred_element_type=jnp.float32
-  ).astype(x.dtype)
 
 
 def unscaled_rms_norm(x: jax.Array, eps: float) -> jax.Array:
@@ -55,12 +47,7 @@ def proportional_rope(
   rotated = int(fraction * d // 2)
   pair = jnp.arange(half, dtype=jnp.float32)
   freq = jnp.where(pair < rotated, theta ** (-2.0 * pair / d), 0.0)
-  angle = positions.astype(jnp.float32)[:, None] * freq  # [T, d/2]
-  cos = jnp.cos(angle)[None, :, None, :]
-  sin = jnp.sin(angle)[None, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  return attention_lib.rope_with_frequencies(x, positions, freq)
 
 
 def windowed_attention(
@@ -75,7 +62,7 @@ def windowed_attention(
   Gemma 4 normalises queries and keys per head and multiplies their dot
   product by 1 (not head_dim ** -0.5). Sequences longer than `query_block`
   (and a multiple of it) run one block of queries at a time, rematerialised
-  in the backward, as `attention.causal_attention` does; a block then
+  in the backward (`attention.in_query_blocks`); a block then
   scores only the keys its window can reach (query_block + W - 1 of them),
   or every key without a window.
 
@@ -88,11 +75,9 @@ def windowed_attention(
   Returns:
     [B, T, H, d] in v's dtype.
   """
-  b, t, h, _ = q.shape
+  t = q.shape[1]
   if t <= query_block or t % query_block:
     return _attention_rows(q, k, v, window, 0, 0)
-  blocks = t // query_block
-  q_blocks = jnp.moveaxis(q.reshape(b, blocks, query_block, *q.shape[2:]), 1, 0)
   span = query_block + window - 1 if window else t
   if window:
     # W - 1 keys of padding in front: the block at row r reads padded keys
@@ -100,10 +85,7 @@ def windowed_attention(
     pad = [(0, 0), (window - 1, 0), (0, 0), (0, 0)]
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
 
-  @jax.checkpoint
-  def one_block(args):
-    q_rows, index = args
-    first_row = index * query_block
+  def attend(q_rows, first_row):
     if not window:
       return _attention_rows(q_rows, k, v, 0, first_row, 0)
     k_rows, v_rows = (
@@ -113,8 +95,7 @@ def windowed_attention(
         q_rows, k_rows, v_rows, window, first_row, first_row - window + 1
     )
 
-  out = jax.lax.map(one_block, (q_blocks, jnp.arange(blocks)))
-  return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1])
+  return attention_lib.in_query_blocks(attend, q, query_block)
 
 
 def _attention_rows(q, k, v, window: int, first_row, first_key) -> jax.Array:
@@ -182,10 +163,12 @@ class Gemma4Attention(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     b, t, _ = x.shape
     kv_shape = (b, t, self.num_kv_heads, self.head_dim)
-    q = _project(x, self.wq[...]).reshape(b, t, self.num_heads, -1)
-    keys = _project(x, self.wk[...]).reshape(kv_shape)
+    q = layers.matmul(x, self.wq[...]).reshape(b, t, self.num_heads, -1)
+    keys = layers.matmul(x, self.wk[...]).reshape(kv_shape)
     values = (
-        _project(x, self.wv[...]).reshape(kv_shape) if self.has_values else keys
+        layers.matmul(x, self.wv[...]).reshape(kv_shape)
+        if self.has_values
+        else keys
     )
     q = proportional_rope(
         self.q_norm(q), positions, self.rope_theta, self.rope_fraction
@@ -195,25 +178,17 @@ class Gemma4Attention(nnx.Module):
     )
     v = unscaled_rms_norm(values, self.eps)
     out = windowed_attention(q, k, v, self.window).reshape(b, t, -1)
-    return _project(out, self.wo[...])
+    return layers.matmul(out, self.wo[...])
 
 
-class GeGLU(nnx.Module):
+class GeGLU(layers.DenseMLP):
   """gelu_tanh(x @ w_gate) * (x @ w_up) @ w_down: [B, T, D] -> same."""
 
-  def __init__(self, hidden: int, ffn: int, *, rngs: nnx.Rngs):
-    self.w_gate = layers.weight(rngs.params(), (hidden, ffn))
-    self.w_up = layers.weight(rngs.params(), (hidden, ffn))
-    self.w_down = layers.weight(rngs.params(), (ffn, hidden))
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    gate = _project(x, self.w_gate[...]).astype(jnp.float32)
-    up = _project(x, self.w_up[...]).astype(jnp.float32)
-    hidden = jax.nn.gelu(gate, approximate=True) * up
-    return _project(hidden.astype(x.dtype), self.w_down[...])
+  def activation(self, gate: jax.Array) -> jax.Array:
+    return jax.nn.gelu(gate, approximate=True)
 
 
-class Gemma4Block(nnx.Module):
+class Gemma4Block(layers.LayerBlock):
   """A Gemma 4 MoE decoder layer: x [B, T, D] -> (x, MoE stats).
 
       x += post_attn_norm(attn(attn_norm(x)))
@@ -225,15 +200,7 @@ class Gemma4Block(nnx.Module):
   MoE blocks by that name); `dense_mlp` the GeGLU beside it.
   """
 
-  def __init__(
-      self,
-      cfg: model_config.ModelConfig,
-      layer: int,
-      *,
-      backend: str,
-      rngs: nnx.Rngs,
-      moe_mesh: dict | None = None,
-  ):
+  def build(self, cfg, layer, rngs, new_moe) -> None:
     d, eps = cfg.hidden_size, cfg.norm_eps
     self.is_moe = True
     self.attn_norm = layers.RMSNorm(d, eps)
@@ -242,9 +209,7 @@ class Gemma4Block(nnx.Module):
     self.mlp_norm = layers.RMSNorm(d, eps)
     self.dense_mlp = GeGLU(d, cfg.dense_ffn_size, rngs=rngs)
     self.post_dense_norm = layers.RMSNorm(d, eps)
-    self.mlp = moe_flax.MoE(
-        cfg.moe, backend=backend, rngs=rngs, **(moe_mesh or {})
-    )
+    self.mlp = new_moe(cfg.moe)
     self.post_moe_norm = layers.RMSNorm(d, eps)
     self.post_mlp_norm = layers.RMSNorm(d, eps)
 

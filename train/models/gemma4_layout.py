@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from train.models import field_checks
+
 _NORMS_PER_LAYER = 6  # input, post-attention, pre/post-FF, post-MLP, post-MoE
 
 
@@ -68,15 +70,16 @@ class Gemma4Layout:
   logit_softcap: float = 0.0
 
   def __post_init__(self):
-    for name in (
-        "sliding_window",
-        "global_every",
-        "global_head_dim",
-        "global_kv_heads",
-    ):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"gemma4.{name} must be an int >= 1, got {value!r}.")
+    field_checks.check_positive_ints(
+        self,
+        "gemma4",
+        (
+            "sliding_window",
+            "global_every",
+            "global_head_dim",
+            "global_kv_heads",
+        ),
+    )
     if self.global_head_dim % 2:
       raise ValueError(
           "gemma4.global_head_dim must be even (RoPE rotates pairs), got "

@@ -39,11 +39,9 @@ def weight(key, shape, fan_in=None):
   )
 
 
-def matmul(x, w):
-  """x @ w in x's dtype (w is cast), accumulated in float32."""
-  return jnp.dot(
-      x, w.astype(x.dtype), preferred_element_type=jnp.float32
-  ).astype(x.dtype)
+# x @ w in x's dtype, accumulated in float32: defined beside the attention
+# math, which sink_attention.py uses without importing this module.
+matmul = attention.matmul
 
 
 class RMSNorm(nnx.Module):
@@ -74,14 +72,7 @@ class Attention(nnx.Module):
       rngs: nnx.Rngs,
       use_rope: bool = True,
   ):
-    d, h, hkv, hd = (
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-    )
-    self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
-    self.rope_theta = cfg.rope_theta
+    d, h, hkv, hd = attention.set_head_sizes(self, cfg)
     self.qk_norm = cfg.qk_norm
     self.output_gate = cfg.attention_output_gate
     self.rotary_dim = cfg.rotary_dim
@@ -205,17 +196,26 @@ class LatentAttention(nnx.Module):
 
 
 class DenseMLP(nnx.Module):
-  """SwiGLU: silu(x @ w_gate) * (x @ w_up) @ w_down, [B,T,D] -> same."""
+  """SwiGLU: silu(x @ w_gate) * (x @ w_up) @ w_down, [B,T,D] -> same.
+
+  A gated MLP of another activation (Gemma 4's GeGLU) overrides
+  `activation`.
+  """
 
   def __init__(self, hidden: int, ffn: int, *, rngs: nnx.Rngs):
     self.w_gate = weight(rngs.params(), (hidden, ffn))
     self.w_up = weight(rngs.params(), (hidden, ffn))
     self.w_down = weight(rngs.params(), (ffn, hidden))
 
+  def activation(self, gate: jax.Array) -> jax.Array:
+    """The gate's activation, in float32."""
+    return jax.nn.silu(gate)
+
   def __call__(self, x: jax.Array) -> jax.Array:
     gate = matmul(x, self.w_gate[...]).astype(jnp.float32)
     up = matmul(x, self.w_up[...]).astype(jnp.float32)
-    return matmul((jax.nn.silu(gate) * up).astype(x.dtype), self.w_down[...])
+    hidden = self.activation(gate) * up
+    return matmul(hidden.astype(x.dtype), self.w_down[...])
 
 
 def moe_stats(aux: moe_core.MoEAux) -> dict[str, jax.Array]:
@@ -229,8 +229,21 @@ def moe_stats(aux: moe_core.MoEAux) -> dict[str, jax.Array]:
   }
 
 
-class Block(nnx.Module):
-  """Pre-norm block; returns (x, MoE stats or None for a dense MLP)."""
+class LayerBlock(nnx.Module):
+  """A layer as the model builds it: `Block(cfg, layer, *, backend, rngs,
+  moe_mesh)`, the constructor `families.py` asks of every family's layer.
+
+  A subclass builds its modules in `build`, where `new_moe(moe_cfg)` makes
+  an MoE block (`moe_core.flax.MoE`) on the model's backend and mesh.
+
+  Args:
+    cfg: the model config.
+    layer: the layer's index.
+    backend: the MoE backend name.
+    rngs: `nnx.Rngs` with a "params" stream, drawn in `build`'s order.
+    moe_mesh: None for one device, or the keyword arguments that put the
+      MoE block on a mesh (`transformer.LanguageModel`'s).
+  """
 
   def __init__(
       self,
@@ -241,6 +254,22 @@ class Block(nnx.Module):
       rngs: nnx.Rngs,
       moe_mesh: dict | None = None,
   ):
+    def new_moe(moe_cfg: moe_core.MoEConfig) -> moe_flax.MoE:
+      return moe_flax.MoE(
+          moe_cfg, backend=backend, rngs=rngs, **(moe_mesh or {})
+      )
+
+    self.build(cfg, layer, rngs, new_moe)
+
+  def build(self, cfg, layer, rngs, new_moe) -> None:
+    """Builds the layer's modules from the constructor's arguments."""
+    raise NotImplementedError
+
+
+class Block(LayerBlock):
+  """Pre-norm block; returns (x, MoE stats or None for a dense MLP)."""
+
+  def build(self, cfg, layer, rngs, new_moe) -> None:
     self.is_moe = cfg.is_moe_layer(layer)
     self.layer = layer
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -260,9 +289,7 @@ class Block(nnx.Module):
       self.attn = Attention(cfg, rngs=rngs, use_rope=cfg.uses_rope(layer))
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     if self.is_moe:
-      self.mlp = moe_flax.MoE(
-          cfg.moe, backend=backend, rngs=rngs, **(moe_mesh or {})
-      )
+      self.mlp = new_moe(cfg.moe)
     else:
       self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_ffn_size, rngs=rngs)
 

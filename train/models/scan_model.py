@@ -23,6 +23,7 @@ from moe_core import remat as moe_remat
 from train.models import families
 from train.models import layers
 from train.models import model_config
+from train.models import transformer
 
 
 class _KeySource:
@@ -170,7 +171,7 @@ def _period_family(cfg: model_config.ModelConfig):
   return family if hasattr(family, "ScanPeriod") else None
 
 
-class ScannedTransformer(nnx.Module):
+class ScannedTransformer(transformer.LanguageModel):
   """The language model with scanned layers: tokens [B, T] -> (logits, stats).
 
   Attributes: `embed`, `dense_layers` (a stacked `layers.Block` of the
@@ -180,29 +181,14 @@ class ScannedTransformer(nnx.Module):
   shape within a period and run under the remat policy together),
   `final_norm`, `head`.
 
-  Args: as `transformer.Transformer`'s. `stats` is the MoE layers'
+  Args: as `transformer.LanguageModel`'s. `stats` is the MoE layers'
   `moe_stats` stacked [L_moe, ...], or None for an all-dense model, as
   there.
   """
 
-  def __init__(
-      self,
-      cfg: model_config.ModelConfig,
-      *,
-      backend: str = "auto",
-      compute_dtype=jnp.bfloat16,
-      remat: str = "none",
-      rngs: nnx.Rngs,
-      moe_mesh: dict | None = None,
-  ):
-    moe_remat.check_policy_name(remat)
+  def add_layers(self, cfg, *, backend, rngs, moe_mesh) -> None:
+    """The dense layers' stack, then the MoE layers' (or the periods')."""
     check_scannable(cfg)
-    self.cfg = cfg
-    self.compute_dtype = compute_dtype
-    self.remat = remat
-    # The draws of `transformer.Transformer`, in its order: the embedding, the
-    # layers in turn, the head.
-    self.embed = layers.embedding(cfg, rngs)
     kwargs = {"backend": backend, "moe_mesh": moe_mesh}
     dense, moe = cfg.num_dense_layers, cfg.num_moe_layers
     self.dense_layers = (
@@ -221,11 +207,6 @@ class ScannedTransformer(nnx.Module):
     else:
       self.moe_layers = (
           stacked_block(cfg, dense, moe, rngs, **kwargs) if moe else None
-      )
-    self.final_norm = layers.RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    if not cfg.tie_embeddings:
-      self.head = layers.weight(
-          rngs.params(), (cfg.hidden_size, cfg.vocab_size)
       )
 
   def __call__(self, tokens: jax.Array):

@@ -33,7 +33,7 @@ def yarn_frequencies(
 ) -> tuple[jax.Array, float]:
   """(inverse frequencies [head_dim / 2], cos/sin scale) of YaRN RoPE."""
   half = head_dim // 2
-  base = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  base = attention.rope_frequencies(head_dim, theta)
 
   def dimension_of(turns):
     # The (fractional) pair index whose wavelength fits `turns` times in
@@ -55,17 +55,8 @@ def yarn_frequencies(
   return freq, 0.1 * math.log(yarn.factor) + 1.0
 
 
-def rope_with_frequencies(
-    x: jax.Array, positions: jax.Array, freq: jax.Array, scale: float
-) -> jax.Array:
-  """`attention.rope`'s rotation of x [B, T, H, d] with the given
-  frequencies [d / 2], cos and sin multiplied by `scale`."""
-  angle = positions.astype(jnp.float32)[:, None] * freq  # [T, d/2]
-  cos = (scale * jnp.cos(angle))[None, :, None, :]
-  sin = (scale * jnp.sin(angle))[None, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+# Kept under its old name: the rotation now lives in attention.py.
+rope_with_frequencies = attention.rope_with_frequencies
 
 
 def sink_attention(
@@ -79,7 +70,7 @@ def sink_attention(
   """Causal softmax attention with optional sinks and a sliding window.
 
   Long sequences (a multiple of `query_block`) run one block of queries at
-  a time, rematerialised in the backward, as `attention.causal_attention`.
+  a time, rematerialised in the backward (`attention.in_query_blocks`).
 
   Args:
     q: [B, T, H, d].
@@ -95,21 +86,13 @@ def sink_attention(
   Returns:
     [B, T, H, dv] in v's dtype; scores and softmax in float32.
   """
-  b, t, h, _ = q.shape
-  if t <= query_block or t % query_block:
-    return _sink_attention_rows(q, k, v, sinks, window, 0)
-  blocks = t // query_block
-  q_blocks = jnp.moveaxis(q.reshape(b, blocks, query_block, *q.shape[2:]), 1, 0)
-
-  @jax.checkpoint
-  def one_block(args):
-    q_rows, index = args
-    return _sink_attention_rows(
-        q_rows, k, v, sinks, window, index * query_block
-    )
-
-  out = jax.lax.map(one_block, (q_blocks, jnp.arange(blocks)))
-  return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1])
+  return attention.in_query_blocks(
+      lambda q_rows, first_row: _sink_attention_rows(
+          q_rows, k, v, sinks, window, first_row
+      ),
+      q,
+      query_block,
+  )
 
 
 def _sink_attention_rows(q, k, v, sinks, window, first_row) -> jax.Array:
@@ -144,13 +127,6 @@ def _sink_attention_rows(q, k, v, sinks, window, first_row) -> jax.Array:
   return out.reshape(b, tq, h, v.shape[-1]).astype(v.dtype)
 
 
-def _matmul(x, w):
-  """x @ w in x's dtype (w is cast), accumulated in float32."""
-  return jnp.dot(
-      x, w.astype(x.dtype), preferred_element_type=jnp.float32
-  ).astype(x.dtype)
-
-
 class SinkAttention(nnx.Module):
   """GPT-OSS's grouped-query attention: [B, T, D] -> [B, T, D].
 
@@ -166,14 +142,7 @@ class SinkAttention(nnx.Module):
       weight,
   ):
     """`weight(key, shape)` makes a projection (`layers.weight`)."""
-    d, h, hkv, hd = (
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-    )
-    self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
-    self.rope_theta = cfg.rope_theta
+    d, h, hkv, hd = attention.set_head_sizes(self, cfg)
     self.yarn = cfg.yarn
     # Static: the same for every layer, so a scanned stack can share it.
     self.windows = tuple(cfg.attention_window(i) for i in range(cfg.num_layers))
@@ -194,7 +163,7 @@ class SinkAttention(nnx.Module):
       self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
 
   def _project(self, x, w, bias_name):
-    y = _matmul(x, w[...])
+    y = attention.matmul(x, w[...])
     if self.has_bias:
       y = y + getattr(self, bias_name)[...].astype(y.dtype)
     return y
@@ -203,7 +172,7 @@ class SinkAttention(nnx.Module):
     if self.yarn is None:
       return attention.rope(x, positions, self.rope_theta)
     freq, scale = yarn_frequencies(self.head_dim, self.rope_theta, self.yarn)
-    return rope_with_frequencies(x, positions, freq, scale)
+    return attention.rope_with_frequencies(x, positions, freq, scale)
 
   def __call__(self, x: jax.Array, positions: jax.Array, layer) -> jax.Array:
     """x [B, T, D] at positions [T]; `layer` (int or traced) picks the

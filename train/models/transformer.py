@@ -20,17 +20,11 @@ from train.models import layers
 from train.models import model_config
 
 
-class Transformer(nnx.Module):
-  """The language model: tokens [B, T] int32 -> (logits [B, T, V], stats).
-
-      tokens [B, T]
-        -> embed -> blocks: x += attn(norm(x)); x += mlp(norm(x))
-        -> norm -> head -> logits [B, T, V] (float32)
-
-  Every layer is its own module, called in a Python loop (unrolled: compile
-  time grows with depth; `scan_model.py` scans them instead). `stats` is
-  the MoE layers' `layers.moe_stats` stacked in layer order, [L_moe, ...]
-  (`layers.stack_stats`), or None for an all-dense model.
+class LanguageModel(nnx.Module):
+  """What `Transformer` and `scan_model.ScannedTransformer` share: the
+  constructor, which draws the embedding, then the layers (`add_layers`,
+  each form's own), then the head, so that both forms get the same values
+  from the same seed; the final norm and the head.
 
   Args:
     cfg: the model config.
@@ -59,6 +53,37 @@ class Transformer(nnx.Module):
     self.compute_dtype = compute_dtype
     self.remat = remat
     self.embed = layers.embedding(cfg, rngs)
+    self.add_layers(cfg, backend=backend, rngs=rngs, moe_mesh=moe_mesh)
+    self.final_norm = layers.RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    if not cfg.tie_embeddings:
+      self.head = layers.weight(
+          rngs.params(), (cfg.hidden_size, cfg.vocab_size)
+      )
+
+  def add_layers(self, cfg, *, backend, rngs, moe_mesh) -> None:
+    """Builds the layers between the embedding and the final norm, from
+    the constructor's arguments."""
+    raise NotImplementedError
+
+
+class Transformer(LanguageModel):
+  """The language model: tokens [B, T] int32 -> (logits [B, T, V], stats).
+
+      tokens [B, T]
+        -> embed -> blocks: x += attn(norm(x)); x += mlp(norm(x))
+        -> norm -> head -> logits [B, T, V] (float32)
+
+  Every layer is its own module, called in a Python loop (unrolled: compile
+  time grows with depth; `scan_model.py` scans them instead). `stats` is
+  the MoE layers' `layers.moe_stats` stacked in layer order, [L_moe, ...]
+  (`layers.stack_stats`), or None for an all-dense model.
+
+  Args: as `LanguageModel`'s.
+  """
+
+  def add_layers(self, cfg, *, backend, rngs, moe_mesh) -> None:
+    """One block per layer (`blocks`), the family's own where it has one;
+    then whatever else the family adds."""
     # nnx.List (flax >= 0.12) marks a list of sub-modules as graph nodes;
     # older flax takes a plain list.
     module_list = getattr(nnx, "List", list)
@@ -72,11 +97,6 @@ class Transformer(nnx.Module):
     )
     if family is not None and hasattr(family, "add_modules"):
       family.add_modules(self, cfg, rngs)  # DeepSeek-V4: its hyper-head.
-    self.final_norm = layers.RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    if not cfg.tie_embeddings:
-      self.head = layers.weight(
-          rngs.params(), (cfg.hidden_size, cfg.vocab_size)
-      )
 
   def __call__(self, tokens: jax.Array):
     family = families.of(self.cfg)

@@ -167,6 +167,26 @@ def initialize(spec: process_spec.ProcessSpec | None) -> None:
   _joined = spec
 
 
+def join_on_cpu_devices(local_devices: int) -> None:
+  """A test worker's start: JAX on `local_devices` simulated CPU devices
+  in this process, then `initialize` with the run that process_spec's
+  flags (parsed by now) describe.
+
+  Must run before JAX starts. Replaces any device count XLA_FLAGS already
+  gives (its other flags stay) and selects the CPU unless JAX_PLATFORMS
+  names a platform.
+  """
+  count_flag = "--xla_force_host_platform_device_count"
+  kept = [
+      flag
+      for flag in os.environ.get("XLA_FLAGS", "").split()
+      if not flag.startswith(count_flag)
+  ]
+  os.environ["XLA_FLAGS"] = " ".join(kept + [f"{count_flag}={local_devices}"])
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  initialize(process_spec.spec_from_flags())
+
+
 def process_index() -> int:
   """This process's id in the run (0 for a single process)."""
   import jax  # pylint: disable=g-import-not-at-top

@@ -33,7 +33,6 @@ if _ROOT not in sys.path:
 
 # pylint: disable=g-import-not-at-top
 from train.parallel import distributed  # noqa: E402
-from train.parallel import process_spec  # noqa: E402
 
 # pylint: enable=g-import-not-at-top
 
@@ -99,18 +98,7 @@ def _collectives(num_devices):
 
 def main(argv):
   del argv
-  # Before JAX starts: this process's own device count.
-  kept = [
-      flag
-      for flag in os.environ.get("XLA_FLAGS", "").split()
-      if not flag.startswith("--xla_force_host_platform_device_count")
-  ]
-  os.environ["XLA_FLAGS"] = " ".join(
-      kept + [f"--xla_force_host_platform_device_count={_LOCAL_DEVICES.value}"]
-  )
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  spec = process_spec.spec_from_flags()
-  distributed.initialize(spec)
+  distributed.join_on_cpu_devices(_LOCAL_DEVICES.value)
   import jax  # pylint: disable=g-import-not-at-top
 
   print(

@@ -52,15 +52,15 @@ def _gemma4_preset(
 ) -> rows.Preset:
   """A preset of this family (a row of `PRESETS`): the model's name and
   dims (vocabulary, D, layers, heads, KV heads, head dim); its sizes:
-  (experts, top-k, expert width F), the dense MLP's width, (sliding window,
-  a global layer every how many, the global layers' head dim and KV
-  heads); then `rows.preset_row`'s `rest` (published counts include the
-  input embedding). All share per-head QK-norm, tied embeddings, global
-  layers with keys as values and RoPE (theta 1e6) on a quarter of the
-  pairs, logits soft-capped at 30, RoPE theta 1e4 and RMSNorm epsilon 1e-6
-  (as released)."""
+  (experts, top-k, expert width F), the dense MLP's width, the first
+  fields of its `Gemma4Layout` (sliding window, a global layer every how
+  many, the global layers' head dim and KV heads); then
+  `rows.preset_row`'s `rest` (published counts include the input
+  embedding). All share per-head QK-norm, tied embeddings, global layers
+  with keys as values and RoPE (theta 1e6) on a quarter of the pairs,
+  logits soft-capped at 30, RoPE theta 1e4 and RMSNorm epsilon 1e-6 (as
+  released)."""
   moe_sizes, dense_ffn_size, layout = sizes
-  sliding_window, global_every, global_head_dim, global_kv_heads = layout
   return rows.preset_row(
       rows.row_model(
           name_dims,
@@ -71,10 +71,7 @@ def _gemma4_preset(
           rope_theta=10000.0,
           norm_eps=1e-6,
           gemma4=gemma4_layout.Gemma4Layout(
-              sliding_window=sliding_window,
-              global_every=global_every,
-              global_head_dim=global_head_dim,
-              global_kv_heads=global_kv_heads,
+              *layout,
               global_k_eq_v=True,
               global_rope_theta=1e6,
               global_rope_fraction=0.25,

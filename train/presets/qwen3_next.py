@@ -43,15 +43,14 @@ def _qwen3_next_preset(
 ) -> rows.Preset:
   """A preset of this family (a row of `PRESETS`): the model's name and
   dims (vocabulary, D, layers, heads, KV heads, head dim); its sizes:
-  (experts, top-k, expert width F, shared expert width), Gated DeltaNet's
-  (key heads, value heads, key head dim, value head dim), a gated attention
-  layer every how many; its other `ModelConfig` fields; then
-  `rows.preset_row`'s `rest` (published counts leave out the input
-  embedding and the head: Qwen's 'non-embedding'). All share per-head
-  QK-norm, the attention output gate, RoPE on a quarter of each head and
-  DeltaNet's convolution of 4."""
+  (experts, top-k, expert width F, shared expert width), the first fields
+  of its Gated DeltaNet's `DeltaNetConfig` (key heads, value heads, key
+  head dim, value head dim), a gated attention layer every how many; its
+  other `ModelConfig` fields; then `rows.preset_row`'s `rest` (published
+  counts leave out the input embedding and the head: Qwen's
+  'non-embedding'). All share per-head QK-norm, the attention output gate,
+  RoPE on a quarter of each head and DeltaNet's convolution of 4."""
   moe_sizes, linear, every = sizes
-  key_heads, value_heads, key_head_dim, value_head_dim = linear
   return rows.preset_row(
       rows.row_model(
           name_dims,
@@ -60,11 +59,7 @@ def _qwen3_next_preset(
           attention_output_gate=True,
           partial_rotary_factor=0.25,
           linear_attention=gated_deltanet.DeltaNetConfig(
-              num_key_heads=key_heads,
-              num_value_heads=value_heads,
-              key_head_dim=key_head_dim,
-              value_head_dim=value_head_dim,
-              conv_kernel=4,
+              *linear, conv_kernel=4
           ),
           full_attention_interval=every,
           **fields,

@@ -68,6 +68,20 @@ def analytic_bytes_per_device(run) -> float:
   return device_bytes(run_memory_per_device(run))
 
 
+def memory_remedies(run, mesh_note: str = "") -> str:
+  """The sentence that ends an out-of-memory error: the flags that lower
+  a `RunConfig`'s memory per device, each with its value ("Lower it with
+  --batch_size (now 16), ... or more devices on --mesh (now data=1)."),
+  `mesh_note` added inside --mesh's parenthesis; --remat=full only where
+  the run does not already use it."""
+  remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
+  return (
+      f"Lower it with --batch_size (now {run.batch_size}), --microbatches "
+      f"(now {run.microbatches}), --seq_len (now {run.seq_len}){remat}, or "
+      f"more devices on --mesh (now {run.mesh}{mesh_note})."
+  )
+
+
 def compiled_memory_line(memory, analytic: float) -> str:
   """One line: XLA's figures for the compiled train step beside the
   analytic estimate.

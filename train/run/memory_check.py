@@ -80,14 +80,11 @@ def check(
   if memory.total <= limit_bytes:
     return f"memory: the step needs {need} per device of {have}"
   analytic = cost_report.analytic_bytes_per_device(run)
-  remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
   raise StepDoesNotFitError(
       f"--model={run.model.name} does not fit: its compiled train step needs "
       f"{need} per device (XLA memory_analysis: arguments "
       f"{cost_report.human_bytes(memory.arguments)}, temporaries "
       f"{cost_report.human_bytes(memory.temporaries)}; the analytic estimate "
       f"is {cost_report.human_bytes(analytic)}), more than the {have} a "
-      f"device has. Lower it with --batch_size (now {run.batch_size}), "
-      f"--microbatches (now {run.microbatches}), --seq_len (now "
-      f"{run.seq_len}){remat}, or more devices on --mesh (now {run.mesh})."
+      f"device has. {cost_report.memory_remedies(run)}"
   )

@@ -32,7 +32,6 @@ if _ROOT not in sys.path:
 
 # pylint: disable=g-import-not-at-top
 from train.parallel import distributed  # noqa: E402
-from train.parallel import process_spec  # noqa: E402
 
 # pylint: enable=g-import-not-at-top
 
@@ -43,16 +42,7 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "The run's directory.")
 
 def main(argv):
   del argv
-  kept = [
-      flag
-      for flag in os.environ.get("XLA_FLAGS", "").split()
-      if not flag.startswith("--xla_force_host_platform_device_count")
-  ]
-  os.environ["XLA_FLAGS"] = " ".join(
-      kept + ["--xla_force_host_platform_device_count=1"]
-  )
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  distributed.initialize(process_spec.spec_from_flags())
+  distributed.join_on_cpu_devices(1)
   # pylint: disable=g-import-not-at-top
   import jax
   from train.checkpoints import output_lock

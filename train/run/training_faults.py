@@ -76,13 +76,13 @@ def out_of_memory_error(
         f"the analytic estimate is {cost_report.human_bytes(analytic)} per "
         "device (--dry_run also prints XLA's figure for the compiled step)"
     )
-  remat = "" if run.remat == "full" else f", --remat=full (now {run.remat})"
+  remedies = cost_report.memory_remedies(
+      run,
+      "; fsdp, expert and tensor split the weights, data, fsdp and expert "
+      "the batch",
+  )
   return OutOfMemoryError(
-      f"out of device memory {when} ({said}); {estimate}. Lower it with "
-      f"--batch_size (now {run.batch_size}), --microbatches (now "
-      f"{run.microbatches}), --seq_len (now {run.seq_len})"
-      f"{remat}, or more devices on --mesh (now {run.mesh}; fsdp, expert "
-      "and tensor split the weights, data, fsdp and expert the batch)."
+      f"out of device memory {when} ({said}); {estimate}. {remedies}"
   )
 
 
