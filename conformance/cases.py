@@ -248,10 +248,14 @@ class LayerCase:
     return math.prod(self.batch_shape)
 
 
-def _cfg(**changes) -> moe_core.MoEConfig:
+def layer_config(**changes) -> moe_core.MoEConfig:
+  """The suite's small layer (8 experts, top 2, D 32, F 48) with `changes`."""
   base = dict(num_experts=8, top_k=2, hidden_size=32, expert_ffn_size=48)
   base.update(changes)
   return moe_core.MoEConfig(**base)
+
+
+_cfg = layer_config  # Short, for the tables below.
 
 
 _SHARED_GATED_CFG = _cfg(shared_ffn_size=24, shared_expert_gate=True)

@@ -38,14 +38,17 @@ class LayerSuite(base.BackendTestCase):
   def test_aux_fields_match_contract_and_reference(self, case):
     self.assertAuxMatchesReference(case, self.run_layer(case))
 
-  @_named(cases.FFN_VARIANTS)
-  def test_ffn_variant_matches_reference(self, case):
+  # The variants of the router (cases.ROUTING_VARIANTS) and of the expert
+  # FFN (cases.FFN_VARIANTS) make the same two claims.
+  @_named(cases.ROUTING_VARIANTS + cases.FFN_VARIANTS)
+  def test_variant_matches_reference(self, case):
     self.assertLayerMatchesReference(case)
 
-  @_named(cases.FFN_VARIANTS)
-  def test_ffn_variant_matches_per_token_math(self, case):
+  @_named(cases.ROUTING_VARIANTS + cases.FFN_VARIANTS)
+  def test_variant_matches_per_token_math(self, case):
     # Every backend, the oracle included, against the numpy formulas of
-    # conformance/oracles.py (activation, clamp, biases, weights on input).
+    # conformance/oracles.py (the router's choice and weights; activation,
+    # clamp, biases, weights on input), all tokens kept.
     self.assertDroplessMatchesPerTokenMath(case)
 
   @_named(cases.LAYER_GRAD_CASES)

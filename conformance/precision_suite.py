@@ -21,7 +21,6 @@ from conformance import base
 from conformance import cases
 from conformance import tolerances
 import moe_core
-from moe_core import config as config_lib
 from moe_core import precision
 
 RECIPES = precision.QUANTIZED_RECIPES
@@ -225,13 +224,8 @@ class PrecisionSuite(base.BackendTestCase):
     one term of a D- or F-wide sum, well under 2^-6 of the output's size."""
     self.skip_unless_computes(jnp.float32)  # x below is float32.
     self.skip_unless_quantizes(recipe)
-    cfg = config_lib.MoEConfig(
-        num_experts=8,
-        top_k=2,
-        hidden_size=64,
-        expert_ffn_size=48,
-        shared_ffn_size=32,
-        precision=recipe,
+    cfg = cases.layer_config(
+        hidden_size=64, shared_ffn_size=32, precision=recipe
     )
     params = moe_core.init_params(jax.random.key(1), cfg)
     x = jax.random.normal(jax.random.key(2), (37, cfg.hidden_size))
