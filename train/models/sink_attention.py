@@ -55,10 +55,6 @@ def yarn_frequencies(
   return freq, 0.1 * math.log(yarn.factor) + 1.0
 
 
-# Kept under its old name: the rotation now lives in attention.py.
-rope_with_frequencies = attention.rope_with_frequencies
-
-
 def sink_attention(
     q: jax.Array,
     k: jax.Array,
