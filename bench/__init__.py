@@ -1,9 +1,7 @@
-"""Benchmarks and the GPU check."""
+"""Benchmarks and the GPU and TPU checks."""
 
-import os
+from train import platforms
 
-# The legs carry JAX's CUDA plugin (to compile for GPUs from any host,
-# moe_core.aot); where no GPU is attached, JAX runs on the CPU without the
-# plugin's failing start-up check. Set before anything here imports jax.
-if not os.path.exists("/dev/nvidiactl"):
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Before anything here imports jax: the CPU without an accelerator, the TPU
+# on a TPU host (`platforms`).
+platforms.set_default_platforms()
