@@ -99,6 +99,22 @@ def _parse_args(argv):
       help="timing: a jax.profiler trace of a layer step in <out_dir>/profile",
   )
   p.add_argument(
+      "--layer_tiles",
+      default="",
+      help="timing: JSON {name: mosaic_tpu tiles option (fwd/dgrad/wgrad "
+      "dicts)}; each is timed as layer variant mosaic_tpu:<name>",
+  )
+  p.add_argument(
+      "--layer_variants",
+      default="xla,mosaic_tpu,megablox",
+      help="timing: the layer's variants besides dense_ffn and --layer_tiles",
+  )
+  p.add_argument(
+      "--timing_parts",
+      default="gemm,layer",
+      help="timing: the grouped GEMMs' passes, the layers, or both",
+  )
+  p.add_argument(
       "--sweep_impls",
       default="mosaic_tpu,megablox",
       help="whose tiles the sweep tries",
@@ -120,7 +136,7 @@ def _parse_args(argv):
       default=None,
       help="only the tests matching these unittest -k patterns",
   )
-  p.add_argument("--train_preset", default="tpu_1b")
+  p.add_argument("--train_preset", default="tpu_v5e_dsv3")
   p.add_argument("--train_steps", type=int, default=20)
   p.add_argument("--train_backends", default="mosaic_tpu,xla")
   p.add_argument(
@@ -158,16 +174,40 @@ def _git_commit() -> str | None:
     return os.environ["DROPLESS_COMMIT"]
   try:
     out = subprocess.run(
-        ["git", "rev-parse", "HEAD"],
+        ["git", "rev-parse", "--show-toplevel", "HEAD"],
         cwd=_REPO,
         capture_output=True,
         text=True,
         timeout=10,
         check=True,
     )
-    return out.stdout.strip()
   except Exception:  # pylint: disable=broad-except
     return None
+  top, commit = out.stdout.split()
+  # Outside a checkout of its own, git answers for a repository around the
+  # folder, whose commit says nothing about this tree.
+  if os.path.realpath(top) != os.path.realpath(_REPO):
+    return None
+  return commit
+
+
+def _device_kind(env) -> str | None:
+  """The kind of the chip's first device, from a child that opens it (this
+  process never does); None if that fails."""
+  code = "import jax; print(jax.devices()[0].device_kind)"
+  try:
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+  except Exception:  # pylint: disable=broad-except
+    return None
+  lines = out.stdout.strip().splitlines()
+  return lines[-1] if lines else None
 
 
 def _installed(distribution: str) -> str | None:
@@ -586,6 +626,9 @@ def main(argv=None) -> int:
   }
   run = Run(args, argv, path, report, start + args.deadline_s)
   selected = [p for p in PHASES if p in args.phases.split(",")]
+  if not set(selected) & set(_CHILD_PHASES):
+    # The sweep's and timing's children record it; other phases' do not.
+    report["device"] = _device_kind(run.child_env())
   print(f"tpu_check: {selected} by {args.deadline_s:.0f} s into {path}")
   run.write()
   try:

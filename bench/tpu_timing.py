@@ -14,6 +14,7 @@ lines because it is the one module of what runs on the chip.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import traceback
@@ -77,6 +78,10 @@ class Context:
     )
     self.layers = tpu_gemm.DRY_LAYERS if self.dry else pick(tpu_gemm.LAYERS)
     self.sweep_impls = [i for i in args.sweep_impls.split(",") if i]
+    # name -> mosaic_tpu's `tiles` option (a TileConfig dict).
+    self.layer_tiles = json.loads(args.layer_tiles or "{}")
+    self.layer_variants = args.layer_variants.split(",")
+    self.timing_parts = args.timing_parts.split(",")
     self.profile_dir = (
         os.path.join(args.out_dir, "profile") if args.profile else None
     )
@@ -225,13 +230,17 @@ def timing_phase(ctx: Context) -> None:
   layer_rows = ctx.report.setdefault("layer", [])
   end = ctx.deadline
   ctx.deadline = time.time() + 0.6 * ctx.left()
-  for gemm in ctx.timed_gemms:
+  gemms = ctx.timed_gemms if "gemm" in ctx.timing_parts else ()
+  layers = ctx.layers if "layer" in ctx.timing_parts else ()
+  if not layers:
+    ctx.deadline = end
+  for gemm in gemms:
     if ctx.left() <= 0:
       rows.append({"workload": gemm.name, "skipped": "past the deadline"})
       continue
     _time_gemm(ctx, gemm, rows)
   ctx.deadline = end
-  for layer in ctx.layers:
+  for layer in layers:
     if ctx.left() <= 0:
       layer_rows.append(
           {"workload": layer.name, "skipped": "past the deadline"}
@@ -333,12 +342,25 @@ def _time_gemm(ctx, gemm, rows):
 
 
 def _layer_methods(ctx):
-  out = [("xla", moe_core.get_backend("xla"))]
   missing = tpu_gemm.our_status(interpret=ctx.dry)
-  out.append(
-      (tpu_gemm.OURS, missing or tpu_gemm.our_backend(interpret=ctx.dry))
-  )
-  out.append(("megablox", tpu_gemm.MegabloxBackend(interpret=ctx.dry)))
+  out = []
+  if "xla" in ctx.layer_variants:
+    out.append(("xla", moe_core.get_backend("xla")))
+  if tpu_gemm.OURS in ctx.layer_variants:
+    out.append(
+        (tpu_gemm.OURS, missing or tpu_gemm.our_backend(interpret=ctx.dry))
+    )
+  # --layer_tiles: mosaic_tpu again at each named TileConfig.
+  for name, tiles in ctx.layer_tiles.items():
+    options = {"tiles": tiles, **({"interpret": True} if ctx.dry else {})}
+    out.append(
+        (
+            f"{tpu_gemm.OURS}:{name}",
+            missing or moe_core.get_backend(tpu_gemm.OURS, **options),
+        )
+    )
+  if "megablox" in ctx.layer_variants:
+    out.append(("megablox", tpu_gemm.MegabloxBackend(interpret=ctx.dry)))
   return out
 
 

@@ -331,6 +331,12 @@ PROGRESS = flags.DEFINE_bool(
     "progress", True, "Show a progress bar on a terminal."
 )
 PLOT = flags.DEFINE_bool("plot", True, "Write training.png at the end.")
+PROFILE_DIR = flags.DEFINE_string(
+    "profile_dir",
+    "",
+    "Write a jax.profiler trace (with a Perfetto trace beside it) of three "
+    "steps after the warm-up (steps 6-8) into this directory.",
+)
 
 # (flag, smallest value, largest value or None): the integer flags that
 # are not preset values (those check themselves, `_preset_int`).

@@ -25,6 +25,21 @@ from train.run import report
 from train.run import step_log
 from train.run import training_faults
 
+# The steps `--profile_dir` traces: after the compile and a few warm-up
+# steps, so the trace holds steady-state steps only.
+PROFILE_STEPS = (6, 7, 8)
+
+
+def _profiles(run, step: int) -> int | None:
+  """`step` if `run.profile_dir` asks for its trace, else None; starts the
+  trace at the first of `PROFILE_STEPS` (the caller stops it after the
+  last)."""
+  if not run.profile_dir or step not in PROFILE_STEPS:
+    return None
+  if step == PROFILE_STEPS[0]:
+    jax.profiler.start_trace(run.profile_dir, create_perfetto_trace=True)
+  return step
+
 
 class TrainingLoop:
   """The loop of `trainer.Trainer`, which it is a base of (a Trainer's
@@ -131,6 +146,7 @@ class TrainingLoop:
     run = self.run
     position = self.sampler.state()
     batch = self._next_batch()
+    profiling = _profiles(run, self.step + 1)
     t0 = time.perf_counter()
     interrupted = None
     try:
@@ -141,6 +157,9 @@ class TrainingLoop:
       # The step did not happen: its batch must be drawn again.
       self.sampler.restore(position)
       raise
+    if profiling == PROFILE_STEPS[-1]:
+      jax.block_until_ready(metrics)
+      jax.profiler.stop_trace()
     record = step_log.log_step(
         self.history,
         run,

@@ -69,6 +69,8 @@ class RunConfig:
   resume: bool = _host_only(False)
   progress: bool = _host_only(True)
   plot: bool = _host_only(True)
+  # Where a jax.profiler trace of steps PROFILE_STEPS goes ("" for none).
+  profile_dir: str = _host_only("")
 
   def __post_init__(self):
     # The flags are checked as they are parsed (train/main.py); this catches
