@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_core import checks
+from moe_core import index_ops
 from moe_core import validation
 
 
@@ -115,8 +116,8 @@ def plan_unchecked(
   """`plan` on arguments a public entry point has validated."""
   keys, invalid = sort_keys(expert_ids, num_experts, kept)
   assignment = jnp.argsort(keys, stable=True).astype(jnp.int32)
-  # bincount(length=E) counts only the experts' keys.
-  group_sizes = jnp.bincount(keys, length=num_experts).astype(jnp.int32)
+  # Counts only the experts' keys (not those of dropped or invalid copies).
+  group_sizes = index_ops.count(keys, num_experts)
   return DispatchPlan(
       group_sizes=group_sizes,
       assignment=assignment,
@@ -161,10 +162,7 @@ def sort_keys(
 
 def inverse_permutation(assignment: jax.Array) -> jax.Array:
   """[M] int32 `position` of an [M] permutation: position[assignment[i]] = i."""
-  m = assignment.shape[0]
-  return (
-      jnp.zeros(m, jnp.int32).at[assignment].set(jnp.arange(m, dtype=jnp.int32))
-  )
+  return index_ops.inverse_permutation(assignment)
 
 
 def combine(

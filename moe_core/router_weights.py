@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_core import config as config_lib
+from moe_core import index_ops
 from moe_core import score_functions
 
 
@@ -25,7 +26,7 @@ def renormalised_weights(
   log w = log_sigmoid(l), which is l itself for l << 0; other elementwise
   scores have their registry's `log_scores`.
   """
-  chosen = jnp.take_along_axis(logits, expert_ids, axis=-1)
+  chosen = index_ops.pick(logits, expert_ids)
   if cfg.norm_topk_p != 1:
     return p_normalised(chosen, cfg)
   log_epsilon = None

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from moe_core import checks
 from moe_core import config as config_lib
+from moe_core import index_ops
 from moe_core import norms
 from moe_core import router_inputs
 from moe_core import router_weights
@@ -68,11 +69,7 @@ def select_experts(
     else:  # "sum_top2", DeepSeek-V3.
       group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
     _, best_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-    eligible = (
-        jnp.zeros((t, cfg.n_group), bool)
-        .at[jnp.arange(t)[:, None], best_groups]
-        .set(True)
-    )
+    eligible = index_ops.one_hot_rows(best_groups, cfg.n_group)
     eligible = jnp.repeat(eligible, cfg.experts_per_group, axis=1)
     choice = jnp.where(eligible, choice, -jnp.inf)
   _, expert_ids = jax.lax.top_k(choice, cfg.top_k)
@@ -203,7 +200,7 @@ def route_unchecked(x, router, cfg, correction_bias, **extras) -> MoEAux:
         scored.logits, expert_ids, cfg
     )
   else:
-    weights = jnp.take_along_axis(scored.scores, expert_ids, axis=-1)
+    weights = index_ops.pick(scored.scores, expert_ids)
   weights = weights * cfg.routed_scaling_factor
   return routing_aux.aux_from_choice(scored, expert_ids, weights, cfg)
 

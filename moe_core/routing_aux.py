@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from moe_core import checks
 from moe_core import config as config_lib
+from moe_core import index_ops
 
 
 @jax.tree_util.register_dataclass
@@ -115,10 +116,11 @@ def capacity_keep_mask(
     expert_ids = jnp.where(valid[:, None], expert_ids, num_experts)
   by_choice = expert_ids.T.reshape(-1)  # [K*T], choice-major priority order.
   order = jnp.argsort(by_choice, stable=True)
-  counts = jnp.bincount(by_choice, length=num_experts + 1)
+  counts = index_ops.count(by_choice, num_experts + 1)
   starts = jnp.cumsum(counts) - counts
   rank_sorted = (jnp.arange(t * k) - starts[by_choice[order]]).astype(jnp.int32)
-  rank = jnp.zeros(t * k, jnp.int32).at[order].set(rank_sorted)
+  # rank[order[i]] = rank_sorted[i], as a sort by order (no scatter).
+  rank = jax.lax.sort((order.astype(jnp.int32), rank_sorted), num_keys=1)[1]
   return ((rank < capacity) & (by_choice < num_experts)).reshape(k, t).T
 
 
@@ -158,9 +160,7 @@ def aux_from_choice(
 
   num_router_experts = cfg.num_router_experts  # E, plus any zero experts.
   valid_ids = jnp.where(valid[:, None], expert_ids, num_router_experts)
-  tokens_per_expert = jnp.bincount(
-      valid_ids.reshape(-1), length=num_router_experts
-  ).astype(jnp.int32)
+  tokens_per_expert = index_ops.count(valid_ids, num_router_experts)
   fraction = tokens_per_expert.astype(jnp.float32) / (num_tokens * cfg.top_k)
   load_balancing_loss = num_router_experts * jnp.sum(
       fraction * scored.probs.mean(axis=0)
