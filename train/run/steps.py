@@ -293,8 +293,16 @@ class Program:
         "invalid": stacked("invalid_assignments", (0,)),
         # Whether the step's state is all finite: a finite loss can come
         # with an update that overflows (a huge learning rate), and the
-        # trainer must not keep, let alone save, such a state.
-        "finite": ok & jnp.all(jnp.stack(_finite_flags(new_state))),
+        # trainer must not keep, let alone save, such a state. Only the
+        # parameters and biases can overflow from finite gradients: AdamW
+        # sees them clipped to a global norm of grad_clip (positive,
+        # finite), so its moments stay finite. Checking the moments too
+        # read 3 GB a step on tpu_v5e_dsv3 (16 ms of a 218 ms step on a
+        # v5e).
+        "finite": ok
+        & jnp.all(
+            jnp.stack(_finite_flags((new_state["params"], new_state["bias"])))
+        ),
     }
     return new_state, metrics
 
