@@ -1,8 +1,11 @@
 """DeepSeek-V3's presets: the tiny default, one TPU v5e chip's, and the
-671B (`tiny_dsv3`, `tpu_v5e_dsv3`, `deepseek_v3`).
+671B (`tiny_dsv3`, `tpu_v5e_dsv3` and its dense twin `tpu_v5e_dsv3_dense`,
+`deepseek_v3`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import moe_core
 from train.presets import rows
@@ -139,6 +142,39 @@ PRESETS = tuple(
     )
 )
 TINY_DSV3, TPU_V5E_DSV3, DEEPSEEK_V3 = PRESETS
+
+
+def dense_twin(preset: rows.Preset, name: str) -> rows.Preset:
+  """`preset`'s model with every layer a dense MLP of one width: the width
+  that gives the model the same active FFN FLOPs a token (each MoE layer's
+  K routed experts and its shared expert, each dense layer's MLP), rounded
+  to 128. The baseline an MoE training step is measured against."""
+  model = preset.model
+  moe = model.moe
+  moe_width = moe.top_k * moe.expert_ffn_size + moe.shared_ffn_size
+  total = (
+      model.num_moe_layers * moe_width
+      + model.num_dense_layers * model.dense_ffn_size
+  )
+  width = max(128, round(total / model.num_layers / 128) * 128)
+  return dataclasses.replace(
+      preset,
+      model=dataclasses.replace(
+          model, name=name, moe=None, dense_ffn_size=width
+      ),
+      description=(
+          f"{model.name}'s dense twin: the same model with every layer a "
+          f"dense MLP of width {width}, the same active FFN FLOPs a token "
+          f"(the baseline of {model.name}'s MoE step)."
+      ),
+      published=None,
+  )
+
+
+# tpu_v5e_dsv3 with 14 dense layers of width 1408 (13 MoE layers of 4 x 256
+# routed + 256 shared, and one dense layer of 3072, a layer on average).
+TPU_V5E_DSV3_DENSE = dense_twin(TPU_V5E_DSV3, "tpu_v5e_dsv3_dense")
+PRESETS = PRESETS + (TPU_V5E_DSV3_DENSE,)
 
 
 # The remat policy TPU_V5E_DSV3's description's memory estimate is for.

@@ -40,6 +40,23 @@ class TpuPresetTest(absltest.TestCase):
     for width in (model.hidden_size, moe.expert_ffn_size, model.head_dim):
       self.assertEqual(width % 128, 0, width)
 
+  def test_the_dense_twin_has_the_same_model_flops(self):
+    twin = presets.get_preset("tpu_v5e_dsv3_dense")
+    self.assertIsNone(twin.model.moe)
+    self.assertEqual(twin.train, _PRESET.train)
+    self.assertEqual(twin.model.dense_ffn_size % 128, 0)
+    # Attention, embeddings and layers as the MoE model's.
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
+      self.assertEqual(
+          getattr(twin.model, field), getattr(_PRESET.model, field), field
+      )
+    # The MoE model's routers (13 layers of [D, E] and their per-expert
+    # terms) are the only work the twin lacks: its width needs no rounding.
+    flops = lambda p: sizing.flops_per_token(p.model, _PRESET.train.seq_len)
+    moe, dense = flops(_PRESET)["train"], flops(twin)["train"]
+    router = 6 * 13 * _PRESET.model.hidden_size * _PRESET.model.moe.num_experts
+    self.assertBetween(moe - dense, router, 1.01 * router)
+
   def test_description_states_the_counts_sizing_gives(self):
     counts = sizing.param_counts(_PRESET.model)
     total, active = re.search(
