@@ -30,6 +30,9 @@ class GemmOperands:
     group_sizes: [E] int32, sum <= M.
     transpose_rhs: contract with weights[e].T (the dgrad layout).
     out_dtype: the result's dtype (resolved: never None).
+    poison: None, or (for a backend whose `poisons_in_kernels`) a bool
+      scalar: the given group sizes were bad, and every output, tangent and
+      cotangent of the GEMM must be all NaN (`grouped_matmul`'s `poison`).
   """
 
   rows: jax.Array
@@ -37,6 +40,7 @@ class GemmOperands:
   group_sizes: jax.Array
   transpose_rhs: bool
   out_dtype: jnp.dtype
+  poison: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

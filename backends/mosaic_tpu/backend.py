@@ -51,6 +51,8 @@ class MosaicTpuBackend(tile_backend.PermutingTileBackend):
   dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
       jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16)
   )
+  # Bad group sizes' NaN is written by the kernels (`kernels.gmm`'s poison).
+  poisons_in_kernels: ClassVar[bool] = True
   # Dispatch, combine and the routing weights in the down GEMM's epilogue
   # (dropless configs of the unquantised recipe): `PermutingTileBackend`'s,
   # gathers both ways on `ops.TpuPermutationKernels`.

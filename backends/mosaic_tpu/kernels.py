@@ -116,6 +116,27 @@ def _owned_chunks(tiles: tiling.Tiles, start, end, r0):
     yield c0, step, (start < r0 + c0 + step) & (end > r0 + c0)
 
 
+def _poison_scalars(poison) -> tuple[jax.Array, ...]:
+  """The poison flag as the kernels' extra scalar prefetch: () or an int32
+  [1] array."""
+  if poison is None:
+    return ()
+  return (jnp.asarray(poison, jnp.int32).reshape(1),)
+
+
+def _poisoned_array(poison, x: jax.Array) -> jax.Array:
+  """x, all NaN where the bool scalar `poison` (None: never) is set."""
+  if poison is None:
+    return x
+  return jnp.where(poison, jnp.asarray(jnp.nan, x.dtype), x)
+
+
+def _poisoned(poison_ref, values):
+  """values, each all NaN where the SMEM flag poison_ref[0] is set."""
+  bad = poison_ref[0] != 0
+  return [jnp.where(bad, jnp.asarray(jnp.nan, v.dtype), v) for v in values]
+
+
 def _grid_visits(visits: metadata.Visits, launch: Launch):
   if launch.dynamic_grid:
     return visits.count[0]
@@ -138,15 +159,18 @@ def _gmm_kernel(
     num_local,
     transpose_rhs,
     has_scale,
+    has_poison,
 ):
   """One visit x one column block x one K step of gmm.
 
-  refs: the visit list's four SMEM refs (`metadata.Visits.scalars`),
-  num_lhs row blocks [bm, bk], num_rhs weight blocks [bk, bn] ([bn, bk]
-  transposed), the row scales [bm, 1] if has_scale, the output blocks
-  [bm, bn], then (k_steps > 1) the float32 accumulators [bm, bn].
+  refs: the visit list's four SMEM refs (`metadata.Visits.scalars`), the
+  poison flag's [1] SMEM ref if has_poison, num_lhs row blocks [bm, bk],
+  num_rhs weight blocks [bk, bn] ([bn, bk] transposed), the row scales
+  [bm, 1] if has_scale, the output blocks [bm, bn], then (k_steps > 1) the
+  float32 accumulators [bm, bn].
   """
   visits, refs = metadata.Visits(*refs[:4], count=None), refs[4:]
+  poison_ref, refs = (refs[0], refs[1:]) if has_poison else (None, refs)
   lhs_refs = refs[:num_lhs]
   rhs_refs = refs[num_lhs : num_lhs + num_rhs]
   rest = refs[num_lhs + num_rhs :]
@@ -179,7 +203,10 @@ def _gmm_kernel(
   def store(c0, rows, mask, accs):
     if has_scale:
       accs = [acc * scale_ref[pl.ds(c0, rows), :] for acc in accs]
-    for o_ref, value in zip(out_refs, epilogue(accs)):
+    values = epilogue(accs)
+    if has_poison:
+      values = _poisoned(poison_ref, values)
+    for o_ref, value in zip(out_refs, values):
       block = o_ref.at[pl.ds(c0, rows), :]
       block[...] = jnp.where(mask, value.astype(o_ref.dtype), block[...])
 
@@ -214,7 +241,10 @@ def _gmm_kernel(
     def _(c0=c0, rows=rows, mask=mask):
       for o_ref in out_refs:
         block = o_ref.at[pl.ds(c0, rows), :]
-        block[...] = jnp.where(mask, jnp.zeros((), o_ref.dtype), block[...])
+        zeros = jnp.zeros((rows, block.shape[1]), o_ref.dtype)
+        if has_poison:
+          (zeros,) = _poisoned(poison_ref, [zeros])
+        block[...] = jnp.where(mask, zeros, block[...])
 
 
 def gmm(
@@ -231,6 +261,7 @@ def gmm(
     out_dtype=None,
     row_scale: jax.Array | None = None,
     group_offset: jax.Array | None = None,
+    poison: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """Grouped GEMMs over one visit list: acc[a] += lhs[l] @ rhs[r][group].
 
@@ -252,17 +283,20 @@ def gmm(
       [group_offset, group_offset + E) are computed against rhs[0:E], the
       others come out as zeros (expert parallelism with every group's rows
       present).
+    poison: bool scalar or None: when set, every output is written all NaN
+      (the outcome of bad group sizes; no pass over the outputs after).
 
   Returns:
     `num_outputs` arrays [M, N]; rows of no local group, and rows at or past
-    sum(group_sizes), are zeros.
+    sum(group_sizes), are zeros (NaN under `poison`).
   """
   m, k = lhs[0].shape
   num_local = rhs[0].shape[0]
   n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
   out_dtype = jnp.dtype(out_dtype or lhs[0].dtype)
   if m == 0 or n == 0 or k == 0 or num_local == 0:
-    return tuple(jnp.zeros((m, n), out_dtype) for _ in range(num_outputs))
+    zeros = jnp.zeros((m, n), out_dtype)
+    return tuple(_poisoned_array(poison, zeros) for _ in range(num_outputs))
   bm, bn = tiles.bm, tiles.bn
   bk = _round_up(k, tiling.LANE) if tiles.bk is None else tiles.bk
   mp, kp, np_ = _round_up(m, bm), _round_up(k, bk), _round_up(n, bn)
@@ -316,6 +350,7 @@ def gmm(
       num_local=num_local,
       transpose_rhs=transpose_rhs,
       has_scale=row_scale is not None,
+      has_poison=poison is not None,
   )
   scratch = []
   if k_steps > 1:
@@ -325,10 +360,11 @@ def gmm(
   bytes_accessed = (
       len(lhs) * m * k * (np_ // bn) + len(rhs) * num_local * k * n
   ) * itemsize + num_outputs * m * n * out_dtype.itemsize
+  prefetch = (*visits.scalars(), *_poison_scalars(poison))
   outs = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=4,
+          num_scalar_prefetch=len(prefetch),
           grid=(np_ // bn, _grid_visits(visits, launch), k_steps),
           in_specs=in_specs,
           out_specs=[pl.BlockSpec((bm, bn), rows_map)] * num_outputs,
@@ -345,21 +381,24 @@ def gmm(
           flops=flops, transcendentals=0, bytes_accessed=bytes_accessed
       ),
       name=GMM_NAME,
-  )(*visits.scalars(), *operands)
+  )(*prefetch, *operands)
   return tuple(o[:m, :n] for o in outs)
 
 
 # --- tgmm ---------------------------------------------------------------------
 
 
-def _tgmm_kernel(*refs, num_rhs, tiles):
+def _tgmm_kernel(*refs, num_rhs, tiles, has_poison):
   """One dW block x one visit: acc += lhs_rows^T @ rhs_rows of the group.
 
   refs: the visit list's four SMEM refs (`metadata.Visits.scalars`), the
-  row block [bm, bk], num_rhs row blocks [bm, bn], the output blocks
-  [bk, bn] of the visit's group, then the float32 accumulators [bk, bn].
+  poison flag's [1] SMEM ref if has_poison, the row block [bm, bk],
+  num_rhs row blocks [bm, bn], the output blocks [bk, bn] of the visit's
+  group, then the float32 accumulators [bk, bn].
   """
-  visits, (lhs_ref, *refs) = metadata.Visits(*refs[:4], count=None), refs[4:]
+  visits, refs = metadata.Visits(*refs[:4], count=None), refs[4:]
+  poison_ref, refs = (refs[0], refs[1:]) if has_poison else (None, refs)
+  lhs_ref, *refs = refs
   rhs_refs = refs[:num_rhs]
   out_refs = refs[num_rhs : 2 * num_rhs]
   acc_refs = refs[2 * num_rhs :]
@@ -396,8 +435,11 @@ def _tgmm_kernel(*refs, num_rhs, tiles):
 
   @pl.when((visit == num_visits - 1) | (after != segment))
   def _():
-    for out_ref, acc_ref in zip(out_refs, acc_refs):
-      out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+    values = [acc_ref[...] for acc_ref in acc_refs]
+    if has_poison:
+      values = _poisoned(poison_ref, values)
+    for out_ref, value in zip(out_refs, values):
+      out_ref[...] = value.astype(out_ref.dtype)
 
 
 def tgmm(
@@ -410,6 +452,7 @@ def tgmm(
     num_groups: int,
     out_dtype=None,
     group_offset: jax.Array | None = None,
+    poison: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """Per-group lhs_g^T @ rhs_g for each rhs: [M, A], [M, B] -> [E, A, B].
 
@@ -422,6 +465,7 @@ def tgmm(
     num_groups: E, the local groups: [group_offset, group_offset + E).
     out_dtype: the outputs' dtype (lhs's by default).
     group_offset: int32 scalar or None (0).
+    poison: bool scalar or None: when set, every block is written all NaN.
 
   Returns:
     one [E, A, B] per rhs; an empty group's block is zeros; rows at or past
@@ -431,9 +475,8 @@ def tgmm(
   b = rhs[0].shape[1]
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   if m == 0 or a == 0 or b == 0 or num_groups == 0:
-    return tuple(
-        jnp.zeros((num_groups, a, b), out_dtype) for _ in range(len(rhs))
-    )
+    zeros = jnp.zeros((num_groups, a, b), out_dtype)
+    return tuple(_poisoned_array(poison, zeros) for _ in range(len(rhs)))
   bm, ba, bb = tiles.bm, tiles.bk, tiles.bn
   mp, ap, bp = _round_up(m, bm), _round_up(a, ba), _round_up(b, bb)
   visits = metadata.visit_list(
@@ -444,12 +487,18 @@ def tgmm(
       group_offset=group_offset,
       num_local=num_groups,
   )
-  kernel = functools.partial(_tgmm_kernel, num_rhs=len(rhs), tiles=tiles)
+  kernel = functools.partial(
+      _tgmm_kernel,
+      num_rhs=len(rhs),
+      tiles=tiles,
+      has_poison=poison is not None,
+  )
+  prefetch = (*visits.scalars(), *_poison_scalars(poison))
   itemsize = jnp.dtype(lhs.dtype).itemsize
   outs = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=4,
+          num_scalar_prefetch=len(prefetch),
           grid=(ap // ba, bp // bb, _grid_visits(visits, launch)),
           in_specs=[pl.BlockSpec((bm, ba), lambda i, j, v, s, t, *_: (t[v], i))]
           + [
@@ -477,5 +526,5 @@ def tgmm(
           + len(rhs) * num_groups * a * b * out_dtype.itemsize,
       ),
       name=TGMM_NAME,
-  )(*visits.scalars(), _pad(lhs, (mp, ap)), *[_pad(x, (mp, bp)) for x in rhs])
+  )(*prefetch, _pad(lhs, (mp, ap)), *[_pad(x, (mp, bp)) for x in rhs])
   return tuple(o[:, :a, :b] for o in outs)

@@ -85,7 +85,7 @@ class Launch(interpret_lib.InterpretedLaunch):
         list(lhs), list(rhs), group_sizes, tiles=tiles, launch=launch, **options
     )
 
-  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+  def tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype, poison=None):
     """One `kernels.tgmm` call with the "wgrad" tiles."""
     launch = self.kernel_launch()
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
@@ -112,6 +112,7 @@ class Launch(interpret_lib.InterpretedLaunch):
         launch=launch,
         num_groups=num_groups,
         out_dtype=out_dtype,
+        poison=poison,
     )
 
 
@@ -152,9 +153,11 @@ def _gmm_call(
 class TpuKernels(tile_backend.LaunchKernels):
   """The gmm and tgmm kernels as `GroupedKernels`: products summed in one
   pass (gate and up read the rows once; their dX is one call, their dW one
-  tgmm with two outputs); `fused_gmm`'s `epilogue` fuses the activation."""
+  tgmm with two outputs); `fused_gmm`'s `epilogue` fuses the activation,
+  and both write NaN where `poison` is set (no pass over the outputs)."""
 
   launch: Launch
+  takes_poison: ClassVar[bool] = True
 
 
 # Gated activations the Mosaic TPU lowering computes on the accumulators,

@@ -18,7 +18,7 @@ share its binding of the kernels.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, ClassVar, NamedTuple, Sequence
 
 import jax
 from jax.interpreters import ad
@@ -55,6 +55,11 @@ class GroupedKernels:
   # fused_tgmm(lhs, rhs, group_sizes, *, num_groups, out_dtype) -> tuple:
   #   one lhs [M, A], rhs a sequence of [M, B_i]: out[i] = lhs_g^T rhs[i]_g.
   fused_tgmm: Callable[..., tuple[jax.Array, ...]] | None = None
+  # Whether fused_gmm and fused_tgmm also take `poison` (a bool scalar on
+  # the device: every output NaN when set), applied as they write their
+  # outputs; otherwise a poisoned call is poisoned after them, a pass over
+  # each output.
+  takes_poison: ClassVar[bool] = False
 
   def gmm(
       self,
@@ -109,11 +114,20 @@ class GroupedKernels:
     return out
 
   def gmm_products(
-      self, lhs, rhs, group_sizes, *, products, transpose_rhs, out_dtypes
+      self,
+      lhs,
+      rhs,
+      group_sizes,
+      *,
+      products,
+      transpose_rhs,
+      out_dtypes,
+      poison=None,
   ) -> tuple[jax.Array, ...]:
     """Each out[o] = the sum of its products: one `fused_gmm` call where
     the outputs share a dtype, else one `gmm` per product. The arguments
-    are `grouped_products`' for kind "gmm"."""
+    are `grouped_products`' for kind "gmm"; `poison` only where
+    `takes_poison` (a fused call then takes it)."""
     if self.fused_gmm is not None and len(set(out_dtypes)) == 1:
       return self.fused_gmm(
           tuple(lhs),
@@ -123,18 +137,29 @@ class GroupedKernels:
           transpose_rhs=transpose_rhs,
           num_outputs=len(out_dtypes),
           out_dtype=out_dtypes[0],
+          **_poison_option(poison),
       )
     one_product = functools.partial(self.gmm, transpose_rhs=transpose_rhs)
-    return _sum_products(
-        one_product, lhs, rhs, group_sizes, products, out_dtypes
+    return _poisoned(
+        _sum_products(one_product, lhs, rhs, group_sizes, products, out_dtypes),
+        poison,
     )
 
   def tgmm_products(
-      self, lhs, rhs, group_sizes, *, products, num_groups, out_dtypes
+      self,
+      lhs,
+      rhs,
+      group_sizes,
+      *,
+      products,
+      num_groups,
+      out_dtypes,
+      poison=None,
   ) -> tuple[jax.Array, ...]:
     """Each out[o] = the sum of its products: one `fused_tgmm` call where
     one lhs meets one rhs per output in one dtype, else one `tgmm` each.
-    The arguments are `grouped_products`' for kind "tgmm"."""
+    The arguments are `grouped_products`' for kind "tgmm"; `poison` as
+    `gmm_products`'."""
     by_output = sorted(products, key=lambda p: p[2])
     if (
         self.fused_tgmm is not None
@@ -148,11 +173,28 @@ class GroupedKernels:
           group_sizes,
           num_groups=num_groups,
           out_dtype=out_dtypes[0],
+          **_poison_option(poison),
       )
     one_product = functools.partial(self.tgmm, num_groups=num_groups)
-    return _sum_products(
-        one_product, lhs, rhs, group_sizes, products, out_dtypes
+    return _poisoned(
+        _sum_products(one_product, lhs, rhs, group_sizes, products, out_dtypes),
+        poison,
     )
+
+
+def _poisoned(outs, poison):
+  """Each output all NaN where the bool scalar `poison` is set (None: as
+  they are)."""
+  if poison is None:
+    return tuple(outs)
+  return tuple(
+      jnp.where(poison, jnp.asarray(jnp.nan, o.dtype), o) for o in outs
+  )
+
+
+def _poison_option(poison) -> dict:
+  """The fused kernels' keyword for `poison`: none when there is none."""
+  return {} if poison is None else {"poison": poison}
 
 
 def _sum_products(
@@ -186,10 +228,12 @@ def gmm(
     *,
     transpose_rhs: bool = False,
     out_dtype=None,
+    poison: jax.Array | None = None,
 ) -> jax.Array:
   """lhs [M, C] x rhs [E, C, N] ([E, N, C] transposed) -> [M, N].
 
   Rows at or past sum(group_sizes) come out zero and get zero gradient.
+  `poison` (a bool scalar, or None): see `grouped_products`.
   """
   return _single_product(
       "gmm",
@@ -199,6 +243,7 @@ def gmm(
       group_sizes,
       out_dtype,
       transpose_rhs=transpose_rhs,
+      poison=poison,
   )
 
 
@@ -250,6 +295,7 @@ def grouped_products(
     out_dtypes: Sequence,
     transpose_rhs: bool = False,
     num_groups: int | None = None,
+    poison: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """Sums of grouped products, one per output, in one differentiable call.
 
@@ -265,6 +311,12 @@ def grouped_products(
   sum(gs[:g+1])); gmm's rows at or past sum(group_sizes) come out zero, and
   tgmm leaves them unread. All operands share one dtype; there is one output
   per entry of `out_dtypes`, and every output has at least one product.
+
+  `poison`, a bool scalar on the device (or None), makes every output all
+  NaN when set, and every tangent and cotangent of the call too (the
+  derivatives are calls of this primitive with the same poison): the
+  documented outcome of bad group sizes, applied by the kernels as they
+  write where the backend's `takes_poison`, else after them.
   """
   lhs, rhs = tuple(lhs), tuple(rhs)
   num_groups = _num_groups(kind, rhs, transpose_rhs, num_groups)
@@ -301,8 +353,12 @@ def grouped_products(
       bool(transpose_rhs),
       num_groups,
       out_dtypes,
+      poison is not None,
   )
-  return tuple(params.bind(lhs + rhs + (group_sizes.astype(jnp.int32),)))
+  tail = (group_sizes.astype(jnp.int32),)
+  if poison is not None:
+    tail += (jnp.asarray(poison, bool).reshape(()),)
+  return tuple(params.bind(lhs + rhs + tail))
 
 
 def _num_groups(kind, rhs, transpose_rhs, num_groups) -> int:
@@ -335,10 +391,12 @@ class _Params(NamedTuple):
     kernels: the backend's `GroupedKernels`.
     kind: "gmm" or "tgmm".
     products: (lhs index, rhs index, output index) triples.
-    num_lhs: how many operands are lhs; the rhs follow, then group_sizes.
+    num_lhs: how many operands are lhs; the rhs follow, then group_sizes
+      (and the poison flag, when poisoned): the tail, not differentiated.
     transpose_rhs: gmm's rhs are [E, N, C].
     num_groups: E.
     out_dtypes: one per output.
+    poisoned: the last operand is the bool poison flag.
   """
 
   kernels: GroupedKernels
@@ -348,6 +406,7 @@ class _Params(NamedTuple):
   transpose_rhs: bool
   num_groups: int
   out_dtypes: tuple[np.dtype, ...]
+  poisoned: bool = False
 
   def bind(self, operands) -> list[jax.Array]:
     """The primitive on `operands`, made to share their mesh variance."""
@@ -355,19 +414,21 @@ class _Params(NamedTuple):
     return grouped_matmul_p.bind(*operands, **self._asdict())
 
 
-def _split(operands, num_lhs):
-  """(lhs, rhs, group_sizes) from the flat operand list."""
+def _split(operands, p: _Params):
+  """(lhs, rhs, tail) of the flat operand list: tail is (group_sizes,) or
+  (group_sizes, poison)."""
+  tail = 2 if p.poisoned else 1
   return (
-      tuple(operands[:num_lhs]),
-      tuple(operands[num_lhs:-1]),
-      operands[-1],
+      tuple(operands[: p.num_lhs]),
+      tuple(operands[p.num_lhs : -tail]),
+      tuple(operands[-tail:]),
   )
 
 
 def _out_shapes(avals, **params):
   """[(shape, dtype)] of each output, from the operands' shapes."""
   p = _Params(**params)
-  lhs, rhs, _ = _split(avals, p.num_lhs)
+  lhs, rhs, _ = _split(avals, p)
   shapes = [None] * len(p.out_dtypes)
   for l, r, o in p.products:
     if p.kind == "gmm":
@@ -387,7 +448,8 @@ def _out_shapes(avals, **params):
 def _call_kernels(*operands, **params):
   """The backend's kernels on the operands: what the primitive computes."""
   p = _Params(**params)
-  lhs, rhs, group_sizes = _split(operands, p.num_lhs)
+  lhs, rhs, (group_sizes, *poison) = _split(operands, p)
+  poison = poison[0] if poison else None
   if p.kind == "gmm":
     call = functools.partial(
         p.kernels.gmm_products, transpose_rhs=p.transpose_rhs
@@ -395,8 +457,15 @@ def _call_kernels(*operands, **params):
   else:
     call = functools.partial(p.kernels.tgmm_products, num_groups=p.num_groups)
   outs = call(
-      lhs, rhs, group_sizes, products=p.products, out_dtypes=p.out_dtypes
+      lhs,
+      rhs,
+      group_sizes,
+      products=p.products,
+      out_dtypes=p.out_dtypes,
+      **_poison_option(poison if p.kernels.takes_poison else None),
   )
+  if not p.kernels.takes_poison:
+    outs = _poisoned(outs, poison)
   return [out.astype(dtype) for out, dtype in zip(outs, p.out_dtypes)]
 
 
@@ -410,7 +479,7 @@ grouped_matmul_p = primitive.kernel_primitive(
 
 def _bind_terms(
     terms,
-    group_sizes,
+    tail,
     out_avals,
     *,
     kind,
@@ -423,7 +492,7 @@ def _bind_terms(
   Operands are cast to `compute_dtype`, the primal operands' (a cotangent
   arrives in its output's dtype, which may be wider). Outputs without a
   term are None. `params` are the differentiated call's `_Params`: its
-  kernels and num_groups carry over.
+  kernels, num_groups and poison carry over, with its `tail` operands.
   """
   if not terms:
     return [None] * len(out_avals)
@@ -446,7 +515,7 @@ def _bind_terms(
       num_lhs=len(lhs),
       transpose_rhs=transpose_rhs,
       out_dtypes=tuple(out_avals[o].dtype for o in used),
-  ).bind(tuple(x.astype(compute_dtype) for x in lhs + rhs) + (group_sizes,))
+  ).bind(tuple(x.astype(compute_dtype) for x in lhs + rhs) + tuple(tail))
   result = [None] * len(out_avals)
   for o, out in zip(used, outs):
     result[o] = out
@@ -455,8 +524,8 @@ def _bind_terms(
 
 def _jvp(primals, tangents, **params):
   params = _Params(**params)
-  lhs, rhs, group_sizes = _split(primals, params.num_lhs)
-  d_lhs, d_rhs, _ = _split(tangents, params.num_lhs)
+  lhs, rhs, tail = _split(primals, params)
+  d_lhs, d_rhs, _ = _split(tangents, params)
   out = grouped_matmul_p.bind(*primals, **params._asdict())
   # d(lhs @ rhs) = dlhs @ rhs + lhs @ drhs, both in one call (one float32
   # accumulation per output, as the fused kernels do it).
@@ -469,7 +538,7 @@ def _jvp(primals, tangents, **params):
   out_avals = [jax.typeof(x) for x in out]
   tangent = _bind_terms(
       terms,
-      group_sizes,
+      tail,
       out_avals,
       kind=params.kind,
       transpose_rhs=params.transpose_rhs,
@@ -495,7 +564,7 @@ def _transpose(cotangents, *operands, **params):
   """
   params = _Params(**params)
   kind, transposed = params.kind, params.transpose_rhs
-  lhs, rhs, group_sizes = _split(operands, params.num_lhs)
+  lhs, rhs, tail = _split(operands, params)
   lhs_terms, rhs_terms = [], []
   for l, r, o in params.products:
     ct = cotangents[o]
@@ -529,7 +598,7 @@ def _transpose(cotangents, *operands, **params):
   compute_dtype = lhs_avals[0].dtype
   ct_lhs = _bind_terms(
       lhs_terms,
-      group_sizes,
+      tail,
       lhs_avals,
       kind="gmm",
       transpose_rhs=(not transposed) if kind == "gmm" else True,
@@ -538,7 +607,7 @@ def _transpose(cotangents, *operands, **params):
   )
   ct_rhs = _bind_terms(
       rhs_terms,
-      group_sizes,
+      tail,
       rhs_avals,
       kind="tgmm" if kind == "gmm" else "gmm",
       transpose_rhs=False,
@@ -554,7 +623,7 @@ def _transpose(cotangents, *operands, **params):
           None if not ad.is_undefined_primal(x) else ct
           for x, ct in zip(rhs, ct_rhs)
       ),
-      None,
+      *(None for _ in tail),
   ]
 
 

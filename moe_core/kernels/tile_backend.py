@@ -45,7 +45,8 @@ class LaunchKernels(grouped_matmul.GroupedKernels):
 
   with kind "fwd" (weights [E, C, N]) or "dgrad" (transposed), the key of
   the tiles it picks; lhs and rhs come as lists. `fused_gmm`'s `epilogue`
-  (float32 accumulators -> outputs) fuses an activation.
+  (float32 accumulators -> outputs) fuses an activation; where the
+  subclass sets `takes_poison`, both also take `poison`.
   """
 
   launch: Any
@@ -60,9 +61,16 @@ class LaunchKernels(grouped_matmul.GroupedKernels):
         **options,
     )
 
-  def fused_tgmm(self, lhs, rhs, group_sizes, *, num_groups, out_dtype):
+  def fused_tgmm(
+      self, lhs, rhs, group_sizes, *, num_groups, out_dtype, **options
+  ):
     return self.launch.tgmm(
-        lhs, list(rhs), group_sizes, num_groups=num_groups, out_dtype=out_dtype
+        lhs,
+        list(rhs),
+        group_sizes,
+        num_groups=num_groups,
+        out_dtype=out_dtype,
+        **options,
     )
 
 
@@ -88,12 +96,21 @@ class TileOps:
     return self.grouped_gemm, self.gate_up, self.gated_gate_up
 
   def grouped_gemm(
-      self, rows, weights, group_sizes, transpose_rhs: bool, out_dtype, launch
+      self,
+      rows,
+      weights,
+      group_sizes,
+      transpose_rhs: bool,
+      out_dtype,
+      launch,
+      poison=None,
   ):
     """rows [M, C] x weights [E, C, N] ([E, N, C] transposed) -> [M, N].
 
     Rows past sum(group_sizes) come out as zeros and get zero gradient;
     differentiable in both directions (`moe_core.kernels.grouped_matmul`).
+    `poison`: a bool scalar making the output and the gradients NaN, or
+    None.
     """
     return grouped_matmul.gmm(
         self.kernels(launch),
@@ -102,6 +119,7 @@ class TileOps:
         group_sizes,
         transpose_rhs=transpose_rhs,
         out_dtype=out_dtype,
+        poison=poison,
     )
 
   def gate_up(self, rows, w_gate, w_up, group_sizes, launch):
@@ -231,6 +249,8 @@ class TileKernelBackend(backend.Backend):
     return f"{type(self).__name__}({options})"
 
   def _grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
+    # Only a backend whose `poisons_in_kernels` is given a poison flag.
+    poison = {} if gemm.poison is None else {"poison": gemm.poison}
     return self.ops.grouped_gemm(
         gemm.rows,
         gemm.weights,
@@ -238,6 +258,7 @@ class TileKernelBackend(backend.Backend):
         gemm.transpose_rhs,
         gemm.out_dtype,
         self.launch,
+        **poison,
     )
 
   def _gate_up(
