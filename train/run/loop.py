@@ -157,9 +157,6 @@ class TrainingLoop:
       # The step did not happen: its batch must be drawn again.
       self.sampler.restore(position)
       raise
-    if profiling == PROFILE_STEPS[-1]:
-      jax.block_until_ready(metrics)
-      jax.profiler.stop_trace()
     record = step_log.log_step(
         self.history,
         run,
@@ -170,6 +167,9 @@ class TrainingLoop:
         peak=self.peak,
     )
     log.append(record)
+    if profiling == PROFILE_STEPS[-1]:
+      # After the step's time is logged: writing the trace takes seconds.
+      jax.profiler.stop_trace()
     if interrupted is not None:
       raise interrupted
     step_log.show_progress(
