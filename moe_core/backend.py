@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
+import inspect
 from typing import Callable, ClassVar
+import warnings
 
 import jax
 from jax import ad_checkpoint
@@ -135,6 +138,9 @@ class Backend(abc.ABC):
             f"{cls.__qualname__} overrides Backend.{method}, which validates "
             f"its inputs and then calls hooks: override {hooks} instead."
         )
+    hook = cls.__dict__.get("_grouped_gemm")
+    if hook is not None and _takes_separate_operands(hook):
+      cls._grouped_gemm = _adapted_grouped_gemm(cls, hook)
 
   def availability(self) -> tuple[bool, str]:
     """(True, "") if this backend can run here, else (False, why not)."""
@@ -660,6 +666,44 @@ def _hidden(gate, up, ffn_in: operands.FfnOperands) -> jax.Array:
       gate_bias=bias(ffn_in.b_gate),
       up_bias=bias(ffn_in.b_up),
   )
+
+
+# The `_grouped_gemm` hook before it took one `operands.GemmOperands`.
+_SEPARATE_OPERANDS = ("rows", "weights", "group_sizes")
+
+
+def _takes_separate_operands(hook) -> bool:
+  """Whether `hook` is written to the earlier `_grouped_gemm(self, rows,
+  weights, group_sizes, *, transpose_rhs, out_dtype)`."""
+  names = list(inspect.signature(hook).parameters)[1:]
+  return tuple(names[:3]) == _SEPARATE_OPERANDS
+
+
+def _adapted_grouped_gemm(cls, hook):
+  """`hook`, written to the earlier signature, behind the current one, with
+  a DeprecationWarning (where the class is defined) that names both."""
+  warnings.warn(
+      f"{cls.__qualname__}._grouped_gemm(self, rows, weights, group_sizes, "
+      "*, transpose_rhs, out_dtype) is the earlier hook: it keeps working, "
+      "called with the fields of the one argument the hook now takes, "
+      "_grouped_gemm(self, gemm: moe_core.operands.GemmOperands) -> "
+      "jax.Array (docs/backends.md, 'Adding a backend').",
+      DeprecationWarning,
+      stacklevel=3,
+  )
+
+  @functools.wraps(hook)
+  def grouped_gemm(self, gemm: operands.GemmOperands) -> jax.Array:
+    return hook(
+        self,
+        gemm.rows,
+        gemm.weights,
+        gemm.group_sizes,
+        transpose_rhs=gemm.transpose_rhs,
+        out_dtype=gemm.out_dtype,
+    )
+
+  return grouped_gemm
 
 
 def _sanitised_group_sizes(

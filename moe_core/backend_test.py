@@ -95,6 +95,39 @@ class TemplateTest(absltest.TestCase):
           return x
 
 
+class EarlierHookTest(absltest.TestCase):
+  """A backend written to the earlier `_grouped_gemm(rows, weights,
+  group_sizes, *, transpose_rhs, out_dtype)` keeps working, with a warning
+  that names the hook it now takes, not a TypeError deep in a call."""
+
+  def test_the_earlier_signature_works_and_warns(self):
+    with self.assertWarnsRegex(DeprecationWarning, r"gemm: moe_core"):
+
+      class Earlier(moe_core.Backend):
+        name = "earlier"
+
+        def _grouped_gemm(
+            self, rows, weights, group_sizes, *, transpose_rhs, out_dtype
+        ):
+          if transpose_rhs:
+            weights = jnp.swapaxes(weights, 1, 2)
+          return jax.lax.ragged_dot(rows, weights, group_sizes).astype(
+              out_dtype
+          )
+
+    rng = np.random.default_rng(0)
+    rows = jnp.asarray(rng.normal(size=(12, 5)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(3, 7, 5)), jnp.float32)
+    sizes = jnp.asarray([4, 0, 6], jnp.int32)
+    got, want = (
+        backend.grouped_gemm(rows, weights, sizes, transpose_rhs=True)
+        for backend in (Earlier(), moe_core.get_backend("xla"))
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # Rows past the groups: zeros, as every backend's.
+    np.testing.assert_array_equal(got[10:], 0.0)
+
+
 class RoutingWeightsInDownTest(absltest.TestCase):
 
   def test_same_block_output_and_gradients(self):
