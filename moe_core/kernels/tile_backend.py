@@ -206,9 +206,10 @@ class TileKernelBackend(backend.Backend):
   setting for the program traced now, auto resolved) and
   `self.fuse_activation` (bool: the gated activation in the gate/up
   kernel's epilogue where `epilogue_computes` says so;
-  `check_fuse_activation` first; the option's default is False in every
-  such backend: the epilogue is opt-in until a GPU measurement shows it
-  faster).
+  `check_fuse_activation` first; the option's default is False on the GPU
+  backends, where the epilogue is opt-in until a GPU measurement shows it
+  faster, and True in `mosaic_tpu`, where the chip showed it saves writing
+  and reading gate and up).
 
   `ops` has, each taking the launch settings last:
 
