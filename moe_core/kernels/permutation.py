@@ -29,12 +29,17 @@ class Plan(NamedTuple):
     position: [A] int32, the inverse: the sorted row of copy a.
     kept: [A] int8 in copy order, 1 if the copy counts (0: dropped).
     invalid: [A] int8 in copy order, 1 if its expert id was out of range.
+    live_sorted: [A] int8 in sorted order, 1 if the row's copy counts and
+      its id is valid (`moe_core.permute.sorted_flags`: no gather).
+    invalid_sorted: [A] int8 in sorted order, 1 if the row's id is invalid.
   """
 
   assignment: jax.Array
   position: jax.Array
   kept: jax.Array
   invalid: jax.Array
+  live_sorted: jax.Array
+  invalid_sorted: jax.Array
 
   @classmethod
   def of(cls, plan, kept: jax.Array | None) -> Plan:
@@ -46,11 +51,17 @@ class Plan(NamedTuple):
         if kept is None
         else kept.reshape(-1).astype(jnp.int8)
     )
+    # pylint: disable-next=g-import-not-at-top
+    from moe_core import permute  # permute's backends import this module.
+
+    live, invalid = permute.sorted_flags(plan)
     return cls(
         assignment=plan.assignment,
         position=plan.position,
         kept=kept_flags,
         invalid=plan.invalid.astype(jnp.int8),
+        live_sorted=live.astype(jnp.int8),
+        invalid_sorted=invalid.astype(jnp.int8),
     )
 
 
@@ -82,7 +93,7 @@ class PermutationKernels(abc.ABC):
   def gather(self, x, plan: Plan, *, top_k: int, nan_invalid: bool):
     """x [T, D] -> rows [A, D] in x's dtype."""
     rows = x[plan.assignment // top_k]
-    bad = (plan.invalid != 0)[plan.assignment][:, None]
+    bad = (plan.invalid_sorted != 0)[:, None]
     return jnp.where(bad, _fill(nan_invalid, x.dtype), rows)
 
   def scatter(self, rows, plan: Plan, *, top_k: int):
@@ -104,8 +115,11 @@ class PermutationKernels(abc.ABC):
   def spread(self, dy, weights, plan: Plan, *, top_k: int):
     """dy [T, D], weights [T, K] -> d_rows [A, D] in dy's dtype."""
     a = plan.assignment
-    live = ((plan.kept != 0) & (plan.invalid == 0))[a][:, None]
-    w = weights.astype(jnp.float32).reshape(-1)[a][:, None]
+    live = (plan.live_sorted != 0)[:, None]
+    # w[a] as a sort of (position, w): slot position[i] takes w[i]. A
+    # gather of single weights runs one element at a time on a TPU.
+    flat = weights.astype(jnp.float32).reshape(-1)
+    w = jax.lax.sort((plan.position, flat), num_keys=1)[1][:, None]
     d_rows = w * dy[a // top_k].astype(jnp.float32)
     return jnp.where(live, d_rows, 0.0).astype(dy.dtype)
 
@@ -142,7 +156,7 @@ def _fill(nan_invalid: bool, dtype):
 
 # --- The primitive -----------------------------------------------------------
 
-# op -> the number of data operands (the plan's four arrays follow them).
+# op -> the number of data operands (the plan's arrays follow them).
 _ARITY = {"gather": 1, "scatter": 1, "combine": 2, "spread": 2, "row_dots": 2}
 # op -> the data operand whose value an invalid copy replaces by NaN.
 _NAN_OPERAND = {"gather": 0, "combine": 0, "row_dots": 1}
