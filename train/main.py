@@ -101,7 +101,9 @@ def _target_dry_run(out) -> str:
     app.UsageError: the run does not split over the mesh, the chips cannot
       be described here, or the step does not fit (one line).
   """
-  run = dry_run_target.resolve_backend(train_flags.run_config_from_flags())
+  # --moe_backend=auto orders the backends by the target's platform, as
+  # every lowering for it does (moe_core.registry.auto_order).
+  run = train_flags.run_config_from_flags()
   path = train_flags.DRY_RUN_JSON.value or dry_run_target.default_json_path(
       run.output_dir, train_flags.TARGET.value, train_flags.TOPOLOGY.value
   )

@@ -15,8 +15,10 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 
+import moe_core
 from moe_core import aot
 from moe_core import precision
+from moe_core import registry
 
 _HAS_PLUGIN = aot.cuda_plugin_installed()
 _HAS_LIBTPU = aot.libtpu_installed()
@@ -290,6 +292,36 @@ class TpuCompileTest(parameterized.TestCase):
     self.assertFalse(
         [k for k in program.tpu_kernels if k.startswith("dropless_tpu_")]
     )
+
+  def test_auto_backend_compiles_for_a_tpu_from_a_cpu_host(self):
+    """A layer with backend="auto" (the default) compiles for a TPU: auto
+    orders by the platform lowered for, so where the native cpu backend is
+    available on this host (auto's choice here), its CPU-only custom calls
+    stay out of the TPU program (XLA's TPU compiler refused them: "Custom
+    emitter for dropless_cpu_gmm_v1 not found")."""
+    cpu_ok, why = registry.availability("cpu")
+    if not cpu_ok:
+      print(
+          "the native cpu backend is unavailable here, so auto never chose it "
+          f"on this host ({why}); this compile then passed before too"
+      )
+    cfg = moe_core.MoEConfig(
+        num_experts=4, top_k=2, hidden_size=128, expert_ffn_size=128
+    )
+    params = jax.eval_shape(
+        lambda: moe_core.init_params(jax.random.key(0), cfg, jnp.bfloat16)
+    )
+    x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    program = aot.compile(
+        lambda p, x: moe_core.moe_layer(p, x, cfg)[0],
+        params,
+        x,
+        topology="v5e:1x1",
+    )
+    self.assertFalse(
+        [c for c in program.custom_calls if c.startswith("dropless_cpu")]
+    )
+    self.assertIn("tpu_custom_call", program.custom_calls)
 
   def test_a_kernel_over_scoped_vmem_fails_to_compile(self):
     """[16384, 128] float32 blocks, in and out, double-buffered: 32 MiB of
