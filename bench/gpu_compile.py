@@ -42,7 +42,7 @@ XLA_OPTIONS = {"default": None, "quick": aot.QUICK_OPTIONS}
 _MAX_ERROR = 600
 
 
-# --- The command line, shared with bench/tpu_compile.py ------------------------
+# --- The command line, shared with bench/tpu_compile.py ----------------------
 
 
 def targets_type(valid):
@@ -288,10 +288,8 @@ def main(argv=None) -> int:
   committed = os.path.join(
       _REPO, "bench", "results", f"gpu_compile_{options}{jax.__version__}.json"
   )
-  full_run = (
-      set(args.targets) == set(TARGETS)
-      and (args.size, args.programs, count) == ("ci", "*", 1)
-  )
+  narrowed = (args.size, args.programs, count) != ("ci", "*", 1)
+  full_run = set(args.targets) == set(TARGETS) and not narrowed
   progress, out = output_paths(args.out, committed, full_run)
   targets = args.targets
   if len(targets) > 1:

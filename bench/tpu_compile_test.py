@@ -247,9 +247,7 @@ class CommandLineTest(absltest.TestCase):
     path = printed.rsplit("wrote ", 1)[1].strip()
     self.assertTrue(path.startswith(self.tmp), path)
     with open(path) as f:
-      self.assertEqual(
-          [r["target"] for r in json.load(f)["programs"]], ["v5e"]
-      )
+      self.assertEqual([r["target"] for r in json.load(f)["programs"]], ["v5e"])
 
   def test_the_full_default_run_writes_the_committed_records(self):
     self._main()
