@@ -91,12 +91,35 @@ def _check_name(name) -> None:
     )
 
 
-def _construct(name: str, options: dict) -> backend_lib.Backend:
+def _resolve(name: str) -> Callable[..., backend_lib.Backend]:
+  """The class (or factory) registered as `name`, its module imported."""
   target = _REGISTRY[name]
   if isinstance(target, str):
     module_name, _, attr = target.partition(":")
     target = getattr(importlib.import_module(module_name), attr)
-  instance = target(**options)
+  return target
+
+
+def backend_class(name: str) -> type[backend_lib.Backend] | None:
+  """The Backend class registered as `name`, without building one (nor
+  touching a device): its `dtypes` and `precisions` say what it computes.
+  None for a backend registered as a factory.
+
+  Raises:
+    ValueError: unknown name (or "auto", which is no one class).
+    ImportError: the backend's module needs a package that is absent.
+  """
+  if name == "auto":
+    raise ValueError("backend 'auto' is no one class; name a backend.")
+  _check_name(name)
+  target = _resolve(name)
+  if isinstance(target, type) and issubclass(target, backend_lib.Backend):
+    return target
+  return None
+
+
+def _construct(name: str, options: dict) -> backend_lib.Backend:
+  instance = _resolve(name)(**options)
   if not isinstance(instance, backend_lib.Backend):
     raise TypeError(
         f"backend {name!r} built {type(instance)}, not a " "moe_core Backend."

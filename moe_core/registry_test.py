@@ -120,6 +120,19 @@ class RegistryTest(parameterized.TestCase):
     self.assertIn(resolved, registry.auto_order(platform))
     self.assertEqual(resolved == "cpu", platform == "cpu")
 
+  def test_backend_class_without_building_one(self):
+    self.assertIs(
+        registry.backend_class("reference"),
+        type(registry.get_backend("reference")),
+    )
+    registry.register_backend("toy_factory", lambda: _Toy())
+    self.assertIsNone(registry.backend_class("toy_factory"))
+    registry.register_backend("toy_absent", "no_such_package.backend:B")
+    with self.assertRaises(ImportError):
+      registry.backend_class("toy_absent")
+    with self.assertRaisesRegex(ValueError, "'auto' is no one class"):
+      registry.backend_class("auto")
+
   def test_auto_is_first_available(self):
     first = [n for n in registry.auto_order() if registry.availability(n)[0]]
     self.assertEqual(registry.get_backend("auto").name, first[0])

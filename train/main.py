@@ -114,10 +114,15 @@ def _target_dry_run(out) -> str:
   except dry_run_target.TargetDoesNotFitError as e:
     # XLA's TPU compiler refuses a step over the HBM: no figures to write.
     raise app.UsageError(str(e)) from e
-  except (ValueError, RuntimeError) as e:
+  except (ValueError, RuntimeError, NotImplementedError) as e:
     # A run that does not split over --mesh; no CUDA plugin or libtpu to
-    # describe the chips with.
+    # describe the chips with; a backend that cannot compile this step.
     raise app.UsageError(str(e)) from e
+  except ImportError as e:
+    # A backend whose package (Transformer Engine) is imported as it traces.
+    raise app.UsageError(
+        f"--moe_backend={run.backend} cannot compile here: {e}"
+    ) from e
   text = dry_run_target.describe(record)
   dry_run_target.write_json(record, path)
   text += f"\n  wrote {path}"
@@ -135,7 +140,9 @@ def _compiled_memory() -> str:
     run = train_flags.run_config_from_flags()
     mesh_lib.simulate_cpu_devices(mesh_lib.parse(run.mesh), 1)
     memory = step_builder.compiled_step_memory(run)
-  except ValueError as e:  # The mesh does not fit the devices.
+  except (ValueError, NotImplementedError, ImportError) as e:
+    # The mesh does not fit the devices; the backend cannot run the step,
+    # or its package is not installed.
     return f"compiled train step: not compiled: {e}"
   if memory is None:
     return (
@@ -190,9 +197,10 @@ def train(out=None) -> dict:
     run = train_flags.run_config_from_flags()
     _start_devices(run, out)
     run, tr, out = _set_up(run, out)
-  except ValueError as e:
-    # A flag the run cannot use, or a checkpoint that does not match it:
-    # one line naming the flag, not a traceback.
+  except (ValueError, NotImplementedError) as e:
+    # A flag the run cannot use, a checkpoint that does not match it, or a
+    # backend that cannot run its step (valid, not supported there): one
+    # line naming the flag, not a traceback.
     raise app.UsageError(str(e)) from e
   except RuntimeError as e:
     if not training_faults.is_out_of_memory(e):

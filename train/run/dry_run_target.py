@@ -332,7 +332,12 @@ def write_json(record: dict, path: str) -> None:
   """Writes `record` to `path` (its folders made), whole or not at all."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   temp = f"{path}.tmp"
-  with open(temp, "w", encoding="utf-8") as f:
-    json.dump(record, f, indent=2, sort_keys=True)
-    f.write("\n")
-  os.replace(temp, path)
+  try:
+    with open(temp, "w", encoding="utf-8") as f:
+      json.dump(record, f, indent=2, sort_keys=True)
+      f.write("\n")
+    os.replace(temp, path)
+  except OSError:
+    if os.path.isfile(temp):  # No stray <path>.tmp beside what failed.
+      os.remove(temp)
+    raise
