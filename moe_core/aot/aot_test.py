@@ -88,6 +88,31 @@ class TargetsTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, f"topology for {target} must be"):
       aot.parse_tpu_topology(target, spec)
 
+  def test_compile_refuses_arguments_of_the_wrong_kind(self):
+    """Before any compile (no libtpu or CUDA plugin needed): each named,
+    with what it takes and what it got (an AttributeError, or a dict's
+    ValueError, before)."""
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    double = lambda a: a * 2
+    for kwargs, pattern in (
+        (dict(topology=123), r"^topology must be a Topology .*got 123\.$"),
+        (
+            dict(topology="v5e:1x1", xla_options="quick"),
+            r"^xla_options must be None or a dict .*got 'quick'\.$",
+        ),
+        (
+            dict(topology="v5e:1x1", mesh="data"),
+            r"^mesh must be None or a jax.sharding.Mesh .*got 'data'\.$",
+        ),
+    ):
+      with self.subTest(**{k: repr(v) for k, v in kwargs.items()}):
+        with self.assertRaisesRegex(TypeError, pattern):
+          aot.compile(double, x, **kwargs)
+
+  def test_device_count_of_an_unknown_target_names_the_targets(self):
+    with self.assertRaisesRegex(ValueError, r"^target must be one of .*'zz'"):
+      aot.num_devices("zz", "1x1x1")
+
   def test_topology_names_need_a_target(self):
     with self.assertRaisesRegex(ValueError, "'<target>:<shape>'"):
       aot.named_topology("2x2")
