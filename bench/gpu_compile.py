@@ -45,9 +45,10 @@ _MAX_ERROR = 600
 # --- The command line, shared with bench/tpu_compile.py ----------------------
 
 
-def targets_type(valid):
-  """An argparse `type` for --targets: comma-separated names of `valid`, at
-  least one; else a usage error (exit status 2) listing them."""
+def names_type(valid):
+  """An argparse `type` for an option such as --targets: comma-separated
+  names of `valid`, at least one; else a usage error (exit status 2) naming
+  the option and listing them."""
 
   def parse(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -258,7 +259,7 @@ def main(argv=None) -> int:
   )
   parser.add_argument(
       "--targets",
-      type=targets_type(tuple(aot.GPU_TARGETS)),
+      type=names_type(tuple(aot.GPU_TARGETS)),
       default=list(TARGETS),
       help=f"comma-separated, of {', '.join(aot.GPU_TARGETS)}",
   )

@@ -192,7 +192,7 @@ def main(argv=None) -> int:
   )
   parser.add_argument(
       "--targets",
-      type=gpu_compile.targets_type(tpu_programs.TARGETS),
+      type=gpu_compile.names_type(tpu_programs.TARGETS),
       default=list(tpu_programs.TARGETS),
       help=f"comma-separated, of {', '.join(tpu_programs.TARGETS)}",
   )

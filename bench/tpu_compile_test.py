@@ -241,6 +241,21 @@ class CommandLineTest(absltest.TestCase):
     self.assertEqual(e.exception.code, 2)
     self.assertIn("argument --programs: no program matches", err.getvalue())
 
+  def test_tpu_memory_usage_errors(self):
+    """bench.tpu_memory's --sizes (a KeyError in every record before) and
+    --programs (a traceback), refused before any topology is made."""
+    for argv, pattern in (
+        (["--sizes=big"], r"argument --sizes: .*ci, full; got 'big'"),
+        (["--sizes="], r"argument --sizes: .*got ''"),
+        (["--programs=zz"], r"argument --programs: no program matches"),
+    ):
+      err = io.StringIO()
+      with self.subTest(argv=argv), contextlib.redirect_stderr(err):
+        with self.assertRaises(SystemExit) as caught:
+          tpu_memory.main(argv)
+        self.assertEqual(caught.exception.code, 2)
+        self.assertRegex(err.getvalue(), pattern)
+
   def test_a_partial_run_leaves_the_committed_records_alone(self):
     printed = self._main("--targets=v5e")
     self.assertFalse(os.path.exists(self.committed))
