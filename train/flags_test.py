@@ -114,6 +114,16 @@ def _own_message(error: Exception) -> str:
   return text[text.index(": --") + 2 :]
 
 
+def _refusal(test: absltest.TestCase, **values) -> str:
+  """The one line refusing the flag `values` (flagsaver runs the validators
+  as parsing does), without absl's prefix."""
+  with test.assertRaises(flags.IllegalFlagValueError) as raised:
+    with flagsaver.flagsaver(**values):
+      pass
+  test.assertNotIn("\n", str(raised.exception))
+  return _own_message(raised.exception)
+
+
 def _main_number_flags() -> list[str]:
   """The names of train.main's int and float flags (train_flags')."""
   names = [
@@ -303,22 +313,15 @@ class PathFlagTest(absltest.TestCase):
     with open(self.file, "w") as f:
       f.write("text")
 
-  def _refusal(self, **values) -> str:
-    with self.assertRaises(flags.IllegalFlagValueError) as raised:
-      with flagsaver.flagsaver(**values):
-        pass
-    self.assertNotIn("\n", str(raised.exception))
-    return _own_message(raised.exception)
-
   def test_output_dir_that_is_a_file_is_refused(self):
-    own = self._refusal(output_dir=self.file)
+    own = _refusal(self, output_dir=self.file)
     self.assertTrue(own.startswith("--output_dir"), own)
     self.assertIn(repr(self.file), own)
     self.assertIn("not a directory", own)
 
   def test_output_dir_under_a_file_is_refused(self):
     path = os.path.join(self.file, "run", "out")
-    own = self._refusal(output_dir=path)
+    own = _refusal(self, output_dir=path)
     self.assertTrue(own.startswith("--output_dir"), own)
     self.assertIn(repr(path), own)
     self.assertIn(repr(self.file), own)  # The part that is in the way.
@@ -330,11 +333,11 @@ class PathFlagTest(absltest.TestCase):
     locked = os.path.join(self.dir, "locked")
     os.mkdir(locked, 0o500)
     self.addCleanup(os.chmod, locked, 0o700)
-    own = self._refusal(output_dir=os.path.join(locked, "out"))
+    own = _refusal(self, output_dir=os.path.join(locked, "out"))
     self.assertIn(repr(locked), own)
 
   def test_empty_output_dir_is_refused(self):
-    self.assertTrue(self._refusal(output_dir="").startswith("--output_dir"))
+    self.assertTrue(_refusal(self, output_dir="").startswith("--output_dir"))
 
   def test_output_dir_existing_or_creatable_is_taken_and_not_made(self):
     new = os.path.join(self.dir, "run", "out")
@@ -345,12 +348,12 @@ class PathFlagTest(absltest.TestCase):
 
   def test_dry_run_json_that_is_a_directory_is_refused(self):
     target = dict(dry_run=True, target="v5e", topology="1x1")
-    own = self._refusal(dry_run_json=self.dir, **target)
+    own = _refusal(self, dry_run_json=self.dir, **target)
     self.assertTrue(own.startswith("--dry_run_json"), own)
     self.assertIn(repr(self.dir), own)
     # The default, in --output_dir, likewise.
     os.mkdir(os.path.join(self.dir, "dry_run_v5e_1x1.json"))
-    own = self._refusal(output_dir=self.dir, **target)
+    own = _refusal(self, output_dir=self.dir, **target)
     self.assertTrue(own.startswith("--output_dir"), own)
     self.assertIn("dry_run_v5e_1x1.json", own)
     path = os.path.join(self.dir, "new", "v5e.json")
@@ -358,7 +361,7 @@ class PathFlagTest(absltest.TestCase):
       self.assertEqual(FLAGS.dry_run_json, path)
 
   def test_dry_run_json_without_a_target_is_refused(self):
-    own = self._refusal(dry_run=True, dry_run_json="/tmp/figures.json")
+    own = _refusal(self, dry_run=True, dry_run_json="/tmp/figures.json")
     self.assertTrue(own.startswith("--dry_run_json"), own)
     self.assertIn("--target", own)
 
@@ -379,7 +382,7 @@ class PathFlagTest(absltest.TestCase):
         else:
           with open(os.path.join(out, name), "w") as f:
             f.write("in the way")
-        own = self._refusal(output_dir=out)
+        own = _refusal(self, output_dir=out)
         self.assertTrue(own.startswith("--output_dir"), own)
         self.assertIn(repr(os.path.join(out, name)), own)
         if name == "training.png":  # Written only with --plot.
@@ -389,7 +392,7 @@ class PathFlagTest(absltest.TestCase):
           self.assertEqual(FLAGS.output_dir, out)  # A dry run writes none.
 
   def test_data_must_be_a_file(self):
-    own = self._refusal(data=self.dir)
+    own = _refusal(self, data=self.dir)
     self.assertTrue(own.startswith("--data"), own)
     self.assertIn(repr(self.dir), own)
     with flagsaver.flagsaver(data=self.file):
@@ -401,37 +404,33 @@ class SettingsTogetherTest(parameterized.TestCase):
   line naming the flag, what it takes and what it got, before anything
   compiles (each once ended in a traceback, or HLO, after compiling)."""
 
-  def _refusal(self, flag: str, **values) -> str:
-    with self.assertRaises(flags.IllegalFlagValueError) as raised:
-      with flagsaver.as_parsed(**values):
-        pass
-    self.assertNotIn("\n", str(raised.exception))
-    own = _own_message(raised.exception)
+  def _refusal_of(self, flag: str, **values) -> str:
+    own = _refusal(self, **values)
     self.assertTrue(own.startswith(f"--{flag}"), own)
     return own
 
   def test_num_layers_below_the_dense_layers(self):
-    own = self._refusal(
-        "num_layers", model="deepseek_v3", num_layers="2", dry_run="true"
+    own = self._refusal_of(
+        "num_layers", model="deepseek_v3", num_layers=2, dry_run=True
     )
     self.assertRegex(own, r"num_layers must be >= 4 .*got 2.*deepseek_v3")
 
   def test_microbatches_that_do_not_divide_the_batch(self):
-    own = self._refusal(
-        "microbatches", batch_size="3", microbatches="2", dry_run="true"
+    own = self._refusal_of(
+        "microbatches", batch_size=3, microbatches=2, dry_run=True
     )
     self.assertIn("--batch_size=3", own)
 
   def test_ep_chunks_that_do_not_divide_a_devices_tokens(self):
     # tiny_dsv3: 16 sequences of 128 tokens, 8 per device of expert=2.
-    own = self._refusal("ep_chunks", mesh="expert=2", ep_chunks="3")
+    own = self._refusal_of("ep_chunks", mesh="expert=2", ep_chunks=3)
     self.assertIn("1024 tokens", own)
     self.assertIn("got 3", own)
-    with flagsaver.as_parsed(mesh="expert=2", ep_chunks="4"):
+    with flagsaver.flagsaver(mesh="expert=2", ep_chunks=4):
       self.assertEqual(FLAGS.ep_chunks, 4)
 
   def test_a_recipe_the_backend_does_not_multiply(self):
-    own = self._refusal(
+    own = self._refusal_of(
         "precision", precision="fp8_block", moe_backend="mosaic_tpu"
     )
     self.assertIn("['unquantized']", own)
@@ -439,7 +438,7 @@ class SettingsTogetherTest(parameterized.TestCase):
     self.assertIn("'fp8_block'", own)
 
   def test_a_compute_dtype_the_backend_does_not_run(self):
-    own = self._refusal(
+    own = self._refusal_of(
         "compute_dtype", compute_dtype="float32", moe_backend="mosaic_gpu"
     )
     self.assertIn("bfloat16", own)
@@ -453,12 +452,12 @@ class SettingsTogetherTest(parameterized.TestCase):
   def test_a_backend_that_does_not_compile_for_the_target(
       self, backend, target, topology
   ):
-    own = self._refusal(
+    own = self._refusal_of(
         "moe_backend",
         moe_backend=backend,
         target=target,
         topology=topology,
-        dry_run="true",
+        dry_run=True,
     )
     self.assertIn(f"--moe_backend={backend}", own)
     self.assertIn(f"--target={target}", own)
@@ -469,8 +468,8 @@ class SettingsTogetherTest(parameterized.TestCase):
     ImportError as it is imported: named at parsing, with its words."""
     self.enter_context(mock.patch.dict(registry._REGISTRY))
     registry.register_backend("needs_a_package", "no_such_package.mod:B")
-    for target in ({}, dict(target="h100", topology="1x1x1", dry_run="true")):
-      own = self._refusal(
+    for target in ({}, dict(target="h100", topology="1x1x1", dry_run=True)):
+      own = self._refusal_of(
           "moe_backend", moe_backend="needs_a_package", **target
       )
       self.assertIn("--moe_backend=needs_a_package cannot run here", own)
