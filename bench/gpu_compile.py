@@ -4,8 +4,11 @@ From any host, a CPU-only one included (`moe_core.aot`: the CUDA plugin of
 the installed jax, no GPU), each program is compiled for each target (one
 target a child process, `compile_one`) and must compile, contain the
 kernels its backend promises and fit the target's usable HBM; the named
-exceptions are listed, not compiled, and the records go to
-bench/results/gpu_compile_[quick_]<jax version>.json (docs/benchmarks.md,
+exceptions are listed, not compiled, and the records go to --out; without
+it, the full default run's (H100 and B200, every program, --size ci) to
+bench/results/gpu_compile_[quick_]<jax version>.json when it ends, any
+other's to the system's temporary directory (printed), so that a partial
+run never replaces the committed records (docs/benchmarks.md,
 "bench/gpu_compile.py"). Usage:
     python -m bench.gpu_compile                  # H100 and B200, CI sizes
     python -m bench.gpu_compile --size full --targets h100,b200,h200
@@ -37,6 +40,51 @@ TARGETS = ("h100", "b200")
 # (cuBLAS for XLA's own GEMMs; CI's).
 XLA_OPTIONS = {"default": None, "quick": aot.QUICK_OPTIONS}
 _MAX_ERROR = 600
+
+
+# --- The command line, shared with bench/tpu_compile.py ----------------------
+
+
+def names_type(valid):
+  """An argparse `type` for an option such as --targets: comma-separated
+  names of `valid`, at least one; else a usage error (exit status 2) naming
+  the option and listing them."""
+
+  def parse(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in valid]
+    if not names or unknown:
+      raise argparse.ArgumentTypeError(
+          f"takes a comma-separated list of {', '.join(valid)}; got {text!r}"
+          + (f" ({', '.join(map(repr, unknown))} unknown)" if unknown else "")
+      )
+    return names
+
+  return parse
+
+
+def select_or_exit(parser, select, patterns: str):
+  """select(patterns), or a usage error naming --programs."""
+  try:
+    return select(patterns)
+  except ValueError as e:
+    parser.error(f"argument --programs: {e}")
+
+
+def output_paths(out: str | None, committed: str, full_run: bool):
+  """(where the records go as they come, where the finished run's go).
+
+  --out: there, both. Without it, records go to a file of that name in the
+  system's temporary directory, and only a full default run (`full_run`)
+  then writes the committed `committed` (bench/results/) when it ends: a
+  partial or killed run never replaces the committed records.
+  """
+  if out:
+    return out, out
+  scratch = os.path.join(
+      tempfile.gettempdir(), "dropless_bench", os.path.basename(committed)
+  )
+  return scratch, committed if full_run else scratch
 
 
 def _shardings(specs, topology, mesh):
@@ -206,8 +254,15 @@ def write(path: str, records, seconds: float) -> None:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--targets", default=",".join(TARGETS))
+  parser = argparse.ArgumentParser(
+      prog="python -m bench.gpu_compile", description=__doc__.splitlines()[0]
+  )
+  parser.add_argument(
+      "--targets",
+      type=names_type(tuple(aot.GPU_TARGETS)),
+      default=list(TARGETS),
+      help=f"comma-separated, of {', '.join(aot.GPU_TARGETS)}",
+  )
   parser.add_argument("--size", default="ci", choices=("ci", "full", "dry"))
   parser.add_argument(
       "--programs",
@@ -227,27 +282,42 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
+  index, count = _shard(parser, args.shard)
+  selected = select_or_exit(parser, programs_lib.select, args.programs)
   # The default options' records keep their name; another set's carry it.
   options = "" if args.xla_options == "default" else f"{args.xla_options}_"
-  out = args.out or os.path.join(
+  committed = os.path.join(
       _REPO, "bench", "results", f"gpu_compile_{options}{jax.__version__}.json"
   )
-  targets = args.targets.split(",")
+  narrowed = (args.size, args.programs, count) != ("ci", "*", 1)
+  full_run = set(args.targets) == set(TARGETS) and not narrowed
+  progress, out = output_paths(args.out, committed, full_run)
+  targets = args.targets
   if len(targets) > 1:
     return _each_target_apart(args, targets, out)
-  index, count = (int(n) for n in args.shard.split("/"))
-  selected = programs_lib.select(args.programs)[index::count]
+  selected = selected[index::count]
   start = time.perf_counter()
   done = []
 
   def on_record(record):  # Rewritten after each: a killed run keeps them.
     done.append(record)
-    write(out, done, time.perf_counter() - start)
+    write(progress, done, time.perf_counter() - start)
 
   records = run(targets, args.size, selected, on_record, args.xla_options)
+  write(out, records, time.perf_counter() - start)
   print(summary(records))
   print(f"wrote {out}")
   return 1 if any(r["status"] == "failed" for r in records) else 0
+
+
+def _shard(parser, text: str) -> tuple[int, int]:
+  """--shard I/N as (I, N), 0 <= I < N; else a usage error naming it."""
+  index, _, count = text.partition("/")
+  if index.isdigit() and count.isdigit() and int(index) < int(count):
+    return int(index), int(count)
+  parser.error(
+      f"argument --shard: takes I/N with 0 <= I < N (e.g. 0/4), got {text!r}"
+  )
 
 
 def compile_apart(

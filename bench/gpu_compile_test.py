@@ -19,7 +19,11 @@ reason; the checks of the checks run everywhere.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
+import tempfile
 import types
 from unittest import mock
 
@@ -231,6 +235,81 @@ class CheckTest(absltest.TestCase):
         gpu_compile.summary(records),
         "2 of 3 programs compiled, plus 1 named exceptions\n  1: no TE",
     )
+
+
+class CommandLineTest(absltest.TestCase):
+  """main's usage errors and where its records go; nothing compiles (`run`
+  and the child processes are stand-ins recording one exception a target)."""
+
+  def setUp(self):
+    super().setUp()
+    self.repo = self.enter_context(tempfile.TemporaryDirectory())
+    self.tmp = self.enter_context(tempfile.TemporaryDirectory())
+    self.enter_context(mock.patch.object(gpu_compile, "_REPO", self.repo))
+    self.enter_context(mock.patch.object(tempfile, "tempdir", self.tmp))
+    self.enter_context(
+        mock.patch.object(
+            gpu_compile,
+            "run",
+            side_effect=lambda targets, *_: [self._record(targets[0])],
+        )
+    )
+    self.enter_context(
+        mock.patch.object(
+            gpu_compile,
+            "compile_apart",
+            side_effect=lambda target, *_, **__: ([self._record(target)], ""),
+        )
+    )
+    self.committed = os.path.join(
+        self.repo, "bench", "results", f"gpu_compile_{jax.__version__}.json"
+    )
+
+  def _record(self, target):
+    return {"program": "p", "target": target, "status": "exception",
+            "reason": "-"}  # fmt: skip
+
+  def _usage_error(self, *argv) -> str:
+    """stderr of main(argv), which must exit with status 2."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as e:
+      gpu_compile.main(list(argv))
+    self.assertEqual(e.exception.code, 2)
+    return err.getvalue()
+
+  def test_bad_options_are_usage_errors_naming_them(self):
+    valid = ", ".join(aot.GPU_TARGETS)
+    for targets in ("v5e", "", "h100,h800"):
+      with self.subTest(targets=targets):
+        self.assertRegex(
+            self._usage_error(f"--targets={targets}"),
+            f"argument --targets: takes a comma-separated list of {valid}; "
+            f"got '{targets}'",
+        )
+    for shard in ("1", "4/4", "a/b"):
+      with self.subTest(shard=shard):
+        self.assertRegex(
+            self._usage_error(f"--shard={shard}"),
+            rf"argument --shard: takes I/N with 0 <= I < N .*got '{shard}'",
+        )
+    self.assertIn(
+        "argument --programs: no program matches",
+        self._usage_error("--programs=no_such_workload/*"),
+    )
+
+  def test_a_partial_run_leaves_the_committed_records_alone(self):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+      self.assertEqual(gpu_compile.main(["--targets=h100"]), 0)
+    self.assertFalse(os.path.exists(self.committed))
+    path = out.getvalue().rsplit("wrote ", 1)[1].strip()
+    self.assertTrue(path.startswith(self.tmp), path)
+
+  def test_the_full_default_run_writes_the_committed_records(self):
+    with contextlib.redirect_stdout(io.StringIO()):
+      self.assertEqual(gpu_compile.main([]), 0)
+    with open(self.committed) as f:
+      targets = [r["target"] for r in json.load(f)["programs"]]
+    self.assertEqual(targets, list(gpu_compile.TARGETS))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ kernel over the generation's VMEM, or a program over its HBM, fails
 there), contain the kernels its backend promises by name (`dropless_tpu_*`
 inside the tpu_custom_calls) and, expert-parallel, its ragged all-to-all,
 and fit the target's HBM; the named exceptions are listed, not compiled.
-The records go to bench/results/tpu_compile_<jax version>.json. Usage:
+The records go to --out; without it, the full default run's (every target
+and program, --size ci) to bench/results/tpu_compile_<jax version>.json
+when it ends, any other's to the system's temporary directory (printed),
+so that a partial run never replaces the committed records. Usage:
     python -m bench.tpu_compile                      # v5e, v6e, v5p, tpu7x
     python -m bench.tpu_compile --targets v5e --programs 'deepseek_v3/*'
     python -m bench.tpu_compile --size full          # the models' sizes
@@ -184,8 +187,15 @@ def write(path: str, records, seconds: float) -> None:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--targets", default=",".join(tpu_programs.TARGETS))
+  parser = argparse.ArgumentParser(
+      prog="python -m bench.tpu_compile", description=__doc__.splitlines()[0]
+  )
+  parser.add_argument(
+      "--targets",
+      type=gpu_compile.names_type(tpu_programs.TARGETS),
+      default=list(tpu_programs.TARGETS),
+      help=f"comma-separated, of {', '.join(tpu_programs.TARGETS)}",
+  )
   parser.add_argument("--size", default="ci", choices=("ci", "full", "dry"))
   parser.add_argument(
       "--programs",
@@ -198,20 +208,24 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
-  out = args.out or os.path.join(
+  selected = gpu_compile.select_or_exit(
+      parser, tpu_programs.select, args.programs
+  )
+  committed = os.path.join(
       _REPO, "bench", "results", f"tpu_compile_{jax.__version__}.json"
   )
-  selected = tpu_programs.select(args.programs)
+  narrowed = (args.size, args.programs, args.ci) != ("ci", "*", False)
+  full_run = set(args.targets) == set(tpu_programs.TARGETS) and not narrowed
+  progress, out = gpu_compile.output_paths(args.out, committed, full_run)
   start = time.perf_counter()
   done = []
 
   def on_record(record):  # Rewritten after each: a killed run keeps them.
     done.append(record)
-    write(out, done, time.perf_counter() - start)
+    write(progress, done, time.perf_counter() - start)
 
-  records = run(
-      args.targets.split(","), args.size, selected, on_record, args.ci
-  )
+  records = run(args.targets, args.size, selected, on_record, args.ci)
+  write(out, records, time.perf_counter() - start)
   print(summary(records))
   if args.table:
     print(table(records))

@@ -17,9 +17,14 @@ the checks of the checks run everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import io
+import json
 import os
+import tempfile
 import types
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -179,6 +184,91 @@ class CheckTest(parameterized.TestCase):
       self.assertIsNone(reason)
     else:
       self.assertIn("not registered", reason)
+
+
+class CommandLineTest(absltest.TestCase):
+  """main's usage errors and where its records go; nothing compiles (`run`
+  is a stand-in that records one exception per target)."""
+
+  def setUp(self):
+    super().setUp()
+    self.repo = self.enter_context(tempfile.TemporaryDirectory())
+    self.tmp = self.enter_context(tempfile.TemporaryDirectory())
+    self.enter_context(mock.patch.object(tpu_compile, "_REPO", self.repo))
+    self.enter_context(mock.patch.object(tempfile, "tempdir", self.tmp))
+    self.enter_context(
+        mock.patch.object(tpu_compile, "run", side_effect=self._run)
+    )
+    self.committed = os.path.join(
+        self.repo, "bench", "results", f"tpu_compile_{jax.__version__}.json"
+    )
+
+  def _run(self, targets, size, selected, on_record, ci_only):
+    del size, selected, ci_only
+    records = [
+        {"program": "p", "target": t, "status": "exception", "reason": "-"}
+        for t in targets
+    ]
+    for record in records:
+      on_record(record)
+    return records
+
+  def _main(self, *argv) -> str:
+    """main's stdout; fails unless it returns 0."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      self.assertEqual(tpu_compile.main(list(argv)), 0)
+    return out.getvalue()
+
+  def test_unknown_or_no_targets_are_a_usage_error_naming_them(self):
+    for targets in ("v4", "", "v5e,v5q"):
+      err = io.StringIO()
+      with self.subTest(targets=targets), contextlib.redirect_stderr(err):
+        with self.assertRaises(SystemExit) as caught:
+          tpu_compile.main([f"--targets={targets}"])
+        self.assertEqual(caught.exception.code, 2)
+        self.assertRegex(
+            err.getvalue(),
+            r"argument --targets: takes a comma-separated list of "
+            + ", ".join(tpu_programs.TARGETS)
+            + f"; got '{targets}'",
+        )
+
+  def test_unknown_programs_are_a_usage_error(self):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as e:
+      tpu_compile.main(["--programs=no_such_workload/*"])
+    self.assertEqual(e.exception.code, 2)
+    self.assertIn("argument --programs: no program matches", err.getvalue())
+
+  def test_tpu_memory_usage_errors(self):
+    """bench.tpu_memory's --sizes (a KeyError in every record before) and
+    --programs (a traceback), refused before any topology is made."""
+    for argv, pattern in (
+        (["--sizes=big"], r"argument --sizes: .*ci, full; got 'big'"),
+        (["--sizes="], r"argument --sizes: .*got ''"),
+        (["--programs=zz"], r"argument --programs: no program matches"),
+    ):
+      err = io.StringIO()
+      with self.subTest(argv=argv), contextlib.redirect_stderr(err):
+        with self.assertRaises(SystemExit) as caught:
+          tpu_memory.main(argv)
+        self.assertEqual(caught.exception.code, 2)
+        self.assertRegex(err.getvalue(), pattern)
+
+  def test_a_partial_run_leaves_the_committed_records_alone(self):
+    printed = self._main("--targets=v5e")
+    self.assertFalse(os.path.exists(self.committed))
+    path = printed.rsplit("wrote ", 1)[1].strip()
+    self.assertTrue(path.startswith(self.tmp), path)
+    with open(path) as f:
+      self.assertEqual([r["target"] for r in json.load(f)["programs"]], ["v5e"])
+
+  def test_the_full_default_run_writes_the_committed_records(self):
+    self._main()
+    with open(self.committed) as f:
+      targets = [r["target"] for r in json.load(f)["programs"]]
+    self.assertEqual(targets, list(tpu_programs.TARGETS))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 
 import jax
 
+from bench import gpu_compile
 from bench import tpu_programs
 from moe_core import aot
 
@@ -130,13 +131,21 @@ def compare(here: dict, chip: dict) -> str:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+      prog="python -m bench.tpu_memory", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--where", choices=("chip", "here"), default="here")
-  parser.add_argument("--sizes", default=",".join(SIZES))
+  parser.add_argument(
+      "--sizes",
+      type=gpu_compile.names_type(SIZES),
+      default=list(SIZES),
+      help=f"comma-separated, of {', '.join(SIZES)}",
+  )
   parser.add_argument("--programs", default="*")
   parser.add_argument("--out", default=None)
   parser.add_argument("--compare", nargs=2, metavar=("HERE", "CHIP"))
   args = parser.parse_args(argv)
+  gpu_compile.select_or_exit(parser, tpu_programs.select, args.programs)
   if args.compare:
     with open(args.compare[0]) as a, open(args.compare[1]) as b:
       print(compare(json.load(a), json.load(b)))
@@ -146,7 +155,7 @@ def main(argv=None) -> int:
   else:
     topology = aot.tpu_topology("v5e", "1x1")
   start = time.perf_counter()
-  records = measure(topology, tuple(args.sizes.split(",")), args.programs)
+  records = measure(topology, tuple(args.sizes), args.programs)
   report = {
       "where": args.where,
       "jax": jax.__version__,

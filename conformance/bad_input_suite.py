@@ -15,6 +15,7 @@ from conformance import base
 from conformance.bad_input_calls import ENTRIES
 from conformance.bad_input_outcomes import NanAndCount, Raises, Row
 from conformance.bad_input_table import TABLE
+from conformance.bad_input_table import X64_TABLE
 
 # The entry points without gradients: the checks run in the forward pass.
 _FORWARD = {"grouped_gemm_vjp": "grouped_gemm", "expert_ffn_vjp": "expert_ffn"}
@@ -123,6 +124,18 @@ class BadInputSuite(base.BackendTestCase):
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(_named(TABLE))
   def test_bad_input(self, row: Row):
+    self._check_row(row)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(_named(X64_TABLE))
+  def test_bad_input_under_x64(self, row: Row):
+    """The rows of int64 values, with jax_enable_x64 on (values past int32
+    are checked before any cast to int32)."""
+    with jax.enable_x64(True):
+      self._check_row(row)
+
+  def _check_row(self, row: Row):
+    """The row's outcome, in the current variant (eager or jit)."""
     bad = row.bad_kwargs()
     run, arrays, static = _function(self.backend, row, bad)
     fn = self.variant(run)

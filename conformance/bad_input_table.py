@@ -118,6 +118,14 @@ def _ids_error(low: str, high: str) -> str:
   )
 
 
+def _past_the_rows(sizes, num_rows: int) -> str:
+  """The message of group sizes summing past the `num_rows` rows."""
+  return (
+      rf"sum\(group_sizes\) must be <= the {num_rows} rows, got "
+      f"sum={sum(sizes)}"
+  )
+
+
 def _bad_group_sizes(negative, past, num_rows) -> tuple[tuple, ...]:
   """The group_sizes rows of a VJP entry point: `negative` has an entry
   below 0, `past` sums past the `num_rows` rows. Errors eagerly; under jit,
@@ -132,11 +140,7 @@ def _bad_group_sizes(negative, past, num_rows) -> tuple[tuple, ...]:
       (
           "past_the_rows",
           to(jnp.asarray(past, jnp.int32)),
-          NC(
-              all_nan,
-              rf"sum\(group_sizes\) must be <= the {num_rows} rows, got "
-              f"sum={sum(past)}",
-          ),
+          NC(all_nan, _past_the_rows(past, num_rows)),
       ),
   )
 
@@ -665,4 +669,45 @@ TABLE = (
         _by_field((f, t, v, _f32(f, v)) for f, t, v in _FLOAT32_FIELDS),
     ),
     *_rows("MoEConfig", _CONFIG),
+)
+
+# Group sizes in int64, run with jax_enable_x64 on (BadInputSuite's
+# test_bad_input_under_x64). A size of 2**32 + k wraps to k in int32: today,
+# under jit, checked after the cast, such sizes summed to a valid count and
+# gave a finite answer with the wrong groups. Made when the row runs, so that
+# the int64 array is made with x64 on.
+_WRAPS = 2**32
+
+
+def _int64(sizes):
+  return lambda _: jnp.asarray(sizes, jnp.int64)
+
+
+_GEMM_INT64 = (_WRAPS + 4, 10, 6, 8)  # Wraps to GEMM_GROUP_SIZES.
+_FFN_INT64 = (_WRAPS + 2, 3, 1, 4, 0, 5, 2, 3)  # Wraps to the FFN's sizes.
+X64_TABLE = (
+    *_rows(
+        "grouped_gemm_vjp",
+        {
+            "group_sizes": (
+                (
+                    "int64_past_int32",
+                    _int64(_GEMM_INT64),
+                    NC(all_nan, _past_the_rows(_GEMM_INT64, GEMM_M)),
+                ),
+            )
+        },
+    ),
+    *_rows(
+        "expert_ffn_vjp",
+        {
+            "group_sizes": (
+                (
+                    "int64_past_int32",
+                    _int64(_FFN_INT64),
+                    NC(all_nan, _past_the_rows(_FFN_INT64, T * K)),
+                ),
+            )
+        },
+    ),
 )

@@ -305,6 +305,20 @@ def _small_case(**cfg_changes) -> cases.LayerCase:
   )
 
 
+@st.composite
+def _int64_sizes_that_wrap(draw) -> fs.GemmFault:
+  """R5 under jax_enable_x64: group sizes whose int32 wrap is valid (one
+  entry moved by a nonzero multiple of 2**32, up or down), for int64."""
+  fault = draw(fs.gemm_faults(dtypes=("float32",)))
+  sizes, room = [], fault.m
+  for _ in fault.group_sizes:
+    sizes.append(draw(st.integers(0, room)))
+    room -= sizes[-1]
+  wraps = draw(st.integers(-(2**30), 2**30).filter(bool))
+  sizes[draw(st.integers(0, len(sizes) - 1))] += wraps * 2**32
+  return dataclasses.replace(fault, group_sizes=tuple(sizes))
+
+
 class FuzzTest(absltest.TestCase):
   """Each property runs every backend on each example."""
 
@@ -897,6 +911,33 @@ class FuzzTest(absltest.TestCase):
         self.assertTrue(np.any(np.isnan(_to_numpy(d_rows))), f"{msg}: d_rows")
         for leaf in jax.tree_util.tree_leaves(d_weights):
           self.assertTrue(np.any(np.isnan(_to_numpy(leaf))), f"{msg}: d_w")
+
+  @_examples(0.125)
+  @hypothesis.given(fault=_int64_sizes_that_wrap())
+  def test_int64_group_sizes_past_int32_poison_gemm(self, fault):
+    """R5 with jax_enable_x64: traced int64 sizes whose int32 wrap is valid
+    make the whole output NaN, every backend (checked before any cast).
+
+    The forward of grouped_gemm only, to keep ci's time to seconds;
+    BadInputSuite's x64 rows check expert_ffn, the gradients and the eager
+    error on every backend.
+    """
+    rows, weights, _, _ = fs.gemm_fault_inputs(
+        dataclasses.replace(fault, group_sizes=(0,) * len(fault.group_sizes))
+    )
+    with jax.enable_x64(True):
+      sizes = np.asarray(fault.group_sizes, np.int64)
+      for name, backend in _backends().items():
+
+        def gemm(rows, weights, sizes, backend=backend):
+          return backend.grouped_gemm(
+              rows, weights, sizes, transpose_rhs=fault.transpose_rhs
+          )
+
+        out = jax.jit(gemm)(rows, weights, sizes)
+        self.assertTrue(
+            np.all(np.isnan(_to_numpy(out))), f"{name}: {fault.group_sizes}"
+        )
 
   # --- update_correction_bias (R6) ------------------------------------------
 

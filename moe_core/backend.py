@@ -715,10 +715,11 @@ def _sanitised_group_sizes(
   here) are replaced by [num_rows, 0, ..., 0]: every row in the first
   group, so no kernel reads rows that do not exist, and the NaN cotangent
   of `_poisoned` reaches dX and the first expert's dW through the kernels
-  themselves.
+  themselves. The sizes are checked in their own dtype, before the cast:
+  an int64 size (jax_enable_x64) of 2**32 + 4 would wrap to a valid 4.
   """
-  group_sizes = group_sizes.astype(jnp.int32)
   bad = checks.flag_bad_group_sizes(group_sizes, num_rows)
+  group_sizes = group_sizes.astype(jnp.int32)
   every_row_first = jnp.zeros_like(group_sizes).at[0].set(num_rows)
   return jnp.where(bad, every_row_first, group_sizes), bad
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-import jax
 
 from moe_core import backend as backend_lib
+from moe_core.kernels import gpu
 
 # name -> "module:ClassName". Modules are imported on first use only, so
 # importing moe_core never imports a backend's hardware-only dependencies.
@@ -37,7 +37,8 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
 # (bench/results/, docs/cpu.md); without the library it is unavailable and
 # xla runs. On a TPU, mosaic_tpu (its own Mosaic TPU kernels) comes first,
 # then xla (lax.ragged_dot, which XLA also lowers to a Mosaic kernel):
-# bench/results/tpu_check_*.json measures both on a v5e.
+# bench/results/tpu_check_*.json measures both on a v5e. The platform is
+# the one the program is lowered for, not the host's (`auto_order`).
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "gpu": ("mosaic_gpu", "pallas", "triton", "te", "xla", "reference"),
     "cpu": ("cpu", "xla", "pallas", "reference"),
@@ -90,12 +91,35 @@ def _check_name(name) -> None:
     )
 
 
-def _construct(name: str, options: dict) -> backend_lib.Backend:
+def _resolve(name: str) -> Callable[..., backend_lib.Backend]:
+  """The class (or factory) registered as `name`, its module imported."""
   target = _REGISTRY[name]
   if isinstance(target, str):
     module_name, _, attr = target.partition(":")
     target = getattr(importlib.import_module(module_name), attr)
-  instance = target(**options)
+  return target
+
+
+def backend_class(name: str) -> type[backend_lib.Backend] | None:
+  """The Backend class registered as `name`, without building one (nor
+  touching a device): its `dtypes` and `precisions` say what it computes.
+  None for a backend registered as a factory.
+
+  Raises:
+    ValueError: unknown name (or "auto", which is no one class).
+    ImportError: the backend's module needs a package that is absent.
+  """
+  if name == "auto":
+    raise ValueError("backend 'auto' is no one class; name a backend.")
+  _check_name(name)
+  target = _resolve(name)
+  if isinstance(target, type) and issubclass(target, backend_lib.Backend):
+    return target
+  return None
+
+
+def _construct(name: str, options: dict) -> backend_lib.Backend:
+  instance = _resolve(name)(**options)
   if not isinstance(instance, backend_lib.Backend):
     raise TypeError(
         f"backend {name!r} built {type(instance)}, not a " "moe_core Backend."
@@ -150,8 +174,15 @@ def available_backends() -> list[str]:
 
 
 def auto_order(platform: str | None = None) -> tuple[str, ...]:
-  """The documented "auto" order for `platform` (default: JAX's default)."""
-  platform = platform or jax.default_backend()
+  """The documented "auto" order for `platform`.
+
+  The default is the platform of the program being traced
+  (`gpu.lowering_platform`, as the kernel backends' `interpret=None`
+  reads it): `moe_core.aot.compile` for a TPU or GPU lowers on a CPU host,
+  and the CPU's order would put the cpu backend's custom calls, which only
+  a CPU runs, in that program. Outside a lowering it is JAX's default.
+  """
+  platform = platform or gpu.lowering_platform()
   order = AUTO_ORDER.get(platform, _DEFAULT_AUTO_ORDER)
   return tuple(n for n in order if n in _REGISTRY)
 

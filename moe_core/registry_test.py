@@ -50,6 +50,12 @@ class _Unavailable(_Toy):
     return False, "toy_unavailable: not on this machine"
 
 
+class _EverywhereCpu(_Toy):
+  """A stand-in for the native cpu backend where its library is built."""
+
+  name = "cpu"
+
+
 class RegistryTest(parameterized.TestCase):
 
   def setUp(self):
@@ -91,6 +97,41 @@ class RegistryTest(parameterized.TestCase):
         )
     )
     self.assertEqual(registry.auto_order("cpu"), ("xla", "reference"))
+
+  @parameterized.parameters(
+      ("tpu", "TPU v5 lite"), ("gpu", "NVIDIA H100 80GB HBM3"), ("cpu", "cpu")
+  )
+  def test_auto_orders_by_the_platform_lowered_for(self, platform, kind):
+    """In a program lowered for `platform` (moe_core.aot.compile's abstract
+    mesh) auto takes that platform's order, not the host's: on a CPU host
+    whose native "cpu" backend is available (a stand-in here, which runs
+    everywhere), a TPU program got its CPU-only custom calls."""
+    self.enter_context(
+        mock.patch.dict(registry._REGISTRY, {"cpu": _EverywhereCpu})
+    )
+    self.enter_context(mock.patch.dict(registry._instances, clear=True))
+    device = jax.sharding.AbstractDevice(
+        device_kind=kind, num_cores=1, platform=platform
+    )
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+      self.assertEqual(registry.auto_order(), registry.auto_order(platform))
+      resolved = registry.get_backend("auto").name
+    self.assertIn(resolved, registry.auto_order(platform))
+    self.assertEqual(resolved == "cpu", platform == "cpu")
+
+  def test_backend_class_without_building_one(self):
+    self.assertIs(
+        registry.backend_class("reference"),
+        type(registry.get_backend("reference")),
+    )
+    registry.register_backend("toy_factory", lambda: _Toy())
+    self.assertIsNone(registry.backend_class("toy_factory"))
+    registry.register_backend("toy_absent", "no_such_package.backend:B")
+    with self.assertRaises(ImportError):
+      registry.backend_class("toy_absent")
+    with self.assertRaisesRegex(ValueError, "'auto' is no one class"):
+      registry.backend_class("auto")
 
   def test_auto_is_first_available(self):
     first = [n for n in registry.auto_order() if registry.availability(n)[0]]

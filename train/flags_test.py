@@ -3,7 +3,7 @@
 A bad value must stop `train.main` (and `train.compare_backends`) with one
 line per flag that names the flag, what it needs and what it got, before
 anything compiles. Most cases run in this process: flagsaver runs absl's
-validators exactly as command-line parsing does. Four subprocesses check
+validators exactly as command-line parsing does. Five subprocesses check
 that the programs really stop at parse time.
 """
 
@@ -20,6 +20,7 @@ from absl.testing import flagsaver
 from absl.testing import parameterized
 
 from moe_core import precision as moe_precision
+from moe_core import registry
 from train import main
 from train import presets
 from train import train_flags
@@ -111,6 +112,16 @@ def _own_message(error: Exception) -> str:
   """The validator's line, without absl's "flag --name=value: " prefix."""
   text = str(error)
   return text[text.index(": --") + 2 :]
+
+
+def _refusal(test: absltest.TestCase, **values) -> str:
+  """The one line refusing the flag `values` (flagsaver runs the validators
+  as parsing does), without absl's prefix."""
+  with test.assertRaises(flags.IllegalFlagValueError) as raised:
+    with flagsaver.flagsaver(**values):
+      pass
+  test.assertNotIn("\n", str(raised.exception))
+  return _own_message(raised.exception)
 
 
 def _main_number_flags() -> list[str]:
@@ -282,8 +293,11 @@ class MeshFitsModelTest(parameterized.TestCase):
 
   def test_checked_against_the_model_set_with_it(self):
     # tiny_qwen3 has 32 experts; the default preset has 16. Flags set
-    # together are checked together, whatever their order.
-    with flagsaver.flagsaver(mesh="expert=32", model="tiny_qwen3"):
+    # together are checked together, whatever their order (a batch of 32
+    # splits over the 32 devices).
+    with flagsaver.flagsaver(
+        mesh="expert=32", model="tiny_qwen3", batch_size=32
+    ):
       self.assertEqual(FLAGS.model, "tiny_qwen3")
     with self.assertRaises(flags.IllegalFlagValueError):
       with flagsaver.flagsaver(mesh="expert=32"):
@@ -299,22 +313,15 @@ class PathFlagTest(absltest.TestCase):
     with open(self.file, "w") as f:
       f.write("text")
 
-  def _refusal(self, **values) -> str:
-    with self.assertRaises(flags.IllegalFlagValueError) as raised:
-      with flagsaver.flagsaver(**values):
-        pass
-    self.assertNotIn("\n", str(raised.exception))
-    return _own_message(raised.exception)
-
   def test_output_dir_that_is_a_file_is_refused(self):
-    own = self._refusal(output_dir=self.file)
+    own = _refusal(self, output_dir=self.file)
     self.assertTrue(own.startswith("--output_dir"), own)
     self.assertIn(repr(self.file), own)
     self.assertIn("not a directory", own)
 
   def test_output_dir_under_a_file_is_refused(self):
     path = os.path.join(self.file, "run", "out")
-    own = self._refusal(output_dir=path)
+    own = _refusal(self, output_dir=path)
     self.assertTrue(own.startswith("--output_dir"), own)
     self.assertIn(repr(path), own)
     self.assertIn(repr(self.file), own)  # The part that is in the way.
@@ -326,11 +333,11 @@ class PathFlagTest(absltest.TestCase):
     locked = os.path.join(self.dir, "locked")
     os.mkdir(locked, 0o500)
     self.addCleanup(os.chmod, locked, 0o700)
-    own = self._refusal(output_dir=os.path.join(locked, "out"))
+    own = _refusal(self, output_dir=os.path.join(locked, "out"))
     self.assertIn(repr(locked), own)
 
   def test_empty_output_dir_is_refused(self):
-    self.assertTrue(self._refusal(output_dir="").startswith("--output_dir"))
+    self.assertTrue(_refusal(self, output_dir="").startswith("--output_dir"))
 
   def test_output_dir_existing_or_creatable_is_taken_and_not_made(self):
     new = os.path.join(self.dir, "run", "out")
@@ -339,12 +346,142 @@ class PathFlagTest(absltest.TestCase):
         self.assertEqual(FLAGS.output_dir, path)
     self.assertFalse(os.path.exists(os.path.join(self.dir, "run")))
 
+  def test_dry_run_json_that_is_a_directory_is_refused(self):
+    target = dict(dry_run=True, target="v5e", topology="1x1")
+    own = _refusal(self, dry_run_json=self.dir, **target)
+    self.assertTrue(own.startswith("--dry_run_json"), own)
+    self.assertIn(repr(self.dir), own)
+    # The default, in --output_dir, likewise.
+    os.mkdir(os.path.join(self.dir, "dry_run_v5e_1x1.json"))
+    own = _refusal(self, output_dir=self.dir, **target)
+    self.assertTrue(own.startswith("--output_dir"), own)
+    self.assertIn("dry_run_v5e_1x1.json", own)
+    path = os.path.join(self.dir, "new", "v5e.json")
+    with flagsaver.flagsaver(dry_run_json=path, **target):
+      self.assertEqual(FLAGS.dry_run_json, path)
+
+  def test_dry_run_json_without_a_target_is_refused(self):
+    own = _refusal(self, dry_run=True, dry_run_json="/tmp/figures.json")
+    self.assertTrue(own.startswith("--dry_run_json"), own)
+    self.assertIn("--target", own)
+
+  def test_output_paths_of_the_wrong_kind_are_refused(self):
+    """What a run writes in --output_dir: checked before it trains, not
+    at its last save."""
+    for name, directory in (
+        ("checkpoints", False),
+        ("metrics.jsonl", True),
+        ("summary.json", True),
+        ("training.png", True),
+    ):
+      with self.subTest(name=name):
+        out = os.path.join(self.dir, name.replace(".", "_"))
+        os.mkdir(out)
+        if directory:
+          os.mkdir(os.path.join(out, name))
+        else:
+          with open(os.path.join(out, name), "w") as f:
+            f.write("in the way")
+        own = _refusal(self, output_dir=out)
+        self.assertTrue(own.startswith("--output_dir"), own)
+        self.assertIn(repr(os.path.join(out, name)), own)
+        if name == "training.png":  # Written only with --plot.
+          with flagsaver.flagsaver(output_dir=out, plot=False):
+            self.assertEqual(FLAGS.output_dir, out)
+        with flagsaver.flagsaver(output_dir=out, dry_run=True):
+          self.assertEqual(FLAGS.output_dir, out)  # A dry run writes none.
+
   def test_data_must_be_a_file(self):
-    own = self._refusal(data=self.dir)
+    own = _refusal(self, data=self.dir)
     self.assertTrue(own.startswith("--data"), own)
     self.assertIn(repr(self.dir), own)
     with flagsaver.flagsaver(data=self.file):
       self.assertEqual(FLAGS.data, self.file)
+
+
+class SettingsTogetherTest(parameterized.TestCase):
+  """Flags that are each valid but not together: refused as parsed, one
+  line naming the flag, what it takes and what it got, before anything
+  compiles (each once ended in a traceback, or HLO, after compiling)."""
+
+  def _refusal_of(self, flag: str, **values) -> str:
+    own = _refusal(self, **values)
+    self.assertTrue(own.startswith(f"--{flag}"), own)
+    return own
+
+  def test_num_layers_below_the_dense_layers(self):
+    own = self._refusal_of(
+        "num_layers", model="deepseek_v3", num_layers=2, dry_run=True
+    )
+    self.assertRegex(own, r"num_layers must be >= 4 .*got 2.*deepseek_v3")
+
+  def test_microbatches_that_do_not_divide_the_batch(self):
+    own = self._refusal_of(
+        "microbatches", batch_size=3, microbatches=2, dry_run=True
+    )
+    self.assertIn("--batch_size=3", own)
+
+  def test_ep_chunks_that_do_not_divide_a_devices_tokens(self):
+    # tiny_dsv3: 16 sequences of 128 tokens, 8 per device of expert=2.
+    own = self._refusal_of("ep_chunks", mesh="expert=2", ep_chunks=3)
+    self.assertIn("1024 tokens", own)
+    self.assertIn("got 3", own)
+    with flagsaver.flagsaver(mesh="expert=2", ep_chunks=4):
+      self.assertEqual(FLAGS.ep_chunks, 4)
+
+  def test_a_recipe_the_backend_does_not_multiply(self):
+    own = self._refusal_of(
+        "precision", precision="fp8_block", moe_backend="mosaic_tpu"
+    )
+    self.assertIn("['unquantized']", own)
+    self.assertIn("--moe_backend=mosaic_tpu", own)
+    self.assertIn("'fp8_block'", own)
+
+  def test_a_compute_dtype_the_backend_does_not_run(self):
+    own = self._refusal_of(
+        "compute_dtype", compute_dtype="float32", moe_backend="mosaic_gpu"
+    )
+    self.assertIn("bfloat16", own)
+    self.assertIn("'float32'", own)
+
+  @parameterized.parameters(
+      ("cpu", "v5e", "1x1"),
+      ("pallas", "v5e", "1x1"),
+      ("mosaic_tpu", "h100", "1x1x1"),
+  )
+  def test_a_backend_that_does_not_compile_for_the_target(
+      self, backend, target, topology
+  ):
+    own = self._refusal_of(
+        "moe_backend",
+        moe_backend=backend,
+        target=target,
+        topology=topology,
+        dry_run=True,
+    )
+    self.assertIn(f"--moe_backend={backend}", own)
+    self.assertIn(f"--target={target}", own)
+    self.assertIn("auto", own)
+
+  def test_a_backend_whose_package_is_absent(self):
+    """A backend module that needs a package (triton's jax-triton) raises
+    ImportError as it is imported: named at parsing, with its words."""
+    self.enter_context(mock.patch.dict(registry._REGISTRY))
+    registry.register_backend("needs_a_package", "no_such_package.mod:B")
+    for target in ({}, dict(target="h100", topology="1x1x1", dry_run=True)):
+      own = self._refusal_of(
+          "moe_backend", moe_backend="needs_a_package", **target
+      )
+      self.assertIn("--moe_backend=needs_a_package cannot run here", own)
+      self.assertIn("no_such_package", own)
+
+  def test_a_dense_model_takes_any_backend(self):
+    dense = _dense_default_preset()
+    with mock.patch.dict(presets.PRESETS, {presets.DEFAULT_PRESET: dense}):
+      with flagsaver.as_parsed(
+          moe_backend="mosaic_tpu", compute_dtype="float32"
+      ):
+        self.assertEqual(FLAGS.moe_backend, "mosaic_tpu")
 
 
 def _dense_default_preset() -> presets.Preset:
@@ -566,6 +703,14 @@ class StopsBeforeCompilingTest(absltest.TestCase):
         f"--output_dir={testing.temp_dir(self)}",
     )
     self._assert_stopped_at_parsing(proc, ("--precision", "fp6"))
+
+  def test_train_main_output_dir_whose_checkpoints_is_a_file(self):
+    """The run trained, then lost its work at its last save."""
+    out = testing.temp_dir(self)
+    with open(os.path.join(out, "checkpoints"), "w") as f:
+      f.write("in the way")
+    proc = _run_module("train.main", f"--output_dir={out}")
+    self._assert_stopped_at_parsing(proc, ("--output_dir", "checkpoints"))
 
   def test_compare_backends(self):
     proc = _run_module(

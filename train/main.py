@@ -101,7 +101,9 @@ def _target_dry_run(out) -> str:
     app.UsageError: the run does not split over the mesh, the chips cannot
       be described here, or the step does not fit (one line).
   """
-  run = dry_run_target.resolve_backend(train_flags.run_config_from_flags())
+  # --moe_backend=auto orders the backends by the target's platform, as
+  # every lowering for it does (moe_core.registry.auto_order).
+  run = train_flags.run_config_from_flags()
   path = train_flags.DRY_RUN_JSON.value or dry_run_target.default_json_path(
       run.output_dir, train_flags.TARGET.value, train_flags.TOPOLOGY.value
   )
@@ -112,10 +114,15 @@ def _target_dry_run(out) -> str:
   except dry_run_target.TargetDoesNotFitError as e:
     # XLA's TPU compiler refuses a step over the HBM: no figures to write.
     raise app.UsageError(str(e)) from e
-  except (ValueError, RuntimeError) as e:
+  except (ValueError, RuntimeError, NotImplementedError) as e:
     # A run that does not split over --mesh; no CUDA plugin or libtpu to
-    # describe the chips with.
+    # describe the chips with; a backend that cannot compile this step.
     raise app.UsageError(str(e)) from e
+  except ImportError as e:
+    # A backend whose package (Transformer Engine) is imported as it traces.
+    raise app.UsageError(
+        f"--moe_backend={run.backend} cannot compile here: {e}"
+    ) from e
   text = dry_run_target.describe(record)
   dry_run_target.write_json(record, path)
   text += f"\n  wrote {path}"
@@ -133,7 +140,9 @@ def _compiled_memory() -> str:
     run = train_flags.run_config_from_flags()
     mesh_lib.simulate_cpu_devices(mesh_lib.parse(run.mesh), 1)
     memory = step_builder.compiled_step_memory(run)
-  except ValueError as e:  # The mesh does not fit the devices.
+  except (ValueError, NotImplementedError, ImportError) as e:
+    # The mesh does not fit the devices; the backend cannot run the step,
+    # or its package is not installed.
     return f"compiled train step: not compiled: {e}"
   if memory is None:
     return (
@@ -188,9 +197,10 @@ def train(out=None) -> dict:
     run = train_flags.run_config_from_flags()
     _start_devices(run, out)
     run, tr, out = _set_up(run, out)
-  except ValueError as e:
-    # A flag the run cannot use, or a checkpoint that does not match it:
-    # one line naming the flag, not a traceback.
+  except (ValueError, NotImplementedError) as e:
+    # A flag the run cannot use, a checkpoint that does not match it, or a
+    # backend that cannot run its step (valid, not supported there): one
+    # line naming the flag, not a traceback.
     raise app.UsageError(str(e)) from e
   except RuntimeError as e:
     if not training_faults.is_out_of_memory(e):

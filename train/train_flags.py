@@ -409,6 +409,32 @@ flags.register_validator(
     "output_dir", _validator(settings_checks.check_output_dir)
 )
 flags.register_validator("data", _validator(settings_checks.check_data))
+# The settings against each other. Registered last: absl skips a validator
+# whose flags an earlier one refused, so each bad flag gets one line.
+flags.register_multi_flags_validator(
+    ("model", "num_layers", "precision"),
+    _multi_validator(settings_checks.check_model_shape),
+)
+flags.register_multi_flags_validator(
+    (
+        "model",
+        "batch_size",
+        "seq_len",
+        "microbatches",
+        "ep_chunks",
+        "mesh",
+        "dry_run",
+    ),
+    _multi_validator(settings_checks.check_batch_split),
+)
+flags.register_multi_flags_validator(
+    ("moe_backend", "model", "target", "precision", "compute_dtype"),
+    _multi_validator(settings_checks.check_backend),
+)
+flags.register_multi_flags_validator(
+    ("output_dir", "dry_run", "plot", "target", "topology", "dry_run_json"),
+    _multi_validator(settings_checks.check_output_paths),
+)
 
 
 # RunConfig's fields that no flag of the same name sets: --model picks the

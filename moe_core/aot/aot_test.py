@@ -15,8 +15,10 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 
+import moe_core
 from moe_core import aot
 from moe_core import precision
+from moe_core import registry
 
 _HAS_PLUGIN = aot.cuda_plugin_installed()
 _HAS_LIBTPU = aot.libtpu_installed()
@@ -85,6 +87,31 @@ class TargetsTest(parameterized.TestCase):
   def test_bad_tpu_topology_is_refused(self, target, spec):
     with self.assertRaisesRegex(ValueError, f"topology for {target} must be"):
       aot.parse_tpu_topology(target, spec)
+
+  def test_compile_refuses_arguments_of_the_wrong_kind(self):
+    """Before any compile (no libtpu or CUDA plugin needed): each named,
+    with what it takes and what it got (an AttributeError, or a dict's
+    ValueError, before)."""
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    double = lambda a: a * 2
+    for kwargs, pattern in (
+        (dict(topology=123), r"^topology must be a Topology .*got 123\.$"),
+        (
+            dict(topology="v5e:1x1", xla_options="quick"),
+            r"^xla_options must be None or a dict .*got 'quick'\.$",
+        ),
+        (
+            dict(topology="v5e:1x1", mesh="data"),
+            r"^mesh must be None or a jax.sharding.Mesh .*got 'data'\.$",
+        ),
+    ):
+      with self.subTest(**{k: repr(v) for k, v in kwargs.items()}):
+        with self.assertRaisesRegex(TypeError, pattern):
+          aot.compile(double, x, **kwargs)
+
+  def test_device_count_of_an_unknown_target_names_the_targets(self):
+    with self.assertRaisesRegex(ValueError, r"^target must be one of .*'zz'"):
+      aot.num_devices("zz", "1x1x1")
 
   def test_topology_names_need_a_target(self):
     with self.assertRaisesRegex(ValueError, "'<target>:<shape>'"):
@@ -290,6 +317,36 @@ class TpuCompileTest(parameterized.TestCase):
     self.assertFalse(
         [k for k in program.tpu_kernels if k.startswith("dropless_tpu_")]
     )
+
+  def test_auto_backend_compiles_for_a_tpu_from_a_cpu_host(self):
+    """A layer with backend="auto" (the default) compiles for a TPU: auto
+    orders by the platform lowered for, so where the native cpu backend is
+    available on this host (auto's choice here), its CPU-only custom calls
+    stay out of the TPU program (XLA's TPU compiler refused them: "Custom
+    emitter for dropless_cpu_gmm_v1 not found")."""
+    cpu_ok, why = registry.availability("cpu")
+    if not cpu_ok:
+      print(
+          "the native cpu backend is unavailable here, so auto never chose it "
+          f"on this host ({why}); this compile then passed before too"
+      )
+    cfg = moe_core.MoEConfig(
+        num_experts=4, top_k=2, hidden_size=128, expert_ffn_size=128
+    )
+    params = jax.eval_shape(
+        lambda: moe_core.init_params(jax.random.key(0), cfg, jnp.bfloat16)
+    )
+    x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    program = aot.compile(
+        lambda p, x: moe_core.moe_layer(p, x, cfg)[0],
+        params,
+        x,
+        topology="v5e:1x1",
+    )
+    self.assertFalse(
+        [c for c in program.custom_calls if c.startswith("dropless_cpu")]
+    )
+    self.assertIn("tpu_custom_call", program.custom_calls)
 
   def test_a_kernel_over_scoped_vmem_fails_to_compile(self):
     """[16384, 128] float32 blocks, in and out, double-buffered: 32 MiB of

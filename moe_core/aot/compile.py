@@ -218,10 +218,27 @@ def compile(  # pylint: disable=redefined-builtin
     aot.compile(f, x, topology="v5e:2x2").tpu_kernels  # {"my_kernel": 1}
 
   Raises:
+    TypeError: `topology`, `mesh` or `xla_options` of the wrong kind.
+    ValueError: an unknown topology name.
     HbmOomError: XLA's TPU compiler found the program over the HBM.
   """
+  if xla_options is not None and not isinstance(xla_options, dict):
+    raise TypeError(
+        "xla_options must be None or a dict of XLA options (e.g. "
+        f"aot.QUICK_OPTIONS), got {xla_options!r}."
+    )
+  if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(
+        "mesh must be None or a jax.sharding.Mesh (a Topology.mesh), got "
+        f"{mesh!r}."
+    )
   if isinstance(topology, str):
     topology = topology_lib.named_topology(topology)
+  if not isinstance(topology, topology_lib.Topology):
+    raise TypeError(
+        "topology must be a Topology (aot.gpu_topology, aot.tpu_topology) "
+        f"or a name such as 'v5e:2x2', got {topology!r}."
+    )
   tpu = isinstance(topology, topology_lib.TpuTopology)
   options = {} if tpu else dict(DEVICELESS_OPTIONS)
   if not tpu or xla_options is not QUICK_OPTIONS:

@@ -159,6 +159,7 @@ def parse_tpu_topology(target: str, spec: str) -> tuple[str, int]:
 
 def num_devices(target: str, spec: str) -> int:
   """The JAX devices of `spec` on `target` (GPU "SxHxG" or TPU "AxB/S")."""
+  targets_lib.target(target)  # An unknown target, named as such.
   if targets_lib.is_tpu(target):
     chips, slices = parse_tpu_topology(target, spec)
     per_chip = targets_lib.TPU_TARGETS[target].devices_per_chip

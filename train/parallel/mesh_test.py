@@ -212,9 +212,24 @@ class MainFlagErrorsTest(parameterized.TestCase):
   """
 
   @parameterized.parameters(
-      ("data=2,expert=2", 16, r"--mesh=data=2,expert=2 multiplies to 4"),
       ("data=2,expert=4", 12, r"--batch_size=12 must be divisible by .* 8"),
       ("data=2,expert=4", 8, r"--microbatches must be >= 1 and split", 2),
+  )
+  def test_batch_that_does_not_split_is_refused_as_parsed(
+      self, mesh, batch_size, message, microbatches=1
+  ):
+    with self.assertRaisesRegex(flags.IllegalFlagValueError, message) as e:
+      with flagsaver.flagsaver(
+          mesh=mesh,
+          batch_size=batch_size,
+          microbatches=microbatches,
+          model="tiny_dsv3",
+      ):
+        pass
+    self.assertNotIn("\n", str(e.exception))
+
+  @parameterized.parameters(
+      ("data=2,expert=2", 16, r"--mesh=data=2,expert=2 multiplies to 4"),
   )
   def test_one_line_error(self, mesh, batch_size, message, microbatches=1):
     with flagsaver.flagsaver(

@@ -13,7 +13,6 @@ is the same one-line refusal, with the compiler's figures.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -51,19 +50,6 @@ def tree_bytes_per_device(tree) -> int:
       shape = leaf.sharding.shard_shape(shape)
     total += int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize
   return total
-
-
-def resolve_backend(run: run_config.RunConfig) -> run_config.RunConfig:
-  """`run` with --moe_backend=auto made concrete for a GPU or TPU target.
-
-  "auto" picks by the platform JAX runs on, here the host's CPU, whose
-  native kernels do not compile for a GPU or TPU: the dry run takes "xla",
-  which compiles for every target. A named backend (pallas, mosaic_gpu,
-  triton) compiles its own kernels.
-  """
-  if run.backend != "auto":
-    return run
-  return dataclasses.replace(run, backend="xla")
 
 
 def analytic_all_to_all_bytes(run: run_config.RunConfig) -> float:
@@ -346,7 +332,12 @@ def write_json(record: dict, path: str) -> None:
   """Writes `record` to `path` (its folders made), whole or not at all."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   temp = f"{path}.tmp"
-  with open(temp, "w", encoding="utf-8") as f:
-    json.dump(record, f, indent=2, sort_keys=True)
-    f.write("\n")
-  os.replace(temp, path)
+  try:
+    with open(temp, "w", encoding="utf-8") as f:
+      json.dump(record, f, indent=2, sort_keys=True)
+      f.write("\n")
+    os.replace(temp, path)
+  except OSError:
+    if os.path.isfile(temp):  # No stray <path>.tmp beside what failed.
+      os.remove(temp)
+    raise

@@ -4,20 +4,26 @@ line the program prints (`train_flags.py` registers them with absl, whose
 error that line becomes).
 
 They check the settings against what they name: the mesh's syntax and the
-model's experts, the uniform layers a scan needs, a compile target's
-devices, a quantised recipe's experts, and the paths of --output_dir and
---data. Each parameter is named as its flag.
+model's experts, the model's depth, the batch's split, the uniform layers
+a scan needs, a compile target's devices, a quantised recipe's experts, a
+named backend's recipes, dtypes and platforms, and every path a run
+writes (--output_dir's outputs, --dry_run_json, --data). Each parameter is
+named as its flag.
 """
 
 from __future__ import annotations
 
 import os
 
+import jax.numpy as jnp
+
 from moe_core import aot
 from moe_core import precision as moe_precision
+from moe_core import registry
 from train.presets import catalog
 from train.models import scan_model
 from train.parallel import mesh as mesh_lib
+from train.run import run_config
 
 
 def mesh_sizes(spec) -> dict[str, int]:
@@ -139,18 +145,168 @@ def check_output_dir(path) -> None:
   """
   if not isinstance(path, str) or not path:
     raise ValueError(f"--output_dir must be a directory path, got {path!r}.")
+  _check_can_make("--output_dir", path, "a directory or a new path under one")
+
+
+def _check_can_make(flag: str, path: str, wanted: str) -> None:
+  """The nearest existing folder of `path` (itself, or an ancestor) is a
+  writable directory, so that the run can make what is missing."""
   existing = os.path.abspath(path)  # The path itself, or its nearest ancestor.
   while not os.path.lexists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
     raise ValueError(
-        f"--output_dir must be a directory or a new path under one, got "
-        f"{path!r}, but {existing!r} exists and is not a directory."
+        f"{flag} must be {wanted}, got {path!r}, but {existing!r} exists and "
+        "is not a directory."
     )
   if not os.access(existing, os.W_OK | os.X_OK):
     raise ValueError(
-        f"--output_dir must be writable, got {path!r}, but {existing!r} is "
+        f"{flag} must be writable, got {path!r}, but {existing!r} is "
         "not writable."
+    )
+
+
+# What a training run writes in --output_dir: name -> (a directory?, with
+# --plot only?). The output lock (.dropless_train.lock) checks itself.
+RUN_OUTPUTS = {
+    "checkpoints": (True, False),
+    "metrics.jsonl": (False, False),
+    "summary.json": (False, False),
+    "training.png": (False, True),
+}
+
+
+def check_output_paths(
+    *, output_dir, dry_run, plot, target, topology, dry_run_json
+) -> None:
+  """Every path the run will write can be written, before it starts.
+
+  A training run writes RUN_OUTPUTS in --output_dir: each must be absent
+  or of its kind (a checkpoints directory that is a file would lose the
+  run's work at its last save). --dry_run --target writes one JSON file,
+  --dry_run_json or one in --output_dir: not a directory, in a folder that
+  can be made. --dry_run_json is refused without --dry_run --target, which
+  alone write it. `check_output_dir` and `check_target` check the flags
+  themselves.
+  """
+  if not isinstance(output_dir, str) or not output_dir:
+    return  # check_output_dir's line.
+  if dry_run_json is not None and not (dry_run and target and topology):
+    raise ValueError(
+        f"--dry_run_json={dry_run_json} is written only by --dry_run "
+        "--target=... --topology=...; give them, or drop --dry_run_json."
+    )
+  if dry_run:
+    if not (target and topology):
+      return  # Writes nothing.
+    flag, path = "--dry_run_json", dry_run_json
+    if path is None:
+      flag = "--output_dir"
+      path = os.path.join(output_dir, f"dry_run_{target}_{topology}.json")
+    if not path or os.path.isdir(path):
+      raise ValueError(
+          f"{flag} must name a JSON file to write, not a directory, got "
+          f"{path!r}."
+      )
+    _check_can_make(flag, path, "a new file or one in a directory")
+    return
+  for name, (directory, plot_only) in RUN_OUTPUTS.items():
+    path = os.path.join(output_dir, name)
+    if (plot_only and not plot) or not os.path.lexists(path):
+      continue
+    if os.path.isdir(path) != directory:
+      kind = "directory" if directory else "file"
+      raise ValueError(
+          f"--output_dir must be a directory whose {name!r} is absent or a "
+          f"{kind} (the run writes its {name} there), got {output_dir!r}, "
+          f"where {path!r} is "
+          + ("a directory." if os.path.isdir(path) else "not a directory.")
+      )
+
+
+def check_model_shape(*, model, num_layers, precision) -> None:
+  """--num_layers leaves room for --model's first dense layers and one MoE
+  layer; --precision applies to it (`run_config.preset_model`)."""
+  if model not in catalog.PRESETS:
+    return  # check_mesh_splits_experts' line.
+  try:
+    run_config.preset_model(catalog.get_preset(model), precision, num_layers)
+  except ValueError as e:
+    raise ValueError(f"--{e} (--model={model})") from e
+
+
+def check_batch_split(
+    *, model, batch_size, seq_len, microbatches, ep_chunks, mesh, dry_run
+) -> None:
+  """--batch_size splits into --microbatches equal parts and, for a run,
+  each over the data-parallel devices of --mesh (`mesh_lib.check_run`;
+  --dry_run reports a mesh that does not split the batch instead), whose
+  tokens on a device split into --ep_chunks under expert parallelism."""
+  if model not in catalog.PRESETS:
+    return  # check_mesh_splits_experts' line.
+  preset = catalog.get_preset(model)
+  batch_size = batch_size or preset.train.batch_size
+  if batch_size % microbatches:
+    raise ValueError(
+        f"--microbatches={microbatches} must divide --batch_size="
+        f"{batch_size} (each step's batch splits into equal microbatches)."
+    )
+  if dry_run:
+    return
+  sizes = mesh_sizes(mesh)
+  mesh_lib.check_run(sizes, preset.model, batch_size, microbatches)
+  seq_len = seq_len or preset.train.seq_len
+  tokens = batch_size // microbatches // mesh_lib.batch_shards(sizes) * seq_len
+  if sizes[mesh_lib.EXPERT_AXIS] > 1 and tokens % ep_chunks:
+    raise ValueError(
+        f"--ep_chunks must divide the {tokens} tokens a device holds per "
+        f"microbatch (--batch_size={batch_size} x --seq_len={seq_len} / "
+        f"--microbatches={microbatches} / {mesh_lib.batch_shards(sizes)} "
+        f"data-parallel devices of --mesh={mesh}), got {ep_chunks}."
+    )
+
+
+def check_backend(
+    *, moe_backend, model, target, precision, compute_dtype
+) -> None:
+  """A named --moe_backend can be imported, compiles for --target's
+  platform (a GPU or TPU; the platforms of its "auto" orders), and runs
+  --precision and --compute_dtype (its `precisions` and `dtypes`).
+
+  Whether it runs on the devices here is asked once JAX has them
+  (`trainer.Trainer`): that needs the devices, which parsing must not start.
+  """
+  if moe_backend == "auto" or moe_backend not in registry.registered_backends():
+    return  # auto falls through; an unknown name is --moe_backend's line.
+  if model in catalog.PRESETS and catalog.get_preset(model).model.moe is None:
+    return  # A dense model calls no MoE backend.
+  try:
+    cls = registry.backend_class(moe_backend)
+  except ImportError as e:
+    raise ValueError(f"--moe_backend={moe_backend} cannot run here: {e}") from e
+  if target:
+    platform = "tpu" if aot.is_tpu(target) else "gpu"
+    order = registry.AUTO_ORDER[platform]
+    elsewhere = any(moe_backend in o for o in registry.AUTO_ORDER.values())
+    if moe_backend not in order and elsewhere:
+      raise ValueError(
+          f"--moe_backend={moe_backend} does not compile for --target={target}"
+          f" ({platform.upper()}s); use auto or one of {list(order)}."
+      )
+  if cls is None:
+    return
+  recipe = moe_precision.check_recipe(precision)
+  if recipe not in cls.precisions:
+    raise ValueError(
+        f"--precision must be one of {list(cls.precisions)} with "
+        f"--moe_backend={moe_backend}, got {precision!r}; --moe_backend=auto "
+        "or xla runs every recipe."
+    )
+  dtypes = [jnp.dtype(d).name for d in cls.dtypes or ()]
+  if dtypes and compute_dtype not in dtypes:
+    raise ValueError(
+        f"--compute_dtype must be one of {dtypes} with --moe_backend="
+        f"{moe_backend}, got {compute_dtype!r}."
     )
 
 
