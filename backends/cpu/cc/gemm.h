@@ -61,7 +61,7 @@ class Scratch {
 //   kAvx512Bf16  AVX-512 F/BW/VL + FMA + AVX512_BF16 (Zen 4, Sapphire
 //                Rapids): gemm.cc for float32 and bfloat16.
 //   kAvx512      the same without AVX512_BF16 (Skylake-X, Ice Lake): gemm.cc
-//                for float32; anything bfloat16 goes to the AVX2 core.
+//                for both types, bfloat16 widened to float32 while packing.
 //   kAvx2        AVX2 + FMA (x86-64-v3: Haswell, Zen 1-3): gemm_avx2.cc for
 //                both types, bfloat16 widened to float32 while packing.
 //   kPortable    C++ with GCC vector types (gemm_portable.cc), compiled for
@@ -118,8 +118,10 @@ void GemmBlock(Type in, int64_t m, int64_t n, int64_t depth, View a, View b,
 
 // The same, by one implementation: GemmBlockAvx512 and GemmBlockAvx2 only
 // where CpuKernels() allows them (they are absent off x86-64).
+// GemmBlockAvx512 multiplies bfloat16 by vdpbf16ps if `dot_bf16` (only on
+// kAvx512Bf16), else widens it to float32.
 void GemmBlockAvx512(Type in, int64_t m, int64_t n, int64_t depth, View a,
-                     View b, Out out, Scratch* scratch);
+                     View b, Out out, Scratch* scratch, bool dot_bf16);
 void GemmBlockAvx2(Type in, int64_t m, int64_t n, int64_t depth, View a,
                    View b, Out out, Scratch* scratch);
 void GemmBlockPortable(Type in, int64_t m, int64_t n, int64_t depth, View a,

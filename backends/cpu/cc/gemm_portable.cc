@@ -213,14 +213,12 @@ void GemmBlock(Type in, int64_t m, int64_t n, int64_t depth, View a, View b,
                Out out, Scratch* scratch) {
 #if defined(__x86_64__)
   const Kernels kernels = SelectedKernels();
-  const bool bf16 = in == Type::kBF16 || out.type == Type::kBF16;
-  if (kernels == Kernels::kAvx512Bf16 ||
-      (kernels == Kernels::kAvx512 && !bf16)) {
-    GemmBlockAvx512(in, m, n, depth, a, b, out, scratch);
+  if (kernels >= Kernels::kAvx512) {
+    GemmBlockAvx512(in, m, n, depth, a, b, out, scratch,
+                    /*dot_bf16=*/kernels == Kernels::kAvx512Bf16);
     return;
   }
-  // AVX-512 without AVX512_BF16 widens bfloat16 to float32 as AVX2 does.
-  if (kernels >= Kernels::kAvx2) {
+  if (kernels == Kernels::kAvx2) {
     GemmBlockAvx2(in, m, n, depth, a, b, out, scratch);
     return;
   }
