@@ -201,10 +201,19 @@ DROPLESS_AVX2 void PackB(Type type, View b, int64_t k0, int64_t kc, int64_t n,
 }
 
 // Packs A's rows [i0, i0 + rows) at depths [k0, k0 + kc) into a float32
-// panel [k][kMr], zero past `rows`. The weight gradient's A (i contiguous)
-// gives kMr neighbouring values per depth.
+// panel [k][kMr], zero past `rows`; dst has room for 8 - kMr more floats.
+// The weight gradient's A (i contiguous, rows [0, m) of the block) gives kMr
+// neighbouring values per depth: read as 8 where those stay below m, each
+// store's 8 - kMr extra lanes overwritten by the next depth's.
 DROPLESS_AVX2 void PackA(Type type, View a, int64_t i0, int64_t rows,
-                         int64_t k0, int64_t kc, float* dst) {
+                         int64_t m, int64_t k0, int64_t kc, float* dst) {
+  if (a.rows == 1 && rows == kMr && i0 + 8 <= m) {
+    for (int64_t k = 0; k < kc; ++k) {
+      _mm256_storeu_ps(dst + k * kMr,
+                       Load8(type, a.data, i0 + (k0 + k) * a.cols));
+    }
+    return;
+  }
   for (int64_t k = 0; k < kc; ++k) {
     const int64_t at = i0 * a.rows + (k0 + k) * a.cols;
     for (int r = 0; r < kMr; ++r) {
@@ -278,7 +287,8 @@ DROPLESS_AVX2 void GemmBlockAvx2(Type in, int64_t m, int64_t n, int64_t depth,
   const int64_t ldc = panels * kNr;
   const int64_t row_panels = CeilDiv(m, kMr);
   float* packed_b = static_cast<float*>(scratch->Get(0, 4 * slice * ldc));
-  float* packed_a = static_cast<float*>(scratch->Get(1, 4 * slice * kMr));
+  float* packed_a =
+      static_cast<float*>(scratch->Get(1, 4 * (slice * kMr + 8 - kMr)));
   // One tile row when the depth is one slice; the whole block when slices
   // accumulate into it.
   float* acc = static_cast<float*>(
@@ -304,7 +314,7 @@ DROPLESS_AVX2 void GemmBlockAvx2(Type in, int64_t m, int64_t n, int64_t depth,
         a_rs = kc;
         a_ks = 1;
       } else {
-        PackA(in, a, i0, rows, k0, kc, packed_a);
+        PackA(in, a, i0, rows, m, k0, kc, packed_a);
       }
       float* c_rows = slices == 1 ? acc : acc + i0 * ldc;
       for (int64_t jp = 0; jp < panels; ++jp) {
