@@ -292,6 +292,13 @@ class AutoRuleTest(parameterized.TestCase):
       self.assertIn(repr(kernels), why)
       self.assertIn("--moe_backend=cpu", why)
 
+  def test_auto_passes_over_a_set_no_measurement_covers(self):
+    with mock.patch.object(library, "kernels", return_value="amx"):
+      self.assertEqual(registry.get_backend("auto").name, "xla")
+      ok, why = registry.auto_choice("cpu")
+    self.assertFalse(ok)
+    self.assertIn("no measured verdict for its 'amx' kernels", why)
+
 
 class LoaderTest(absltest.TestCase):
 

@@ -81,7 +81,15 @@ def verdict(kernels: str, dtype: str) -> Verdict:
 
 def auto_choice(kernels: str) -> tuple[bool, str]:
   """(True, "") if "auto" may pick the cpu backend running `kernels`, else
-  (False, why): a dtype whose kernels here lost to the xla backend."""
+  (False, why): a dtype whose kernels here lost to the xla backend, or that
+  no measurement covers (a set newer than this table)."""
+  unmeasured = [d for d in DTYPES if (kernels, d) not in VERDICTS]
+  if unmeasured:
+    return False, (
+        f"cpu: no measured verdict for its {kernels!r} kernels "
+        f"({', '.join(unmeasured)}; backends/cpu/verdicts.py), so 'auto' "
+        "passes it over; --moe_backend=cpu still runs them."
+    )
   losing = [d for d in DTYPES if not verdict(kernels, d).beats_xla]
   if not losing:
     return True, ""
