@@ -45,32 +45,20 @@ _XEON_AVX512 = "Intel Xeon with AVX-512, no AVX512_BF16 or AMX, 2 cores"
 # machine kind; pinned to 2 of its 13 cores (taskset -c 0,1), jax 0.10.2.
 _AVX2_HOST = "x86-64 with AVX2 + FMA, no AVX-512 (TPU v5e host), 2 cores"
 
-# (kernel set, dtype) -> Verdict.
+# (kernel set, dtype) -> Verdict; each from one run's JSON,
+# bench/results/grouped_gemm_cpu_<stamp>.json.
 VERDICTS: dict[tuple[str, str], Verdict] = {
-    ("avx512-bf16", "float32"): Verdict(
-        True, "grouped_gemm_cpu_20261205_171502.json", _EPYC_BF16
-    ),
-    ("avx512-bf16", "bfloat16"): Verdict(
-        True, "grouped_gemm_cpu_20261205_171442.json", _EPYC_BF16
-    ),
-    ("avx512", "float32"): Verdict(
-        True, "grouped_gemm_cpu_20261207_021600.json", _XEON_AVX512
-    ),
-    ("avx512", "bfloat16"): Verdict(
-        True, "grouped_gemm_cpu_20261207_021426.json", _XEON_AVX512
-    ),
-    ("avx2", "float32"): Verdict(
-        True, "grouped_gemm_cpu_20261207_022640.json", _AVX2_HOST
-    ),
-    ("avx2", "bfloat16"): Verdict(
-        True, "grouped_gemm_cpu_20261207_022540.json", _AVX2_HOST
-    ),
-    ("portable", "float32"): Verdict(
-        False, "grouped_gemm_cpu_20261207_020932.json", _AVX2_HOST
-    ),
-    ("portable", "bfloat16"): Verdict(
-        False, "grouped_gemm_cpu_20261207_020741.json", _AVX2_HOST
-    ),
+    (kernels, dtype): Verdict(beats, f"grouped_gemm_cpu_{stamp}.json", host)
+    for kernels, dtype, beats, stamp, host in (
+        ("avx512-bf16", "float32", True, "20261205_171502", _EPYC_BF16),
+        ("avx512-bf16", "bfloat16", True, "20261205_171442", _EPYC_BF16),
+        ("avx512", "float32", True, "20261207_021600", _XEON_AVX512),
+        ("avx512", "bfloat16", True, "20261207_021426", _XEON_AVX512),
+        ("avx2", "float32", True, "20261207_022640", _AVX2_HOST),
+        ("avx2", "bfloat16", True, "20261207_022540", _AVX2_HOST),
+        ("portable", "float32", False, "20261207_020932", _AVX2_HOST),
+        ("portable", "bfloat16", False, "20261207_020741", _AVX2_HOST),
+    )
 }
 
 

@@ -443,18 +443,13 @@ DROPLESS_TARGET void WidenA(View a, int64_t i0, int64_t rows, int64_t k0,
   *a_ks = kMr;
 }
 
-// 16 float32 -> bfloat16, rounded to nearest even, NaN kept (quietened):
-// RoundToBf16 (gemm.h) without AVX512_BF16's vcvtneps2bf16.
+// 16 float32 -> bfloat16, rounded to nearest even, NaN kept (quietened),
+// without AVX512_BF16's vcvtneps2bf16.
 DROPLESS_TARGET inline __m256i RoundBf16x16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb =
-      _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(
-      bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  rounded = _mm512_mask_mov_epi32(
-      rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-      _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  typedef uint32_t Lanes __attribute__((vector_size(64)));
+  Lanes bits = (Lanes)_mm512_castps_si512(v);
+  RoundToBf16Lanes(&bits);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)bits, 16));
 }
 
 // --- Output ------------------------------------------------------------------

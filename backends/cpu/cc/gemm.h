@@ -108,6 +108,17 @@ inline uint16_t RoundToBf16(float value) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// RoundToBf16 on every lane of *bits, a GCC vector of uint32 holding
+// float32 bits: the bfloat16 lands in each lane's high half. The vector
+// cores call it from their target-attributed code (by pointer: a 256/512-
+// bit vector passed by value would change the baseline ABI).
+template <typename U>
+inline void RoundToBf16Lanes(U* bits) {
+  const U nan = (U)((*bits & 0x7FFFFFFFu) > 0x7F800000u);
+  const U rounded = *bits + 0x7FFFu + ((*bits >> 16) & 1u);
+  *bits = (nan & (*bits | 0x400000u)) | (~nan & rounded);
+}
+
 // out[i, j] = sum_{k < depth} a(i, k) * b(k, j) for i < m, j < n, summed in
 // float32 and written as out.type (bfloat16 rounded to nearest even). a and
 // b are of type `in`. depth == 0 writes zeros. Never reads a or b outside

@@ -64,18 +64,12 @@ DROPLESS_AVX2 inline __m256 Load8(Type type, const void* data, int64_t index) {
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-// Eight float32 -> bfloat16, rounded to nearest even, NaN kept (quietened):
-// RoundToBf16 (gemm.h) on eight lanes.
+// Eight float32 -> bfloat16, rounded to nearest even, NaN kept (quietened).
 DROPLESS_AVX2 inline __m128i ToBf16x8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb =
-      _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_add_epi32(
-      bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(
-      rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
-  const __m256i high = _mm256_srli_epi32(rounded, 16);
+  typedef uint32_t Lanes __attribute__((vector_size(32)));
+  Lanes bits = (Lanes)_mm256_castps_si256(v);
+  RoundToBf16Lanes(&bits);
+  const __m256i high = _mm256_srli_epi32((__m256i)bits, 16);
   // packus interleaves per 128-bit lane: keep quadwords 0 and 2.
   const __m256i packed = _mm256_packus_epi32(high, high);
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
