@@ -35,7 +35,8 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
 # and only where TE is installed. On the CPU, cpu (native custom calls) comes
 # first where its library was built and the kernels it runs on this CPU beat
 # xla's (its `auto_choice()`: measured per kernel set, backends/cpu/
-# verdicts.py, docs/cpu.md); otherwise xla runs. On a TPU, mosaic_tpu (its own Mosaic TPU kernels) comes first,
+# verdicts.py, docs/cpu.md); otherwise xla runs.
+# On a TPU, mosaic_tpu (its own Mosaic TPU kernels) comes first,
 # then xla (lax.ragged_dot, which XLA also lowers to a Mosaic kernel):
 # bench/results/tpu_check_*.json measures both on a v5e.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {

@@ -227,7 +227,9 @@ DROPLESS_AVX2 void WidenRows(View a, int64_t i0, int64_t k0, int64_t kc,
     for (; k + 8 <= kc; k += 8) {
       _mm256_storeu_ps(dst + r * kc + k, Load8(Type::kBF16, a.data, at + k));
     }
-    for (; k < kc; ++k) dst[r * kc + k] = LoadFloat(Type::kBF16, a.data, at + k);
+    for (; k < kc; ++k) {
+      dst[r * kc + k] = LoadFloat(Type::kBF16, a.data, at + k);
+    }
   }
 }
 

@@ -187,7 +187,9 @@ std::atomic<Kernels>& Selection() {
 
 }  // namespace
 
-Kernels SelectedKernels() { return Selection().load(std::memory_order_relaxed); }
+Kernels SelectedKernels() {
+  return Selection().load(std::memory_order_relaxed);
+}
 
 Kernels UseKernels(const char* name) {
   const Kernels chosen = std::min(Named(name), CpuKernels());
