@@ -146,6 +146,12 @@ class Backend(abc.ABC):
     """(True, "") if this backend can run here, else (False, why not)."""
     return True, ""
 
+  def auto_choice(self) -> tuple[bool, str]:
+    """(True, "") if "auto" may pick this backend where it is available, else
+    (False, why): it runs, but measurably slower here than the next in the
+    order (the cpu backend's portable kernels); named, it still runs."""
+    return True, ""
+
   def __repr__(self) -> str:
     return f"{type(self).__name__}(name={self.name!r})"
 

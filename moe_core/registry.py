@@ -33,9 +33,10 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
 # measured it; it needs jax-triton installed, and says so when it is not.
 # te (Transformer Engine's kernels) comes after triton, for the same reason,
 # and only where TE is installed. On the CPU, cpu (native custom calls) comes
-# first where its library was built: it is the fastest there
-# (bench/results/, docs/cpu.md); without the library it is unavailable and
-# xla runs. On a TPU, mosaic_tpu (its own Mosaic TPU kernels) comes first,
+# first where its library was built and the kernels it runs on this CPU beat
+# xla's (its `auto_choice()`: measured per kernel set, backends/cpu/
+# verdicts.py, docs/cpu.md); otherwise xla runs.
+# On a TPU, mosaic_tpu (its own Mosaic TPU kernels) comes first,
 # then xla (lax.ragged_dot, which XLA also lowers to a Mosaic kernel):
 # bench/results/tpu_check_*.json measures both on a v5e. The platform is
 # the one the program is lowered for, not the host's (`auto_order`).
@@ -168,6 +169,15 @@ def availability(name: str) -> tuple[bool, str]:
     return False, str(e)
 
 
+def auto_choice(name: str) -> tuple[bool, str]:
+  """(may "auto" pick `name` here, why not): available, and not passed over
+  by its own `auto_choice()` (slower here than the next in the order)."""
+  ok, why = availability(name)
+  if ok and name != "auto":
+    ok, why = get_backend(name).auto_choice()
+  return ok, why
+
+
 def available_backends() -> list[str]:
   """The registered names usable on this machine now."""
   return [n for n in registered_backends() if availability(n)[0]]
@@ -208,7 +218,7 @@ def call_backend(name, fn):
 
 def auto_candidates() -> list[backend_lib.Backend]:
   """The available backends "auto" would try, in order (never empty)."""
-  found = [get_backend(n) for n in auto_order() if availability(n)[0]]
+  found = [get_backend(n) for n in auto_order() if auto_choice(n)[0]]
   if not found:
     found = [get_backend("reference")]
   return found

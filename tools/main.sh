@@ -19,8 +19,9 @@ if [[ ! -e /dev/nvidiactl ]]; then
 fi
 # The cpu backend's grouped GEMM (XLA FFI custom calls, backends/cpu) is a
 # C++ library: Bazel builds it against this leg's jaxlib (seconds once
-# cached), and "auto" then picks it on the CPU. Without it, auto trains on
-# the xla backend, and the line below says why.
+# cached), and "auto" then picks it on the CPU where its kernels for this
+# CPU beat xla's (backends/cpu/verdicts.py). Otherwise auto trains on the
+# xla backend, and the line below says why.
 DROPLESS_VENV_STAMP="$(cat "$(dirname "$PY")/../.requirements.sha256" 2>/dev/null || true)"
 export DROPLESS_VENV_STAMP
 if ! PYTHON_BIN_PATH="$PY" bazel build //backends/cpu:libdropless_cpu.so \
@@ -29,7 +30,7 @@ if ! PYTHON_BIN_PATH="$PY" bazel build //backends/cpu:libdropless_cpu.so \
 fi
 "$PY" -c 'from moe_core import registry
 b = registry.get_backend("auto")
-ok, why = registry.availability("cpu")
+ok, why = registry.auto_choice("cpu")
 print(f"main: grouped GEMM under --moe_backend=auto: {b!r}"
       + ("" if ok else f" ({why})"))' >&2
 if [[ "${1:-}" == "demo" ]]; then

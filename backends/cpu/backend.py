@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from backends.cpu import kernels
 from backends.cpu import library
+from backends.cpu import verdicts
 from moe_core import operands
 from moe_core import precision
 from moe_core import quantized_gemm
@@ -23,9 +24,10 @@ class CpuBackend(kernels_backend.GroupedKernelsBackend):
   loop of copies. `moe_core.kernels.grouped_matmul` differentiates them
   (grad, jvp, vmap, shard_map, export); `GroupedKernelsBackend` makes them
   the grouped GEMM. The library picks its kernels from the CPU
-  (`kernels()`: AVX-512 with or without BF16, else portable C++).
+  (`kernels()`: AVX-512 with or without BF16, AVX2, else portable C++).
   Off the CPU, or without the built library, `availability()` says why and
-  "auto" moves on.
+  "auto" moves on; where this CPU's kernels lose to xla's, so does
+  `auto_choice()`.
   """
 
   name: ClassVar[str] = "cpu"
@@ -46,8 +48,14 @@ class CpuBackend(kernels_backend.GroupedKernelsBackend):
       return False, f"cpu: the kernels run on the CPU, not {platform}."
     return True, ""
 
+  def auto_choice(self) -> tuple[bool, str]:
+    """Passed over by "auto" where this CPU's kernels lose to xla's: the
+    measured verdicts of `verdicts.VERDICTS`, never a timing."""
+    return verdicts.auto_choice(self.kernels())
+
   def kernels(self) -> str:
-    """Which kernels run here: "avx512-bf16", "avx512" or "portable"."""
+    """Which kernel set runs here: "avx512-bf16", "avx512", "avx2" or
+    "portable" (docs/cpu.md)."""
     return library.kernels()
 
   def __repr__(self) -> str:

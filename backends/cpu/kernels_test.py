@@ -3,17 +3,20 @@
 The conformance suite runs the backend as users do; here the shapes reach
 what it does not: several row chunks and column blocks per group, depths
 past one packed slice, 1 and 256 experts, NaN in the rows and cotangents
-past the groups, export, and the loader's refusals. The whole test class
-runs again in a subprocess on the portable kernels
-(DROPLESS_CPU_KERNELS=portable), the path of CPUs without AVX-512.
+past the groups, export, and the loader's refusals. Each numerics case runs
+on every kernel set this CPU has (`library.use_kernels`: AVX-512, AVX2 and
+portable on an AVX-512 host), compiled once. Also: the measured verdicts
+that "auto" reads (verdicts.py) against their bench/results files.
 """
 
 import ctypes
+import json
 import os
 import re
 import subprocess
 import sys
 import types
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -23,12 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.cpu import library
+from backends.cpu import verdicts
 from conformance import oracles
 from moe_core import registry
 
-# Set in the subprocess that reruns this file on the portable kernels.
-_EXPECT_KERNELS_ENV = "DROPLESS_CPU_TEST_EXPECT_KERNELS"
 _KERNELS_ENV = "DROPLESS_CPU_KERNELS"
+_RESULTS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "results"
+)
 
 # (M, C, N, group sizes): rows, contracted width, output width.
 _SHAPES = {
@@ -83,6 +88,12 @@ def _close(test, got, want, dtype, scale, msg):
   )
 
 
+def _sets_here():
+  """The kernel sets this CPU runs: its best and every set below it."""
+  best = verdicts.KERNEL_SETS.index(library.best_kernels())
+  return verdicts.KERNEL_SETS[best:]
+
+
 class CpuKernelsTest(parameterized.TestCase):
 
   def setUp(self):
@@ -91,13 +102,17 @@ class CpuKernelsTest(parameterized.TestCase):
     ok, reason = self.backend.availability()
     if not ok:
       self.skipTest(reason)
+    self.addCleanup(library.use_kernels, library.kernels())
 
-  def test_runs_the_kernels_asked_for(self):
-    expected = os.environ.get(_EXPECT_KERNELS_ENV)
-    got = self.backend.kernels()
-    self.assertIn(got, ("avx512-bf16", "avx512", "portable"))
-    if expected:
-      self.assertEqual(got, expected)
+  def test_selects_only_sets_this_cpu_runs(self):
+    best = library.best_kernels()
+    self.assertIn(best, verdicts.KERNEL_SETS)
+    self.assertIn(library.kernels(), _sets_here())
+    for name in verdicts.KERNEL_SETS:
+      want = name if name in _sets_here() else best
+      self.assertEqual(library.use_kernels(name), want)
+      self.assertEqual(self.backend.kernels(), want)
+    self.assertEqual(library.use_kernels("no-such-set"), best)
 
   @parameterized.product(
       shape=sorted(_SHAPES),
@@ -116,6 +131,7 @@ class CpuKernelsTest(parameterized.TestCase):
     self._check(600, 40, 56, sizes, jnp.dtype(dtype), False)
 
   def _check(self, m, c, n, sizes, dtype, transpose_rhs):
+    """Forward and gradients against float64 numpy on every set here."""
     rows, weights, group_sizes, cotangent = _inputs(
         m, c, n, sizes, dtype, transpose_rhs
     )
@@ -123,33 +139,46 @@ class CpuKernelsTest(parameterized.TestCase):
     gemm = lambda r, w: self.backend.grouped_gemm(
         r, w, group_sizes, transpose_rhs=transpose_rhs, out_dtype=jnp.float32
     )
-    out, vjp = jax.jit(lambda r, w: jax.vjp(gemm, r, w))(rows, weights)
-    d_rows, d_weights = jax.jit(vjp)(cotangent.astype(jnp.float32))
-    # NaN rows past the groups are never read: zeros out, zero gradient.
-    self.assertTrue(np.all(np.asarray(out[used:]) == 0))
-    self.assertTrue(np.all(np.asarray(d_rows[used:], np.float32) == 0))
+    forward = jax.jit(lambda r, w: jax.vjp(gemm, r, w))
     want = oracles.grouped_gemm(rows, weights, group_sizes, transpose_rhs)
-    scale = np.sqrt(c)
-    _close(self, out, want, dtype, scale, "forward")
     want_rows, want_weights = oracles.grouped_gemm_grads(
         rows, weights, group_sizes, cotangent, transpose_rhs
     )
-    _close(self, d_rows, want_rows, dtype, np.sqrt(n), "d rows")
-    _close(self, d_weights, want_weights, dtype, np.sqrt(m), "d weights")
+    for kernels in _sets_here():
+      # The set is read in each call: the compiled programs are reused.
+      library.use_kernels(kernels)
+      out, vjp = forward(rows, weights)
+      d_rows, d_weights = jax.jit(vjp)(cotangent.astype(jnp.float32))
+      # NaN rows past the groups are never read: zeros out, zero gradient.
+      self.assertTrue(np.all(np.asarray(out[used:]) == 0), kernels)
+      self.assertTrue(
+          np.all(np.asarray(d_rows[used:], np.float32) == 0), kernels
+      )
+      _close(self, out, want, dtype, np.sqrt(c), f"{kernels} forward")
+      _close(self, d_rows, want_rows, dtype, np.sqrt(n), f"{kernels} d rows")
+      _close(
+          self, d_weights, want_weights, dtype, np.sqrt(m),
+          f"{kernels} d weights",
+      )
 
   def test_bfloat16_output_is_rounded_float32_sum(self):
     rows, weights, group_sizes, _ = _inputs(
         64, 48, 40, (30, 0, 34), jnp.bfloat16, False
     )
-    got = self.backend.grouped_gemm(rows, weights, group_sizes)
-    self.assertEqual(got.dtype, jnp.bfloat16)
-    exact = self.backend.grouped_gemm(
-        rows, weights, group_sizes, out_dtype=jnp.float32
-    )
-    np.testing.assert_array_equal(
-        np.asarray(got, np.float32),
-        np.asarray(exact.astype(jnp.bfloat16), np.float32),
-    )
+    # NaN and infinities must round like any value (NaN stays NaN).
+    rows = rows.at[0, 0].set(jnp.nan).at[1, 0].set(jnp.inf)
+    for kernels in _sets_here():
+      library.use_kernels(kernels)
+      got = self.backend.grouped_gemm(rows, weights, group_sizes)
+      self.assertEqual(got.dtype, jnp.bfloat16)
+      exact = self.backend.grouped_gemm(
+          rows, weights, group_sizes, out_dtype=jnp.float32
+      )
+      np.testing.assert_array_equal(
+          np.asarray(got, np.float32),
+          np.asarray(exact.astype(jnp.bfloat16), np.float32),
+          err_msg=kernels,
+      )
 
   def test_export_records_the_versioned_targets_and_round_trips(self):
     rows, weights, group_sizes, cotangent = _inputs(
@@ -207,30 +236,97 @@ class CpuKernelsTest(parameterized.TestCase):
     self.assertGreaterEqual(counts["DroplessCpuLastPoolThreads"], 2, counts)
     self.assertGreaterEqual(counts["DroplessCpuLastWorkers"], 2, counts)
 
-  def test_portable_kernels_pass_this_test_in_a_subprocess(self):
-    if os.environ.get(_EXPECT_KERNELS_ENV):
-      self.skipTest("already the subprocess")
-    env = dict(
-        os.environ,
-        **{
-            _KERNELS_ENV: "portable",
-            _EXPECT_KERNELS_ENV: "portable",
-            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-        },
+
+
+class VerdictsTest(parameterized.TestCase):
+  """The data "auto" reads agrees with the measurements it names."""
+
+  def test_every_set_and_dtype_has_a_verdict(self):
+    for kernels in verdicts.KERNEL_SETS:
+      for dtype in verdicts.DTYPES:
+        self.assertIn((kernels, dtype), verdicts.VERDICTS)
+
+  @parameterized.parameters(*sorted(verdicts.VERDICTS))
+  def test_verdict_is_what_its_results_file_measured(self, kernels, dtype):
+    v = verdicts.verdict(kernels, dtype)
+    with open(os.path.join(_RESULTS, v.evidence)) as fh:
+      run = json.load(fh)
+    self.assertEqual((run["cpu_kernels"], run["dtype"]), (kernels, dtype))
+    self.assertFalse(run["quick"])
+    cases = {(r["experts"], r["skew"]) for r in run["results"]}
+    self.assertEqual({e for e, _ in cases}, {8, 64})
+    self.assertEqual({k for _, k in cases}, {"even", "random", "zipf"})
+    over_xla = [
+        r[f"{phase}_time_over_xla"]
+        for r in run["results"]
+        if r["method"] == "cpu"
+        for phase in ("fwd", "fwd_bwd")
+    ]
+    self.assertLen(over_xla, 2 * len(cases))
+    geometric_mean = float(np.exp(np.mean(np.log(over_xla))))
+    self.assertEqual(v.beats_xla, geometric_mean < 1, over_xla)
+
+
+class AutoRuleTest(parameterized.TestCase):
+  """"auto" takes the cpu backend exactly where its kernels' verdicts win."""
+
+  def setUp(self):
+    super().setUp()
+    ok, why = registry.availability("cpu")
+    if not ok:
+      self.skipTest(why)
+
+  @parameterized.parameters(*verdicts.KERNEL_SETS)
+  def test_auto_picks_cpu_only_where_its_kernels_beat_xla(self, kernels):
+    wins = all(
+        verdicts.verdict(kernels, d).beats_xla for d in verdicts.DTYPES
     )
-    result = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "CpuKernelsTest"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    self.assertEqual(result.returncode, 0, result.stderr[-4000:])
-    self.assertRegex(result.stderr, r"\nOK")
+    with mock.patch.object(library, "kernels", return_value=kernels):
+      picked = registry.get_backend("auto").name
+      ok, why = registry.auto_choice("cpu")
+      # Named, it runs whatever its verdict.
+      self.assertEqual(registry.availability("cpu"), (True, ""))
+    self.assertEqual(picked, "cpu" if wins else "xla")
+    self.assertEqual(ok, wins)
+    if not wins:
+      self.assertIn(repr(kernels), why)
+      self.assertIn("--moe_backend=cpu", why)
+
+  def test_auto_passes_over_a_set_no_measurement_covers(self):
+    with mock.patch.object(library, "kernels", return_value="amx"):
+      self.assertEqual(registry.get_backend("auto").name, "xla")
+      ok, why = registry.auto_choice("cpu")
+    self.assertFalse(ok)
+    self.assertIn("no measured verdict for its 'amx' kernels", why)
 
 
 class LoaderTest(absltest.TestCase):
 
+  def test_environment_lowers_the_kernels_never_past_the_cpu(self):
+    ok, why = library.load()
+    if not ok:
+      self.skipTest(why)
+    script = (
+        "from backends.cpu import library\n"
+        "print(library.kernels(), library.best_kernels())\n"
+    )
+    env = dict(
+        os.environ,
+        **{
+            _KERNELS_ENV: "portable",
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        },
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    runs, best = result.stdout.split()
+    self.assertEqual((runs, best), ("portable", library.best_kernels()))
   def test_missing_library_is_unavailable_and_auto_falls_through(self):
     script = (
         "from moe_core import registry\n"

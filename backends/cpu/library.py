@@ -7,8 +7,8 @@ backends/cpu/libdropless_cpu.so); DROPLESS_CPU_LIBRARY names another file.
 process and returns `(True, "")`, or `(False, why)` when there is no
 library, or none that loads and suits the running jaxlib. Any CPU runs
 it: the library picks its kernels at run time (cpuid on x86-64;
-`kernels()` says which), and DROPLESS_CPU_KERNELS=portable forces the
-portable ones.
+`kernels()` says which), and DROPLESS_CPU_KERNELS=portable (or avx2,
+avx512) lowers the choice.
 """
 
 from __future__ import annotations
@@ -141,11 +141,31 @@ def load() -> tuple[bool, str]:
   return False, " ".join(reasons)
 
 
-def kernels() -> str:
-  """The kernels the loaded library runs on this CPU: "avx512-bf16",
-  "avx512" or "portable" (backends/cpu/cc/gemm.h); "" if none is loaded."""
+def _call_name(symbol: str, *args) -> str:
+  """The string the loaded library's `symbol(*args)` returns; "" if none is
+  loaded."""
   if not load()[0]:
     return ""
-  fn = _loaded[0].DroplessCpuKernels
+  fn = getattr(_loaded[0], symbol)
   fn.restype = ctypes.c_char_p
-  return fn().decode()
+  return fn(*args).decode()
+
+
+def kernels() -> str:
+  """The kernel set the loaded library runs on this CPU: "avx512-bf16",
+  "avx512", "avx2" or "portable" (backends/cpu/cc/gemm.h); "" if none is
+  loaded."""
+  return _call_name("DroplessCpuKernels")
+
+
+def best_kernels() -> str:
+  """The best kernel set this CPU runs, whatever DROPLESS_CPU_KERNELS asked
+  for; "" if no library is loaded."""
+  return _call_name("DroplessCpuBestKernels")
+
+
+def use_kernels(name: str) -> str:
+  """Runs the kernel set `name` from now on in this process (tests: every set
+  of the CPU in one process); never one the CPU lacks (then its best).
+  Returns the set now selected; "" if no library is loaded."""
+  return _call_name("DroplessCpuUseKernels", name.encode())

@@ -169,7 +169,16 @@ class Trainer(loop.TrainingLoop):
       return "none (dense model)"
     name = self.run.backend
     if name == "auto":
-      return f"auto -> {moe_core.get_backend('auto').name}"
+      chosen = moe_core.get_backend("auto").name
+      # Why "auto" ran past a backend that runs here (the cpu backend where
+      # its kernels lose to xla's): a newcomer's first question.
+      passed = []
+      for candidate in moe_core.auto_order():
+        if candidate == chosen:
+          break
+        if moe_core.registry.availability(candidate)[0]:
+          passed.append(moe_core.registry.auto_choice(candidate)[1])
+      return f"auto -> {chosen}" + "".join(f" ({why})" for why in passed)
     ok, why = moe_core.get_backend(name).availability()
     if not ok:
       raise ValueError(

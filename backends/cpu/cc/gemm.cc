@@ -20,6 +20,11 @@
 // contiguous; the weight gradient's float32 rows: i contiguous) and packed
 // otherwise (bfloat16 pairs across rows, a partial panel, odd depths).
 // Everything is summed in float32 and rounded once at the end.
+//
+// Without AVX512_BF16 (Skylake-X, Ice Lake: `dot_bf16` false), bfloat16
+// takes the float32 path instead: B and A widened to float32 while packing
+// (exact: bfloat16 is the high half of a float32), and bfloat16 outputs
+// rounded by integer arithmetic; no AVX512_BF16 instruction runs.
 
 #include "backends/cpu/cc/gemm.h"
 
@@ -53,6 +58,12 @@ constexpr int64_t kKc = 512;
 constexpr int64_t kKcSingle = 768;
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The mask of the first `count` of 16 lanes (none if count <= 0).
+inline __mmask16 FirstLanes(int64_t count) {
+  return count >= 16 ? 0xFFFF
+                     : (count <= 0 ? 0 : (__mmask16)((1u << count) - 1));
+}
 
 inline uint16_t Bf16At(const void* data, int64_t index) {
   return static_cast<const uint16_t*>(data)[index];
@@ -224,10 +235,7 @@ DROPLESS_TARGET void PackRowsF32(const float* src, int64_t ld, int64_t kc,
       const int64_t j0 = p * kNr;
       float* out = dst + p * kc * kNr + k * kNr;
       for (int v = 0; v < kNv; ++v) {
-        const int64_t left = n - j0 - 16 * v;
-        const __mmask16 mask =
-            left >= 16 ? 0xFFFF
-                       : (left <= 0 ? 0 : (__mmask16)((1u << left) - 1));
+        const __mmask16 mask = FirstLanes(n - j0 - 16 * v);
         _mm512_store_ps(out + 16 * v,
                         _mm512_maskz_loadu_ps(mask, row + j0 + 16 * v));
       }
@@ -257,9 +265,7 @@ DROPLESS_TARGET void PackRowPairsBf16(const uint16_t* src, int64_t ld,
       for (int v = 0; v < kWidth; v += 16) {
         const int64_t left = n - j0 - v;
         const int64_t take = std::min<int64_t>(std::min(left, 16L), kWidth - v);
-        const __mmask16 mask =
-            take >= 16 ? 0xFFFF
-                       : (take <= 0 ? 0 : (__mmask16)((1u << take) - 1));
+        const __mmask16 mask = FirstLanes(take);
         const __m512i a =
             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, lo + v));
         const __m512i b =
@@ -341,17 +347,122 @@ void PackB(Type type, View b, int64_t k0, int64_t kc, int64_t n, void* dst) {
   }
 }
 
+// --- bfloat16 widened to float32 (no AVX512_BF16) ---------------------------
+
+// Up to 16 bfloat16 at p (lanes of `mask`) as float32, zero elsewhere.
+DROPLESS_TARGET inline __m512 WidenBf16(const uint16_t* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// B's bfloat16 slice (depths [k0, k0 + kc), n columns) as float32 panels
+// dst[p][k][kNr], zero past n: PackRowsF32 and PackTransposed32's layouts.
+DROPLESS_TARGET void PackBWidened(View b, int64_t k0, int64_t kc, int64_t n,
+                                  float* dst) {
+  const uint16_t* src = static_cast<const uint16_t*>(b.data);
+  const int64_t panels = CeilDiv(n, kNr);
+  if (b.cols == 1) {
+    for (int64_t k = 0; k < kc; ++k) {
+      const uint16_t* row = src + (k0 + k) * b.rows;
+      if (k + kAhead < kc) PrefetchBytes(row + kAhead * b.rows, 2 * n);
+      for (int64_t p = 0; p < panels; ++p) {
+        float* out = dst + p * kc * kNr + k * kNr;
+        for (int v = 0; v < kNv; ++v) {
+          const int64_t j = p * kNr + 16 * v;
+          _mm512_store_ps(out + 16 * v, WidenBf16(row + j, FirstLanes(n - j)));
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t p = 0; p < panels; ++p) {
+    float* panel = dst + p * kc * kNr;
+    for (int64_t j0 = p * kNr; j0 < (p + 1) * kNr; j0 += 16) {
+      const int64_t col = j0 - p * kNr;
+      int64_t k = 0;
+      if (b.rows == 1 && j0 + 16 <= n) {
+        // Column j holds its depths contiguously: widen 16 x 16 blocks and
+        // transpose them.
+        for (; k + 16 <= kc; k += 16) {
+          __m512 r[16];
+          for (int j = 0; j < 16; ++j) {
+            r[j] = WidenBf16(src + (j0 + j) * b.cols + k0 + k, 0xFFFF);
+          }
+          Transpose16(r);
+          for (int i = 0; i < 16; ++i) {
+            _mm512_store_ps(panel + (k + i) * kNr + col, r[i]);
+          }
+        }
+      }
+      for (; k < kc; ++k) {
+        for (int64_t j = 0; j < 16; ++j) {
+          panel[k * kNr + col + j] =
+              j0 + j < n ? LoadFloat(Type::kBF16, src,
+                                     (k0 + k) * b.rows + (j0 + j) * b.cols)
+                         : 0.0f;
+        }
+      }
+    }
+  }
+}
+
+// A's bfloat16 rows [i0, i0 + rows) at depths [k0, k0 + kc) as float32:
+// rows of kc (a_rs = kc, a_ks = 1) when k is contiguous and the panel is
+// full, else a panel [k][kMr] zero past `rows` (a_rs = 1, a_ks = kMr).
+DROPLESS_TARGET void WidenA(View a, int64_t i0, int64_t rows, int64_t k0,
+                            int64_t kc, float* dst, int64_t* a_rs,
+                            int64_t* a_ks) {
+  const uint16_t* src = static_cast<const uint16_t*>(a.data);
+  if (a.cols == 1 && rows == kMr) {
+    for (int r = 0; r < kMr; ++r) {
+      const uint16_t* row = src + (i0 + r) * a.rows + k0;
+      for (int64_t k = 0; k < kc; k += 16) {
+        const __mmask16 mask = FirstLanes(kc - k);
+        _mm512_mask_storeu_ps(dst + r * kc + k, mask, WidenBf16(row + k, mask));
+      }
+    }
+    *a_rs = kc;
+    *a_ks = 1;
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const int64_t at = i0 * a.rows + (k0 + k) * a.cols;
+    if (a.rows == 1) {
+      // The weight gradient's rows: i contiguous.
+      _mm256_storeu_ps(dst + k * kMr,
+                       _mm512_castps512_ps256(
+                           WidenBf16(src + at, FirstLanes(rows))));
+      continue;
+    }
+    for (int r = 0; r < kMr; ++r) {
+      dst[k * kMr + r] =
+          r < rows ? LoadFloat(Type::kBF16, src, at + r * a.rows) : 0.0f;
+    }
+  }
+  *a_rs = 1;
+  *a_ks = kMr;
+}
+
+// 16 float32 -> bfloat16, rounded to nearest even, NaN kept (quietened),
+// without AVX512_BF16's vcvtneps2bf16.
+DROPLESS_TARGET inline __m256i RoundBf16x16(__m512 v) {
+  typedef uint32_t Lanes __attribute__((vector_size(64)));
+  Lanes bits = (Lanes)_mm512_castps_si512(v);
+  RoundToBf16Lanes(&bits);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)bits, 16));
+}
+
 // --- Output ------------------------------------------------------------------
 
-// Rows [0, m) x [0, n) of the float32 tile c (row stride ldc) into out.
+// Rows [0, m) x [0, n) of the float32 tile c (row stride ldc) into out;
+// bfloat16 by vcvtneps2bf16 only if `dot_bf16` (the CPU has AVX512_BF16).
 DROPLESS_TARGET void StoreTile(const float* c, int64_t ldc, int64_t m,
-                               int64_t n, Out out) {
+                               int64_t n, Out out, bool dot_bf16) {
   for (int64_t i = 0; i < m; ++i) {
     const float* row = c + i * ldc;
     for (int64_t j = 0; j < n; j += 16) {
       const int64_t left = n - j;
-      const __mmask16 mask =
-          left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+      const __mmask16 mask = FirstLanes(left);
       const __m512 v = _mm512_maskz_loadu_ps(mask, row + j);
       if (out.type == Type::kF32) {
         float* to = static_cast<float*>(out.data) + i * out.ld + j;
@@ -362,7 +473,8 @@ DROPLESS_TARGET void StoreTile(const float* c, int64_t ldc, int64_t m,
           _mm512_mask_storeu_ps(to, mask, v);
         }
       } else {
-        const __m256i bf = (__m256i)_mm512_cvtneps_pbh(v);
+        const __m256i bf = dot_bf16 ? (__m256i)_mm512_cvtneps_pbh(v)
+                                    : RoundBf16x16(v);
         uint16_t* to = static_cast<uint16_t*>(out.data) + i * out.ld + j;
         if (out.stream && left >= 16 &&
             reinterpret_cast<uintptr_t>(to) % 32 == 0) {
@@ -379,13 +491,16 @@ DROPLESS_TARGET void StoreTile(const float* c, int64_t ldc, int64_t m,
 
 DROPLESS_TARGET void GemmBlockAvx512(Type in, int64_t m, int64_t n,
                                      int64_t depth, View a, View b, Out out,
-                                     Scratch* scratch) {
+                                     Scratch* scratch, bool dot_bf16) {
   if (m <= 0 || n <= 0) return;
   if (depth <= 0) {
     ZeroBlock(m, n, out);
     return;
   }
-  const bool bf16 = in == Type::kBF16;
+  // bf16: pairs of bfloat16 depths by vdpbf16ps; widen: bfloat16 widened
+  // to float32 while packing, then the float32 micro-kernel.
+  const bool bf16 = in == Type::kBF16 && dot_bf16;
+  const bool widen = in == Type::kBF16 && !dot_bf16;
   const int64_t step = bf16 ? 2 * kKc : kKc;      // depths per slice
   const int64_t single = bf16 ? 2 * kKcSingle : kKcSingle;
   const int64_t slices = depth <= single ? 1 : CeilDiv(depth, step);
@@ -405,7 +520,7 @@ DROPLESS_TARGET void GemmBlockAvx512(Type in, int64_t m, int64_t n,
 
   // A read in place: float32 with k or i contiguous, bfloat16 pairs of a
   // row (k contiguous, even strides and depth so no pair crosses a row).
-  const bool a_direct_f32 = !bf16 && (a.cols == 1 || a.rows == 1);
+  const bool a_direct_f32 = in == Type::kF32 && (a.cols == 1 || a.rows == 1);
   const bool a_direct_bf16 =
       bf16 && a.cols == 1 && a.rows % 2 == 0 && depth % 2 == 0 &&
       reinterpret_cast<uintptr_t>(a.data) % 4 == 0;
@@ -414,7 +529,11 @@ DROPLESS_TARGET void GemmBlockAvx512(Type in, int64_t m, int64_t n,
     const int64_t k0 = s * slice;
     const int64_t kc = std::min(slice, depth - k0);
     const int64_t lanes = bf16 ? CeilDiv(kc, 2) : kc;
-    PackB(in, b, k0, kc, n, packed_b);
+    if (widen) {
+      PackBWidened(b, k0, kc, n, static_cast<float*>(packed_b));
+    } else {
+      PackB(in, b, k0, kc, n, packed_b);
+    }
     for (int64_t ip = 0; ip < row_panels; ++ip) {
       const int64_t i0 = ip * kMr;
       const int64_t rows = std::min<int64_t>(kMr, m - i0);
@@ -441,6 +560,10 @@ DROPLESS_TARGET void GemmBlockAvx512(Type in, int64_t m, int64_t n,
                 k0 / 2;
         a_rs = a.rows / 2;
         a_ks = 1;
+      } else if (widen) {
+        WidenA(a, i0, rows, k0, kc, static_cast<float*>(packed_a), &a_rs,
+               &a_ks);
+        a_ptr = packed_a;
       } else {
         const char* base = static_cast<const char*>(a.data) +
                            (i0 * a.rows + k0 * a.cols) * (bf16 ? 2 : 4);
@@ -474,11 +597,11 @@ DROPLESS_TARGET void GemmBlockAvx512(Type in, int64_t m, int64_t n,
         const size_t width = out.type == Type::kF32 ? 4 : 2;
         Out tile = out;
         tile.data = static_cast<char*>(out.data) + i0 * out.ld * width;
-        StoreTile(acc, ldc, rows, n, tile);
+        StoreTile(acc, ldc, rows, n, tile, dot_bf16);
       }
     }
   }
-  if (slices > 1) StoreTile(acc, ldc, m, n, out);
+  if (slices > 1) StoreTile(acc, ldc, m, n, out, dot_bf16);
   // Non-temporal stores are weakly ordered: make them visible before the
   // block is reported done.
   if (out.stream) _mm_sfence();

@@ -1,4 +1,5 @@
-// The GEMM core of the cpu backend: one block of C = A B, AVX-512.
+// The GEMM core of the cpu backend: one block of C = A B, by the kernel set
+// this CPU runs best (AVX-512, AVX2 or portable C++).
 //
 // A block is what one task of the grouped GEMM computes (a row chunk of one
 // group times a column block of its weights, or a block of one group's
@@ -11,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 namespace dropless_cpu {
@@ -53,25 +55,69 @@ class Scratch {
   size_t sizes_[kSlots];
 };
 
-// The kernels a call can run, fastest first. Which ones this CPU can run
-// is found once, at run time (cpuid), so one build serves every x86-64 CPU
-// and never executes an instruction the CPU lacks:
+// The kernel sets a call can run, slowest first. Which ones this CPU can
+// run is found once, at run time (cpuid), so one build serves every x86-64
+// CPU and never executes an instruction the CPU lacks:
 //   kAvx512Bf16  AVX-512 F/BW/VL + FMA + AVX512_BF16 (Zen 4, Sapphire
-//                Rapids): float32 and bfloat16 operands and outputs.
-//   kAvx512      the same without AVX512_BF16 (Skylake-X, Ice Lake): float32
-//                operands and outputs only; bfloat16 goes to kPortable.
-//   kPortable    C++ with GCC vector types, compiled for baseline x86-64 and
-//                cloned for x86-64-v3 (AVX2 + FMA) where the compiler can;
-//                any other architecture gets the plain build.
-enum class Kernels { kPortable, kAvx512, kAvx512Bf16 };
+//                Rapids): gemm.cc for float32 and bfloat16.
+//   kAvx512      the same without AVX512_BF16 (Skylake-X, Ice Lake): gemm.cc
+//                for both types, bfloat16 widened to float32 while packing.
+//   kAvx2        AVX2 + FMA (x86-64-v3: Haswell, Zen 1-3): gemm_avx2.cc for
+//                both types, bfloat16 widened to float32 while packing.
+//   kPortable    C++ with GCC vector types (gemm_portable.cc), compiled for
+//                baseline x86-64 and cloned for x86-64-v3 where the
+//                compiler can; any other architecture gets the plain build.
+enum class Kernels { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 
 // The best kernels this CPU runs, lowered by the environment variable
-// DROPLESS_CPU_KERNELS ("portable" or "avx512"; never raised past what the
-// CPU has). Read once per process.
+// DROPLESS_CPU_KERNELS ("portable", "avx2" or "avx512"; never raised past
+// what the CPU has), read at the first call, or by UseKernels since.
 Kernels SelectedKernels();
 
-// "avx512-bf16", "avx512" or "portable".
+// The best set this CPU runs, whatever was asked.
+Kernels CpuKernels();
+
+// Makes `name`'s set the selection (for tests: every set of this CPU in one
+// process), or the CPU's best if the CPU lacks it or the name is unknown.
+// Returns the selection. Blocks already running finish on the old set.
+Kernels UseKernels(const char* name);
+
+// "avx512-bf16", "avx512", "avx2" or "portable".
 const char* KernelsName(Kernels kernels);
+
+// Element `index` of float32 or bfloat16 data, as float32 (bfloat16 is the
+// high half of a float32: exact).
+inline float LoadFloat(Type type, const void* data, int64_t index) {
+  if (type == Type::kF32) return static_cast<const float*>(data)[index];
+  const uint32_t bits = uint32_t{static_cast<const uint16_t*>(data)[index]}
+                        << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+// float32 -> bfloat16, rounded to nearest even; NaN stays NaN (quietened),
+// as AVX512_BF16's vcvtneps2bf16 does.
+inline uint16_t RoundToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
+    return static_cast<uint16_t>((bits >> 16) | 0x40);
+  }
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// RoundToBf16 on every lane of *bits, a GCC vector of uint32 holding
+// float32 bits: the bfloat16 lands in each lane's high half. The vector
+// cores call it from their target-attributed code (by pointer: a 256/512-
+// bit vector passed by value would change the baseline ABI).
+template <typename U>
+inline void RoundToBf16Lanes(U* bits) {
+  const U nan = (U)((*bits & 0x7FFFFFFFu) > 0x7F800000u);
+  const U rounded = *bits + 0x7FFFu + ((*bits >> 16) & 1u);
+  *bits = (nan & (*bits | 0x400000u)) | (~nan & rounded);
+}
 
 // out[i, j] = sum_{k < depth} a(i, k) * b(k, j) for i < m, j < n, summed in
 // float32 and written as out.type (bfloat16 rounded to nearest even). a and
@@ -81,10 +127,14 @@ const char* KernelsName(Kernels kernels);
 void GemmBlock(Type in, int64_t m, int64_t n, int64_t depth, View a, View b,
                Out out, Scratch* scratch);
 
-// The same, by one implementation: GemmBlockAvx512 only where
-// SelectedKernels() allows it (it is absent off x86-64).
+// The same, by one implementation: GemmBlockAvx512 and GemmBlockAvx2 only
+// where CpuKernels() allows them (they are absent off x86-64).
+// GemmBlockAvx512 multiplies bfloat16 by vdpbf16ps if `dot_bf16` (only on
+// kAvx512Bf16), else widens it to float32.
 void GemmBlockAvx512(Type in, int64_t m, int64_t n, int64_t depth, View a,
-                     View b, Out out, Scratch* scratch);
+                     View b, Out out, Scratch* scratch, bool dot_bf16);
+void GemmBlockAvx2(Type in, int64_t m, int64_t n, int64_t depth, View a,
+                   View b, Out out, Scratch* scratch);
 void GemmBlockPortable(Type in, int64_t m, int64_t n, int64_t depth, View a,
                        View b, Out out, Scratch* scratch);
 

@@ -10,6 +10,7 @@
 // packing, so one micro-kernel serves float32 and bfloat16.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -28,28 +29,6 @@ constexpr int64_t kDepth = 256;
 typedef float Lanes __attribute__((vector_size(4 * kCols)));
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-inline float Load(Type type, const void* data, int64_t index) {
-  if (type == Type::kF32) return static_cast<const float*>(data)[index];
-  // bfloat16 is the high half of a float32.
-  const uint32_t bits = uint32_t{static_cast<const uint16_t*>(data)[index]}
-                        << 16;
-  float value;
-  std::memcpy(&value, &bits, 4);
-  return value;
-}
-
-// float32 -> bfloat16, rounded to nearest even; NaN stays NaN (quietened),
-// as AVX512_BF16's vcvtneps2bf16 does.
-inline uint16_t ToBf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
-    return static_cast<uint16_t>((bits >> 16) | 0x40);
-  }
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // c[r * ldc + j] (+)= sum_k a[k * kRows + r] * b[k * kCols + j] for a
 // kRows x kCols tile of float32; `load` adds to c instead of overwriting.
@@ -105,7 +84,7 @@ void GemmBlockPortable(Type in, int64_t m, int64_t n, int64_t depth, View a,
         for (int j = 0; j < kCols; ++j) {
           const int64_t col = p * kCols + j;
           panel[k * kCols + j] =
-              col < n ? Load(in, b.data, (k0 + k) * b.rows + col * b.cols)
+              col < n ? LoadFloat(in, b.data, (k0 + k) * b.rows + col * b.cols)
                       : 0.0f;
         }
       }
@@ -117,7 +96,7 @@ void GemmBlockPortable(Type in, int64_t m, int64_t n, int64_t depth, View a,
         for (int r = 0; r < kRows; ++r) {
           const int64_t row = ip * kRows + r;
           packed_a[k * kRows + r] =
-              row < m ? Load(in, a.data, row * a.rows + (k0 + k) * a.cols)
+              row < m ? LoadFloat(in, a.data, row * a.rows + (k0 + k) * a.cols)
                       : 0.0f;
         }
       }
@@ -133,7 +112,7 @@ void GemmBlockPortable(Type in, int64_t m, int64_t n, int64_t depth, View a,
       std::memcpy(static_cast<float*>(out.data) + i * out.ld, row, 4 * n);
     } else {
       uint16_t* to = static_cast<uint16_t*>(out.data) + i * out.ld;
-      for (int64_t j = 0; j < n; ++j) to[j] = ToBf16(row[j]);
+      for (int64_t j = 0; j < n; ++j) to[j] = RoundToBf16(row[j]);
     }
   }
 }
@@ -167,17 +146,16 @@ void* Scratch::Get(int slot, size_t bytes) {
   return buffers_[slot];
 }
 
-namespace {
-
-// What this CPU can run, from cpuid (never an instruction it lacks).
 Kernels CpuKernels() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") &&
+                    __builtin_cpu_supports("fma");
+  if (!avx2) return Kernels::kPortable;
   const bool avx512 = __builtin_cpu_supports("avx512f") &&
                       __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("fma");
-  if (!avx512) return Kernels::kPortable;
+                      __builtin_cpu_supports("avx512vl");
+  if (!avx512) return Kernels::kAvx2;
   return __builtin_cpu_supports("avx512bf16") ? Kernels::kAvx512Bf16
                                               : Kernels::kAvx512;
 #else
@@ -185,22 +163,38 @@ Kernels CpuKernels() {
 #endif
 }
 
+namespace {
+
+// What `name` asks for: a set, or the CPU's best for anything else.
+Kernels Named(const char* name) {
+  const Kernels sets[] = {Kernels::kPortable, Kernels::kAvx2,
+                          Kernels::kAvx512, Kernels::kAvx512Bf16};
+  if (name != nullptr) {
+    for (Kernels set : sets) {
+      if (std::strcmp(name, KernelsName(set)) == 0) return set;
+    }
+  }
+  return CpuKernels();
+}
+
+// The selection: the sets are ordered, each running everything the ones
+// below it run, so "lower" is the smaller of the two.
+std::atomic<Kernels>& Selection() {
+  static std::atomic<Kernels> selection{
+      std::min(Named(std::getenv("DROPLESS_CPU_KERNELS")), CpuKernels())};
+  return selection;
+}
+
 }  // namespace
 
 Kernels SelectedKernels() {
-  static const Kernels selected = [] {
-    Kernels best = CpuKernels();
-    const char* wanted = std::getenv("DROPLESS_CPU_KERNELS");
-    if (wanted != nullptr && std::strcmp(wanted, "portable") == 0) {
-      return Kernels::kPortable;
-    }
-    if (wanted != nullptr && std::strcmp(wanted, "avx512") == 0 &&
-        best == Kernels::kAvx512Bf16) {
-      return Kernels::kAvx512;
-    }
-    return best;
-  }();
-  return selected;
+  return Selection().load(std::memory_order_relaxed);
+}
+
+Kernels UseKernels(const char* name) {
+  const Kernels chosen = std::min(Named(name), CpuKernels());
+  Selection().store(chosen);
+  return chosen;
 }
 
 const char* KernelsName(Kernels kernels) {
@@ -209,6 +203,8 @@ const char* KernelsName(Kernels kernels) {
       return "avx512-bf16";
     case Kernels::kAvx512:
       return "avx512";
+    case Kernels::kAvx2:
+      return "avx2";
     case Kernels::kPortable:
       return "portable";
   }
@@ -219,10 +215,13 @@ void GemmBlock(Type in, int64_t m, int64_t n, int64_t depth, View a, View b,
                Out out, Scratch* scratch) {
 #if defined(__x86_64__)
   const Kernels kernels = SelectedKernels();
-  const bool bf16 = in == Type::kBF16 || out.type == Type::kBF16;
-  if (kernels == Kernels::kAvx512Bf16 ||
-      (kernels == Kernels::kAvx512 && !bf16)) {
-    GemmBlockAvx512(in, m, n, depth, a, b, out, scratch);
+  if (kernels >= Kernels::kAvx512) {
+    GemmBlockAvx512(in, m, n, depth, a, b, out, scratch,
+                    /*dot_bf16=*/kernels == Kernels::kAvx512Bf16);
+    return;
+  }
+  if (kernels == Kernels::kAvx2) {
+    GemmBlockAvx2(in, m, n, depth, a, b, out, scratch);
     return;
   }
 #endif
