@@ -4,6 +4,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import moe_core
 from backends.mosaic_tpu import backend as tpu_backend
@@ -100,6 +101,23 @@ class MosaicTpuBackendTest(parameterized.TestCase):
     )
     self.assertLess(float(jnp.max(jnp.abs(got - want))), 1e-4)
 
+  @parameterized.parameters(8, 200)
+  def test_whole_k_tile_override_differentiates_any_width(self, width):
+    """tiles without bk (the whole K, Tiles' default). Found: jax.grad
+    failed for a contracted width not a multiple of 128, with an error
+    about a bk the caller never gave."""
+    be = moe_core.get_backend(
+        "mosaic_tpu", tiles={"bm": 128, "bn": 128}, interpret=True
+    )
+    _check_matches_xla(self, be, rows=(40, width), weights=(3, width, 24))
+
+  @parameterized.parameters(((40, 8), (3, 8, 0)), ((40, 0), (3, 0, 24)))
+  def test_zero_widths_match_xla(self, rows, weights):
+    """An output width N or a contracted width C of 0: empty or zero
+    arrays, as `xla`'s. Found: an error about a Tiles.bn never given."""
+    be = moe_core.get_backend("mosaic_tpu", interpret=True)
+    _check_matches_xla(self, be, rows=rows, weights=weights)
+
   @parameterized.parameters("fp8_tensor", "fp8_block", "mxfp8", "nvfp4")
   def test_low_precision_recipes_refused_naming_the_backend_that_runs_them(
       self, recipe
@@ -120,6 +138,31 @@ class MosaicTpuBackendTest(parameterized.TestCase):
       jax.eval_shape(
           lambda p, x: moe_core.moe_layer(p, x, cfg, backend=be), params, x
       )
+
+
+def _check_matches_xla(test, be, *, rows, weights):
+  """`be`'s grouped GEMM and its gradients, eager and jitted, against
+  `xla`'s on random rows and weights of these shapes, groups (10, 0, 25)."""
+  rows = jax.random.normal(jax.random.key(0), rows)
+  weights = jax.random.normal(jax.random.key(1), weights)
+  sizes = jnp.asarray([10, 0, 25], jnp.int32)
+  cotangent = jax.random.normal(jax.random.key(2), (rows.shape[0], 24))
+
+  def value_and_grads(backend):
+    def run(r, w):
+      out, vjp = jax.vjp(lambda r, w: backend.grouped_gemm(r, w, sizes), r, w)
+      return (out, *vjp(cotangent[:, : out.shape[1]]))
+
+    return run
+
+  want = value_and_grads(moe_core.get_backend("xla"))(rows, weights)
+  for jit in (False, True):
+    run = value_and_grads(be)
+    got = (jax.jit(run) if jit else run)(rows, weights)
+    for name, g, w in zip(("out", "d_rows", "d_weights"), got, want):
+      with test.subTest(f"{name}, jit={jit}"):
+        test.assertEqual(g.shape, w.shape)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
 
 
 if __name__ == "__main__":

@@ -231,12 +231,13 @@ def _row_block(m: int, want: int) -> int:
   return max(LANE, min(want, _round_up(m, LANE)))
 
 
-def _col_block(n: int, want: int) -> int:
-  """bn (or a tgmm's bk) for n columns: the whole width when it fits in
-  `want` (rounded up to 128), else the largest multiple of 128 up to
-  `want` that divides n (no padding), else `want`."""
-  whole = _round_up(n, LANE)
-  if whole <= want:
+def _col_block(n: int, want: int | None) -> int:
+  """bn (or a tgmm's bk) for n columns: the whole width (rounded up to 128;
+  128 for n = 0, whose call launches nothing) when `want` is None or the
+  whole width fits in it, else the largest multiple of 128 up to `want`
+  that divides n (no padding), else `want`."""
+  whole = max(LANE, _round_up(n, LANE))
+  if want is None or whole <= want:
     return whole
   for block in range(want, LANE - 1, -LANE):
     if n % block == 0:
@@ -279,7 +280,7 @@ def fit(tiles: Tiles, call: Call, gen: Generation) -> Tiles:
   bm = _row_block(call.m, tiles.bm)
   bn = _col_block(call.n, tiles.bn)
   if call.kind == "wgrad":
-    bk = _col_block(call.k, tiles.bk or call.k)
+    bk = _col_block(call.k, tiles.bk)
   else:
     bk = None if tiles.bk is None or tiles.bk >= call.k else tiles.bk
   chunk = tiles.chunk if tiles.chunk and bm % tiles.chunk == 0 else None
