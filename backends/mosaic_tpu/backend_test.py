@@ -1,5 +1,7 @@
 """MosaicTpuBackend's options, availability, auto mode and refusals."""
 
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
@@ -100,6 +102,38 @@ class MosaicTpuBackendTest(parameterized.TestCase):
         .set(jnp.dot(rows[30:80], local[1], precision="highest"))
     )
     self.assertLess(float(jnp.max(jnp.abs(got - want))), 1e-4)
+
+  @parameterized.parameters("TPU v2", "TPU v3", "TPU v4", "TPU v4 lite")
+  def test_unknown_generation_is_refused_so_auto_moves_on(self, kind):
+    """Found: a generation the table lacks got the v5e's tiles (128 MiB of
+    VMEM), which XLA's compiler refused where `xla` compiles."""
+    cfg = moe_core.MoEConfig(
+        num_experts=4, top_k=2, hidden_size=128, expert_ffn_size=128
+    )
+    params = moe_core.init_params(jax.random.key(0), cfg)
+    x = jnp.ones((8, 128))
+    be = tpu_backend.MosaicTpuBackend()
+    message = f"got device_kind '{kind}'; backend 'xla' runs there"
+    with _tpu_mesh(kind):
+      with self.assertRaisesRegex(NotImplementedError, message):
+        jax.jit(lambda p, x: moe_core.moe_layer(p, x, cfg, backend=be)).lower(
+            params, x
+        )
+      # Interpreted, the kernels need no VMEM: any TPU runs them.
+      interpreted = tpu_backend.MosaicTpuBackend(interpret=True).launch
+      self.assertEqual(
+          interpreted.kernel_launch().generation, tiling.DEFAULT_GENERATION
+      )
+      with mock.patch.object(jax, "default_backend", return_value="tpu"):
+        ok, why = be.availability()
+        self.assertFalse(ok)
+        self.assertRegex(why, message)
+        self.assertEqual(
+            [b.name for b in registry.auto_candidates()], ["xla", "reference"]
+        )
+        # A generation named by the caller is the caller's choice.
+        chosen = tpu_backend.MosaicTpuBackend(generation="v5p")
+        self.assertEqual(chosen.availability(), (True, ""))
 
   @parameterized.parameters(8, 200)
   def test_whole_k_tile_override_differentiates_any_width(self, width):

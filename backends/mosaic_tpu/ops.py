@@ -64,10 +64,17 @@ class Launch(interpret_lib.InterpretedLaunch):
   dynamic_grid: bool = True
 
   def kernel_launch(self) -> kernels.Launch:
-    """The kernels' launch settings for the program traced now."""
+    """The kernels' launch settings for the program traced now.
+
+    Raises:
+      NotImplementedError: compiled for a TPU the tile table does not know
+        (`tiling.generation`), unless `generation` names one.
+    """
+    interpret = self.kernel_interpret
     return kernels.Launch(
-        interpret=self.kernel_interpret,
-        generation=self.generation or tiling.generation(),
+        interpret=interpret,
+        generation=self.generation
+        or tiling.generation(compiled=interpret is False),
         dynamic_grid=self.dynamic_grid,
     )
 
