@@ -213,7 +213,7 @@ class Backend(abc.ABC):
       # one's kernels to handle an empty grid.
       n = weights.shape[1] if transpose_rhs else weights.shape[2]
       return jnp.zeros((rows.shape[0], n), out_dtype)
-    group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
+    group_sizes, bad = sanitised_group_sizes(group_sizes, rows.shape[0])
     gemm = operands.GemmOperands(
         rows=rows,
         weights=weights,
@@ -321,7 +321,7 @@ class Backend(abc.ABC):
     (`_down`), before the cast to rows' dtype."""
     self._check_dtype(rows.dtype)
     recipe = self._check_precision(cfg.precision)
-    group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
+    group_sizes, bad = sanitised_group_sizes(group_sizes, rows.shape[0])
     settings = activations_lib.Settings.from_config(cfg)
     gated = settings.activation.gated
 
@@ -649,7 +649,7 @@ def _hidden(gate, up, ffn_in: operands.FfnOperands) -> jax.Array:
   )
 
 
-def _sanitised_group_sizes(
+def sanitised_group_sizes(
     group_sizes: jax.Array, num_rows: int
 ) -> tuple[jax.Array, jax.Array]:
   """(int32 sizes for the hooks, scalar bool: the given sizes were bad).

@@ -50,9 +50,7 @@ class MosaicTpuBackend(tile_backend.PermutingTileBackend):
 
   name: ClassVar[str] = "mosaic_tpu"
   ops: ClassVar[ModuleType] = ops
-  dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
-      jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16)
-  )
+  dtypes: ClassVar[tuple[jnp.dtype, ...]] = ops.DTYPES
   # Dispatch, combine and the routing weights in the down GEMM's epilogue
   # (dropless configs of the unquantised recipe): `PermutingTileBackend`'s,
   # gathers both ways on `ops.TpuPermutationKernels`.

@@ -1,5 +1,6 @@
 """MosaicTpuBackend's options, availability, auto mode and refusals."""
 
+import re
 from unittest import mock
 
 from absl.testing import absltest
@@ -12,6 +13,7 @@ import moe_core
 from backends.mosaic_tpu import backend as tpu_backend
 from backends.mosaic_tpu import ops
 from backends.mosaic_tpu import tiling
+from conformance import oracles
 from moe_core import backend as backend_lib
 from moe_core import registry
 from moe_core.kernels import interpret as interpret_lib
@@ -24,6 +26,22 @@ def _tpu_mesh(device_kind: str = "TPU v5 lite"):
   )
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   return jax.sharding.use_abstract_mesh(mesh)
+
+
+def _offset_inputs(num_local=2, width=8):
+  """rows [128, width], local weights [num_local, width, 16] and the sizes of
+  4 global groups, (30, 0, 50, 20): rows 100: past them."""
+  rows = jax.random.normal(jax.random.key(0), (128, width))
+  local = jax.random.normal(jax.random.key(1), (num_local, width, 16))
+  return rows, local, jnp.asarray([30, 0, 50, 20], jnp.int32)
+
+
+def _offset_oracle(rows, local, sizes, offset):
+  """float64 numpy: the rows of groups [offset, offset + E) times their
+  local weight, every other row zero."""
+  weights = np.zeros((len(sizes),) + local.shape[1:])
+  weights[offset : offset + local.shape[0]] = oracles.f64(local)
+  return oracles.grouped_gemm(rows, weights, sizes)
 
 
 class MosaicTpuBackendTest(parameterized.TestCase):
@@ -102,6 +120,108 @@ class MosaicTpuBackendTest(parameterized.TestCase):
         .set(jnp.dot(rows[30:80], local[1], precision="highest"))
     )
     self.assertLess(float(jnp.max(jnp.abs(got - want))), 1e-4)
+
+  @parameterized.parameters(0, 1, 2)
+  def test_grouped_gemm_with_offset_matches_numpy(self, offset):
+    rows, local, sizes = _offset_inputs()
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    want = _offset_oracle(rows, local, sizes, offset)
+    run = jax.jit(ops.grouped_gemm_with_offset, static_argnums=4)
+    for got in (
+        ops.grouped_gemm_with_offset(rows, local, sizes, offset, launch),
+        run(rows, local, sizes, jnp.int32(offset), launch),
+    ):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+  @parameterized.parameters(3, 5, -1)
+  def test_grouped_gemm_with_offset_out_of_range(self, offset):
+    """Concrete: ValueError; traced: all NaN, or the words of the
+    ValueError under `moe_core.checked`. Found: 3, 5 and -1 were clamped
+    to 2, computing groups 2 and 3 (a negative offset wrapped first)."""
+    rows, local, sizes = _offset_inputs()
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    message = (
+        "group_offset must lie in [0, G - E = 2] (G=4 groups in "
+        f"group_sizes, E=2 in weights), got {offset}."
+    )
+    for given in (offset, jnp.int32(offset), np.int64(offset)):
+      with self.assertRaises(ValueError) as caught:
+        ops.grouped_gemm_with_offset(rows, local, sizes, given, launch)
+      self.assertEqual(str(caught.exception), message)
+    run = jax.jit(ops.grouped_gemm_with_offset, static_argnums=4)
+    out = run(rows, local, sizes, jnp.int32(offset), launch)
+    self.assertTrue(np.all(np.isnan(out)), out)
+    with self.assertRaisesRegex(ValueError, re.escape(message)):
+      moe_core.checked(run)(rows, local, sizes, jnp.int32(offset), launch)
+
+  def test_grouped_gemm_with_offset_refuses_bad_arguments(self):
+    rows, local, sizes = _offset_inputs()
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    cases = (
+        # Found: the kernel's padding dropped the 8th column.
+        (dict(weights=local[:, :7]), ValueError, r"contract over rows' C=8"),
+        (
+            dict(group_sizes=sizes[:1]),
+            ValueError,
+            r"group_sizes must have shape \(G,\) with G >= the 2 groups of "
+            r"weights, got group_sizes.shape=\(1,\)",
+        ),
+        (
+            dict(group_sizes=sizes.astype(jnp.float32)),
+            TypeError,
+            "group_sizes must be an integer",
+        ),
+        (dict(group_offset=1.0), TypeError, r"group_offset must be an int"),
+        (dict(group_offset=True), TypeError, r"group_offset must be an int"),
+        (
+            dict(group_offset=jnp.ones((1,), jnp.int32)),
+            ValueError,
+            r"group_offset must be a scalar, got group_offset.shape=\(1,\)",
+        ),
+        (
+            dict(weights=local.astype(jnp.bfloat16)),
+            TypeError,
+            "needs rows and weights of one dtype, float32 or bfloat16, got "
+            "rows float32, weights bfloat16",
+        ),
+        (
+            dict(
+                rows=rows.astype(jnp.float16), weights=local.astype(jnp.float16)
+            ),
+            TypeError,
+            "float32 or bfloat16, got rows float16, weights float16",
+        ),
+        (dict(out_dtype=jnp.int32), TypeError, "out_dtype must be None or"),
+        (dict(launch=None), TypeError, "launch must be an ops.Launch"),
+    )
+    args = dict(
+        rows=rows,
+        weights=local,
+        group_sizes=sizes,
+        group_offset=1,
+        launch=launch,
+    )
+    for changes, kind, message in cases:
+      with self.subTest(message):
+        with self.assertRaisesRegex(kind, message):
+          ops.grouped_gemm_with_offset(**dict(args, **changes))
+
+  @parameterized.parameters((30, -5, 50, 20), (30, 60, 50, 20))
+  def test_grouped_gemm_with_offset_bad_group_sizes(self, *given):
+    """As `Backend.grouped_gemm`: concrete sizes raise its ValueError,
+    traced ones give an all-NaN output. Found: a negative size gave finite
+    garbage."""
+    rows, local, _ = _offset_inputs(num_local=4)
+    sizes = jnp.asarray(given, jnp.int32)
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    with self.assertRaises(ValueError) as want:
+      moe_core.get_backend("xla").grouped_gemm(rows, local, sizes)
+    with self.assertRaises(ValueError) as got:
+      ops.grouped_gemm_with_offset(rows, local[:2], sizes, 1, launch)
+    self.assertEqual(str(got.exception), str(want.exception))
+    run = jax.jit(ops.grouped_gemm_with_offset, static_argnums=4)
+    out = run(rows, local[:2], sizes, jnp.int32(1), launch)
+    self.assertTrue(np.all(np.isnan(out)), out)
 
   @parameterized.parameters("TPU v2", "TPU v3", "TPU v4", "TPU v4 lite")
   def test_unknown_generation_is_refused_so_auto_moves_on(self, kind):
