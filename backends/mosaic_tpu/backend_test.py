@@ -36,14 +36,6 @@ def _offset_inputs(num_local=2, width=8):
   return rows, local, jnp.asarray([30, 0, 50, 20], jnp.int32)
 
 
-def _offset_oracle(rows, local, sizes, offset):
-  """float64 numpy: the rows of groups [offset, offset + E) times their
-  local weight, every other row zero."""
-  weights = np.zeros((len(sizes),) + local.shape[1:])
-  weights[offset : offset + local.shape[0]] = oracles.f64(local)
-  return oracles.grouped_gemm(rows, weights, sizes)
-
-
 class MosaicTpuBackendTest(parameterized.TestCase):
 
   def test_registered_and_first_in_auto_on_a_tpu(self):
@@ -125,7 +117,7 @@ class MosaicTpuBackendTest(parameterized.TestCase):
   def test_grouped_gemm_with_offset_matches_numpy(self, offset):
     rows, local, sizes = _offset_inputs()
     launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
-    want = _offset_oracle(rows, local, sizes, offset)
+    want = oracles.grouped_gemm_with_offset(rows, local, sizes, offset)
     run = jax.jit(ops.grouped_gemm_with_offset, static_argnums=4)
     for got in (
         ops.grouped_gemm_with_offset(rows, local, sizes, offset, launch),
