@@ -125,6 +125,19 @@ class MosaicTpuBackendTest(parameterized.TestCase):
     ):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
+  @parameterized.parameters((0, 0), (2, 0), (2, 2))
+  def test_grouped_gemm_with_offset_without_local_groups(self, g, offset):
+    """E = 0 local weights (of G = 0 or 2 groups): every row is zero."""
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    out = ops.grouped_gemm_with_offset(
+        jnp.ones((16, 8)),
+        jnp.ones((0, 8, 4)),
+        jnp.ones((g,), jnp.int32),
+        offset,
+        launch,
+    )
+    np.testing.assert_array_equal(out, np.zeros((16, 4)))
+
   @parameterized.parameters(3, 5, -1)
   def test_grouped_gemm_with_offset_out_of_range(self, offset):
     """Concrete: ValueError; traced: all NaN, or the words of the

@@ -262,7 +262,9 @@ def grouped_gemm_with_offset(
   offset, bad_offset = _checked_offset(
       group_offset, group_sizes.shape[0], num_local
   )
-  sizes, bad_sizes = backend.sanitised_group_sizes(group_sizes, rows.shape[0])
+  sizes, bad_sizes = group_sizes, False
+  if group_sizes.shape[0]:  # G = 0 (and E = 0): no sizes to be bad.
+    sizes, bad_sizes = backend.sanitised_group_sizes(sizes, rows.shape[0])
   (out,) = launch.gmm(
       "fwd",
       [rows],
