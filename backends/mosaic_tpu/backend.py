@@ -35,9 +35,9 @@ class MosaicTpuBackend(tile_backend.PermutingTileBackend):
       shapes); False: compiled, unavailable off a TPU
       (`moe_core.kernels.interpret`).
     generation: "v5e", "v5p", "v6e" or "tpu7x", whose tile table and VMEM
-      apply; None: the TPU lowered for (v5e off a TPU). The kernels are
-      not compiled for other TPUs (v2, v3, v4): there this backend is
-      unavailable and raises NotImplementedError, so "auto" runs `xla`.
+      apply; None: the TPU lowered for (v5e off a TPU), and on a TPU of
+      none of these (v2, v3, v4) the backend is unavailable and its
+      compiled kernels raise NotImplementedError, so "auto" runs `xla`.
     fuse_activation: compute the gated activation (clamp and options
       included) in the gate/up kernel's epilogue (`ops.EPILOGUE_ACTIVATIONS`,
       without biases); only "moe_down" is then a checkpoint name. On by
