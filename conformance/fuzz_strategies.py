@@ -648,3 +648,159 @@ def bias_updates(draw) -> BiasUpdate:
       jit=jit,
       traced_rate=jit and draw(st.booleans()),
   )
+
+
+# --- mosaic_tpu's launch: group offsets, tiles, zero widths, TPU kinds -----
+
+
+@dataclasses.dataclass(frozen=True)
+class OffsetGemm:
+  """A valid grouped GEMM over the local groups [offset, offset + E) of G
+  (mosaic_tpu's `ops.grouped_gemm_with_offset`): rows [m, 8] x weights
+  [E, 8, 16], sizes summing to at most m; and the faults to try on it, one
+  at a time: `bad_offset` outside [0, G - E], group `bad_group`'s size
+  made negative or past m, weights contracting over 7 columns."""
+
+  m: int
+  group_sizes: tuple[int, ...]
+  num_local: int
+  offset: int
+  bad_offset: int
+  bad_group: int
+  seed: int
+
+  def faults(self) -> dict[str, tuple[int, tuple[int, ...], int]]:
+    """name -> (offset, group_sizes, the weights' contracted width)."""
+
+    def sized(size):
+      sizes = list(self.group_sizes)
+      sizes[self.bad_group] = size
+      return tuple(sizes)
+
+    return {
+        "offset": (self.bad_offset, self.group_sizes, 8),
+        "negative": (self.offset, sized(-3), 8),
+        "past_rows": (self.offset, sized(self.m + 1), 8),
+        "narrow": (self.offset, self.group_sizes, 7),
+    }
+
+
+@st.composite
+def offset_gemms(draw) -> OffsetGemm:
+  """Offsets in [0, G - E], bad ones up to 3 past either end."""
+  m = draw(st.sampled_from((16, 40)))
+  num_groups = draw(st.integers(1, 4))
+  num_local = draw(st.integers(1, num_groups))
+  high = num_groups - num_local
+  return OffsetGemm(
+      m=m,
+      group_sizes=tuple(
+          draw(st.integers(0, m // num_groups)) for _ in range(num_groups)
+      ),
+      num_local=num_local,
+      offset=draw(st.integers(0, high)),
+      bad_offset=draw(
+          st.one_of(st.integers(high + 1, high + 3), st.integers(-3, -1))
+      ),
+      bad_group=draw(st.integers(0, num_groups - 1)),
+      seed=draw(st.integers(0, 2**16)),
+  )
+
+
+def offset_gemm_inputs(call: OffsetGemm, width: int = 8):
+  """(rows [m, 8] float32, local weights [E, width, 16] float32)."""
+  rng = np.random.default_rng(call.seed)
+  return (
+      jnp.asarray(rng.standard_normal((call.m, 8)), jnp.float32),
+      jnp.asarray(
+          rng.standard_normal((call.num_local, width, 16)), jnp.float32
+      ),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledGemm:
+  """A valid grouped GEMM, rows [m, width] x weights [E, width, out_width]
+  ([E, out_width, width] transposed), on mosaic_tpu with the caller's
+  `tiles` (its option's dict form)."""
+
+  m: int
+  width: int
+  out_width: int
+  group_sizes: tuple[int, ...]
+  transpose_rhs: bool
+  tiles: dict
+  jit: bool
+  seed: int
+
+
+@st.composite
+def tiled_gemms(draw) -> TiledGemm:
+  """Tiles for every kernel kind (3 calls in 4), or some kinds' (the
+  others the table's); bk left out (Tiles' default: the whole K) 2 times in
+  3; widths under one tile and past one by a partial block."""
+
+  def tiles():
+    chosen = dict(
+        bm=draw(st.sampled_from((128, 256))),
+        bn=draw(st.sampled_from((128, 256))),
+        chunk=draw(st.sampled_from((None, 128))),
+    )
+    bk = draw(st.sampled_from((None, None, 128)))
+    return chosen if bk is None else dict(chosen, bk=bk)
+
+  if draw(st.sampled_from((True, True, True, False))):
+    chosen = tiles()
+  else:
+    chosen = {
+        kind: tiles() if draw(st.booleans()) else None
+        for kind in ("fwd", "dgrad", "wgrad")
+    }
+  m = draw(st.sampled_from((5, 130)))
+  num_groups = draw(st.integers(1, 3))
+  return TiledGemm(
+      m=m,
+      width=draw(st.sampled_from((8, 136))),
+      out_width=draw(st.sampled_from((16, 136))),
+      group_sizes=tuple(
+          draw(st.integers(0, m // num_groups)) for _ in range(num_groups)
+      ),
+      transpose_rhs=draw(st.booleans()),
+      tiles=chosen,
+      jit=draw(st.booleans()),
+      seed=draw(st.integers(0, 2**16)),
+  )
+
+
+def tiled_gemm_inputs(call: TiledGemm):
+  """(rows [m, C], weights, group_sizes [E] int32, cotangent [m, N]), all
+  float32 (`call.width` C and `call.out_width` N: either may be 0)."""
+  rng = np.random.default_rng(call.seed)
+  e, c, n = len(call.group_sizes), call.width, call.out_width
+  w_shape = (e, n, c) if call.transpose_rhs else (e, c, n)
+  return (
+      jnp.asarray(rng.standard_normal((call.m, c)), jnp.float32),
+      jnp.asarray(rng.standard_normal(w_shape), jnp.float32),
+      jnp.asarray(call.group_sizes, jnp.int32),
+      jnp.asarray(rng.standard_normal((call.m, n)), jnp.float32),
+  )
+
+
+# TPU device kinds as jax spells them (jax/_src/tpu_info.py), each with the
+# generation of docs/mosaic_tpu.md's table it is, or None for a chip the
+# table lacks (16 MiB of VMEM on v2, v3, v4 and v4 lite; TPU7 is not the
+# tpu7x).
+TPU_KINDS = {
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+    "TPU7x": "tpu7x",
+    "TPU v2": None,
+    "TPU v3": None,
+    "TPU v4": None,
+    "TPU v4 lite": None,
+    "TPU7": None,
+}

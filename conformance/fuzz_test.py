@@ -8,8 +8,10 @@ within the conformance tolerances, finite and with every assignment
 counted; random invalid ones (non-finite data, expert ids, group sizes,
 hash tables and token ids out of range, bias updates, config floats past
 float32's range) must give the outcome the run-time policy documents
-(docs/api.md, "Guarantees"), the same on every backend. The strategies
-are in conformance/fuzz_strategies.py.
+(docs/api.md, "Guarantees"), the same on every backend. mosaic_tpu's own
+launch options are fuzzed too: its grouped GEMM under a group offset (valid
+and out of range), the caller's tiles, zero widths and every TPU kind it
+may be lowered for. The strategies are in conformance/fuzz_strategies.py.
 
 Profiles, chosen by the environment variable DROPLESS_FUZZ_PROFILE:
 
@@ -33,11 +35,13 @@ import dataclasses
 import functools
 import math
 import os
+from unittest import mock
 
 from absl.testing import absltest
 import hypothesis
 from hypothesis import strategies as st
 import jax
+from jax import export
 import jax.numpy as jnp
 import numpy as np
 
@@ -986,6 +990,141 @@ class FuzzTest(absltest.TestCase):
           np.asarray(got), want, rtol=1e-6, atol=1e-7, equal_nan=True
       )
 
+  # --- mosaic_tpu's launch options -------------------------------------------
+
+  @_examples(0.375)
+  @hypothesis.given(call=fs.offset_gemms())
+  def test_mosaic_tpu_group_offset(self, call):
+    """mosaic_tpu's grouped GEMM over the groups [offset, offset + E) of G
+    gives the rows of those groups times their weights, zeros elsewhere
+    (numpy); each fault of `call.faults()` on the same call raises a
+    ValueError naming the argument when concrete, and makes the whole
+    output NaN when traced (narrow weights raise at trace time). Found:
+    offsets out of range clamped to G - E, 7-wide weights against 8-wide
+    rows accepted, a negative size a finite output."""
+    backend = moe_core.get_backend("mosaic_tpu", interpret=True)
+    g, e, m = len(call.group_sizes), call.num_local, call.m
+    eager = backend.ops.grouped_gemm_with_offset
+    traced = jax.jit(eager, static_argnums=4)
+
+    def gemm(run, offset, sizes, width):
+      rows, weights = fs.offset_gemm_inputs(call, width)
+      sizes = jnp.asarray(sizes, jnp.int32)
+      return _raised_or(
+          lambda: run(rows, weights, sizes, offset, backend.launch)
+      )
+
+    got = gemm(traced, jnp.int32(call.offset), call.group_sizes, 8)
+    self.assertNotIsInstance(got, Raised, str(got))
+    rows, weights = fs.offset_gemm_inputs(call)
+    self.assertWithin(
+        _to_numpy(got),
+        oracles.grouped_gemm_with_offset(
+            rows, weights, call.group_sizes, call.offset
+        ),
+        _tolerance("float32"),
+        "vs numpy",
+    )
+    words = {
+        "offset": f"group_offset must lie in [0, G - E = {g - e}] (G={g} ",
+        "negative": "group_sizes must be >= 0, got ",
+        "past_rows": f"sum(group_sizes) must be <= the {m} rows, got ",
+        "narrow": "weights [E, C, N] must contract over rows' C=8, got ",
+    }
+    for fault, (offset, sizes, width) in call.faults().items():
+      got = gemm(eager, offset, sizes, width)
+      self.assertIsInstance(got, Raised, f"{fault} accepted")
+      self.assertIs(got.kind, ValueError, f"{fault}: {got.message}")
+      self.assertTrue(got.message.startswith(words[fault]), got.message)
+      got = gemm(traced, jnp.int32(offset), sizes, width)
+      if fault == "narrow":
+        self.assertIsInstance(got, Raised, "narrow weights traced")
+        self.assertIs(got.kind, ValueError, got.message)
+      else:
+        self.assertTrue(np.all(np.isnan(_to_numpy(got))), f"{fault}: {got}")
+
+  @_examples(0.375)
+  @hypothesis.given(call=fs.tiled_gemms())
+  def test_mosaic_tpu_tiles_and_zero_widths(self, call):
+    """mosaic_tpu with the caller's tiles (whole K or steps, any kind left
+    to the table): the grouped GEMM and both gradients match numpy, and
+    with the output or the contracted width 0 instead, numpy's empty or
+    zero arrays. Found: bk=None failed jax.grad for a width not a multiple
+    of 128; a width of 0 failed outright."""
+    backend = moe_core.get_backend(
+        "mosaic_tpu", tiles=call.tiles, interpret=True
+    )
+
+    def gemm(rows, weights, sizes):
+      return backend.grouped_gemm(
+          rows, weights, sizes, transpose_rhs=call.transpose_rhs
+      )
+
+    run = _value_and_vjp(gemm)
+    run = jax.jit(run) if call.jit else run
+    for shape in (
+        call,
+        dataclasses.replace(call, width=0),
+        dataclasses.replace(call, out_width=0),
+    ):
+      msg = f"C={shape.width}, N={shape.out_width}"
+      rows, weights, sizes, cotangent = fs.tiled_gemm_inputs(shape)
+      got = _raised_or(lambda: run(rows, weights, sizes, cotangent))
+      self.assertNotIsInstance(got, Raised, f"{msg}: {got}")
+      want = (
+          oracles.grouped_gemm(rows, weights, sizes, call.transpose_rhs),
+          *oracles.grouped_gemm_grads(
+              rows, weights, sizes, cotangent, call.transpose_rhs
+          ),
+      )
+      for name, actual, expected, kind in zip(
+          ("out", "d_rows", "d_weights"),
+          got,
+          want,
+          ("forward", "gradient", "gradient"),
+      ):
+        self.assertWithin(
+            _to_numpy(actual),
+            expected,
+            tolerances.lookup("float32", kind),
+            f"{msg}: {name} vs numpy",
+        )
+
+  @_examples(0.75)
+  @hypothesis.example(kind="TPU v4")
+  @hypothesis.given(kind=st.sampled_from(tuple(fs.TPU_KINDS)))
+  def test_mosaic_tpu_on_every_tpu_kind(self, kind):
+    """Compiled for a TPU of `kind` (an abstract one, as moe_core.aot
+    lowers for): the kernels take that chip's generation's tiles, or, for
+    a chip the tile table lacks, the backend refuses (NotImplementedError
+    naming the kind; unavailable there, so "auto" moves on). Found: v4
+    got the v5e's tiles, which overflow its VMEM."""
+    backend = moe_core.get_backend("mosaic_tpu")
+    # Exported for a TPU: jax 0.10 lowers a compiled Mosaic kernel for no
+    # other platform.
+    run = export.export(
+        jax.jit(_value_and_vjp(backend.grouped_gemm)), platforms=["tpu"]
+    )
+    rows = jnp.ones((16, 128), jnp.bfloat16)
+    weights = jnp.ones((2, 128, 128), jnp.bfloat16)
+    sizes = jnp.asarray([8, 8], jnp.int32)
+    want = fs.TPU_KINDS[kind]
+    with (
+        _tpu_mesh(kind),
+        mock.patch.object(jax, "default_backend", return_value="tpu"),
+    ):
+      got = _raised_or(lambda: run(rows, weights, sizes, rows))
+      available, why = backend.availability()
+      if want is None:
+        self.assertIsInstance(got, Raised, f"{kind}: lowered")
+        self.assertIs(got.kind, NotImplementedError, got.message)
+        self.assertIn(f"got device_kind {kind!r}", got.message)
+        self.assertEqual((available, why), (False, got.message))
+      else:
+        self.assertNotIsInstance(got, Raised, f"{kind}: {got}")
+        self.assertEqual(backend.launch.kernel_launch().generation, want)
+        self.assertTrue(available, why)
+
   # --- Failures the fuzzer found, pinned -------------------------------------
 
   def test_regression_invalid_tokens_output_nan_on_every_backend(self):
@@ -1052,6 +1191,16 @@ class FuzzTest(absltest.TestCase):
       y = _to_numpy(backend.routed_experts(params, tokens, faulty, case.cfg))
       self.assertTrue(np.all(np.isnan(y[1])), f"{name}: row 1 = {y[1]}")
       self.assertTrue(np.all(np.isfinite(y[[0, 2, 3]])), name)
+
+
+def _tpu_mesh(device_kind: str):
+  """An abstract one-chip TPU mesh of `device_kind`, as `moe_core.aot`
+  lowers inside."""
+  device = jax.sharding.AbstractDevice(
+      device_kind=device_kind, num_cores=1, platform="tpu"
+  )
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
 
 
 def _routed(case: cases.LayerCase):

@@ -40,6 +40,15 @@ def grouped_gemm(rows, weights, group_sizes, transpose_rhs=False):
   return out
 
 
+def grouped_gemm_with_offset(rows, local_weights, group_sizes, offset: int):
+  """Groups [offset, offset + E) of G only: out[r] = rows[r] @
+  local_weights[g(r) - offset] for those groups' rows, 0 for the others."""
+  local = f64(local_weights)
+  weights = np.zeros((len(group_sizes),) + local.shape[1:])
+  weights[offset : offset + local.shape[0]] = local
+  return grouped_gemm(rows, weights, group_sizes)
+
+
 def grouped_gemm_grads(
     rows, weights, group_sizes, cotangent, transpose_rhs=False
 ):

@@ -228,7 +228,7 @@ class Backend(abc.ABC):
       # one's kernels to handle an empty grid.
       n = weights.shape[1] if transpose_rhs else weights.shape[2]
       return jnp.zeros((rows.shape[0], n), out_dtype)
-    group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
+    group_sizes, bad = sanitised_group_sizes(group_sizes, rows.shape[0])
     # The kernels write the poison themselves where they can: no pass over
     # the output and its cotangent (about 10-35% of a grouped GEMM's time
     # on a TPU v5e); with rows, so that the NaN reaches the gradients
@@ -346,7 +346,7 @@ class Backend(abc.ABC):
     (`_down`), before the cast to rows' dtype."""
     self._check_dtype(rows.dtype)
     recipe = self._check_precision(cfg.precision)
-    group_sizes, bad = _sanitised_group_sizes(group_sizes, rows.shape[0])
+    group_sizes, bad = sanitised_group_sizes(group_sizes, rows.shape[0])
     settings = activations_lib.Settings.from_config(cfg)
     gated = settings.activation.gated
 
@@ -712,7 +712,7 @@ def _adapted_grouped_gemm(cls, hook):
   return grouped_gemm
 
 
-def _sanitised_group_sizes(
+def sanitised_group_sizes(
     group_sizes: jax.Array, num_rows: int
 ) -> tuple[jax.Array, jax.Array]:
   """(int32 sizes for the hooks, scalar bool: the given sizes were bad).

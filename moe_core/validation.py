@@ -90,8 +90,14 @@ def check_params(params, cfg: config_lib.MoEConfig) -> None:
 
 
 def check_group_sizes(
-    group_sizes, num_groups: int, *, name: str = "group_sizes"
+    group_sizes,
+    num_groups: int,
+    *,
+    name: str = "group_sizes",
+    at_least: bool = False,
 ) -> None:
+  """group_sizes: an integer [num_groups] array; with `at_least`, [G] with
+  G >= num_groups (every global group's size, num_groups of them local)."""
   if not hasattr(group_sizes, "dtype"):
     raise TypeError(f"{name} must be an int32 array, got {type(group_sizes)}.")
   if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
@@ -99,7 +105,13 @@ def check_group_sizes(
         f"{name} must be an integer (int32) array, got dtype "
         f"{_dtype_name(group_sizes)}."
     )
-  if group_sizes.shape != (num_groups,):
+  if at_least:
+    if group_sizes.ndim != 1 or group_sizes.shape[0] < num_groups:
+      raise ValueError(
+          f"{name} must have shape (G,) with G >= the {num_groups} groups "
+          f"of weights, got {name}.shape={tuple(group_sizes.shape)}."
+      )
+  elif group_sizes.shape != (num_groups,):
     raise ValueError(
         f"{name} must have shape ({num_groups},) (one size per "
         f"group), got {name}.shape={tuple(group_sizes.shape)}."
@@ -107,9 +119,15 @@ def check_group_sizes(
 
 
 def check_grouped_gemm(
-    rows, weights, group_sizes, *, transpose_rhs: bool = False
+    rows,
+    weights,
+    group_sizes,
+    *,
+    transpose_rhs: bool = False,
+    global_groups: bool = False,
 ) -> None:
-  """rows [M, C], weights [E, C, N] ([E, N, C] if transposed), sizes [E].
+  """rows [M, C], weights [E, C, N] ([E, N, C] if transposed), sizes [E]
+  ([G], G >= E, with `global_groups`: a group offset picks weights' E).
 
   C is the contracted width (K is top-k elsewhere).
   """
@@ -132,7 +150,7 @@ def check_grouped_gemm(
         f"weights {layout} must contract over rows' C={rows.shape[1]}, got "
         f"rows.shape={rows.shape}, weights.shape={weights.shape}."
     )
-  check_group_sizes(group_sizes, weights.shape[0])
+  check_group_sizes(group_sizes, weights.shape[0], at_least=global_groups)
   check_group_sizes_fit(group_sizes, rows.shape[0])
 
 

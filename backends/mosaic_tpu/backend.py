@@ -35,7 +35,9 @@ class MosaicTpuBackend(tile_backend.PermutingTileBackend):
       shapes); False: compiled, unavailable off a TPU
       (`moe_core.kernels.interpret`).
     generation: "v5e", "v5p", "v6e" or "tpu7x", whose tile table and VMEM
-      apply; None: the TPU lowered for (v5e off a TPU).
+      apply; None: the TPU lowered for (v5e off a TPU), and on a TPU of
+      none of these (v2, v3, v4) the backend is unavailable and its
+      compiled kernels raise NotImplementedError, so "auto" runs `xla`.
     fuse_activation: compute the gated activation (clamp and options
       included) in the gate/up kernel's epilogue (`ops.EPILOGUE_ACTIVATIONS`,
       without biases); only "moe_down" is then a checkpoint name. On by
@@ -48,9 +50,7 @@ class MosaicTpuBackend(tile_backend.PermutingTileBackend):
 
   name: ClassVar[str] = "mosaic_tpu"
   ops: ClassVar[ModuleType] = ops
-  dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
-      jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16)
-  )
+  dtypes: ClassVar[tuple[jnp.dtype, ...]] = ops.DTYPES
   # Bad group sizes' NaN is written by the kernels (`kernels.gmm`'s poison).
   poisons_in_kernels: ClassVar[bool] = True
   # Dispatch, combine and the routing weights in the down GEMM's epilogue
@@ -93,7 +93,12 @@ class MosaicTpuBackend(tile_backend.PermutingTileBackend):
       return True, ""
     platform = jax.default_backend()
     if platform == "tpu":
-      return True, ""
+      # A generation the table lacks would get another chip's tiles, which
+      # XLA's compiler then refuses: unavailable, so "auto" moves on.
+      unknown = self.launch.generation is None and tiling.unknown_tpu(
+          tiling.lowering_tpu_kind()
+      )
+      return (False, unknown) if unknown else (True, "")
     return False, (
         "mosaic_tpu: the kernels compile for TPUs only, not "
         f"{platform}; pass interpret=True to interpret them."

@@ -1,14 +1,19 @@
 """MosaicTpuBackend's options, availability, auto mode and refusals."""
 
+import re
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import moe_core
 from backends.mosaic_tpu import backend as tpu_backend
 from backends.mosaic_tpu import ops
 from backends.mosaic_tpu import tiling
+from conformance import oracles
 from moe_core import backend as backend_lib
 from moe_core import registry
 from moe_core.kernels import interpret as interpret_lib
@@ -21,6 +26,14 @@ def _tpu_mesh(device_kind: str = "TPU v5 lite"):
   )
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   return jax.sharding.use_abstract_mesh(mesh)
+
+
+def _offset_inputs(num_local=2, width=8):
+  """rows [128, width], local weights [num_local, width, 16] and the sizes of
+  4 global groups, (30, 0, 50, 20): rows 100: past them."""
+  rows = jax.random.normal(jax.random.key(0), (128, width))
+  local = jax.random.normal(jax.random.key(1), (num_local, width, 16))
+  return rows, local, jnp.asarray([30, 0, 50, 20], jnp.int32)
 
 
 class MosaicTpuBackendTest(parameterized.TestCase):
@@ -100,6 +113,170 @@ class MosaicTpuBackendTest(parameterized.TestCase):
     )
     self.assertLess(float(jnp.max(jnp.abs(got - want))), 1e-4)
 
+  @parameterized.parameters(0, 1, 2)
+  def test_grouped_gemm_with_offset_matches_numpy(self, offset):
+    rows, local, sizes = _offset_inputs()
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    want = oracles.grouped_gemm_with_offset(rows, local, sizes, offset)
+    run = jax.jit(ops.grouped_gemm_with_offset, static_argnums=4)
+    for got in (
+        ops.grouped_gemm_with_offset(rows, local, sizes, offset, launch),
+        run(rows, local, sizes, jnp.int32(offset), launch),
+    ):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+  @parameterized.parameters((0, 0), (2, 0), (2, 2))
+  def test_grouped_gemm_with_offset_without_local_groups(self, g, offset):
+    """E = 0 local weights (of G = 0 or 2 groups): every row is zero."""
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    out = ops.grouped_gemm_with_offset(
+        jnp.ones((16, 8)),
+        jnp.ones((0, 8, 4)),
+        jnp.ones((g,), jnp.int32),
+        offset,
+        launch,
+    )
+    np.testing.assert_array_equal(out, np.zeros((16, 4)))
+
+  @parameterized.parameters(3, 5, -1)
+  def test_grouped_gemm_with_offset_out_of_range(self, offset):
+    """Concrete: ValueError; traced: all NaN, or the words of the
+    ValueError under `moe_core.checked`. Found: 3, 5 and -1 were clamped
+    to 2, computing groups 2 and 3 (a negative offset wrapped first)."""
+    rows, local, sizes = _offset_inputs()
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    message = (
+        "group_offset must lie in [0, G - E = 2] (G=4 groups in "
+        f"group_sizes, E=2 in weights), got {offset}."
+    )
+    for given in (offset, jnp.int32(offset), np.int64(offset)):
+      with self.assertRaises(ValueError) as caught:
+        ops.grouped_gemm_with_offset(rows, local, sizes, given, launch)
+      self.assertEqual(str(caught.exception), message)
+    run = jax.jit(ops.grouped_gemm_with_offset, static_argnums=4)
+    out = run(rows, local, sizes, jnp.int32(offset), launch)
+    self.assertTrue(np.all(np.isnan(out)), out)
+    with self.assertRaisesRegex(ValueError, re.escape(message)):
+      moe_core.checked(run)(rows, local, sizes, jnp.int32(offset), launch)
+
+  def test_grouped_gemm_with_offset_refuses_bad_arguments(self):
+    rows, local, sizes = _offset_inputs()
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    cases = (
+        # Found: the kernel's padding dropped the 8th column.
+        (dict(weights=local[:, :7]), ValueError, r"contract over rows' C=8"),
+        (
+            dict(group_sizes=sizes[:1]),
+            ValueError,
+            r"group_sizes must have shape \(G,\) with G >= the 2 groups of "
+            r"weights, got group_sizes.shape=\(1,\)",
+        ),
+        (
+            dict(group_sizes=sizes.astype(jnp.float32)),
+            TypeError,
+            "group_sizes must be an integer",
+        ),
+        (dict(group_offset=1.0), TypeError, r"group_offset must be an int"),
+        (dict(group_offset=True), TypeError, r"group_offset must be an int"),
+        (
+            dict(group_offset=jnp.ones((1,), jnp.int32)),
+            ValueError,
+            r"group_offset must be a scalar, got group_offset.shape=\(1,\)",
+        ),
+        (
+            dict(weights=local.astype(jnp.bfloat16)),
+            TypeError,
+            "needs rows and weights of one dtype, float32 or bfloat16, got "
+            "rows float32, weights bfloat16",
+        ),
+        (
+            dict(
+                rows=rows.astype(jnp.float16), weights=local.astype(jnp.float16)
+            ),
+            TypeError,
+            "float32 or bfloat16, got rows float16, weights float16",
+        ),
+        (dict(out_dtype=jnp.int32), TypeError, "out_dtype must be None or"),
+        (dict(launch=None), TypeError, "launch must be an ops.Launch"),
+    )
+    args = dict(
+        rows=rows,
+        weights=local,
+        group_sizes=sizes,
+        group_offset=1,
+        launch=launch,
+    )
+    for changes, kind, message in cases:
+      with self.subTest(message):
+        with self.assertRaisesRegex(kind, message):
+          ops.grouped_gemm_with_offset(**dict(args, **changes))
+
+  @parameterized.parameters((30, -5, 50, 20), (30, 60, 50, 20))
+  def test_grouped_gemm_with_offset_bad_group_sizes(self, *given):
+    """As `Backend.grouped_gemm`: concrete sizes raise its ValueError,
+    traced ones give an all-NaN output. Found: a negative size gave finite
+    garbage."""
+    rows, local, _ = _offset_inputs(num_local=4)
+    sizes = jnp.asarray(given, jnp.int32)
+    launch = tpu_backend.MosaicTpuBackend(interpret=True).launch
+    with self.assertRaises(ValueError) as want:
+      moe_core.get_backend("xla").grouped_gemm(rows, local, sizes)
+    with self.assertRaises(ValueError) as got:
+      ops.grouped_gemm_with_offset(rows, local[:2], sizes, 1, launch)
+    self.assertEqual(str(got.exception), str(want.exception))
+    run = jax.jit(ops.grouped_gemm_with_offset, static_argnums=4)
+    out = run(rows, local[:2], sizes, jnp.int32(1), launch)
+    self.assertTrue(np.all(np.isnan(out)), out)
+
+  @parameterized.parameters("TPU v2", "TPU v3", "TPU v4", "TPU v4 lite")
+  def test_unknown_generation_is_refused_so_auto_moves_on(self, kind):
+    """Found: a generation the table lacks got the v5e's tiles (128 MiB of
+    VMEM), which XLA's compiler refused where `xla` compiles."""
+    cfg = moe_core.MoEConfig(
+        num_experts=4, top_k=2, hidden_size=128, expert_ffn_size=128
+    )
+    params = moe_core.init_params(jax.random.key(0), cfg)
+    x = jnp.ones((8, 128))
+    be = tpu_backend.MosaicTpuBackend()
+    message = f"got device_kind '{kind}'; backend 'xla' runs there"
+    with _tpu_mesh(kind):
+      with self.assertRaisesRegex(NotImplementedError, message):
+        jax.jit(lambda p, x: moe_core.moe_layer(p, x, cfg, backend=be)).lower(
+            params, x
+        )
+      # Interpreted, the kernels need no VMEM: any TPU runs them.
+      interpreted = tpu_backend.MosaicTpuBackend(interpret=True).launch
+      self.assertEqual(
+          interpreted.kernel_launch().generation, tiling.DEFAULT_GENERATION
+      )
+      with mock.patch.object(jax, "default_backend", return_value="tpu"):
+        ok, why = be.availability()
+        self.assertFalse(ok)
+        self.assertRegex(why, message)
+        self.assertEqual(
+            [b.name for b in registry.auto_candidates()], ["xla", "reference"]
+        )
+        # A generation named by the caller is the caller's choice.
+        chosen = tpu_backend.MosaicTpuBackend(generation="v5p")
+        self.assertEqual(chosen.availability(), (True, ""))
+
+  @parameterized.parameters(8, 200)
+  def test_whole_k_tile_override_differentiates_any_width(self, width):
+    """tiles without bk (the whole K, Tiles' default). Found: jax.grad
+    failed for a contracted width not a multiple of 128, with an error
+    about a bk the caller never gave."""
+    be = moe_core.get_backend(
+        "mosaic_tpu", tiles={"bm": 128, "bn": 128}, interpret=True
+    )
+    _check_matches_xla(self, be, rows=(40, width), weights=(3, width, 24))
+
+  @parameterized.parameters(((40, 8), (3, 8, 0)), ((40, 0), (3, 0, 24)))
+  def test_zero_widths_match_xla(self, rows, weights):
+    """An output width N or a contracted width C of 0: empty or zero
+    arrays, as `xla`'s. Found: an error about a Tiles.bn never given."""
+    be = moe_core.get_backend("mosaic_tpu", interpret=True)
+    _check_matches_xla(self, be, rows=rows, weights=weights)
+
   @parameterized.parameters("fp8_tensor", "fp8_block", "mxfp8", "nvfp4")
   def test_low_precision_recipes_refused_naming_the_backend_that_runs_them(
       self, recipe
@@ -120,6 +297,31 @@ class MosaicTpuBackendTest(parameterized.TestCase):
       jax.eval_shape(
           lambda p, x: moe_core.moe_layer(p, x, cfg, backend=be), params, x
       )
+
+
+def _check_matches_xla(test, be, *, rows, weights):
+  """`be`'s grouped GEMM and its gradients, eager and jitted, against
+  `xla`'s on random rows and weights of these shapes, groups (10, 0, 25)."""
+  rows = jax.random.normal(jax.random.key(0), rows)
+  weights = jax.random.normal(jax.random.key(1), weights)
+  sizes = jnp.asarray([10, 0, 25], jnp.int32)
+  cotangent = jax.random.normal(jax.random.key(2), (rows.shape[0], 24))
+
+  def value_and_grads(backend):
+    def run(r, w):
+      out, vjp = jax.vjp(lambda r, w: backend.grouped_gemm(r, w, sizes), r, w)
+      return (out, *vjp(cotangent[:, : out.shape[1]]))
+
+    return run
+
+  want = value_and_grads(moe_core.get_backend("xla"))(rows, weights)
+  for jit in (False, True):
+    run = value_and_grads(be)
+    got = (jax.jit(run) if jit else run)(rows, weights)
+    for name, g, w in zip(("out", "d_rows", "d_weights"), got, want):
+      with test.subTest(f"{name}, jit={jit}"):
+        test.assertEqual(g.shape, w.shape)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,13 @@ import dataclasses
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
+import numpy as np
 
 from backends.mosaic_tpu import kernels
 from backends.mosaic_tpu import tiling
+from moe_core import backend
+from moe_core import checks
+from moe_core import validation
 from moe_core.kernels import expert_ops
 from moe_core.kernels import interpret as interpret_lib
 from moe_core.kernels import permutation
@@ -33,6 +37,9 @@ def _debug_interpreter():
 
   return pltpu.InterpretParams(detect_races=True)
 
+
+# The dtypes the kernels multiply (MosaicTpuBackend.dtypes).
+DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16))
 
 # The backend's `interpret` option (`moe_core.kernels.interpret`): compiled
 # when lowered for a TPU; True is Pallas' HLO interpreter, "debug" or a
@@ -64,10 +71,17 @@ class Launch(interpret_lib.InterpretedLaunch):
   dynamic_grid: bool = True
 
   def kernel_launch(self) -> kernels.Launch:
-    """The kernels' launch settings for the program traced now."""
+    """The kernels' launch settings for the program traced now.
+
+    Raises:
+      NotImplementedError: compiled for a TPU the tile table does not know
+        (`tiling.generation`), unless `generation` names one.
+    """
+    interpret = self.kernel_interpret
     return kernels.Launch(
-        interpret=self.kernel_interpret,
-        generation=self.generation or tiling.generation(),
+        interpret=interpret,
+        generation=self.generation
+        or tiling.generation(compiled=interpret is False),
         dynamic_grid=self.dynamic_grid,
     )
 
@@ -222,16 +236,86 @@ def grouped_gemm_with_offset(
   The forward alone (no derivatives): for expert parallelism where every
   device holds all the rows sorted by global group and computes only its
   own experts' (`kernels.gmm`'s group_offset).
+
+  Args:
+    rows: [M, C] float32 or bfloat16, sorted by global group.
+    weights: [E, C, N] of rows' dtype: groups group_offset.. of G >= E.
+    group_sizes: [G] integer, sum <= M.
+    group_offset: an int in [0, G - E], or an integer scalar array (traced
+      too).
+    launch: tiles and interpret mode.
+    out_dtype: None (rows' dtype) or a floating dtype.
+
+  Raises:
+    TypeError, ValueError: a bad argument, named; a concrete group_offset
+      or group_sizes out of range. Traced ones make the whole output NaN
+      (docs/api.md, "Guarantees"; `moe_core.checked` raises instead).
   """
+  validation.check_grouped_gemm(rows, weights, group_sizes, global_groups=True)
+  if weights.dtype != rows.dtype or rows.dtype not in DTYPES:
+    raise TypeError(
+        "grouped_gemm_with_offset needs rows and weights of one dtype, "
+        f"float32 or bfloat16, got rows {rows.dtype.name}, weights "
+        f"{weights.dtype.name}."
+    )
+  out_dtype = validation.check_out_dtype(out_dtype, rows.dtype)
+  if not isinstance(launch, Launch):
+    raise TypeError(f"launch must be an ops.Launch, got {type(launch)}.")
+  num_local = weights.shape[0]
+  offset, bad_offset = _checked_offset(
+      group_offset, group_sizes.shape[0], num_local
+  )
+  sizes, bad_sizes = group_sizes, False
+  if group_sizes.shape[0]:  # G = 0 (and E = 0): no sizes to be bad.
+    sizes, bad_sizes = backend.sanitised_group_sizes(sizes, rows.shape[0])
   (out,) = launch.gmm(
       "fwd",
       [rows],
       [weights],
-      group_sizes,
+      sizes,
       out_dtype=out_dtype,
-      group_offset=group_offset,
+      group_offset=offset,
   )
-  return out
+  return checks.nan_if(bad_offset | bad_sizes, out)
+
+
+def _checked_offset(group_offset, num_groups: int, num_local: int):
+  """(int32 offset for the kernels, scalar bool: it was out of range).
+
+  The offset must lie in [0, num_groups - num_local]: past that, the
+  visit list's slice of the group bounds would be clamped (a negative
+  offset wrapped), and other groups' rows computed against these weights.
+  A concrete offset out of range raises; a traced one is flagged, and 0
+  (a valid offset) goes to the kernels in its place.
+  """
+  if isinstance(group_offset, (bool, np.bool_)) or not (
+      isinstance(group_offset, (int, np.integer))
+      or (
+          hasattr(group_offset, "dtype")
+          and jnp.issubdtype(group_offset.dtype, jnp.integer)
+      )
+  ):
+    raise TypeError(
+        "group_offset must be an int or an integer scalar array, got "
+        f"{group_offset!r}."
+    )
+  if np.ndim(group_offset) != 0:
+    raise ValueError(
+        "group_offset must be a scalar, got "
+        f"group_offset.shape={tuple(group_offset.shape)}."
+    )
+  high = num_groups - num_local
+  wanted = (
+      f"group_offset must lie in [0, G - E = {high}] (G={num_groups} groups "
+      f"in group_sizes, E={num_local} in weights), got "
+  )
+  value = validation.concrete_value(group_offset)
+  if value is not None and not 0 <= int(value) <= high:
+    raise ValueError(f"{wanted}{int(value)}.")
+  offset = jnp.asarray(group_offset)
+  bad = (offset < 0) | (offset > high)
+  checks.debug_check(~bad, wanted + "{}.", offset)
+  return jnp.where(bad, 0, offset).astype(jnp.int32), bad
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,18 +96,49 @@ def generation_of_kind(device_kind: str) -> str | None:
   return None
 
 
-def generation() -> str:
-  """The generation of the TPU being lowered for.
+def lowering_tpu_kind() -> str | None:
+  """The device_kind of the TPU being lowered for, None off a TPU.
 
   The abstract mesh's device where one is set (`moe_core.aot` lowers for a
-  topology whose chips need not be here), else the first local device;
-  `DEFAULT_GENERATION` off a TPU (interpreted kernels).
+  topology whose chips need not be here), else the first local device.
   """
   device = gpu.lowering_device()
   if getattr(device, "platform", None) != "tpu":
     device = jax.devices()[0]
-  found = generation_of_kind(getattr(device, "device_kind", "") or "")
-  return found or DEFAULT_GENERATION
+  if getattr(device, "platform", None) != "tpu":
+    return None
+  return getattr(device, "device_kind", "") or ""
+
+
+def unknown_tpu(kind: str | None) -> str | None:
+  """Why the kernels cannot be compiled for a TPU of `kind`, or None (a
+  known generation, or not a TPU)."""
+  if kind is None or generation_of_kind(kind) is not None:
+    return None
+  # Another generation's tiles would not fit (a v4 has 16 MiB of VMEM)
+  # or not compile (v2 and v3 lack the kernels' matmul types).
+  return (
+      "mosaic_tpu: the TPU lowered for must be of a generation its tile "
+      f"table has ({', '.join(GENERATIONS)}), got device_kind {kind!r}; "
+      "backend 'xla' runs there."
+  )
+
+
+def generation(*, compiled: bool = True) -> str:
+  """The generation of the TPU being lowered for (`lowering_tpu_kind`).
+
+  `DEFAULT_GENERATION` off a TPU (interpreted kernels), and for a TPU the
+  table does not know (v2, v3, v4) when not `compiled`: the interpreter
+  has no VMEM to fit.
+
+  Raises:
+    NotImplementedError: `compiled`, for a TPU the table does not know.
+  """
+  kind = lowering_tpu_kind()
+  problem = unknown_tpu(kind)
+  if problem and compiled:
+    raise NotImplementedError(problem)
+  return generation_of_kind(kind or "") or DEFAULT_GENERATION
 
 
 def check_generation(name) -> None:
@@ -231,12 +262,13 @@ def _row_block(m: int, want: int) -> int:
   return max(LANE, min(want, _round_up(m, LANE)))
 
 
-def _col_block(n: int, want: int) -> int:
-  """bn (or a tgmm's bk) for n columns: the whole width when it fits in
-  `want` (rounded up to 128), else the largest multiple of 128 up to
-  `want` that divides n (no padding), else `want`."""
-  whole = _round_up(n, LANE)
-  if whole <= want:
+def _col_block(n: int, want: int | None) -> int:
+  """bn (or a tgmm's bk) for n columns: the whole width (rounded up to 128;
+  128 for n = 0, whose call launches nothing) when `want` is None or the
+  whole width fits in it, else the largest multiple of 128 up to `want`
+  that divides n (no padding), else `want`."""
+  whole = max(LANE, _round_up(n, LANE))
+  if want is None or whole <= want:
     return whole
   for block in range(want, LANE - 1, -LANE):
     if n % block == 0:
@@ -279,7 +311,7 @@ def fit(tiles: Tiles, call: Call, gen: Generation) -> Tiles:
   bm = _row_block(call.m, tiles.bm)
   bn = _col_block(call.n, tiles.bn)
   if call.kind == "wgrad":
-    bk = _col_block(call.k, tiles.bk or call.k)
+    bk = _col_block(call.k, tiles.bk)
   else:
     bk = None if tiles.bk is None or tiles.bk >= call.k else tiles.bk
   chunk = tiles.chunk if tiles.chunk and bm % tiles.chunk == 0 else None
