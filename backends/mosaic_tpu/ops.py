@@ -268,6 +268,8 @@ def grouped_gemm_with_offset(
   sizes, bad_sizes = group_sizes, False
   if group_sizes.shape[0]:  # G = 0 (and E = 0): no sizes to be bad.
     sizes, bad_sizes = backend.sanitised_group_sizes(sizes, rows.shape[0])
+  # The kernel writes the NaN of a traced fault itself (its poison flag):
+  # no pass over the output.
   (out,) = launch.gmm(
       "fwd",
       [rows],
@@ -275,8 +277,9 @@ def grouped_gemm_with_offset(
       sizes,
       out_dtype=out_dtype,
       group_offset=offset,
+      poison=jnp.asarray(bad_offset | bad_sizes, bool),
   )
-  return checks.nan_if(bad_offset | bad_sizes, out)
+  return out
 
 
 def _checked_offset(group_offset, num_groups: int, num_local: int):
