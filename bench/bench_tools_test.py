@@ -1,12 +1,17 @@
-"""tokamax_compare's reading of tokamax's table and its tiles, and
-trace_summary's grouping of a profile: on small hand-made inputs, no chip
-and no tokamax needed."""
+"""tokamax_compare's reading of tokamax's table and its tiles,
+trace_summary's grouping of a profile, and the commit tpu_check records: on
+small hand-made inputs, no chip and no tokamax needed."""
 
 import json
+import os
+import subprocess
+import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 
 from bench import tokamax_compare
+from bench import tpu_check
 from bench import trace_summary
 
 
@@ -129,6 +134,39 @@ class TraceSummaryTest(absltest.TestCase):
         (second["kind"], second["calls_per_step"]), ("gather_fusion", 1.0)
     )
     self.assertAlmostEqual(second["share"], 0.4)
+
+
+class CommitTest(absltest.TestCase):
+
+  def test_no_commit_from_a_repository_around_the_tree(self):
+    with tempfile.TemporaryDirectory() as repo:
+      git = lambda *a: subprocess.run(
+          ["git", "-C", repo, *a], check=True, capture_output=True
+      )
+      git("init", "-q")
+      git(
+          "-c",
+          "user.name=t",
+          "-c",
+          "user.email=t@t",
+          "commit",
+          "-q",
+          "--allow-empty",
+          "-m",
+          "x",
+      )
+      head = git("rev-parse", "HEAD").stdout.decode().strip()
+      tree = os.path.join(repo, "copied_tree")
+      os.mkdir(tree)
+      env = {k: v for k, v in os.environ.items() if k != "DROPLESS_COMMIT"}
+      with mock.patch.dict(os.environ, env, clear=True):
+        with mock.patch.object(tpu_check, "_REPO", repo):
+          self.assertEqual(tpu_check._git_commit(), head)
+        with mock.patch.object(tpu_check, "_REPO", tree):
+          self.assertIsNone(tpu_check._git_commit())
+      with mock.patch.dict(os.environ, {"DROPLESS_COMMIT": "abc"}):
+        with mock.patch.object(tpu_check, "_REPO", tree):
+          self.assertEqual(tpu_check._git_commit(), "abc")
 
 
 if __name__ == "__main__":

@@ -167,23 +167,26 @@ def _parse_args(argv):
   return args
 
 
+def _output(cmd, **options) -> str | None:
+  """What `cmd` prints, or None if it fails or takes over 2 minutes: what
+  the callers ask is optional in the report."""
+  try:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, check=True, **options
+    ).stdout
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
 def _git_commit() -> str | None:
   # A tree copied to the TPU host has no .git of its own (git would answer
   # for a checkout around it): the commit named by the caller comes first.
   if os.environ.get("DROPLESS_COMMIT"):
     return os.environ["DROPLESS_COMMIT"]
-  try:
-    out = subprocess.run(
-        ["git", "rev-parse", "--show-toplevel", "HEAD"],
-        cwd=_REPO,
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=True,
-    )
-  except Exception:  # pylint: disable=broad-except
+  out = _output(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=_REPO)
+  if out is None:
     return None
-  top, commit = out.stdout.split()
+  top, commit = out.split()
   # Outside a checkout of its own, git answers for a repository around the
   # folder, whose commit says nothing about this tree.
   if os.path.realpath(top) != os.path.realpath(_REPO):
@@ -195,18 +198,8 @@ def _device_kind(env) -> str | None:
   """The kind of the chip's first device, from a child that opens it (this
   process never does); None if that fails."""
   code = "import jax; print(jax.devices()[0].device_kind)"
-  try:
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-  except Exception:  # pylint: disable=broad-except
-    return None
-  lines = out.stdout.strip().splitlines()
+  out = _output([sys.executable, "-c", code], env=env)
+  lines = (out or "").strip().splitlines()
   return lines[-1] if lines else None
 
 
