@@ -241,10 +241,10 @@ def _gmm_kernel(
     def _(c0=c0, rows=rows, mask=mask):
       for o_ref in out_refs:
         block = o_ref.at[pl.ds(c0, rows), :]
-        zeros = jnp.zeros((rows, block.shape[1]), o_ref.dtype)
+        fill = jnp.zeros((), o_ref.dtype)
         if has_poison:
-          (zeros,) = _poisoned(poison_ref, [zeros])
-        block[...] = jnp.where(mask, zeros, block[...])
+          (fill,) = _poisoned(poison_ref, [fill])
+        block[...] = jnp.where(mask, fill, block[...])
 
 
 def gmm(
