@@ -10,6 +10,7 @@ a GPU host JAX chooses. No jax import here: this runs before jax starts.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 
 
@@ -18,8 +19,11 @@ def accelerator() -> str | None:
   else None."""
   if os.path.exists("/dev/nvidiactl"):
     return "gpu"
-  # TPU v4 and v5e expose /dev/accel<N>; v5p and later VFIO groups.
-  if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+  # TPU VMs expose /dev/accel<N> (v4) or VFIO groups (v5e and later); a
+  # VFIO group alone is any passed-through device, so libtpu must be
+  # installed too (found, not imported).
+  devices = glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*")
+  if devices and importlib.util.find_spec("libtpu") is not None:
     return "tpu"
   return None
 
