@@ -157,7 +157,11 @@ class CpuKernelsTest(parameterized.TestCase):
       _close(self, out, want, dtype, np.sqrt(c), f"{kernels} forward")
       _close(self, d_rows, want_rows, dtype, np.sqrt(n), f"{kernels} d rows")
       _close(
-          self, d_weights, want_weights, dtype, np.sqrt(m),
+          self,
+          d_weights,
+          want_weights,
+          dtype,
+          np.sqrt(m),
           f"{kernels} d weights",
       )
 
@@ -237,7 +241,6 @@ class CpuKernelsTest(parameterized.TestCase):
     self.assertGreaterEqual(counts["DroplessCpuLastWorkers"], 2, counts)
 
 
-
 class VerdictsTest(parameterized.TestCase):
   """The data "auto" reads agrees with the measurements it names."""
 
@@ -268,7 +271,7 @@ class VerdictsTest(parameterized.TestCase):
 
 
 class AutoRuleTest(parameterized.TestCase):
-  """"auto" takes the cpu backend exactly where its kernels' verdicts win."""
+  """ "auto" takes the cpu backend exactly where its kernels' verdicts win."""
 
   def setUp(self):
     super().setUp()
@@ -278,9 +281,7 @@ class AutoRuleTest(parameterized.TestCase):
 
   @parameterized.parameters(*verdicts.KERNEL_SETS)
   def test_auto_picks_cpu_only_where_its_kernels_beat_xla(self, kernels):
-    wins = all(
-        verdicts.verdict(kernels, d).beats_xla for d in verdicts.DTYPES
-    )
+    wins = all(verdicts.verdict(kernels, d).beats_xla for d in verdicts.DTYPES)
     with mock.patch.object(library, "kernels", return_value=kernels):
       picked = registry.get_backend("auto").name
       ok, why = registry.auto_choice("cpu")
@@ -327,6 +328,7 @@ class LoaderTest(absltest.TestCase):
     )
     runs, best = result.stdout.split()
     self.assertEqual((runs, best), ("portable", library.best_kernels()))
+
   def test_missing_library_is_unavailable_and_auto_falls_through(self):
     script = (
         "from moe_core import registry\n"
