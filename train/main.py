@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 
 from absl import app
@@ -336,6 +337,22 @@ def _exit_with(error: BaseException) -> None:
   sys.exit(getattr(error, "exitcode", None) or 1)
 
 
+# absl's prefix of a validator's refusal: "flag --name=value: " or "flags
+# a=1, b=2: " before the validator's own message, which names its flag.
+_VALIDATOR_PREFIX = re.compile(r"^flags? .*?: (?=--)", re.DOTALL)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's parse, a refused flag ending the program as `_exit_with` does:
+  one line, the validator's message, without absl's "FATAL Flags parsing
+  error", its list of the flags involved and its pointer to --helpshort."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _exit_with(app.UsageError(_VALIDATOR_PREFIX.sub("", str(e))))
+    raise  # Not reached: _exit_with exits.
+
+
 def main(argv):
   try:
     if len(argv) > 1:
@@ -355,4 +372,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
