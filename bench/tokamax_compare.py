@@ -250,7 +250,6 @@ def raw_candidates(
   each fitted to the call (tiles of the caller: the shape only)."""
   call = raw_call(entry)
   found = [("table", tiling.choose(tiling.TileConfig(), call, generation))]
-  given = tiling.TileConfig(**{call.kind: None})
   wanted = []
   if entry.config:
     c = entry.config
@@ -265,9 +264,7 @@ def raw_candidates(
   wanted += [("neighbour", t) for t in _NEIGHBOURS[kernel]]
   for label, (bm, bk, bn, chunk) in wanted:
     tiles = tiling.choose(
-        dataclasses.replace(
-            given, **{call.kind: tiling.Tiles(bm, bk, bn, chunk)}
-        ),
+        tiling.TileConfig(**{call.kind: tiling.Tiles(bm, bk, bn, chunk)}),
         call,
         generation,
     )
@@ -279,7 +276,7 @@ def raw_candidates(
 # --- The run ------------------------------------------------------------------
 
 
-def arrays(entry: Entry, key, dry: bool):
+def arrays(entry: Entry, key):
   """(lhs, rhs, group_sizes) on the default device, bf16 and int32."""
   k1, k2 = jax.random.split(key)
   lhs = jax.random.normal(k1, entry.lhs, jnp.bfloat16)
@@ -288,7 +285,6 @@ def arrays(entry: Entry, key, dry: bool):
   if entry.pass_ != "drhs":
     rhs = rhs * jnp.asarray(scale**-0.5, jnp.bfloat16)
   sizes = jnp.asarray(entry.group_sizes, jnp.int32)
-  del dry
   return lhs, rhs, sizes
 
 
@@ -379,7 +375,7 @@ def run(args) -> dict:
       gpu_report.write(args.out, report)
 
   for i, entry in enumerate(entries):
-    args_i = arrays(entry, jax.random.key(i), args.dry_run)
+    args_i = arrays(entry, jax.random.key(i))
     base = {
         "entry": entry.name,
         "pass": entry.pass_,

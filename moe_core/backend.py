@@ -230,7 +230,7 @@ class Backend(abc.ABC):
       return jnp.zeros((rows.shape[0], n), out_dtype)
     group_sizes, bad = sanitised_group_sizes(group_sizes, rows.shape[0])
     # The kernels write the poison themselves where they can: no pass over
-    # the output and its cotangent (about 10-35% of a grouped GEMM's time
+    # the output and its cotangent (10-36% of a grouped GEMM's time
     # on a TPU v5e); with rows, so that the NaN reaches the gradients
     # through them as `_poisoned`'s does.
     in_kernels = (

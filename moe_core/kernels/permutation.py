@@ -18,6 +18,7 @@ import jax
 from jax.interpreters import ad
 import jax.numpy as jnp
 
+from moe_core import permute
 from moe_core.kernels import primitive
 
 
@@ -51,9 +52,6 @@ class Plan(NamedTuple):
         if kept is None
         else kept.reshape(-1).astype(jnp.int8)
     )
-    # pylint: disable-next=g-import-not-at-top
-    from moe_core import permute  # permute's backends import this module.
-
     live, invalid = permute.sorted_flags(plan)
     return cls(
         assignment=plan.assignment,
