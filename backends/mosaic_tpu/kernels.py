@@ -241,9 +241,14 @@ def _gmm_kernel(
     def _(c0=c0, rows=rows, mask=mask):
       for o_ref in out_refs:
         block = o_ref.at[pl.ds(c0, rows), :]
-        fill = jnp.zeros((), o_ref.dtype)
         if has_poison:
-          (fill,) = _poisoned(poison_ref, [fill])
+          # A whole float32 block, poisoned and then cast: Mosaic cannot
+          # select between bf16 scalars (v5e has no bf16 VPU; v6e and
+          # tpu7x refuse the scalar form too).
+          (fill,) = _poisoned(poison_ref, [jnp.zeros(block.shape, jnp.float32)])
+          fill = fill.astype(o_ref.dtype)
+        else:
+          fill = jnp.zeros((), o_ref.dtype)
         block[...] = jnp.where(mask, fill, block[...])
 
 
