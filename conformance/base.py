@@ -225,6 +225,25 @@ class BackendTestCase(parameterized.TestCase):
     if self.is_oracle():
       self.skipTest(self.ORACLE_SKIP_REASON)
 
+  SHARED_ROUTER_SKIP_REASON: ClassVar[str] = (
+      "a router-only variant (cases.ROUTER_ONLY_VARIANTS): this backend "
+      "routes through moe_core.routing, which the reference's suite checks "
+      "on every variant against numpy"
+  )
+
+  def routes_itself(self) -> bool:
+    """True when the backend overrides the route stage (`Backend._route`)."""
+    return type(self.backend)._route is not moe_core.Backend._route
+
+  def skip_if_shared_router_variant(self, case):
+    """Skips a router-only variant on a backend using the shared router."""
+    if (
+        case.name in cases.ROUTER_ONLY_VARIANTS
+        and not self.is_oracle()
+        and not self.routes_itself()
+    ):
+      self.skipTest(self.SHARED_ROUTER_SKIP_REASON)
+
   def compute_dtype(self) -> str:
     """float32 if the backend computes in it, else its first dtype's name.
 

@@ -416,6 +416,32 @@ _ROUTING_CONFIGS = {
     # DBRX's with p = 2: the K softmax weights over their 2-norm.
     "softmax_p2_norm": _cfg(top_k=3, norm_topk_prob=True, norm_topk_p=2.0),
 }
+# The variants that change nothing but what moe_core.routing computes (the
+# score function, its normalisation, bias, soft-cap, groups): a backend that
+# routes through moe_core.routing gets from them only another set of expert
+# ids and weights, which the other variants and LAYER_CASES already give its
+# dispatch, kernels and combine. They run on the oracle's suite (against
+# numpy, every one) and on a backend that routes by itself (`Backend._route`
+# overridden); `BackendTestCase.skip_if_shared_router_variant` skips them on
+# the rest. Kept everywhere: DeepSeek-V3's groups (16 experts, top 3),
+# shared experts, other activations, expert input norms and output scales,
+# zero and always-on experts: each reaches the backend's own stages.
+ROUTER_ONLY_VARIANTS = frozenset(
+    {
+        "softmax_norm_eps0_scaled",
+        "softmax_bias_norm_eps1e-20",
+        "sigmoid",
+        "sigmoid_bias_norm_eps0",
+        "groups_max",
+        "sqrtsoftplus_bias_norm_eps1e-20_scaled",
+        "sparsemixer_eps0.3",
+        "router_bias_softmax_norm",
+        "sigmoid_softcap1_bias_norm",
+        "sigmoid_bias_on_logits_norm",
+        "softmax_p2_norm",
+    }
+)
+assert ROUTER_ONLY_VARIANTS <= set(_ROUTING_CONFIGS), "a name in no config"
 # 16 tokens through each, differentiated too. Seeds 20, 21, ... in order (a
 # new variant goes last, so that the others keep their inputs).
 ROUTING_VARIANTS = tuple(

@@ -79,6 +79,44 @@ class TestClassesTest(absltest.TestCase):
         tolerances.lookup("bfloat16", "forward", {"bfloat16": (0.1, 0.1)}),
     )
 
+  def test_router_only_variants_run_where_the_route_stage_is_not_shared(self):
+    """Skipped on a backend using moe_core.routing; run on the oracle and
+    on a backend with its own `_route`; other variants run everywhere."""
+    router_only = cases.ROUTING_VARIANTS[0]
+    self.assertIn(router_only.name, cases.ROUTER_ONLY_VARIANTS)
+    reaching_stages = [
+        c
+        for c in cases.ROUTING_VARIANTS
+        if c.name not in cases.ROUTER_ONLY_VARIANTS
+    ]
+    self.assertNotEmpty(reaching_stages)
+    xla_conformance_test, _ = _xla_test_classes()
+
+    class OwnRouter(type(moe_core.get_backend("xla"))):
+
+      def _route(self, x, router, cfg, correction_bias, **extras):
+        return super()._route(x, router, cfg, correction_bias, **extras)
+
+    class OracleTest(suite.ConformanceTest):
+      BACKEND = "reference"
+
+    def skips(test_cls, case, backend=None):
+      test = test_cls("test_layer_rejects_missing_parameter")
+      test.setUp()
+      if backend is not None:
+        test.backend = backend
+      try:
+        test.skip_if_shared_router_variant(case)
+      except unittest.SkipTest as e:
+        self.assertIn("moe_core.routing", str(e))
+        return True
+      return False
+
+    self.assertTrue(skips(xla_conformance_test, router_only))
+    self.assertFalse(skips(xla_conformance_test, reaching_stages[0]))
+    self.assertFalse(skips(xla_conformance_test, router_only, OwnRouter()))
+    self.assertFalse(skips(OracleTest, router_only))
+
   def test_backend_whose_module_is_missing_skips_with_the_reason(self):
     class AbsentConformanceTest(suite.ConformanceTest):
       BACKEND = "absent"
