@@ -48,20 +48,20 @@ done
 venv="$(tools/setup.sh "${setup_args[@]}")"
 
 # One persistent JAX compilation cache per leg, shared by every test target of
-# a run: the suites compile many of the same programs (each backend's suite
-# compiles the reference's oracle programs too). On a cold cache this saves
-# about a fifth of the conformance suites' time. It lives in the clone
-# (.cache/, git-ignored), so a fresh clone starts cold. Programs with host
-# callbacks (the Pallas and Mosaic GPU interpreters) are never cached. A
-# half-written entry read by a concurrent test is a warning and a recompile.
-# DROPLESS_JAX_CACHE=0 turns it off.
+# a run and, by default, by every run on the machine (tools/jax_cache.sh:
+# DROPLESS_JAX_CACHE=clone keeps it in the checkout, cold in a fresh clone;
+# =0 turns it off). The suites compile many of the same programs (each
+# backend's suite compiles the reference's oracle programs too); programs
+# with host callbacks (the Pallas and Mosaic GPU interpreters) are never
+# cached. A half-written entry read by a concurrent test is a warning and a
+# recompile.
+source tools/jax_cache.sh
 cache_args=()
-if [[ "${DROPLESS_JAX_CACHE:-1}" != 0 ]]; then
-  jax_cache="$PWD/.cache/jax/$(basename "$venv")"
-  mkdir -p "$jax_cache"
+jax_cache="$(jax_cache_dir "$(basename "$venv")")" || exit 1
+if [[ -n "$jax_cache" ]]; then
   # Triton's kernel cache (backends/triton's compile and interpreter tests)
-  # the same way: in the clone, so a fresh clone compiles cold, as CI does,
-  # instead of reusing ~/.triton from earlier runs on the machine.
+  # stays in the clone: a fresh clone compiles its kernels cold, instead of
+  # reusing ~/.triton from earlier runs on the machine.
   triton_cache="$PWD/.cache/triton/$(basename "$venv")"
   mkdir -p "$triton_cache"
   cache_args=(--sandbox_writable_path="$jax_cache"

@@ -34,8 +34,14 @@ export PYTHON_BIN_PATH="$python"
 DROPLESS_VENV_STAMP="$(cat "$venv/.requirements.sha256")"
 export DROPLESS_VENV_STAMP
 
-jax_cache="$PWD/.cache/jax/$(basename "$venv")"
-mkdir -p "$jax_cache"
+# The leg's persistent JAX compilation cache, as tools/test.sh's.
+source tools/jax_cache.sh
+jax_cache="$(jax_cache_dir "$(basename "$venv")")" || exit 1
+cache_args=()
+if [[ -n "$jax_cache" ]]; then
+  cache_args=(--sandbox_writable_path="$jax_cache"
+    --test_env=JAX_COMPILATION_CACHE_DIR="$jax_cache")
+fi
 echo "test_te: PYTHON_BIN_PATH=$python bazel test //backends/te/..." >&2
 bep="$(mktemp)"
 trap 'rm -f "$bep"' EXIT
@@ -45,8 +51,7 @@ bazel test //backends/te/... \
   --test_env=LD_LIBRARY_PATH="$libs" \
   --test_env=JAX_PLATFORMS=cpu \
   --test_env=DROPLESS_EXPECT_TE=1 \
-  --sandbox_writable_path="$jax_cache" \
-  --test_env=JAX_COMPILATION_CACHE_DIR="$jax_cache" \
+  "${cache_args[@]}" \
   "$@" || rc=$?
 tools/skipped_tests.sh backends/te || true
 # As tools/test.sh: an undeclared whole skip fails the step.
