@@ -69,6 +69,7 @@ def _extensions():
           "backends.cpu._ffi",
           sources=[
               "backends/cpu/cc/gemm.cc",
+              "backends/cpu/cc/gemm_amx.cc",
               "backends/cpu/cc/gemm_avx2.cc",
               "backends/cpu/cc/gemm_portable.cc",
               "backends/cpu/cc/grouped_gemm.cc",

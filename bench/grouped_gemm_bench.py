@@ -231,7 +231,8 @@ def _print_skew_stability(results, names):
 
 
 def _cpu_kernels(names):
-  """Which kernels the cpu backend ran ("avx512-bf16", ...), or None."""
+  """Which kernels the cpu backend ran ("amx", "avx512-bf16", ...), or
+  None."""
   if "cpu" not in names:
     return None
   return moe_core.get_backend("cpu").kernels()

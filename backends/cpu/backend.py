@@ -24,7 +24,8 @@ class CpuBackend(kernels_backend.GroupedKernelsBackend):
   loop of copies. `moe_core.kernels.grouped_matmul` differentiates them
   (grad, jvp, vmap, shard_map, export); `GroupedKernelsBackend` makes them
   the grouped GEMM. The library picks its kernels from the CPU
-  (`kernels()`: AVX-512 with or without BF16, AVX2, else portable C++).
+  (`kernels()`: AMX, AVX-512 with or without BF16, AVX2, else portable
+  C++).
   Off the CPU, or without the built library, `availability()` says why and
   "auto" moves on; where this CPU's kernels lose to xla's, so does
   `auto_choice()`.
@@ -54,8 +55,8 @@ class CpuBackend(kernels_backend.GroupedKernelsBackend):
     return verdicts.auto_choice(self.kernels())
 
   def kernels(self) -> str:
-    """Which kernel set runs here: "avx512-bf16", "avx512", "avx2" or
-    "portable" (docs/cpu.md)."""
+    """Which kernel set runs here: "amx", "avx512-bf16", "avx512", "avx2",
+    "portable", or the test-only "amx-emulated" (docs/cpu.md)."""
     return library.kernels()
 
   def __repr__(self) -> str:

@@ -5,8 +5,11 @@ what it does not: several row chunks and column blocks per group, depths
 past one packed slice, 1 and 256 experts, NaN in the rows and cotangents
 past the groups, export, and the loader's refusals. Each numerics case runs
 on every kernel set this CPU has (`library.use_kernels`: AVX-512, AVX2 and
-portable on an AVX-512 host), compiled once. Also: the measured verdicts
-that "auto" reads (verdicts.py) against their bench/results files.
+portable on an AVX-512 host), compiled once, and its bfloat16 cases also
+on `amx-emulated`: the AMX kernel's packing and blocking on an emulated
+tile unit, which runs on any CPU (AmxEmulatedTest adds the tiles' ragged
+edges). Also: the measured verdicts that "auto" reads (verdicts.py)
+against their bench/results files.
 """
 
 import ctypes
@@ -25,6 +28,7 @@ from jax import export
 import jax.numpy as jnp
 import numpy as np
 
+from backends.cpu import kernels as kernels_lib
 from backends.cpu import library
 from backends.cpu import verdicts
 from conformance import oracles
@@ -94,6 +98,14 @@ def _sets_here():
   return verdicts.KERNEL_SETS[best:]
 
 
+def _sets_for(dtype):
+  """The sets a case of `dtype` operands runs on: this CPU's, and for
+  bfloat16 the AMX emulation (its float32 is one of this CPU's sets)."""
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    return _sets_here() + verdicts.TEST_KERNEL_SETS
+  return _sets_here()
+
+
 class CpuKernelsTest(parameterized.TestCase):
 
   def setUp(self):
@@ -113,6 +125,20 @@ class CpuKernelsTest(parameterized.TestCase):
       self.assertEqual(library.use_kernels(name), want)
       self.assertEqual(self.backend.kernels(), want)
     self.assertEqual(library.use_kernels("no-such-set"), best)
+    # The emulation runs on every CPU, and cpuid never picks it.
+    self.assertNotIn(best, verdicts.TEST_KERNEL_SETS)
+    for name in verdicts.TEST_KERNEL_SETS:
+      self.assertEqual(library.use_kernels(name), name)
+      self.assertEqual(self.backend.kernels(), name)
+
+  def test_amx_on_a_cpu_without_it_runs_the_cpus_best(self):
+    # As asking for avx512 on an AVX2-only CPU does: never an instruction
+    # the CPU lacks, no error.
+    best = library.best_kernels()
+    if best == "amx":
+      self.skipTest("this CPU runs amx")
+    self.assertEqual(library.use_kernels("amx"), best)
+    self.assertEqual(self.backend.kernels(), best)
 
   @parameterized.product(
       shape=sorted(_SHAPES),
@@ -144,7 +170,7 @@ class CpuKernelsTest(parameterized.TestCase):
     want_rows, want_weights = oracles.grouped_gemm_grads(
         rows, weights, group_sizes, cotangent, transpose_rhs
     )
-    for kernels in _sets_here():
+    for kernels in _sets_for(dtype):
       # The set is read in each call: the compiled programs are reused.
       library.use_kernels(kernels)
       out, vjp = forward(rows, weights)
@@ -171,7 +197,7 @@ class CpuKernelsTest(parameterized.TestCase):
     )
     # NaN and infinities must round like any value (NaN stays NaN).
     rows = rows.at[0, 0].set(jnp.nan).at[1, 0].set(jnp.inf)
-    for kernels in _sets_here():
+    for kernels in _sets_for(jnp.bfloat16):
       library.use_kernels(kernels)
       got = self.backend.grouped_gemm(rows, weights, group_sizes)
       self.assertEqual(got.dtype, jnp.bfloat16)
@@ -241,13 +267,144 @@ class CpuKernelsTest(parameterized.TestCase):
     self.assertGreaterEqual(counts["DroplessCpuLastWorkers"], 2, counts)
 
 
+# (M, C, N, group sizes) at the AMX kernel's edges: its blocks are 32 rows
+# (two 16-row tiles) x 32 columns (two 16-column tiles), its depth steps
+# 32 (16 bfloat16 pairs), its depth slices 1024.
+_AMX_SHAPES = {
+    # M, C, N off every multiple; groups of 1 row, empty groups, a group
+    # one row past one tile (17), rows past the groups.
+    "ragged": (45, 37, 23, (1, 0, 17, 0, 1, 20)),
+    # Whole tiles: the forward reads its rows in place (32-row panels,
+    # depth a multiple of 32).
+    "whole_tiles": (96, 64, 32, (32, 0, 64)),
+    # One column tile (N=16), a group of one row tile exactly, an odd depth
+    # (the last pair half zero); a 32-row panel right before the NaN rows
+    # past the groups, so that reading its rows in place past the depth
+    # (31, or N=16 for dX) would bring NaN into the sums.
+    "one_column_tile": (52, 31, 16, (1, 16, 32)),
+    # Three column tiles (the last pair has one), an odd depth of 3 steps.
+    "three_column_tiles": (40, 71, 48, (40,)),
+    # The forward's depth past one slice: in place then packed (64 rows),
+    # packed throughout (5 rows).
+    "deep_rows": (70, 1100, 20, (64, 0, 5)),
+    # The weight gradient's depth (a group's rows) past one slice.
+    "deep_group": (1100, 24, 20, (1060,)),
+}
+
+
+class AmxEmulatedTest(parameterized.TestCase):
+  """The AMX kernel's bfloat16 path, on the emulated tile unit, at the
+  tiles' edges: the custom calls (forward and dX are gmm, dW is tgmm)
+  against float64 numpy and against the portable set in float32, and the
+  forward's bfloat16 output as its float32 sums rounded."""
+
+  def setUp(self):
+    super().setUp()
+    ok, why = library.load()
+    if not ok:
+      self.skipTest(why)
+    self.kernels = kernels_lib.CpuKernels()
+    self.addCleanup(library.use_kernels, library.kernels())
+
+  def _calls(self, rows, weights, group_sizes, cotangent, transpose_rhs):
+    """(forward, d rows, d weights) of the custom calls, float32."""
+    f32 = jnp.float32
+    forward = self.kernels.gmm(
+        rows, weights, group_sizes, transpose_rhs=transpose_rhs, out_dtype=f32
+    )
+    d_rows = self.kernels.gmm(
+        cotangent,
+        weights,
+        group_sizes,
+        transpose_rhs=not transpose_rhs,
+        out_dtype=f32,
+    )
+    lhs, rhs = (cotangent, rows) if transpose_rhs else (rows, cotangent)
+    d_weights = self.kernels.tgmm(
+        lhs, rhs, group_sizes, num_groups=weights.shape[0], out_dtype=f32
+    )
+    return forward, d_rows, d_weights
+
+  @parameterized.product(shape=sorted(_AMX_SHAPES), transpose_rhs=[False, True])
+  def test_matches_float64_and_portable(self, shape, transpose_rhs):
+    m, c, n, sizes = _AMX_SHAPES[shape]
+    rows, weights, group_sizes, cotangent = _inputs(
+        m, c, n, sizes, jnp.bfloat16, transpose_rhs
+    )
+    used = sum(sizes)
+    # float64 of the bfloat16 values: the kernels' products are exact.
+    x = np.asarray(rows.astype(jnp.float32), np.float64)
+    w = np.asarray(weights.astype(jnp.float32), np.float64)
+    dy = np.asarray(cotangent.astype(jnp.float32), np.float64)
+    want_out, want_rows = np.zeros((m, n)), np.zeros((m, c))
+    want_weights = np.zeros(weights.shape)
+    start = 0
+    for g, size in enumerate(sizes):
+      w_g = w[g].T if transpose_rhs else w[g]  # [C, N]
+      x_g, dy_g = x[start : start + size], dy[start : start + size]
+      want_out[start : start + size] = x_g @ w_g
+      want_rows[start : start + size] = dy_g @ w_g.T
+      grad = x_g.T @ dy_g  # [C, N]
+      want_weights[g] = grad.T if transpose_rhs else grad
+      start += size
+    wants = (want_out, want_rows, want_weights)
+    # Depths summed per output: C, N, a group's rows.
+    depths = (c, n, max(max(sizes), 1))
+    got = {}
+    for kernels in ("portable", "amx-emulated"):
+      self.assertEqual(library.use_kernels(kernels), kernels)
+      got[kernels] = [
+          np.asarray(a, np.float64)
+          for a in self._calls(
+              rows, weights, group_sizes, cotangent, transpose_rhs
+          )
+      ]
+    for name, out, ref, want, depth in zip(
+        ("forward", "d rows", "d weights"),
+        got["amx-emulated"],
+        got["portable"],
+        wants,
+        depths,
+    ):
+      # float32 sums of exact products: off float64 by rounding only.
+      tol = dict(rtol=1e-5, atol=1e-5 * np.sqrt(depth))
+      np.testing.assert_allclose(out, want, err_msg=name, **tol)
+      np.testing.assert_allclose(out, ref, err_msg=f"{name} vs portable", **tol)
+      if name != "d weights":
+        # Rows past the groups (NaN in the inputs) are zeros, never read.
+        self.assertTrue(np.all(out[used:] == 0), name)
+    # A bfloat16 output is the float32 sums rounded to nearest even (still
+    # amx-emulated, selected last).
+    rounded = self.kernels.gmm(
+        rows,
+        weights,
+        group_sizes,
+        transpose_rhs=transpose_rhs,
+        out_dtype=jnp.bfloat16,
+    )
+    np.testing.assert_array_equal(
+        np.asarray(rounded, np.float32),
+        np.asarray(
+            jnp.asarray(got["amx-emulated"][0], jnp.bfloat16), np.float32
+        ),
+    )
+
+
 class VerdictsTest(parameterized.TestCase):
   """The data "auto" reads agrees with the measurements it names."""
 
-  def test_every_set_and_dtype_has_a_verdict(self):
+  def test_every_measured_set_and_dtype_has_a_verdict(self):
     for kernels in verdicts.KERNEL_SETS:
       for dtype in verdicts.DTYPES:
-        self.assertIn((kernels, dtype), verdicts.VERDICTS)
+        if kernels in verdicts.UNMEASURED:
+          self.assertNotIn((kernels, dtype), verdicts.VERDICTS)
+        else:
+          self.assertIn((kernels, dtype), verdicts.VERDICTS)
+    self.assertContainsSubset(verdicts.UNMEASURED, verdicts.KERNEL_SETS)
+    for kernels in verdicts.TEST_KERNEL_SETS:
+      self.assertNotIn(kernels, verdicts.KERNEL_SETS)
+      for dtype in verdicts.DTYPES:
+        self.assertNotIn((kernels, dtype), verdicts.VERDICTS)
 
   @parameterized.parameters(*sorted(verdicts.VERDICTS))
   def test_verdict_is_what_its_results_file_measured(self, kernels, dtype):
@@ -279,9 +436,13 @@ class AutoRuleTest(parameterized.TestCase):
     if not ok:
       self.skipTest(why)
 
-  @parameterized.parameters(*verdicts.KERNEL_SETS)
+  @parameterized.parameters(*verdicts.KERNEL_SETS, *verdicts.TEST_KERNEL_SETS)
   def test_auto_picks_cpu_only_where_its_kernels_beat_xla(self, kernels):
-    wins = all(verdicts.verdict(kernels, d).beats_xla for d in verdicts.DTYPES)
+    wins = all(
+        (kernels, d) in verdicts.VERDICTS
+        and verdicts.verdict(kernels, d).beats_xla
+        for d in verdicts.DTYPES
+    )
     with mock.patch.object(library, "kernels", return_value=kernels):
       picked = registry.get_backend("auto").name
       ok, why = registry.auto_choice("cpu")
@@ -293,20 +454,37 @@ class AutoRuleTest(parameterized.TestCase):
       self.assertIn(repr(kernels), why)
       self.assertIn("--moe_backend=cpu", why)
 
-  def test_auto_passes_over_a_set_no_measurement_covers(self):
-    with mock.patch.object(library, "kernels", return_value="amx"):
+  @parameterized.parameters("amx", "avx10")
+  def test_auto_passes_over_a_set_no_measurement_covers(self, kernels):
+    # amx: no machine of ours has AMX; avx10: a set newer than the table.
+    with mock.patch.object(library, "kernels", return_value=kernels):
       self.assertEqual(registry.get_backend("auto").name, "xla")
       ok, why = registry.auto_choice("cpu")
     self.assertFalse(ok)
-    self.assertIn("no measured verdict for its 'amx' kernels", why)
+    self.assertIn(f"no measured verdict for its {kernels!r} kernels", why)
+
+  def test_auto_passes_over_the_amx_emulation(self):
+    with mock.patch.object(library, "kernels", return_value="amx-emulated"):
+      self.assertEqual(registry.get_backend("auto").name, "xla")
+      ok, why = registry.auto_choice("cpu")
+    self.assertFalse(ok)
+    self.assertIn("'amx-emulated' kernels are a test-only emulation", why)
 
 
-class LoaderTest(absltest.TestCase):
+class LoaderTest(parameterized.TestCase):
 
-  def test_environment_lowers_the_kernels_never_past_the_cpu(self):
+  @parameterized.parameters("portable", "amx", "amx-emulated")
+  def test_environment_lowers_the_kernels_never_past_the_cpu(self, asked):
     ok, why = library.load()
     if not ok:
       self.skipTest(why)
+    best = library.best_kernels()
+    # A set the CPU lacks (amx here, unless it has AMX) runs its best; the
+    # emulation runs anywhere.
+    if asked in verdicts.TEST_KERNEL_SETS or asked in _sets_here():
+      want = asked
+    else:
+      want = best
     script = (
         "from backends.cpu import library\n"
         "print(library.kernels(), library.best_kernels())\n"
@@ -314,7 +492,7 @@ class LoaderTest(absltest.TestCase):
     env = dict(
         os.environ,
         **{
-            _KERNELS_ENV: "portable",
+            _KERNELS_ENV: asked,
             "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
         },
@@ -326,8 +504,7 @@ class LoaderTest(absltest.TestCase):
         text=True,
         check=True,
     )
-    runs, best = result.stdout.split()
-    self.assertEqual((runs, best), ("portable", library.best_kernels()))
+    self.assertEqual(result.stdout.split(), [want, best])
 
   def test_missing_library_is_unavailable_and_auto_falls_through(self):
     script = (

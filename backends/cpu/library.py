@@ -8,7 +8,9 @@ process and returns `(True, "")`, or `(False, why)` when there is no
 library, or none that loads and suits the running jaxlib. Any CPU runs
 it: the library picks its kernels at run time (cpuid on x86-64;
 `kernels()` says which), and DROPLESS_CPU_KERNELS=portable (or avx2,
-avx512) lowers the choice.
+avx512, avx512-bf16) lowers the choice; DROPLESS_CPU_KERNELS=amx-emulated
+runs the AMX kernel's bfloat16 path on an emulated tile unit, on any CPU
+(for tests).
 """
 
 from __future__ import annotations
@@ -152,9 +154,9 @@ def _call_name(symbol: str, *args) -> str:
 
 
 def kernels() -> str:
-  """The kernel set the loaded library runs on this CPU: "avx512-bf16",
-  "avx512", "avx2" or "portable" (backends/cpu/cc/gemm.h); "" if none is
-  loaded."""
+  """The kernel set the loaded library runs on this CPU: "amx",
+  "avx512-bf16", "avx512", "avx2", "portable" (backends/cpu/cc/gemm.h) or,
+  only where asked for, "amx-emulated"; "" if none is loaded."""
   return _call_name("DroplessCpuKernels")
 
 
@@ -166,6 +168,7 @@ def best_kernels() -> str:
 
 def use_kernels(name: str) -> str:
   """Runs the kernel set `name` from now on in this process (tests: every set
-  of the CPU in one process); never one the CPU lacks (then its best).
-  Returns the set now selected; "" if no library is loaded."""
+  of the CPU in one process); never one the CPU lacks (then its best;
+  "amx-emulated" runs on every CPU). Returns the set now selected; "" if
+  no library is loaded."""
   return _call_name("DroplessCpuUseKernels", name.encode())

@@ -16,10 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 
-# Every kernel set the library can run (backends/cpu/cc/gemm.h), fastest
-# first, and the operand dtypes of its custom calls.
-KERNEL_SETS = ("avx512-bf16", "avx512", "avx2", "portable")
+# Every kernel set the library picks by cpuid (backends/cpu/cc/gemm.h),
+# fastest first, and the operand dtypes of its custom calls.
+KERNEL_SETS = ("amx", "avx512-bf16", "avx512", "avx2", "portable")
 DTYPES = ("float32", "bfloat16")
+# Sets no run has measured, so they have no verdict and "auto" passes the
+# cpu backend over where one runs: `amx` (bfloat16 on AMX tiles, float32
+# as `avx512-bf16`), because none of this project's machines has AMX; its
+# numerics are tested by `amx-emulated`, its speed is unknown.
+UNMEASURED = ("amx",)
+# Sets only a name selects (DROPLESS_CPU_KERNELS, library.use_kernels),
+# never cpuid: `amx-emulated` runs amx's packing and blocking on a scalar
+# C++ emulation of the tile unit, on any CPU, to test them where no AMX
+# is. Slow by design: never a verdict, so "auto" never picks the cpu
+# backend while it runs.
+TEST_KERNEL_SETS = ("amx-emulated",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +81,14 @@ def verdict(kernels: str, dtype: str) -> Verdict:
 def auto_choice(kernels: str) -> tuple[bool, str]:
   """(True, "") if "auto" may pick the cpu backend running `kernels`, else
   (False, why): a dtype whose kernels here lost to the xla backend, or that
-  no measurement covers (a set newer than this table)."""
+  no measurement covers (UNMEASURED, or a set newer than this table), or a
+  test-only set."""
+  if kernels in TEST_KERNEL_SETS:
+    return False, (
+        f"cpu: its {kernels!r} kernels are a test-only emulation "
+        "(DROPLESS_CPU_KERNELS), so 'auto' passes it over; "
+        "--moe_backend=cpu still runs them."
+    )
   unmeasured = [d for d in DTYPES if (kernels, d) not in VERDICTS]
   if unmeasured:
     return False, (

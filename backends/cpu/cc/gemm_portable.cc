@@ -156,8 +156,10 @@ Kernels CpuKernels() {
                       __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl");
   if (!avx512) return Kernels::kAvx2;
-  return __builtin_cpu_supports("avx512bf16") ? Kernels::kAvx512Bf16
-                                              : Kernels::kAvx512;
+  if (!__builtin_cpu_supports("avx512bf16")) return Kernels::kAvx512;
+  // AMX on top of AVX512_BF16 (every AMX CPU has it; kAmx runs float32 by
+  // it): only where the CPU, the OS and this build all allow the tiles.
+  return AmxUsable() ? Kernels::kAmx : Kernels::kAvx512Bf16;
 #else
   return Kernels::kPortable;
 #endif
@@ -167,8 +169,9 @@ namespace {
 
 // What `name` asks for: a set, or the CPU's best for anything else.
 Kernels Named(const char* name) {
-  const Kernels sets[] = {Kernels::kPortable, Kernels::kAvx2,
-                          Kernels::kAvx512, Kernels::kAvx512Bf16};
+  const Kernels sets[] = {Kernels::kPortable,    Kernels::kAvx2,
+                          Kernels::kAvx512,      Kernels::kAvx512Bf16,
+                          Kernels::kAmx,         Kernels::kAmxEmulated};
   if (name != nullptr) {
     for (Kernels set : sets) {
       if (std::strcmp(name, KernelsName(set)) == 0) return set;
@@ -177,12 +180,27 @@ Kernels Named(const char* name) {
   return CpuKernels();
 }
 
-// The selection: the sets are ordered, each running everything the ones
-// below it run, so "lower" is the smaller of the two.
+// What a request for `asked` runs here. The CPU's sets are ordered, each
+// running everything the ones below it run, so "lower" is the smaller of
+// the two; the emulation runs on every CPU.
+Kernels Allowed(Kernels asked) {
+  if (asked == Kernels::kAmxEmulated) return asked;
+  return std::min(asked, CpuKernels());
+}
+
 std::atomic<Kernels>& Selection() {
   static std::atomic<Kernels> selection{
-      std::min(Named(std::getenv("DROPLESS_CPU_KERNELS")), CpuKernels())};
+      Allowed(Named(std::getenv("DROPLESS_CPU_KERNELS")))};
   return selection;
+}
+
+// The set that runs float32 under kAmx or kAmxEmulated (AMX multiplies
+// bfloat16 only): the best of the others this CPU has (kAvx512Bf16 where
+// there is AMX).
+Kernels Float32Kernels() {
+  static const Kernels kernels =
+      std::min(CpuKernels(), Kernels::kAvx512Bf16);
+  return kernels;
 }
 
 }  // namespace
@@ -192,13 +210,17 @@ Kernels SelectedKernels() {
 }
 
 Kernels UseKernels(const char* name) {
-  const Kernels chosen = std::min(Named(name), CpuKernels());
+  const Kernels chosen = Allowed(Named(name));
   Selection().store(chosen);
   return chosen;
 }
 
 const char* KernelsName(Kernels kernels) {
   switch (kernels) {
+    case Kernels::kAmxEmulated:
+      return "amx-emulated";
+    case Kernels::kAmx:
+      return "amx";
     case Kernels::kAvx512Bf16:
       return "avx512-bf16";
     case Kernels::kAvx512:
@@ -213,8 +235,19 @@ const char* KernelsName(Kernels kernels) {
 
 void GemmBlock(Type in, int64_t m, int64_t n, int64_t depth, View a, View b,
                Out out, Scratch* scratch) {
+  Kernels kernels = SelectedKernels();
+  if (kernels == Kernels::kAmx || kernels == Kernels::kAmxEmulated) {
+    if (in == Type::kBF16) {
+      if (kernels == Kernels::kAmx) {
+        GemmBlockAmx(in, m, n, depth, a, b, out, scratch);
+      } else {
+        GemmBlockAmxEmulated(in, m, n, depth, a, b, out, scratch);
+      }
+      return;
+    }
+    kernels = Float32Kernels();
+  }
 #if defined(__x86_64__)
-  const Kernels kernels = SelectedKernels();
   if (kernels >= Kernels::kAvx512) {
     GemmBlockAvx512(in, m, n, depth, a, b, out, scratch,
                     /*dot_bf16=*/kernels == Kernels::kAvx512Bf16);

@@ -311,8 +311,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DroplessCpuTgmm, dropless_cpu::TgmmImpl,
                               dropless_cpu::GroupedBinding());
 
 // For the Python loader and the logs: the kernels GemmBlock runs on this CPU
-// ("avx512-bf16", "avx512", "avx2" or "portable"; gemm.h says what each
-// covers), and the best this CPU could run.
+// ("amx", "avx512-bf16", "avx512", "avx2", "portable" or the test-only
+// "amx-emulated"; gemm.h says what each covers), and the best this CPU
+// could run.
 extern "C" __attribute__((visibility("default"))) const char*
 DroplessCpuKernels() {
   return dropless_cpu::KernelsName(dropless_cpu::SelectedKernels());
@@ -325,9 +326,9 @@ DroplessCpuBestKernels() {
 
 // Selects the set called `name` for the calls that follow, as
 // DROPLESS_CPU_KERNELS does at the first call (never past what the CPU
-// runs: the CPU's best for a set it lacks or an unknown name); returns the
-// selection's name. For tests, which check every set of the CPU in one
-// process.
+// runs: the CPU's best for a set it lacks or an unknown name; the
+// emulation "amx-emulated" runs on every CPU); returns the selection's
+// name. For tests, which check every set of the CPU in one process.
 extern "C" __attribute__((visibility("default"))) const char*
 DroplessCpuUseKernels(const char* name) {
   return dropless_cpu::KernelsName(dropless_cpu::UseKernels(name));
