@@ -182,6 +182,10 @@ bool AmxUsable();
 // Writes zeros to rows [0, m) x [0, n) of out.
 void ZeroBlock(int64_t m, int64_t n, Out out);
 
+// Writes rows [0, m) x [0, n) of the float32 sums `acc` (row stride ldc) to
+// out, as out.type (bfloat16 rounded to nearest even).
+void StoreSums(const float* acc, int64_t ldc, int64_t m, int64_t n, Out out);
+
 }  // namespace dropless_cpu
 
 #endif  // DROPLESS_BACKENDS_CPU_CC_GEMM_H_

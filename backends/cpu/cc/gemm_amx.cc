@@ -302,19 +302,6 @@ void PackA(View a, int64_t i0, int64_t rows, int64_t k0, int64_t kc,
   }
 }
 
-// Rows [0, m) x [0, n) of the float32 sums (row stride ldc) into out.
-void StoreOut(const float* acc, int64_t ldc, int64_t m, int64_t n, Out out) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float* row = acc + i * ldc;
-    if (out.type == Type::kF32) {
-      std::memcpy(static_cast<float*>(out.data) + i * out.ld, row, 4 * n);
-    } else {
-      uint16_t* to = static_cast<uint16_t*>(out.data) + i * out.ld;
-      for (int64_t j = 0; j < n; ++j) to[j] = RoundToBf16(row[j]);
-    }
-  }
-}
-
 // --- The blocking, over either tile unit -------------------------------------
 
 // out = a b for bfloat16 a and b (gemm.h's GemmBlock contract) on `tiles`.
@@ -410,7 +397,7 @@ void GemmTiles(Tiles& tiles, int64_t m, int64_t n, int64_t depth, View a,
     }
   }
   tiles.Release();
-  StoreOut(acc, ldc, m, n, out);
+  StoreSums(acc, ldc, m, n, out);
 }
 
 // --- The AMX tile unit -------------------------------------------------------

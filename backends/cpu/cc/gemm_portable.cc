@@ -106,6 +106,10 @@ void GemmBlockPortable(Type in, int64_t m, int64_t n, int64_t depth, View a,
       }
     }
   }
+  StoreSums(acc, ldc, m, n, out);
+}
+
+void StoreSums(const float* acc, int64_t ldc, int64_t m, int64_t n, Out out) {
   for (int64_t i = 0; i < m; ++i) {
     const float* row = acc + i * ldc;
     if (out.type == Type::kF32) {
