@@ -82,23 +82,48 @@ def dense_args(workload, mode: str, size: str, key):
   return args
 
 
-def median_seconds(fn, args, repeats, budget_s=PHASE_BUDGET_S):
-  """(median seconds, calls timed, first call's seconds) of fn(*args)."""
+def median_seconds(
+    fn, args, repeats, budget_s=PHASE_BUDGET_S, *, pipelined_s=0.0
+):
+  """(median seconds, calls timed, first call's seconds) of fn(*args).
+
+  With `pipelined_s` > 0 a sample is a batch of calls dispatched back to
+  back and waited for once, at least `pipelined_s` long, over its size:
+  the device's time per call, as a profiler reports it, with the host's
+  dispatch (tens of microseconds a call) hidden behind the device's work
+  as in a training loop. With 0, each call is waited for on its own.
+  """
   start = time.perf_counter()
   out = jax.block_until_ready(fn(*args))
   first = time.perf_counter() - start
+  batch = 1
+  if pipelined_s > 0:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - start
+    batch = max(1, min(64, round(pipelined_s / max(once, 1e-6))))
   times = []
   while len(times) < max(repeats, 1) and (not times or sum(times) < budget_s):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), len(times), first, out
+    for _ in range(batch):
+      # Only the last output is kept: the device runs the calls in order,
+      # and an earlier one's buffers are freed as soon as it is done.
+      result = fn(*args)
+    jax.block_until_ready(result)
+    times.append((time.perf_counter() - start) / batch)
+    del result
+  return statistics.median(times), len(times) * batch, first, out
 
 
-def time_one(row: dict, compiled, args, repeats: int, flops: int) -> dict:
-  """Fills `row` with the times of `compiled` on `args`, or its error."""
+def time_one(
+    row: dict, compiled, args, repeats: int, flops: int, pipelined_s=0.0
+) -> dict:
+  """Fills `row` with the times of `compiled` on `args`, or its error
+  (`median_seconds`' pipelined_s)."""
   try:
-    seconds, calls, first, out = median_seconds(compiled, args, repeats)
+    seconds, calls, first, out = median_seconds(
+        compiled, args, repeats, pipelined_s=pipelined_s
+    )
     row.update(
         seconds=seconds,
         calls=calls,
