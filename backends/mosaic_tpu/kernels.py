@@ -107,6 +107,13 @@ def _visit_rows(visits: metadata.Visits, visit, bm: int):
   return start, end, visits.tile[visit] * bm
 
 
+def _owns_whole_chunk(start, end, first_row, rows: int):
+  """Whether rows first_row .. first_row + rows - 1 all lie in [start, end):
+  such a chunk needs no row mask (most chunks of a large group), which
+  saves the VPU a select over each operand or output block."""
+  return (start <= first_row) & (end >= first_row + rows)
+
+
 def _owned_chunks(tiles: tiling.Tiles, start, end, r0):
   """(first row, rows, owns) of each MXU pass over the tile at r0: the
   first row and the rows static, owns whether it holds rows of [start,
@@ -206,9 +213,19 @@ def _gmm_kernel(
     values = epilogue(accs)
     if has_poison:
       values = _poisoned(poison_ref, values)
+    whole = _owns_whole_chunk(start, end, r0 + c0, rows)
     for o_ref, value in zip(out_refs, values):
       block = o_ref.at[pl.ds(c0, rows), :]
-      block[...] = jnp.where(mask, value.astype(o_ref.dtype), block[...])
+      value = value.astype(o_ref.dtype)
+
+      @pl.when(whole)
+      def _(block=block, value=value):
+        block[...] = value
+
+      @pl.when(jnp.logical_not(whole))
+      def _(block=block, value=value):
+        # Other visits of this tile write the other rows.
+        block[...] = jnp.where(mask, value, block[...])
 
   for c0, rows, owns in _owned_chunks(tiles, start, end, r0):
     mask = _row_mask(r0 + c0, start, end, rows)
@@ -418,25 +435,34 @@ def _tgmm_kernel(*refs, num_rhs, tiles, has_poison):
     for acc_ref in acc_refs:
       acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  for c0, rows, owns in _owned_chunks(tiles, start, end, r0):
+  def accumulate(c0, rows, mask):
+    lhs = lhs_ref[pl.ds(c0, rows), :]
+    if mask is not None:
+      lhs = jnp.where(mask, lhs, jnp.zeros((), lhs.dtype))
+    for rhs_ref, acc_ref in zip(rhs_refs, acc_refs):
+      rhs = rhs_ref[pl.ds(c0, rows), :]
+      if mask is not None:
+        rhs = jnp.where(mask, rhs, jnp.zeros((), rhs.dtype))
+      acc_ref[...] += lax.dot_general(
+          lhs,
+          rhs,
+          (((0,), (0,)), ((), ())),
+          precision=_precision(lhs.dtype),
+          preferred_element_type=jnp.float32,
+      )
 
-    @pl.when(owns)
+  for c0, rows, owns in _owned_chunks(tiles, start, end, r0):
+    whole = _owns_whole_chunk(start, end, r0 + c0, rows)
+
+    @pl.when(owns & whole)
+    def _(c0=c0, rows=rows):
+      accumulate(c0, rows, None)
+
+    @pl.when(owns & jnp.logical_not(whole))
     def _(c0=c0, rows=rows):
       # Other groups' rows, and rows past the groups, may hold anything
       # (NaN too): select zeros, never multiply by a mask.
-      mask = _row_mask(r0 + c0, start, end, rows)
-      lhs = lhs_ref[pl.ds(c0, rows), :]
-      lhs = jnp.where(mask, lhs, jnp.zeros((), lhs.dtype))
-      for rhs_ref, acc_ref in zip(rhs_refs, acc_refs):
-        rhs = rhs_ref[pl.ds(c0, rows), :]
-        rhs = jnp.where(mask, rhs, jnp.zeros((), rhs.dtype))
-        acc_ref[...] += lax.dot_general(
-            lhs,
-            rhs,
-            (((0,), (0,)), ((), ())),
-            precision=_precision(lhs.dtype),
-            preferred_element_type=jnp.float32,
-        )
+      accumulate(c0, rows, _row_mask(r0 + c0, start, end, rows))
 
   @pl.when((visit == num_visits - 1) | (after != segment))
   def _():
