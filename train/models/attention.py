@@ -5,6 +5,8 @@ every grouped-query attention module records."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -74,10 +76,11 @@ def causal_attention(
 ) -> jax.Array:
   """Causal softmax attention with grouped key/value heads.
 
-  Sequences longer than `query_block` (and a multiple of it) run one block
-  of queries at a time, each against every key, rematerialised in the
-  backward (`in_query_blocks`): the same softmax rows, with scores held for
-  one block only.
+  On a TPU, shapes that fit it run JAX's Pallas flash attention kernel
+  (`tpu_flash_fits`). Elsewhere, sequences longer than `query_block` (and
+  a multiple of it) run one block of queries at a time, each against every
+  key, rematerialised in the backward (`in_query_blocks`): the same
+  softmax rows, with scores held for one block only.
 
   Args:
     q: [B, T, H, dq].
@@ -92,6 +95,8 @@ def causal_attention(
   Returns:
     [B, T, H, dv] in v's dtype; scores and softmax in float32.
   """
+  if chunk_size == 0 and tpu_flash_fits(q, k, v):
+    return _tpu_flash_attention(q, k, v)
   return in_query_blocks(
       lambda q_rows, first_row: _attention_rows(
           q_rows, k, v, first_row, chunk_size
@@ -99,6 +104,70 @@ def causal_attention(
       q,
       query_block,
   )
+
+
+# Set DROPLESS_TPU_FLASH_ATTENTION=0 to keep the XLA attention on a TPU.
+_FLASH_ENV = "DROPLESS_TPU_FLASH_ATTENTION"
+# The flash kernel's blocks along the sequence: the largest of these that
+# divides it (512 x 512 float32 scores are 1 MiB of VMEM).
+_FLASH_BLOCKS = (512, 256, 128)
+
+
+def tpu_flash_fits(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+  """Whether `causal_attention` runs JAX's Pallas TPU flash attention: the
+  default backend is a TPU (the program runs there; an ahead-of-time
+  compile for a TPU from another host keeps the XLA attention),
+  DROPLESS_TPU_FLASH_ATTENTION is not "0", and the shapes are the
+  kernel's: one head size for q, k and v, a multiple of 128, and a
+  sequence a multiple of 128 (T == Tq, no chunks)."""
+  if os.environ.get(_FLASH_ENV, "1") == "0":
+    return False
+  if jax.default_backend() != "tpu":
+    return False
+  t, d = q.shape[1], q.shape[-1]
+  return (
+      k.shape[1] == t
+      and k.shape[-1] == d
+      and v.shape[-1] == d
+      and d % 128 == 0
+      and t % 128 == 0
+  )
+
+
+def _tpu_flash_attention(q, k, v) -> jax.Array:
+  """`causal_attention` by jax.experimental.pallas.ops.tpu.flash_attention:
+  scores in VMEM blocks, never [B, H, T, T] in HBM; its backward is its
+  own kernels. Grouped kv heads are repeated to the query heads (their
+  gradients sum back). q [B, T, H, d], k and v [B, T, Hkv, d]."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu import flash_attention as flash
+
+  b, t, h, d = q.shape
+  group = h // k.shape[2]
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, H, T, d]
+  kv = [heads_first(jnp.repeat(x, group, axis=2)) for x in (k, v)]
+  block = next(n for n in _FLASH_BLOCKS if t % n == 0)
+  blocks = flash.BlockSizes(
+      block_q=block,
+      block_k_major=block,
+      block_k=block,
+      block_b=1,
+      block_q_major_dkv=block,
+      block_k_major_dkv=block,
+      block_k_dkv=block,
+      block_q_dkv=block,
+      block_k_major_dq=block,
+      block_k_dq=block,
+      block_q_dq=block,
+  )
+  out = flash.flash_attention(
+      heads_first(q),
+      *kv,
+      causal=True,
+      sm_scale=d**-0.5,
+      block_sizes=blocks,
+  )
+  return heads_first(out).astype(v.dtype)
 
 
 def in_query_blocks(attend, q: jax.Array, query_block: int) -> jax.Array:

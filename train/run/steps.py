@@ -275,6 +275,11 @@ class Program:
     new_state = jax.tree.map(
         lambda new, old: jnp.where(ok, new, old), new_state, state
     )
+    # The finite check below reads the new state as written: without the
+    # barrier XLA fuses the whole optimizer update into the check's
+    # reductions and computes it a second time (10.7 ms of a 176 ms step
+    # of tpu_v5e_dsv3 on a v5e, against about 2 ms to read the parameters).
+    new_state = jax.lax.optimization_barrier(new_state)
 
     def stacked(name, empty_shape):
       if stats is None:
