@@ -2,6 +2,7 @@
 
 from moe_core.api import moe_layer
 from moe_core.backend import Backend
+from moe_core.backend import HOOKS_VERSION as BACKEND_HOOKS_VERSION
 from moe_core.checks import checked
 from moe_core.config import MoEConfig
 from moe_core.permute import combine
@@ -24,6 +25,7 @@ from moe_core.routing import update_correction_bias
 from moe_core import serialization as _serialization  # noqa: F401 (registers pytrees)
 
 __all__ = [
+    "BACKEND_HOOKS_VERSION",
     "Backend",
     "Dispatched",
     "EPOptions",

@@ -52,6 +52,38 @@ _TEMPLATE_HOOKS = {
 }
 
 
+# The version of the hooks' contract below (docs/backends.md, "The hooks a
+# backend fills"). 2: `_grouped_gemm(self, gemm)` takes one
+# `operands.GemmOperands`; 1 took `(rows, weights, group_sizes, *,
+# transpose_rhs, out_dtype)`, which still works, adapted, with a
+# DeprecationWarning. A backend may say which version it was written for
+# (`Backend.hooks_version`); one newer than this library's is refused.
+HOOKS_VERSION = 2
+HOOKS_PAGE = "docs/backends.md#the-hooks-a-backend-fills"
+
+# Each hook -> the arguments after self that the templates pass it (all
+# positional; `_expert_ffn` may also get row_weights=, `_route` the
+# router's extras as keywords). An override is checked against this where
+# its class is defined, so a hook written to another contract fails there
+# with the call it must take, not with a TypeError deep in a layer.
+HOOK_CALLS = {
+    "_grouped_gemm": ("gemm",),
+    "_quantized_grouped_gemm": ("q",),
+    "_quantized_forward": ("gemm", "recipe"),
+    "_expert_ffn": ("rows", "group_sizes", "params", "cfg"),
+    "_fuses_activation": ("settings",),
+    "_gate_up": ("ffn_in",),
+    "_gated_gate_up": ("ffn_in",),
+    "_down": ("h", "ffn_in"),
+    "_route": ("x", "router", "cfg", "correction_bias"),
+    "_gather": ("x", "plan"),
+    "_combine": ("expert_out", "dispatched", "combine_weights", "kept"),
+    "_routed_experts": ("params", "x", "aux", "cfg"),
+    "_routing_weights_in_down": ("cfg", "dtype"),
+}
+_HOOK_KEYWORDS = {"_expert_ffn": ("row_weights",)}
+
+
 class Backend(abc.ABC):
   """A way to compute the expert stage of an MoE block.
 
@@ -126,6 +158,9 @@ class Backend(abc.ABC):
   # Whether `_grouped_gemm` honours `GemmOperands.poison` (its kernels make
   # the output and gradients NaN); otherwise `grouped_gemm` poisons after.
   poisons_in_kernels: ClassVar[bool] = False
+  # The `HOOKS_VERSION` the backend's hooks were written for (None: not
+  # said, the current one). A newer one than the library's is refused.
+  hooks_version: ClassVar[int | None] = None
 
   def __init_subclass__(cls, **kwargs):
     # The public methods validate, then call the hooks: a subclass that
@@ -138,9 +173,20 @@ class Backend(abc.ABC):
             f"{cls.__qualname__} overrides Backend.{method}, which validates "
             f"its inputs and then calls hooks: override {hooks} instead."
         )
+    version = cls.__dict__.get("hooks_version")
+    if version is not None and version > HOOKS_VERSION:
+      raise TypeError(
+          f"{cls.__qualname__} is written for backend hooks version "
+          f"{version}; this dropless has version {HOOKS_VERSION} "
+          f"({HOOKS_PAGE}): upgrade dropless, or write the hooks to version "
+          f"{HOOKS_VERSION}."
+      )
     hook = cls.__dict__.get("_grouped_gemm")
     if hook is not None and _takes_separate_operands(hook):
       cls._grouped_gemm = _adapted_grouped_gemm(cls, hook)
+    for name, args in HOOK_CALLS.items():
+      if name in cls.__dict__:
+        _check_hook(cls, name, getattr(cls, name), args)
 
   def availability(self) -> tuple[bool, str]:
     """(True, "") if this backend can run here, else (False, why not)."""
@@ -678,6 +724,32 @@ def _hidden(gate, up, ffn_in: operands.FfnOperands) -> jax.Array:
 _SEPARATE_OPERANDS = ("rows", "weights", "group_sizes")
 
 
+def _check_hook(cls, name: str, hook, args: tuple[str, ...]) -> None:
+  """TypeError where `cls` is defined unless its `name` can take the call
+  the templates make: self and `args` positionally (and the hook's
+  keywords, `_HOOK_KEYWORDS`)."""
+  if isinstance(inspect.getattr_static(cls, name), (staticmethod, classmethod)):
+    raise TypeError(
+        f"{cls.__qualname__}.{name} must be a plain method: the templates "
+        f"call self.{name}({', '.join(args)}) ({HOOKS_PAGE})."
+    )
+  try:
+    signature = inspect.signature(hook, follow_wrapped=False)
+  except (TypeError, ValueError):  # A builtin or C callable: not checked.
+    return
+  call = ", ".join(("self",) + args)
+  keywords = {k: None for k in _HOOK_KEYWORDS.get(name, ())}
+  try:
+    signature.bind(None, *args, **keywords)
+  except TypeError as e:
+    raise TypeError(
+        f"{cls.__qualname__}.{name}{signature} cannot take the call the "
+        f"templates make, {name}({call}"
+        + "".join(f", {k}=..." for k in keywords)
+        + f") (backend hooks version {HOOKS_VERSION}, {HOOKS_PAGE}): {e}."
+    ) from None
+
+
 def _takes_separate_operands(hook) -> bool:
   """Whether `hook` is written to the earlier `_grouped_gemm(self, rows,
   weights, group_sizes, *, transpose_rhs, out_dtype)`."""
@@ -693,7 +765,7 @@ def _adapted_grouped_gemm(cls, hook):
       "*, transpose_rhs, out_dtype) is the earlier hook: it keeps working, "
       "called with the fields of the one argument the hook now takes, "
       "_grouped_gemm(self, gemm: moe_core.operands.GemmOperands) -> "
-      "jax.Array (docs/backends.md, 'Adding a backend').",
+      "jax.Array (docs/backends.md, 'The hooks a backend fills').",
       DeprecationWarning,
       stacklevel=3,
   )

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_core
+from moe_core import backend as backend_lib
 from moe_core import validation
 from backends.xla import backend as xla_backend
 
@@ -126,6 +127,84 @@ class EarlierHookTest(absltest.TestCase):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     # Rows past the groups: zeros, as every backend's.
     np.testing.assert_array_equal(got[10:], 0.0)
+
+
+class HookContractTest(absltest.TestCase):
+  """The hooks are a versioned contract, checked where a backend's class is
+  defined: a hook that cannot take the templates' call fails there, naming
+  the call and the page, not with a TypeError deep in a layer."""
+
+  def test_a_hook_of_another_signature_fails_where_it_is_defined(self):
+    with self.assertRaisesRegex(
+        TypeError,
+        r"Odd\._down\(self, h\) cannot take the call the templates make,"
+        r" _down\(self, h, ffn_in\) \(backend hooks version 2,"
+        r" docs/backends\.md#the-hooks-a-backend-fills\)",
+    ):
+
+      class Odd(xla_backend.XlaBackend):  # pylint: disable=unused-variable
+
+        def _down(self, h):
+          return h
+
+  def test_every_hook_is_checked(self):
+    for name, args in backend_lib.HOOK_CALLS.items():
+      with (
+          self.subTest(name),
+          self.assertRaisesRegex(
+              TypeError, f"{name}\\(self, {', '.join(args)}"
+          ),
+      ):
+        type("Short", (xla_backend.XlaBackend,), {name: lambda self: None})
+
+  def test_extra_optional_arguments_and_keyword_row_weights_pass(self):
+    calls = []
+
+    class Wide(xla_backend.XlaBackend):
+
+      def _gather(self, x, plan, extra=None):
+        calls.append(extra)
+        return super()._gather(x, plan)
+
+      def _expert_ffn(self, rows, group_sizes, params, cfg, **kwargs):
+        return super()._expert_ffn(rows, group_sizes, params, cfg, **kwargs)
+
+    params, x, aux = _inputs()
+    got = Wide().routed_experts(params, x, aux, _CFG)
+    want = moe_core.get_backend("xla").routed_experts(params, x, aux, _CFG)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    self.assertEqual(calls, [None])
+
+  def test_a_missing_row_weights_keyword_fails(self):
+    with self.assertRaisesRegex(TypeError, r"row_weights=\.\.\."):
+
+      class NoWeights(xla_backend.XlaBackend):  # pylint: disable=unused-variable
+
+        def _expert_ffn(self, rows, group_sizes, params, cfg):
+          return rows
+
+  def test_a_static_hook_fails(self):
+    with self.assertRaisesRegex(TypeError, "_gate_up must be a plain method"):
+
+      class Static(xla_backend.XlaBackend):  # pylint: disable=unused-variable
+
+        @staticmethod
+        def _gate_up(ffn_in):
+          return ffn_in
+
+  def test_a_newer_version_is_refused_and_the_current_one_taken(self):
+    self.assertEqual(moe_core.BACKEND_HOOKS_VERSION, backend_lib.HOOKS_VERSION)
+    with self.assertRaisesRegex(
+        TypeError, "written for backend hooks version 3; this dropless has"
+    ):
+
+      class Future(xla_backend.XlaBackend):  # pylint: disable=unused-variable
+        hooks_version = backend_lib.HOOKS_VERSION + 1
+
+    class Current(xla_backend.XlaBackend):
+      hooks_version = backend_lib.HOOKS_VERSION
+
+    self.assertEqual(Current.hooks_version, 2)
 
 
 class RoutingWeightsInDownTest(absltest.TestCase):

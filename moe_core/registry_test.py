@@ -133,6 +133,17 @@ class RegistryTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "'auto' is no one class"):
       registry.backend_class("auto")
 
+  def test_every_builtin_backend_keeps_the_hook_contract(self):
+    # Importing a class runs the check of its hooks (Backend's
+    # __init_subclass__); one written to another contract raises there.
+    for name in registry.registered_backends():
+      with self.subTest(name):
+        cls = registry.backend_class(name)
+        if cls is not None:
+          self.assertLessEqual(
+              cls.hooks_version or 0, moe_core.BACKEND_HOOKS_VERSION
+          )
+
   def test_auto_is_first_available(self):
     first = [n for n in registry.auto_order() if registry.availability(n)[0]]
     self.assertEqual(registry.get_backend("auto").name, first[0])
