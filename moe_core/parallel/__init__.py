@@ -25,8 +25,10 @@ from moe_core.parallel.options import buffer_sizes
 from moe_core.parallel.options import EPOptions
 from moe_core.parallel.options import EXCHANGE_CLASSES
 from moe_core.parallel.options import EXCHANGES
+from moe_core.parallel.options import exchange_names
 from moe_core.parallel.options import OVERFLOW_POLICIES
 from moe_core.parallel.options import RAGGED_PLATFORMS
+from moe_core.parallel.options import register_exchange
 from moe_core.parallel.options import resolve_exchange
 from moe_core.parallel.options import safe_slots_per_peer
 from moe_core.parallel.overflow import BufferOverflowError
@@ -54,9 +56,11 @@ __all__ = [
     "combine",
     "dispatch",
     "emulated_ragged_all_to_all",
+    "exchange_names",
     "get_exchange",
     "moe_layer",
     "param_specs",
+    "register_exchange",
     "resolve_exchange",
     "route",
     "routed_experts",

@@ -303,7 +303,8 @@ def get_exchange(name: str) -> Exchange:
   if target is None:
     raise ValueError(
         f"exchange must be one of {tuple(options_lib.EXCHANGE_CLASSES)} "
-        f"here (resolve 'auto' first), got {name!r}."
+        f"here (resolve 'auto' first; a package registers its own "
+        f"exchanges when imported), got {name!r}."
     )
   module, cls = target.split(":")
   return getattr(importlib.import_module(module), cls)()

@@ -21,16 +21,51 @@ from moe_core import validation
 
 # Every concrete exchange: its name and the "module:Class" that implements
 # it (an `exchange.Exchange`). The class is imported on first use, so an
-# exchange may need a package that `import moe_core` must not load.
+# exchange may need a package that `import moe_core` must not load. The
+# core's own are here; another package adds its own when it is imported
+# (`register_exchange`: `backends.te` registers Transformer Engine's
+# NCCL-EP, "te_nccl_ep"), and "auto" picks only the core's.
 EXCHANGE_CLASSES = {
     "ragged": "moe_core.parallel.ragged:RaggedExchange",
     "padded": "moe_core.parallel.padded:PaddedExchange",
     "ragged_emulated": "moe_core.parallel.ragged:EmulatedRaggedExchange",
-    # Transformer Engine's NCCL-EP (GPU, bf16, a communicator bootstrapped
-    # outside jit): chosen by name only, never by "auto".
-    "te_nccl_ep": "backends.te.nccl_ep:NcclEpExchange",
 }
+# The core's names, "auto" first; `exchange_names()` adds the registered.
 EXCHANGES = ("auto", *EXCHANGE_CLASSES)
+
+
+def register_exchange(name: str, target: str, *, overwrite: bool = False):
+  """Makes `EPOptions(exchange=name)` use the exchange at `target`.
+
+  Args:
+    name: the exchange's name (not "auto").
+    target: "module:Class" of an `exchange.Exchange` subclass, imported on
+      first use.
+    overwrite: replace a registered name (else ValueError).
+  """
+  if not isinstance(name, str) or not name or name == "auto":
+    raise ValueError(
+        f"exchange name must be a non-empty str, not 'auto'; got {name!r}."
+    )
+  if not isinstance(target, str) or target.count(":") != 1:
+    raise ValueError(f"exchange target must be 'module:Class', got {target!r}.")
+  if (
+      name in EXCHANGE_CLASSES
+      and not overwrite
+      and EXCHANGE_CLASSES[name] != target
+  ):
+    raise ValueError(
+        f"exchange {name!r} is already registered as "
+        f"{EXCHANGE_CLASSES[name]!r}; pass overwrite=True to replace it."
+    )
+  EXCHANGE_CLASSES[name] = target
+
+
+def exchange_names() -> tuple[str, ...]:
+  """ "auto" and every registered exchange, the core's first."""
+  return ("auto", *EXCHANGE_CLASSES)
+
+
 OVERFLOW_POLICIES = ("error", "drop")
 # Platforms whose XLA implements ragged_all_to_all. XLA:CPU does not
 # (jax 0.10.2: UNIMPLEMENTED in its thunk emitter).
@@ -50,9 +85,8 @@ class EPOptions:
       the platform);
       "ragged_emulated" is the ragged layout with the exchange emulated by an
       all_gather (ep times the traffic): a test aid for platforms without
-      ragged_all_to_all; "te_nccl_ep" is the ragged layout moved by
-      Transformer Engine's NCCL-EP (bf16 activations, SM90+ GPUs over
-      NVLink; `backends.te.nccl_ep.bootstrap` first).
+      ragged_all_to_all; other packages register theirs on import
+      (`register_exchange`; `backends.te`: "te_nccl_ep").
     buffer_factor: None for the drop-free worst-case buffers. A number f
       bounds them: ceil(f * T_l*K / ep) slots per peer ("padded"), or
       ceil(f * T_l*K) receive rows (ragged), each capped at the worst case.
@@ -75,7 +109,7 @@ class EPOptions:
 
   def __post_init__(self):
     validation.check_ep_options(
-        self, exchanges=EXCHANGES, overflow_policies=OVERFLOW_POLICIES
+        self, exchanges=exchange_names(), overflow_policies=OVERFLOW_POLICIES
     )
 
 

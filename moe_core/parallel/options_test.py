@@ -91,6 +91,46 @@ class OptionsTest(absltest.TestCase):
         self.assertIsInstance(exchange, parallel.Exchange)
         self.assertEqual(exchange.name, name)
 
+  def test_a_package_registers_its_exchange(self):
+    self.addCleanup(parallel.EXCHANGE_CLASSES.pop, "toy_padded", None)
+    with self.assertRaisesRegex(
+        ValueError, r"exchange must be one of \('auto', 'ragged'.*'toy_padded'"
+    ):
+      parallel.EPOptions(exchange="toy_padded")
+    parallel.register_exchange(
+        "toy_padded", "moe_core.parallel.padded:PaddedExchange"
+    )
+    self.assertIn("toy_padded", parallel.exchange_names())
+    self.assertNotIn("toy_padded", parallel.EXCHANGES)  # The core's only.
+    self.assertEqual(
+        parallel.EPOptions(exchange="toy_padded").exchange, "toy_padded"
+    )
+    self.assertIsInstance(
+        parallel.get_exchange("toy_padded"), parallel.Exchange
+    )
+    # "auto" picks the core's exchanges only.
+    self.assertEqual(parallel.resolve_exchange("auto", "gpu"), "ragged")
+    # The same target again is a no-op; another needs overwrite=True.
+    parallel.register_exchange(
+        "toy_padded", "moe_core.parallel.padded:PaddedExchange"
+    )
+    with self.assertRaisesRegex(ValueError, "already registered"):
+      parallel.register_exchange(
+          "toy_padded", "moe_core.parallel.ragged:RaggedExchange"
+      )
+
+  def test_register_exchange_checks_its_arguments(self):
+    for name, target, why in (
+        ("auto", "m:C", "not 'auto'"),
+        ("", "m:C", "non-empty"),
+        ("x", "no_colon", "'module:Class'"),
+    ):
+      with (
+          self.subTest(name=name, target=target),
+          self.assertRaisesRegex(ValueError, why),
+      ):
+        parallel.register_exchange(name, target)
+
   def test_auto_is_not_an_exchange_class(self):
     with self.assertRaisesRegex(ValueError, r"resolve 'auto' first"):
       parallel.get_exchange("auto")
