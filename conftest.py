@@ -22,11 +22,16 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   )
 
 
-# JAX on the CPU where no GPU is attached: the legs carry the CUDA plugin
-# (to compile for GPUs, moe_core.aot), whose start-up check would otherwise
-# fail loudly on every import of jax (Bazel's targets set it the same way).
-if not os.path.exists("/dev/nvidiactl"):
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The platform the programs start on (`train.platforms`): the CPU where no
+# accelerator is attached (the legs carry the CUDA plugin, to compile for
+# GPUs, moe_core.aot, whose start-up check would otherwise fail loudly on
+# every import of jax; Bazel's targets set it the same way), the TPU and then
+# the CPU on a TPU host (the chip's tests, such as the flash attention's,
+# ran on its host CPU and skipped before), JAX's choice on a GPU host.
+# JAX_PLATFORMS, when set, wins.
+from train import platforms as _platforms  # pylint: disable=g-import-not-at-top
+
+_platforms.set_default_platforms()
 
 
 def pytest_terminal_summary(terminalreporter):
