@@ -16,7 +16,9 @@ from backends.mosaic_tpu import tiling
 from conformance import oracles
 from moe_core import backend as backend_lib
 from moe_core import registry
+from moe_core import permute
 from moe_core.kernels import interpret as interpret_lib
+from moe_core.kernels import permutation
 
 
 def _tpu_mesh(device_kind: str = "TPU v5 lite"):
@@ -322,6 +324,81 @@ def _check_matches_xla(test, be, *, rows, weights):
       with test.subTest(f"{name}, jit={jit}"):
         test.assertEqual(g.shape, w.shape)
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+
+
+class TpuPermutationKernelsTest(parameterized.TestCase):
+  """The per-choice sums of `ops.TpuPermutationKernels` against the
+  library's defaults (each op over the [T, K, D] array of every copy), op
+  by op, with dropped copies and invalid ids, and through the primitive's
+  derivatives."""
+
+  T, K, D, E = 7, 3, 5, 4
+
+  def _plan(self, drop, invalid):
+    ids = jax.random.randint(jax.random.key(1), (self.T, self.K), 0, self.E)
+    if invalid:
+      ids = ids.at[2, 1].set(self.E + 3)
+    kept = None
+    if drop:
+      kept = jnp.ones((self.T, self.K), bool).at[1, 0].set(False)
+      kept = kept.at[5, 2].set(False)
+    return permutation.Plan.of(permute.plan_unchecked(ids, self.E, kept), kept)
+
+  @parameterized.product(
+      drop=[False, True], invalid=[False, True], nan_invalid=[False, True]
+  )
+  def test_each_op_matches_the_defaults(self, drop, invalid, nan_invalid):
+    plan = self._plan(drop, invalid)
+    keys = jax.random.split(jax.random.key(2), 3)
+    a = self.T * self.K
+    rows = jax.random.normal(keys[0], (a, self.D), jnp.bfloat16)
+    dy = jax.random.normal(keys[1], (self.T, self.D), jnp.float32)
+    weights = jax.random.uniform(keys[2], (self.T, self.K), minval=0.1)
+    ours, want = ops.TpuPermutationKernels(), permutation.PermutationKernels()
+    calls = {
+        "scatter": lambda k: k.scatter(rows, plan, top_k=self.K),
+        "combine": lambda k: k.combine(
+            rows, weights, plan, top_k=self.K, nan_invalid=nan_invalid
+        ),
+        "row_dots": lambda k: k.row_dots(
+            dy, rows, plan, top_k=self.K, nan_invalid=nan_invalid
+        ),
+    }
+    for name, call in calls.items():
+      with self.subTest(name):
+        got, expected = call(ours), call(want)
+        self.assertEqual(got.dtype, expected.dtype)
+        self.assertEqual(got.shape, expected.shape)
+        got = np.asarray(got, np.float32)
+        expected = np.asarray(expected, np.float32)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+        # An invalid copy's NaN reaches combine and row_dots only (scatter,
+        # the gather's transpose, skips it).
+        self.assertEqual(
+            bool(np.isnan(got).any()),
+            nan_invalid and invalid and name != "scatter",
+        )
+        np.testing.assert_allclose(
+            np.nan_to_num(got), np.nan_to_num(expected), rtol=1e-2, atol=1e-2
+        )
+
+  def test_combine_gradients_match_the_defaults(self):
+    plan = self._plan(drop=True, invalid=False)
+    keys = jax.random.split(jax.random.key(4), 3)
+    rows = jax.random.normal(keys[0], (self.T * self.K, self.D))
+    weights = jax.random.uniform(keys[1], (self.T, self.K), minval=0.1)
+    ct = jax.random.normal(keys[2], (self.T, self.D))
+
+    def grads(kernels):
+      loss = lambda r, w: jnp.vdot(
+          permutation.combine(kernels, r, w, plan, top_k=self.K), ct
+      )
+      return jax.jit(jax.grad(loss, (0, 1)))(rows, weights)
+
+    got = grads(ops.TpuPermutationKernels())
+    want = grads(permutation.PermutationKernels())
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 if __name__ == "__main__":
