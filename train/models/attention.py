@@ -115,14 +115,16 @@ _FLASH_BLOCKS = (512, 256, 128)
 
 def tpu_flash_fits(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
   """Whether `causal_attention` runs JAX's Pallas TPU flash attention: the
-  default backend is a TPU (the program runs there; an ahead-of-time
-  compile for a TPU from another host keeps the XLA attention),
+  default backend is a TPU with one device (the program runs there; an
+  ahead-of-time compile for a TPU from another host keeps the XLA
+  attention, and so does a mesh of several chips: XLA cannot partition the
+  kernel's call, which would gather q, k and v onto every device),
   DROPLESS_TPU_FLASH_ATTENTION is not "0", and the shapes are the
   kernel's: one head size for q, k and v, a multiple of 128, and a
   sequence a multiple of 128 (T == Tq, no chunks)."""
   if os.environ.get(_FLASH_ENV, "1") == "0":
     return False
-  if jax.default_backend() != "tpu":
+  if jax.default_backend() != "tpu" or jax.device_count() != 1:
     return False
   t, d = q.shape[1], q.shape[-1]
   return (

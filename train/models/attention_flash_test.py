@@ -70,7 +70,10 @@ class FlashPathTest(parameterized.TestCase):
 
   def test_taken_on_a_tpu_for_the_kernels_shapes_only(self):
     q, k, v, _ = _inputs(256, 4, 2, jnp.bfloat16)
-    with mock.patch.object(jax, "default_backend", lambda: "tpu"):
+    with (
+        mock.patch.object(jax, "default_backend", lambda: "tpu"),
+        mock.patch.object(jax, "device_count", lambda: 1),
+    ):
       self.assertTrue(attention.tpu_flash_fits(q, k, v))
       # Head size not a multiple of 128 (MLA's 192 / 128 too).
       self.assertFalse(attention.tpu_flash_fits(q[..., :64], k[..., :64], v))
@@ -82,6 +85,12 @@ class FlashPathTest(parameterized.TestCase):
       with mock.patch.dict(os.environ, {"DROPLESS_TPU_FLASH_ATTENTION": "0"}):
         self.assertFalse(attention.tpu_flash_fits(q, k, v))
     with mock.patch.object(jax, "default_backend", lambda: "cpu"):
+      self.assertFalse(attention.tpu_flash_fits(q, k, v))
+    # A mesh of several chips keeps XLA's attention, which it partitions.
+    with (
+        mock.patch.object(jax, "default_backend", lambda: "tpu"),
+        mock.patch.object(jax, "device_count", lambda: 4),
+    ):
       self.assertFalse(attention.tpu_flash_fits(q, k, v))
 
 
