@@ -33,6 +33,10 @@ from bench import timing
 BASELINES = ("dense", "pallas", "xla")
 # Timed calls stop after this many seconds (at least one call).
 PHASE_BUDGET_S = 2.0
+# The on-chip benchmarks' `median_seconds(pipelined_s=)`: each sample a
+# batch of back-to-back calls this long at least, the chip's time per call
+# without the host's dispatch (most of a sub-millisecond kernel's wall time).
+PIPELINED_S = 0.05
 # The targets, read off the rows: (workload pattern, variant, mode,
 # baseline, largest time / baseline time, what it says). "hopper": judged
 # on a Hopper GPU only.

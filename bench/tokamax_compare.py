@@ -515,7 +515,7 @@ def main(argv=None) -> int:
   p.add_argument(
       "--pipelined_s",
       type=float,
-      default=0.05,
+      default=gpu_timing.PIPELINED_S,
       help="each timed sample is back-to-back calls this long, over their"
       " number (the chip's time per call, as tokamax's table, measured with"
       " a profiler, has it); 0: each call waited for on its own",

@@ -8,7 +8,7 @@ routing; the best per (shape, routing, pass). timing: the grouped GEMM's
 passes for every method side by side, then the MoE layer's
 forward+backward against the dense SwiGLU FFN of the same FLOPs. Times are
 `gpu_timing.median_seconds` (median after a warm-up, each sample a
-batch of back-to-back calls, `PIPELINED_S`); ratios are
+batch of back-to-back calls, `gpu_timing.PIPELINED_S`); ratios are
 `timing.ratio_key` times over a baseline's (< 1 is faster). Over 400
 lines because it is the one module of what runs on the chip.
 """
@@ -39,10 +39,6 @@ GOALS = (
 )
 # A measurement stops timing calls after this many seconds (one at least).
 MEASURE_S = 1.0
-# Each timed sample is a batch of back-to-back calls this long at least
-# (`gpu_timing.median_seconds`): the chip's time per call, without the
-# host's dispatch, which is most of a sub-millisecond kernel's wall time.
-PIPELINED_S = 0.05
 # The sweep's share of time per (impl, shape, pass): ours has the longer
 # list worth trying; megablox's best is known within a step or two.
 SWEEP_WEIGHTS = {tpu_gemm.OURS: 2.0, "megablox": 1.0}
@@ -56,7 +52,7 @@ def error_line(e: BaseException) -> str:
 
 def _time(compiled, args, repeats) -> dict:
   seconds, calls, first, _ = gpu_timing.median_seconds(
-      compiled, args, repeats, MEASURE_S, pipelined_s=PIPELINED_S
+      compiled, args, repeats, MEASURE_S, pipelined_s=gpu_timing.PIPELINED_S
   )
   return {"seconds": seconds, "calls": calls, "first_call_s": first}
 

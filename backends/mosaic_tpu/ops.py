@@ -375,10 +375,10 @@ class TpuPermutationKernels(permutation.PermutationKernels):
     skip = invalid
     if mask_dropped:
       skip = skip | (plan.kept == 0).reshape(t, top_k)
+    fill = jnp.asarray(jnp.nan if nan_invalid else 0.0, jnp.float32)
     for k in range(top_k):
       v = rows[position[:, k]].astype(jnp.float32)
       v = jnp.where(skip[:, k : k + 1], 0.0, v)
       if nan_invalid is not None:
-        fill = jnp.asarray(jnp.nan if nan_invalid else 0.0, jnp.float32)
         v = jnp.where(invalid[:, k : k + 1], fill, v)
       yield k, v

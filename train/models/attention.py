@@ -144,7 +144,7 @@ def _tpu_flash_attention(q, k, v) -> jax.Array:
   # pylint: disable-next=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu import flash_attention as flash
 
-  b, t, h, d = q.shape
+  _, t, h, d = q.shape
   group = h // k.shape[2]
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, H, T, d]
   kv = [heads_first(jnp.repeat(x, group, axis=2)) for x in (k, v)]

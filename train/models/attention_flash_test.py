@@ -3,9 +3,9 @@
 JAX's Pallas flash attention kernel has no interpreter mode, so two parts:
 on any host, the path's own work (the heads-first layout, grouped kv heads
 repeated, the scale, when it is taken) with the kernel replaced by JAX's
-reference of the same contract (`mha_reference_no_custom_vjp`); on a TPU
-(JAX_PLATFORMS=tpu,cpu: the repository's conftest pins the CPU otherwise)
-the kernel itself, skipped elsewhere with the reason.
+reference of the same contract (`mha_reference_no_custom_vjp`); on a
+single TPU (the repository's conftest starts JAX there on a TPU host) the
+kernel itself, skipped elsewhere with the reason.
 """
 
 import os
@@ -99,10 +99,10 @@ class TpuFlashAttentionTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    if jax.default_backend() != "tpu":
+    if jax.default_backend() != "tpu" or jax.device_count() != 1:
       self.skipTest(
-          f"the flash path runs on a TPU only; the default backend is "
-          f"{jax.default_backend()!r}"
+          f"the flash path runs on a single TPU only; the default backend is "
+          f"{jax.default_backend()!r} with {jax.device_count()} devices"
       )
 
   @parameterized.parameters(
