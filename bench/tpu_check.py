@@ -110,6 +110,12 @@ def _parse_args(argv):
       help="timing: the layer's variants besides dense_ffn and --layer_tiles",
   )
   p.add_argument(
+      "--layer_routings",
+      default="uniform,zipf",
+      help="timing: mosaic_tpu's layer again with each token's experts "
+      "drawn from these (tpu_gemm.LAYER_ROUTINGS; '' for none)",
+  )
+  p.add_argument(
       "--timing_parts",
       default="gemm,layer",
       help="timing: the grouped GEMMs' passes, the layers, or both",

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 
 from absl.testing import absltest
+import numpy as np
 
 from bench import gpu_conformance
 from bench import tpu_check
@@ -90,6 +91,16 @@ class DryRunTest(absltest.TestCase):
     ):
       self.assertGreater(layer[v]["seconds"], 0, layer[v])
       self.assertIsNotNone(layer[v]["fwd_bwd_time_over_dense_ffn"])
+    if not _OURS_MISSING:
+      zipf = layer[f"{tpu_gemm.OURS}@zipf"]
+      self.assertGreater(zipf["seconds"], 0, zipf)
+      self.assertIsNotNone(zipf[f"fwd_bwd_time_over_{tpu_gemm.OURS}@uniform"])
+      # The dry layer: 4 experts, top-2, so a share of at most 1/2.
+      self.assertGreater(
+          zipf["largest_group_share"],
+          layer[f"{tpu_gemm.OURS}@uniform"]["largest_group_share"],
+      )
+      self.assertLessEqual(zipf["largest_group_share"], 0.5)
     self.assertTrue(report["ratios"])
 
   def test_conformance_runs_each_backend_in_turn(self):
@@ -163,6 +174,27 @@ class TableTest(absltest.TestCase):
         tpu_timing.swept_tiles(report, "megablox", "s"), {"fwd": (4, 5, 6)}
     )
     self.assertEqual(tpu_timing.swept_tiles(report, "mosaic_tpu", "s"), {})
+
+  def test_layer_expert_ids_draw_distinct_experts_by_routing(self):
+    layer = tpu_gemm.Layer("t", 32, 8, 128, 128, 4096)
+    for routing in tpu_gemm.LAYER_ROUTINGS:
+      ids = tpu_gemm.layer_expert_ids(layer, routing)
+      self.assertEqual(ids.shape, (4096, 8))
+      self.assertTrue(((ids >= 0) & (ids < 32)).all())
+      # Each token's K experts are distinct.
+      self.assertTrue((np.diff(np.sort(ids, axis=1), axis=1) > 0).all())
+    share = lambda r: np.sort(
+        np.bincount(tpu_gemm.layer_expert_ids(layer, r).ravel(), minlength=32)
+    )[::-1] / (4096 * 8)
+    uniform, zipf = share("uniform"), share("zipf")
+    self.assertLess(uniform[0], 1.2 / 32)
+    # Zipf(1.5) without replacement: its head capped at 1/K, its tail far
+    # below the uniform share.
+    self.assertGreater(zipf[0], 0.11)
+    self.assertLessEqual(zipf[0], 1 / 8)
+    self.assertLess(zipf[-1], 0.3 / 32)
+    with self.assertRaisesRegex(ValueError, "routing must be one of"):
+      tpu_gemm.layer_expert_ids(layer, "even")
 
   def test_our_tile_forms(self):
     self.assertEqual(

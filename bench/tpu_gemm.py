@@ -22,6 +22,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import moe_core
 from bench import gemm_workloads
@@ -383,3 +384,44 @@ def moe_fn(layer: Layer, backend):
 
 def _moe(cfg, backend, params, x):
   return moe_core.moe_layer(params, x, cfg, backend=backend)[0]
+
+
+# The layer's routings besides its router's own (`moe_fn`): each token's K
+# experts drawn, so that a routing's time can be set beside another's.
+LAYER_ROUTINGS = ("uniform", "zipf")
+
+
+def layer_expert_ids(layer: Layer, routing: str, seed: int = 0):
+  """[T, K] int32: each token's K distinct experts, drawn without
+  replacement with probabilities p over the experts ("uniform", or "zipf":
+  p(rank r) ~ r^-ZIPF_EXPONENT, the ranks shuffled), by the Gumbel top-K.
+
+  A token takes an expert at most once, so no expert receives more than T
+  of the T*K copies: Zipf's head is capped there (at E=32, K=8 the first
+  ranks get 12.5%, 11.9%, 10.3% of the copies instead of 44%, 16%, 9%).
+  """
+  if routing not in LAYER_ROUTINGS:
+    raise ValueError(
+        f"routing must be one of {LAYER_ROUTINGS}, got {routing!r}."
+    )
+  rng = np.random.default_rng(seed)
+  p = np.full(layer.experts, 1.0 / layer.experts)
+  if routing == "zipf":
+    p = rng.permutation(1.0 / np.arange(1, layer.experts + 1) ** ZIPF_EXPONENT)
+  keys = np.log(p) + rng.gumbel(size=(layer.tokens, layer.experts))
+  return np.argsort(-keys, axis=1)[:, : layer.top_k].astype(np.int32)
+
+
+def moe_fn_with_ids(layer: Layer, backend, expert_ids):
+  """`moe_fn` with the router's choice replaced by `expert_ids` [T, K]: the
+  router still runs (its weights and the combine weights are its own), the
+  routed experts then see the given experts."""
+  cfg = layer.config()
+  ids = jnp.asarray(expert_ids, jnp.int32)
+
+  def fn(params, x):
+    aux = backend.route(x, params["router"], cfg)
+    aux = dataclasses.replace(aux, expert_ids=ids)
+    return backend.routed_experts(params, x, aux, cfg)
+
+  return fn

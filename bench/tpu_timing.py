@@ -22,6 +22,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import moe_core
 from bench import gpu_report
@@ -31,11 +32,19 @@ from bench import programs as programs_lib
 from bench import tpu_gemm
 
 GEMM_BASELINES = ("dense", "ragged_dot", "megablox")
-LAYER_BASELINES = ("dense_ffn", "xla", "megablox")
+LAYER_BASELINES = ("dense_ffn", "xla", "megablox", f"{tpu_gemm.OURS}@uniform")
 # (workload pattern, variant, mode, baseline, largest time / baseline, says)
 GOALS = (
     ("*", "mosaic_tpu", "fwd_bwd", "dense_ffn", 1.25, "layer <= 1.25x dense"),
     ("*/*", "mosaic_tpu*", "*", "megablox", 1.0, "as fast as megablox"),
+    (
+        "*",
+        "mosaic_tpu@zipf",
+        "fwd_bwd",
+        "mosaic_tpu@uniform",
+        1.2,
+        "Zipf routing <= 1.2x uniform",
+    ),
 )
 # A measurement stops timing calls after this many seconds (one at least).
 MEASURE_S = 1.0
@@ -82,6 +91,7 @@ class Context:
     # name -> mosaic_tpu's `tiles` option (a TileConfig dict).
     self.layer_tiles = json.loads(args.layer_tiles or "{}")
     self.layer_variants = args.layer_variants.split(",")
+    self.layer_routings = [r for r in args.layer_routings.split(",") if r]
     self.timing_parts = args.timing_parts.split(",")
     self.profile_dir = (
         os.path.join(args.out_dir, "profile") if args.profile else None
@@ -362,6 +372,14 @@ def _layer_methods(ctx):
     )
   if "megablox" in ctx.layer_variants:
     out.append(("megablox", tpu_gemm.MegabloxBackend(interpret=ctx.dry)))
+  # --layer_routings: mosaic_tpu again with each token's experts drawn.
+  for routing in ctx.layer_routings:
+    out.append(
+        (
+            f"{tpu_gemm.OURS}@{routing}",
+            missing or tpu_gemm.our_backend(interpret=ctx.dry),
+        )
+    )
   return out
 
 
@@ -385,7 +403,7 @@ def _time_layer(ctx, layer, rows):
       if backend is None:
         fn, params = layer_bench.dense_ffn, tpu_gemm.dense_ffn_params(layer, kd)
       else:
-        fn = tpu_gemm.moe_fn(layer, backend)
+        fn = _layer_fn(layer, variant, backend, row)
         params = moe_core.init_params(kp, cfg, dtype=jnp.bfloat16)
       step = jax.jit(programs_lib.with_grad(fn))
       start = time.perf_counter()
@@ -403,6 +421,18 @@ def _time_layer(ctx, layer, rows):
     )
     gpu_timing.add_ratios(rows, LAYER_BASELINES)
     ctx.write()
+
+
+def _layer_fn(layer, variant, backend, row):
+  """The layer's f(params, x) for a variant: "<name>@<routing>" with the
+  experts drawn by `tpu_gemm.layer_expert_ids` (the largest group's share
+  of the copies into `row`), otherwise the router's own choice."""
+  if "@" not in variant:
+    return tpu_gemm.moe_fn(layer, backend)
+  ids = tpu_gemm.layer_expert_ids(layer, variant.split("@")[1])
+  counts = np.bincount(ids.ravel(), minlength=layer.experts)
+  row["largest_group_share"] = round(float(counts.max() / ids.size), 4)
+  return tpu_gemm.moe_fn_with_ids(layer, backend, ids)
 
 
 def _profile(ctx, layers) -> None:
