@@ -58,12 +58,16 @@ class FlashPathTest(parameterized.TestCase):
   )
   def test_wrapper_matches_xla_path(self, t, h, hkv):
     q, k, v, cot = _inputs(t, h, hkv, jnp.float32)
+    # Float32 products in full on every host: a TPU's default is one bf16
+    # pass, which the two paths' different orders of work would show.
     with (
         mock.patch.object(flash, "flash_attention", _reference_kernel),
         mock.patch.object(attention, "tpu_flash_fits", lambda *_: True),
+        jax.default_matmul_precision("highest"),
     ):
       got = _value_and_grads(attention.causal_attention, q, k, v, cot)
-    want = _value_and_grads(_xla_attention, q, k, v, cot)
+    with jax.default_matmul_precision("highest"):
+      want = _value_and_grads(_xla_attention, q, k, v, cot)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4)
     for name, g, w in zip("qkv", got[1], want[1]):
       np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4, err_msg=f"d{name}")
