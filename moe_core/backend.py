@@ -26,6 +26,7 @@ from moe_core import activations as activations_lib
 from moe_core import checks
 from moe_core import config as config_lib
 from moe_core import ffn
+from moe_core import index_ops
 from moe_core import norms
 from moe_core import operands
 from moe_core import permute
@@ -399,6 +400,13 @@ class Backend(abc.ABC):
     def param(name):
       return params[name].astype(rows.dtype) if name in params else None
 
+    # Every path below scales each output row by its row weight, so with
+    # weights a bad call's NaN rides in them (the output and every gradient
+    # NaN, as `_poisoned` makes them) instead of a pass over the output.
+    poison_weights = row_weights is not None and rows.shape[0] > 0
+    if poison_weights:
+      row_weights = checks.nan_if(bad, row_weights)
+
     ffn_in = operands.FfnOperands(
         rows=rows,
         group_sizes=group_sizes,  # int32, sanitised above.
@@ -428,8 +436,9 @@ class Backend(abc.ABC):
         gate, up = None, self._prevalidated_gemm(rows, ffn_in.w_up, ffn_in)
       h = _hidden(gate, ad_checkpoint.checkpoint_name(up, UP_NAME), ffn_in)
       out = self._biased_down(h, ffn_in)
-    weights = [ffn_in.w_gate, ffn_in.w_up, ffn_in.w_down]
-    out = _poisoned(bad, out, rows, *(w for w in weights if w is not None))
+    if not poison_weights:
+      weights = [ffn_in.w_gate, ffn_in.w_up, ffn_in.w_down]
+      out = _poisoned(bad, out, rows, *(w for w in weights if w is not None))
     return ad_checkpoint.checkpoint_name(out, DOWN_NAME)
 
   def _biased_down(self, h: jax.Array, ffn_in: operands.FfnOperands):
@@ -674,14 +683,17 @@ class Backend(abc.ABC):
       return self._combine(out, dispatched, aux.combine_weights, kept)
     # Each sorted row's weight scales its down output; the combine then
     # sums with unit weights. A NaN weight still makes its token NaN
-    # (through the scaled row), an invalid id too (through combine).
+    # (through the scaled row), an invalid id too (through combine). The
+    # weights reach the sorted order by a sort, not a gather (`index_ops`).
     flat_weights = aux.combine_weights.astype(jnp.float32).reshape(-1)
     out = self._expert_ffn(
         dispatched.rows,
         dispatched.group_sizes,
         params,
         cfg,
-        row_weights=flat_weights[dispatched.assignment],
+        row_weights=index_ops.permute_values(
+            flat_weights, dispatched.position, dispatched.assignment
+        ),
     )
     return self._combine(out, dispatched, ones, kept)
 

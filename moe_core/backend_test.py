@@ -232,6 +232,42 @@ class RoutingWeightsInDownTest(absltest.TestCase):
     self.assertTrue(np.isnan(y[2]).all())
     self.assertFalse(np.isnan(np.delete(y, 2, axis=0)).any())
 
+  def test_bad_traced_sizes_poison_through_the_row_weights(self):
+    # `_expert_ffn` with row weights puts a bad call's NaN into the weights
+    # instead of a pass over the output: the output and the gradients of
+    # the rows, the weights and the row weights all NaN, as without them.
+    params, _, _ = _inputs()
+    rows = jax.random.normal(jax.random.key(5), (12, 8))
+    row_weights = jax.random.uniform(jax.random.key(6), (12,), minval=0.1)
+    backend = _WeightsInDown()
+
+    def loss(sizes, params, rows, row_weights):
+      out = backend._expert_ffn(  # pylint: disable=protected-access
+          rows, sizes, params, _CFG, row_weights=row_weights
+      )
+      return jnp.sum(out), out
+
+    grad = jax.jit(jax.grad(loss, (1, 2, 3), has_aux=True))
+    good = jnp.array([3, 0, 5, 4], jnp.int32)
+    (g_params, g_rows, g_weights), out = grad(good, params, rows, row_weights)
+    self.assertTrue(np.isfinite(out).all())
+    unweighted = backend._expert_ffn(  # pylint: disable=protected-access
+        rows, good, params, _CFG
+    )
+    np.testing.assert_allclose(
+        out, unweighted * row_weights[:, None], rtol=1e-5, atol=1e-6
+    )
+    for bad in ([3, -1, 5, 4], [3, 0, 5, 9]):
+      with self.subTest(bad=bad):
+        (g_params, g_rows, g_weights), out = grad(
+            jnp.array(bad, jnp.int32), params, rows, row_weights
+        )
+        self.assertTrue(np.isnan(out).all())
+        self.assertTrue(np.isnan(g_rows).all())
+        self.assertTrue(np.isnan(g_weights).all())
+        for name in ("w_gate", "w_up", "w_down"):
+          self.assertTrue(np.isnan(g_params[name][0]).all(), name)
+
 
 class DeprecatedRecipeAliasTest(absltest.TestCase):
   """precision="bf16" (deprecated) is the "unquantized" recipe, which runs

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import jax
 from jax import lax
+from jax.interpreters import ad
 import jax.numpy as jnp
+
+from moe_core.kernels import primitive
 
 
 def count(values: jax.Array, length: int) -> jax.Array:
@@ -65,3 +68,64 @@ def one_hot_rows(ids: jax.Array, length: int) -> jax.Array:
   """ids [T, K] int -> [T, length] bool: which of 0..length-1 each row
   holds (a scatter of True, as a compare and an any over K)."""
   return jnp.any(ids[..., None] == jnp.arange(length, dtype=ids.dtype), axis=-2)
+
+
+# --- Values moved by a permutation, differentiably ---------------------------
+
+
+def _permute_call(values, destination, source):
+  del source  # The transpose's.
+  return [lax.sort((destination, values), num_keys=1)[1]]
+
+
+def _permute_shapes(avals):
+  return [(avals[0].shape, avals[0].dtype)]
+
+
+_permute_p = primitive.kernel_primitive(
+    "dropless_permute_values", _permute_call, _permute_shapes
+)
+
+
+def permute_values(
+    values: jax.Array, destination: jax.Array, source: jax.Array
+) -> jax.Array:
+  """[M] values moved by a permutation: out[destination[i]] = values[i].
+
+  `source` is destination's inverse (out[j] = values[source[j]], the
+  gather this is). A sort of (destination, values) by destination, where a
+  gather runs one element at a time on a TPU (0.23 ms for 32,768 values)
+  and its transpose is a scatter (0.28 ms). Linear in `values`, with
+  derivatives of the same form: its tangent is the tangent moved the same
+  way, its transpose `permute_values(ct, source, destination)`; so no
+  scatter in reverse mode either.
+  """
+  return _permute_bind(
+      values, destination.astype(jnp.int32), source.astype(jnp.int32)
+  )
+
+
+def _permute_bind(values, destination, source):
+  operands = primitive.match_variance((values, destination, source))
+  (out,) = _permute_p.bind(*operands)
+  return out
+
+
+def _permute_jvp(primals, tangents):
+  values, destination, source = primals
+  out = _permute_bind(values, destination, source)
+  d_values = tangents[0]
+  if type(d_values) is ad.Zero:
+    return [out], [ad.Zero(jax.typeof(out).to_tangent_aval())]
+  return [out], [_permute_bind(d_values, destination, source)]
+
+
+def _permute_transpose(cotangents, values, destination, source):
+  (ct,) = cotangents
+  if not ad.is_undefined_primal(values) or type(ct) is ad.Zero:
+    return [None, None, None]
+  return [_permute_bind(ct, source, destination), None, None]
+
+
+ad.primitive_jvps[_permute_p] = _permute_jvp
+ad.primitive_transposes[_permute_p] = _permute_transpose
