@@ -192,11 +192,14 @@ class FusedEpilogueTest(parameterized.TestCase):
       ),
   )
   def test_the_epilogue_computes_clamp_and_listed_activations(self, changes):
-    # The epilogue computes activations.hidden of the config's settings:
-    # gate and up never leave the kernel, so only moe_down is named.
+    # The epilogue computes activations.hidden of the config's settings;
+    # the fused op names its residuals (gate, up, h) and down is named.
     pallas = moe_core.get_backend("pallas", fuse_activation=True)
     cfg = moe_core.MoEConfig(**_BASE, **changes)
-    self.assertEqual(pallas.checkpoint_names(cfg), (backend_lib.DOWN_NAME,))
+    self.assertEqual(
+        pallas.checkpoint_names(cfg),
+        (*backend_lib.FUSED_CHECKPOINT_NAMES, backend_lib.DOWN_NAME),
+    )
     self._check_layer(pallas, cfg)
 
   def test_biases_and_registered_activations_run_unfused(self):

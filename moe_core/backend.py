@@ -41,6 +41,11 @@ GATE_NAME = "moe_gate"
 UP_NAME = "moe_up"
 DOWN_NAME = "moe_down"
 CHECKPOINT_NAMES = (GATE_NAME, UP_NAME, DOWN_NAME)
+# h = act(gate) * up where one fused op computes it (`_gated_gate_up`): the
+# down GEMM's input, named with gate and up as the op's residuals, so that
+# a policy keeping the expert outputs does not run the fused op again.
+HIDDEN_NAME = "moe_hidden"
+FUSED_CHECKPOINT_NAMES = (GATE_NAME, UP_NAME, HIDDEN_NAME)
 
 # Backend's template methods -> the hooks a backend overrides instead.
 _TEMPLATE_HOOKS = {
@@ -126,6 +131,10 @@ class Backend(abc.ABC):
       reference oracle, so that it multiplies float32 exactly on a TPU,
       whose default is one bfloat16 pass); None (the default) keeps the
       caller's, which the fast backends follow.
+    fused_checkpoint_names: the checkpoint names the fused gate/up op
+      (`_gated_gate_up`) gives its residuals under differentiation:
+      `FUSED_CHECKPOINT_NAMES` where it keeps gate and up from its forward
+      (and names them and h), () where it recomputes them.
 
   Adding a backend (conformance/example_backend/ is the folder to copy;
   conformance/example_kernel_backend/ for a backend that is its gmm and
@@ -156,6 +165,7 @@ class Backend(abc.ABC):
   dtypes: ClassVar[tuple[jnp.dtype, ...] | None] = None
   precisions: ClassVar[tuple[str, ...]] = (precision_lib.UNQUANTIZED,)
   matmul_precision: ClassVar[str | None] = None
+  fused_checkpoint_names: ClassVar[tuple[str, ...]] = ()
   # Whether `_grouped_gemm` honours `GemmOperands.poison` (its kernels make
   # the output and gradients NaN); otherwise `grouped_gemm` poisons after.
   poisons_in_kernels: ClassVar[bool] = False
@@ -478,10 +488,12 @@ class Backend(abc.ABC):
   ) -> tuple[str, ...]:
     """The checkpoint names `expert_ffn` gives its outputs for `activation`.
 
-    All of `CHECKPOINT_NAMES`, or only DOWN_NAME where the backend fuses the
-    activation into the gate/up op (a remat policy then cannot keep gate and
-    up: "save_moe" saves the down output and recomputes the fused op). A
-    quantised `precision` never fuses: all of them. `precision` is a
+    All of `CHECKPOINT_NAMES`; where the backend fuses the activation into
+    the gate/up op, DOWN_NAME and the names its fused op gives its
+    residuals under differentiation (`fused_checkpoint_names`: gate, up
+    and h where its kernel writes them, so that "save_moe" keeps them and
+    does not run the op again; none where it recomputes them). A
+    quantised `precision` never fuses: `CHECKPOINT_NAMES`. `precision` is a
     recipe of `moe_core.precision` (or its deprecated alias "bf16"). A
     non-gated activation has no GATE_NAME. Given a `MoEConfig` instead of
     an activation name, its activation settings (clamp and options),
@@ -502,7 +514,7 @@ class Backend(abc.ABC):
         and precision == precision_lib.UNQUANTIZED
         and self._fuses_activation(settings)
     ):
-      return (DOWN_NAME,)
+      return (*self.fused_checkpoint_names, DOWN_NAME)
     return CHECKPOINT_NAMES
 
   def _fuses_activation(self, settings: activations_lib.Settings) -> bool:

@@ -14,7 +14,8 @@ import jax
 from moe_core import backend as backend_lib
 
 POLICIES = ("none", "full", "save_moe", "recompute_moe", "offload_moe")
-MOE_NAMES = tuple(backend_lib.CHECKPOINT_NAMES)
+# The expert FFN's outputs, and h where a fused op computes it.
+MOE_NAMES = tuple(backend_lib.CHECKPOINT_NAMES) + (backend_lib.HIDDEN_NAME,)
 
 
 def check_policy_name(name: str) -> None:

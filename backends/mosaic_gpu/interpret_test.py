@@ -117,7 +117,7 @@ class InterpretTest(parameterized.TestCase):
       return y, grads
 
     be = self._backend(fuse_activation=fuse_activation)
-    self.assertEqual(len(be.checkpoint_names(cfg)), 1 if fuse_activation else 3)
+    self.assertEqual(len(be.checkpoint_names(cfg)), 4 if fuse_activation else 3)
     y, (d_rows, d_params) = jax.jit(lambda r, p: run(be, r, p))(rows, params)
     ref = moe_core.get_backend("reference")
     want_y, (want_rows, want_params) = jax.jit(lambda r, p: run(ref, r, p))(

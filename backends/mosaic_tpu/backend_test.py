@@ -77,8 +77,11 @@ class MosaicTpuBackendTest(parameterized.TestCase):
     be = tpu_backend.MosaicTpuBackend()
     self.assertTrue(be.fuse_activation)
     self.assertTrue(be.fuse_routing_weights)
-    # The fused gate/up names only the down projection's output.
-    self.assertEqual(be.checkpoint_names("silu"), (backend_lib.DOWN_NAME,))
+    # The fused gate/up names its residuals (gate, up, h) beside down.
+    self.assertEqual(
+        be.checkpoint_names("silu"),
+        (*backend_lib.FUSED_CHECKPOINT_NAMES, backend_lib.DOWN_NAME),
+    )
     unfused = tpu_backend.MosaicTpuBackend(fuse_activation=False)
     self.assertEqual(
         unfused.checkpoint_names("silu"), backend_lib.CHECKPOINT_NAMES

@@ -299,12 +299,15 @@ class ExpertFfnTest(parameterized.TestCase):
     pallas = pallas_backend.PallasBackend(
         tiles=_SMALL, interpret=True, fuse_activation=fuse_activation
     )
-    # Fused (only moe_down named) exactly where asked and the epilogue can:
-    # not the exact gelu, which the Triton lowering cannot compute.
+    # Fused (its residuals and moe_down named) exactly where asked and the
+    # epilogue can: not the exact gelu, which the Triton lowering cannot
+    # compute.
     fused = fuse_activation and activation != "gelu"
     self.assertEqual(
         pallas.checkpoint_names(cfg),
-        (backend_lib.DOWN_NAME,) if fused else backend_lib.CHECKPOINT_NAMES,
+        (*backend_lib.FUSED_CHECKPOINT_NAMES, backend_lib.DOWN_NAME)
+        if fused
+        else backend_lib.CHECKPOINT_NAMES,
     )
 
     def run(be, r, p):

@@ -223,7 +223,10 @@ class OpsLowerTest(parameterized.TestCase):
         **settings,
     )
     be = pallas_backend.PallasBackend(interpret=False, fuse_activation=True)
-    self.assertEqual(be.checkpoint_names(cfg), (backend_lib.DOWN_NAME,))
+    self.assertEqual(
+        be.checkpoint_names(cfg),
+        (*backend_lib.FUSED_CHECKPOINT_NAMES, backend_lib.DOWN_NAME),
+    )
     text = self._export_expert_ffn_grad(cfg, True, self.M)
     self.assertEqual(_custom_calls(text), [_TRITON_CALL] * 6)
 

@@ -56,6 +56,9 @@ class TritonBackend(tile_backend.PermutingTileBackend):
 
   name: ClassVar[str] = "triton"
   ops: ClassVar[types.ModuleType] = ops
+  # Its fused kernel recomputes gate and up for the derivative
+  # (`keeps_inputs` False): the op has no residuals to name.
+  fused_checkpoint_names: ClassVar[tuple[str, ...]] = ()
   dtypes: ClassVar[tuple[jnp.dtype, ...]] = tuple(
       jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)
   )

@@ -30,9 +30,11 @@ import dataclasses
 from typing import Callable, ClassVar
 
 import jax
+from jax import ad_checkpoint
 import jax.numpy as jnp
 
 from moe_core import activations
+from moe_core import backend
 from moe_core.kernels import grouped_matmul as gm
 from moe_core.kernels import primitive
 
@@ -242,6 +244,12 @@ def gated_gate_up(
     d_gate, d_up = _gate_up_tangent(kernels, *primals, tangents[:3])
     if keeps_inputs:
       h, gate, up = with_inputs(*primals)
+      # The residuals, named as the unfused FFN's outputs are, so that a
+      # remat policy keeping the expert outputs ("save_moe") keeps these
+      # and does not run the fused op again in the backward.
+      gate = ad_checkpoint.checkpoint_name(gate, backend.GATE_NAME)
+      up = ad_checkpoint.checkpoint_name(up, backend.UP_NAME)
+      h = ad_checkpoint.checkpoint_name(h, backend.HIDDEN_NAME)
       d_h = act_tangent(gate, up, d_gate, d_up)
     else:
       # Recomputed where needed: in the backward pass under reverse mode.

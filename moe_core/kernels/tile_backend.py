@@ -224,6 +224,9 @@ class TileKernelBackend(backend.Backend):
   ops: ClassVar[ModuleType]
   launch: Any
   fuse_activation: bool
+  # `ops.gated_gate_up` runs `expert_ops.EpilogueGatedKernel`, which keeps
+  # gate and up from the forward and names them and h.
+  fused_checkpoint_names = backend.FUSED_CHECKPOINT_NAMES
 
   @staticmethod
   def check_fuse_activation(fuse_activation) -> None:
