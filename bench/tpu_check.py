@@ -403,10 +403,15 @@ def _conformance_entry(name, found, logged) -> dict:
     status = "incomplete"
   else:
     status = "passed"
+  ran = sum(counts[o] for o in ("passed", "failed", "error", "skipped"))
+  if status == "passed" and not ran:
+    # A filter that matches no test (a suite's class name: -k matches the
+    # test methods' names) must not read as a pass, as on the GPU.
+    status, reason = "failed", "ran no test"
   entry = {
       "variant": name,
       "status": status,
-      "ran": sum(counts[o] for o in ("passed", "failed", "error", "skipped")),
+      "ran": ran,
       "failures": counts["failed"],
       "errors": counts["error"],
       "skipped": counts["skipped"],

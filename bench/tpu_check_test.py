@@ -115,6 +115,20 @@ class DryRunTest(absltest.TestCase):
     else:
       self.assertEqual(entries[tpu_gemm.OURS]["status"], "passed")
 
+  def test_a_filter_matching_no_test_is_no_pass(self):
+    # -k matches test methods: a suite's class name selects nothing.
+    _, report, _ = _dry_run(
+        self,
+        "--phases=conformance",
+        "--conformance_backends=xla",
+        "--conformance_filter=LayerSuite",
+        "--deadline_s=600",
+    )
+    (entry,) = report["conformance"]
+    self.assertEqual(entry["ran"], 0, entry)
+    self.assertEqual(entry["status"], "failed", entry)
+    self.assertEqual(entry["reason"], "ran no test")
+
   def test_train_runs_and_keeps_its_logs(self):
     code, report, out_dir = _dry_run(self, "--phases=train", "--deadline_s=600")
     self.assertEqual(code, 0, report.get("failures"))
