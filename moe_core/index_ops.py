@@ -1,5 +1,5 @@
-"""Counting, picking and inverting permutations without scatters or gathers
-of single elements.
+"""Counting, picking, inverting permutations and moving values by them,
+without scatters or gathers of single elements.
 
 A TPU runs a scatter, and a gather of single elements, one element at a
 time: in a profile of the `tpu_v5e_dsv3` training step on a v5e, each
