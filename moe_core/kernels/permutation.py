@@ -18,6 +18,7 @@ import jax
 from jax.interpreters import ad
 import jax.numpy as jnp
 
+from moe_core import index_ops
 from moe_core import permute
 from moe_core.kernels import primitive
 
@@ -114,10 +115,10 @@ class PermutationKernels(abc.ABC):
     """dy [T, D], weights [T, K] -> d_rows [A, D] in dy's dtype."""
     a = plan.assignment
     live = (plan.live_sorted != 0)[:, None]
-    # w[a] as a sort of (position, w): slot position[i] takes w[i]. A
-    # gather of single weights runs one element at a time on a TPU.
+    # w[a] moved into sorted order by a sort, not a gather of single
+    # weights (`index_ops.permute_values`).
     flat = weights.astype(jnp.float32).reshape(-1)
-    w = jax.lax.sort((plan.position, flat), num_keys=1)[1][:, None]
+    w = index_ops.permute_values(flat, plan.position, a)[:, None]
     d_rows = w * dy[a // top_k].astype(jnp.float32)
     return jnp.where(live, d_rows, 0.0).astype(dy.dtype)
 
