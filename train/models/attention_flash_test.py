@@ -1,13 +1,16 @@
-"""The TPU's flash attention path of `causal_attention` against its XLA path.
+"""The TPU's Pallas attention path of `causal_attention` against its XLA
+path, with either kernel (`attention.ATTENTION_KERNELS`).
 
-JAX's Pallas flash attention kernel has no interpreter mode, so two parts:
-on any host, the path's own work (the heads-first layout, grouped kv heads
-repeated, the scale, when it is taken) with the kernel replaced by JAX's
-reference of the same contract (`mha_reference_no_custom_vjp`); on a
-single TPU (the repository's conftest starts JAX there on a TPU host) the
-kernel itself, skipped elsewhere with the reason.
+On any host, the path's own work (the heads-first layout, grouped kv heads
+repeated, the scale, when it is taken): with splash attention the kernel
+itself in Pallas' interpreter; JAX's older flash attention kernel has no
+interpreter mode, so there it is replaced by JAX's reference of the same
+contract (`mha_reference_no_custom_vjp`). On a single TPU (the
+repository's conftest starts JAX there on a TPU host) both kernels
+compiled, skipped elsewhere with the reason.
 """
 
+import functools
 import os
 from unittest import mock
 
@@ -48,21 +51,35 @@ def _reference_kernel(q, k, v, *, causal, sm_scale, block_sizes):
   )
 
 
+def _kernel_env(kernel):
+  return mock.patch.dict(os.environ, {"DROPLESS_TPU_ATTENTION_KERNEL": kernel})
+
+
 class FlashPathTest(parameterized.TestCase):
   """The wrapper around the kernel, on any host."""
 
-  @parameterized.parameters(
-      dict(t=256, h=4, hkv=4),
-      dict(t=256, h=4, hkv=2),  # query heads 0, 1 read kv head 0
-      dict(t=128, h=3, hkv=1),
+  @parameterized.product(
+      (
+          dict(t=256, h=4, hkv=4),
+          dict(t=256, h=4, hkv=2),  # query heads 0, 1 read kv head 0
+          dict(t=128, h=3, hkv=1),
+          dict(t=384, h=2, hkv=2),  # 128-row blocks, three of them
+      ),
+      kernel=attention.ATTENTION_KERNELS,
   )
-  def test_wrapper_matches_xla_path(self, t, h, hkv):
+  def test_wrapper_matches_xla_path(self, t, h, hkv, kernel):
     q, k, v, cot = _inputs(t, h, hkv, jnp.float32)
+    interpreted_splash = functools.partial(
+        attention._splash_kernel_call,  # pylint: disable=protected-access
+        interpret=True,
+    )
     # Float32 products in full on every host: a TPU's default is one bf16
     # pass, which the two paths' different orders of work would show.
     with (
         mock.patch.object(flash, "flash_attention", _reference_kernel),
+        mock.patch.object(attention, "_splash_kernel_call", interpreted_splash),
         mock.patch.object(attention, "tpu_flash_fits", lambda *_: True),
+        _kernel_env(kernel),
         jax.default_matmul_precision("highest"),
     ):
       got = _value_and_grads(attention.causal_attention, q, k, v, cot)
@@ -97,6 +114,20 @@ class FlashPathTest(parameterized.TestCase):
     ):
       self.assertFalse(attention.tpu_flash_fits(q, k, v))
 
+  def test_kernel_by_the_variable_splash_when_unset(self):
+    with mock.patch.dict(os.environ, clear=False) as env:
+      env.pop("DROPLESS_TPU_ATTENTION_KERNEL", None)
+      self.assertEqual(attention.tpu_attention_kernel(), "splash")
+    with _kernel_env("flash"):
+      self.assertEqual(attention.tpu_attention_kernel(), "flash")
+    with _kernel_env("ring"):
+      with self.assertRaisesRegex(
+          ValueError,
+          r"DROPLESS_TPU_ATTENTION_KERNEL must be one of .*'splash'.*"
+          r"got 'ring'",
+      ):
+        attention.tpu_attention_kernel()
+
 
 class TpuFlashAttentionTest(parameterized.TestCase):
   """The kernel itself, on a TPU."""
@@ -109,15 +140,22 @@ class TpuFlashAttentionTest(parameterized.TestCase):
           f"{jax.default_backend()!r} with {jax.device_count()} devices"
       )
 
-  @parameterized.parameters(
-      dict(t=512, h=8, hkv=8),  # tpu_v5e_dsv3's attention
-      dict(t=256, h=4, hkv=2),  # grouped kv heads
-      dict(t=384, h=2, hkv=1),  # 128-row blocks
+  @parameterized.product(
+      (
+          dict(t=512, h=8, hkv=8),  # tpu_v5e_dsv3's attention
+          dict(t=256, h=4, hkv=2),  # grouped kv heads
+          dict(t=384, h=2, hkv=1),  # 128-row blocks
+      ),
+      kernel=attention.ATTENTION_KERNELS,
   )
-  def test_matches_xla_forward_and_gradients(self, t, h, hkv):
+  def test_matches_xla_forward_and_gradients(self, t, h, hkv, kernel):
     q, k, v, cot = _inputs(t, h, hkv, jnp.bfloat16)
     self.assertTrue(attention.tpu_flash_fits(q, k, v))
-    got_out = jax.jit(attention.causal_attention)(q, k, v)
+    with _kernel_env(kernel):
+      # A fresh function for each kernel: jit's cache keys on the function,
+      # not on the variable read while tracing.
+      got_out = jax.jit(lambda *qkv: attention.causal_attention(*qkv))(q, k, v)
+      _, got = _value_and_grads(attention.causal_attention, q, k, v, cot)
     want_out = jax.jit(_xla_attention)(q, k, v)
     np.testing.assert_allclose(
         np.asarray(got_out, np.float32),
@@ -125,7 +163,6 @@ class TpuFlashAttentionTest(parameterized.TestCase):
         atol=2e-2,
         rtol=2e-2,
     )
-    _, got = _value_and_grads(attention.causal_attention, q, k, v, cot)
     _, want = _value_and_grads(_xla_attention, q, k, v, cot)
     for name, g, w in zip("qkv", got, want):
       g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
