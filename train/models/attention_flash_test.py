@@ -87,7 +87,10 @@ class FlashPathTest(parameterized.TestCase):
       want = _value_and_grads(_xla_attention, q, k, v, cot)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4)
     for name, g, w in zip("qkv", got[1], want[1]):
-      np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4, err_msg=f"d{name}")
+      # atol: gradients reach 4 here; on a TPU the interpreted splash
+      # kernel's dv differed from the XLA path's by 1.5e-4 at 2 of 131,072
+      # elements near 0.02 (its exp and sums run in another order).
+      np.testing.assert_allclose(g, w, rtol=1e-3, atol=5e-4, err_msg=f"d{name}")
 
   def test_taken_on_a_tpu_for_the_kernels_shapes_only(self):
     q, k, v, _ = _inputs(256, 4, 2, jnp.bfloat16)
