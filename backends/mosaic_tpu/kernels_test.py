@@ -293,6 +293,32 @@ class TilingTest(parameterized.TestCase):
     for tiles in cands:
       self.assertLessEqual(tiling.vmem_bytes(tiles, call), budget)
 
+  def test_thin_k_widens_the_tables_columns_only(self):
+    gen = tiling.GENERATIONS["v5e"]
+    table = tiling.TABLE["v5e"]
+    # tokamax's v5e entry [262144, 256] x [256, 256, 7168]: the step's
+    # multiply-adds at 1024 columns are an eighth of STEP_MACS; the whole N
+    # (7168) is fewer columns than reach it, and fits the VMEM.
+    thin = tiling.Call("fwd", 262144, 256, 7168, 256, 2, 2)
+    tiles = tiling.choose(tiling.TileConfig(), thin, "v5e")
+    self.assertEqual((tiles.bm, tiles.bk, tiles.bn), (512, None, 7168))
+    self.assertLessEqual(tiling.vmem_bytes(tiles, thin), gen.tile_budget_bytes)
+    # Part of the way: K = 768 needs 2048 columns, and N = 4096 has them.
+    part = tiling.Call("dgrad", 32768, 768, 4096, 128, 2, 2, num_lhs=2)
+    self.assertEqual(tiling.choose(tiling.TileConfig(), part, "v5e").bn, 2048)
+    # A K the table's row already fills, wgrad, and tiles the caller gave
+    # stay as they were.
+    for call in (
+        tiling.Call("fwd", 16384, 7168, 2048, 32, 2, 2),
+        tiling.Call("wgrad", 262144, 256, 7168, 256, 2, 2),
+    ):
+      self.assertEqual(
+          tiling.choose(tiling.TileConfig(), call, "v5e"),
+          tiling.fit(table[call.kind], call, gen),
+      )
+    given = tiling.TileConfig(fwd=tiling.Tiles(bm=512, bn=1024, chunk=256))
+    self.assertEqual(tiling.choose(given, thin, "v5e").bn, 1024)
+
   def test_bad_tiles_name_the_field(self):
     with self.assertRaisesRegex(ValueError, r"Tiles.bm must be .*got bm=100"):
       tiling.Tiles(bm=100)

@@ -339,17 +339,39 @@ def fit(tiles: Tiles, call: Call, gen: Generation) -> Tiles:
   return fitted
 
 
+# The multiply-adds one gmm grid step should do: the table's row at K =
+# 2048 (512 x 2048 x 1024). A step costs a fixed ~0.35 us besides its work;
+# at a thin K (a narrow expert's down projection, the dX of its gate/up)
+# 1024 columns leave the step a few microseconds of work, and columns as
+# wide as N do better: tokamax's v5e entry [262144, 256] x [256, 256, 7168]
+# ran at 88 TF/s with 512 x 1024 tiles and 115 with 128 x 7168.
+STEP_MACS = 512 * 2048 * 1024
+
+
+def widened(tiles: Tiles, call: Call) -> Tiles:
+  """A gmm table row with bn widened, where the whole K is one step and a
+  step of bm x K x bn would do fewer than STEP_MACS multiply-adds, to the
+  columns that reach it (the whole N when that is fewer); `fit` then sizes
+  it to the shape and the VMEM. wgrad's tiles, and K in steps, as given."""
+  if call.kind == "wgrad" or tiles.bk is not None or call.k <= 0:
+    return tiles
+  want = _round_up(-(-STEP_MACS // (tiles.bm * call.k)), LANE)
+  if want <= tiles.bn:
+    return tiles
+  return dataclasses.replace(tiles, bn=want)
+
+
 def choose(
     config: TileConfig, call: Call, generation_name: str | None = None
 ) -> Tiles:
   """The tiles of one kernel call: the caller's for its kind where given
-  (fitted to the shape only), else the generation's table row, fitted to
-  the shape and the VMEM budget."""
+  (fitted to the shape only), else the generation's table row (`widened`
+  at a thin K), fitted to the shape and the VMEM budget."""
   gen = GENERATIONS[generation_name or generation()]
   given = config.get(call.kind)
   if given is not None:
     return fit(given, call, dataclasses.replace(gen, vmem_bytes=2**62))
-  return fit(TABLE[gen.name][call.kind], call, gen)
+  return fit(widened(TABLE[gen.name][call.kind], call), call, gen)
 
 
 def candidates(
