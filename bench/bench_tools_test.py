@@ -2,6 +2,8 @@
 trace_summary's grouping of a profile, and the commit tpu_check records: on
 small hand-made inputs, no chip and no tokamax needed."""
 
+import ast
+import glob
 import json
 import os
 import subprocess
@@ -184,6 +186,47 @@ class CommitTest(absltest.TestCase):
       with mock.patch.dict(os.environ, {"DROPLESS_COMMIT": "abc"}):
         with mock.patch.object(tpu_check, "_REPO", tree):
           self.assertEqual(tpu_check._git_commit(), "abc")
+
+
+class ProgramsTest(absltest.TestCase):
+
+  def test_every_program_sets_the_default_platforms(self):
+    # Importing bench sets nothing (`train.platforms`): each program (a
+    # module with a __main__ block, tests aside) calls
+    # set_default_platforms at module level or in that block, before JAX
+    # starts its backends.
+    here = os.path.dirname(os.path.abspath(__file__))
+    programs = []
+    for path in sorted(glob.glob(os.path.join(here, "*.py"))):
+      if path.endswith("_test.py"):
+        continue
+      with open(path) as f:
+        tree = ast.parse(f.read())
+      top = [
+          n
+          for n in tree.body
+          if not isinstance(n, (ast.FunctionDef, ast.ClassDef))
+      ]
+      if not any(_is_main_block(n) for n in top):
+        continue
+      programs.append(os.path.basename(path))
+      calls = {
+          node.func.attr
+          for stmt in top
+          for node in ast.walk(stmt)
+          if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+      }
+      self.assertIn("set_default_platforms", calls, path)
+    self.assertIn("tpu_check.py", programs)
+
+
+def _is_main_block(node) -> bool:
+  return (
+      isinstance(node, ast.If)
+      and isinstance(node.test, ast.Compare)
+      and isinstance(node.test.left, ast.Name)
+      and node.test.left.id == "__name__"
+  )
 
 
 if __name__ == "__main__":

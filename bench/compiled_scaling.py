@@ -19,6 +19,7 @@ from absl import app
 from absl import flags
 
 from bench import scaling_model
+from train import platforms
 from train.parallel import mesh as mesh_lib
 from train.presets import sizing
 from train.run import run_config
@@ -115,4 +116,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   sys.exit(app.run(main))

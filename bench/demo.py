@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 import moe_core
 from bench import timing
+from train import platforms
 from train import presets
 
 _TOKENS = flags.DEFINE_integer("tokens", 1024, "Tokens per call (T).")
@@ -112,4 +113,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   app.run(main)

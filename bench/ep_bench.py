@@ -24,6 +24,7 @@ import numpy as np
 from bench import collective_traffic
 import moe_core
 from moe_core import parallel
+from train import platforms
 
 _TOKENS = flags.DEFINE_integer("tokens_per_device", 256, "T_l.")
 _EP = flags.DEFINE_list("ep", ["2", "4", "8"], "Expert-parallel sizes.")
@@ -199,4 +200,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   app.run(main)

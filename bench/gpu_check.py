@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
+from train import platforms
 
 # Run as a script (python bench/gpu_check.py), only bench/ is on sys.path.
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -484,4 +485,5 @@ def _print_report(report) -> None:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   sys.exit(main())

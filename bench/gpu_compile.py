@@ -32,6 +32,7 @@ import jax
 from bench import programs as programs_lib
 from moe_core import aot
 from moe_core import compat
+from train import platforms
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -388,4 +389,5 @@ def _each_target_apart(args, targets, out) -> int:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   sys.exit(main())

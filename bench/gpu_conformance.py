@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from train import platforms
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANT_ENV = "DROPLESS_CONFORMANCE_VARIANT"
 INTERPRET_ENV = "DROPLESS_CONFORMANCE_INTERPRET"
@@ -273,4 +275,5 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   _main()

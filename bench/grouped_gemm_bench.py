@@ -28,6 +28,7 @@ import moe_core
 from bench import gemm_workloads
 from bench import text_table
 from bench import timing
+from train import platforms
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "One repeat and one warm-up call: proves the script runs."
@@ -283,4 +284,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   app.run(main)

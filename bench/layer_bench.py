@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import moe_core
 from bench import text_table
 from bench import timing
+from train import platforms
 
 _QUICK = flags.DEFINE_bool("quick", False, "One repeat: proves it runs.")
 _TOKENS = flags.DEFINE_integer("tokens", 2048, "T: tokens per call.")
@@ -225,4 +226,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   app.run(main)

@@ -31,6 +31,7 @@ from bench import gemm_workloads
 from bench import flag_checks
 from bench import text_table
 from bench import timing
+from train import platforms
 
 _BASELINE = moe_precision.UNQUANTIZED
 # Records written before the recipe was renamed say "bf16" in these keys.
@@ -264,4 +265,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   app.run(main)

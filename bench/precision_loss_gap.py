@@ -33,6 +33,7 @@ import moe_core.flags  # Defines --moe_backend.
 from bench import flag_checks
 from bench import text_table
 from bench import timing
+from train import platforms
 from train import presets
 from train.run import data as data_lib
 from train.run import run_config
@@ -354,4 +355,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   app.run(main)

@@ -17,6 +17,8 @@ import dataclasses
 from absl import app
 from absl import flags
 
+from train import platforms
+
 _GPU = flags.DEFINE_enum(
     "gpu", "h100", ["h100", "h800", "b200"], "Link bandwidths of which cluster."
 )
@@ -278,4 +280,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   app.run(main)

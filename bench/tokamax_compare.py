@@ -58,6 +58,7 @@ from backends.mosaic_tpu import kernels
 from backends.mosaic_tpu import tiling
 from bench import gpu_report
 from bench import gpu_timing
+from train import platforms
 
 TABLE_PATH = "data/autotuning/tpu_v5_lite/pallas_mosaic_tpu_ragged_dot.json"
 # (dot dimension numbers, rhs group dimensions) of each pass, as tokamax's
@@ -539,4 +540,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   sys.exit(main())

@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import traceback
+from train import platforms
 
 # Run as a script (python bench/tpu_check.py), only bench/ is on sys.path.
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -722,4 +723,5 @@ def _child_main(args) -> int:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   sys.exit(main())

@@ -29,6 +29,7 @@ import jax
 from bench import gpu_compile
 from bench import tpu_programs
 from moe_core import aot
+from train import platforms
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MAX_ERROR = 600
@@ -234,4 +235,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   sys.exit(main())

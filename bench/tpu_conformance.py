@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import unittest
+from train import platforms
 
 # Run as a script (python bench/tpu_conformance.py), only bench/ is on
 # sys.path.
@@ -302,4 +303,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   sys.exit(main())

@@ -27,6 +27,7 @@ import jax
 from bench import gpu_compile
 from bench import tpu_programs
 from moe_core import aot
+from train import platforms
 
 FIELDS = (
     "argument_bytes",
@@ -173,4 +174,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   sys.exit(main())

@@ -35,7 +35,10 @@ from conformance import base
 from conformance import cases
 from conformance import precision_suite
 from moe_core import precision
+from train import platforms
 
+# This program probes the device as it is imported: the platforms first.
+platforms.set_default_platforms()
 _ON_TPU = jax.default_backend() == "tpu"
 CHIP = jax.devices()[0]
 HOST = jax.devices("cpu")[0]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
+from train import platforms
+
 GEMM_VARIANTS = (
     "dense",
     "ragged_dot",
@@ -271,4 +273,5 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   sys.exit(main(sys.argv))

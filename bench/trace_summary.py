@@ -21,6 +21,8 @@ import os
 import re
 import sys
 
+from train import platforms
+
 # Container ops whose time is the sum of the ops they run.
 _CONTAINERS = ("while", "conditional", "call")
 
@@ -130,4 +132,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   sys.exit(main())

@@ -39,6 +39,7 @@ from bench import collective_traffic
 from bench import text_table
 import moe_core
 from moe_core import parallel
+from train import platforms
 from train import presets
 from train.presets import sizing
 
@@ -360,4 +361,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   app.run(main)

@@ -21,6 +21,7 @@ import moe_core
 from train.presets import catalog
 from train.run import run_config
 from train.run import trainer
+from train import platforms
 
 _SKIP = 2  # Steps left out of the timing: the first ones compile.
 
@@ -138,4 +139,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   app.run(main)

@@ -32,6 +32,7 @@ import numpy as np
 
 import moe_core.flags
 from train.presets import catalog
+from train import platforms
 from train import train_flags
 from train.checkpoints import checkpoint_meta
 from train.checkpoints import output_lock
@@ -372,4 +373,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   app.run(main, flags_parser=_parse_flags)

@@ -4,7 +4,12 @@ The legs carry JAX's CUDA plugin (to compile for GPUs from any host,
 `moe_core.aot`). On a host without an accelerator, JAX is pinned to the CPU
 so that it starts without the plugin's failing check; on a TPU host to the
 TPU (then the CPU), so that a user who sets nothing trains on the chip; on
-a GPU host JAX chooses. No jax import here: this runs before jax starts.
+a GPU host JAX chooses.
+
+Importing the library sets nothing: each program (`python -m train.main`,
+`python -m bench.<name>`) calls `set_default_platforms` first thing in its
+`__main__` block, and the repository's conftest before any test. No jax
+import here: a program may call it before jax starts.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import sys
 
 
 def accelerator() -> str | None:
@@ -28,10 +34,28 @@ def accelerator() -> str | None:
   return None
 
 
+def default_platforms() -> str | None:
+  """The JAX_PLATFORMS value for this host: "cpu" without an accelerator,
+  "tpu,cpu" on a TPU host, None on a GPU host (JAX chooses)."""
+  return {None: "cpu", "tpu": "tpu,cpu", "gpu": None}[accelerator()]
+
+
 def set_default_platforms() -> None:
-  """Sets JAX_PLATFORMS for this host unless the user has set it."""
-  found = accelerator()
-  if found is None:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  elif found == "tpu":
-    os.environ.setdefault("JAX_PLATFORMS", "tpu,cpu")
+  """Sets JAX's platforms for this host (`default_platforms`) unless the
+  user has set JAX_PLATFORMS.
+
+  In the environment (the value jax reads when it is imported, and what
+  the program's child processes inherit), and, when jax is imported
+  already, in `jax.config` too, which takes effect if no device has been
+  used yet (JAX starts its backends at the first device use). A value the
+  program set in `jax.config` itself stands.
+  """
+  if "JAX_PLATFORMS" in os.environ:
+    return
+  value = default_platforms()
+  if value is None:
+    return
+  os.environ["JAX_PLATFORMS"] = value
+  jax = sys.modules.get("jax")
+  if jax is not None and not jax.config.jax_platforms:
+    jax.config.update("jax_platforms", value)

@@ -33,6 +33,7 @@ if _ROOT not in sys.path:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from train import platforms  # noqa: E402
 from train.checkpoints import checkpoint  # noqa: E402
 from train.checkpoints import checkpoint_dirs  # noqa: E402
 from train.checkpoints import checkpoint_meta  # noqa: E402
@@ -219,4 +220,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   main(sys.argv[1:])

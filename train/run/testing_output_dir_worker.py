@@ -31,6 +31,7 @@ if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
 # pylint: disable=g-import-not-at-top
+from train import platforms  # noqa: E402
 from train.parallel import distributed  # noqa: E402
 
 # pylint: enable=g-import-not-at-top
@@ -78,5 +79,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  platforms.set_default_platforms()
   flags.mark_flag_as_required("output_dir")
   app.run(main)
