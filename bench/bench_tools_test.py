@@ -93,6 +93,11 @@ class TokamaxTableTest(absltest.TestCase):
     ]
     self.assertEqual(labels[0], "table")
     self.assertEqual(len(labels), len(set(map(str, found.values()))))
+    # The table's row with finer rows keeps its columns and K.
+    table = found["table"]
+    finer = found["rows256x128"]
+    self.assertEqual((finer.bm, finer.chunk), (256, 128))
+    self.assertEqual((finer.bk, finer.bn), (table.bk, table.bn))
 
 
 class TraceSummaryTest(absltest.TestCase):

@@ -76,6 +76,10 @@ _SHAPE = re.compile(r"^(\w+)\[([\d,]*)\]$")
 # unchunked 512-row tiles lost too (within 1% once); 1024-row tiles with
 # the whole K won on the Mixtral shape: the one neighbour kept.
 _NEIGHBOURS = {"gmm": ((1024, None, 1024, None),), "tgmm": ()}
+# The table's row with finer rows, (bm, chunk) in place of its own: the
+# waste at group boundaries is about half a chunk each (tokamax's v5e
+# entries use 128- and 256-row tiles), against a step's fixed cost.
+_FINER_ROWS = ((512, 128), (256, 128), (128, None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +271,12 @@ def raw_candidates(
     )
   kernel = "tgmm" if call.kind == "wgrad" else "gmm"
   wanted += [("neighbour", t) for t in _NEIGHBOURS[kernel]]
+  table = found[0][1]
+  wanted += [
+      (f"rows{bm}x{chunk or bm}", (bm, table.bk, table.bn, chunk))
+      for bm, chunk in _FINER_ROWS
+      if bm <= table.bm
+  ]
   for label, (bm, bk, bn, chunk) in wanted:
     tiles = tiling.choose(
         tiling.TileConfig(**{call.kind: tiling.Tiles(bm, bk, bn, chunk)}),
