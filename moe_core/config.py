@@ -26,7 +26,7 @@ class MoEConfig:
 
   The routing fields express the routers of Mixtral, Qwen2-MoE, Qwen3-MoE,
   OLMoE, DeepSeek-V2 and DeepSeek-V3 exactly (the table in docs/api.md,
-  "Every real router"; checked by `reference/hf_parity_test.py`).
+  "Every real router"; checked by `hf_convert/hf_parity_test.py`).
 
   Attributes:
     num_experts: E, routed experts.

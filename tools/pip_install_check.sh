@@ -13,13 +13,14 @@
 #      pyproject.toml) and sees only what a fresh clone would.
 #   2. `pip install <copy>` (non-editable) into a fresh venv, run from the
 #      temporary directory; check the installed file list (the wheel's
-#      RECORD): every module of moe_core, reference, backends and
-#      conformance is there (their unit tests included), nothing of train,
+#      RECORD): every module of moe_core, reference, backends, conformance
+#      and hf_convert is there (their unit tests included), nothing of train,
 #      bench, tools or bazel.
 #   3. from the temporary directory, import moe_core, reference, backends.xla,
-#      backends.pallas and conformance, check that they come from the venv's
-#      site-packages, run one jitted moe_layer on the reference, xla and
-#      pallas backends (shape, finiteness, agreement with the reference).
+#      backends.pallas, conformance and hf_convert, check that they come from
+#      the venv's site-packages, run one jitted moe_layer on the reference,
+#      xla and pallas backends (shape, finiteness, agreement with the
+#      reference).
 #   4. `pip install -e <copy>` into a second fresh venv, and the same checks,
 #      now expecting the modules to come from the copy, and that a module
 #      added to the source after the install is importable (editable);
@@ -123,7 +124,8 @@ if mode == "wheel":
   files = [str(f) for f in importlib.metadata.files("dropless")]
   py = sorted(f for f in files if f.endswith(".py"))
   tops = sorted({f.split("/")[0] for f in py})
-  if tops != ["backends", "conformance", "moe_core", "reference"]:
+  if tops != ["backends", "conformance", "hf_convert", "moe_core",
+              "reference"]:
     sys.exit(f"unexpected top-level packages in the wheel: {tops}")
   want = set()
   for top in tops:
@@ -156,8 +158,9 @@ import backends.xla
 import backends.pallas
 import conformance
 import conformance.suite
+import hf_convert
 for mod in (moe_core, reference, backends, backends.xla, backends.pallas,
-            conformance, conformance.suite):
+            conformance, conformance.suite, hf_convert):
   path = os.path.realpath(mod.__file__)
   if not path.startswith(root + os.sep):
     sys.exit(f"{mod.__name__} comes from {path}, not from {root}")

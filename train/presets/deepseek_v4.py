@@ -24,7 +24,7 @@ def deepseek_v4_moe(
   sqrt(softplus) scores with the aux-loss-free correction bias, plain top-k
   (no groups), weights renormalised then scaled, one shared expert as wide
   as a routed one, and the SwiGLU clamp at 10 on routed and shared experts
-  (as `reference/hf_convert` converts transformers' DeepseekV4Config).
+  (as `hf_convert/` converts transformers' DeepseekV4Config).
   """
   return rows.moe_block(
       (hidden_size, num_experts, top_k, expert_ffn_size),

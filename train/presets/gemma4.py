@@ -22,7 +22,7 @@ def gemma4_moe(
   scale [D] times hidden_size ** -0.5, the experts through their own RMS
   norm; softmax scores, top-k renormalised, then times a learned scale per
   chosen expert; GeGLU (tanh) experts. As
-  `reference.hf_convert`'s gemma4 entry reads a transformers config.
+  `hf_convert`'s gemma4 entry reads a transformers config.
   """
   return rows.moe_block(
       (hidden_size, num_experts, top_k, expert_ffn_size),

@@ -17,8 +17,8 @@ import numpy as np
 from absl.testing import absltest
 from flax import nnx
 
+import hf_convert
 from moe_core import flax as moe_flax
-from reference import hf_convert
 from train import presets
 from train.models import transformer as model_lib
 from train.presets import sizing

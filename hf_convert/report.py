@@ -1,6 +1,6 @@
 """Prints every transformers MoE family: supported or not, parity error.
 
-  PYTHONPATH=$PWD .venvs/py311-jax0.10/bin/python -m reference.hf_convert.report
+  PYTHONPATH=$PWD .venvs/py311-jax0.10/bin/python -m hf_convert.report
 
 One row per family of `families.FAMILIES` (Markdown): for a supported family
 the largest |moe_layer - transformers| over the parity tokens on each
@@ -16,8 +16,8 @@ import warnings
 
 import numpy as np
 
-from reference.hf_convert import families
-from reference.hf_convert import parity
+from hf_convert import families
+from hf_convert import parity
 
 
 def rows(backends=("reference", "xla")):

@@ -1,4 +1,4 @@
-"""docs/hf_families.md agrees with reference/hf_convert/families.py.
+"""docs/hf_families.md agrees with hf_convert/families.py.
 
 The page is written by hand from the table; this test keeps the two from
 drifting: one row per family, in the table's order, with its block class
@@ -11,7 +11,7 @@ import os
 
 from absl.testing import absltest
 
-from reference.hf_convert import families
+from hf_convert import families
 
 _DOC = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "docs", "hf_families.md"

@@ -7,7 +7,7 @@ for the choice only, without DeepSeek-V3's groups.
 
 from __future__ import annotations
 
-from reference.hf_convert import family_row
+from hf_convert import family_row
 
 ROWS = (
     family_row.Family(

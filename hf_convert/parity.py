@@ -1,6 +1,6 @@
 """Builds each family's transformers block and compares it with moe_layer.
 
-Shared by `reference/hf_families_parity_test.py` and `report.py`. Needs
+Shared by `hf_convert/hf_families_parity_test.py` and `report.py`. Needs
 torch and transformers (the py311-jax0.10 leg); `IMPORT_ERROR` says why not
 elsewhere. Blocks are built directly from their classes with a small config
 (D=32, F=48, E=16, K=4, 4 groups of which 2 are kept, scaling 2.5 where the
@@ -22,10 +22,10 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
+import hf_convert
+from hf_convert import convert
+from hf_convert import families
 import moe_core
-from reference import hf_convert
-from reference.hf_convert import convert
-from reference.hf_convert import families
 
 try:
   import torch  # pylint: disable=g-import-not-at-top

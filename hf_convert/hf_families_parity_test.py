@@ -1,13 +1,13 @@
 """moe_layer against every supported transformers MoE family, in float32.
 
-One case per family of `reference.hf_convert.families.SUPPORTED`: the
+One case per family of `hf_convert.families.SUPPORTED`: the
 family's sparse block is built directly from its class (not a whole model)
 with a small config (D=32, F=48, E=16, K=4, 4 groups of which 2 are kept,
 scaling 2.5 where the family scales) and seeded random weights, run in
 torch, converted with `hf_convert`, and run through `moe_core.moe_layer` on
 "reference" and "xla". The experts each token is sent to (read where the
 block calls its expert bank) must be the same set, and the outputs must
-agree to float32 rounding. `python -m reference.hf_convert.report` prints
+agree to float32 rounding. `python -m hf_convert.report` prints
 the same comparison as a table. The six original families keep their
 detailed cases (router logits, combine weights, DeepSeek corner cases) in
 `hf_parity_test.py`.
@@ -21,9 +21,9 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from reference import hf_convert
-from reference.hf_convert import families
-from reference.hf_convert import parity
+import hf_convert
+from hf_convert import families
+from hf_convert import parity
 
 _BACKENDS = ("reference", "xla")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.hf_convert import tensors
+from hf_convert import tensors
 
 # Routing state, kept float32 whatever `dtype` says.
 FLOAT32_PARAMS = (

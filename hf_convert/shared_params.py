@@ -10,7 +10,7 @@ import numpy as np
 
 from moe_core import activations as activations_lib
 
-from reference.hf_convert import tensors
+from hf_convert import tensors
 
 # Where the shared expert lives, relative to the block (Granite's: the
 # decoder layer, see params_from_hf's shared_prefix).

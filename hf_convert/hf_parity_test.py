@@ -2,7 +2,7 @@
 
 Read in transformers 5.24.0 (models/<family>/modeling_<family>.py); every
 point below is a place where the six families differ, and each is either
-expressed by a `MoEConfig` field (set by `reference/hf_convert`) or listed
+expressed by a `MoEConfig` field (set by `hf_convert/`) or listed
 as a known divergence.
 
 Router scores and selection
@@ -81,8 +81,8 @@ from absl.testing import parameterized
 import jax.numpy as jnp
 import numpy as np
 
+import hf_convert
 import moe_core
-from reference import hf_convert
 
 try:
   import torch  # pylint: disable=g-import-not-at-top
@@ -600,7 +600,7 @@ class HfConvertTest(parameterized.TestCase):
 
   def test_moe_core_and_hf_convert_never_import_torch(self):
     code = (
-        "import sys, moe_core, reference.hf_convert; "
+        "import sys, moe_core, hf_convert; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

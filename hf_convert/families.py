@@ -14,10 +14,10 @@ it needs). The rows live by router kind (`families_deepseek.py`,
 
 from __future__ import annotations
 
-from reference.hf_convert import families_deepseek
-from reference.hf_convert import families_sigmoid
-from reference.hf_convert import families_softmax
-from reference.hf_convert import family_row
+from hf_convert import families_deepseek
+from hf_convert import families_sigmoid
+from hf_convert import families_softmax
+from hf_convert import family_row
 
 # The row and the switch names `lacks` spells, defined in family_row.py and
 # read from here.

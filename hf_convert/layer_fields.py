@@ -7,9 +7,9 @@ DeepSeek-V4's hash and scored layers. Each function takes the config and
 
 from __future__ import annotations
 
-from reference.hf_convert import families as families_lib
-from reference.hf_convert import fields
-from reference.hf_convert import router_fields
+from hf_convert import families as families_lib
+from hf_convert import fields
+from hf_convert import router_fields
 
 # DeepSeek-V4's scoring_func (an ACT2FN name) -> dropless score function.
 _DEEPSEEK_V4_SCORES = {"sqrtsoftplus": "sqrtsoftplus", "sigmoid": "sigmoid"}

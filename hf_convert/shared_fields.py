@@ -7,8 +7,8 @@ always-on experts (Inkling). Each function returns `MoEConfig` fields;
 
 from __future__ import annotations
 
-from reference.hf_convert import fields
-from reference.hf_convert import router_fields
+from hf_convert import fields
+from hf_convert import router_fields
 
 # Cohere 2 MoE's shared_expert_combination_strategy -> shared_combine.
 _COHERE_COMBINES = {"sum": "sum", "average": "mean"}

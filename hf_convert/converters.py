@@ -10,11 +10,11 @@ family apart: `router_fields.py` (router kinds and router switches),
 
 from __future__ import annotations
 
-from reference.hf_convert import expert_fields
-from reference.hf_convert import fields
-from reference.hf_convert import layer_fields
-from reference.hf_convert import router_fields as routers
-from reference.hf_convert import shared_fields
+from hf_convert import expert_fields
+from hf_convert import fields
+from hf_convert import layer_fields
+from hf_convert import router_fields as routers
+from hf_convert import shared_fields
 
 
 def _softmax(experts_field, ffn_field, norm=None, shared=None):

@@ -18,7 +18,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from reference import hf_convert
+import hf_convert
 
 E, K, D, F, V = 4, 2, 8, 6, 10
 

@@ -9,8 +9,8 @@ norms, ...).
 
 from __future__ import annotations
 
-from reference.hf_convert import families as families_lib
-from reference.hf_convert import fields
+from hf_convert import families as families_lib
+from hf_convert import fields
 
 # DeepSeek-V3 and its descendants add this to the top-k sum before dividing.
 DEEPSEEK_V3_NORM_EPSILON = 1e-20

@@ -11,7 +11,7 @@ import numpy as np
 
 from moe_core import activations as activations_lib
 
-from reference.hf_convert import tensors
+from hf_convert import tensors
 
 # Families whose [E, D, 2F] gate_up_proj interleaves gate and up columns;
 # the privacy filter stores the same shape with gate and up in halves.

@@ -8,7 +8,7 @@ groups scored by their two best.
 
 from __future__ import annotations
 
-from reference.hf_convert import family_row
+from hf_convert import family_row
 
 _DS3 = (
     "ds3: sigmoid + correction bias, groups (sum top-2), norm if "

@@ -7,7 +7,7 @@ K best (GPT-OSS, JetMoE, Granite), sparsemixer's masked softmaxes included.
 
 from __future__ import annotations
 
-from reference.hf_convert import family_row
+from hf_convert import family_row
 
 _NORM_IF_ASKED = "softmax -> top-k, norm if norm_topk_prob"
 _QWEN_SHARED = (

@@ -7,8 +7,8 @@ the norms around the experts. Each function returns the family's
 
 from __future__ import annotations
 
-from reference.hf_convert import fields
-from reference.hf_convert import router_fields
+from hf_convert import fields
+from hf_convert import router_fields
 
 # MuseSparkTopkRouter's norm_topk_prob_eps.
 _MUSE_SPARK_NORM_EPSILON = 1e-15

@@ -3,8 +3,8 @@
 Converts the sparse MoE block (router, routed experts, shared expert) of
 every transformers family in `families.SUPPORTED`, so that
 `moe_core.moe_layer` computes what the transformers 5.x block computes for
-the same weights (`reference/hf_families_parity_test.py` checks each family;
-`reference/hf_parity_test.py`'s docstring details the six first ones):
+the same weights (`hf_convert/hf_families_parity_test.py` checks each family;
+`hf_convert/hf_parity_test.py`'s docstring details the six first ones):
 `moe_config_from_hf` gives the config, `params_from_hf` the block's tensors.
 Attention, norms and the choice of which layers are sparse
 (`decoder_sparse_step`, `mlp_only_layers`, `first_k_dense_replace`) are out
@@ -26,12 +26,12 @@ import numpy as np
 from moe_core import config as config_lib
 from moe_core import params as params_lib
 
-from reference.hf_convert import converters
-from reference.hf_convert import expert_params
-from reference.hf_convert import families as families_lib
-from reference.hf_convert import fields
-from reference.hf_convert import router_params
-from reference.hf_convert import shared_params
+from hf_convert import converters
+from hf_convert import expert_params
+from hf_convert import families as families_lib
+from hf_convert import fields
+from hf_convert import router_params
+from hf_convert import shared_params
 
 # Where each family keeps its router matrix and its choice bias (parity.py
 # reads ROUTER_KEYS from here).

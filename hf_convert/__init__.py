@@ -6,10 +6,10 @@ every family of `families.FAMILIES` whose `lacks` is empty
 lack. See docs/hf_families.md.
 """
 
-from reference.hf_convert.convert import moe_config_from_hf
-from reference.hf_convert.convert import params_from_hf
-from reference.hf_convert.convert import SUPPORTED_MODEL_TYPES
-from reference.hf_convert.families import FAMILIES
+from hf_convert.convert import moe_config_from_hf
+from hf_convert.convert import params_from_hf
+from hf_convert.convert import SUPPORTED_MODEL_TYPES
+from hf_convert.families import FAMILIES
 
 __all__ = [
     "FAMILIES",
