@@ -26,49 +26,51 @@ import jax
 
 import moe_core
 from moe_core import parallel
-from moe_core.parallel import testing
+from moe_core.testing import expert_parallel
 
 P = jax.sharding.PartitionSpec
 
 
-class ExpertParallelLayerTest(testing.LayerTestCase):
+class ExpertParallelLayerTest(expert_parallel.LayerTestCase):
 
   def test_chunks_match_single_device_with_gradients(self):
-    cfg = testing.cfg(shared_ffn_size=8)
-    params, x = testing.inputs(cfg, 32, seed=1)
+    cfg = expert_parallel.cfg(shared_ffn_size=8)
+    params, x = expert_parallel.inputs(cfg, 32, seed=1)
     got = self.run_layer(
         cfg,
         params,
         x,
         grads=True,
-        mesh=testing.mesh((2, 4), ("data", "expert")),
+        mesh=expert_parallel.mesh((2, 4), ("data", "expert")),
         ep_options=parallel.EPOptions(num_chunks=2),
     )
     self.assertLayerMatches(got, self.run_layer(cfg, params, x, grads=True))
 
   def test_ragged_layout_with_k_above_local_experts_matches(self):
     # E_l = 1 < K = 3: a token sends at most one copy to a device.
-    cfg = testing.cfg(top_k=3, score_func="sigmoid", norm_topk_prob=True)
-    params, x = testing.inputs(cfg, 16, seed=2)
+    cfg = expert_parallel.cfg(
+        top_k=3, score_func="sigmoid", norm_topk_prob=True
+    )
+    params, x = expert_parallel.inputs(cfg, 16, seed=2)
     got = self.run_layer(
         cfg,
         params,
         x,
         grads=True,
-        mesh=testing.mesh((8,), ("expert",)),
+        mesh=expert_parallel.mesh((8,), ("expert",)),
         data_axes=(),
         ep_options=parallel.EPOptions(exchange="ragged_emulated"),
     )
     self.assertLayerMatches(got, self.run_layer(cfg, params, x, grads=True))
 
   def test_unnamed_mesh_axis_replicates(self):
-    cfg = testing.cfg()
-    params, x = testing.inputs(cfg, 16, seed=3)
+    cfg = expert_parallel.cfg()
+    params, x = expert_parallel.inputs(cfg, 16, seed=3)
     got = self.run_layer(
         cfg,
         params,
         x,
-        mesh=testing.mesh((2, 4), ("model", "expert")),
+        mesh=expert_parallel.mesh((2, 4), ("model", "expert")),
         data_axes=(),
     )
     self.assertLayerMatches(got, self.run_layer(cfg, params, x))
@@ -79,8 +81,8 @@ class ExpertParallelLayerTest(testing.LayerTestCase):
       self.skipTest(
           "this jax has no explicit mesh axes (jax.sharding." "AxisType)."
       )
-    cfg = testing.cfg()
-    params, x = testing.inputs(cfg, 32, seed=4)
+    cfg = expert_parallel.cfg()
+    params, x = expert_parallel.inputs(cfg, 32, seed=4)
     mesh = jax.make_mesh(
         (2, 4), ("data", "expert"), axis_types=(axis_type.Explicit,) * 2
     )
@@ -96,10 +98,10 @@ class ExpertParallelLayerTest(testing.LayerTestCase):
       self.assertLayerMatches((y, aux, None), want)
 
   def test_stages_compose_inside_a_user_shard_map(self):
-    cfg = testing.cfg()
-    params, x = testing.inputs(cfg, 32, seed=5)
-    mesh = testing.mesh((8,), ("expert",))
-    backend = moe_core.get_backend(testing.BACKEND)
+    cfg = expert_parallel.cfg()
+    params, x = expert_parallel.inputs(cfg, 32, seed=5)
+    mesh = expert_parallel.mesh((8,), ("expert",))
+    backend = moe_core.get_backend(expert_parallel.BACKEND)
 
     def body(params, x):
       aux = parallel.route(x, params["router"], cfg, token_axes=("expert",))
@@ -123,18 +125,18 @@ class ExpertParallelLayerTest(testing.LayerTestCase):
     self.assertMatches(loss, aux0.load_balancing_loss, "load_balancing_loss")
 
 
-class ErrorTest(testing.DevicesTestCase):
+class ErrorTest(expert_parallel.DevicesTestCase):
 
   def test_ep_options_without_mesh(self):
-    cfg = testing.cfg()
-    params, x = testing.inputs(cfg, 8)
+    cfg = expert_parallel.cfg()
+    params, x = expert_parallel.inputs(cfg, 8)
     with self.assertRaisesRegex(ValueError, "ep_options needs a mesh"):
       moe_core.moe_layer(params, x, cfg, ep_options=parallel.EPOptions())
 
   def test_mesh_errors_name_the_argument(self):
-    cfg = testing.cfg()
-    params, x = testing.inputs(cfg, 8)
-    mesh = testing.mesh((2, 4), ("data", "expert"))
+    cfg = expert_parallel.cfg()
+    params, x = expert_parallel.inputs(cfg, 8)
+    mesh = expert_parallel.mesh((2, 4), ("data", "expert"))
     cases = [
         (
             dict(expert_axis="experts"),
@@ -179,22 +181,26 @@ class ErrorTest(testing.DevicesTestCase):
       ),
   )
   def test_layout_error(self, changes, num_tokens, message):
-    cfg = testing.cfg(**changes)
-    params, x = testing.inputs(cfg, num_tokens)
-    mesh = testing.mesh((2, 4), ("data", "expert"))
+    cfg = expert_parallel.cfg(**changes)
+    params, x = expert_parallel.inputs(cfg, num_tokens)
+    mesh = expert_parallel.mesh((2, 4), ("data", "expert"))
     with self.assertRaisesRegex(ValueError, message):
       moe_core.moe_layer(params, x, cfg, mesh=mesh)
 
   def test_capacity_configs_are_not_supported(self):
-    cfg = testing.cfg(capacity_factor=1.0)
-    params, x = testing.inputs(cfg, 8)
+    cfg = expert_parallel.cfg(capacity_factor=1.0)
+    params, x = expert_parallel.inputs(cfg, 8)
     with self.assertRaisesRegex(
         NotImplementedError,
         r"dropless configs only \(capacity_factor="
         r"None\), got capacity_factor=1.0",
     ):
       moe_core.moe_layer(
-          params, x, cfg, mesh=testing.mesh((8,), ("expert",)), data_axes=()
+          params,
+          x,
+          cfg,
+          mesh=expert_parallel.mesh((8,), ("expert",)),
+          data_axes=(),
       )
 
 

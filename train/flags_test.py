@@ -27,7 +27,7 @@ from train import train_flags
 from train.run import report
 from train.run import run_config
 from train.run import step_log
-from train.run import testing
+from train.testing import small_runs
 
 FLAGS = flags.FLAGS
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,7 +175,7 @@ class NumberAndMeshFlagTest(parameterized.TestCase):
 
   def test_every_default_passes(self):
     # The default --output_dir, under /tmp, may be unwritable in a sandbox.
-    out_dir = testing.temp_dir(self)
+    out_dir = small_runs.temp_dir(self)
     with flagsaver.flagsaver():
       FLAGS.unparse_flags()
       FLAGS(["prog", f"--output_dir={out_dir}"])  # Runs every validator.
@@ -189,7 +189,7 @@ class NumberAndMeshFlagTest(parameterized.TestCase):
                 "prog",
                 "--steps=0",
                 "--learning_rate=nan",
-                f"--output_dir={testing.temp_dir(self)}",
+                f"--output_dir={small_runs.temp_dir(self)}",
             ]
         )
     lines = str(raised.exception).splitlines()
@@ -308,7 +308,7 @@ class PathFlagTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.dir = testing.temp_dir(self)
+    self.dir = small_runs.temp_dir(self)
     self.file = os.path.join(self.dir, "a_file")
     with open(self.file, "w") as f:
       f.write("text")
@@ -634,13 +634,13 @@ class PrecisionFlagTest(parameterized.TestCase):
     self.assertIn(train_flags.PRECISION_RECIPES["fp8_block"], text)
 
   def test_summary_records_the_recipe(self):
-    run = testing.small_run(testing.temp_dir(self))
+    run = small_runs.small_run(small_runs.temp_dir(self))
     run = dataclasses.replace(
         run, model=run_config.with_precision(run.model, "mxfp8")
     )
     summary = report.run_summary(
         run,
-        testing.corpus(),
+        small_runs.corpus(),
         step_log.new_history(),
         steps=0,
         backend="xla",
@@ -686,7 +686,7 @@ class StopsBeforeCompilingTest(absltest.TestCase):
 
   def test_train_main_zero_steps(self):
     proc = _run_module(
-        "train.main", "--steps=0", f"--output_dir={testing.temp_dir(self)}"
+        "train.main", "--steps=0", f"--output_dir={small_runs.temp_dir(self)}"
     )
     self._assert_stopped_at_parsing(proc, ("--steps", "got 0"))
 
@@ -700,13 +700,13 @@ class StopsBeforeCompilingTest(absltest.TestCase):
     proc = _run_module(
         "train.main",
         "--precision=fp6",
-        f"--output_dir={testing.temp_dir(self)}",
+        f"--output_dir={small_runs.temp_dir(self)}",
     )
     self._assert_stopped_at_parsing(proc, ("--precision", "fp6"))
 
   def test_train_main_output_dir_whose_checkpoints_is_a_file(self):
     """The run trained, then lost its work at its last save."""
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     with open(os.path.join(out, "checkpoints"), "w") as f:
       f.write("in the way")
     proc = _run_module("train.main", f"--output_dir={out}")

@@ -10,7 +10,7 @@ from absl.testing import absltest
 from absl.testing import flagsaver
 
 from train import main
-from train.run import testing
+from train.testing import small_runs
 
 
 def setUpModule():
@@ -21,7 +21,7 @@ def setUpModule():
 class MainTest(absltest.TestCase):
 
   def test_trains_reports_and_resumes(self):
-    out_dir = testing.temp_dir(self)
+    out_dir = small_runs.temp_dir(self)
     common = dict(
         model="tiny_dsv3",
         moe_backend="xla",

@@ -28,7 +28,7 @@ import numpy as np
 
 import moe_core
 from backends.te import _te
-from backends.te.testing import require_te
+from backends.testing.te_required import require_te
 from conformance import tolerances
 from moe_core import permute
 from moe_core.parallel import exchange

@@ -46,8 +46,8 @@ import numpy as np
 
 import moe_core
 from backends.te import _te
-from backends.te.testing import require_te
 from backends.te import gemm as gemm_lib
+from backends.testing.te_required import require_te
 from moe_core.parallel import options
 
 _T, _E, _K, _D, _F = 32, 8, 2, 64, 128

@@ -38,11 +38,11 @@ import numpy as np
 
 import moe_core
 from backends.te import _te
-from backends.te.testing import require_te
 from backends.te import nccl_ep
+from backends.testing.te_required import require_te
 from moe_core import parallel
 from moe_core.parallel import exchange as exchange_lib
-from moe_core.parallel import testing
+from moe_core.testing import expert_parallel
 
 P = jax.sharding.PartitionSpec
 _NAME = "te_nccl_ep"
@@ -133,7 +133,7 @@ def _pretend_bootstrapped(sizes: nccl_ep.CommunicatorSizes, hidden: int):
 
 
 def _bf16_inputs(cfg, num_tokens, **kwargs):
-  params, x = testing.inputs(cfg, num_tokens, **kwargs)
+  params, x = expert_parallel.inputs(cfg, num_tokens, **kwargs)
   return jax.tree.map(lambda a: a.astype(jnp.bfloat16), (params, x))
 
 
@@ -221,7 +221,7 @@ class LayoutTest(absltest.TestCase):
     )
 
 
-class ShuffledLayerTest(testing.LayerTestCase):
+class ShuffledLayerTest(expert_parallel.LayerTestCase):
   """The layer, NCCL-EP's dispatch emulated (`ShuffledDispatchExchange`)."""
 
   def _both(self, cfg, params, x, mesh, **options):
@@ -258,21 +258,21 @@ class ShuffledLayerTest(testing.LayerTestCase):
       ("ep8", (8,), ("expert",)), ("data2_ep4", (2, 4), ("data", "expert"))
   )
   def test_matches_the_ragged_exchange_bit_for_bit(self, shape, names):
-    cfg = testing.cfg()
+    cfg = expert_parallel.cfg()
     params, x = _bf16_inputs(cfg, 64, seed=3)
-    got, want = self._both(cfg, params, x, testing.mesh(shape, names))
+    got, want = self._both(cfg, params, x, expert_parallel.mesh(shape, names))
     self.assertIdentical(got, want)
 
   def test_bounded_buffer_drops_as_the_ragged_exchange(self):
     # Every token's best expert is 3: with buffer_factor=2 device 1 (experts
     # 2, 3) cannot take them all, so copies are dropped (routed to -1).
-    cfg = testing.cfg(top_k=1)
+    cfg = expert_parallel.cfg(top_k=1)
     params, x = _bf16_inputs(cfg, 32, seed=6, hot_expert=3)
     got, want = self._both(
         cfg,
         params,
         x,
-        testing.mesh((4,), ("expert",)),
+        expert_parallel.mesh((4,), ("expert",)),
         buffer_factor=2.0,
         overflow="drop",
     )
@@ -280,8 +280,8 @@ class ShuffledLayerTest(testing.LayerTestCase):
     self.assertIdentical(got, want)
 
   def test_other_dtypes_raise_naming_the_dtype(self):
-    cfg = testing.cfg()
-    params, x = testing.inputs(cfg, 64, seed=3)  # float32.
+    cfg = expert_parallel.cfg()
+    params, x = expert_parallel.inputs(cfg, 64, seed=3)  # float32.
     with (
         _shuffled_dispatch(),
         self.assertRaisesRegex(
@@ -293,21 +293,21 @@ class ShuffledLayerTest(testing.LayerTestCase):
           cfg,
           params,
           x,
-          mesh=testing.mesh((8,), ("expert",)),
+          mesh=expert_parallel.mesh((8,), ("expert",)),
           data_axes=(),
           ep_options=parallel.EPOptions(exchange=_NAME),
       )
 
 
-class PlatformTest(testing.DevicesTestCase):
+class PlatformTest(expert_parallel.DevicesTestCase):
   """Off NVIDIA GPUs the exchange is refused first, naming the platform."""
 
   def test_refused_at_trace_time_naming_the_platform(self):
     platform = jax.devices()[0].platform
     if platform == "gpu":
       self.skipTest("NCCL-EP may run on this GPU")
-    cfg = testing.cfg()
-    mesh = testing.mesh((8,), ("expert",))
+    cfg = expert_parallel.cfg()
+    mesh = expert_parallel.mesh((8,), ("expert",))
     message = (
         f"exchange 'te_nccl_ep' cannot run on platform '{platform}': it "
         "needs Transformer Engine's NCCL-EP kernels .* On "
@@ -316,7 +316,7 @@ class PlatformTest(testing.DevicesTestCase):
     # Before: float32 rows were blamed ("moves bfloat16 rows only ... use
     # exchange='ragged'"), bfloat16 ones the missing communicator or TE.
     for dtype in (jnp.float32, jnp.bfloat16):
-      params, x = testing.inputs(cfg, 64, seed=3)
+      params, x = expert_parallel.inputs(cfg, 64, seed=3)
       params, x = jax.tree.map(
           lambda a, dtype=dtype: a.astype(dtype), (params, x)
       )
@@ -345,9 +345,9 @@ class PlatformTest(testing.DevicesTestCase):
     # the CPU: refused at lowering, before XLA compiles.
     if jax.devices()[0].platform != "cpu":
       self.skipTest("lowers for this machine's CPU devices")
-    cfg = testing.cfg()
+    cfg = expert_parallel.cfg()
     params, x = _bf16_inputs(cfg, 64, seed=3)
-    mesh = testing.mesh((8,), ("expert",))
+    mesh = expert_parallel.mesh((8,), ("expert",))
 
     class TracedAnywhere(ShuffledDispatchExchange):
       platforms = nccl_ep.NcclEpExchange.platforms
@@ -381,15 +381,15 @@ class PlatformTest(testing.DevicesTestCase):
       jax.jit(loss).lower(params, x)
 
 
-class TransformerEngineTest(testing.DevicesTestCase):
+class TransformerEngineTest(expert_parallel.DevicesTestCase):
   """What needs TE: its EP primitives traced and lowered for CUDA."""
 
   def setUp(self):
     super().setUp()
     require_te(self)
-    self.cfg = testing.cfg()  # E=8, K=2, D=16.
+    self.cfg = expert_parallel.cfg()  # E=8, K=2, D=16.
     self.num_tokens = 64  # 8 per device: M = 16 copies, R = 64 rows.
-    self.mesh = testing.mesh((8,), ("expert",))
+    self.mesh = expert_parallel.mesh((8,), ("expert",))
     self.sizes = nccl_ep.communicator_sizes(8, 2, 8, 8, None)
 
   def _layer_loss(self, backend="xla"):

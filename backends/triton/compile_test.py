@@ -6,15 +6,16 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax.numpy as jnp
 
+from backends.testing import triton_aot_compile
 from backends.triton import configs
 from backends.triton import launch
-from backends.triton.testing import aot_compile
 
 # No GPU is needed: triton.compile builds the cubin on the host, and
-# `aot_compile.compile_kernel` reads its shared memory (Triton's metadata)
-# and its registers and stack frame (the cubin's own attributes). Each case
-# must fit the target: shared memory <= 227 KiB, registers <= 255 per thread
-# and within 64K per block, and no more than a few registers spilled.
+# `triton_aot_compile.compile_kernel` reads its shared memory (Triton's
+# metadata) and its registers and stack frame (the cubin's own attributes).
+# Each case must fit the target: shared memory <= 227 KiB, registers <= 255
+# per thread and within 64K per block, and no more than a few registers
+# spilled.
 
 _CAPABILITIES = {90: "sm90", 100: "sm100"}
 # The constexpr shapes (DeepSeek-V3's expert GEMMs on a 32-expert slice,
@@ -169,7 +170,7 @@ class CompileTest(parameterized.TestCase):
           **extra,
           **configs.block_constexprs(kind, config),
       )
-    info = aot_compile.compile_kernel(
+    info = triton_aot_compile.compile_kernel(
         kernel,
         signature,
         constexprs,

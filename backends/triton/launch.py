@@ -216,7 +216,7 @@ def _restore_cache_dir(cache_dir: str | None) -> None:
   """Puts TRITON_CACHE_DIR back as it was before jax-triton's import.
 
   jax-triton 0.3 sets it to "" at import: every later `triton.compile` in
-  the process (`testing.aot_compile.compile_kernel`) then fails with "Could
+  the process (`backends.testing.triton_aot_compile`) then fails with "Could
   not create or locate cache dir". 0.4 unsets it: Triton then writes to
   ~/.triton, not to the cache the caller chose (tools/test.sh's, inside the
   clone).

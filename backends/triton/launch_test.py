@@ -17,11 +17,11 @@ from jax import extend as jex
 import jax.numpy as jnp
 import numpy as np
 
+from backends.testing import triton_aot_compile
 from backends.triton import configs
 from backends.triton import launch
 from backends.triton import launch_record
 from backends.triton import target as target_lib
-from backends.triton.testing import aot_compile
 from moe_core import compat
 
 try:
@@ -248,7 +248,7 @@ class InterpretTest(parameterized.TestCase):
         "BLOCK": "constexpr",
         "SCALE": "constexpr",
     }
-    info = aot_compile.compile_kernel(
+    info = triton_aot_compile.compile_kernel(
         add_kernel, signature, {"N": 64, "BLOCK": 64, "SCALE": 1.0}, 90, 1, 1
     )
     self.assertGreater(info.registers, 0)
@@ -859,7 +859,7 @@ class CompileTest(parameterized.TestCase):
 
   @parameterized.product(capability=(90, 100), dtype=("bfloat16", "float32"))
   def test_compile_for_a_record(self, capability, dtype):
-    info = aot_compile.compile_for(self._record(dtype, 1024), capability)
+    info = triton_aot_compile.compile_for(self._record(dtype, 1024), capability)
     self.assertEqual(
         (
             info.name,
@@ -871,7 +871,9 @@ class CompileTest(parameterized.TestCase):
         ("add_kernel", capability, 4, 3, 128),
     )
     self.assertGreater(info.registers, 0)
-    self.assertLessEqual(info.registers, aot_compile.MAX_REGISTERS_PER_THREAD)
+    self.assertLessEqual(
+        info.registers, triton_aot_compile.MAX_REGISTERS_PER_THREAD
+    )
     self.assertEqual(info.local_bytes, 0)
     self.assertEqual(info.violations(), [])
 
@@ -917,13 +919,13 @@ class CompileTest(parameterized.TestCase):
     match = re.search(r"Function add_kernel:\s*REG:(\d+) STACK:(\d+)", dump)
     self.assertIsNotNone(match, dump)
     self.assertEqual(
-        aot_compile.cubin_resources(compiled.asm["cubin"], "add_kernel"),
+        triton_aot_compile.cubin_resources(compiled.asm["cubin"], "add_kernel"),
         (int(match.group(1)), int(match.group(2))),
     )
 
   def test_cubin_resources_rejects_other_files(self):
     with self.assertRaisesRegex(ValueError, r"Not a 64-bit little-endian ELF"):
-      aot_compile.cubin_resources(b"\x7fELF\x01\x01" + bytes(64), "k")
+      triton_aot_compile.cubin_resources(b"\x7fELF\x01\x01" + bytes(64), "k")
 
 
 class ViolationsTest(absltest.TestCase):
@@ -938,7 +940,7 @@ class ViolationsTest(absltest.TestCase):
         registers=128,
         local_bytes=0,
     )
-    return aot_compile.CompiledInfo(**{**fields, **change})
+    return triton_aot_compile.CompiledInfo(**{**fields, **change})
 
   def test_within_limits(self):
     self.assertEqual(

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from backends.triton.testing import aot_compile
+from backends.testing import triton_aot_compile
 from moe_core import permute
 
 try:
@@ -477,9 +477,11 @@ class SignatureTest(parameterized.TestCase):
           name, dtype, T=4096, K=8, D=7168, BLOCK_D=128, **{rows: 32}
       )
       with self.subTest(name):
-        # Through aot_compile, which waits for any interpreted launch still
-        # running (it patches triton.language for the whole process).
-        info = aot_compile.compile_kernel(kernel, sig, constexprs, 90, 4, 3)
+        # Through triton_aot_compile, which waits for any interpreted launch
+        # still running (it patches triton.language for the whole process).
+        info = triton_aot_compile.compile_kernel(
+            kernel, sig, constexprs, 90, 4, 3
+        )
         self.assertGreater(info.registers, 0)
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import moe_core
 from moe_core import parallel
 from moe_core.parallel import exchange as exchange_lib
-from moe_core.parallel import testing
 from moe_core.testing import cuda_export
+from moe_core.testing import expert_parallel
 
 P = jax.sharding.PartitionSpec
 
@@ -120,11 +120,11 @@ def overlapping_collectives(jaxpr, callback="pure_callback"):
   ]
 
 
-class EmulatedRaggedAllToAllTest(testing.DevicesTestCase):
+class EmulatedRaggedAllToAllTest(expert_parallel.DevicesTestCase):
 
   def test_matches_the_jax_docstring_example(self):
     # The example of jax.lax.ragged_all_to_all's docstring (axis size 2).
-    mesh = testing.mesh((2,), ("i",))
+    mesh = expert_parallel.mesh((2,), ("i",))
     args = dict(
         operand=[[1, 2, 2], [3, 4, 0]],
         output=[[0] * 4, [0] * 4],
@@ -194,7 +194,7 @@ class PlatformGuardTest(absltest.TestCase):
         self.assertNotIn("platform_guard", exported.mlir_module())
 
 
-class ExchangeTest(testing.LayerTestCase):
+class ExchangeTest(expert_parallel.LayerTestCase):
   """Each exchange's buffers, bounds and lowering, through the layer."""
 
   @parameterized.named_parameters(
@@ -207,10 +207,10 @@ class ExchangeTest(testing.LayerTestCase):
     (jnp.zeros and jnp.empty are both zeros on the CPU;
     test_ragged_exchange_lowers_for_gpu rules out uninitialised buffers.)
     """
-    cfg = testing.cfg()
-    params, x = testing.inputs(cfg, 32, seed=8)
+    cfg = expert_parallel.cfg()
+    params, x = expert_parallel.inputs(cfg, 32, seed=8)
     x = x + jnp.sign(x)  # Every real entry is non-zero; routing as random.
-    mesh = testing.mesh((8,), ("expert",))
+    mesh = expert_parallel.mesh((8,), ("expert",))
 
     def body(params, x):
       aux = parallel.route(x, params["router"], cfg, token_axes=("expert",))
@@ -229,7 +229,7 @@ class ExchangeTest(testing.LayerTestCase):
         )
     )(params, x)
     rows, sizes = np.asarray(rows), np.asarray(sizes)  # [8, R, D], [8, E_l]
-    for device in range(testing.DEVICES):
+    for device in range(expert_parallel.DEVICES):
       used = int(sizes[device].sum())
       with self.subTest(device=device):
         self.assertLess(used, rows.shape[1], "no rows past the groups")
@@ -242,14 +242,14 @@ class ExchangeTest(testing.LayerTestCase):
   def test_bounded_buffer_drops_are_counted_and_zeroed(self, exchange):
     # Every token picks expert 3 (device 3 of 8): with buffer_factor=2 the
     # bound is 2x the average, far below what device 3 receives.
-    cfg = testing.cfg(top_k=1)
+    cfg = expert_parallel.cfg(top_k=1)
     num_tokens, ep, factor = 32, 8, 2.0
-    params, x = testing.inputs(cfg, num_tokens, seed=6, hot_expert=3)
+    params, x = expert_parallel.inputs(cfg, num_tokens, seed=6, hot_expert=3)
     y, aux, _ = self.run_layer(
         cfg,
         params,
         x,
-        mesh=testing.mesh((ep,), ("expert",)),
+        mesh=expert_parallel.mesh((ep,), ("expert",)),
         data_axes=(),
         ep_options=parallel.EPOptions(
             exchange=exchange, buffer_factor=factor, overflow="drop"
@@ -288,8 +288,8 @@ class ExchangeTest(testing.LayerTestCase):
     np.testing.assert_array_equal(np.asarray(aux.combine_weights)[~kept], 0.0)
 
   def test_bounded_buffer_overflow_raises_by_default(self):
-    cfg = testing.cfg(top_k=1)
-    params, x = testing.inputs(cfg, 32, seed=6, hot_expert=3)
+    cfg = expert_parallel.cfg(top_k=1)
+    params, x = expert_parallel.inputs(cfg, 32, seed=6, hot_expert=3)
     # All 32 copies go to device 3; each of the 8 sources may send it
     # ceil(2 * 4 tokens * 1 / 8) = 1 of its 4, so 8 * 3 = 24 do not fit.
     for grads in (False, True):  # The check must survive differentiation.
@@ -306,7 +306,7 @@ class ExchangeTest(testing.LayerTestCase):
             params,
             x,
             grads=grads,
-            mesh=testing.mesh((8,), ("expert",)),
+            mesh=expert_parallel.mesh((8,), ("expert",)),
             data_axes=(),
             ep_options=parallel.EPOptions(buffer_factor=2.0),
         )
@@ -317,7 +317,7 @@ class ExchangeTest(testing.LayerTestCase):
         cfg,
         params,
         x,
-        mesh=testing.mesh((8,), ("expert",)),
+        mesh=expert_parallel.mesh((8,), ("expert",)),
         data_axes=(),
         ep_options=parallel.EPOptions(buffer_factor=8.0),
     )
@@ -334,16 +334,16 @@ class ExchangeTest(testing.LayerTestCase):
     # the statistics' psums (data axis) and two chunks of exchanges. (Under
     # jax.jvp the tangents' own collectives are not ordered with the check:
     # docs/expert_parallel.md.)
-    cfg = testing.cfg()
-    params, x = testing.inputs(cfg, 32, seed=6, hot_expert=3)
-    mesh = testing.mesh((2, 4), ("data", "expert"))
+    cfg = expert_parallel.cfg()
+    params, x = expert_parallel.inputs(cfg, 32, seed=6, hot_expert=3)
+    mesh = expert_parallel.mesh((2, 4), ("data", "expert"))
 
     def layer(params, x):
       return moe_core.moe_layer(
           params,
           x,
           cfg,
-          backend=testing.BACKEND,
+          backend=expert_parallel.BACKEND,
           mesh=mesh,
           data_axes=("data",),
           ep_options=parallel.EPOptions(
@@ -367,7 +367,7 @@ class ExchangeTest(testing.LayerTestCase):
   def test_overlap_finder_sees_an_unordered_collective(self):
     # The finder itself: a psum beside the callback is reported, one that
     # feeds it or follows it is not.
-    mesh = testing.mesh((8,), ("i",))
+    mesh = expert_parallel.mesh((8,), ("i",))
 
     def body(a):
       check = lambda v: jax.pure_callback(
@@ -388,16 +388,16 @@ class ExchangeTest(testing.LayerTestCase):
     self.assertEqual(overlapping_collectives(jaxpr), ["all_to_all"])
 
   def test_ragged_exchange_lowers_for_gpu(self):
-    cfg = testing.cfg()
-    params, x = testing.inputs(cfg, 32, seed=7)
-    mesh = testing.mesh((8,), ("expert",))
+    cfg = expert_parallel.cfg()
+    params, x = expert_parallel.inputs(cfg, 32, seed=7)
+    mesh = expert_parallel.mesh((8,), ("expert",))
 
     def loss(params, x):
       y, _ = moe_core.moe_layer(
           params,
           x,
           cfg,
-          backend=testing.BACKEND,
+          backend=expert_parallel.BACKEND,
           mesh=mesh,
           data_axes=(),
           ep_options=parallel.EPOptions(exchange="ragged"),

@@ -1,1 +1,2 @@
-"""Helpers for tests: multi-process workers, CUDA export on a CPU."""
+"""Helpers for tests: multi-process workers, CUDA export on a CPU, routing
+cases, expert-parallel layers on 8 devices."""

@@ -23,21 +23,23 @@ from train.checkpoints import checkpoint_dirs
 from train.checkpoints import checkpoint_meta
 from train.checkpoints import checksum
 from train.run import step_log
-from train.run import testing
 from train.run import trainer
+from train.testing import small_runs
 
 
 class ResumeTest(absltest.TestCase):
 
   def test_interrupted_and_resumed_run_equals_uninterrupted_run(self):
     steps = 6
-    straight, _ = testing.fit(
-        testing.small_run(testing.temp_dir(self), steps=steps, eval_every=3)
+    straight, _ = small_runs.fit(
+        small_runs.small_run(
+            small_runs.temp_dir(self), steps=steps, eval_every=3
+        )
     )
 
-    out = testing.temp_dir(self)
-    run = testing.small_run(out, steps=steps, eval_every=3)
-    first, summary = testing.fit(run, interrupt_after=4)
+    out = small_runs.temp_dir(self)
+    run = small_runs.small_run(out, steps=steps, eval_every=3)
+    first, summary = small_runs.fit(run, interrupt_after=4)
     self.assertEqual(summary["interrupted"], "KeyboardInterrupt")
     self.assertEqual(first.step, 4)
     self.assertEqual(
@@ -45,7 +47,7 @@ class ResumeTest(absltest.TestCase):
         os.path.join(out, "checkpoints", "step_00000004"),
     )
 
-    resumed, summary = testing.fit(dataclasses.replace(run, resume=True))
+    resumed, summary = small_runs.fit(dataclasses.replace(run, resume=True))
     self.assertIsNone(summary["interrupted"])
     self.assertEqual(resumed.step, steps)
     # The same loss at the same step, bit for bit, and the same end state.
@@ -64,11 +66,11 @@ class ResumeTest(absltest.TestCase):
 
     # A run killed hard after its step-4 checkpoint: step 5 was logged but
     # not saved. The resumed run redoes step 5 and logs it once.
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     run = dataclasses.replace(run, output_dir=out, checkpoint_every=4)
-    testing.fit(run, interrupt_after=5)
+    small_runs.fit(run, interrupt_after=5)
     shutil.rmtree(os.path.join(out, "checkpoints", "step_00000005"))
-    resumed, _ = testing.fit(dataclasses.replace(run, resume=True))
+    resumed, _ = small_runs.fit(dataclasses.replace(run, resume=True))
     self.assertEqual(resumed.history["loss"], straight.history["loss"])
     with open(os.path.join(out, "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f]
@@ -77,11 +79,11 @@ class ResumeTest(absltest.TestCase):
 
   def test_log_on_disk_keeps_every_step_while_a_resumed_run_trains(self):
     # What a SIGKILL would leave: the file as it is on disk mid-run.
-    out = testing.temp_dir(self)
-    run = testing.small_run(out, steps=6, eval_every=3)
-    testing.fit(run, interrupt_after=3)
+    out = small_runs.temp_dir(self)
+    run = small_runs.small_run(out, steps=6, eval_every=3)
+    small_runs.fit(run, interrupt_after=3)
     tr = trainer.Trainer(
-        dataclasses.replace(run, resume=True), testing.corpus(), out=None
+        dataclasses.replace(run, resume=True), small_runs.corpus(), out=None
     )
     tr.prepare_output_dir()
     real_step, on_disk = tr.train_step, []
@@ -100,12 +102,14 @@ class ResumeTest(absltest.TestCase):
 
   def test_ctrl_c_finishes_the_step_then_checkpoints_and_resumes_exactly(self):
     steps = 5
-    straight, _ = testing.fit(
-        testing.small_run(testing.temp_dir(self), steps=steps, eval_every=3)
+    straight, _ = small_runs.fit(
+        small_runs.small_run(
+            small_runs.temp_dir(self), steps=steps, eval_every=3
+        )
     )
-    out = testing.temp_dir(self)
-    run = testing.small_run(out, steps=steps, eval_every=3)
-    tr = trainer.Trainer(run, testing.corpus(), out=None)
+    out = small_runs.temp_dir(self)
+    run = small_runs.small_run(out, steps=steps, eval_every=3)
+    tr = trainer.Trainer(run, small_runs.corpus(), out=None)
     tr.prepare_output_dir()
     # A real SIGINT, delivered while step 3 is in flight (dispatched, its
     # metrics not yet on the host). The program is shared between trainers
@@ -133,7 +137,7 @@ class ResumeTest(absltest.TestCase):
         os.path.join(out, "checkpoints", "step_00000003"),
     )
 
-    resumed, _ = testing.fit(dataclasses.replace(run, resume=True))
+    resumed, _ = small_runs.fit(dataclasses.replace(run, resume=True))
     self.assertEqual(resumed.history["loss"], straight.history["loss"])
     for a, b in zip(
         jax.tree.leaves(resumed.state), jax.tree.leaves(straight.state)
@@ -141,8 +145,8 @@ class ResumeTest(absltest.TestCase):
       np.testing.assert_array_equal(a, b)
 
   def test_resume_without_a_checkpoint_is_an_error(self):
-    run = testing.small_run(testing.temp_dir(self), resume=True)
-    tr = trainer.Trainer(run, testing.corpus(), out=None)
+    run = small_runs.small_run(small_runs.temp_dir(self), resume=True)
+    tr = trainer.Trainer(run, small_runs.corpus(), out=None)
     with self.assertRaisesRegex(
         checkpoint_meta.CheckpointError,
         r"--resume: no checkpoint in .*; run without",
@@ -157,10 +161,10 @@ class RefusalTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls._dir = tempfile.TemporaryDirectory(prefix="dropless_ckpt_test_")
-    cls.run_config = testing.small_run(
+    cls.run_config = small_runs.small_run(
         cls._dir.name, steps=1, checkpoint_every=1
     )
-    cls.trainer, _ = testing.fit(cls.run_config)
+    cls.trainer, _ = small_runs.fit(cls.run_config)
     cls.path = checkpoint_dirs.latest(
         os.path.join(cls._dir.name, "checkpoints")
     )
@@ -171,7 +175,7 @@ class RefusalTest(absltest.TestCase):
     super().tearDownClass()
 
   def _copy(self):
-    target = os.path.join(testing.temp_dir(self), "step_00000001")
+    target = os.path.join(small_runs.temp_dir(self), "step_00000001")
     shutil.copytree(self.path, target)
     return target
 
@@ -200,7 +204,7 @@ class RefusalTest(absltest.TestCase):
     leaves, treedef = jax.tree.flatten(self.trainer.state)
     leaves[0] = np.asarray(leaves[0]) + np.ones((), leaves[0].dtype)
     other = checkpoint.save(
-        testing.temp_dir(self),
+        small_runs.temp_dir(self),
         1,
         jax.tree.unflatten(treedef, leaves),
         fingerprint=self.trainer.fingerprint,
@@ -341,13 +345,13 @@ class RefusalTest(absltest.TestCase):
     # 1: only the optimiser's own step counters can tell.
     tr = self.trainer
     path = checkpoint.save(
-        testing.temp_dir(self),
+        small_runs.temp_dir(self),
         2,
         tr.state,
         fingerprint=tr.fingerprint,
         extra={"data": tr.sampler.state()},
     )
-    resumed = trainer.Trainer(self.run_config, testing.corpus(), out=None)
+    resumed = trainer.Trainer(self.run_config, small_runs.corpus(), out=None)
     with self.assertRaisesRegex(
         checkpoint_meta.CheckpointError,
         r"records step 2, but the step counters of the optimiser state in "
@@ -357,7 +361,7 @@ class RefusalTest(absltest.TestCase):
     self.assertEqual(resumed.step, 0)
 
   def test_resume_removes_leftovers_of_killed_saves(self):
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     checkpoints = os.path.join(out, "checkpoints")
     shutil.copytree(os.path.dirname(self.path), checkpoints)
     unfinished = os.path.join(checkpoints, "step_00000002.orbax-checkpoint-tmp")
@@ -365,7 +369,7 @@ class RefusalTest(absltest.TestCase):
     log = io.StringIO()
     tr = trainer.Trainer(
         dataclasses.replace(self.run_config, output_dir=out, resume=True),
-        testing.corpus(),
+        small_runs.corpus(),
         out=log,
     )
     tr.prepare_output_dir()
@@ -445,7 +449,7 @@ class RefusalTest(absltest.TestCase):
   def test_resume_with_changed_hyperparameters_says_so(self):
     out = io.StringIO()
     run = dataclasses.replace(self.run_config, weight_decay=0.5, grad_clip=2.0)
-    tr = trainer.Trainer(run, testing.corpus(), out=out)
+    tr = trainer.Trainer(run, small_runs.corpus(), out=out)
     tr.restore_checkpoint(self._copy())
     self.assertEqual(tr.step, 1)
     note = out.getvalue()
@@ -455,7 +459,7 @@ class RefusalTest(absltest.TestCase):
     self.assertNotIn("learning_rate", note)
 
   def test_resume_refuses_a_corrupt_latest_checkpoint(self):
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     shutil.copytree(
         os.path.dirname(self.path), os.path.join(out, "checkpoints")
     )
@@ -464,7 +468,7 @@ class RefusalTest(absltest.TestCase):
     )
     tr = trainer.Trainer(
         dataclasses.replace(self.run_config, output_dir=out, resume=True),
-        testing.corpus(),
+        small_runs.corpus(),
         out=None,
     )
     with self.assertRaisesRegex(
@@ -476,7 +480,7 @@ class RefusalTest(absltest.TestCase):
 class AtomicityTest(absltest.TestCase):
 
   def test_unfinished_save_is_invisible_and_old_ones_are_pruned(self):
-    directory = testing.temp_dir(self)
+    directory = small_runs.temp_dir(self)
     state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
     for step in (1, 2, 3):
       checkpoint.save(directory, step, state, fingerprint={}, keep=2)
@@ -501,14 +505,14 @@ class AtomicityTest(absltest.TestCase):
     self.assertEqual(meta["step"], 4)
 
   def test_leftovers_of_killed_saves_are_ignored_then_cleaned(self):
-    directory = testing.temp_dir(self)
+    directory = small_runs.temp_dir(self)
     state = {"w": np.arange(6, dtype=np.float32)}
     for step in (1, 2):
       checkpoint.save(directory, step, state, fingerprint={})
     # Step 3 was being saved again: its old copy was moved aside, and the
     # new one never landed. Step 2's old copy too, but its new one landed.
     elsewhere = checkpoint.save(
-        testing.temp_dir(self), 3, state, fingerprint={}
+        small_runs.temp_dir(self), 3, state, fingerprint={}
     )
     os.rename(elsewhere, os.path.join(directory, ".replaced-step_00000003-ab"))
     shutil.copytree(
@@ -554,12 +558,12 @@ class AtomicityTest(absltest.TestCase):
     with self.assertRaisesRegex(
         ValueError, r"step: expected an int >= 0, got -5"
     ):
-      checkpoint.save(testing.temp_dir(self), -5, state, fingerprint={})
+      checkpoint.save(small_runs.temp_dir(self), -5, state, fingerprint={})
     with self.assertRaisesRegex(TypeError, r"step: expected an int, got 1.5"):
-      checkpoint.save(testing.temp_dir(self), 1.5, state, fingerprint={})
+      checkpoint.save(small_runs.temp_dir(self), 1.5, state, fingerprint={})
 
   def test_saving_a_step_again_replaces_it(self):
-    directory = testing.temp_dir(self)
+    directory = small_runs.temp_dir(self)
     old = {"w": np.zeros(4, np.float32)}
     new = {"w": np.arange(4, dtype=np.float32)}
     checkpoint.save(directory, 5, old, fingerprint={}, extra={"v": "old"})
@@ -572,7 +576,7 @@ class AtomicityTest(absltest.TestCase):
     np.testing.assert_array_equal(restored["w"], new["w"])
 
   def test_bfloat16_round_trips(self):
-    directory = testing.temp_dir(self)
+    directory = small_runs.temp_dir(self)
     state = {"w": jnp.linspace(-3, 3, 11).astype(jnp.bfloat16)}
     path = checkpoint.save(directory, 1, state, fingerprint={"a": 1})
     restored, _ = checkpoint.restore(path, state, fingerprint={"a": 1})
@@ -588,7 +592,7 @@ class MetricsLogTest(absltest.TestCase):
   """metrics.jsonl after a kill: kept lines, a cut last line, leftovers."""
 
   def _log(self, text: str) -> str:
-    path = os.path.join(testing.temp_dir(self), "metrics.jsonl")
+    path = os.path.join(small_runs.temp_dir(self), "metrics.jsonl")
     with open(path, "w") as f:
       f.write(text)
     return path
@@ -697,7 +701,7 @@ class ShardedTest(absltest.TestCase):
 
   def test_same_mesh_restores_bit_for_bit(self):
     path = checkpoint.save(
-        testing.temp_dir(self), 3, self.state, fingerprint={"run": 1}
+        small_runs.temp_dir(self), 3, self.state, fingerprint={"run": 1}
     )
     target = self._target(lambda k: self.state[k].sharding)
     restored, meta = checkpoint.restore(path, target, fingerprint={"run": 1})
@@ -706,7 +710,7 @@ class ShardedTest(absltest.TestCase):
 
   def test_restores_onto_another_mesh_and_onto_one_device(self):
     path = checkpoint.save(
-        testing.temp_dir(self), 3, self.state, fingerprint={}
+        small_runs.temp_dir(self), 3, self.state, fingerprint={}
     )
     flat = Mesh(np.array(jax.devices()[:8])[::-1], ("expert",))
     target = self._target(
@@ -725,7 +729,7 @@ class ShardedTest(absltest.TestCase):
       np.testing.assert_array_equal(_bits(restored[key]), _bits(value))
 
   def test_async_save_lands_after_wait_and_prunes(self):
-    directory = testing.temp_dir(self)
+    directory = small_runs.temp_dir(self)
     with checkpoint.Checkpointer(
         directory, fingerprint={}, keep=2, async_save=True
     ) as saver:

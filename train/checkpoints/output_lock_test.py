@@ -27,15 +27,15 @@ from absl.testing import absltest
 from train.checkpoints import checkpoint_dirs
 from train.checkpoints import checkpoint_meta
 from train.checkpoints import output_lock
-from train.run import testing
 from train.run import trainer
+from train.testing import small_runs
 
 # The workspace root: this file is train/<package>/<name>.py.
 _ROOT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )
 _LAUNCHER = os.path.join(_ROOT, "tools", "launch_local.py")
-_WORKER = os.path.join(_ROOT, "train", "run", "testing_output_dir_worker.py")
+_WORKER = os.path.join(_ROOT, "train", "testing", "output_lock_worker.py")
 
 # A child that takes the lock, says so, and waits to be killed.
 _HOLDER = """
@@ -78,7 +78,7 @@ class LockTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.dir = os.path.join(testing.temp_dir(self), "out")
+    self.dir = os.path.join(small_runs.temp_dir(self), "out")
 
   def _refusal(self) -> str:
     with self.assertRaises(output_lock.OutputDirBusyError) as raised:
@@ -152,7 +152,7 @@ class LockFileTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.root = testing.temp_dir(self)
+    self.root = small_runs.temp_dir(self)
     self.dir = os.path.join(self.root, "out")
     os.makedirs(self.dir)
     self.path = os.path.join(self.dir, output_lock.LOCK_FILE)
@@ -226,11 +226,11 @@ class LockFileTest(absltest.TestCase):
 class TrainerOwnsOutputDirTest(absltest.TestCase):
 
   def test_second_run_is_refused_before_it_deletes_or_writes_anything(self):
-    out = testing.temp_dir(self)
-    run = testing.small_run(
+    out = small_runs.temp_dir(self)
+    run = small_runs.small_run(
         out, steps=2, checkpoint_every=1, keep_checkpoints=0
     )
-    live = trainer.Trainer(run, testing.corpus(), out=None)
+    live = trainer.Trainer(run, small_runs.corpus(), out=None)
     live.prepare_output_dir()
     live.fit()  # Still open: the run holds its directory.
     self.addCleanup(live.close)
@@ -239,7 +239,7 @@ class TrainerOwnsOutputDirTest(absltest.TestCase):
     saved = checkpoint_dirs.list_checkpoints(live.checkpoint_dir)
     self.assertLen(saved, 2)
 
-    second = trainer.Trainer(run, testing.corpus(), out=io.StringIO())
+    second = trainer.Trainer(run, small_runs.corpus(), out=io.StringIO())
     for start in (second.prepare_output_dir, second.fit):
       with self.assertRaises(output_lock.OutputDirBusyError) as raised:
         start()
@@ -262,11 +262,11 @@ class TrainerOwnsOutputDirTest(absltest.TestCase):
     second.close()
 
   def test_fresh_run_removes_only_its_own_checkpoints(self):
-    out = testing.temp_dir(self)
-    run = testing.small_run(
+    out = small_runs.temp_dir(self)
+    run = small_runs.small_run(
         out, steps=2, checkpoint_every=1, keep_checkpoints=0
     )
-    testing.fit(run)
+    small_runs.fit(run)
     checkpoints = os.path.join(out, "checkpoints")
     # The user's files beside the checkpoints, and in the output directory.
     os.makedirs(os.path.join(checkpoints, "my_notes"))
@@ -275,7 +275,7 @@ class TrainerOwnsOutputDirTest(absltest.TestCase):
         f.write("the user's")
 
     log = io.StringIO()
-    tr = trainer.Trainer(run, testing.corpus(), out=log)
+    tr = trainer.Trainer(run, small_runs.corpus(), out=log)
     tr.prepare_output_dir()
     tr.close()
     self.assertIn("starting fresh: removing 2 checkpoint(s)", log.getvalue())
@@ -284,13 +284,15 @@ class TrainerOwnsOutputDirTest(absltest.TestCase):
       self.assertTrue(os.path.isfile(os.path.join(out, path)), path)
 
   def test_fresh_run_refuses_beside_step_dirs_it_did_not_write(self):
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     foreign = os.path.join(out, "checkpoints", "step_00000001")
     os.makedirs(foreign)
     with open(os.path.join(foreign, "weights.bin"), "wb") as f:
       f.write(b"not ours")
     self.assertFalse(checkpoint_dirs.is_ours(foreign))
-    tr = trainer.Trainer(testing.small_run(out), testing.corpus(), out=None)
+    tr = trainer.Trainer(
+        small_runs.small_run(out), small_runs.corpus(), out=None
+    )
     with self.assertRaisesRegex(
         checkpoint_meta.CheckpointError,
         r"holds \['step_00000001'\] .*which this program did not write",
@@ -334,7 +336,7 @@ def _launch(output_dir: str) -> tuple[int, str]:
 class TwoProcessesTest(absltest.TestCase):
 
   def test_process_0_holds_the_lock_and_a_busy_dir_stops_both(self):
-    out = os.path.join(testing.temp_dir(self), "out")
+    out = os.path.join(small_runs.temp_dir(self), "out")
     code, output = _launch(out)
     self.assertEqual(code, 0, output[-4000:])
     results = {}

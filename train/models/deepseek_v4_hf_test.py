@@ -1,6 +1,6 @@
 """DeepSeek-V4's decoder against transformers' with the same weights.
 
-The whole small model (`testing.SMALL_DEEPSEEK_V4`: a layer of each
+The whole small model (`small_runs.SMALL_DEEPSEEK_V4`: a layer of each
 attention kind, hash then scored MoE layers), and alone each attention kind
 (sliding window; compressed-sparse with its indexer; heavily-compressed),
 the hyper-connections and the hyper-head of `deepseek_v4.py`, are
@@ -21,7 +21,7 @@ from flax import nnx
 from moe_core import flax as moe_flax
 from train.models import deepseek_v4
 from train.models import transformer as model_lib
-from train.run import testing
+from train.testing import small_runs
 
 try:
   import torch  # pylint: disable=g-import-not-at-top
@@ -40,12 +40,14 @@ _SKIP_REASON = (
     f"installs (tools/test.sh --leg=py311-jax0.10): {_IMPORT_ERROR}"
 )
 
-CFG = testing.SMALL_DEEPSEEK_V4
+CFG = small_runs.SMALL_DEEPSEEK_V4
 _T = 24
 
 
 def _hf_config():
-  config = transformers.DeepseekV4Config(**testing.deepseek_v4_hf_fields(CFG))
+  config = transformers.DeepseekV4Config(
+      **small_runs.deepseek_v4_hf_fields(CFG)
+  )
   config._attn_implementation = "eager"  # pylint: disable=protected-access
   return config
 

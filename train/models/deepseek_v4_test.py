@@ -11,13 +11,13 @@ from train.models import deepseek_v4
 from train.models import deepseek_v4_config
 from train.models import transformer as model_lib
 from train.presets import sizing
-from train.run import testing
 from train.run import trainer
+from train.testing import small_runs
 
 TINY = presets.get_preset("tiny_deepseek_v4").model
 
 # Smaller still, for the forward tests.
-SMALL = testing.SMALL_DEEPSEEK_V4
+SMALL = small_runs.SMALL_DEEPSEEK_V4
 
 
 def _forward(cfg, tokens):
@@ -140,15 +140,15 @@ class ModelTest(absltest.TestCase):
 class TrainingTest(absltest.TestCase):
 
   def test_tiny_preset_trains_with_finite_falling_loss(self):
-    run = testing.small_run(
-        testing.temp_dir(self),
+    run = small_runs.small_run(
+        small_runs.temp_dir(self),
         model=TINY,
         steps=8,
         batch_size=4,
         seq_len=64,
         scan_layers=False,
     )
-    tr = trainer.Trainer(run, testing.corpus(), out=None)
+    tr = trainer.Trainer(run, small_runs.corpus(), out=None)
     losses = [
         float(tr.train_step(tr.sampler.next())["loss"])
         for _ in range(run.steps)

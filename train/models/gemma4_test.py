@@ -16,7 +16,7 @@ from train.models import gemma4_layout
 from train.models import scan_model
 from train.models import transformer as model_lib
 from train.presets import sizing
-from train.run import testing
+from train.testing import small_runs
 
 TINY = presets.get_preset("tiny_gemma4").model
 
@@ -223,8 +223,8 @@ class TrainTest(absltest.TestCase):
 
   def test_tiny_gemma4_trains(self):
     preset = presets.get_preset("tiny_gemma4")
-    run = testing.small_run(
-        testing.temp_dir(self),
+    run = small_runs.small_run(
+        small_runs.temp_dir(self),
         model=preset.model,
         steps=12,
         batch_size=8,
@@ -233,7 +233,7 @@ class TrainTest(absltest.TestCase):
         aux_loss_weight=preset.train.aux_loss_weight,
         z_loss_weight=preset.train.z_loss_weight,
     )
-    losses = testing.step_losses(run)
+    losses = small_runs.step_losses(run)
     self.assertTrue(np.all(np.isfinite(losses)), losses)
     # From about log(256) = 5.5 nats (uniform) towards the byte unigram.
     self.assertGreater(losses[0], 4.5)

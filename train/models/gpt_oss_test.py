@@ -20,12 +20,12 @@ from train.models import scan_model
 from train.models import sink_attention
 from train.models import transformer as model_lib
 from train.presets import sizing
-from train.run import testing
+from train.testing import small_runs
 
 # SMALL_DSV3's dense first layer, then three MoE layers with GPT-OSS's
 # attention: windows of 4 on layers 0 and 2, full attention on 1 and 3, so
 # the scanned MoE stack must number its layers from 1.
-SMALL_GPT_OSS = testing.SMALL_DSV3.replace(
+SMALL_GPT_OSS = small_runs.SMALL_DSV3.replace(
     name="test_gpt_oss",
     num_layers=4,
     attention_bias=True,
@@ -276,8 +276,8 @@ class TinyPresetTrainsTest(absltest.TestCase):
 
   def test_loss_is_finite_and_falls(self):
     preset = presets.get_preset("tiny_gpt_oss")
-    run = testing.small_run(
-        testing.temp_dir(self),
+    run = small_runs.small_run(
+        small_runs.temp_dir(self),
         model=preset.model,
         steps=8,
         batch_size=4,
@@ -286,7 +286,7 @@ class TinyPresetTrainsTest(absltest.TestCase):
         aux_loss_weight=preset.train.aux_loss_weight,
     )
     self.assertTrue(run.scan_layers)  # The program's default path.
-    losses = testing.step_losses(run)
+    losses = small_runs.step_losses(run)
     self.assertTrue(np.all(np.isfinite(losses)), losses)
     self.assertLess(np.mean(losses[-3:]), losses[0] - 0.5, losses)
 

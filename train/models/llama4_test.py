@@ -15,7 +15,7 @@ from train.models import llama4
 from train.models import scan_model
 from train.models import transformer as model_lib
 from train.presets import sizing
-from train.run import testing
+from train.testing import small_runs
 
 TINY = presets.get_preset("tiny_llama4").model
 
@@ -66,7 +66,7 @@ class ConfigTest(parameterized.TestCase):
 
   def test_mla_refuses_nope_layers(self):
     with self.assertRaisesRegex(ValueError, "'gqa' attention only"):
-      testing.SMALL_DSV3.replace(
+      small_runs.SMALL_DSV3.replace(
           attention="mla",
           num_kv_heads=0,
           head_dim=0,
@@ -207,8 +207,8 @@ class TrainTest(absltest.TestCase):
 
   def test_tiny_llama4_trains_with_finite_falling_loss(self):
     preset = presets.get_preset("tiny_llama4")
-    run = testing.small_run(
-        testing.temp_dir(self),
+    run = small_runs.small_run(
+        small_runs.temp_dir(self),
         model=preset.model,
         scan_layers=False,
         steps=8,
@@ -217,7 +217,7 @@ class TrainTest(absltest.TestCase):
         warmup_steps=2,
         aux_loss_weight=preset.train.aux_loss_weight,
     )
-    losses = testing.step_losses(run)
+    losses = small_runs.step_losses(run)
     self.assertTrue(np.all(np.isfinite(losses)), losses)
     # At initialisation the loss is near log(256) = 5.5 nats (uniform).
     self.assertLess(np.mean(losses[-3:]), losses[0] - 0.5, losses)

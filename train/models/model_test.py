@@ -20,10 +20,10 @@ from train.models import attention
 from train.models import model_config
 from train.models import transformer as model_lib
 from train.presets import sizing
-from train.run import testing
+from train.testing import small_runs
 
 # A small MLA model with a low-rank query, to check MLA's layout and count.
-SMALL_MLA = testing.SMALL_DSV3.replace(
+SMALL_MLA = small_runs.SMALL_DSV3.replace(
     name="test_mla",
     attention="mla",
     num_kv_heads=0,
@@ -62,8 +62,8 @@ class ParamCountTest(parameterized.TestCase):
     for cfg in (
         SMALL_MLA,
         SMALL_MLA.replace(q_lora_rank=0),
-        testing.SMALL_DSV3.replace(qk_norm="full"),
-        testing.SMALL_DSV3.replace(tie_embeddings=True),
+        small_runs.SMALL_DSV3.replace(qk_norm="full"),
+        small_runs.SMALL_DSV3.replace(tie_embeddings=True),
     ):
       with self.subTest(
           f"{cfg.attention} q_lora={cfg.q_lora_rank} "
@@ -74,7 +74,7 @@ class ParamCountTest(parameterized.TestCase):
         )
 
   def test_active_counts_top_k_of_the_routed_experts(self):
-    cfg = testing.SMALL_DSV3
+    cfg = small_runs.SMALL_DSV3
     counts = sizing.param_counts(cfg)
     moe = cfg.moe
     one_expert = 3 * moe.hidden_size * moe.expert_ffn_size
@@ -85,10 +85,10 @@ class ParamCountTest(parameterized.TestCase):
 class ForwardTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ("mha", testing.SMALL_DSV3),
+      ("mha", small_runs.SMALL_DSV3),
       (
           "gqa_head_norm",
-          testing.SMALL_DSV3.replace(
+          small_runs.SMALL_DSV3.replace(
               num_heads=4, num_kv_heads=2, head_dim=8, qk_norm="head"
           ),
       ),
@@ -149,7 +149,7 @@ class ForwardTest(parameterized.TestCase):
       np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5)
 
   def test_returns_stats_for_moe_layers_only(self):
-    cfg = testing.SMALL_DSV3
+    cfg = small_runs.SMALL_DSV3
     model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.zeros((2, 8), jnp.int32)
     logits, stats = _jitted(model)(tokens)
@@ -163,7 +163,7 @@ class ForwardTest(parameterized.TestCase):
     self.assertEqual(stats["dropped_tokens"].tolist(), [0])
 
   def test_backends_agree_on_the_forward(self):
-    cfg = testing.SMALL_DSV3
+    cfg = small_runs.SMALL_DSV3
     model = model_lib.Transformer(
         cfg, backend="xla", compute_dtype=jnp.float32, rngs=nnx.Rngs(0)
     )
@@ -194,7 +194,7 @@ def _loss_fn(cfg, remat, backend="xla"):
 
 @functools.lru_cache(maxsize=None)
 def _gradients(policy):
-  loss, params = _loss_fn(testing.SMALL_DSV3, policy)
+  loss, params = _loss_fn(small_runs.SMALL_DSV3, policy)
   return jax.jit(jax.grad(loss))(params)
 
 
@@ -217,7 +217,7 @@ class RematTest(parameterized.TestCase):
           "jax.ad_checkpoint.print_saved_residuals is missing in "
           f"jax {jax.__version__}."
       )
-    loss, params = _loss_fn(testing.SMALL_DSV3, policy)
+    loss, params = _loss_fn(small_runs.SMALL_DSV3, policy)
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
       jax.ad_checkpoint.print_saved_residuals(loss, params)

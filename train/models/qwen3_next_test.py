@@ -15,7 +15,7 @@ from flax import nnx
 from train import presets
 from train.models import gated_deltanet
 from train.models import transformer as model_lib
-from train.run import testing
+from train.testing import small_runs
 
 _TINY = presets.get_preset("tiny_qwen3_next").model
 
@@ -155,8 +155,8 @@ class TinyModelTest(absltest.TestCase):
     self.assertEqual(stats["tokens_per_expert"].shape, (4, 16))
 
   def test_training_program_lowers_the_loss(self):
-    run = testing.small_run(
-        testing.temp_dir(self),
+    run = small_runs.small_run(
+        small_runs.temp_dir(self),
         model=_TINY,
         scan_layers=False,
         steps=12,
@@ -164,7 +164,7 @@ class TinyModelTest(absltest.TestCase):
         seq_len=32,
         warmup_steps=2,
     )
-    losses = testing.step_losses(run)
+    losses = small_runs.step_losses(run)
     self.assertTrue(np.all(np.isfinite(losses)), losses)
     # Near log(256) = 5.5 nats at first; a dozen steps learn the bytes'
     # frequencies.

@@ -15,12 +15,12 @@ from train import presets
 from train.models import scan_model
 from train.models import transformer as model_lib
 from train.presets import sizing
-from train.run import testing
+from train.testing import small_runs
 
 # Three MoE layers after the dense one: per-layer statistics and biases
 # that differ from layer to layer.
-DEEPER = testing.SMALL_DSV3.replace(name="test_deeper", num_layers=4)
-MLA = testing.SMALL_DSV3.replace(
+DEEPER = small_runs.SMALL_DSV3.replace(name="test_deeper", num_layers=4)
+MLA = small_runs.SMALL_DSV3.replace(
     name="test_mla",
     attention="mla",
     num_kv_heads=0,
@@ -31,8 +31,8 @@ MLA = testing.SMALL_DSV3.replace(
     qk_rope_head_dim=4,
     v_head_dim=12,
 )
-DENSE = testing.SMALL_DSV3.replace(name="test_dense", moe=None)
-TIED = testing.SMALL_DSV3.replace(
+DENSE = small_runs.SMALL_DSV3.replace(name="test_dense", moe=None)
+TIED = small_runs.SMALL_DSV3.replace(
     name="test_tied", tie_embeddings=True, qk_norm="head"
 )
 CONFIGS = (
@@ -205,8 +205,8 @@ class DepthTest(absltest.TestCase):
   def test_program_does_not_grow_with_depth(self):
     # What XLA compiles is what is traced: with the layers scanned, 3 and
     # 12 layers trace to the same program but for the stacks' length.
-    shallow = testing.SMALL_DSV3.replace(num_layers=3)
-    deep = testing.SMALL_DSV3.replace(num_layers=12)
+    shallow = small_runs.SMALL_DSV3.replace(num_layers=3)
+    deep = small_runs.SMALL_DSV3.replace(num_layers=12)
     self.assertEqual(
         _traced_equations(deep, scan_layers=True),
         _traced_equations(shallow, scan_layers=True),

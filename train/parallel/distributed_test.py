@@ -2,7 +2,7 @@
 
 The resolve() tests (process_spec.py) need no process. The launcher
 tests run tiny python -c commands. The multi-process tests start 2 copies of
-testing_distributed_worker.py (2 CPU devices each) through the
+train/testing/distributed_worker.py (2 CPU devices each) through the
 launcher and check a cross-process psum and all_gather against the formula,
 and that a dead or missing process ends the run within the runtime's
 timeouts, with every process ended (the launcher's summary line lists each
@@ -32,9 +32,7 @@ _ROOT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )
 _LAUNCHER = os.path.join(_ROOT, "tools", "launch_local.py")
-_WORKER = os.path.join(
-    _ROOT, "train", "parallel", "testing_distributed_worker.py"
-)
+_WORKER = os.path.join(_ROOT, "train", "testing", "distributed_worker.py")
 
 # The short runtime timeouts of the failure tests, in seconds.
 _INIT_TIMEOUT_S = 5

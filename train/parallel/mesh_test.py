@@ -14,8 +14,8 @@ from train import main
 from train.parallel import mesh as mesh_lib
 from train.parallel import sharding
 from train.run import data as data_lib
-from train.run import testing
 from train.run import trainer
+from train.testing import small_runs
 
 P = jax.sharding.PartitionSpec
 
@@ -57,7 +57,7 @@ class MeshFlagTest(absltest.TestCase):
         r"test_dsv3",
     ):
       mesh_lib.check_run(
-          mesh_lib.parse("expert=16"), testing.SMALL_DSV3, batch_size=16
+          mesh_lib.parse("expert=16"), small_runs.SMALL_DSV3, batch_size=16
       )
 
   def test_microbatches_must_divide_over_the_data_parallel_devices(self):
@@ -69,13 +69,13 @@ class MeshFlagTest(absltest.TestCase):
     ):
       mesh_lib.check_run(
           mesh_lib.parse("data=2,expert=4"),
-          testing.SMALL_DSV3,
+          small_runs.SMALL_DSV3,
           batch_size=16,
           microbatches=4,
       )
     mesh_lib.check_run(  # 2 microbatches of 8 rows: one per device.
         mesh_lib.parse("data=2,expert=4"),
-        testing.SMALL_DSV3,
+        small_runs.SMALL_DSV3,
         batch_size=16,
         microbatches=2,
     )
@@ -94,7 +94,7 @@ class MeshFlagTest(absltest.TestCase):
         r"fsdp x expert = 8 of --mesh=data=2,expert=4",
     ):
       mesh_lib.check_run(
-          mesh_lib.parse("data=2,expert=4"), testing.SMALL_DSV3, batch_size=6
+          mesh_lib.parse("data=2,expert=4"), small_runs.SMALL_DSV3, batch_size=6
       )
 
   def test_canonical_spelling(self):
@@ -110,8 +110,8 @@ class PlacementTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    run = testing.small_run("/unused", mesh="fsdp=2,expert=4", batch_size=8)
-    cls.trainer = trainer.Trainer(run, testing.corpus(), out=None)
+    run = small_runs.small_run("/unused", mesh="fsdp=2,expert=4", batch_size=8)
+    cls.trainer = trainer.Trainer(run, small_runs.corpus(), out=None)
 
   def _specs(self):
     return {

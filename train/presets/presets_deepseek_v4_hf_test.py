@@ -18,7 +18,7 @@ from absl.testing import parameterized
 
 from train import presets
 from train.presets import sizing
-from train.run import testing
+from train.testing import small_runs
 
 try:
   import torch  # pylint: disable=g-import-not-at-top
@@ -160,7 +160,7 @@ class DeepseekV4CountsTest(parameterized.TestCase):
   def test_tiny_preset_counts_as_transformers_does(self):
     cfg = presets.get_preset("tiny_deepseek_v4").model
     self._assert_counts_equal(
-        "tiny_deepseek_v4", testing.deepseek_v4_hf_fields(cfg)
+        "tiny_deepseek_v4", small_runs.deepseek_v4_hf_fields(cfg)
     )
 
   def test_preset_layer_maps_are_the_released_ones(self):
@@ -169,7 +169,7 @@ class DeepseekV4CountsTest(parameterized.TestCase):
         config = transformers.DeepseekV4Config(**fields)
         ours = presets.get_preset(name).model.deepseek_v4.layer_types
         self.assertEqual(
-            [testing.DEEPSEEK_V4_HF_LAYER_TYPES[t] for t in ours],
+            [small_runs.DEEPSEEK_V4_HF_LAYER_TYPES[t] for t in ours],
             config.layer_types,
         )
 

@@ -16,7 +16,7 @@ from train.models import transformer as model_lib
 from train.presets import published
 from train.presets import sizing
 from train.run import cost_report
-from train.run import testing
+from train.testing import small_runs
 
 
 def setUpModule():
@@ -75,7 +75,7 @@ class FlopsTest(absltest.TestCase):
     XLA counts the masked half of causal attention too, and elementwise
     work (norms, softmax, RoPE), which the formula leaves out: a few %.
     """
-    cfg = testing.SMALL_DSV3.replace(moe=None, dense_ffn_size=64)
+    cfg = small_runs.SMALL_DSV3.replace(moe=None, dense_ffn_size=64)
     batch, seq = 2, 64
     model = model_lib.Transformer(
         cfg, compute_dtype=jnp.float32, rngs=nnx.Rngs(0)

@@ -9,7 +9,7 @@ import numpy as np
 
 from train import presets
 from train.presets import sizing
-from train.run import testing
+from train.testing import small_runs
 
 _PRESET = presets.get_preset("tpu_v5e_dsv3")
 _ONE_DEVICE = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
@@ -108,10 +108,10 @@ class TpuPresetTest(absltest.TestCase):
     # Its layers at full width, two of them (dense, MoE), a short batch:
     # the preset's blocks build and train on this CPU.
     model = dataclasses.replace(_PRESET.model, num_layers=2)
-    run = testing.small_run(
-        testing.temp_dir(self), model=model, batch_size=2, seq_len=64
+    run = small_runs.small_run(
+        small_runs.temp_dir(self), model=model, batch_size=2, seq_len=64
     )
-    losses = testing.step_losses(run, steps=2)
+    losses = small_runs.step_losses(run, steps=2)
     self.assertTrue(np.all(np.isfinite(losses)), losses)
     # A fresh model predicts bytes about uniformly: ln(256) = 5.5 nats.
     self.assertLess(abs(losses[0] - np.log(256)), 1.0)

@@ -8,13 +8,13 @@ from absl.testing import absltest
 import numpy as np
 
 from train.run import data
-from train.run import testing
+from train.testing import small_runs
 
 
 class CorpusTest(absltest.TestCase):
 
   def test_embedded_corpus_is_real_text_and_split_one_in_ten(self):
-    corpus = testing.corpus()
+    corpus = small_runs.corpus()
     text_bytes = len(
         "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode(
             "utf-8"
@@ -28,7 +28,7 @@ class CorpusTest(absltest.TestCase):
     self.assertGreater(ascii_share, 0.9)
 
   def test_splits_are_the_interleaved_chunks_of_the_text(self):
-    path = os.path.join(testing.temp_dir(self), "t.txt")
+    path = os.path.join(small_runs.temp_dir(self), "t.txt")
     raw = bytes(
         np.random.default_rng(0).integers(
             0, 256, 10 * 4096 + 100, dtype=np.uint8
@@ -47,7 +47,7 @@ class CorpusTest(absltest.TestCase):
   def test_bad_data_paths_are_refused(self):
     with self.assertRaisesRegex(FileNotFoundError, "--data must name"):
       data.load("/nonexistent/file.txt")
-    path = os.path.join(testing.temp_dir(self), "small.txt")
+    path = os.path.join(small_runs.temp_dir(self), "small.txt")
     with open(path, "w") as f:
       f.write("too short")
     with self.assertRaisesRegex(ValueError, "a held-out split needs"):
@@ -64,7 +64,7 @@ class UnigramTest(absltest.TestCase):
     self.assertAlmostEqual(data.unigram_entropy(two), math.log(2))
 
   def test_held_out_cross_entropy_is_at_least_its_entropy(self):
-    corpus = testing.corpus()
+    corpus = small_runs.corpus()
     # Gibbs' inequality: no model beats the held-out text's own frequencies.
     self.assertGreaterEqual(
         data.unigram_cross_entropy(corpus.train, corpus.held_out),

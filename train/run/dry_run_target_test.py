@@ -29,7 +29,7 @@ from train.parallel import mesh as mesh_lib
 from train.run import dry_run_target
 from train.run import run_config
 from train.run import step_builder
-from train.run import testing
+from train.testing import small_runs
 
 FLAGS = flags.FLAGS
 MESH = "data=2,expert=4"
@@ -224,7 +224,7 @@ class CompiledTest(absltest.TestCase):
           "compiling for GPUs needs jax's CUDA plugin (jax-cuda13-plugin), "
           "which this leg does not install"
       )
-    self.out_dir = testing.temp_dir(self)
+    self.out_dir = small_runs.temp_dir(self)
 
   def test_step_that_does_not_fit_one_h100_exits_with_one_line(self):
     status, out, err = _run_main(
@@ -265,7 +265,7 @@ class TpuCompiledTest(absltest.TestCase):
           "compiling for TPUs needs libtpu (jax's `tpu` extra), which this "
           "leg does not install"
       )
-    self.out_dir = testing.temp_dir(self)
+    self.out_dir = small_runs.temp_dir(self)
 
   def test_tiny_dsv3_on_four_v5e_chips(self):
     path = os.path.join(self.out_dir, "v5e.json")
@@ -324,7 +324,7 @@ class SeedScaleTest(absltest.TestCase):
           "compiling for GPUs needs jax's CUDA plugin (jax-cuda13-plugin), "
           "which this leg does not install"
       )
-    self.out_dir = testing.temp_dir(self)
+    self.out_dir = small_runs.temp_dir(self)
 
   def test_deepseek_v3_layers_on_1024_h100s(self):
     path = os.path.join(self.out_dir, "figures.json")

@@ -57,8 +57,8 @@ from absl.testing import parameterized
 
 from train.checkpoints import checkpoint_dirs
 from train.run import run_config
-from train.run import testing
 from train.run import trainer
+from train.testing import small_runs
 
 # The workspace root: this file is train/<package>/<name>.py.
 _ROOT = os.path.dirname(
@@ -100,7 +100,7 @@ def _records(output_dir: str) -> list[dict]:
 
 
 def _fit(run, interrupt_after=None) -> trainer.Trainer:
-  return testing.fit(run, interrupt_after)[0]
+  return small_runs.fit(run, interrupt_after)[0]
 
 
 def assert_same_run(test, expected: list[dict], got: list[dict]) -> None:
@@ -136,7 +136,7 @@ class MeshEquivalenceTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls._out = testing.TempDirs()
+    cls._out = small_runs.TempDirs()
     cls.base_run = run_config.run_config_from_preset(
         PRESET,
         steps=STEPS,
@@ -269,7 +269,7 @@ class MeshEquivalenceTest(parameterized.TestCase):
     # the 2 processes measured: only the evaluation's sums differ.
     tr = trainer.Trainer(
         self._run("expert=8", output_dir=out, resume=True),
-        testing.corpus(),
+        small_runs.corpus(),
         out=None,
     )
     tr.restore_checkpoint(checkpoint_dirs.latest(tr.checkpoint_dir))

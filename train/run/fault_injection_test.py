@@ -1,12 +1,12 @@
 """SIGKILLs a training run during its saves, resumes, and checks the result.
 
-One run of testing_fault_worker.py trains SMALL_DSV3 (its layers scanned,
-each batch in 2 microbatches) uninterrupted: the reference. Another run of
-the same config is killed 10 times at points of its saves and of its
-metrics log, and resumed after each kill: once before its first checkpoint
-is finalised, then once per phase of the worker, in a seeded random order
-and at seeded steps (`_plan`), then right after its last checkpoint lands,
-then while a resume saves that step again. After
+One run of train/testing/fault_injection_worker.py trains SMALL_DSV3 (its
+layers scanned, each batch in 2 microbatches) uninterrupted: the
+reference. Another run of the same config is killed 10 times at points of
+its saves and of its metrics log, and resumed after each kill: once before
+its first checkpoint is finalised, then once per phase of the worker, in a
+seeded random order and at seeded steps (`_plan`), then right after its
+last checkpoint lands, then while a resume saves that step again. After
 every kill:
 
   * a resume is refused (CheckpointError) exactly when no checkpoint was
@@ -42,14 +42,12 @@ import numpy as np
 
 from train.checkpoints import checkpoint_dirs
 from train.checkpoints import checkpoint_meta
-from train.run import testing_fault_worker
+from train.testing import fault_injection_worker
 
-_WORKER = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "testing_fault_worker.py"
-)
+_WORKER = os.path.abspath(fault_injection_worker.__file__)
 _STEPS = 8
 _SEED = 17
-# The phases of the seeded kills (see testing_fault_worker.py). The fixed
+# The phases of the seeded kills (see fault_injection_worker.py). The fixed
 # ones before and after them add "committed" and "replaced" kills.
 _PHASES = ("timer", "item", "finalize", "prune", "log", "trim")
 _WORKER_TIMEOUT_S = 180
@@ -205,7 +203,7 @@ class FaultInjectionTest(absltest.TestCase):
     records, _ = _log_lines(output_dir)
     code, output = self._worker(output_dir, "--resume")
     self.assertEqual(
-        code, testing_fault_worker.REFUSED_EXIT_CODE, output[-3000:]
+        code, fault_injection_worker.REFUSED_EXIT_CODE, output[-3000:]
     )
     self.assertIn("REFUSED CheckpointError: --resume: no checkpoint", output)
     self.assertEqual(_log_lines(output_dir)[0], records)

@@ -6,7 +6,7 @@ check) or by handing Orbax's background commit a future that fails with
 ENOSPC; a diverging run by --learning_rate=1e30; the device's memory by a
 train step that raises XLA's RESOURCE_EXHAUSTED; a signal by os.kill from
 inside the final evaluation. Most tests drive a Trainer of
-testing.SMALL_DSV3 (one compile of its steps, shared); `MainTest` runs
+small_runs.SMALL_DSV3 (one compile of its steps, shared); `MainTest` runs
 `train.main` in this process with that model in place of the default
 preset, and two subprocesses check what a user sees on a terminal.
 """
@@ -40,9 +40,9 @@ from train.checkpoints import output_lock
 from train.run import cost_report
 from train.run import data as data_lib
 from train.run import step_builder
-from train.run import testing
 from train.run import trainer
 from train.run import training_faults
+from train.testing import small_runs
 
 # The workspace root: this file is train/<package>/<name>.py.
 _ROOT = os.path.dirname(
@@ -63,11 +63,11 @@ def setUpModule():
 
 
 def _run(output_dir: str, **overrides):
-  return testing.small_run(output_dir, steps=_STEPS, **overrides)
+  return small_runs.small_run(output_dir, steps=_STEPS, **overrides)
 
 
 def _trainer(run, out=None) -> trainer.Trainer:
-  tr = trainer.Trainer(run, testing.corpus(), out=out)
+  tr = trainer.Trainer(run, small_runs.corpus(), out=out)
   tr.prepare_output_dir()
   return tr
 
@@ -92,7 +92,7 @@ class DiskFullTest(absltest.TestCase):
   def test_full_disk_stops_the_run_at_its_step_and_keeps_the_checkpoints(
       self,
   ):
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     run = _run(out, checkpoint_every=1, keep_checkpoints=1)
     real_free_bytes, calls = checkpoint_failures.free_bytes, []
 
@@ -119,12 +119,12 @@ class DiskFullTest(absltest.TestCase):
     self.assertEqual(_entries(tr.checkpoint_dir), ["step_00000002"])
 
     # The checkpoint left resumes the run exactly.
-    resumed, _ = testing.fit(dataclasses.replace(run, resume=True))
-    straight, _ = testing.fit(_run(testing.temp_dir(self)))
+    resumed, _ = small_runs.fit(dataclasses.replace(run, resume=True))
+    straight, _ = small_runs.fit(_run(small_runs.temp_dir(self)))
     self.assertEqual(resumed.history["loss"], straight.history["loss"])
 
   def test_failed_background_write_stops_the_run_at_the_next_step(self):
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     run = _run(out, checkpoint_every=1, keep_checkpoints=1)
     real_async_save = ocp.handlers.StandardCheckpointHandler.async_save
     saves = []
@@ -174,7 +174,7 @@ class NonFiniteTest(absltest.TestCase):
   def test_diverging_run_stops_naming_the_step_and_saves_only_finite_states(
       self,
   ):
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     run = _run(out, learning_rate=1e30, checkpoint_every=1, keep_checkpoints=0)
     tr = _trainer(run)
     with self.assertRaises(training_faults.NonFiniteError) as raised:
@@ -196,7 +196,7 @@ class NonFiniteTest(absltest.TestCase):
       self.assertLen(f.readlines(), tr.step)
 
   def test_non_finite_state_is_neither_saved_nor_resumed(self):
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     tr = _trainer(_run(out))
     tr.state = jax.tree.map(
         lambda x: x * jnp.nan if x.ndim >= 2 else x, tr.state
@@ -218,7 +218,7 @@ class NonFiniteTest(absltest.TestCase):
         extra={"data": tr.sampler.state()},
     )
     resumed = trainer.Trainer(
-        _run(out, resume=True), testing.corpus(), out=None
+        _run(out, resume=True), small_runs.corpus(), out=None
     )
     with self.assertRaisesRegex(
         checkpoint_meta.CheckpointError,
@@ -232,7 +232,7 @@ class NonFiniteTest(absltest.TestCase):
 class OutOfMemoryTest(absltest.TestCase):
 
   def test_resource_exhausted_names_the_estimate_and_the_flags(self):
-    tr = _trainer(_run(testing.temp_dir(self)))
+    tr = _trainer(_run(small_runs.temp_dir(self)))
     tr.program = copy.copy(tr.program)  # Shared between trainers: a copy.
 
     def out_of_memory(state, batch):
@@ -265,7 +265,7 @@ class OutOfMemoryTest(absltest.TestCase):
     with _small_default_preset(), flagsaver.flagsaver(**_main_flags(self)):
       text = main.dry_run(io.StringIO())
       run = train_flags.run_config_from_flags()
-    tr = trainer.Trainer(run, testing.corpus(), out=None)
+    tr = trainer.Trainer(run, small_runs.corpus(), out=None)
     memory = tr.step_memory()
     self.assertIsNotNone(memory)
     self.assertEqual(step_builder.compiled_step_memory(run), memory)
@@ -286,10 +286,10 @@ class DataFingerprintTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.out = testing.temp_dir(self)
-    self.data = os.path.join(testing.temp_dir(self), "text.txt")
+    self.out = small_runs.temp_dir(self)
+    self.data = os.path.join(small_runs.temp_dir(self), "text.txt")
     with open(self.data, "wb") as f:
-      f.write(testing.corpus().train[:60000].tobytes())
+      f.write(small_runs.corpus().train[:60000].tobytes())
 
   def _saved_at_step_0(self, fingerprint=None) -> trainer.Trainer:
     run = _run(self.out, data=self.data)
@@ -323,7 +323,7 @@ class DataFingerprintTest(absltest.TestCase):
     self.assertIn(resumed.corpus.sha256[:16], message)
     # The same contents resume.
     with open(self.data, "wb") as f:
-      f.write(testing.corpus().train[:60000].tobytes())
+      f.write(small_runs.corpus().train[:60000].tobytes())
     resumed = self._resume()
     resumed.prepare_output_dir()
     resumed.close()
@@ -371,7 +371,7 @@ class DataFingerprintTest(absltest.TestCase):
 @contextlib.contextmanager
 def _small_default_preset():
   with mock.patch.dict(
-      presets.PRESETS, {presets.DEFAULT_PRESET: testing.SMALL_PRESET}
+      presets.PRESETS, {presets.DEFAULT_PRESET: small_runs.SMALL_PRESET}
   ):
     yield
 
@@ -387,7 +387,7 @@ def _main_flags(test_case, **overrides) -> dict:
       eval_batches=2,
       checkpoint_every=0,
       log_every=1000,
-      output_dir=testing.temp_dir(test_case),
+      output_dir=small_runs.temp_dir(test_case),
       progress=False,
       plot=False,
   )
@@ -428,7 +428,7 @@ class MainTest(absltest.TestCase):
     )
 
   def test_busy_output_dir(self):
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     with output_lock.OutputDirLock(out):
       line = self._main_fails(output_dir=out)
     self.assertIn(f"--output_dir={out!r} is in use by another training", line)
@@ -437,7 +437,7 @@ class MainTest(absltest.TestCase):
   def test_lock_os_error(self):
     # Found: an OSError at the lock (here its file is a directory) printed
     # a traceback.
-    out = testing.temp_dir(self)
+    out = small_runs.temp_dir(self)
     lock = os.path.join(out, output_lock.LOCK_FILE)
     os.mkdir(lock)
     line = self._main_fails(output_dir=out)
@@ -511,7 +511,7 @@ class TerminalTest(absltest.TestCase):
     proc = _run_main(
         "--mesh=data=2",
         "--batch_size=3",
-        f"--output_dir={testing.temp_dir(self)}",
+        f"--output_dir={small_runs.temp_dir(self)}",
     )
     self.assertEqual(proc.returncode, 1, proc.stderr[-3000:])
     self.assertEqual(

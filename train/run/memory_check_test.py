@@ -15,8 +15,8 @@ from absl.testing import flagsaver
 from train import main
 from train.run import memory_check
 from train.run import steps
-from train.run import testing
 from train.run import trainer
+from train.testing import small_runs
 
 
 def setUpModule():
@@ -38,7 +38,7 @@ class CheckTest(absltest.TestCase):
 
   def test_a_step_that_fits_says_so(self):
     line = memory_check.check(
-        testing.small_run("/unused"), _MEMORY, (8 * _GIB, "a test's limit")
+        small_runs.small_run("/unused"), _MEMORY, (8 * _GIB, "a test's limit")
     )
     self.assertEqual(
         line,
@@ -46,7 +46,7 @@ class CheckTest(absltest.TestCase):
     )
 
   def test_a_step_that_does_not_fit_is_refused_in_one_line(self):
-    run = testing.small_run("/unused", microbatches=2)
+    run = small_runs.small_run("/unused", microbatches=2)
     with self.assertRaises(memory_check.StepDoesNotFitError) as raised:
       memory_check.check(run, _MEMORY, (5 * _GIB - 1, "a test's limit"))
     message = str(raised.exception)
@@ -68,7 +68,7 @@ class CheckTest(absltest.TestCase):
       self.assertIn(flag, message)
 
   def test_no_figures_no_check(self):
-    line = memory_check.check(testing.small_run("/unused"), None, (1, "x"))
+    line = memory_check.check(small_runs.small_run("/unused"), None, (1, "x"))
     self.assertIn("not checked", line)
 
   def test_a_cpu_shares_the_hosts_ram_among_its_devices(self):
@@ -89,7 +89,7 @@ class CheckTest(absltest.TestCase):
 class TrainerTest(absltest.TestCase):
 
   def test_refused_before_the_state_exists(self):
-    run = testing.small_run(testing.temp_dir(self))
+    run = small_runs.small_run(small_runs.temp_dir(self))
     before = len(jax.live_arrays())
     with mock.patch.object(
         memory_check, "device_limit", return_value=(1024, "a test's limit")
@@ -98,7 +98,7 @@ class TrainerTest(absltest.TestCase):
           memory_check.StepDoesNotFitError,
           r"more than the 1 KiB \(a test's limit\) a device has",
       ):
-        trainer.Trainer(run, testing.corpus(), out=None)
+        trainer.Trainer(run, small_runs.corpus(), out=None)
     self.assertEqual(len(jax.live_arrays()), before)
 
 
@@ -113,7 +113,7 @@ class FullSizePresetTest(absltest.TestCase):
         batch_size=8,
         seq_len=64,
         steps=1,
-        output_dir=testing.temp_dir(self),
+        output_dir=small_runs.temp_dir(self),
     ):
       with self.assertRaisesRegex(
           app.UsageError,

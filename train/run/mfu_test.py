@@ -5,7 +5,7 @@ import numpy as np
 
 from train.run import mfu
 from train.run import step_log
-from train.run import testing
+from train.testing import small_runs
 
 
 class PeakOfTest(absltest.TestCase):
@@ -52,7 +52,7 @@ class PeakOfTest(absltest.TestCase):
 class StepRecordTest(absltest.TestCase):
 
   def _record(self, peak):
-    run = testing.small_run("/unused")
+    run = small_runs.small_run("/unused")
     layers = run.model.num_moe_layers
     experts = run.model.moe.num_experts
     metrics = {

@@ -16,7 +16,7 @@ from train.presets import sizing
 from train.run import mfu
 from train.run import report
 from train.run import step_log
-from train.run import testing
+from train.testing import small_runs
 
 
 def setUpModule():
@@ -58,12 +58,12 @@ class PlotWithoutMatplotlibTest(absltest.TestCase):
       self.assertIn(text, line)
 
   def test_the_report_skips_the_plot_and_writes_the_summary(self):
-    out_dir = testing.temp_dir(self)
-    run = testing.small_run(out_dir, plot=True)
+    out_dir = small_runs.temp_dir(self)
+    run = small_runs.small_run(out_dir, plot=True)
     history = _history(run, 3)
     summary = report.run_summary(
         run,
-        testing.corpus(),
+        small_runs.corpus(),
         history,
         steps=3,
         backend="xla",
@@ -84,12 +84,12 @@ class PlotWithoutMatplotlibTest(absltest.TestCase):
       self.assertEqual(json.load(f)["steps"], 3)
 
   def test_the_report_draws_the_plot_with_matplotlib(self):
-    out_dir = testing.temp_dir(self)
-    run = testing.small_run(out_dir, plot=True)
+    out_dir = small_runs.temp_dir(self)
+    run = small_runs.small_run(out_dir, plot=True)
     history = _history(run, 3)
     summary = report.run_summary(
         run,
-        testing.corpus(),
+        small_runs.corpus(),
         history,
         steps=3,
         backend="xla",
@@ -108,10 +108,10 @@ class PlotWithoutMatplotlibTest(absltest.TestCase):
 class SummaryMfuTest(absltest.TestCase):
 
   def _summary(self, peak):
-    run = testing.small_run("/unused")
+    run = small_runs.small_run("/unused")
     return run, report.run_summary(
         run,
-        testing.corpus(),
+        small_runs.corpus(),
         _history(run, 5),
         steps=5,
         backend="xla",

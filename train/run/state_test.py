@@ -15,7 +15,7 @@ from train.parallel import mesh as mesh_lib
 from train.run import cost_report
 from train.run import state as state_lib
 from train.run import steps
-from train.run import testing
+from train.testing import small_runs
 
 MESH = "fsdp=2,expert=4"
 
@@ -46,7 +46,7 @@ class OneDeviceTest(parameterized.TestCase):
 
   @parameterized.parameters(True, False)
   def test_values_equal_the_eager_init(self, scan_layers):
-    run = testing.small_run("/unused", scan_layers=scan_layers, seed=5)
+    run = small_runs.small_run("/unused", scan_layers=scan_layers, seed=5)
     spec = state_lib.abstract(run, None)
     state = state_lib.initialise(run, spec)
     _assert_same_values(self, state, _eager_state(run))
@@ -55,7 +55,7 @@ class OneDeviceTest(parameterized.TestCase):
 
   def test_abstract_allocates_nothing(self):
     before = len(jax.live_arrays())
-    spec = state_lib.abstract(testing.small_run("/unused"), None)
+    spec = state_lib.abstract(small_runs.small_run("/unused"), None)
     self.assertEqual(len(jax.live_arrays()), before)
     self.assertIsNone(spec.placement)
     self.assertTrue(
@@ -78,7 +78,7 @@ class BfloatMomentsTest(absltest.TestCase):
         jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), params)
         for i in range(3)
     ]
-    run = testing.small_run("/unused")
+    run = small_runs.small_run("/unused")
     half = dataclasses.replace(run, opt_state_dtype="bfloat16")
     full_opt, half_opt = steps.make_optimizer(run), steps.make_optimizer(half)
     full_state, half_state = full_opt.init(params), half_opt.init(params)
@@ -105,7 +105,7 @@ class BfloatMomentsTest(absltest.TestCase):
           np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * scale)
 
   def test_the_estimates_count_two_bytes_a_moment(self):
-    run = testing.small_run("/unused")
+    run = small_runs.small_run("/unused")
     half = dataclasses.replace(run, opt_state_dtype="bfloat16")
     full_mem = cost_report.run_memory_per_device(run)
     half_mem = cost_report.run_memory_per_device(half)
@@ -118,7 +118,7 @@ class BfloatMomentsTest(absltest.TestCase):
 
   def test_unknown_dtype_is_refused(self):
     with self.assertRaisesRegex(ValueError, "opt_state_dtype must be one of"):
-      testing.small_run("/unused", opt_state_dtype="float16")
+      small_runs.small_run("/unused", opt_state_dtype="float16")
 
 
 class ShardedInitTest(absltest.TestCase):
@@ -127,7 +127,7 @@ class ShardedInitTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.train_run = testing.small_run("/unused", mesh=MESH, batch_size=8)
+    cls.train_run = small_runs.small_run("/unused", mesh=MESH, batch_size=8)
     cls.mesh = mesh_lib.build(mesh_lib.parse(MESH))
     cls.spec = state_lib.abstract(cls.train_run, cls.mesh)
     init = state_lib.initializer(cls.train_run, cls.spec)

@@ -8,8 +8,8 @@ from moe_core import aot
 from train.parallel import mesh as mesh_lib
 from train.run import state as state_lib
 from train.run import step_builder
-from train.run import testing
 from train.run import trainer
+from train.testing import small_runs
 
 MESH = "data=2,expert=4"
 
@@ -20,7 +20,7 @@ class HereTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.train_run = testing.small_run("/unused", mesh=MESH, batch_size=8)
+    cls.train_run = small_runs.small_run("/unused", mesh=MESH, batch_size=8)
     cls.mesh = mesh_lib.build(mesh_lib.parse(MESH))
 
   def test_builds_without_allocating(self):
@@ -36,7 +36,7 @@ class HereTest(absltest.TestCase):
 
   def test_its_fn_under_its_jit_kwargs_is_the_trainers_step(self):
     step = step_builder.build(self.train_run, self.mesh)
-    tr = trainer.Trainer(self.train_run, testing.corpus(), out=None)
+    tr = trainer.Trainer(self.train_run, small_runs.corpus(), out=None)
     batch = tr.sampler.next()
     want_state, want = tr.program.train_step(tr.state, tr._put_batch(batch))  # pylint: disable=protected-access
     # A fresh jit of the builder's pure fn, on the same initial state.
@@ -56,7 +56,7 @@ class HereTest(absltest.TestCase):
     # gradients); lowering, not compiling, keeps this at a few seconds.
     lowered = {}
     for chunks in (1, 2):
-      run = testing.small_run(
+      run = small_runs.small_run(
           "/unused", mesh=MESH, batch_size=8, ep_chunks=chunks
       )
       step = step_builder.build(run, self.mesh)
@@ -75,7 +75,9 @@ class HereTest(absltest.TestCase):
     self.assertEqual(count[2], 2 * count[1], count)
 
   def test_run_that_does_not_split_over_the_mesh_is_refused(self):
-    run = testing.small_run("/unused", mesh=MESH, batch_size=8, microbatches=4)
+    run = small_runs.small_run(
+        "/unused", mesh=MESH, batch_size=8, microbatches=4
+    )
     with self.assertRaisesRegex(ValueError, r"^--microbatches must be"):
       step_builder.build(run, self.mesh)
 
@@ -94,7 +96,9 @@ class TopologyTest(absltest.TestCase):
   def test_compiles_for_gpus_that_are_not_here(self):
     topology = aot.gpu_topology("h100", "1x1x8")
     mesh = mesh_lib.build(mesh_lib.parse(MESH), devices=topology.devices)
-    run = testing.small_run("/unused", mesh=MESH, batch_size=16, microbatches=2)
+    run = small_runs.small_run(
+        "/unused", mesh=MESH, batch_size=16, microbatches=2
+    )
     step = step_builder.build(run, mesh)
     program = aot.compile(
         step.fn,

@@ -9,8 +9,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import moe_core
-from train.run import testing
 from train.run import trainer
+from train.testing import small_runs
 
 # bf16 compute: products are rounded to 8 bits of mantissa, and a rounding
 # difference can flip a near-tied expert choice, so per-step losses of two
@@ -23,15 +23,15 @@ AGREEMENT_STEPS = 4
 class LossDecreasesTest(absltest.TestCase):
 
   def test_loss_decreases_on_the_embedded_corpus(self):
-    run = testing.small_run(
-        testing.temp_dir(self),
+    run = small_runs.small_run(
+        small_runs.temp_dir(self),
         steps=40,
         batch_size=8,
         seq_len=48,
         warmup_steps=4,
         eval_batches=4,
     )
-    tr = trainer.Trainer(run, testing.corpus(), out=None)
+    tr = trainer.Trainer(run, small_runs.corpus(), out=None)
     held_out_before = tr.evaluate()
     losses = [
         float(tr.train_step(tr.sampler.next())["loss"])
@@ -44,7 +44,7 @@ class LossDecreasesTest(absltest.TestCase):
     self.assertLess(held_out_after, held_out_before - 1.5)
     # The unigram model of the bytes is the first thing to learn.
     self.assertLess(
-        held_out_after, testing.corpus_unigram_cross_entropy() + 0.5
+        held_out_after, small_runs.corpus_unigram_cross_entropy() + 0.5
     )
 
 
@@ -64,13 +64,13 @@ class BackendAgreementTest(parameterized.TestCase):
       self.skipTest(
           "only the reference backend is available here: " f"{unavailable}"
       )
-    base = testing.small_run(testing.temp_dir(self), compute_dtype=dtype)
-    want = testing.step_losses(
+    base = small_runs.small_run(small_runs.temp_dir(self), compute_dtype=dtype)
+    want = small_runs.step_losses(
         dataclasses.replace(base, backend="reference"), AGREEMENT_STEPS
     )
     for name in others:
       with self.subTest(backend=name):
-        got = testing.step_losses(
+        got = small_runs.step_losses(
             dataclasses.replace(base, backend=name), AGREEMENT_STEPS
         )
         np.testing.assert_allclose(
@@ -85,10 +85,12 @@ class BackendAgreementTest(parameterized.TestCase):
 class RoutingStateTest(absltest.TestCase):
 
   def test_correction_bias_follows_the_rule_outside_the_optimiser(self):
-    run = testing.small_run(
-        testing.temp_dir(self), bias_update_rate=0.05, compute_dtype="bfloat16"
+    run = small_runs.small_run(
+        small_runs.temp_dir(self),
+        bias_update_rate=0.05,
+        compute_dtype="bfloat16",
     )
-    tr = trainer.Trainer(run, testing.corpus(), out=None)
+    tr = trainer.Trainer(run, small_runs.corpus(), out=None)
     # The optimiser never sees the bias: its moments cover params only.
     num_params = len(jax.tree.leaves(tr.state["params"]))
     moments = [x for x in jax.tree.leaves(tr.state["opt_state"]) if x.ndim > 0]

@@ -1,4 +1,5 @@
-"""Small configurations shared by the train/ tests (fast to compile on CPU)."""
+"""Small runs shared by the train/ tests: models, presets and run configs
+that compile fast on a CPU, the corpus, temporary directories, fits."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ SMALL_PRESET = presets.Preset(
     train=presets.TrainDefaults(
         steps=8, batch_size=4, seq_len=32, warmup_steps=2
     ),
-    description="testing.SMALL_DSV3",
+    description="small_runs.SMALL_DSV3",
 )
 
 _CORPUS = None

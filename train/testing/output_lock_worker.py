@@ -2,7 +2,7 @@ r"""One process of a 2-process run that takes --output_dir, for
 output_lock_test.py.
 
 Each process joins through train.parallel.distributed (one CPU device
-each), builds a Trainer of testing.SMALL_DSV3 on the mesh data=2 and calls
+each), builds a Trainer of small_runs.SMALL_DSV3 on the mesh data=2 and calls
 prepare_output_dir, as `train.main` does; then process 1 tries to take the
 directory's lock itself while process 0 holds it, and every process prints
 one line, RESULT {"process": i, "holds_lock": bool, "refused": "<message>"
@@ -10,7 +10,7 @@ one line, RESULT {"process": i, "holds_lock": bool, "refused": "<message>"
 <message>` instead and exits with REFUSED_EXIT_CODE, on every process.
 Usage:
     python tools/launch_local.py --num_processes=2 -- \
-        python train/run/testing_output_dir_worker.py --output_dir=DIR
+        python train/testing/output_lock_worker.py --output_dir=DIR
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def main(argv):
   # pylint: disable=g-import-not-at-top
   import jax
   from train.checkpoints import output_lock
-  from train.run import testing
   from train.run import trainer
+  from train.testing import small_runs
 
   # pylint: enable=g-import-not-at-top
 
-  run = testing.small_run(_OUTPUT_DIR.value, mesh="data=2")
-  tr = trainer.Trainer(run, testing.corpus(), out=None)
+  run = small_runs.small_run(_OUTPUT_DIR.value, mesh="data=2")
+  tr = trainer.Trainer(run, small_runs.corpus(), out=None)
   try:
     tr.prepare_output_dir()
   except output_lock.OutputDirBusyError as e:

@@ -10,7 +10,7 @@ position (device d holds the row [d, d**2], float32), then prints one
 --die_process=I makes process I exit abruptly (DIED_EXIT_CODE) right after
 joining. Usage:
     python tools/launch_local.py --num_processes=2 -- \
-        python testing_distributed_worker.py --local_devices=2
+        python train/testing/distributed_worker.py --local_devices=2
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 from absl import app
 from absl import flags
 
-# Run as a script (python testing_distributed_worker.py): the
+# Run as a script (python train/testing/distributed_worker.py): the
 # workspace root, one level up, must be importable for `train`.
 # The workspace root: this file is train/<package>/<name>.py.
 _ROOT = os.path.dirname(

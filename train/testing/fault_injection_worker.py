@@ -1,15 +1,15 @@
 r"""A tiny training run that SIGKILLs itself at a chosen point, for
 fault_injection_test.py.
 
-Trains testing.SMALL_DSV3 (batch 2 in 2 microbatches, 16 tokens, layers
+Trains small_runs.SMALL_DSV3 (batch 2 in 2 microbatches, 16 tokens, layers
 scanned, a checkpoint every step, the newest 2 kept) into DIR, as `python
 -m train.main` would; with --resume it resumes from the newest checkpoint,
 then restores the older one too, so that a damaged checkpoint cannot hide
 behind a good one. --kill sends SIGKILL at one point (`PHASES`) of a save
 or of the metrics log; a run that finishes writes --final (its state's
 leaves, in tree order, and its loss history). Usage:
-    python train/run/testing_fault_worker.py --output_dir=DIR --steps=12 \
-        [--resume] [--kill=PHASE:STEP[:SECONDS]] [--final=FILE.npz]
+    python train/testing/fault_injection_worker.py --output_dir=DIR \
+        --steps=12 [--resume] [--kill=PHASE:STEP[:SECONDS]] [--final=FILE.npz]
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from train.checkpoints import checkpoint  # noqa: E402
 from train.checkpoints import checkpoint_dirs  # noqa: E402
 from train.checkpoints import checkpoint_meta  # noqa: E402
 from train.run import step_log  # noqa: E402
-from train.run import testing  # noqa: E402
 from train.run import trainer  # noqa: E402
+from train.testing import small_runs  # noqa: E402
 
 # pylint: enable=g-import-not-at-top
 
@@ -75,7 +75,7 @@ PHASES = (
 
 def _run_config(output_dir: str, steps: int, resume: bool):
   """The run every worker of a test trains (the same but for `resume`)."""
-  return testing.small_run(
+  return small_runs.small_run(
       output_dir,
       steps=steps,
       batch_size=2,
@@ -195,7 +195,7 @@ def main(argv: list[str]) -> None:
   args = parser.parse_args(argv)
 
   run = _run_config(args.output_dir, args.steps, args.resume)
-  tr = trainer.Trainer(run, testing.corpus(), out=sys.stdout)
+  tr = trainer.Trainer(run, small_runs.corpus(), out=sys.stdout)
   if args.kill is not None:
     args.kill.arm(os.path.join(args.output_dir, "metrics.jsonl"))
   try:

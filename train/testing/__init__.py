@@ -1,0 +1,2 @@
+"""Helpers for train/'s tests: small runs and the worker processes that
+tests start as scripts."""
