@@ -442,6 +442,8 @@ def run(args) -> dict:
       methods.append(
           (f"raw_{label}", tiles, lambda t=tiles: ours_raw_fn(entry, t, launch))
       )
+    if args.methods:
+      methods = [m for m in methods if re.fullmatch(args.methods, m[0])]
     reference = None
     for method, tiles, build in methods:
       row = dict(base, method=method)
@@ -521,6 +523,12 @@ def main(argv=None) -> int:
   )
   p.add_argument(
       "--entries", default="", help="only entries whose name matches this regex"
+  )
+  p.add_argument(
+      "--methods",
+      default="",
+      help="only methods whose whole name matches this regex (tokamax,"
+      " ours_api, raw_<label>), e.g. 'tokamax|ours_api'",
   )
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument(
