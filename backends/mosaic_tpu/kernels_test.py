@@ -293,7 +293,7 @@ class TilingTest(parameterized.TestCase):
     for tiles in cands:
       self.assertLessEqual(tiling.vmem_bytes(tiles, call), budget)
 
-  def test_thin_k_widens_the_tables_columns_only(self):
+  def test_thin_k_widens_the_tables_columns_in_finer_chunks(self):
     gen = tiling.GENERATIONS["v5e"]
     table = tiling.TABLE["v5e"]
     # tokamax's v5e entry [262144, 256] x [256, 256, 7168]: the step's
@@ -302,10 +302,17 @@ class TilingTest(parameterized.TestCase):
     thin = tiling.Call("fwd", 262144, 256, 7168, 256, 2, 2)
     tiles = tiling.choose(tiling.TileConfig(), thin, "v5e")
     self.assertEqual((tiles.bm, tiles.bk, tiles.bn), (512, None, 7168))
+    # Its chunk is finer than the table's: a widened pass is long, and a
+    # visit computes up to a chunk past its group's rows.
+    self.assertEqual(tiles.chunk, tiling.WIDENED_CHUNK)
+    self.assertLess(tiling.WIDENED_CHUNK, table["fwd"].chunk)
     self.assertLessEqual(tiling.vmem_bytes(tiles, thin), gen.tile_budget_bytes)
     # Part of the way: K = 768 needs 2048 columns, and N = 4096 has them.
     part = tiling.Call("dgrad", 32768, 768, 4096, 128, 2, 2, num_lhs=2)
-    self.assertEqual(tiling.choose(tiling.TileConfig(), part, "v5e").bn, 2048)
+    part_tiles = tiling.choose(tiling.TileConfig(), part, "v5e")
+    self.assertEqual(
+        (part_tiles.bn, part_tiles.chunk), (2048, tiling.WIDENED_CHUNK)
+    )
     # A K the table's row already fills, wgrad, and tiles the caller gave
     # stay as they were.
     for call in (

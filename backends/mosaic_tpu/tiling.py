@@ -346,19 +346,31 @@ def fit(tiles: Tiles, call: Call, gen: Generation) -> Tiles:
 # wide as N do better: tokamax's v5e entry [262144, 256] x [256, 256, 7168]
 # ran at 88 TF/s with 512 x 1024 tiles and 115 with 128 x 7168.
 STEP_MACS = 512 * 2048 * 1024
+# The chunk of a widened row: with wide columns a chunk's pass is long, and
+# what a visit computes past its group's rows (half a chunk at each group
+# boundary, on average) costs more than the extra passes of a finer chunk.
+# On a v5e (bench/results/tokamax_compare_v5e_20261207_finer_rows.json) the
+# widened rows ran 1.03-1.06x faster at 128-row chunks than at 256 on the
+# three tokamax entries they apply to; unwidened rows (the Mixtral layer,
+# the training step) were neutral, and keep the table's chunk.
+WIDENED_CHUNK = 128
 
 
 def widened(tiles: Tiles, call: Call) -> Tiles:
   """A gmm table row with bn widened, where the whole K is one step and a
   step of bm x K x bn would do fewer than STEP_MACS multiply-adds, to the
-  columns that reach it (the whole N when that is fewer); `fit` then sizes
-  it to the shape and the VMEM. wgrad's tiles, and K in steps, as given."""
+  columns that reach it (the whole N when that is fewer), in chunks of
+  WIDENED_CHUNK rows; `fit` then sizes it to the shape and the VMEM.
+  wgrad's tiles, and K in steps, as given."""
   if call.kind == "wgrad" or tiles.bk is not None or call.k <= 0:
     return tiles
   want = _round_up(-(-STEP_MACS // (tiles.bm * call.k)), LANE)
   if want <= tiles.bn:
     return tiles
-  return dataclasses.replace(tiles, bn=want)
+  chunk = tiles.chunk
+  if chunk is not None and tiles.bm % WIDENED_CHUNK == 0:
+    chunk = min(chunk, WIDENED_CHUNK)
+  return dataclasses.replace(tiles, bn=want, chunk=chunk)
 
 
 def choose(
