@@ -223,7 +223,9 @@ def ours_api_fn(backend: moe_core.Backend, entry: Entry):
   )
 
 
-def ours_raw_fn(entry: Entry, tiles: tiling.Tiles, launch: kernels.Launch):
+def ours_raw_fn(
+    entry: Entry, tiles: tiling.Tiles, launch: kernels.KernelLaunch
+):
   """mosaic_tpu's kernel alone at `tiles`."""
   if entry.pass_ == "drhs":
     groups = len(entry.group_sizes)
@@ -400,7 +402,7 @@ def run(args) -> dict:
   if args.entries:
     entries = [e for e in entries if re.search(args.entries, e.name)]
   generation = "v5e"
-  launch = kernels.Launch(interpret=args.dry_run, generation=generation)
+  launch = kernels.KernelLaunch(interpret=args.dry_run, generation=generation)
   backend = moe_core.get_backend(
       "mosaic_tpu", interpret=True if args.dry_run else None
   )

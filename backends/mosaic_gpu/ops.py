@@ -142,11 +142,8 @@ class MosaicKernels(tile_backend.LaunchKernels):
   launch: Launch
 
 
-# Gated activations the Mosaic GPU lowering computes on the accumulators,
-# each with any clamp (it has exp, logistic, tanh, min and max). The exact
-# "gelu" is out: jax.nn.gelu's erf form calls erfc, which it lacks (jax 0.10
-# and 0.12). Registered activations are arbitrary JAX: unfused.
-EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss_glu", "softcapped_silu")
+# Gated activations the Mosaic GPU lowering computes on the accumulators.
+EPILOGUE_ACTIVATIONS = tile_backend.PALLAS_EPILOGUE_ACTIVATIONS
 
 # grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch),
 # gate_up(rows, w_gate, w_up, group_sizes, launch) and

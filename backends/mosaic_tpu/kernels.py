@@ -48,7 +48,7 @@ def identity(accs):
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
+class KernelLaunch:
   """How a kernel is launched, besides its tiles.
 
   Attributes:
@@ -144,7 +144,7 @@ def _poisoned(poison_ref, values):
   return [jnp.where(bad, jnp.asarray(jnp.nan, v.dtype), v) for v in values]
 
 
-def _grid_visits(visits: metadata.Visits, launch: Launch):
+def _grid_visits(visits: metadata.Visits, launch: KernelLaunch):
   if launch.dynamic_grid:
     return visits.count[0]
   return visits.segment.shape[0]
@@ -275,7 +275,7 @@ def gmm(
     group_sizes: jax.Array,
     *,
     tiles: tiling.Tiles,
-    launch: Launch,
+    launch: KernelLaunch,
     transpose_rhs: bool = False,
     products: Sequence[tuple[int, int, int]] = ((0, 0, 0),),
     epilogue: Epilogue = identity,
@@ -479,7 +479,7 @@ def tgmm(
     group_sizes: jax.Array,
     *,
     tiles: tiling.Tiles,
-    launch: Launch,
+    launch: KernelLaunch,
     num_groups: int,
     out_dtype=None,
     group_offset: jax.Array | None = None,

@@ -18,9 +18,11 @@ from backends.mosaic_tpu import kernels
 from backends.mosaic_tpu import metadata
 from backends.mosaic_tpu import tiling
 
-_HLO = kernels.Launch(interpret=True)
-_STATIC = kernels.Launch(interpret=True, dynamic_grid=False)
-_DEBUG = kernels.Launch(interpret=pltpu.InterpretParams(detect_races=True))
+_HLO = kernels.KernelLaunch(interpret=True)
+_STATIC = kernels.KernelLaunch(interpret=True, dynamic_grid=False)
+_DEBUG = kernels.KernelLaunch(
+    interpret=pltpu.InterpretParams(detect_races=True)
+)
 
 # (rows, group sizes): group boundaries inside tiles and chunks, empty
 # groups at the start, middle and end, unused rows at the end.

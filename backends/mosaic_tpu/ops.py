@@ -70,7 +70,7 @@ class Launch(interpret_lib.InterpretedLaunch):
   generation: str | None = None
   dynamic_grid: bool = True
 
-  def kernel_launch(self) -> kernels.Launch:
+  def kernel_launch(self) -> kernels.KernelLaunch:
     """The kernels' launch settings for the program traced now.
 
     Raises:
@@ -78,14 +78,16 @@ class Launch(interpret_lib.InterpretedLaunch):
         (`tiling.generation`), unless `generation` names one.
     """
     interpret = self.kernel_interpret
-    return kernels.Launch(
+    return kernels.KernelLaunch(
         interpret=interpret,
         generation=self.generation
         or tiling.generation(compiled=interpret is False),
         dynamic_grid=self.dynamic_grid,
     )
 
-  def choose(self, call: tiling.Call, launch: kernels.Launch) -> tiling.Tiles:
+  def choose(
+      self, call: tiling.Call, launch: kernels.KernelLaunch
+  ) -> tiling.Tiles:
     return tiling.choose(self.tiles, call, launch.generation)
 
   def gmm(self, kind, lhs, rhs, group_sizes, **options):
@@ -174,12 +176,8 @@ class TpuKernels(tile_backend.LaunchKernels):
   takes_poison: ClassVar[bool] = True
 
 
-# Gated activations the Mosaic TPU lowering computes on the accumulators,
-# each with any clamp (it has exp, logistic, tanh, min and max). The exact
-# "gelu" is out: jax.nn.gelu's erf form calls erfc, which the Mosaic TPU
-# lowering lacks ("Unimplemented primitive ... erfc", jax 0.12 compiling
-# for a v5e); registered activations are arbitrary JAX. Both run unfused.
-EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss_glu", "softcapped_silu")
+# Gated activations the Mosaic TPU lowering computes on the accumulators.
+EPILOGUE_ACTIVATIONS = tile_backend.PALLAS_EPILOGUE_ACTIVATIONS
 
 # grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch),
 # gate_up(rows, w_gate, w_up, group_sizes, launch) and

@@ -146,12 +146,8 @@ class PallasKernels(tile_backend.LaunchKernels):
   launch: Launch
 
 
-# Gated activations the Triton lowering can compute in the epilogue, each
-# with any clamp (min and clip): sigmoid, tanh and exp lower. The exact
-# "gelu" is out: jax.nn.gelu's erf form calls erfc, which the Triton
-# lowering lacks (jax 0.10 and 0.12); registered activations are arbitrary
-# JAX, so they run unfused.
-EPILOGUE_ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss_glu", "softcapped_silu")
+# Gated activations the Triton lowering computes in the epilogue.
+EPILOGUE_ACTIVATIONS = tile_backend.PALLAS_EPILOGUE_ACTIVATIONS
 
 # grouped_gemm(rows, weights, group_sizes, transpose_rhs, out_dtype, launch),
 # gate_up(rows, w_gate, w_up, group_sizes, launch) and

@@ -74,6 +74,22 @@ class LaunchKernels(grouped_matmul.GroupedKernels):
     )
 
 
+# The built-in gated activations a Pallas kernel's epilogue computes on its
+# float32 accumulators, each with any clamp: the Triton, Mosaic GPU and
+# Mosaic TPU lowerings all have exp, logistic, tanh, min and max. The exact
+# "gelu" is out: jax.nn.gelu's erf form calls erfc, which none of them
+# lowers (jax 0.10 and 0.12; Mosaic TPU: "Unimplemented primitive ...
+# erfc", compiling for a v5e). Registered activations are arbitrary JAX:
+# they run unfused. The pallas, mosaic_gpu and mosaic_tpu ops modules'
+# EPILOGUE_ACTIVATIONS.
+PALLAS_EPILOGUE_ACTIVATIONS = (
+    "silu",
+    "gelu_tanh",
+    "gpt_oss_glu",
+    "softcapped_silu",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class TileOps:
   """An ops module's differentiable ops, each taking the launch settings last.
