@@ -22,7 +22,7 @@ from bench import scaling_model
 from train import platforms
 from train.parallel import mesh as mesh_lib
 from train.presets import sizing
-from train.run import run_config
+from train.run.inputs import run_config
 
 # --gpu (which cluster's rates) is scaling_model's flag.
 FLAGS = flags.FLAGS

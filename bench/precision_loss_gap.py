@@ -35,9 +35,9 @@ from bench import text_table
 from bench import timing
 from train import platforms
 from train import presets
-from train.run import data as data_lib
-from train.run import run_config
-from train.run import trainer
+from train.run.inputs import data as data_lib
+from train.run.inputs import run_config
+from train.run.training import trainer
 
 _BASELINE = moe_precision.UNQUANTIZED
 # The JSON keys that compare a recipe with the baseline. Records written

@@ -19,8 +19,8 @@ import numpy as np
 
 import moe_core
 from train.presets import catalog
-from train.run import run_config
-from train.run import trainer
+from train.run.inputs import run_config
+from train.run.training import trainer
 from train import platforms
 
 _SKIP = 2  # Steps left out of the timing: the first ones compile.

@@ -24,9 +24,9 @@ from moe_core import registry
 from train import main
 from train import presets
 from train import train_flags
-from train.run import report
-from train.run import run_config
-from train.run import step_log
+from train.run.inputs import run_config
+from train.run.reporting import report
+from train.run.reporting import step_log
 from train.testing import small_runs
 
 FLAGS = flags.FLAGS

@@ -40,15 +40,15 @@ from train.parallel import distributed
 from train.parallel import mesh as mesh_lib
 from train.parallel import process_spec
 from train.presets import sizing
-from train.run import cost_report
-from train.run import data as data_lib
-from train.run import dry_run_target
-from train.run import report
-from train.run import run_config
-from train.run import step_builder
-from train.run import step_log
-from train.run import trainer
-from train.run import training_faults
+from train.run.dry_run import dry_run_target
+from train.run.inputs import data as data_lib
+from train.run.inputs import run_config
+from train.run.reporting import cost_report
+from train.run.reporting import report
+from train.run.reporting import step_log
+from train.run.step import step_builder
+from train.run.training import trainer
+from train.run.training import training_faults
 
 # --help lists the program's flags, defined in train_flags (and
 # --moe_backend, in moe_core.flags), as its own.

@@ -1,7 +1,7 @@
 """Every flag of `python -m train.main`, its parse-time check, and the
 RunConfig the flags make (`run_config_from_flags`). The checks of the
 numbers are here; those of the settings against the model, the mesh, the
-compile target and the paths are `train/run/settings_checks.py`'s.
+compile target and the paths are `train/run/inputs/settings_checks.py`'s.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from moe_core import aot
 import moe_core.flags  # Defines --moe_backend.
 from moe_core import precision as moe_precision
 from moe_core import remat as moe_remat
-from train.presets import catalog
 from train.parallel import mesh as mesh_lib
-from train.run import run_config
-from train.run import settings_checks
+from train.presets import catalog
+from train.run.inputs import run_config
+from train.run.inputs import settings_checks
 
 # --- Flag checks --------------------------------------------------------------
 # Registered with the flags below. absl runs them as it parses the command

@@ -22,8 +22,8 @@ from train.checkpoints import checkpoint
 from train.checkpoints import checkpoint_dirs
 from train.checkpoints import checkpoint_meta
 from train.checkpoints import checksum
-from train.run import step_log
-from train.run import trainer
+from train.run.reporting import step_log
+from train.run.training import trainer
 from train.testing import small_runs
 
 

@@ -26,8 +26,8 @@ import jax
 
 from train.checkpoints import checkpoint_dirs
 from train.checkpoints import checkpoint_meta
-from train.run import run_config
-from train.run import step_builder
+from train.run.inputs import run_config
+from train.run.step import step_builder
 
 _GOLDEN = os.path.join(
     os.path.dirname(os.path.abspath(__file__)),

@@ -27,7 +27,7 @@ from absl.testing import absltest
 from train.checkpoints import checkpoint_dirs
 from train.checkpoints import checkpoint_meta
 from train.checkpoints import output_lock
-from train.run import trainer
+from train.run.training import trainer
 from train.testing import small_runs
 
 # The workspace root: this file is train/<package>/<name>.py.

@@ -11,7 +11,7 @@ from train.models import deepseek_v4
 from train.models import deepseek_v4_config
 from train.models import transformer as model_lib
 from train.presets import sizing
-from train.run import trainer
+from train.run.training import trainer
 from train.testing import small_runs
 
 TINY = presets.get_preset("tiny_deepseek_v4").model

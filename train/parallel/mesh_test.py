@@ -13,8 +13,8 @@ from absl.testing import parameterized
 from train import main
 from train.parallel import mesh as mesh_lib
 from train.parallel import sharding
-from train.run import data as data_lib
-from train.run import trainer
+from train.run.inputs import data as data_lib
+from train.run.training import trainer
 from train.testing import small_runs
 
 P = jax.sharding.PartitionSpec

@@ -15,7 +15,7 @@ from train import presets
 from train.models import transformer as model_lib
 from train.presets import published
 from train.presets import sizing
-from train.run import cost_report
+from train.run.reporting import cost_report
 from train.testing import small_runs
 
 

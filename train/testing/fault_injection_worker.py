@@ -37,8 +37,8 @@ from train import platforms  # noqa: E402
 from train.checkpoints import checkpoint  # noqa: E402
 from train.checkpoints import checkpoint_dirs  # noqa: E402
 from train.checkpoints import checkpoint_meta  # noqa: E402
-from train.run import step_log  # noqa: E402
-from train.run import trainer  # noqa: E402
+from train.run.reporting import step_log  # noqa: E402
+from train.run.training import trainer  # noqa: E402
 from train.testing import small_runs  # noqa: E402
 
 # pylint: enable=g-import-not-at-top

@@ -47,7 +47,7 @@ def main(argv):
   # pylint: disable=g-import-not-at-top
   import jax
   from train.checkpoints import output_lock
-  from train.run import trainer
+  from train.run.training import trainer
   from train.testing import small_runs
 
   # pylint: enable=g-import-not-at-top

@@ -9,8 +9,8 @@ import tempfile
 
 from train import presets
 from train.models import model_config
-from train.run import data as data_lib
-from train.run import run_config
+from train.run.inputs import data as data_lib
+from train.run.inputs import run_config
 
 # The test models' sizes: byte tokens, width 32, 2 heads of 16.
 _SMALL_DIMS = dict(vocab_size=256, hidden_size=32, num_heads=2, head_dim=16)
@@ -185,9 +185,9 @@ def step_losses(run: run_config.RunConfig, steps: int | None = None):
   the embedded corpus, as floats; no output directory is written.
 
   As `fit`, imports the trainer when called: its callers depend on
-  //train/run:trainer.
+  //train/run/training:trainer.
   """
-  from train.run import trainer  # pylint: disable=g-import-not-at-top
+  from train.run.training import trainer  # pylint: disable=g-import-not-at-top
 
   tr = trainer.Trainer(run, corpus(), out=None)
   return [
@@ -206,8 +206,8 @@ def fit(run: run_config.RunConfig, interrupt_after: int | None = None):
   batch was drawn (the trainer then checkpoints step n and stops).
   """
   # Imported here so that the config helpers above need no trainer; the
-  # callers of fit depend on //train/run:trainer.
-  from train.run import trainer  # pylint: disable=g-import-not-at-top
+  # callers of fit depend on //train/run/training:trainer.
+  from train.run.training import trainer  # pylint: disable=g-import-not-at-top
 
   tr = trainer.Trainer(run, corpus(), out=None)
   tr.prepare_output_dir()

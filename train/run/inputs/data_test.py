@@ -7,7 +7,7 @@ from pydoc_data import topics
 from absl.testing import absltest
 import numpy as np
 
-from train.run import data
+from train.run.inputs import data
 from train.testing import small_runs
 
 

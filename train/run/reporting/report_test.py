@@ -13,9 +13,9 @@ import numpy as np
 
 from train import main
 from train.presets import sizing
-from train.run import mfu
-from train.run import report
-from train.run import step_log
+from train.run.reporting import mfu
+from train.run.reporting import report
+from train.run.reporting import step_log
 from train.testing import small_runs
 
 

@@ -25,8 +25,8 @@ from train.models import scan_model
 from train.models import transformer as model_lib
 from train.parallel import mesh as mesh_lib
 from train.parallel import sharding
-from train.run import run_config
-from train.run import steps
+from train.run.inputs import run_config
+from train.run.step import steps
 
 
 def mesh_sizes(mesh: jax.sharding.Mesh | None) -> dict[str, int]:

@@ -30,18 +30,18 @@ from train.checkpoints import output_lock
 from train.parallel import distributed
 from train.parallel import mesh as mesh_lib
 from train.presets import sizing
-from train.run import data as data_lib
-from train.run import loop
-from train.run import memory_check
-from train.run import mfu
-from train.run import resume
-from train.run import run_config
-from train.run import state as state_lib
-from train.run import step_builder
-from train.run import step_log
-from train.run import steps
-from train.run import stop_signals
-from train.run import training_faults
+from train.run.dry_run import memory_check
+from train.run.inputs import data as data_lib
+from train.run.inputs import run_config
+from train.run.reporting import mfu
+from train.run.reporting import step_log
+from train.run.step import state as state_lib
+from train.run.step import step_builder
+from train.run.step import steps
+from train.run.training import loop
+from train.run.training import resume
+from train.run.training import stop_signals
+from train.run.training import training_faults
 
 # Their old home: the run config and the compiled steps used to live here.
 RunConfig = run_config.RunConfig

@@ -13,9 +13,9 @@ from absl.testing import absltest
 from absl.testing import flagsaver
 
 from train import main
-from train.run import memory_check
-from train.run import steps
-from train.run import trainer
+from train.run.dry_run import memory_check
+from train.run.step import steps
+from train.run.training import trainer
 from train.testing import small_runs
 
 

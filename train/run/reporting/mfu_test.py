@@ -3,8 +3,8 @@
 from absl.testing import absltest
 import numpy as np
 
-from train.run import mfu
-from train.run import step_log
+from train.run.reporting import mfu
+from train.run.reporting import step_log
 from train.testing import small_runs
 
 

@@ -12,9 +12,9 @@ from flax import nnx
 
 from moe_core import flax as moe_flax
 from train.parallel import mesh as mesh_lib
-from train.run import cost_report
-from train.run import state as state_lib
-from train.run import steps
+from train.run.reporting import cost_report
+from train.run.step import state as state_lib
+from train.run.step import steps
 from train.testing import small_runs
 
 MESH = "fsdp=2,expert=4"

@@ -6,9 +6,9 @@ from absl.testing import absltest
 
 from moe_core import aot
 from train.parallel import mesh as mesh_lib
-from train.run import state as state_lib
-from train.run import step_builder
-from train.run import trainer
+from train.run.step import state as state_lib
+from train.run.step import step_builder
+from train.run.training import trainer
 from train.testing import small_runs
 
 MESH = "data=2,expert=4"

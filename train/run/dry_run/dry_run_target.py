@@ -23,10 +23,10 @@ import numpy as np
 from moe_core import aot
 from train.parallel import mesh as mesh_lib
 from train.presets import sizing
-from train.run import cost_report
-from train.run import memory_check
-from train.run import run_config
-from train.run import step_builder
+from train.run.dry_run import memory_check
+from train.run.inputs import run_config
+from train.run.reporting import cost_report
+from train.run.step import step_builder
 
 _GIB = 2**30
 # The collectives of the expert-parallel exchange.

@@ -20,8 +20,8 @@ from moe_core import precision as moe_precision
 from train.checkpoints import checkpoint
 from train.checkpoints import checkpoint_dirs
 from train.checkpoints import checkpoint_meta
-from train.run import data as data_lib
-from train.run import run_config
+from train.run.inputs import data as data_lib
+from train.run.inputs import run_config
 
 # Settings a run may be resumed with changed (with a note): they change
 # the trajectory but not the shapes of the state.

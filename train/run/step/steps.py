@@ -11,8 +11,8 @@ from flax import nnx
 
 from moe_core import flax as moe_flax
 from train.parallel import mesh as mesh_lib
-from train.run import microbatch
-from train.run import run_config
+from train.run.inputs import run_config
+from train.run.step import microbatch
 
 
 def make_optimizer(run: run_config.RunConfig) -> optax.GradientTransformation:

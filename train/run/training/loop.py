@@ -19,11 +19,11 @@ import time
 
 import jax
 
-from train.run import cost_report
-from train.run import mfu
-from train.run import report
-from train.run import step_log
-from train.run import training_faults
+from train.run.reporting import cost_report
+from train.run.reporting import mfu
+from train.run.reporting import report
+from train.run.reporting import step_log
+from train.run.training import training_faults
 
 # The steps `--profile_dir` traces: after the compile and a few warm-up
 # steps, so the trace holds steady-state steps only.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from train.presets import rows
 from train.presets import published
+from train.presets import rows
 from train.presets import sizing
-from train.run import run_config
+from train.run.inputs import run_config
 
 
 def human(n: float, unit: str = "") -> str:

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from moe_core import aot
 from moe_core import precision as moe_precision
 from moe_core import registry
-from train.presets import catalog
 from train.models import scan_model
 from train.parallel import mesh as mesh_lib
-from train.run import run_config
+from train.presets import catalog
+from train.run.inputs import run_config
 
 
 def mesh_sizes(spec) -> dict[str, int]:

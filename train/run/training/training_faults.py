@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import os
 
-from train.run import cost_report
-from train.run import run_config
-from train.run import steps
+from train.run.inputs import run_config
+from train.run.reporting import cost_report
+from train.run.step import steps
 
 
 class TrainingFault(RuntimeError):

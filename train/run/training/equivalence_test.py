@@ -56,13 +56,13 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from train.checkpoints import checkpoint_dirs
-from train.run import run_config
-from train.run import trainer
+from train.run.inputs import run_config
+from train.run.training import trainer
 from train.testing import small_runs
 
-# The workspace root: this file is train/<package>/<name>.py.
+# The workspace root: this file is train/run/<room>/<name>.py.
 _ROOT = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 )
 _LAUNCHER = os.path.join(_ROOT, "tools", "launch_local.py")
 

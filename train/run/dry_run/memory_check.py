@@ -15,9 +15,9 @@ import os
 
 import jax
 
-from train.run import cost_report
-from train.run import run_config
-from train.run import steps
+from train.run.inputs import run_config
+from train.run.reporting import cost_report
+from train.run.step import steps
 
 
 class StepDoesNotFitError(ValueError):

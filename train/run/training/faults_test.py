@@ -37,16 +37,16 @@ from train.checkpoints import checkpoint_dirs
 from train.checkpoints import checkpoint_failures
 from train.checkpoints import checkpoint_meta
 from train.checkpoints import output_lock
-from train.run import cost_report
-from train.run import data as data_lib
-from train.run import step_builder
-from train.run import trainer
-from train.run import training_faults
+from train.run.inputs import data as data_lib
+from train.run.reporting import cost_report
+from train.run.step import step_builder
+from train.run.training import trainer
+from train.run.training import training_faults
 from train.testing import small_runs
 
-# The workspace root: this file is train/<package>/<name>.py.
+# The workspace root: this file is train/run/<room>/<name>.py.
 _ROOT = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 )
 # Every run here has this many steps: runs that differ only in host-side
 # settings share one compiled program.

@@ -10,9 +10,9 @@ import numpy as np
 
 from train.parallel import mesh as mesh_lib
 from train.presets import sizing
-from train.run import data as data_lib
-from train.run import mfu as mfu_lib
-from train.run import run_config
+from train.run.inputs import data as data_lib
+from train.run.inputs import run_config
+from train.run.reporting import mfu as mfu_lib
 
 
 def run_summary(

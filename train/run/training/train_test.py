@@ -9,7 +9,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import moe_core
-from train.run import trainer
+from train.run.training import trainer
 from train.testing import small_runs
 
 # bf16 compute: products are rounded to 8 bits of mantissa, and a rounding

@@ -16,8 +16,8 @@ from absl import logging
 import numpy as np
 
 from train.parallel import mesh as mesh_lib
-from train.run import mfu as mfu_lib
-from train.run import run_config
+from train.run.inputs import run_config
+from train.run.reporting import mfu as mfu_lib
 
 
 def new_history() -> dict[str, list]:

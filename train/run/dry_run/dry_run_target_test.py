@@ -26,9 +26,9 @@ from moe_core import aot
 from train import main
 from train import train_flags
 from train.parallel import mesh as mesh_lib
-from train.run import dry_run_target
-from train.run import run_config
-from train.run import step_builder
+from train.run.dry_run import dry_run_target
+from train.run.inputs import run_config
+from train.run.step import step_builder
 from train.testing import small_runs
 
 FLAGS = flags.FLAGS

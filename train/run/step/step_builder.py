@@ -3,8 +3,8 @@
 `build` returns the pure train step, its `jax.jit` arguments and its
 abstract state and batch, for a mesh over this host's devices or a
 `moe_core.aot` topology's. The training program uses the same object
-(`train.run.trainer.Trainer`): what the dry run compiles is what the run runs
-(`compiled_step_memory`: XLA's memory figures of it).
+(`train.run.training.trainer.Trainer`): what the dry run compiles is what
+the run runs (`compiled_step_memory`: XLA's memory figures of it).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from train.parallel import mesh as mesh_lib
-from train.run import run_config
-from train.run import state as state_lib
-from train.run import steps
+from train.run.inputs import run_config
+from train.run.step import state as state_lib
+from train.run.step import steps
 
 
 @dataclasses.dataclass(frozen=True)
