@@ -353,7 +353,7 @@ STEP_MACS = 512 * 2048 * 1024
 # widened rows ran 1.03-1.06x faster at 128-row chunks than at 256 on the
 # three tokamax entries they apply to; unwidened rows (the Mixtral layer,
 # the training step) were neutral, and keep the table's chunk.
-WIDENED_CHUNK = 128
+WIDENED_CHUNK = LANE
 
 
 def widened(tiles: Tiles, call: Call) -> Tiles:
@@ -367,9 +367,8 @@ def widened(tiles: Tiles, call: Call) -> Tiles:
   want = _round_up(-(-STEP_MACS // (tiles.bm * call.k)), LANE)
   if want <= tiles.bn:
     return tiles
-  chunk = tiles.chunk
-  if chunk is not None and tiles.bm % WIDENED_CHUNK == 0:
-    chunk = min(chunk, WIDENED_CHUNK)
+  # WIDENED_CHUNK (one LANE) divides every bm; an unchunked row stays so.
+  chunk = None if tiles.chunk is None else min(tiles.chunk, WIDENED_CHUNK)
   return dataclasses.replace(tiles, bn=want, chunk=chunk)
 
 
