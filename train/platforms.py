@@ -6,6 +6,11 @@ so that it starts without the plugin's failing check; on a TPU host to the
 TPU (then the CPU), so that a user who sets nothing trains on the chip; on
 a GPU host JAX chooses.
 
+On the CPU the programs also keep freed memory for the next step's
+buffers (`backends.cpu.allocator`: glibc otherwise hands each step's large
+buffers out as fresh pages, faulted in and zeroed by the kernel that
+writes them first).
+
 Importing the library sets nothing: each program (`python -m train.main`,
 `python -m bench.<name>`) calls `set_default_platforms` first thing in its
 `__main__` block, and the repository's conftest before any test. No jax
@@ -18,6 +23,8 @@ import glob
 import importlib.util
 import os
 import sys
+
+from backends.cpu import allocator
 
 
 def accelerator() -> str | None:
@@ -49,13 +56,18 @@ def set_default_platforms() -> None:
   already, in `jax.config` too, which takes effect if no device has been
   used yet (JAX starts its backends at the first device use). A value the
   program set in `jax.config` itself stands.
+
+  Where the first platform is the CPU, also keeps freed memory in the
+  process (`allocator.keep_freed_memory`), which counts only before JAX
+  starts its CPU client.
   """
-  if "JAX_PLATFORMS" in os.environ:
-    return
-  value = default_platforms()
+  value = os.environ.get("JAX_PLATFORMS")
   if value is None:
-    return
-  os.environ["JAX_PLATFORMS"] = value
-  jax = sys.modules.get("jax")
-  if jax is not None and not jax.config.jax_platforms:
-    jax.config.update("jax_platforms", value)
+    value = default_platforms()
+    if value is not None:
+      os.environ["JAX_PLATFORMS"] = value
+      jax = sys.modules.get("jax")
+      if jax is not None and not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", value)
+  if value is not None and value.split(",")[0].strip() == "cpu":
+    allocator.keep_freed_memory()
