@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import base64
 import re
+import shutil
+import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -17,6 +20,7 @@ import jax.numpy as jnp
 
 import moe_core
 from moe_core import aot
+from moe_core.aot import results_cache
 from moe_core import precision
 from moe_core import registry
 
@@ -228,9 +232,9 @@ class CompileTest(parameterized.TestCase):
     quick = aot.compile(
         lambda a: a @ a, x, topology=topo, xla_options=aot.QUICK_OPTIONS
     )
-    text = quick.compiled.as_text()
+    text = quick.hlo_text
     triton_gemm = '"kind":"__triton'  # __triton_gemm, __triton_nested_gemm...
-    self.assertIn(triton_gemm, default.compiled.as_text())
+    self.assertIn(triton_gemm, default.hlo_text)
     self.assertNotIn(triton_gemm, text)
     self.assertTrue(any("cublas" in c for c in quick.custom_calls), text)
     self.assertEqual(quick.output_bytes, default.output_bytes)
@@ -402,7 +406,7 @@ class TpuCompileTest(parameterized.TestCase):
     def round_trip(x):
       return precision.dequantize(precision.quantize(x, recipe, axis=-1))
 
-    text = aot.compile(round_trip, x, topology="v5e:1x1").compiled.as_text()
+    text = aot.compile(round_trip, x, topology="v5e:1x1").hlo_text
     reads = [
         line
         for line in text.splitlines()
@@ -502,7 +506,7 @@ class MatmulFlopsTest(absltest.TestCase):
     program = aot.compile(
         jax.grad(loss, argnums=(0, 1)), *abstract, topology="v6e:1x1"
     )
-    counted = aot.per_step_matmul_flops(program.compiled.as_text())
+    counted = aot.per_step_matmul_flops(program.hlo_text)
     self.assertEqual(counted.flops, 3 * layers * 2 * m * k * k)
 
   @absltest.skipUnless(_HAS_PLUGIN, "no CUDA plugin on this leg")
@@ -518,10 +522,82 @@ class MatmulFlopsTest(absltest.TestCase):
     program = aot.compile(
         jax.grad(loss, argnums=(0, 1)), *abstract, topology=topo
     )
-    counted = aot.per_step_matmul_flops(program.compiled.as_text())
+    counted = aot.per_step_matmul_flops(program.hlo_text)
     self.assertEqual(counted.flops, 3 * layers * 2 * m * k * k)
     # XLA's own analysis sees one loop body.
     self.assertLess(program.flops, counted.flops / 2)
+
+
+@absltest.skipUnless(_HAS_LIBTPU, "no libtpu on this leg")
+class ResultsCacheTest(absltest.TestCase):
+  """Where JAX's compilation cache is on, a compile's figures and text are
+  kept and read back for the same program, target and options only."""
+
+  def setUp(self):
+    super().setUp()
+    previous = jax.config.jax_compilation_cache_dir
+    folder = tempfile.mkdtemp(prefix="aot_results_cache_test_")
+    self.addCleanup(shutil.rmtree, folder, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    self.addCleanup(jax.config.update, "jax_compilation_cache_dir", previous)
+    self.x = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+
+  def _compile(self, fn, topology="v5e:1x1", **kwargs):
+    return aot.compile(fn, self.x, topology=topology, **kwargs)
+
+  def test_the_same_compile_is_read_back(self):
+    square = lambda a: a @ a.T
+    first = self._compile(square)
+    again = self._compile(square, name="again")
+    self.assertFalse(first.cached)
+    self.assertTrue(again.cached)
+    self.assertIsNone(again.compiled)
+    self.assertEqual(again.hlo_text, first.compiled.as_text())
+    want = first.to_json() | {"name": "again", "cached": True}
+    self.assertEqual(again.to_json(), want)
+
+  def test_another_program_chip_or_option_compiles(self):
+    self._compile(lambda a: a @ a.T)
+    for other in (
+        self._compile(lambda a: a @ a.T + 1),
+        self._compile(lambda a: a @ a.T, topology="v6e:1x1"),
+        self._compile(
+            lambda a: a @ a.T,
+            xla_options={"xla_tpu_enable_latency_hiding_scheduler": False},
+        ),
+    ):
+      self.assertFalse(other.cached, other.to_json())
+      self.assertIsNotNone(other.compiled)
+
+  def test_off_without_a_compilation_cache(self):
+    jax.config.update("jax_compilation_cache_dir", None)
+    square = lambda a: a @ a.T
+    self.assertFalse(self._compile(square).cached)
+    self.assertFalse(self._compile(square).cached)
+
+
+class ResultsCacheKeyTest(absltest.TestCase):
+  """The key leaves out where the source tree is (kernels record their
+  files' paths) and nothing else."""
+
+  def _key(self, tree, source, kernel_hash="h1"):
+    body = base64.b64encode(f"ML\xefR kernel at {tree}/{source}:7".encode())
+    text = (
+        f'custom_call @tpu_custom_call() {{backend_config = "{{\\22body\\22:'
+        f' \\22{body.decode()}\\22}}"}} custom_call @mosaic_gpu_v2() '
+        f'{{kernel_hash = "{kernel_hash}", module = "ML\\EFR {tree}/{source}"}}'
+    )
+    topology = aot.named_topology("v5e:1x1")
+    mesh = topology.single_device_mesh()
+    with mock.patch.object(results_cache, "_TREE", tree):
+      return results_cache.key(text, {}, topology, mesh)
+
+  def test_the_same_program_from_another_checkout(self):
+    here = self._key("/a/checkout", "backends/k.py")
+    self.assertEqual(here, self._key("/sandbox/7/runfiles/x", "backends/k.py"))
+    # The Mosaic GPU kernel's hash of its module (paths and all) is left out.
+    self.assertEqual(here, self._key("/a/checkout", "backends/k.py", "h2"))
+    self.assertNotEqual(here, self._key("/a/checkout", "backends/other.py"))
 
 
 if __name__ == "__main__":

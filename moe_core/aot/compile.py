@@ -10,6 +10,13 @@ autotune (kernel choices are XLA's defaults), so the binary is right for
 sizing, not for speed. XLA's TPU compiler refuses a program over the
 chip's HBM (`HbmOomError`) and a kernel over its VMEM (a compile error
 naming VMEM); its GPU compiler only warns, and `fits` says.
+
+Where JAX's compilation cache is on (`jax_compilation_cache_dir`), what a
+compile found is kept beside it (`results_cache.py`), keyed by the lowered
+program, the options, the topology's devices and the compilers' versions:
+JAX's own cache cannot serve a deviceless compile (it writes the
+executable but cannot load one without a device), and the same program
+compiled again by the same compiler gives the same answer.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from moe_core.aot import results_cache
 from moe_core.aot import topology as topology_lib
 
 # XLA rewrites large sorts into CUB's radix sort, whose scratch size it asks
@@ -101,7 +109,13 @@ class CompiledProgram:
       the module's instructions (one execution of each).
     hbm_bytes, usable_bytes: the target's memory, and the share a plan may
       take (`targets.USABLE_FRACTION`).
-    compiled: the `jax.stages.Compiled` (not serialised).
+    hlo_text: the compiled module's text (`Compiled.as_text()`; not in
+      `to_json`).
+    cached: whether the figures came from the results cache (then
+      `compile_seconds` is the compile's that found them, and `compiled`
+      is None).
+    compiled: the `jax.stages.Compiled` (not serialised); None where
+      `cached`.
   """
 
   name: str
@@ -121,6 +135,8 @@ class CompiledProgram:
   usable_bytes: int
   tpu_kernels: dict[str, int] = dataclasses.field(default_factory=dict)
   kernel_vmem_bytes: int = 0
+  hlo_text: str = dataclasses.field(default="", repr=False)
+  cached: bool = False
   compiled: Any = dataclasses.field(default=None, repr=False)
 
   @property
@@ -142,8 +158,10 @@ class CompiledProgram:
     record = {
         f.name: getattr(self, f.name)
         for f in dataclasses.fields(self)
-        if f.name != "compiled"
+        if f.name not in ("compiled", "hlo_text", "cached")
     }
+    if self.cached:  # Said only where it holds: older records lack the key.
+      record["cached"] = True
     record["peak_bytes"] = self.peak_bytes
     record["fits"] = self.fits
     return record
@@ -262,6 +280,10 @@ def compile(  # pylint: disable=redefined-builtin
   # names the target's devices, so its abstract mesh carries it.
   with _abstract_mesh(context_mesh):
     lowered = jax.jit(fn, **jit_kwargs).lower(*args)
+  key = results_cache.key(lowered.as_text(), options, topology, context_mesh)
+  found = results_cache.read(key)
+  if found is not None:
+    return CompiledProgram(name=name, cached=True, **found)
   try:
     compiled = lowered.compile(options)
   except Exception as e:  # pylint: disable=broad-except
@@ -273,7 +295,7 @@ def compile(  # pylint: disable=redefined-builtin
   memory = compiled.memory_analysis()
   text = compiled.as_text()
   cost = _cost(compiled)
-  return CompiledProgram(
+  program = CompiledProgram(
       name=name,
       target=topology.target.name,
       topology=topology.spec,
@@ -291,8 +313,11 @@ def compile(  # pylint: disable=redefined-builtin
       usable_bytes=topology.target.usable_bytes,
       tpu_kernels=tpu_kernels(text),
       kernel_vmem_bytes=max((v for _, v in _tpu_calls(text)), default=0),
+      hlo_text=text,
       compiled=compiled,
   )
+  results_cache.write(key, program.to_json() | {"hlo_text": text})
+  return program
 
 
 def tpu_kernels(hlo_text: str) -> dict[str, int]:

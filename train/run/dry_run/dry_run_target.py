@@ -134,7 +134,7 @@ def report(
                                      (the analytic figure is the exchange)
   """
   params = tree_bytes_per_device(step.state["params"])
-  text = program.compiled.as_text()
+  text = program.hlo_text
   per_step = aot.per_step_collective_bytes(text)
   matmuls = aot.per_step_matmul_flops(text)
   compiled = {
