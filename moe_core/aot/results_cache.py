@@ -14,10 +14,11 @@ The key is a hash of everything the compiler's output depends on: the
 lowered StableHLO (the program, its shardings and every kernel's own
 serialised body, with the source tree's folder taken out of the kernels'
 source locations, so that the same tree checked out elsewhere, or in
-another Bazel sandbox, finds the entry), the XLA options, the target, the topology's devices in
-the mesh's order and its axis names, XLA_FLAGS and LIBTPU_INIT_ARGS, and
-the versions of jax, jaxlib and the compiler plugins (libtpu, the CUDA
-plugin). A compile that fails is not kept: it fails again.
+another Bazel sandbox, finds the entry), the XLA options, the target, the
+topology's devices in the mesh's order and its axis names, XLA_FLAGS and
+LIBTPU_INIT_ARGS, and the versions of jax, jaxlib and the compiler plugins
+(libtpu, the CUDA plugin). A compile that fails is not kept: it fails
+again.
 """
 
 from __future__ import annotations
