@@ -14,7 +14,7 @@ from absl.testing import absltest
 import jax
 import jax.numpy as jnp
 
-from bench import gpu_timing
+from bench import timing
 from bench import tokamax_compare
 from bench import tpu_check
 from bench import trace_summary
@@ -150,12 +150,12 @@ class TimeOneTest(absltest.TestCase):
 
   def test_a_non_finite_output_is_an_error_of_its_row(self):
     x = jnp.ones((64, 128), jnp.bfloat16)
-    finite = gpu_timing.time_one({}, jax.jit(lambda a: a * 2), (x,), 2, 1)
+    finite = timing.time_one({}, jax.jit(lambda a: a * 2), (x,), 2, 1)
     self.assertTrue(finite["finite"])
     self.assertNotIn("error", finite)
     for bad in (jnp.nan, jnp.inf):
       poisoned = jax.jit(lambda a, v=bad: a.at[63, 127].set(v))
-      row = gpu_timing.time_one({}, poisoned, (x,), 2, 1)
+      row = timing.time_one({}, poisoned, (x,), 2, 1)
       self.assertFalse(row["finite"])
       self.assertEqual(row["error"], "non-finite output")
 

@@ -34,6 +34,7 @@ from bench import gpu_conformance
 from bench import gpu_report
 from bench import gpu_timing
 from bench import programs as programs_lib
+from bench import timing
 from moe_core import aot
 from moe_core import compat
 from moe_core import precision as moe_precision
@@ -276,12 +277,10 @@ def timing_phase(
         args = gpu_timing.dense_args(w, program.mode, size, key)
       else:
         args = programs_lib.concrete_args(program, size, key)
-      gpu_timing.time_one(
-          row, compiled, args, repeats, program.expert_flops(size)
-      )
+      timing.time_one(row, compiled, args, repeats, program.expert_flops(size))
       del args
       print(f"timed {name}: {row.get('seconds', row.get('error'))}", flush=True)
-      gpu_timing.add_ratios(rows)
+      timing.add_ratios(rows, gpu_timing.BASELINES)
       write()
 
 
@@ -432,7 +431,9 @@ def main(argv=None):
     traceback.print_exc()
   finally:  # Whatever happened (even an interrupt): write what there is.
     report["seconds"] = time.perf_counter() - start
-    report["goals"] = gpu_timing.goals(report["timing"], report.get("device"))
+    report["goals"] = timing.goals(
+        report["timing"], gpu_timing.GOALS, report.get("device")
+    )
     report["triton_deprecation_warnings"] = (
         compat.triton_deprecations_filtered() - filtered
     )

@@ -40,6 +40,7 @@ from bench import gpu_conformance
 from bench import gpu_report
 from bench import gpu_timing
 from bench import programs
+from bench import timing
 from conformance import cases
 from moe_core import registry
 
@@ -364,11 +365,11 @@ class TableTest(absltest.TestCase):
         {"workload": "small_k", "variant": v, "mode": "fwd", "seconds": s}
         for v, s in (("pallas", 2.0), ("mosaic_gpu", 1.0), ("dense", 1.0))
     ] + [{"workload": "small_k", "variant": "xla", "mode": "fwd", "error": "x"}]
-    gpu_timing.add_ratios(rows)
+    timing.add_ratios(rows, gpu_timing.BASELINES)
     self.assertEqual(rows[1]["fwd_time_over_pallas"], 0.5)
     self.assertEqual(rows[1]["fwd_time_over_dense"], 1.0)
     self.assertIsNone(rows[1]["fwd_time_over_xla"])
-    (goal,) = gpu_timing.goals(rows, "NVIDIA H200")
+    (goal,) = timing.goals(rows, gpu_timing.GOALS, "NVIDIA H200")
     self.assertEqual((goal["value"], goal["met"]), (0.5, True))
 
 

@@ -1,4 +1,9 @@
-"""Timing helpers shared by the benchmarks (no absl: gpu_check uses them).
+"""The timing harness every benchmark shares (no absl: gpu_check uses it).
+
+A time is the median of samples after a warm-up (`sample_seconds`); a
+timed row carries its seconds, TFLOP/s and whether its outputs are finite
+(`time_one`); rows become ratios over baselines of the same run
+(`add_ratios`), and ratios are judged against goals (`goals`).
 
 Every ratio the benchmarks print or write is one convention: a cost over
 the same cost of a baseline measured in the same run, here a time over the
@@ -10,11 +15,26 @@ baseline's time (< 1: faster than the baseline). Its JSON key says so:
 
 from __future__ import annotations
 
+import fnmatch
+import math
+import re
 import statistics
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
+
+from bench import gpu_report
+
+# Timed calls stop after this many seconds (at least one call).
+PHASE_BUDGET_S = 2.0
+# The on-chip benchmarks' `sample_seconds(pipelined_s=)`: each sample a
+# batch of back-to-back calls this long at least, the chip's time per call
+# without the host's dispatch (most of a sub-millisecond kernel's wall time).
+PIPELINED_S = 0.05
+# Hopper device kinds: "NVIDIA H100 80GB HBM3", "NVIDIA H200", ...
+_HOPPER = re.compile(r"\bG?H(20|100|200|800)\b")
 
 
 def median_seconds(fn, args, repeats: int) -> float:
@@ -23,13 +43,74 @@ def median_seconds(fn, args, repeats: int) -> float:
   The first call compiles and warms up and is not counted; every call is
   waited for with block_until_ready, so the time covers the device work.
   """
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
+  return sample_seconds(fn, args, repeats, math.inf)[0]
+
+
+def sample_seconds(
+    fn, args, repeats, budget_s=PHASE_BUDGET_S, *, pipelined_s=0.0
+):
+  """(median seconds, calls timed, first call's seconds, first output) of
+  fn(*args): up to `repeats` samples after the first call, fewer once they
+  add up to `budget_s` (at least one).
+
+  With `pipelined_s` > 0 a sample is a batch of calls dispatched back to
+  back and waited for once, at least `pipelined_s` long, over its size:
+  the device's time per call, as a profiler reports it, with the host's
+  dispatch (tens of microseconds a call) hidden behind the device's work
+  as in a training loop. With 0, each call is waited for on its own.
+  """
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  first = time.perf_counter() - start
+  batch = 1
+  if pipelined_s > 0:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+    once = time.perf_counter() - start
+    batch = max(1, min(64, round(pipelined_s / max(once, 1e-6))))
+  times = []
+  while len(times) < max(repeats, 1) and (not times or sum(times) < budget_s):
+    start = time.perf_counter()
+    for _ in range(batch):
+      # Only the last output is kept: the device runs the calls in order,
+      # and an earlier one's buffers are freed as soon as it is done.
+      result = fn(*args)
+    jax.block_until_ready(result)
+    times.append((time.perf_counter() - start) / batch)
+    del result
+  return statistics.median(times), len(times) * batch, first, out
+
+
+@jax.jit
+def _all_finite(x):
+  """Whether every element of x is finite, in one fused reduction: an eager
+  isfinite would hold a bool copy of x (1.75 GiB for a [262144, 7168]
+  output, which ran the chip out of memory beside the output)."""
+  return jnp.all(jnp.isfinite(x))
+
+
+def time_one(
+    row: dict, compiled, args, repeats: int, flops: int, pipelined_s=0.0
+) -> dict:
+  """Fills `row` with the times of `compiled` on `args`, or its error
+  (`sample_seconds`' pipelined_s, within PHASE_BUDGET_S)."""
+  try:
+    seconds, calls, first, out = sample_seconds(
+        compiled, args, repeats, pipelined_s=pipelined_s
+    )
+    row.update(
+        seconds=seconds,
+        calls=calls,
+        first_call_s=first,
+        tflops=flops / seconds / 1e12,
+        finite=all(bool(_all_finite(x)) for x in jax.tree.leaves(out)),
+    )
+    if not row["finite"]:
+      row["error"] = "non-finite output"
+  except Exception as e:  # pylint: disable=broad-except
+    traceback.print_exc()
+    row["error"] = gpu_report.error_text(e)
+  return row
 
 
 def with_grad(fn):
@@ -71,3 +152,51 @@ def time_over(seconds: float | None, baseline_seconds: float | None):
   if seconds is None or baseline_seconds is None:
     return None
   return seconds / baseline_seconds
+
+
+def add_ratios(rows, baselines) -> None:
+  """Each row's time over its workload and mode's `baselines` rows."""
+  seconds = {
+      (r["workload"], r["mode"], r["variant"]): r.get("seconds")
+      for r in rows
+      if "mode" in r
+  }
+  for r in rows:
+    if "mode" not in r:
+      continue
+    for base in baselines:
+      r[ratio_key(r["mode"], base)] = time_over(
+          r.get("seconds"), seconds.get((r["workload"], r["mode"], base))
+      )
+
+
+def goals(rows, table, device_kind=None) -> list[dict]:
+  """The entries of `table` the rows can judge: value, target and met.
+
+  An entry is (workload pattern, variant, mode, baseline, largest time over
+  the baseline's, what it says); one whose words start "hopper:" is judged
+  on a Hopper GPU (`device_kind`) only.
+  """
+  hopper = bool(device_kind) and bool(_HOPPER.search(str(device_kind)))
+  out = []
+  for pattern, variant, mode, base, most, says in table:
+    for r in rows:
+      match = "mode" in r and (
+          fnmatch.fnmatchcase(r["workload"], pattern)
+          and fnmatch.fnmatchcase(r["variant"], variant)
+          and fnmatch.fnmatchcase(r["mode"], mode)
+      )
+      if not match:
+        continue
+      value = r.get(ratio_key(r["mode"], base))
+      judged = value is not None and (hopper or not says.startswith("hopper"))
+      out.append(
+          {
+              "goal": f"{r['variant']} {r['mode']} time / {base}: {says}",
+              "workload": r["workload"],
+              "value": value,
+              "target": f"<= {most:.2f}",
+              "met": bool(value <= most) if judged else None,
+          }
+      )
+  return out

@@ -57,7 +57,7 @@ import moe_core
 from backends.mosaic_tpu import kernels
 from backends.mosaic_tpu import tiling
 from bench import gpu_report
-from bench import gpu_timing
+from bench import timing
 from train import platforms
 
 TABLE_PATH = "data/autotuning/tpu_v5_lite/pallas_mosaic_tpu_ragged_dot.json"
@@ -336,7 +336,7 @@ def _time(
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     row["compile_s"] = round(time.perf_counter() - start, 2)
-    gpu_timing.time_one(
+    timing.time_one(
         row, compiled, args, repeats, entry.flops, pipelined_s=pipelined_s
     )
     out = compiled(*args)
@@ -536,7 +536,7 @@ def main(argv=None) -> int:
   p.add_argument(
       "--pipelined_s",
       type=float,
-      default=gpu_timing.PIPELINED_S,
+      default=timing.PIPELINED_S,
       help="each timed sample is back-to-back calls this long, over their"
       " number (the chip's time per call, as tokamax's table, measured with"
       " a profiler, has it); 0: each call waited for on its own",

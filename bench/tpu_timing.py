@@ -7,8 +7,8 @@ fails is recorded with its error's first line) and timed at even and Zipf
 routing; the best per (shape, routing, pass). timing: the grouped GEMM's
 passes for every method side by side, then the MoE layer's
 forward+backward against the dense SwiGLU FFN of the same FLOPs. Times are
-`gpu_timing.median_seconds` (median after a warm-up, each sample a
-batch of back-to-back calls, `gpu_timing.PIPELINED_S`); ratios are
+`timing.sample_seconds` (median after a warm-up, each sample a
+batch of back-to-back calls, `timing.PIPELINED_S`); ratios are
 `timing.ratio_key` times over a baseline's (< 1 is faster). Over 400
 lines because it is the one module of what runs on the chip.
 """
@@ -26,9 +26,9 @@ import numpy as np
 
 import moe_core
 from bench import gpu_report
-from bench import gpu_timing
 from bench import layer_bench
 from bench import programs as programs_lib
+from bench import timing
 from bench import tpu_gemm
 
 GEMM_BASELINES = ("dense", "ragged_dot", "megablox")
@@ -60,8 +60,8 @@ def error_line(e: BaseException) -> str:
 
 
 def _time(compiled, args, repeats) -> dict:
-  seconds, calls, first, _ = gpu_timing.median_seconds(
-      compiled, args, repeats, MEASURE_S, pipelined_s=gpu_timing.PIPELINED_S
+  seconds, calls, first, _ = timing.sample_seconds(
+      compiled, args, repeats, MEASURE_S, pipelined_s=timing.PIPELINED_S
   )
   return {"seconds": seconds, "calls": calls, "first_call_s": first}
 
@@ -261,7 +261,7 @@ def timing_phase(ctx: Context) -> None:
   if ctx.profile_dir and ctx.layers:
     _profile(ctx, ctx.layers[:2])
   timed = [r for r in rows + layer_rows if r.get("seconds") is not None]
-  ctx.report["goals"] = gpu_timing.goals(timed, table=GOALS)
+  ctx.report["goals"] = timing.goals(timed, GOALS)
   ctx.write()
 
 
@@ -348,7 +348,7 @@ def _time_gemm(ctx, gemm, rows):
             f"gemm {row['workload']} {variant} {pass_}: "
             f"{row.get('error') or round(row['tflops'], 1)}"
         )
-      gpu_timing.add_ratios(rows, GEMM_BASELINES)
+      timing.add_ratios(rows, GEMM_BASELINES)
       ctx.write()
 
 
@@ -419,7 +419,7 @@ def _time_layer(ctx, layer, rows):
         f"layer {layer.name} {variant}: "
         f"{row.get('error') or row.get('seconds')}"
     )
-    gpu_timing.add_ratios(rows, LAYER_BASELINES)
+    timing.add_ratios(rows, LAYER_BASELINES)
     ctx.write()
 
 
