@@ -1,9 +1,9 @@
 """Every GPU program of bench/workloads/programs.py through XLA's GPU compiler.
 
-CI's strongest check of GPU code, from a CPU host (`bench.compile.gpu_compile`,
-`moe_core.aot`): each program of the table (every variant x workload,
-forward and forward+backward, the expert-parallel layer on 8 and 64 GPUs)
-is compiled for H100 and for B200 at the workloads' CI sizes and must
+CI's strongest check of GPU code, from a CPU host (bench/compile/ with
+its gpu.py, `moe_core.aot`): each program of the table (every variant x
+workload, forward and forward+backward, the expert-parallel layer on 8 and
+64 GPUs) is compiled for H100 and for B200 at the workloads' CI sizes and must
 compile, contain its backend's kernels (and the ragged all-to-all) and fit
 the target's HBM. A program the table excepts is counted and listed with
 its reason. CI compiles with `aot.QUICK_OPTIONS` (cuBLAS for XLA's own
@@ -31,7 +31,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 
-from bench.compile import gpu_compile
+from bench.compile import driver
+from bench.compile import gpu
 from bench.workloads import programs
 from moe_core import aot
 
@@ -76,8 +77,8 @@ def _selected(env: str, choices: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def selected_targets() -> tuple[str, ...]:
-  """The targets TARGETS_ENV names, in gpu_compile.TARGETS' order."""
-  return _selected(TARGETS_ENV, gpu_compile.TARGETS)
+  """The targets TARGETS_ENV names, in gpu.DEFAULT_TARGETS' order."""
+  return _selected(TARGETS_ENV, gpu.DEFAULT_TARGETS)
 
 
 def selected_passes() -> tuple[str, ...]:
@@ -104,8 +105,8 @@ class CompileTest(parameterized.TestCase):
 
   def _check(self, label: str, target: str, patterns: str):
     table = programs.select(patterns)
-    records, output = gpu_compile.compile_apart(
-        target, patterns, quiet=True, options="quick"
+    records, output = driver.compile_apart(
+        "gpu", target, patterns, quiet=True, options="quick"
     )
     lines = output.splitlines()
     print("\n".join(l for l in lines if l.startswith(("ok", "FAIL"))))
@@ -116,15 +117,15 @@ class CompileTest(parameterized.TestCase):
       print(
           f"gpu compile: {workload} ({label}) for {target}, jax "
           f"{jax.__version__}: "
-          + gpu_compile.summary(mine).replace("\n", "\ngpu compile: ")
+          + driver.summary(mine).replace("\n", "\ngpu compile: ")
       )
     out_dir = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR")
     if out_dir:
       seconds = sum(r.get("compile_seconds", 0) for r in records)
       path = os.path.join(out_dir, f"gpu_compile_{target}_{label}.json")
-      gpu_compile.write(path, records, seconds)
+      driver.write(path, records, seconds)
     self.assertEqual([r["program"] for r in records], [p.name for p in table])
-    failed = [gpu_compile.line(r) for r in records if r["status"] == "failed"]
+    failed = [driver.line(r) for r in records if r["status"] == "failed"]
     self.assertEmpty(failed)
     for r in records:
       self.assertEqual(r["xla_options"], "quick", r["program"])
@@ -134,7 +135,7 @@ class CompileTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       (f"{target}_{group}", target, group)
-      for target in gpu_compile.TARGETS
+      for target in gpu.DEFAULT_TARGETS
       for group in GROUPS
   )
   def test_every_program_compiles(self, target, group):
@@ -161,7 +162,7 @@ class CheckTest(absltest.TestCase):
     with mock.patch.dict(os.environ, {TARGETS_ENV: " b200, h100 "}):
       self.assertEqual(selected_targets(), ("h100", "b200"))
     with mock.patch.dict(os.environ, {TARGETS_ENV: ""}):
-      self.assertEqual(selected_targets(), gpu_compile.TARGETS)
+      self.assertEqual(selected_targets(), gpu.DEFAULT_TARGETS)
     with mock.patch.dict(os.environ, {TARGETS_ENV: "none"}):
       self.assertEqual(selected_targets(), ())
     with mock.patch.dict(os.environ, {TARGETS_ENV: "h800"}):
@@ -187,14 +188,12 @@ class CheckTest(absltest.TestCase):
     only_triton = types.SimpleNamespace(
         custom_calls={programs.TRITON_CALL: 2}, collective_bytes={}
     )
-    self.assertEqual(
-        gpu_compile.missing(program, only_triton), [programs.MOSAIC_CALL]
-    )
+    self.assertEqual(gpu.missing(program, only_triton), [programs.MOSAIC_CALL])
     both = types.SimpleNamespace(
         custom_calls={programs.TRITON_CALL: 2, programs.MOSAIC_CALL: 4},
         collective_bytes={},
     )
-    self.assertEmpty(gpu_compile.missing(program, both))
+    self.assertEmpty(gpu.missing(program, both))
 
   def test_an_exchange_without_its_collective_is_caught(self):
     program = _program("deepseek_v3_ep64/pallas/fwd")
@@ -202,14 +201,12 @@ class CheckTest(absltest.TestCase):
         custom_calls={programs.TRITON_CALL: 2},
         collective_bytes={"all-to-all": 1024},
     )
-    self.assertEqual(
-        gpu_compile.missing(program, dense), [programs.RAGGED_ALL_TO_ALL]
-    )
+    self.assertEqual(gpu.missing(program, dense), [programs.RAGGED_ALL_TO_ALL])
 
   def test_a_second_target_in_one_process_is_refused(self):
     program = _program("small_k/pallas/fwd")
-    with mock.patch.object(gpu_compile, "_PROCESS_TARGET", ["h100"]):
-      record = gpu_compile.compile_one(program, "b200", "ci", {})
+    with mock.patch.object(gpu, "_PROCESS_TARGET", ["h100"]):
+      record = driver.compile_one(gpu, program, "b200", "ci", {})
     self.assertEqual(record["status"], "failed")
     self.assertIn("this process compiled for h100", record["error"])
 
@@ -219,7 +216,7 @@ class CheckTest(absltest.TestCase):
       matched = [
           p.name
           for p in programs.programs()
-          for t in gpu_compile.TARGETS
+          for t in gpu.DEFAULT_TARGETS
           if programs.exception(t, p) == programs.EXCEPTIONS[pattern]
       ]
       self.assertNotEmpty(matched, pattern)
@@ -232,7 +229,7 @@ class CheckTest(absltest.TestCase):
         {"status": "exception", "reason": "no TE"},
     ]
     self.assertEqual(
-        gpu_compile.summary(records),
+        driver.summary(records),
         "2 of 3 programs compiled, plus 1 named exceptions\n  1: no TE",
     )
 
@@ -245,20 +242,23 @@ class CommandLineTest(absltest.TestCase):
     super().setUp()
     self.repo = self.enter_context(tempfile.TemporaryDirectory())
     self.tmp = self.enter_context(tempfile.TemporaryDirectory())
-    self.enter_context(mock.patch.object(gpu_compile, "_REPO", self.repo))
+    self.enter_context(mock.patch.object(driver, "_REPO", self.repo))
     self.enter_context(mock.patch.object(tempfile, "tempdir", self.tmp))
     self.enter_context(
         mock.patch.object(
-            gpu_compile,
+            driver,
             "run",
-            side_effect=lambda targets, *_: [self._record(targets[0])],
+            side_effect=lambda _, targets, *__: [self._record(targets[0])],
         )
     )
     self.enter_context(
         mock.patch.object(
-            gpu_compile,
+            driver,
             "compile_apart",
-            side_effect=lambda target, *_, **__: ([self._record(target)], ""),
+            side_effect=lambda _, target, *__, **___: (
+                [self._record(target)],
+                "",
+            ),
         )
     )
     self.committed = os.path.join(
@@ -273,7 +273,7 @@ class CommandLineTest(absltest.TestCase):
     """stderr of main(argv), which must exit with status 2."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as e:
-      gpu_compile.main(list(argv))
+      driver.main(["--platform=gpu", *argv])
     self.assertEqual(e.exception.code, 2)
     return err.getvalue()
 
@@ -299,17 +299,17 @@ class CommandLineTest(absltest.TestCase):
 
   def test_a_partial_run_leaves_the_committed_records_alone(self):
     with contextlib.redirect_stdout(io.StringIO()) as out:
-      self.assertEqual(gpu_compile.main(["--targets=h100"]), 0)
+      self.assertEqual(driver.main(["--platform=gpu", "--targets=h100"]), 0)
     self.assertFalse(os.path.exists(self.committed))
     path = out.getvalue().rsplit("wrote ", 1)[1].strip()
     self.assertTrue(path.startswith(self.tmp), path)
 
   def test_the_full_default_run_writes_the_committed_records(self):
     with contextlib.redirect_stdout(io.StringIO()):
-      self.assertEqual(gpu_compile.main([]), 0)
+      self.assertEqual(driver.main(["--platform=gpu"]), 0)
     with open(self.committed) as f:
       targets = [r["target"] for r in json.load(f)["programs"]]
-    self.assertEqual(targets, list(gpu_compile.TARGETS))
+    self.assertEqual(targets, list(gpu.DEFAULT_TARGETS))
 
 
 if __name__ == "__main__":

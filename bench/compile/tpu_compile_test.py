@@ -1,6 +1,6 @@
 """TPU programs of bench/workloads/tpu_programs.py through XLA's TPU compiler.
 
-CI's check of TPU code from a CPU host (`bench.compile.tpu_compile`,
+CI's check of TPU code from a CPU host (bench/compile/ with its tpu.py,
 `moe_core.aot`, libtpu): for each of v5e, v6e, v5p and tpu7x, CI's
 selection of the table (`tpu_programs.CI`: every TPU kernel program on one
 chip, XLA's grouped GEMM and a layer, one expert-parallel layer) must
@@ -30,7 +30,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 
-from bench.compile import tpu_compile
+from bench.compile import driver
+from bench.compile import tpu
 from bench.compile import tpu_memory
 from bench.workloads import programs
 from bench.workloads import tpu_programs
@@ -57,21 +58,21 @@ class CompileTest(parameterized.TestCase):
 
   @parameterized.parameters(*tpu_programs.TARGETS)
   def test_ci_programs_compile(self, target):
-    records = tpu_compile.run([target], ci_only=True)
+    records = driver.run(tpu, [target], ci_only=True)
     print(
         f"tpu compile: {target}, jax {jax.__version__}: "
-        + tpu_compile.summary(records).replace("\n", "\ntpu compile: ")
+        + driver.summary(records).replace("\n", "\ntpu compile: ")
     )
     out_dir = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR")
     if out_dir:
       seconds = sum(r.get("compile_seconds", 0) for r in records)
       path = os.path.join(out_dir, f"tpu_compile_{target}.json")
-      tpu_compile.write(path, records, seconds)
+      driver.write(path, records, seconds)
     expected = [
         p.name for p in tpu_programs.programs() if tpu_programs.in_ci(target, p)
     ]
     self.assertEqual([r["program"] for r in records], expected)
-    failed = [tpu_compile.line(r) for r in records if r["status"] == "failed"]
+    failed = [driver.line(r) for r in records if r["status"] == "failed"]
     self.assertEmpty(failed)
     for r in records:
       if r["status"] == "ok":
@@ -90,14 +91,14 @@ class CheckTest(parameterized.TestCase):
         collective_bytes={},
     )
     self.assertEqual(
-        tpu_compile.missing(program, xla_only, "v5e"),
+        tpu.missing(program, xla_only),
         [tpu_programs.GMM, tpu_programs.TGMM],
     )
     ours = types.SimpleNamespace(
         tpu_kernels={"dropless_tpu_gmm": 3, "dropless_tpu_tgmm": 3},
         collective_bytes={},
     )
-    self.assertEmpty(tpu_compile.missing(program, ours, "v5e"))
+    self.assertEmpty(tpu.missing(program, ours))
 
   def test_an_exchange_without_its_collective_is_caught(self):
     program = _program("deepseek_v3_ep8/xla/fwd")
@@ -105,7 +106,7 @@ class CheckTest(parameterized.TestCase):
         tpu_kernels={}, collective_bytes={"all-to-all": 1024}
     )
     self.assertEqual(
-        tpu_compile.missing(program, dense, "v6e"),
+        tpu.missing(program, dense),
         [programs.RAGGED_ALL_TO_ALL],
     )
 
@@ -194,17 +195,15 @@ class CommandLineTest(absltest.TestCase):
     super().setUp()
     self.repo = self.enter_context(tempfile.TemporaryDirectory())
     self.tmp = self.enter_context(tempfile.TemporaryDirectory())
-    self.enter_context(mock.patch.object(tpu_compile, "_REPO", self.repo))
+    self.enter_context(mock.patch.object(driver, "_REPO", self.repo))
     self.enter_context(mock.patch.object(tempfile, "tempdir", self.tmp))
-    self.enter_context(
-        mock.patch.object(tpu_compile, "run", side_effect=self._run)
-    )
+    self.enter_context(mock.patch.object(driver, "run", side_effect=self._run))
     self.committed = os.path.join(
         self.repo, "bench", "results", f"tpu_compile_{jax.__version__}.json"
     )
 
-  def _run(self, targets, size, selected, on_record, ci_only):
-    del size, selected, ci_only
+  def _run(self, platform, targets, size, selected, on_record, *_):
+    del platform, size, selected
     records = [
         {"program": "p", "target": t, "status": "exception", "reason": "-"}
         for t in targets
@@ -217,7 +216,7 @@ class CommandLineTest(absltest.TestCase):
     """main's stdout; fails unless it returns 0."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-      self.assertEqual(tpu_compile.main(list(argv)), 0)
+      self.assertEqual(driver.main(["--platform=tpu", *argv]), 0)
     return out.getvalue()
 
   def test_unknown_or_no_targets_are_a_usage_error_naming_them(self):
@@ -225,7 +224,7 @@ class CommandLineTest(absltest.TestCase):
       err = io.StringIO()
       with self.subTest(targets=targets), contextlib.redirect_stderr(err):
         with self.assertRaises(SystemExit) as caught:
-          tpu_compile.main([f"--targets={targets}"])
+          driver.main(["--platform=tpu", f"--targets={targets}"])
         self.assertEqual(caught.exception.code, 2)
         self.assertRegex(
             err.getvalue(),
@@ -237,7 +236,7 @@ class CommandLineTest(absltest.TestCase):
   def test_unknown_programs_are_a_usage_error(self):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as e:
-      tpu_compile.main(["--programs=no_such_workload/*"])
+      driver.main(["--platform=tpu", "--programs=no_such_workload/*"])
     self.assertEqual(e.exception.code, 2)
     self.assertIn("argument --programs: no program matches", err.getvalue())
 

@@ -23,7 +23,7 @@ import time
 
 import jax
 
-from bench.compile import gpu_compile
+from bench.compile import driver
 from bench.workloads import tpu_programs
 from moe_core import aot
 from train import platforms
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
   parser.add_argument("--where", choices=("chip", "here"), default="here")
   parser.add_argument(
       "--sizes",
-      type=gpu_compile.names_type(SIZES),
+      type=driver.names_type(SIZES),
       default=list(SIZES),
       help=f"comma-separated, of {', '.join(SIZES)}",
   )
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None)
   parser.add_argument("--compare", nargs=2, metavar=("HERE", "CHIP"))
   args = parser.parse_args(argv)
-  gpu_compile.select_or_exit(parser, tpu_programs.select, args.programs)
+  driver.select_or_exit(parser, tpu_programs.select, args.programs)
   if args.compare:
     with open(args.compare[0]) as a, open(args.compare[1]) as b:
       print(compare(json.load(a), json.load(b)))

@@ -31,6 +31,7 @@ if _REPO not in sys.path:
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 
+from bench.compile import driver
 from bench.harness import json_report
 from bench.harness import timing
 from bench.on_device import gpu_conformance
@@ -133,7 +134,7 @@ def _target_name() -> str:
 
 
 def _start_deviceless(selected, size, target, workers, tmp):
-  """gpu_compile children compiling `selected` for `target`, no GPU used."""
+  """Compile-driver children compiling `selected` for `target`, no GPU."""
   patterns = ",".join(p.name for p in selected)
   # The carried wheels too (jax-triton: `json_report.provide_jax_triton`).
   path = [_REPO, *(p for p in sys.path if p.endswith(".whl"))]
@@ -143,16 +144,7 @@ def _start_deviceless(selected, size, target, workers, tmp):
     out = os.path.join(tmp, f"deviceless_{i}.json")
     with open(os.path.join(tmp, f"deviceless_{i}.log"), "w") as log:
       child = subprocess.Popen(  # pylint: disable=consider-using-with
-          [
-              sys.executable,
-              "-m",
-              "bench.compile.gpu_compile",
-              f"--targets={target}",
-              f"--size={size}",
-              f"--programs={patterns}",
-              f"--shard={i}/{workers}",
-              f"--out={out}",
-          ],
+          driver.command("gpu", target, out, patterns, size, f"{i}/{workers}"),
           cwd=_REPO,
           env=env,
           stdout=log,
@@ -308,8 +300,8 @@ def failures(report: dict) -> list[str]:
 def lower(selected) -> int:
   """--lower_only: each one-GPU program exported for CUDA, its kernels checked.
 
-  jax.export catches what the compile (bench/compile/gpu_compile.py) cannot
-  where the compile cannot run: on a leg without jax's CUDA plugin (jax 0.10.2)
+  jax.export catches what the compile (bench/compile/) cannot where the
+  compile cannot run: on a leg without jax's CUDA plugin (jax 0.10.2)
   and in Transformer Engine's environment; and it checks that a program can be
   serialised for CUDA at all (host callbacks, unstable custom calls). A program
   that fails and has a named exception (`programs.EXCEPTIONS`, for H100) is

@@ -1,7 +1,7 @@
 """The GPU programs: backend variant x workload x (fwd | fwd_bwd), one table.
 
 Every GPU check of bench/ reads its programs here (`gpu_check
---lower_only`, `gpu_compile`, `gpu_check`), so that what is exported,
+--lower_only`, bench/compile/, `gpu_check`), so that what is exported,
 compiled and timed are the same programs. Variants come from the registry
 (`variants`): every backend "auto" may pick on a GPU gets its default
 variant and a grouped-GEMM variant per quantised recipe; `OPTION_VARIANTS`

@@ -90,8 +90,8 @@ EXCEPTIONS: dict[str, str] = {
 # grouped GEMM and a layer on XLA's own kernels; and one expert-parallel
 # layer forward a generation, over the shapes of the table (a host's 8,
 # a 64-device slice, two slices). The whole table (`python -m
-# bench.compile.tpu_compile`, about 10 minutes here) is run by hand and its
-# records kept in bench/results/.
+# bench.compile.driver --platform=tpu`, about 10 minutes here) is run by
+# hand and its records kept in bench/results/.
 CI = (
     "*/deepseek_v3/mosaic_tpu*/*",
     "*/mixtral_8x7b/mosaic_tpu*/*",

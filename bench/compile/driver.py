@@ -1,18 +1,23 @@
-"""Every GPU program of bench/workloads/programs.py through XLA's GPU compiler.
+"""The one compile driver: benchmark programs through XLA's compilers.
 
 From any host, a CPU-only one included (`moe_core.aot`: the CUDA plugin of
-the installed jax, no GPU), each program is compiled for each target (one
-target a child process, `compile_one`) and must compile, contain the
-kernels its backend promises and fit the target's usable HBM; the named
-exceptions are listed, not compiled, and the records go to --out; without
-it, the full default run's (H100 and B200, every program, --size ci) to
-bench/results/gpu_compile_[quick_]<jax version>.json when it ends, any
-other's to the system's temporary directory (printed), so that a partial
-run never replaces the committed records (docs/benchmarks.md,
-"bench/compile/gpu_compile.py"). Usage:
-    python -m bench.compile.gpu_compile            # H100 and B200, CI sizes
-    python -m bench.compile.gpu_compile --size full --targets h100,b200,h200
-    python -m bench.compile.gpu_compile --xla_options quick   # CI's, faster
+the installed jax for GPUs, libtpu for TPUs; no device), each program of a
+platform's table is compiled for each target and must compile, contain the
+kernels and collectives its backend promises and fit the target's memory;
+the named exceptions are listed, not compiled. What differs between GPUs
+and TPUs (targets, topologies, the kernels' names, a TPU kernel's VMEM)
+is a platform module's: bench/compile/gpu.py and bench/compile/tpu.py.
+The records go to --out; without it, the full default run's (the
+platform's default targets, every program, --size ci) to
+bench/results/<platform>_compile_[<options>_]<jax version>.json when it
+ends, any other's to the system's temporary directory (printed), so that a
+partial run never replaces the committed records (docs/benchmarks.md,
+"bench/compile/"). Usage:
+    python -m bench.compile.driver --platform=gpu     # H100 and B200
+    python -m bench.compile.driver --platform=gpu --xla_options quick
+    python -m bench.compile.driver --platform=tpu     # v5e, v6e, v5p, tpu7x
+    python -m bench.compile.driver --platform=tpu --targets v5e \\
+        --programs 'deepseek_v3/*' --size full
 """
 
 from __future__ import annotations
@@ -29,21 +34,20 @@ import traceback
 
 import jax
 
-from bench.workloads import programs as programs_lib
+from bench.compile import gpu
+from bench.compile import tpu
 from moe_core import aot
-from moe_core import compat
 from train import platforms
 
 _REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-
-TARGETS = ("h100", "b200")
-# --xla_options: XLA's defaults (no GPU to autotune on), or `aot.QUICK_OPTIONS`
-# (cuBLAS for XLA's own GEMMs; CI's).
+PLATFORMS = {"gpu": gpu, "tpu": tpu}
+# --xla_options: XLA's defaults, or `aot.QUICK_OPTIONS` (on a GPU, cuBLAS
+# for XLA's own GEMMs: CI's).
 XLA_OPTIONS = {"default": None, "quick": aot.QUICK_OPTIONS}
 _MAX_ERROR = 600
 
 
-# --- The command line, shared with bench/compile/tpu_compile.py -------------
+# --- The command line, shared with bench/compile/tpu_memory.py ---------------
 
 
 def names_type(valid):
@@ -89,7 +93,7 @@ def output_paths(out: str | None, committed: str, full_run: bool):
 
 
 def _shardings(specs, topology, mesh):
-  """in_shardings for `aot.compile`: the topology's first GPU, or specs."""
+  """in_shardings for `aot.compile`: the topology's first device, or specs."""
   if mesh is None:
     return jax.sharding.SingleDeviceSharding(topology.devices[0])
   return jax.tree.map(
@@ -99,61 +103,38 @@ def _shardings(specs, topology, mesh):
   )
 
 
-def missing(program, compiled) -> list[str]:
-  """The promised kernels and collectives `compiled` lacks."""
-  calls = compiled.custom_calls
-  lacking = [
-      k for k in program.kernels if not any(c.startswith(k) for c in calls)
-  ]
-  lacking += [
-      c for c in program.collectives if not compiled.collective_bytes.get(c)
-  ]
-  return lacking
-
-
-# The target this process compiles for (`compile_one` says why only one).
-_PROCESS_TARGET = []
+# --- Compiling --------------------------------------------------------------
 
 
 def compile_one(
-    program, target: str, size: str, topologies: dict, options="default"
+    platform, program, target: str, size: str, topologies: dict, options=None
 ) -> dict:
-  """The record of `program` compiled for `target` with `XLA_OPTIONS[options]`:
-  "status" is "ok", "failed" (with "error") or "exception" (with "reason").
-
-  Every call of a process must name the same target, and a second target
-  is refused: the CUDA plugin's Mosaic GPU pipeline keeps the GPU of the
-  first Mosaic GPU kernel it compiles for the whole process (jax 0.11.2
-  and 0.12.0.1; `jax.clear_caches()` does not reset it), so a second
-  target's kernels fail ("SM version specified by .target is higher than
-  default SM version assumed" on 0.12, "Pass pipeline failed" on 0.11).
-  `main` therefore compiles each target in a child process of its own.
-  """
+  """The record of `program` compiled for `target` of `platform` (a module
+  of PLATFORMS) with `XLA_OPTIONS[options]`: "status" is "ok", "failed"
+  (with "error") or "exception" (with "reason"). `topologies` caches the
+  topologies made, by (target, topology)."""
+  spec = platform.topology_spec(target, program.workload)
   record = {
       "program": program.name,
       "workload": program.workload.name,
       "variant": program.variant.name,
       "mode": program.mode,
       "target": target,
-      "topology": program.workload.topology,
+      "topology": spec,
       "size": size,
-      "xla_options": options,
   }
-  reason = programs_lib.exception(target, program)
+  if options is not None:
+    record["xla_options"] = options
+  reason = platform.exception(target, program)
   if reason is not None:
     return {**record, "status": "exception", "reason": reason}
-  if _PROCESS_TARGET and _PROCESS_TARGET[0] != target:
-    error = (
-        f"this process compiled for {_PROCESS_TARGET[0]}: compile for "
-        f"{target} in another (Mosaic GPU keeps the first target's arch)"
-    )
-    return {**record, "status": "failed", "error": error}
-  _PROCESS_TARGET[:1] = [target]
-  key = (target, program.workload.topology)
+  refused = platform.refuse(target)
+  if refused:
+    return {**record, "status": "failed", "error": refused}
   try:
-    if key not in topologies:
-      topologies[key] = aot.gpu_topology(target, program.workload.topology)
-    topology = topologies[key]
+    if (target, spec) not in topologies:
+      topologies[target, spec] = platform.topology(target, spec)
+    topology = topologies[target, spec]
     mesh = None
     if program.workload.kind == "ep_layer":
       mesh = topology.mesh({"expert": topology.num_devices})
@@ -164,7 +145,7 @@ def compile_one(
         topology=topology,
         mesh=mesh,
         name=program.name,
-        xla_options=XLA_OPTIONS[options],
+        xla_options=XLA_OPTIONS[options or "default"],
         in_shardings=_shardings(specs, topology, mesh),
     )
   except Exception as e:  # pylint: disable=broad-except
@@ -176,7 +157,7 @@ def compile_one(
     del found[k]
   record.update(found)
   problems = []
-  lacking = missing(program, compiled)
+  lacking = platform.missing(program, compiled)
   if lacking:
     problems.append(f"no {lacking} in the executable: a fallback")
   if not compiled.fits:
@@ -184,6 +165,7 @@ def compile_one(
         f"peak {compiled.peak_bytes / 2**30:.2f} GiB per device > usable "
         f"{compiled.usable_bytes / 2**30:.2f} GiB"
     )
+  problems += platform.checks(record, compiled, topology)
   record["status"] = "failed" if problems else "ok"
   if problems:
     record["error"] = "; ".join(problems)
@@ -191,17 +173,27 @@ def compile_one(
 
 
 def run(
-    targets, size="ci", selected=None, on_record=None, options="default"
+    platform,
+    targets,
+    size="ci",
+    selected=None,
+    on_record=None,
+    options=None,
+    ci_only=False,
 ) -> list:
-  """Records of every (selected) program compiled for each of `targets`
-  (one, unless it is the last: `compile_one`)."""
-  selected = programs_lib.programs() if selected is None else selected
+  """Records of every (selected) program of `platform` compiled for each
+  of `targets` (`ci_only`: of those, what CI compiles, `platform.in_ci`)."""
+  selected = platform.programs() if selected is None else selected
   topologies = {}
   records = []
-  with compat.filter_triton_deprecation():
+  with platform.quiet():
     for target in targets:
       for program in selected:
-        record = compile_one(program, target, size, topologies, options)
+        if ci_only and not platform.in_ci(target, program):
+          continue
+        record = compile_one(
+            platform, program, target, size, topologies, options
+        )
         records.append(record)
         print(line(record), flush=True)
         if on_record:
@@ -209,17 +201,25 @@ def run(
   return records
 
 
+# --- Records ----------------------------------------------------------------
+
+
 def line(r: dict) -> str:
   """One printed line of a record."""
-  head = f"{r['target']} {r['program']}"
+  head = f"{r['target']}:{r['topology']} {r['program']}"
   if r["status"] == "exception":
     return f"skip {head}: {r['reason']}"
   if r["status"] == "failed" and "peak_bytes" not in r:
     return f"FAIL {head}: {r['error'][:300]}"
-  calls = ", ".join(f"{n} {c}" for c, n in sorted(r["custom_calls"].items()))
+  if "vmem_bytes" in r:  # A TPU's: its Mosaic kernels by name, their VMEM.
+    kernels = r["tpu_kernels"]
+    vmem = f", kernel VMEM {r['kernel_vmem_bytes'] / 2**20:,.1f} MiB"
+  else:
+    kernels, vmem = r["custom_calls"], ""
+  found = ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
   text = (
       f"{head}: {r['compile_seconds']:.1f} s, peak "
-      f"{r['peak_bytes'] / 2**20:,.0f} MiB ({calls or 'no custom calls'})"
+      f"{r['peak_bytes'] / 2**20:,.0f} MiB{vmem} ({found or 'no kernels'})"
   )
   if r["status"] == "failed":
     return f"FAIL {text}: {r['error']}"
@@ -227,7 +227,7 @@ def line(r: dict) -> str:
 
 
 def summary(records) -> str:
-  """ "N of N compiled, plus K named exceptions" and the failures' count."""
+  """ "N of N compiled, plus K named exceptions" and the reasons."""
   counts = collections.Counter(r["status"] for r in records)
   tried = counts["ok"] + counts["failed"]
   reasons = sorted({r["reason"] for r in records if "reason" in r})
@@ -241,7 +241,33 @@ def summary(records) -> str:
   return text
 
 
+def table(records) -> str:
+  """Markdown: program x target, compile seconds and peak per device."""
+  targets = list(dict.fromkeys(r["target"] for r in records))
+  cells = collections.defaultdict(dict)
+  for r in records:
+    if r["status"] == "exception":
+      cell = "exception"
+    elif "peak_bytes" not in r:
+      cell = "FAILED"
+    else:
+      cell = f"{r['compile_seconds']:.1f} s, {r['peak_bytes'] / 2**20:,.1f} MiB"
+      if r["status"] == "failed":
+        cell += " FAILED"
+    cells[r["program"]][r["target"]] = cell
+  lines = [
+      "| program | " + " | ".join(targets) + " |",
+      "| --- |" + " --- |" * len(targets),
+  ]
+  for program, row in cells.items():
+    lines.append(
+        f"| {program} | " + " | ".join(row.get(t, "") for t in targets) + " |"
+    )
+  return "\n".join(lines)
+
+
 def write(path: str, records, seconds: float) -> None:
+  """The records as JSON at `path`, with jax's version and the summary."""
   report = {
       "jax": jax.__version__,
       "seconds": round(seconds, 1),
@@ -254,16 +280,30 @@ def write(path: str, records, seconds: float) -> None:
   os.replace(path + ".tmp", path)
 
 
-def main(argv=None) -> int:
+def _finish(out: str, records, start: float, tables: bool = False) -> int:
+  """Writes and prints the run's records; 1 if any failed."""
+  write(out, records, time.perf_counter() - start)
+  print(summary(records))
+  if tables:
+    print(table(records))
+  print(f"wrote {out}")
+  return 1 if any(r["status"] == "failed" for r in records) else 0
+
+
+# --- The program ------------------------------------------------------------
+
+
+def _parser(platform) -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m bench.compile.gpu_compile",
+      prog="python -m bench.compile.driver",
       description=__doc__.splitlines()[0],
   )
+  parser.add_argument("--platform", choices=tuple(PLATFORMS), required=True)
   parser.add_argument(
       "--targets",
-      type=names_type(tuple(aot.GPU_TARGETS)),
-      default=list(TARGETS),
-      help=f"comma-separated, of {', '.join(aot.GPU_TARGETS)}",
+      type=names_type(platform.TARGETS),
+      default=list(platform.DEFAULT_TARGETS),
+      help=f"comma-separated, of {', '.join(platform.TARGETS)}",
   )
   parser.add_argument("--size", default="ci", choices=("ci", "full", "dry"))
   parser.add_argument(
@@ -279,25 +319,44 @@ def main(argv=None) -> int:
   parser.add_argument(
       "--xla_options",
       default="default",
-      choices=tuple(XLA_OPTIONS),
+      choices=tuple(platform.XLA_OPTIONS),
       help="quick: aot.QUICK_OPTIONS (cuBLAS for XLA's own GEMMs)",
   )
+  parser.add_argument(
+      "--ci", action="store_true", help="only CI's selection of the table"
+  )
+  parser.add_argument("--table", action="store_true", help="print markdown")
   parser.add_argument("--out", default=None)
+  return parser
+
+
+def _platform_of(argv) -> str:
+  """--platform's value in `argv`, before the parser that depends on it."""
+  early = argparse.ArgumentParser(add_help=False)
+  early.add_argument("--platform", choices=tuple(PLATFORMS))
+  known, _ = early.parse_known_args(argv)
+  return known.platform or "gpu"
+
+
+def main(argv=None) -> int:
+  platform = PLATFORMS[_platform_of(argv)]
+  parser = _parser(platform)
   args = parser.parse_args(argv)
   index, count = _shard(parser, args.shard)
-  selected = select_or_exit(parser, programs_lib.select, args.programs)
+  selected = select_or_exit(parser, platform.select, args.programs)
   # The default options' records keep their name; another set's carry it.
   options = "" if args.xla_options == "default" else f"{args.xla_options}_"
   committed = os.path.join(
-      _REPO, "bench", "results", f"gpu_compile_{options}{jax.__version__}.json"
+      _REPO,
+      "bench",
+      "results",
+      f"{args.platform}_compile_{options}{jax.__version__}.json",
   )
-  narrowed = (args.size, args.programs, count) != ("ci", "*", 1)
-  full_run = set(args.targets) == set(TARGETS) and not narrowed
+  narrowed = (args.size, args.programs, count, args.ci) != ("ci", "*", 1, False)
+  full_run = set(args.targets) == set(platform.DEFAULT_TARGETS) and not narrowed
   progress, out = output_paths(args.out, committed, full_run)
-  targets = args.targets
-  if len(targets) > 1:
-    return _each_target_apart(args, targets, out)
-  selected = selected[index::count]
+  if platform.ONE_TARGET_A_PROCESS and len(args.targets) > 1:
+    return _each_target_apart(args, out)
   start = time.perf_counter()
   done = []
 
@@ -305,11 +364,16 @@ def main(argv=None) -> int:
     done.append(record)
     write(progress, done, time.perf_counter() - start)
 
-  records = run(targets, args.size, selected, on_record, args.xla_options)
-  write(out, records, time.perf_counter() - start)
-  print(summary(records))
-  print(f"wrote {out}")
-  return 1 if any(r["status"] == "failed" for r in records) else 0
+  records = run(
+      platform,
+      args.targets,
+      args.size,
+      selected[index::count],
+      on_record,
+      platform.options_record(args.xla_options),
+      args.ci,
+  )
+  return _finish(out, records, start, args.table)
 
 
 def _shard(parser, text: str) -> tuple[int, int]:
@@ -322,7 +386,34 @@ def _shard(parser, text: str) -> tuple[int, int]:
   )
 
 
+def command(
+    platform: str,
+    target: str,
+    out: str,
+    patterns: str = "*",
+    size: str = "ci",
+    shard: str = "0/1",
+    options: str = "default",
+) -> list[str]:
+  """The command line of a child process that compiles `patterns` for one
+  `target` and writes its records to `out` (gpu_check starts such
+  children too)."""
+  return [
+      sys.executable,
+      "-m",
+      "bench.compile.driver",
+      f"--platform={platform}",
+      f"--targets={target}",
+      f"--size={size}",
+      f"--programs={patterns}",
+      f"--shard={shard}",
+      f"--xla_options={options}",
+      f"--out={out}",
+  ]
+
+
 def compile_apart(
+    platform: str,
     target: str,
     patterns: str = "*",
     size: str = "ci",
@@ -331,25 +422,14 @@ def compile_apart(
     options: str = "default",
 ):
   """(records, output): the programs matching `patterns` compiled for
-  `target` by `python -m bench.compile.gpu_compile` in a child process of its
-  own (one target a process). records is None if the child wrote none; output is
-  its stdout and stderr when `quiet`, else they pass through and it is
-  ""."""
+  `target` in a child process of its own (`command`). records is None if
+  the child wrote none; output is its stdout and stderr when `quiet`, else
+  they pass through and it is ""."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "records.json")
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.compile.gpu_compile",
-            f"--targets={target}",
-            f"--size={size}",
-            f"--programs={patterns}",
-            f"--shard={shard}",
-            f"--xla_options={options}",
-            f"--out={out}",
-        ],
+        command(platform, target, out, patterns, size, shard, options),
         cwd=_REPO,
         check=False,
         text=True,
@@ -362,11 +442,12 @@ def compile_apart(
       return json.load(fh)["programs"], output
 
 
-def _each_target_apart(args, targets, out) -> int:
+def _each_target_apart(args, out) -> int:
   """main for several targets: a child process each, their JSON merged."""
   start, records = time.perf_counter(), []
-  for target in targets:
+  for target in args.targets:
     found, _ = compile_apart(
+        args.platform,
         target,
         args.programs,
         args.size,
@@ -383,10 +464,7 @@ def _each_target_apart(args, targets, out) -> int:
           }
       ]
     records += found
-  write(out, records, time.perf_counter() - start)
-  print(summary(records))
-  print(f"wrote {out}")
-  return 1 if any(r["status"] == "failed" for r in records) else 0
+  return _finish(out, records, start, args.table)
 
 
 if __name__ == "__main__":
