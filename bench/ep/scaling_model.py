@@ -18,6 +18,7 @@ from absl import app
 from absl import flags
 
 from train import platforms
+from train import presets
 
 _GPU = flags.DEFINE_enum(
     "gpu", "h100", ["h100", "h800", "b200"], "Link bandwidths of which cluster."
@@ -29,19 +30,19 @@ GPUS_PER_NODE = 8
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """DeepSeek-V3, from train/presets/ (the Hugging Face config.json)."""
+  """A DeepSeek-V3-like model's sizes (`deepseek_v3`: the preset's)."""
 
-  hidden: int = 7168  # D
-  expert_ffn: int = 2048  # F, routed and shared experts alike.
-  num_experts: int = 256  # E
-  top_k: int = 8  # K
-  shared_experts: int = 1
-  heads: int = 128
-  q_lora_rank: int = 1536
-  kv_lora_rank: int = 512
-  qk_nope_dim: int = 128
-  qk_rope_dim: int = 64
-  v_dim: int = 128
+  hidden: int  # D
+  expert_ffn: int  # F, routed and shared experts alike.
+  num_experts: int  # E
+  top_k: int  # K
+  shared_experts: int
+  heads: int
+  q_lora_rank: int
+  kv_lora_rank: int
+  qk_nope_dim: int
+  qk_rope_dim: int
+  v_dim: int
   seq_len: int = 4096
   node_limit: int = 4  # A token's experts lie on at most 4 nodes (M = 4).
 
@@ -74,6 +75,25 @@ class Model:
         * (self.qk_nope_dim + self.qk_rope_dim + self.v_dim)
     )
     return 3 * (matmul + scores)
+
+
+def deepseek_v3() -> Model:
+  """DeepSeek-V3's sizes, from its preset (the Hugging Face config.json)."""
+  cfg = presets.get_preset("deepseek_v3").model
+  moe = cfg.moe
+  return Model(
+      hidden=cfg.hidden_size,
+      expert_ffn=moe.expert_ffn_size,
+      num_experts=moe.num_experts,
+      top_k=moe.top_k,
+      shared_experts=moe.shared_ffn_size // moe.expert_ffn_size,
+      heads=cfg.num_heads,
+      q_lora_rank=cfg.q_lora_rank,
+      kv_lora_rank=cfg.kv_lora_rank,
+      qk_nope_dim=cfg.qk_nope_head_dim,
+      qk_rope_dim=cfg.qk_rope_head_dim,
+      v_dim=cfg.v_head_dim,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +185,10 @@ def layer_times(
     scheme: Scheme,
     tokens: int,
     chunks: int,
-    model: Model = Model(),
+    model: Model | None = None,
 ) -> dict:
+  """The layer's times on `n_gpus` (`model`: DeepSeek-V3 by default)."""
+  model = model or deepseek_v3()
   ep = min(n_gpus, ep_max)
   rate = (
       cluster.gemm_tflops_fp8 if scheme.fp8_gemm else cluster.gemm_tflops_bf16
@@ -261,7 +283,7 @@ def _print(rows, markdown):
 def main(argv):
   del argv
   cluster = CLUSTERS[_GPU.value]
-  model = Model()
+  model = deepseek_v3()
   print(
       f"{cluster.name}; one MoE layer, T=4096 tokens per GPU; "
       f"{model.train_flops_per_token() / 1e9:.2f} GFLOP per token "

@@ -26,6 +26,7 @@ import numpy as np
 
 import moe_core
 from bench.workloads import gemm_workloads
+from train import presets
 
 PASSES = ("fwd", "dx", "dw")
 ROUTINGS = ("even", "zipf")
@@ -87,25 +88,42 @@ class Layer:
     return 3 * 3 * 2 * self.tokens * self.top_k * self.hidden * self.ffn
 
 
-def _up_down(name, experts, m, d, f):
+def _up_down(name: str, preset: str, m: int, ep: int = 1):
+  """A model's (a train/presets/ name) up and down GEMMs of M rows, its
+  experts split over `ep` devices."""
+  moe = presets.get_preset(preset).model.moe
+  e, d, f = moe.num_experts // ep, moe.hidden_size, moe.expert_ffn_size
   return (
-      Gemm(f"{name}_up", experts, m, d, f),
-      Gemm(f"{name}_down", experts, m, f, d),
+      Gemm(f"{name}_up", e, m, d, f),
+      Gemm(f"{name}_down", e, m, f, d),
+  )
+
+
+def _layer(name: str, preset: str, tokens: int, ep: int = 1) -> Layer:
+  """A model's MoE layer on `tokens` tokens, its experts split over `ep`."""
+  moe = presets.get_preset(preset).model.moe
+  return Layer(
+      name,
+      moe.num_experts // ep,
+      moe.top_k,
+      moe.hidden_size,
+      moe.expert_ffn_size,
+      tokens,
   )
 
 
 # M = tokens x top-k rows. Up: [M, D] x [E, D, F]; down: [M, F] x [E, F, D].
 GEMMS = (
-    *_up_down("mixtral", 8, 8192, 4096, 14336),
-    *_up_down("dsv3_ep8", 32, 16384, 7168, 2048),
-    *_up_down("qwen3_30b", 128, 32768, 2048, 768),
-    *_up_down("olmoe", 64, 32768, 2048, 1024),
+    *_up_down("mixtral", "mixtral_8x7b", 8192),
+    *_up_down("dsv3_ep8", "deepseek_v3", 16384, ep=8),
+    *_up_down("qwen3_30b", "qwen3_30b_a3b", 32768),
+    *_up_down("olmoe", "olmoe_1b_7b", 32768),
 )
 LAYERS = (
-    Layer("mixtral", 8, 2, 4096, 14336, 4096),
-    Layer("dsv3_ep8", 32, 8, 7168, 2048, 2048),
-    Layer("qwen3_30b", 128, 8, 2048, 768, 4096),
-    Layer("olmoe", 64, 8, 2048, 1024, 4096),
+    _layer("mixtral", "mixtral_8x7b", 4096),
+    _layer("dsv3_ep8", "deepseek_v3", 2048, ep=8),
+    _layer("qwen3_30b", "qwen3_30b_a3b", 4096),
+    _layer("olmoe", "olmoe_1b_7b", 4096),
 )
 # --dry_run's: interpreted kernels on the CPU, 128-row tiles.
 DRY_GEMMS = (Gemm("dry_up", 4, 512, 256, 384),)

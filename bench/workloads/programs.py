@@ -296,9 +296,16 @@ class Workload:
     )
 
 
+def model_size(model: str, tokens: int) -> Size:
+  """`tokens` of a layer of `model` (a train/presets/ name), its hidden size
+  D and expert width F the preset's: the full-size workloads' shape."""
+  moe = presets.get_preset(model).model.moe
+  return Size(tokens=tokens, hidden=moe.hidden_size, ffn=moe.expert_ffn_size)
+
+
 # A CPU rehearsal's size (gpu_check --dry_run: kernels interpreted).
 DRY = Size(tokens=32, hidden=64, ffn=32)
-_DSV3 = Size(tokens=4096, hidden=7168, ffn=2048)
+DSV3 = model_size("deepseek_v3", 4096)
 # CI sizes keep a model's routing (top-k, groups) but the single-GPU
 # layers have fewer experts: Mosaic GPU's layout inference for the sm_100
 # kernel grows with E (a GEMM at E=256: 16.6 s for a B200, E=32: 1.5 s; a
@@ -309,13 +316,13 @@ _DSV3_CI = Size(tokens=512, hidden=512, ffn=128, experts=32)
 WORKLOADS = (
     # DeepSeek-V3: 256 experts, top-8 within 4 of 8 groups, sigmoid scores,
     # a shared expert.
-    Workload("deepseek_v3", "deepseek_v3", "layer", _DSV3, _DSV3_CI),
+    Workload("deepseek_v3", "deepseek_v3", "layer", DSV3, _DSV3_CI),
     # Mixtral 8x7B: 8 experts, top-2, a wide F.
     Workload(
         "mixtral_8x7b",
         "mixtral_8x7b",
         "layer",
-        Size(8192, 4096, 14336),
+        model_size("mixtral_8x7b", 8192),
         Size(512, 512, 1792),
     ),
     # Qwen3-30B-A3B: 128 experts, top-8, a narrow F.
@@ -323,7 +330,7 @@ WORKLOADS = (
         "qwen3_30b_a3b",
         "qwen3_30b_a3b",
         "layer",
-        Size(8192, 2048, 768),
+        model_size("qwen3_30b_a3b", 8192),
         Size(512, 256, 96, experts=32),
     ),
     # Grouped GEMMs (M rows): DeepSeek-V3's gate/up, M = 4096 tokens x top-8,
@@ -334,14 +341,14 @@ WORKLOADS = (
         "deepseek_v3_gemm",
         "deepseek_v3",
         "gemm",
-        Size(32768, 7168, 2048),
+        model_size("deepseek_v3", 32768),
         Size(4096, 512, 128),
     ),
     Workload(
         "small_k",
         "deepseek_v3",
         "gemm",
-        Size(32768, 1024, 7168),
+        Size(32768, 1024, DSV3.hidden),
         Size(4096, 128, 512),
         variants=("pallas", "mosaic_gpu", "mosaic_tpu"),
         modes=("fwd",),
@@ -349,13 +356,13 @@ WORKLOADS = (
     # Expert parallelism, the ragged exchange: 8 GPUs of one host, and 64
     # GPUs of 8 hosts (4 experts each; the exchange crosses hosts).
     Workload(
-        "deepseek_v3_ep8", "deepseek_v3", "ep_layer", _DSV3, _DSV3_CI, "1x1x8"
+        "deepseek_v3_ep8", "deepseek_v3", "ep_layer", DSV3, _DSV3_CI, "1x1x8"
     ),
     Workload(
         "deepseek_v3_ep64",
         "deepseek_v3",
         "ep_layer",
-        _DSV3,
+        DSV3,
         Size(64, 512, 128),
         "1x8x8",
     ),

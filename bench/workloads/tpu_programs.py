@@ -65,7 +65,7 @@ WORKLOADS = programs_lib.WORKLOADS + (
         "deepseek_v3_ep16_2slices",
         "deepseek_v3",
         "ep_layer",
-        programs_lib.Size(4096, 7168, 2048),
+        programs_lib.DSV3,
         programs_lib.Size(64, 512, 128),
         "2x1x8",
     ),
