@@ -5,7 +5,7 @@ batches, one step of each in turn (so that a change of machine load hits
 all of them alike). Prints each backend's median step time and tokens/s,
 its speed relative to the first backend, and the largest per-step loss
 difference from the first backend. Usage:
-    python -m train.compare_backends --backends=reference,xla --steps=20
+    python -m bench.micro.compare_backends --backends=reference,xla --steps=20
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from absl import flags
 import numpy as np
 
 import moe_core
+from bench.harness import flag_checks
 from train.presets import catalog
 from train.run.inputs import run_config
 from train.run.training import trainer
@@ -74,12 +75,7 @@ _require_int_at_least(_SEQ, 1)
 @flags.validator("backends")
 def _check_backends(names) -> bool:
   valid = ["auto"] + moe_core.registered_backends()
-  if not names or len(set(names)) < len(names) or set(names) - set(valid):
-    raise flags.ValidationError(
-        f"--backends must list one or more distinct names from {valid}, got "
-        f"{names!r}."
-    )
-  return True
+  return flag_checks.check_distinct_names("backends", names, valid)
 
 
 def compare(backends, steps, **overrides) -> dict:
