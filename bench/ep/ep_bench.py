@@ -12,7 +12,6 @@ timings (docs/expert_parallel.md, "Bytes moved"). Usage:
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.ep import collective_traffic
+from bench.harness import json_report
 import moe_core
 from moe_core import parallel
 from train import platforms
@@ -185,18 +185,14 @@ def main(argv):
             "  compiled CPU schedule, num_chunks=2: "
             + " -> ".join(r["cpu_schedule_num_chunks_2"])
         )
-  os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-  with open(_OUT.value, "w") as f:
-    json.dump(
-        {
-            "jax": jax.__version__,
-            "platform": jax.default_backend(),
-            "results": results,
-        },
-        f,
-        indent=1,
-    )
-  print(f"wrote {_OUT.value}")
+  json_report.save(
+      _OUT.value,
+      {
+          "jax": jax.__version__,
+          "platform": jax.default_backend(),
+          "results": results,
+      },
+  )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 import dataclasses
-import json
 
 from absl import app
 from absl import flags
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.ep import collective_traffic
+from bench.harness import json_report
 from bench.harness import text_table
 import moe_core
 from moe_core import parallel
@@ -339,25 +339,21 @@ def main(argv):
       "Bytes per device and training step (forward + backward, every MoE "
       "layer); ideal = the copies that leave their device; 1 = ideal."
   )
-  os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-  with open(_OUT.value, "w") as f:
-    json.dump(
-        {
-            "jax": jax.__version__,
-            "platform": jax.default_backend(),
-            "devices": jax.device_count(),
-            "seed": _SEED.value,
-            "note": (
-                "bytes per device and training step (forward + backward of "
-                "every MoE layer); all-to-all bytes counted in one layer's "
-                "compiled step, times moe_layers"
-            ),
-            "results": results,
-        },
-        f,
-        indent=1,
-    )
-  print(f"wrote {_OUT.value}")
+  json_report.save(
+      _OUT.value,
+      {
+          "jax": jax.__version__,
+          "platform": jax.default_backend(),
+          "devices": jax.device_count(),
+          "seed": _SEED.value,
+          "note": (
+              "bytes per device and training step (forward + backward of "
+              "every MoE layer); all-to-all bytes counted in one layer's "
+              "compiled step, times moe_layers"
+          ),
+          "results": results,
+      },
+  )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ jax-triton wheel carried in bench/wheels/ on sys.path where none imports.
 
 from __future__ import annotations
 
+import datetime
 import glob
 import importlib
 import importlib.metadata
@@ -156,3 +157,26 @@ def write(path: str, report: dict) -> None:
   with open(tmp, "w") as fh:
     json.dump(report, fh, indent=1, default=str)
   os.replace(tmp, path)
+
+
+def save(path: str, report: dict) -> None:
+  """`write`s the report, making its folder first, and says where."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  write(path, report)
+  print(f"wrote {path}")
+
+
+def save_run(out_dir: str, kind: str, report: dict, device=True) -> str:
+  """Saves a benchmark run's `report` as
+  <out_dir>/<kind>_<platform>_<UTC time>.json, headed by the date, jax's
+  version, the platform, the device's kind (unless not `device`), the host
+  and its CPU count; returns the path."""
+  now = datetime.datetime.now(datetime.timezone.utc)
+  backend = jax.default_backend()
+  head = {"date": now.isoformat(), "jax": jax.__version__, "platform": backend}
+  if device:
+    head["device"] = jax.devices()[0].device_kind
+  head.update(host=platform.node(), cpu_count=os.cpu_count())
+  path = os.path.join(out_dir, f"{kind}_{backend}_{now:%Y%m%d_%H%M%S}.json")
+  save(path, {**head, **report})
+  return path

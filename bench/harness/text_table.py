@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 
 class Column(NamedTuple):
@@ -32,3 +32,17 @@ def row(columns: Sequence[Column], values: Sequence) -> str:
       else f"{v:{c.align}{c.width}{c.spec}}"
       for c, v in zip(columns, values, strict=True)
   )
+
+
+def print_table(
+    columns: Sequence[Column],
+    rows: Iterable,
+    cells: Callable[..., Sequence],
+    legend: str,
+) -> None:
+  """Prints the heading, a line a row (`cells(row)`: its values, one a
+  column) and the legend under them."""
+  print(heading(columns))
+  for r in rows:
+    print(row(columns, cells(r)).rstrip())
+  print(legend)

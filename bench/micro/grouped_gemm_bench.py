@@ -11,10 +11,7 @@ bench/results/grouped_gemm_<platform>_<date>.json (docs/benchmarks.md,
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import platform as platform_lib
 import statistics
 import time
 
@@ -25,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_core
+from bench.harness import json_report
 from bench.harness import text_table
 from bench.harness import timing
 from bench.workloads import gemm_workloads
@@ -204,16 +202,21 @@ _COLUMNS = (
 )
 
 
+def _cells(r: dict) -> list:
+  """A result's values, one a column of _COLUMNS."""
+  values = [r["experts"], r["skew"], r["method"]]
+  for phase in timing.PHASES:
+    values += [r[f"{phase}_ms"], r[timing.ratio_key(phase, "dense")]]
+  return values + [r["fwd_gflops"]]
+
+
 def _print_results(results):
-  print(text_table.heading(_COLUMNS))
-  for r in results:
-    values = [r["experts"], r["skew"], r["method"]]
-    for phase in timing.PHASES:
-      values += [r[f"{phase}_ms"], r[timing.ratio_key(phase, "dense")]]
-    print(text_table.row(_COLUMNS, values + [r["fwd_gflops"]]))
-  print(
+  text_table.print_table(
+      _COLUMNS,
+      results,
+      _cells,
       "'time/dense': the method's time / the time of a dense jnp.dot of the "
-      "same useful FLOPs in this run (< 1 is faster)."
+      "same useful FLOPs in this run (< 1 is faster).",
   )
 
 
@@ -255,32 +258,18 @@ def main(argv):
   _print_results(results)
   _print_skew_stability(results, names)
 
-  now = datetime.datetime.now(datetime.timezone.utc)
-  os.makedirs(_OUT_DIR.value, exist_ok=True)
-  path = os.path.join(
+  json_report.save_run(
       _OUT_DIR.value,
-      f"grouped_gemm_{jax.default_backend()}_{now:%Y%m%d_%H%M%S}.json",
+      "grouped_gemm",
+      {
+          "quick": _QUICK.value,
+          "repeats": repeats,
+          "shape": {"rows": m, "hidden": d, "ffn": f},
+          "dtype": dtype.name,
+          "cpu_kernels": _cpu_kernels(names),
+          "results": results,
+      },
   )
-  with open(path, "w") as fh:
-    json.dump(
-        {
-            "date": now.isoformat(),
-            "jax": jax.__version__,
-            "platform": jax.default_backend(),
-            "device": device.device_kind,
-            "host": platform_lib.node(),
-            "cpu_count": os.cpu_count(),
-            "quick": _QUICK.value,
-            "repeats": repeats,
-            "shape": {"rows": m, "hidden": d, "ffn": f},
-            "dtype": dtype.name,
-            "cpu_kernels": _cpu_kernels(names),
-            "results": results,
-        },
-        fh,
-        indent=1,
-    )
-  print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,7 @@ bench/results/layer_<platform>_<date>.json (docs/benchmarks.md,
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import platform as platform_lib
 import statistics
 import time
 
@@ -24,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import moe_core
+from bench.harness import json_report
 from bench.harness import text_table
 from bench.harness import timing
 from train import platforms
@@ -175,54 +173,38 @@ def main(argv):
       f"repeats={repeats}; {moe_core.get_backend('auto')!r} is auto"
   )
   results = _run(names, repeats, dtype)
-  print(text_table.heading(_COLUMNS))
-  for r in results:
-    print(
-        text_table.row(
-            _COLUMNS,
-            [
-                r["experts"],
-                r["top_k"],
-                r["method"],
-                r["fwd_ms"],
-                r[timing.ratio_key("fwd", "dense_ffn")],
-                r["fwd_bwd_ms"],
-                r[timing.ratio_key("fwd_bwd", "dense_ffn")],
-            ],
-        )
-    )
-  print(
+  text_table.print_table(
+      _COLUMNS,
+      results,
+      lambda r: [
+          r["experts"],
+          r["top_k"],
+          r["method"],
+          r["fwd_ms"],
+          r[timing.ratio_key("fwd", "dense_ffn")],
+          r["fwd_bwd_ms"],
+          r[timing.ratio_key("fwd_bwd", "dense_ffn")],
+      ],
       "'time/dense': the layer's time / the dense SwiGLU FFN of width K*F "
-      "in this run (< 1 is faster)."
+      "in this run (< 1 is faster).",
   )
-  now = datetime.datetime.now(datetime.timezone.utc)
-  os.makedirs(_OUT_DIR.value, exist_ok=True)
-  path = os.path.join(
-      _OUT_DIR.value, f"layer_{jax.default_backend()}_{now:%Y%m%d_%H%M%S}.json"
+  json_report.save_run(
+      _OUT_DIR.value,
+      "layer",
+      {
+          "auto": repr(moe_core.get_backend("auto")),
+          "quick": _QUICK.value,
+          "repeats": repeats,
+          "shape": {
+              "tokens": _TOKENS.value,
+              "hidden": _HIDDEN.value,
+              "active_ffn": _ACTIVE_FFN.value,
+          },
+          "dtype": dtype.name,
+          "results": results,
+      },
+      device=False,
   )
-  with open(path, "w") as fh:
-    json.dump(
-        {
-            "date": now.isoformat(),
-            "jax": jax.__version__,
-            "platform": jax.default_backend(),
-            "host": platform_lib.node(),
-            "cpu_count": os.cpu_count(),
-            "auto": repr(moe_core.get_backend("auto")),
-            "quick": _QUICK.value,
-            "repeats": repeats,
-            "shape": {
-                "tokens": _TOKENS.value,
-                "hidden": _HIDDEN.value,
-                "active_ffn": _ACTIVE_FFN.value,
-            },
-            "dtype": dtype.name,
-            "results": results,
-        },
-        fh,
-        indent=1,
-    )
-  print(f"wrote {path}")
 
 
 if __name__ == "__main__":

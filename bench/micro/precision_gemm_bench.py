@@ -14,11 +14,8 @@ bench/results/precision_gemm_<platform>_<date>.json (docs/benchmarks.md,
 
 from __future__ import annotations
 
-import datetime
 import inspect
-import json
 import os
-import platform as platform_lib
 
 from absl import app
 from absl import flags
@@ -28,6 +25,7 @@ import numpy as np
 
 import moe_core
 from moe_core import precision as moe_precision
+from bench.harness import json_report
 from bench.harness import flag_checks
 from bench.harness import text_table
 from bench.harness import timing
@@ -191,21 +189,20 @@ def _note(row: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-  print(text_table.heading(_COLUMNS))
-  for r in rows:
-    values = [
-        r["backend"],
-        r["recipe"],
-        r["fwd_ms"],
-        r[timing.ratio_key("fwd", _BASELINE)],
-        r[_ERROR_KEY],
-        _note(r),
-    ]
-    print(text_table.row(_COLUMNS, values).rstrip())
-  print(
+  text_table.print_table(
+      _COLUMNS,
+      rows,
+      lambda r: [
+          r["backend"],
+          r["recipe"],
+          r["fwd_ms"],
+          r[timing.ratio_key("fwd", _BASELINE)],
+          r[_ERROR_KEY],
+          _note(r),
+      ],
       "'time/unq': forward time / the same backend's unquantized time in "
       "this run (< 1 is faster); 'err/unq': max |output - unquantized "
-      "output| / max |unquantized output|."
+      "output| / max |unquantized output|.",
   )
 
 
@@ -238,31 +235,17 @@ def main(argv):
     results += run_backend(name, recipes, args, repeats)
   print_table(results)
 
-  now = datetime.datetime.now(datetime.timezone.utc)
-  os.makedirs(_OUT_DIR.value, exist_ok=True)
-  path = os.path.join(
+  json_report.save_run(
       _OUT_DIR.value,
-      f"precision_gemm_{jax.default_backend()}_{now:%Y%m%d_%H%M%S}.json",
+      "precision_gemm",
+      {
+          "quick": _QUICK.value,
+          "repeats": repeats,
+          "shape": {"rows": m, "contract": k, "output": n, "experts": e},
+          "dtype": "bfloat16",
+          "results": results,
+      },
   )
-  with open(path, "w") as fh:
-    json.dump(
-        {
-            "date": now.isoformat(),
-            "jax": jax.__version__,
-            "platform": jax.default_backend(),
-            "device": jax.devices()[0].device_kind,
-            "host": platform_lib.node(),
-            "cpu_count": os.cpu_count(),
-            "quick": _QUICK.value,
-            "repeats": repeats,
-            "shape": {"rows": m, "contract": k, "output": n, "experts": e},
-            "dtype": "bfloat16",
-            "results": results,
-        },
-        fh,
-        indent=1,
-    )
-  print(f"wrote {path}")
 
 
 if __name__ == "__main__":

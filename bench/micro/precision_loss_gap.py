@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import platform as platform_lib
 import statistics
@@ -31,6 +30,7 @@ import numpy as np
 import moe_core
 from moe_core import precision as moe_precision
 import moe_core.flags  # Defines --moe_backend.
+from bench.harness import json_report
 from bench.harness import flag_checks
 from bench.harness import text_table
 from bench.harness import timing
@@ -287,55 +287,46 @@ def _met_text(met: bool | None) -> str | None:
 
 
 def print_table(rows: list[dict]) -> None:
-  print(text_table.heading(_COLUMNS))
-  for r in rows:
-    print(
-        text_table.row(
-            _COLUMNS,
-            [
-                r["recipe"],
-                r["final_held_out_loss"],
-                r[_GAP_KEY],
-                r["goal"],
-                _met_text(r["goal_met"]),
-                r["step_seconds_median"],
-                r[_TIME_KEY],
-                _note(r),
-            ],
-        ).rstrip()
-    )
-  print(
+  text_table.print_table(
+      _COLUMNS,
+      rows,
+      lambda r: [
+          r["recipe"],
+          r["final_held_out_loss"],
+          r[_GAP_KEY],
+          r["goal"],
+          _met_text(r["goal_met"]),
+          r["step_seconds_median"],
+          r[_TIME_KEY],
+          _note(r),
+      ],
       "gap %: (held-out loss - unquantized's) / unquantized's; 'time/unq': "
-      "median step time / unquantized's in this run (< 1 is faster)."
+      "median step time / unquantized's in this run (< 1 is faster).",
   )
 
 
 def _write_json(path: str, rows: list[dict], steps: int, seed: int) -> None:
   preset = presets.get_preset(presets.DEFAULT_PRESET)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as fh:
-    json.dump(
-        {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "jax": jax.__version__,
-            "platform": jax.default_backend(),
-            "device": jax.devices()[0].device_kind,
-            "host": platform_lib.node(),
-            "cpu_count": os.cpu_count(),
-            "model": preset.model.name,
-            "moe_backend": moe_core.flags.MOE_BACKEND.value,
-            "steps": steps,
-            "seed": seed,
-            "batch_size": preset.train.batch_size,
-            "seq_len": preset.train.seq_len,
-            "timing_skips_first_steps": _SKIP,
-            "goals": GOALS,
-            "results": rows,
-        },
-        fh,
-        indent=1,
-    )
-  print(f"wrote {path}")
+  json_report.save(
+      path,
+      {
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+          "jax": jax.__version__,
+          "platform": jax.default_backend(),
+          "device": jax.devices()[0].device_kind,
+          "host": platform_lib.node(),
+          "cpu_count": os.cpu_count(),
+          "model": preset.model.name,
+          "moe_backend": moe_core.flags.MOE_BACKEND.value,
+          "steps": steps,
+          "seed": seed,
+          "batch_size": preset.train.batch_size,
+          "seq_len": preset.train.seq_len,
+          "timing_skips_first_steps": _SKIP,
+          "goals": GOALS,
+          "results": rows,
+      },
+  )
 
 
 def main(argv):
