@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 import traceback
-from train import platforms
 
 # Run as a script (python bench/on_device/gpu_check.py), only its folder is on
 # sys.path.
@@ -41,6 +40,7 @@ from moe_core import aot
 from moe_core import compat
 from moe_core import precision as moe_precision
 from moe_core.testing import cuda_export
+from train import platforms
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
 

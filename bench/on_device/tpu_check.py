@@ -28,7 +28,6 @@ import tempfile
 import threading
 import time
 import traceback
-from train import platforms
 
 # Run as a script (python bench/on_device/tpu_check.py), only its folder is on
 # sys.path.
@@ -44,6 +43,7 @@ from bench.on_device import gpu_conformance
 from bench.on_device import tpu_conformance
 from bench.on_device import tpu_report
 from bench.workloads import programs as programs_lib
+from train import platforms
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
 

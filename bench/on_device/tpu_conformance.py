@@ -33,10 +33,9 @@ import sys
 import threading
 import time
 import unittest
-from train import platforms
 
-# Run as a script (python bench/on_device/tpu_conformance.py), only bench/ is on
-# sys.path.
+# Run as a script (python bench/on_device/tpu_conformance.py), only its
+# folder is on sys.path.
 _REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
@@ -44,6 +43,7 @@ if _REPO not in sys.path:
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 import jax
+from train import platforms
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
