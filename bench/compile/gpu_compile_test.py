@@ -33,6 +33,7 @@ import jax
 
 from bench.compile import driver
 from bench.compile import gpu
+from bench.compile import record_checks
 from bench.workloads import programs
 from moe_core import aot
 
@@ -95,13 +96,12 @@ class CompileTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    if not aot.cuda_plugin_installed():
-      why = (
-          "compiling for GPUs needs jax's CUDA plugin (jax-cuda13-plugin, "
-          "jax-cuda13-pjrt), which this leg does not install"
-      )
-      print(f"skipped: {why}")
-      self.skipTest(why)
+    record_checks.skip_without(
+        self,
+        aot.cuda_plugin_installed(),
+        "compiling for GPUs needs jax's CUDA plugin (jax-cuda13-plugin, "
+        "jax-cuda13-pjrt), which this leg does not install",
+    )
 
   def _check(self, label: str, target: str, patterns: str):
     table = programs.select(patterns)
@@ -119,19 +119,10 @@ class CompileTest(parameterized.TestCase):
           f"{jax.__version__}: "
           + driver.summary(mine).replace("\n", "\ngpu compile: ")
       )
-    out_dir = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR")
-    if out_dir:
-      seconds = sum(r.get("compile_seconds", 0) for r in records)
-      path = os.path.join(out_dir, f"gpu_compile_{target}_{label}.json")
-      driver.write(path, records, seconds)
-    self.assertEqual([r["program"] for r in records], [p.name for p in table])
-    failed = [driver.line(r) for r in records if r["status"] == "failed"]
-    self.assertEmpty(failed)
+    record_checks.keep(records, f"gpu_compile_{target}_{label}")
+    record_checks.assert_compiled(self, records, [p.name for p in table])
     for r in records:
       self.assertEqual(r["xla_options"], "quick", r["program"])
-      if r["status"] == "ok":
-        self.assertTrue(r["fits"], r["program"])
-        self.assertGreater(r["peak_bytes"], 0, r["program"])
 
   @parameterized.named_parameters(
       (f"{target}_{group}", target, group)
