@@ -28,9 +28,10 @@ _REGISTRY: dict[str, str | Callable[..., backend_lib.Backend]] = {
 # backend that raises NotImplementedError for an input (mosaic_gpu for
 # float32) passes it on to the next. On a GPU, mosaic_gpu comes first:
 # tokamax's H100 data has Mosaic GPU at or above Triton forward and 2.6x
-# it at small K with 256 groups (bench/gpu_check.py measures ours). triton
-# (raw Triton through jax-triton) comes after pallas until a GPU run has
-# measured it; it needs jax-triton installed, and says so when it is not.
+# it at small K with 256 groups (bench/on_device/gpu_check.py measures
+# ours). triton (raw Triton through jax-triton) comes after pallas until a
+# GPU run has measured it; it needs jax-triton installed, and says so when
+# it is not.
 # te (Transformer Engine's kernels) comes after triton, for the same reason,
 # and only where TE is installed. On the CPU, cpu (native custom calls) comes
 # first where its library was built and the kernels it runs on this CPU beat

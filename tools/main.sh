@@ -3,7 +3,7 @@
 # default leg's python: the training program, `python -m train.main`, on the
 # CPU, offline. Arguments go to it (e.g. --moe_backend=reference, --steps=50,
 # --help). `tools/main.sh demo [...]` runs the one-layer backend demo
-# (`python -m bench.demo`) instead. DROPLESS_LEG=py311-jax0.10 (any leg of
+# (`python -m bench.micro.demo`) instead. DROPLESS_LEG=py311-jax0.10 (any leg of
 # tools/legs.sh) runs it under that leg instead of the default.
 set -euo pipefail
 
@@ -35,6 +35,6 @@ print(f"main: grouped GEMM under --moe_backend=auto: {b!r}"
       + ("" if ok else f" ({why})"))' >&2
 if [[ "${1:-}" == "demo" ]]; then
   shift
-  exec "$PY" -m bench.demo "$@"
+  exec "$PY" -m bench.micro.demo "$@"
 fi
 exec "$PY" -m train.main "$@"

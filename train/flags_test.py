@@ -1,10 +1,11 @@
-"""The training programs check every flag as absl parses it.
+"""The training program checks every flag as absl parses it.
 
-A bad value must stop `train.main` (and `train.compare_backends`) with one
-line per flag that names the flag, what it needs and what it got, before
-anything compiles. Most cases run in this process: flagsaver runs absl's
-validators exactly as command-line parsing does. Five subprocesses check
-that the programs really stop at parse time.
+A bad value must stop `train.main` with one line per flag that names the
+flag, what it needs and what it got, before anything compiles. Most cases
+run in this process: flagsaver runs absl's validators exactly as
+command-line parsing does. Four subprocesses check that the program really
+stops at parse time (bench/micro/compare_backends_test.py checks the
+benchmark's flags).
 """
 
 import dataclasses
@@ -711,20 +712,6 @@ class StopsBeforeCompilingTest(absltest.TestCase):
       f.write("in the way")
     proc = _run_module("train.main", f"--output_dir={out}")
     self._assert_stopped_at_parsing(proc, ("--output_dir", "checkpoints"))
-
-  def test_compare_backends(self):
-    proc = _run_module(
-        "train.compare_backends",
-        "--steps=2",  # Both steps would compile; none would be timed.
-        "--batch_size=0",
-        "--backends=reference,nope",
-    )
-    self._assert_stopped_at_parsing(
-        proc,
-        ("--steps", "got 2"),
-        ("--batch_size", "got 0"),
-        ("--backends", "'nope'"),
-    )
 
 
 if __name__ == "__main__":

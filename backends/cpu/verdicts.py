@@ -3,8 +3,8 @@
 The rule is measured data, not a timing taken at import: `auto` picks the
 cpu backend only where the kernel set the library runs on this CPU beat the
 xla backend for every dtype it serves. "Beat" is one number per run of
-`bench/grouped_gemm_bench.py --backends=dense,cpu,xla`: the geometric mean,
-over its cases (E in {8, 64} x even / random / Zipf groups) and both
+`bench/micro/grouped_gemm_bench.py --backends=dense,cpu,xla`: the geometric
+mean, over its cases (E in {8, 64} x even / random / Zipf groups) and both
 phases (forward, forward+backward), of the cpu time over xla's time in
 the same process, below 1. Each verdict names that run's JSON under
 bench/results/; kernels_test checks the verdict against it. A set that

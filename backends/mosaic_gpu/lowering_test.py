@@ -3,9 +3,9 @@
 Pallas' Mosaic GPU lowering (layouts, TMA transfers, the pipeline, wgmma
 operand shapes) runs in Python at export, so a kernel that would not lower
 for Hopper fails here without a GPU; PTX is produced only on the GPU, when
-the custom call is compiled (`bench/gpu_check.py` does that). Every shipped
-tile configuration is lowered for each kernel that uses it, and the
-backend's whole expert FFN and MoE layer, forward and gradient, at
+the custom call is compiled (`bench/on_device/gpu_check.py` does that).
+Every shipped tile configuration is lowered for each kernel that uses it,
+and the backend's whole expert FFN and MoE layer, forward and gradient, at
 DeepSeek-V3 expert shapes. The dW in the gradients is the Pallas Triton
 kernel, lowered for an abstract H200 (moe_core/testing/cuda_export.py).
 """

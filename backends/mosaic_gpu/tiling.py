@@ -92,7 +92,7 @@ class TileConfig(tile_settings.PerKernel, item=Tiles):
 # visit does not own), "two_acc" for the fused gate+up pass (two
 # accumulators: half-width tiles keep them in registers), else "default".
 # Starting points from JAX's Hopper ragged-dot sweep space (bm, bn in 64..192,
-# bk 64, 2-6 stages); `bench/gpu_check.py` times them on an H200.
+# bk 64, 2-6 stages); `bench/on_device/gpu_check.py` times them on an H200.
 TABLE: dict[tuple[str, str, str], Tiles] = {
     ("sm90", "fwd", "default"): Tiles(bm=128, bk=64, bn=128, stages=4),
     ("sm90", "fwd", "few_rows"): Tiles(bm=64, bk=64, bn=128, stages=4),

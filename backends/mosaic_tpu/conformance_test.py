@@ -1,8 +1,8 @@
 """The shared conformance suite (conformance/suite.py) on mosaic_tpu.
 
 Off a TPU the kernels run in Pallas' HLO interpreter (the backend's auto
-there); on a TPU (bench/tpu_check.py) they run compiled with the table's
-tiles.
+there); on a TPU (bench/on_device/tpu_check.py) they run compiled with the
+table's tiles.
 """
 
 from conformance import suite

@@ -37,7 +37,7 @@ from backends.mosaic_tpu import tiling
 
 Epilogue = Callable[[Sequence[jax.Array]], Sequence[jax.Array]]
 # The names of the pallas_calls, which the compiled program keeps inside
-# its tpu_custom_calls (bench/tpu_compile.py looks for them).
+# its tpu_custom_calls (bench/compile/tpu.py looks for them).
 GMM_NAME = "dropless_tpu_gmm"
 TGMM_NAME = "dropless_tpu_tgmm"
 

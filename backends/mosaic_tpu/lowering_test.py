@@ -3,8 +3,8 @@
 The Pallas -> Mosaic TPU lowering runs in Python, so a kernel that would not
 lower for a TPU (a block that breaks the (8, 128) rule, an unsupported
 primitive, a bad index map) fails here. What only Mosaic's compiler sees
-(VMEM overflow, layouts) needs libtpu's compiler (bench/tpu_compile.py) or
-the chip (bench/tpu_check.py).
+(VMEM overflow, layouts) needs libtpu's compiler (bench/compile/) or the
+chip (bench/on_device/tpu_check.py).
 """
 
 import os

@@ -4,9 +4,9 @@ A `Tiles` is one kernel launch's block sizes; `TileConfig` the caller's
 choice per kernel kind (fwd, dgrad, wgrad); `Generation` a TPU's VMEM and
 MXU; `TABLE` the tiles each generation starts from, and `choose` fits them
 to one call's shape and to the generation's VMEM. The v5e rows were picked
-by a sweep on the chip (bench/tpu_check.py --phases=sweep, committed under
-bench/results/); the other generations start from their published VMEM and
-MXU figures and are marked as not measured.
+by a sweep on the chip (bench/on_device/tpu_check.py --phases=sweep,
+committed under bench/results/); the other generations start from their
+published VMEM and MXU figures and are marked as not measured.
 """
 
 from __future__ import annotations
@@ -388,8 +388,8 @@ def choose(
 def candidates(
     kind: str, m: int, k: int, n: int, num_groups: int, dtype=jnp.bfloat16
 ) -> tuple[Tiles, ...]:
-  """The tiles a sweep tries for one call (bench/tpu_check.py --phases=
-  sweep): the v5e table's row first, then its neighbours (whole tile or
+  """The tiles a sweep tries for one call (bench/on_device/tpu_check.py
+  --phases=sweep): the v5e table's row first, then its neighbours (whole tile or
   128-row chunks, narrower and wider blocks, K in steps), each fitted to
   the call and the v5e's VMEM, without repeats."""
   if kind == "wgrad":

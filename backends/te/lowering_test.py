@@ -27,8 +27,8 @@ the v2 kernel on sm_90+ when TE's library has cuBLAS's grouped GEMM,
 tensor-scaled FP8 never does, MXFP8 only on sm_100+ with row and
 contraction sizes that are multiples of 128 (not the case here).
 
-Numerics and XLA:GPU compilation need a GPU (bench/gpu_check.py); this is
-what can be held fixed without one. Runs in the TE environment
+Numerics and XLA:GPU compilation need a GPU (bench/on_device/gpu_check.py);
+this is what can be held fixed without one. Runs in the TE environment
 (tools/setup_te.sh); elsewhere each test skips with the reason.
 """
 

@@ -22,7 +22,7 @@ from backends.xla import layout
 from moe_core.kernels import grouped_matmul
 
 # Overflow tile heights, measured on 2 CPU cores (M=4096, D=512, F=1024;
-# bench/grouped_gemm_bench.py): taller tiles amortise per-tile copies,
+# bench/micro/grouped_gemm_bench.py): taller tiles amortise per-tile copies,
 # shorter ones waste less per group.
 DEFAULT_LEVELS = (256, 64, 16)
 

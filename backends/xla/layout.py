@@ -27,7 +27,7 @@ MAX_BULK_PADDING = 2.0
 # (mean + 2 sigma per group: 25% of M at E=64, M=4096), and its overflow at
 # most BALANCED_OVERFLOW of M. Under heavy skew (Zipf) most of the bulk
 # would be padding, and the tile loop alone is faster
-# (bench/grouped_gemm_bench.py).
+# (bench/micro/grouped_gemm_bench.py).
 BALANCED_PADDING = 0.25
 BALANCED_OVERFLOW = 0.1
 

@@ -3,8 +3,8 @@
 `jax.export` runs the whole Pallas -> Triton lowering in Python, so a kernel
 that would not lower for the GPU fails here without a GPU. Used by
 backends/pallas/lowering_test.py, moe_core/parallel/exchange_test.py and
-`bench/gpu_check.py --lower_only`; the last runs alone on a GPU machine,
-so this module needs only jax (no absl).
+`bench/on_device/gpu_check.py --lower_only`; the last runs alone on a GPU
+machine, so this module needs only jax (no absl).
 """
 
 from __future__ import annotations

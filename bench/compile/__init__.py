@@ -1,0 +1,1 @@
+"""The benchmark programs through XLA's GPU and TPU compilers, no device."""

@@ -1,0 +1,1 @@
+"""Expert parallelism: the collectives' traffic and the scaling model."""

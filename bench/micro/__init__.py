@@ -1,0 +1,1 @@
+"""One-machine benchmarks of a grouped GEMM or a layer, and the demo."""

@@ -1,0 +1,1 @@
+"""The runs made on a lent GPU or TPU machine and their phases."""
