@@ -52,6 +52,14 @@ def choice() -> str:
   return value
 
 
+def state() -> str:
+  """What `keep_freed_memory` did in this process, or that nothing asked
+  (for records: a benchmark's JSON says which allocator its times had)."""
+  if keep_freed_memory.cache_info().currsize:
+    return keep_freed_memory()
+  return "not asked: the C library's thresholds stand"
+
+
 @functools.cache
 def keep_freed_memory() -> str:
   """Sets glibc's mmap and trim thresholds to 2 GiB and one arena, once.

@@ -86,6 +86,25 @@ class KeepFreedMemoryTest(absltest.TestCase):
     self.assertStartsWith(kept, "system: ")
     self.assertGreaterEqual(faults, 32)
 
+  def test_state_says_what_was_done_without_doing_it(self):
+    program = (
+        "from backends.cpu import allocator; print(allocator.state()); "
+        "allocator.keep_freed_memory(); print(allocator.state())"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    env.pop(allocator.ENV, None)
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    before, after = done.stdout.splitlines()
+    self.assertStartsWith(before, "not asked")
+    self.assertEqual(after, "kept")
+
   def test_an_unknown_choice_names_the_variable(self):
     env = {allocator.ENV: "tcmalloc"}
     with mock.patch.dict(os.environ, env):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from backends.cpu import allocator
 import moe_core
 from bench.harness import json_report
 from bench.harness import text_table
@@ -267,6 +268,8 @@ def main(argv):
           "shape": {"rows": m, "hidden": d, "ffn": f},
           "dtype": dtype.name,
           "cpu_kernels": _cpu_kernels(names),
+          # backends/cpu/allocator.py: glibc's, or freed memory kept.
+          "cpu_allocator": allocator.state(),
           "results": results,
       },
   )

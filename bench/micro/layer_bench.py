@@ -20,6 +20,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
+from backends.cpu import allocator
 import moe_core
 from bench.harness import json_report
 from bench.harness import text_table
@@ -201,6 +202,8 @@ def main(argv):
               "active_ffn": _ACTIVE_FFN.value,
           },
           "dtype": dtype.name,
+          # backends/cpu/allocator.py: glibc's, or freed memory kept.
+          "cpu_allocator": allocator.state(),
           "results": results,
       },
       device=False,
