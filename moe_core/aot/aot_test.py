@@ -11,12 +11,14 @@ import base64
 import re
 import shutil
 import tempfile
+import types
 from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import moe_core
 from moe_core import aot
@@ -587,8 +589,13 @@ class ResultsCacheKeyTest(absltest.TestCase):
         f' \\22{body.decode()}\\22}}"}} custom_call @mosaic_gpu_v2() '
         f'{{kernel_hash = "{kernel_hash}", module = "ML\\EFR {tree}/{source}"}}'
     )
-    topology = aot.named_topology("v5e:1x1")
-    mesh = topology.single_device_mesh()
+    # Stand-ins with what the key reads: no TPU compiler needed.
+    topology = types.SimpleNamespace(
+        target=types.SimpleNamespace(name="v5e"), spec="1x1"
+    )
+    mesh = types.SimpleNamespace(
+        devices=np.array([types.SimpleNamespace(id=0)]), axis_names=("x",)
+    )
     with mock.patch.object(results_cache, "_TREE", tree):
       return results_cache.key(text, {}, topology, mesh)
 
