@@ -36,8 +36,9 @@ print(sum(faults[1:]) // 4)
 """
 
 
-def _run(choice=None):
-  """(what keep_freed_memory returned, faults per buffer after the first)."""
+def _python(program, choice=None):
+  """stdout of `program` in a fresh Python with the repository importable,
+  glibc's malloc variables unset and DROPLESS_CPU_ALLOCATOR=`choice`."""
   env = dict(os.environ)
   env.pop(allocator.ENV, None)
   for name in (
@@ -54,7 +55,7 @@ def _run(choice=None):
       filter(None, (root, env.get("PYTHONPATH")))
   )
   done = subprocess.run(
-      [sys.executable, "-c", _PROGRAM],
+      [sys.executable, "-c", program],
       env=env,
       capture_output=True,
       text=True,
@@ -62,7 +63,12 @@ def _run(choice=None):
   )
   if done.returncode:
     raise AssertionError(done.stderr)
-  kept, faults = done.stdout.split("\n")[:2]
+  return done.stdout
+
+
+def _run(choice=None):
+  """(what keep_freed_memory returned, faults per buffer after the first)."""
+  kept, faults = _python(_PROGRAM, choice).split("\n")[:2]
   return kept, int(faults)
 
 
@@ -91,17 +97,7 @@ class KeepFreedMemoryTest(absltest.TestCase):
         "from backends.cpu import allocator; print(allocator.state()); "
         "allocator.keep_freed_memory(); print(allocator.state())"
     )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    env = dict(os.environ, PYTHONPATH=root)
-    env.pop(allocator.ENV, None)
-    done = subprocess.run(
-        [sys.executable, "-c", program],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    before, after = done.stdout.splitlines()
+    before, after = _python(program).splitlines()
     self.assertStartsWith(before, "not asked")
     self.assertEqual(after, "kept")
 

@@ -280,10 +280,14 @@ def compile(  # pylint: disable=redefined-builtin
   # names the target's devices, so its abstract mesh carries it.
   with _abstract_mesh(context_mesh):
     lowered = jax.jit(fn, **jit_kwargs).lower(*args)
-  key = results_cache.key(lowered.as_text(), options, topology, context_mesh)
-  found = results_cache.read(key)
-  if found is not None:
-    return CompiledProgram(name=name, cached=True, **found)
+  # The key hashes the whole lowered text (tens of MB for a full model):
+  # only where the cache is on.
+  key = None
+  if results_cache.directory() is not None:
+    key = results_cache.key(lowered.as_text(), options, topology, context_mesh)
+    found = results_cache.read(key)
+    if found is not None:
+      return CompiledProgram(name=name, cached=True, **found)
   try:
     compiled = lowered.compile(options)
   except Exception as e:  # pylint: disable=broad-except
@@ -316,7 +320,8 @@ def compile(  # pylint: disable=redefined-builtin
       hlo_text=text,
       compiled=compiled,
   )
-  results_cache.write(key, program.to_json() | {"hlo_text": text})
+  if key is not None:
+    results_cache.write(key, program.to_json() | {"hlo_text": text})
   return program
 
 
